@@ -1,0 +1,1 @@
+"""Kernel-library adapters; installed as attndbg.backends."""

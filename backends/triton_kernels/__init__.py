@@ -1,0 +1,1 @@
+"""Our Triton attention kernels (SGLang Triton-backend semantics)."""
