@@ -1,0 +1,3 @@
+from attndbg.cli import main
+
+main()

@@ -1,0 +1,218 @@
+"""`attndbg` command line: each command parses, calls one core function, renders, exits 0/1/2.
+
+Exit codes: 0 all good, 1 a backend failed (or findings), 2 bad input (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+
+from attndbg.trace.validate import TraceError
+
+F = TypeVar("F", bound=Callable[..., Any])
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class BadInput(Exception):
+    """Any user-input problem that is not a TraceError (unknown backend, bad option combination)."""
+
+
+def _console() -> Console:
+    return Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+
+
+def handles_bad_input(func: F) -> F:
+    """Turn bad input into one line on stderr and exit code 2, never a traceback."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from attndbg.trace.synth import SpecError
+
+        try:
+            return func(*args, **kwargs)
+        except (TraceError, SpecError, BadInput) as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(EXIT_BAD_INPUT)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _write_json(path: str, data: Any) -> None:
+    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="attndbg")
+def main() -> None:
+    """Record, replay, diff and explain LLM attention backends.
+
+    \b
+    Example:
+      attndbg synth verify -o verify.pt && attndbg replay verify.pt --backend triton
+    """
+
+
+@main.command()
+@click.argument("spec", nargs=-1)
+@click.option("-o", "--output", "output", type=click.Path(dir_okay=False), help="trace file to write")
+@click.option("--list", "list_presets", is_flag=True, help="list presets and spec keys")
+@handles_bad_input
+def synth(spec: tuple[str, ...], output: str | None, list_presets: bool) -> None:
+    """Build a trace from a spec: a preset, then key=value overrides.
+
+    \b
+    Example:
+      attndbg synth decode-gqa kv_lens=1,33,20000 page_size=16 -o decode.pt
+    """
+    from attndbg.replay.plans import with_engine_plan
+    from attndbg.trace import io, synth as synth_mod
+
+    if list_presets:
+        click.echo(synth_mod.__doc__)
+        for name, values in synth_mod.PRESETS.items():
+            click.echo(f"  {name:16s} " + " ".join(f"{k}={v}" for k, v in values.items()))
+        return
+    if not output:
+        raise BadInput("synth: give -o FILE (or --list to see presets)")
+    trace = with_engine_plan(synth_mod.build(synth_mod.parse_spec(spec)))
+    io.save(trace, output)
+    b = trace.batch
+    click.echo(f"wrote {output}: {b.forward_mode.value} bs={b.batch_size} tokens={b.num_tokens} kv_lens={b.kv_lens.tolist()[:8]}")
+
+
+@main.command()
+@click.argument("trace", type=click.Path())
+@handles_bad_input
+def show(trace: str) -> None:
+    """Summarise a trace: mode, batch, lengths, slots, plan, tree masks.
+
+    \b
+    Example:
+      attndbg show traces/verify_tree.pt
+    """
+    from attndbg.report.show import render_trace
+    from attndbg.trace import io
+
+    _console().print(render_trace(io.load(trace), trace))
+
+
+@main.command()
+@click.argument("trace", type=click.Path())
+@click.option("--backend", "backend_spec", default="triton", show_default=True, help="NAME[,NAME...] or all")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="also write the results as JSON")
+@click.option("--save", "save_path", type=click.Path(dir_okay=False), help="keep outputs for `attndbg diff`")
+@click.option("--layer", type=int, default=None, help="use this recorded layer's tensors")
+@click.option("--num-kv-splits", type=click.IntRange(min=1), default=None, help="force split-KV count (triton)")
+@handles_bad_input
+def replay(trace: str, backend_spec: str, json_path: str | None, save_path: str | None, layer: int | None, num_kv_splits: int | None) -> None:
+    """Replay a step through real kernels and compare each backend with a float64 reference.
+
+    Exit 0 when every backend that ran passed, 1 when any failed, 2 on bad input.
+
+    \b
+    Example:
+      attndbg replay traces/decode_gqa.pt --backend triton,reference --json out.json
+    """
+    from attndbg.backends import registry
+    from attndbg.backends.triton import TritonOptions
+    from attndbg.replay.runner import ReplayOptions, replay as run_replay
+    from attndbg.report.replay import render_replay, replay_to_json
+    from attndbg.trace import io
+
+    try:
+        names = registry.resolve(backend_spec)
+    except KeyError as e:
+        raise BadInput(f"--backend: unknown backend {e.args[0]!r}; known: {', '.join(registry.backend_names())}") from None
+    paths = io.trace_paths(trace)
+    if save_path and len(paths) != 1:
+        raise BadInput("--save takes a single step file, not a recording directory")
+    max_splits = max(num_kv_splits or 0, TritonOptions().max_kv_splits)
+    options = ReplayOptions(layer=layer, triton=TritonOptions(num_kv_splits=num_kv_splits, max_kv_splits=max_splits))
+    console = _console()
+    results = []
+    for path in paths:
+        loaded = io.load(path)
+        if layer is not None and layer not in loaded.tensors:
+            raise BadInput(f"--layer {layer}: {path} has no tensors for that layer (has {sorted(loaded.tensors) or 'none'})")
+        result = run_replay(loaded, str(path), names, options)
+        console.print(render_replay(result))
+        results.append(result)
+    if json_path:
+        _write_json(json_path, [replay_to_json(r) for r in results] if len(results) > 1 else replay_to_json(results[0]))
+    if save_path:
+        from attndbg.replay.saved import save_replay
+
+        only = results[0]
+        outputs = {"reference": (only.reference.output, only.reference.lse)}
+        outputs.update({r.name: (r.result.output, r.result.lse) for r in only.runs if r.result is not None})
+        save_replay(save_path, trace_file=str(paths[0]), qo_indptr=only.trace.batch.qo_indptr, results=outputs)
+    sys.exit(EXIT_FAILED if any(r.failed for r in results) else EXIT_OK)
+
+
+@main.command()
+@click.argument("a", type=click.Path())
+@click.argument("b", type=click.Path())
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="also write the differences as JSON")
+@click.option("--pair", "pairs", multiple=True, help="saved replays: compare backend X of A with Y of B (X:Y)")
+@handles_bad_input
+def diff(a: str, b: str, json_path: str | None, pairs: tuple[str, ...]) -> None:
+    """Show what differs between two traces, or between two saved replays (--save files).
+
+    Exit 0 when nothing differs, 1 when something does.
+
+    \b
+    Examples:
+      attndbg diff engine_step.pt synth_step.pt
+      attndbg diff run_a.replay run_b.replay --pair triton:triton
+    """
+    from attndbg.compare import replay_diff, trace_diff
+    from attndbg.replay.saved import is_saved_replay, load_replay
+    from attndbg.report.diff import render_replay_diff, render_trace_diff, replay_diff_to_json, trace_diff_to_json
+    from attndbg.trace import io
+
+    console = _console()
+    if is_saved_replay(a) or is_saved_replay(b):
+        pair_list = [tuple(p.split(":", 1)) for p in pairs] if pairs else None
+        if pair_list and any(len(p) != 2 for p in pair_list):
+            raise BadInput("--pair: expected BACKEND_A:BACKEND_B")
+        result = replay_diff.diff_replays(load_replay(a), load_replay(b), pairs=pair_list)
+        console.print(render_replay_diff(result))
+        data = replay_diff_to_json(result)
+    else:
+        result = trace_diff.diff_traces(io.load(a), io.load(b))
+        console.print(render_trace_diff(result))
+        data = trace_diff_to_json(result)
+    if json_path:
+        _write_json(json_path, data)
+    sys.exit(EXIT_FAILED if result.differs else EXIT_OK)
+
+
+@main.command()
+@handles_bad_input
+def backends() -> None:
+    """List the backends and whether each can run here (and exactly why not).
+
+    \b
+    Example:
+      attndbg backends
+    """
+    from rich.table import Table
+
+    from attndbg.backends import registry
+
+    table = Table(title="attndbg backends")
+    for column in ("backend", "available", "what runs / why not"):
+        table.add_column(column)
+    for name in registry.backend_names():
+        backend = registry.create(name)
+        reason = backend.unavailable_reason()
+        table.add_row(name, "no" if reason else "yes", reason or backend.describe())
+    _console().print(table)

@@ -1,0 +1,226 @@
+"""The saved-replay file: what `attndbg replay --save FILE` writes and `attndbg diff` reads.
+
+One file holds, for one trace, every backend's output and LSE (the float64 reference under the
+name `reference`), so two runs (two machines, two library versions, eager vs graph) can be diffed
+later without re-running anything. Stored as a plain dict of str/int/dict and tensors so that
+`torch.load(weights_only=True)` reads it without executing code:
+
+    {"format": "attndbg.replay", "version": 1, "trace_file": str, "qo_indptr": Tensor,
+     "results": {name: {"output": Tensor, "lse": Tensor}}}
+
+Values are float32 on the CPU: every backend's dtype (bf16, fp16, fp32) converts to it exactly, and
+the float64 reference rounds once, which is far below any tolerance the comparisons apply.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import tempfile
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from attndbg.trace.validate import TraceError, check_indptr
+
+FORMAT_NAME = "attndbg.replay"
+FORMAT_VERSION = 1
+REFERENCE = "reference"  # the name the float64 reference result is stored under
+
+# What torch.load raises on a file that is not a (safe) torch archive: random bytes, truncation,
+# a pickle with code in it (UnpicklingError from the weights_only unpickler), a zip without data.
+_UNREADABLE = (
+    pickle.UnpicklingError,
+    RuntimeError,
+    EOFError,
+    ValueError,
+    zipfile.BadZipFile,
+    KeyError,
+    IndexError,
+    AttributeError,
+    TypeError,
+    UnicodeDecodeError,
+)
+
+
+@dataclass(frozen=True)
+class BackendResult:
+    output: Tensor  # [T, Hq, Dv] float32, CPU
+    lse: Tensor  # [T, Hq] float32, CPU, natural log
+
+
+@dataclass(frozen=True)
+class SavedReplay:
+    """Every backend's result on one trace. Checked when built: an object that exists is valid."""
+
+    trace_file: str  # the trace that was replayed, as given on the command line
+    qo_indptr: Tensor  # [bs+1] int64: request b's rows are qo_indptr[b]:qo_indptr[b+1]
+    results: Mapping[str, BackendResult]  # by backend name; REFERENCE is the float64 reference
+    path: str = ""  # the file it was loaded from ("" when built in memory)
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.qo_indptr.numel()) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.qo_indptr[-1])
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.results)
+
+
+def _check(saved: SavedReplay) -> None:
+    if not isinstance(saved.trace_file, str):
+        raise TraceError("trace_file", f"expected a string, found {type(saved.trace_file).__name__}")
+    indptr = saved.qo_indptr
+    if not isinstance(indptr, Tensor):
+        raise TraceError("qo_indptr", f"expected a tensor, found {type(indptr).__name__}")
+    if indptr.dtype != torch.int64 or indptr.dim() != 1:
+        raise TraceError("qo_indptr", f"{_describe(indptr)}, expected a 1-D int64 tensor [bs+1]")
+    check_indptr("qo_indptr", indptr)
+    if not isinstance(saved.results, Mapping):
+        raise TraceError("results", f"expected a dict of backend name -> result, found {type(saved.results).__name__}")
+    tokens = int(indptr[-1])
+    shape: tuple[int, int, int] | None = None  # (T, Hq, Dv) of the first result: all must agree
+    for name, result in saved.results.items():
+        field = f"results[{name!r}]"
+        if not isinstance(name, str) or not name:
+            raise TraceError("results", f"backend names must be non-empty strings, found {name!r}")
+        if not isinstance(result, BackendResult):
+            raise TraceError(field, f"expected output and lse, found {type(result).__name__}")
+        for key, value, ndim in (("output", result.output, 3), ("lse", result.lse, 2)):
+            if not isinstance(value, Tensor):
+                raise TraceError(f"{field}.{key}", f"expected a tensor, found {type(value).__name__}")
+            if value.dtype != torch.float32 or value.dim() != ndim or value.device.type != "cpu":
+                raise TraceError(f"{field}.{key}", f"{_describe(value)}, expected a {ndim}-D float32 CPU tensor")
+        out, lse = result.output, result.lse
+        if out.shape[0] != tokens:
+            raise TraceError(
+                f"{field}.output",
+                f"shape {list(out.shape)} has {out.shape[0]} rows, but qo_indptr[-1] = {tokens} query tokens",
+            )
+        if tuple(lse.shape) != tuple(out.shape[:2]):
+            raise TraceError(f"{field}.lse", f"shape {list(lse.shape)}, expected [T, Hq] = {list(out.shape[:2])}")
+        if shape is None:
+            shape = tuple(out.shape)
+        elif tuple(out.shape) != shape:
+            raise TraceError(
+                f"{field}.output", f"shape {list(out.shape)} differs from the other results' {list(shape)}"
+            )
+
+
+def _describe(t: Tensor) -> str:
+    return f"dtype {str(t.dtype).replace('torch.', '')} shape {list(t.shape)} on {t.device.type}"
+
+
+def _stored(t: Tensor) -> Tensor:
+    # clone(): torch.save writes a view's whole storage, and a CUDA-graph output buffer is
+    # usually a view of a larger static buffer.
+    return t.detach().to(device="cpu", dtype=torch.float32).contiguous().clone()
+
+
+def save_replay(
+    path: str | os.PathLike,
+    *,
+    trace_file: str,
+    qo_indptr: Tensor,
+    results: Mapping[str, tuple[Tensor, Tensor]],
+) -> None:
+    """Write `results` (name -> (output [T, Hq, Dv], lse [T, Hq] natural log)) atomically.
+
+    The reference belongs in `results` under `REFERENCE`. Values are stored as float32 CPU copies.
+    Raises `TraceError` (naming the file) when the results are inconsistent: never writes what
+    `load_replay` would refuse.
+    """
+    path = Path(path)
+    saved = _built(
+        str(path),
+        lambda: SavedReplay(
+            trace_file=trace_file,
+            qo_indptr=qo_indptr.detach().to(device="cpu", dtype=torch.int64).clone(),
+            results={name: BackendResult(output=_stored(o), lse=_stored(l)) for name, (o, l) in results.items()},
+        ),
+    )
+    data = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "trace_file": saved.trace_file,
+        "qo_indptr": saved.qo_indptr,
+        "results": {name: {"output": r.output, "lse": r.lse} for name, r in saved.results.items()},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_replay(path: str | os.PathLike) -> SavedReplay:
+    """Load and check a saved replay; any problem is a one-line `TraceError` naming the file."""
+    where = str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise TraceError("file", f"cannot read ({e.strerror or e})", where) from None
+    try:
+        data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except _UNREADABLE as e:
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if "weights_only" in str(e) or "Unsupported global" in str(e):
+            first_line = "contains Python objects that would run code when loaded; refused (weights_only)"
+        raise TraceError("file", f"not a readable attndbg saved replay: {first_line[:200]}", where) from None
+    if not isinstance(data, dict):
+        raise TraceError("file", f"not an attndbg saved replay (top level is {type(data).__name__})", where)
+    if data.get("format") != FORMAT_NAME:
+        hint = " (this is a trace: replay it with `attndbg replay --save FILE`)" if data.get("format") == "attndbg.trace" else ""
+        raise TraceError(
+            "format", f"= {data.get('format')!r}, not an attndbg saved replay (expected {FORMAT_NAME!r}){hint}", where
+        )
+    if data.get("version") != FORMAT_VERSION:
+        raise TraceError(
+            "version", f"= {data.get('version')!r}, this attndbg reads saved-replay version {FORMAT_VERSION}", where
+        )
+    return _built(where, lambda: _from_dict(data, where))
+
+
+def _from_dict(data: dict, where: str) -> SavedReplay:
+    for key in ("trace_file", "qo_indptr", "results"):
+        if key not in data:
+            raise TraceError(key, "missing")
+    raw_results = data["results"]
+    if not isinstance(raw_results, dict):
+        raise TraceError("results", f"expected a dict of backend name -> result, found {type(raw_results).__name__}")
+    results = {}
+    for name, entry in raw_results.items():
+        if not isinstance(entry, dict) or not {"output", "lse"} <= set(entry):
+            found = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+            raise TraceError(f"results[{name!r}]", f"expected a dict with output and lse, found {found}")
+        results[name] = BackendResult(output=entry["output"], lse=entry["lse"])
+    qo_indptr = data["qo_indptr"]
+    if isinstance(qo_indptr, Tensor) and qo_indptr.dtype == torch.int32:
+        qo_indptr = qo_indptr.to(torch.int64)
+    return SavedReplay(trace_file=data["trace_file"], qo_indptr=qo_indptr, results=results, path=where)
+
+
+def _built(where: str, make):
+    """Run a constructor; a `TraceError` it raises is re-raised naming the file."""
+    try:
+        return make()
+    except TraceError as e:
+        raise e.in_file(where) from None

@@ -1,0 +1,129 @@
+"""Read and write traces: one step per `.pt` file, a recording is a directory with `manifest.jsonl`.
+
+Loading uses `torch.load(weights_only=True)`: a file that would execute code when unpickled is
+rejected, never run. Writing goes to a temporary file in the same directory and is renamed into
+place, so a reader never sees half a trace.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from attndbg.trace.schema import Trace, to_dict
+from attndbg.trace.validate import TraceError, from_dict
+
+MANIFEST = "manifest.jsonl"
+
+# What torch.load raises on a file that is not a (safe) torch archive: random bytes, truncation,
+# a pickle with code in it (UnpicklingError from the weights_only unpickler), a zip without data.
+_UNREADABLE = (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, zipfile.BadZipFile, KeyError, IndexError, AttributeError, TypeError, UnicodeDecodeError)
+
+
+def save(trace: Trace, path: str | os.PathLike) -> Path:
+    """Validate `trace` (a round trip through the loader) and write it atomically."""
+    path = Path(path)
+    data = to_dict(trace)
+    from_dict(data)  # never write what we could not read back
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(data, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load(path: str | os.PathLike) -> Trace:
+    """Load and validate one step file; any problem is a `TraceError` naming the file."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise TraceError("file", f"cannot read ({e.strerror or e})", str(path)) from None
+    try:
+        data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except _UNREADABLE as e:
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if "weights_only" in str(e) or "Unsupported global" in str(e):
+            first_line = "contains Python objects that would run code when loaded; refused (weights_only)"
+        raise TraceError("file", f"not a readable attndbg trace: {first_line[:200]}", str(path)) from None
+    if not isinstance(data, dict):
+        raise TraceError("file", f"not an attndbg trace (top level is {type(data).__name__})", str(path))
+    try:
+        return from_dict(data)
+    except TraceError as e:
+        raise e.in_file(str(path)) from None
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    file: str
+    step: int
+    mode: str
+    batch_size: int
+    graph: bool
+    layers: list[int]
+
+
+def manifest_entry(trace: Trace, file: str) -> ManifestEntry:
+    return ManifestEntry(
+        file=file,
+        step=trace.source.step,
+        mode=trace.batch.forward_mode.value,
+        batch_size=trace.batch.batch_size,
+        graph=bool(trace.graph and trace.graph.is_graph_replay),
+        layers=sorted(trace.tensors),
+    )
+
+
+def append_to_recording(directory: str | os.PathLike, trace: Trace, file: str | None = None) -> Path:
+    """Save one step into a recording directory and append its manifest line."""
+    directory = Path(directory)
+    file = file or f"step_{trace.source.step:06d}.pt"
+    path = save(trace, directory / file)
+    with open(directory / MANIFEST, "a", encoding="utf-8") as f:
+        f.write(json.dumps(manifest_entry(trace, file).__dict__) + "\n")
+    return path
+
+
+def read_manifest(directory: str | os.PathLike) -> list[ManifestEntry]:
+    directory = Path(directory)
+    path = directory / MANIFEST
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise TraceError("manifest", f"cannot read ({e.strerror or e})", str(path)) from None
+    entries = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = ManifestEntry(**json.loads(line))
+        except (json.JSONDecodeError, TypeError) as e:
+            raise TraceError(f"line {number}", f"not a manifest entry ({e})", str(path)) from None
+        if Path(entry.file).name != entry.file:
+            raise TraceError(f"line {number}.file", f"= {entry.file!r} must name a file inside the recording", str(path))
+        entries.append(entry)
+    return entries
+
+
+def trace_paths(target: str | os.PathLike) -> list[Path]:
+    """A `.pt` file, or every step of a recording directory in manifest order."""
+    target = Path(target)
+    if target.is_dir():
+        return [target / e.file for e in read_manifest(target)]
+    return [target]

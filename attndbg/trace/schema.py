@@ -1,0 +1,226 @@
+"""Trace format v1: one engine forward step, engine-neutral, named after SGLang where a name exists.
+
+A trace is stored as a plain dict of str/int/float/bool/None/list/dict and torch tensors, so that
+`torch.load(weights_only=True)` can read it without executing code. In memory it is the frozen
+dataclasses below. `attndbg.trace.validate` checks every field on load; objects built here by
+synth or recorders are validated the same way before they are written.
+
+Lengths are stored unambiguously (prefix / extend / kv) because engines disagree on what
+`seq_lens` means: SGLang's decode seq_lens include the current token, its verify seq_lens exclude
+the draft tokens. The engine's raw `seq_lens` is kept alongside, as recorded.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+FORMAT_NAME = "attndbg.trace"
+FORMAT_VERSION = 1
+
+
+class ForwardMode(enum.Enum):
+    """SGLang's ForwardMode, stored by name (its int values differ between SGLang versions)."""
+
+    DECODE = "DECODE"
+    EXTEND = "EXTEND"
+    MIXED = "MIXED"
+    TARGET_VERIFY = "TARGET_VERIFY"
+    DRAFT_EXTEND = "DRAFT_EXTEND"
+    IDLE = "IDLE"
+
+
+class AttentionKind(enum.Enum):
+    MHA = "mha"  # includes GQA / MQA
+    MLA = "mla"  # DeepSeek absorbed MLA: keys = [latent | rope], values = latent
+
+
+class MaskLayout(enum.Enum):
+    """How an engine lays out a speculative tree mask (SGLang's TreeMaskMode)."""
+
+    FULL = "full"  # per request a row-major [n, prefix + n] bool block
+    QLEN_ONLY = "qlen_only"  # per request [n, n] bool
+    QLEN_ONLY_BITPACKED = "qlen_only_bitpacked"  # one little-endian word per row, bit 0 = root
+
+
+class LseBase(enum.Enum):
+    E = "e"  # natural log (Triton, FA3)
+    TWO = "2"  # base 2 (FlashInfer kernels)
+
+
+DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+Q_DTYPES = ("float16", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the step came from."""
+
+    engine: str  # "synth", "sglang", "vllm", "transformers", ...
+    engine_version: str
+    backend: str  # the attention backend the engine ran ("triton", "flashinfer", ...)
+    device: str  # "cpu" or "cuda:<name>"
+    tp_rank: int
+    step: int
+    attndbg_version: str
+
+
+@dataclass(frozen=True)
+class Model:
+    """The attention layer's shape and numerics."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int  # query/key width (576 for DeepSeek MLA: kv_lora_rank + qk_rope_head_dim)
+    v_head_dim: int  # value/output width (512 for MLA)
+    attention: AttentionKind
+    kv_lora_rank: int  # MLA only, else 0
+    qk_rope_head_dim: int  # MLA only, else 0
+    sm_scale: float
+    logit_cap: float  # tanh soft-cap on scaled logits; 0 = off
+    sliding_window: int  # window_left: key k visible from query q iff pos(q) - pos(k) <= window; -1 = off
+    q_dtype: str  # a key of DTYPES
+    kv_dtype: str
+    page_size: int
+
+    @property
+    def gqa_group(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What attention must compute this step, from the engine's point of view.
+
+    Request b owns columns 0..kv_lens[b]-1 of its KV row; column j lives in KV slot
+    `slot_ids[slot_indptr[b] + j]` (its req_to_token row, used part). Query token t of
+    request b sits at column `query_cols[t]` of that row and its new K/V are written to
+    `out_cache_loc[t]` == that column's slot before attention runs. Non-tree queries attend
+    causally: to columns <= their own. Verify queries attend to the prefix and to their draft
+    ancestors (see `Spec`).
+    """
+
+    forward_mode: ForwardMode
+    prefix_lens: Tensor  # [bs] int64: KV already cached before this step
+    extend_lens: Tensor  # [bs] int64: query tokens this step
+    kv_lens: Tensor  # [bs] int64: KV columns visible this step = prefix + extend
+    slot_indptr: Tensor  # [bs+1] int64: request b's slot ids are slot_ids[slot_indptr[b]:slot_indptr[b+1]]
+    slot_ids: Tensor  # [sum(kv_lens)] int64: req_to_token rows, used part
+    query_cols: Tensor  # [num_tokens] int64: column of each query token in its request's row
+    out_cache_loc: Tensor  # [num_tokens] int64: slot each new token's K/V is written to
+    positions: Tensor  # [num_tokens] int64: rope positions, as the engine computed them
+    seq_lens_raw: Tensor  # [bs] int64: the engine's own seq_lens, as recorded
+    kv_cache_size: int  # slots in the KV pool; slot 0 (page 0) is the engine's dummy slot
+    selective: bool = False  # CacheBlend-style: query_cols is a subset of the row, not its tail
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.kv_lens.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_cols.numel())
+
+    @property
+    def qo_indptr(self) -> Tensor:
+        """[bs+1] int64: request b's query tokens are rows qo_indptr[b]:qo_indptr[b+1]."""
+        return torch.nn.functional.pad(torch.cumsum(self.extend_lens, 0), (1, 0))
+
+    def request_slots(self, b: int) -> Tensor:
+        return self.slot_ids[int(self.slot_indptr[b]) : int(self.slot_indptr[b + 1])]
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Speculative decoding info of a verify (or draft) step."""
+
+    algorithm: str  # "EAGLE", "EAGLE3", "NGRAM", ...
+    draft_token_num: int  # n: tokens verified per request (root + n-1 drafts)
+    topk: int
+    steps: int  # draft depth
+    parents: Tensor  # [bs, n] int64: parent draft index per token, -1 for the root (index 0)
+    custom_mask: Tensor | None  # the engine's mask exactly as recorded (flat), or None
+    mask_layout: MaskLayout
+
+
+@dataclass(frozen=True)
+class Graph:
+    """CUDA-graph padding of this step, as the engine's runner filled it."""
+
+    is_graph_replay: bool
+    capture_bs: int
+    fill_value: int  # seq_len fill of padded rows
+    padded_seq_lens: Tensor  # [capture_bs] int64: the static seq_lens buffer, real rows first
+    padded_req_pool_indices: Tensor  # [capture_bs] int64
+    padded_out_cache_loc: Tensor  # [capture_bs * tokens_per_req] int64
+    padded_positions: Tensor  # [capture_bs * tokens_per_req] int64
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the live backend built, by the backend's own names. Evidence: loaded, never fixed."""
+
+    backend: str
+    tensors: dict[str, Tensor]
+    scalars: dict[str, int | float | bool | str]
+
+
+@dataclass(frozen=True)
+class LayerTensors:
+    """Real tensors of one layer (optional). KV rows are compacted: cache row i is slot kv_slots[i]."""
+
+    q: Tensor  # [num_tokens, Hq, head_dim]
+    k_new: Tensor  # [num_tokens, Hkv, head_dim]
+    v_new: Tensor  # [num_tokens, Hkv, v_head_dim] (for MLA: empty, values are the key latent part)
+    kv_slots: Tensor  # [R] int64: slot ids of the rows below
+    k_rows: Tensor  # [R, Hkv, head_dim]: cache contents before this step's writes
+    v_rows: Tensor  # [R, Hkv, v_head_dim]
+    output: Tensor | None  # [num_tokens, Hq, v_head_dim]: the engine's output
+    lse: Tensor | None  # [num_tokens, Hq]
+    lse_base: LseBase
+
+
+@dataclass(frozen=True)
+class Trace:
+    source: Source
+    model: Model
+    batch: Batch
+    seed: int  # replay draws q/k/v from this seed when tensors are absent
+    spec: Spec | None = None
+    graph: Graph | None = None
+    plan: Plan | None = None
+    tensors: dict[int, LayerTensors] = field(default_factory=dict)  # by layer id
+
+    @property
+    def is_tree_verify(self) -> bool:
+        return self.spec is not None and self.batch.forward_mode is ForwardMode.TARGET_VERIFY
+
+
+def to_dict(trace: Trace) -> dict[str, Any]:
+    """The storage form: plain containers and tensors only (weights_only-loadable)."""
+
+    def plain(obj: Any) -> Any:
+        if isinstance(obj, enum.Enum):
+            return obj.value
+        if isinstance(obj, Tensor):
+            return obj.detach().cpu().contiguous()
+        if isinstance(obj, dict):
+            return {str(k): plain(v) for k, v in obj.items()}
+        if hasattr(obj, "__dataclass_fields__"):
+            return {name: plain(getattr(obj, name)) for name in obj.__dataclass_fields__}
+        return obj
+
+    out = plain(trace)
+    out["format"] = FORMAT_NAME
+    out["version"] = FORMAT_VERSION
+    return out

@@ -1,0 +1,124 @@
+"""Speculative draft trees and the tree masks engines build from them.
+
+A tree is given per request as parent indices: token 0 is the root (the last verified token,
+parent -1), every other token's parent comes before it. A draft token attends to the whole
+prefix, to the root, to itself and to its ancestors. The layouts are SGLang's TreeMaskMode
+(see ../shared/reference/engines.md, "Tree mask construction").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attndbg.trace.schema import MaskLayout
+
+
+def eagle_tree(*, topk: int, steps: int, draft_token_num: int, generator: torch.Generator) -> Tensor:
+    """Parents [n] of an EAGLE-style tree, chosen the way EAGLE's verify step chooses them.
+
+    Drafting keeps a beam of `topk` nodes; step 0 expands the root into topk candidates, each
+    later step expands the beam into topk*topk candidates and keeps the best topk. Scores are
+    cumulative log-probabilities, so a child always scores below its parent. The n-1 best
+    candidates overall, in candidate order (parents before children), become draft tokens 1..n-1.
+    """
+    n = draft_token_num
+    num_candidates = topk + (steps - 1) * topk * topk
+    if n - 1 > num_candidates:
+        raise ValueError(
+            f"draft_token_num {n} needs {n - 1} candidates, but topk {topk} x steps {steps} drafts only {num_candidates}"
+        )
+    scores: list[float] = []
+    parent_candidate: list[int] = []  # -1 = root
+    beam = [-1]
+    beam_scores = [0.0]
+    for step in range(steps):
+        step_start = len(scores)
+        for node, base in zip(beam, beam_scores):
+            logp = torch.log_softmax(torch.randn(topk + 2, generator=generator), 0)[:topk]
+            for lp in sorted(logp.tolist(), reverse=True):
+                scores.append(base + lp)
+                parent_candidate.append(node)
+            if step == 0:
+                break  # the root is the only node at step 0
+        step_ids = list(range(step_start, len(scores)))
+        best = sorted(step_ids, key=lambda i: scores[i], reverse=True)[:topk]
+        beam, beam_scores = best, [scores[i] for i in best]
+    chosen = sorted(sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)[: n - 1])
+    draft_index = {candidate: i + 1 for i, candidate in enumerate(chosen)}
+    parents = [-1]
+    for candidate in chosen:
+        parent = parent_candidate[candidate]
+        parents.append(0 if parent == -1 else draft_index[parent])
+    return torch.tensor(parents, dtype=torch.int64)
+
+
+def ancestor_matrix(parents: Tensor) -> Tensor:
+    """[n, n] bool: entry (i, j) is True iff draft token j is token i or one of its ancestors."""
+    n = parents.numel()
+    visible = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        visible[i] |= visible[int(parents[i])]
+    return visible
+
+
+def depths(parents: Tensor) -> Tensor:
+    """[n] int64 depth of each draft token (root 0)."""
+    out = torch.zeros(parents.numel(), dtype=torch.int64)
+    for i in range(1, parents.numel()):
+        out[i] = out[int(parents[i])] + 1
+    return out
+
+
+def full_mask(parents: Tensor, prefix_lens: Tensor) -> Tensor:
+    """SGLang FULL_MASK: per request a row-major [n, prefix + n] block, prefix columns True."""
+    blocks = []
+    for b in range(parents.shape[0]):
+        n = parents.shape[1]
+        block = torch.ones(n, int(prefix_lens[b]) + n, dtype=torch.bool)
+        block[:, int(prefix_lens[b]) :] = ancestor_matrix(parents[b])
+        blocks.append(block.flatten())
+    return torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.bool)
+
+
+def full_mask_indptr(draft_token_num: int, prefix_lens: Tensor) -> Tensor:
+    """[bs+1] int64: where each request's FULL block starts = cumsum(n * (prefix + n))."""
+    sizes = draft_token_num * (prefix_lens.to(torch.int64) + draft_token_num)
+    return torch.nn.functional.pad(torch.cumsum(sizes, 0), (1, 0))
+
+
+def qlen_only_mask(parents: Tensor) -> Tensor:
+    """SGLang QLEN_ONLY: per request the [n, n] draft block, flattened."""
+    return torch.cat([ancestor_matrix(p).flatten() for p in parents]) if parents.numel() else torch.zeros(0, dtype=torch.bool)
+
+
+def bitpacked_word_dtype(draft_token_num: int) -> torch.dtype:
+    """SGLang picks 1, 2 or 4 bytes per row by n."""
+    if draft_token_num <= 8:
+        return torch.uint8
+    if draft_token_num <= 16:
+        return torch.uint16
+    return torch.uint32
+
+
+def qlen_only_bitpacked_mask(parents: Tensor) -> Tensor:
+    """SGLang QLEN_ONLY_BITPACKING: one word per row, bit j (little-endian, bit 0 = root) = attend token j."""
+    n = parents.shape[1]
+    weights = torch.tensor([1 << j for j in range(n)], dtype=torch.int64)
+    words = [(ancestor_matrix(p).to(torch.int64) * weights).sum(1) for p in parents]
+    flat = torch.cat(words) if words else torch.zeros(0, dtype=torch.int64)
+    return flat.to(bitpacked_word_dtype(n))
+
+
+def unpack_bits(words: Tensor, draft_token_num: int) -> Tensor:
+    """Inverse of the bit packing: [rows] words -> [rows, n] bool."""
+    values = words.to(torch.int64)
+    return ((values[:, None] >> torch.arange(draft_token_num)) & 1).to(torch.bool)
+
+
+def build_mask(layout: MaskLayout, parents: Tensor, prefix_lens: Tensor) -> Tensor:
+    if layout is MaskLayout.FULL:
+        return full_mask(parents, prefix_lens)
+    if layout is MaskLayout.QLEN_ONLY:
+        return qlen_only_mask(parents)
+    return qlen_only_bitpacked_mask(parents)

@@ -1,0 +1,468 @@
+"""Parse and validate a stored trace dict into `Trace`, or raise one precise `TraceError`.
+
+Every message names the field and the first bad element, says what was expected and what was
+found. The batch is checked for consistency (it is the ground truth replay trusts); the recorded
+plan is only type-checked, because a wrong plan is evidence the user came to find.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attndbg.trace.schema import (
+    DTYPES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    Q_DTYPES,
+    AttentionKind,
+    Batch,
+    ForwardMode,
+    Graph,
+    LayerTensors,
+    LseBase,
+    MaskLayout,
+    Model,
+    Plan,
+    Source,
+    Spec,
+    Trace,
+)
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class TraceError(ValueError):
+    """A trace that cannot be used. `str()` is the one-line message shown to users."""
+
+    def __init__(self, field: str, message: str, path: str | None = None):
+        self.field = field
+        self.message = message
+        self.path = path
+        super().__init__(f"{path + ': ' if path else ''}{field}: {message}")
+
+    def in_file(self, path: str) -> "TraceError":
+        return TraceError(self.field, self.message, path)
+
+
+class _Reader:
+    """Typed access to one section of the stored dict, with field paths for errors."""
+
+    def __init__(self, data: Any, prefix: str):
+        if not isinstance(data, dict):
+            raise TraceError(prefix, f"expected a dict, found {type(data).__name__}")
+        self.data = data
+        self.prefix = prefix
+
+    def name(self, key: str) -> str:
+        return f"{self.prefix}.{key}"
+
+    def raw(self, key: str, optional: bool = False) -> Any:
+        if key not in self.data:
+            if optional:
+                return None
+            raise TraceError(self.name(key), "missing")
+        return self.data[key]
+
+    def int(self, key: str, *, min_value: int | None = None, optional: bool = False, default: int = 0) -> int:
+        value = self.raw(key, optional)
+        if value is None and optional:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TraceError(self.name(key), f"expected an int, found {type(value).__name__}")
+        if min_value is not None and value < min_value:
+            raise TraceError(self.name(key), f"= {value}, must be >= {min_value}")
+        return value
+
+    def float(self, key: str) -> float:
+        value = self.raw(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise TraceError(self.name(key), f"expected a finite number, found {value!r}")
+        return float(value)
+
+    def bool(self, key: str, optional: bool = False, default: bool = False) -> bool:
+        value = self.raw(key, optional)
+        if value is None and optional:
+            return default
+        if not isinstance(value, bool):
+            raise TraceError(self.name(key), f"expected a bool, found {type(value).__name__}")
+        return value
+
+    def str(self, key: str, choices: tuple[str, ...] | None = None) -> str:
+        value = self.raw(key)
+        if not isinstance(value, str):
+            raise TraceError(self.name(key), f"expected a string, found {type(value).__name__}")
+        if choices is not None and value not in choices:
+            raise TraceError(self.name(key), f"= {value!r}, expected one of {', '.join(choices)}")
+        return value
+
+    def enum(self, key: str, kind: type):
+        value = self.str(key, tuple(m.value for m in kind))
+        return kind(value)
+
+    def tensor(
+        self,
+        key: str,
+        *,
+        dtypes: tuple[torch.dtype, ...] | None = None,
+        ndim: int | None = None,
+        optional: bool = False,
+    ) -> Tensor | None:
+        value = self.raw(key, optional)
+        if value is None:
+            if optional:
+                return None
+            raise TraceError(self.name(key), "missing")
+        if not isinstance(value, Tensor):
+            raise TraceError(self.name(key), f"expected a tensor, found {type(value).__name__}")
+        if dtypes is not None and value.dtype not in dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise TraceError(self.name(key), f"dtype {str(value.dtype).replace('torch.', '')}, expected {names}")
+        if ndim is not None and value.dim() != ndim:
+            raise TraceError(self.name(key), f"has {value.dim()} dims {list(value.shape)}, expected {ndim}")
+        return value
+
+    def index(self, key: str, length: int | None = None) -> Tensor:
+        """A 1-D integer tensor, returned as int64; checks the length when given."""
+        value = self.tensor(key, dtypes=INDEX_DTYPES, ndim=1)
+        assert value is not None
+        if length is not None and value.numel() != length:
+            raise TraceError(self.name(key), f"has {value.numel()} elements, expected {length}")
+        return value.to(torch.int64)
+
+    def section(self, key: str, optional: bool = False) -> "_Reader | None":
+        value = self.raw(key, optional)
+        if value is None:
+            return None
+        return _Reader(value, self.name(key))
+
+
+def _first_bad(mask: Tensor) -> int:
+    return int(torch.nonzero(mask)[0, 0]) if mask.any() else -1
+
+
+def _check_nonneg(name: str, values: Tensor) -> None:
+    bad = _first_bad(values < 0)
+    if bad >= 0:
+        raise TraceError(f"{name}[{bad}]", f"= {int(values[bad])}, must be >= 0")
+
+
+def check_indptr(name: str, indptr: Tensor, total: int | None = None) -> None:
+    """indptr starts at 0, never decreases, and ends at `total` when given."""
+    if indptr.numel() == 0:
+        raise TraceError(name, "is empty, expected at least [0]")
+    if int(indptr[0]) != 0:
+        raise TraceError(f"{name}[0]", f"= {int(indptr[0])}, indptr must start at 0")
+    bad = _first_bad(indptr[1:] < indptr[:-1])
+    if bad >= 0:
+        raise TraceError(
+            f"{name}[{bad + 1}]",
+            f"= {int(indptr[bad + 1])} < {name}[{bad}] = {int(indptr[bad])}: indptr must not decrease",
+        )
+    if total is not None and int(indptr[-1]) != total:
+        raise TraceError(f"{name}[-1]", f"= {int(indptr[-1])}, expected {total} (the length it indexes)")
+
+
+def _source(r: _Reader) -> Source:
+    return Source(
+        engine=r.str("engine"),
+        engine_version=r.str("engine_version"),
+        backend=r.str("backend"),
+        device=r.str("device"),
+        tp_rank=r.int("tp_rank", min_value=0),
+        step=r.int("step", min_value=0),
+        attndbg_version=r.str("attndbg_version"),
+    )
+
+
+def _model(r: _Reader) -> Model:
+    model = Model(
+        num_qo_heads=r.int("num_qo_heads", min_value=1),
+        num_kv_heads=r.int("num_kv_heads", min_value=1),
+        head_dim=r.int("head_dim", min_value=1),
+        v_head_dim=r.int("v_head_dim", min_value=1),
+        attention=r.enum("attention", AttentionKind),
+        kv_lora_rank=r.int("kv_lora_rank", min_value=0),
+        qk_rope_head_dim=r.int("qk_rope_head_dim", min_value=0),
+        sm_scale=r.float("sm_scale"),
+        logit_cap=r.float("logit_cap"),
+        sliding_window=r.int("sliding_window", min_value=-1),
+        q_dtype=r.str("q_dtype", Q_DTYPES),
+        kv_dtype=r.str("kv_dtype", tuple(DTYPES)),
+        page_size=r.int("page_size", min_value=1),
+    )
+    if model.num_qo_heads % model.num_kv_heads:
+        raise TraceError(
+            "model.num_qo_heads",
+            f"= {model.num_qo_heads} is not a multiple of num_kv_heads = {model.num_kv_heads}",
+        )
+    if model.sm_scale <= 0:
+        raise TraceError("model.sm_scale", f"= {model.sm_scale}, must be > 0")
+    if model.logit_cap < 0:
+        raise TraceError("model.logit_cap", f"= {model.logit_cap}, must be >= 0 (0 = off)")
+    if model.attention is AttentionKind.MLA:
+        if model.num_kv_heads != 1:
+            raise TraceError("model.num_kv_heads", f"= {model.num_kv_heads}, MLA has one latent KV head")
+        if model.head_dim != model.kv_lora_rank + model.qk_rope_head_dim:
+            raise TraceError(
+                "model.head_dim",
+                f"= {model.head_dim}, MLA keys are kv_lora_rank + qk_rope_head_dim = "
+                f"{model.kv_lora_rank + model.qk_rope_head_dim}",
+            )
+        if model.v_head_dim != model.kv_lora_rank:
+            raise TraceError("model.v_head_dim", f"= {model.v_head_dim}, MLA values are the {model.kv_lora_rank}-wide latent")
+    return model
+
+
+def _batch(r: _Reader, model: Model) -> Batch:
+    mode = r.enum("forward_mode", ForwardMode)
+    prefix = r.index("prefix_lens")
+    bs = prefix.numel()
+    extend = r.index("extend_lens", bs)
+    kv = r.index("kv_lens", bs)
+    for name, values in (("prefix_lens", prefix), ("extend_lens", extend), ("kv_lens", kv)):
+        _check_nonneg(r.name(name), values)
+    bad = _first_bad(kv != prefix + extend)
+    if bad >= 0:
+        raise TraceError(
+            f"batch.kv_lens[{bad}]",
+            f"= {int(kv[bad])}, expected prefix_lens + extend_lens = {int(prefix[bad])} + {int(extend[bad])}",
+        )
+    cache_size = r.int("kv_cache_size", min_value=1)
+    if cache_size % model.page_size:
+        raise TraceError("batch.kv_cache_size", f"= {cache_size} is not a multiple of page_size {model.page_size}")
+    slot_indptr = r.index("slot_indptr", bs + 1)
+    slot_ids = r.index("slot_ids")
+    check_indptr("batch.slot_indptr", slot_indptr, slot_ids.numel())
+    bad = _first_bad(slot_indptr[1:] - slot_indptr[:-1] != kv)
+    if bad >= 0:
+        raise TraceError(
+            f"batch.slot_indptr[{bad + 1}]",
+            f"request {bad} has {int(slot_indptr[bad + 1] - slot_indptr[bad])} slot ids, expected kv_lens = {int(kv[bad])}",
+        )
+    bad = _first_bad((slot_ids < 0) | (slot_ids >= cache_size))
+    if bad >= 0:
+        raise TraceError(
+            f"batch.slot_ids[{bad}]", f"= {int(slot_ids[bad])} is outside the KV cache [0, {cache_size})"
+        )
+    if model.page_size > 1:
+        _check_pages(slot_indptr, slot_ids, model.page_size)
+
+    num_tokens = int(extend.sum())
+    query_cols = r.index("query_cols", num_tokens)
+    out_cache_loc = r.index("out_cache_loc", num_tokens)
+    positions = r.index("positions", num_tokens)
+    seq_lens_raw = r.index("seq_lens_raw", bs)
+    selective = r.bool("selective", optional=True)
+    batch = Batch(
+        forward_mode=mode,
+        prefix_lens=prefix,
+        extend_lens=extend,
+        kv_lens=kv,
+        slot_indptr=slot_indptr,
+        slot_ids=slot_ids,
+        query_cols=query_cols,
+        out_cache_loc=out_cache_loc,
+        positions=positions,
+        seq_lens_raw=seq_lens_raw,
+        kv_cache_size=cache_size,
+        selective=selective,
+    )
+    _check_query_cols(batch)
+    if mode is ForwardMode.DECODE:
+        bad = _first_bad(extend != 1)
+        if bad >= 0:
+            raise TraceError(f"batch.extend_lens[{bad}]", f"= {int(extend[bad])}, a DECODE step has 1 token per request")
+    return batch
+
+
+def _check_pages(slot_indptr: Tensor, slot_ids: Tensor, page_size: int) -> None:
+    """With paging, column j of a row lives at offset j % page_size of its page."""
+    starts = slot_indptr[:-1]
+    lens = slot_indptr[1:] - starts
+    cols = torch.arange(slot_ids.numel()) - torch.repeat_interleave(starts, lens)
+    bad = _first_bad(slot_ids % page_size != cols % page_size)
+    if bad >= 0:
+        raise TraceError(
+            f"batch.slot_ids[{bad}]",
+            f"= {int(slot_ids[bad])} sits at page offset {int(slot_ids[bad]) % page_size}, but its column "
+            f"{int(cols[bad])} needs offset {int(cols[bad]) % page_size} (page_size {page_size})",
+        )
+    # Consecutive columns inside one page must stay in the same page.
+    same_page_col = (cols % page_size != 0) & (cols > 0)
+    prev = torch.roll(slot_ids, 1)
+    bad = _first_bad(same_page_col & (slot_ids // page_size != prev // page_size))
+    if bad >= 0:
+        raise TraceError(
+            f"batch.slot_ids[{bad}]",
+            f"= {int(slot_ids[bad])} is in page {int(slot_ids[bad]) // page_size}, but column {int(cols[bad])} "
+            f"continues page {int(prev[bad]) // page_size} of the previous column",
+        )
+
+
+def _check_query_cols(batch: Batch) -> None:
+    """Query columns lie in the row, increase, and their slots are where the new K/V go."""
+    qo = batch.qo_indptr
+    req_of_token = torch.repeat_interleave(torch.arange(batch.batch_size), batch.extend_lens)
+    cols = batch.query_cols
+    kv_of_token = batch.kv_lens[req_of_token]
+    bad = _first_bad((cols < 0) | (cols >= kv_of_token))
+    if bad >= 0:
+        raise TraceError(
+            f"batch.query_cols[{bad}]",
+            f"= {int(cols[bad])} is outside request {int(req_of_token[bad])}'s row [0, {int(kv_of_token[bad])})",
+        )
+    if batch.selective:
+        first_in_req = torch.zeros_like(cols, dtype=torch.bool)
+        first_in_req[qo[:-1][batch.extend_lens > 0]] = True
+        prev = torch.roll(cols, 1)
+        bad = _first_bad(~first_in_req & (cols <= prev))
+        if bad >= 0:
+            raise TraceError(f"batch.query_cols[{bad}]", f"= {int(cols[bad])}, query columns must increase within a request")
+    else:
+        # Everything but selective recompute queries the row's tail: prefix + i.
+        expected = batch.prefix_lens[req_of_token] + (torch.arange(cols.numel()) - qo[req_of_token])
+        bad = _first_bad(cols != expected)
+        if bad >= 0:
+            raise TraceError(
+                f"batch.query_cols[{bad}]", f"= {int(cols[bad])}, expected prefix + token index = {int(expected[bad])}"
+            )
+    expected_loc = batch.slot_ids[batch.slot_indptr[req_of_token] + cols]
+    bad = _first_bad(batch.out_cache_loc != expected_loc)
+    if bad >= 0:
+        raise TraceError(
+            f"batch.out_cache_loc[{bad}]",
+            f"= {int(batch.out_cache_loc[bad])}, but the token's column {int(cols[bad])} maps to slot {int(expected_loc[bad])}",
+        )
+
+
+def _spec(r: _Reader, batch: Batch) -> Spec:
+    n = r.int("draft_token_num", min_value=1)
+    parents = r.tensor("parents", dtypes=INDEX_DTYPES, ndim=2)
+    assert parents is not None
+    if tuple(parents.shape) != (batch.batch_size, n):
+        raise TraceError("spec.parents", f"shape {list(parents.shape)}, expected [{batch.batch_size}, {n}]")
+    parents = parents.to(torch.int64)
+    for b in range(batch.batch_size):
+        if int(parents[b, 0]) != -1:
+            raise TraceError(f"spec.parents[{b}, 0]", f"= {int(parents[b, 0])}, the root's parent must be -1")
+        bad = _first_bad((parents[b, 1:] < 0) | (parents[b, 1:] >= torch.arange(1, n)))
+        if bad >= 0:
+            raise TraceError(
+                f"spec.parents[{b}, {bad + 1}]",
+                f"= {int(parents[b, bad + 1])}, a draft token's parent must come before it (in [0, {bad + 1}))",
+            )
+    if batch.forward_mode is ForwardMode.TARGET_VERIFY:
+        bad = _first_bad(batch.extend_lens != n)
+        if bad >= 0:
+            raise TraceError(
+                f"batch.extend_lens[{bad}]", f"= {int(batch.extend_lens[bad])}, a verify step has draft_token_num = {n}"
+            )
+    mask = r.tensor("custom_mask", ndim=1, optional=True)
+    return Spec(
+        algorithm=r.str("algorithm"),
+        draft_token_num=n,
+        topk=r.int("topk", min_value=1),
+        steps=r.int("steps", min_value=1),
+        parents=parents,
+        custom_mask=mask,
+        mask_layout=r.enum("mask_layout", MaskLayout),
+    )
+
+
+def _graph(r: _Reader) -> Graph:
+    return Graph(
+        is_graph_replay=r.bool("is_graph_replay"),
+        capture_bs=r.int("capture_bs", min_value=0),
+        fill_value=r.int("fill_value"),
+        padded_seq_lens=r.index("padded_seq_lens"),
+        padded_req_pool_indices=r.index("padded_req_pool_indices"),
+        padded_out_cache_loc=r.index("padded_out_cache_loc"),
+        padded_positions=r.index("padded_positions"),
+    )
+
+
+def _plan(r: _Reader) -> Plan:
+    tensors = r.raw("tensors")
+    scalars = r.raw("scalars")
+    if not isinstance(tensors, dict) or not all(isinstance(v, Tensor) for v in tensors.values()):
+        raise TraceError("plan.tensors", "expected a dict of name -> tensor")
+    if not isinstance(scalars, dict) or not all(isinstance(v, (int, float, bool, str)) for v in scalars.values()):
+        raise TraceError("plan.scalars", "expected a dict of name -> int/float/bool/str")
+    return Plan(backend=r.str("backend"), tensors=dict(tensors), scalars=dict(scalars))
+
+
+def _layer_tensors(r: _Reader, model: Model, batch: Batch) -> LayerTensors:
+    float_types = tuple(DTYPES.values())
+    t = batch.num_tokens
+
+    def shaped(key: str, shape: tuple[int, ...], optional: bool = False) -> Tensor | None:
+        value = r.tensor(key, dtypes=float_types, optional=optional)
+        if value is not None and tuple(value.shape) != shape:
+            raise TraceError(r.name(key), f"shape {list(value.shape)}, expected {list(shape)}")
+        return value
+
+    kv_slots = r.index("kv_slots")
+    rows = kv_slots.numel()
+    v_cols = 0 if model.attention is AttentionKind.MLA else model.v_head_dim
+    bad = _first_bad((kv_slots < 0) | (kv_slots >= batch.kv_cache_size))
+    if bad >= 0:
+        raise TraceError(r.name(f"kv_slots[{bad}]"), f"= {int(kv_slots[bad])} is outside the KV cache")
+    return LayerTensors(
+        q=shaped("q", (t, model.num_qo_heads, model.head_dim)),
+        k_new=shaped("k_new", (t, model.num_kv_heads, model.head_dim)),
+        v_new=shaped("v_new", (t, model.num_kv_heads, v_cols)),
+        kv_slots=kv_slots,
+        k_rows=shaped("k_rows", (rows, model.num_kv_heads, model.head_dim)),
+        v_rows=shaped("v_rows", (rows, model.num_kv_heads, v_cols)),
+        output=shaped("output", (t, model.num_qo_heads, model.v_head_dim), optional=True),
+        lse=shaped("lse", (t, model.num_qo_heads), optional=True),
+        lse_base=r.enum("lse_base", LseBase),
+    )
+
+
+def from_dict(data: Any) -> Trace:
+    """Validate the storage form and build a `Trace`; raises `TraceError` on the first problem."""
+    top = _Reader(data, "trace")
+    if data.get("format") != FORMAT_NAME:
+        raise TraceError("format", f"= {data.get('format')!r}, not an attndbg trace (expected {FORMAT_NAME!r})")
+    version = data.get("version")
+    if version != FORMAT_VERSION:
+        raise TraceError("version", f"= {version!r}, this attndbg reads trace version {FORMAT_VERSION}")
+    source = _source(_section(top, "source"))
+    model = _model(_section(top, "model"))
+    batch = _batch(_section(top, "batch"), model)
+    seed = top.int("seed", min_value=0)
+    spec_r = _section(top, "spec", optional=True)
+    graph_r = _section(top, "graph", optional=True)
+    plan_r = _section(top, "plan", optional=True)
+    tensors_raw = top.raw("tensors", optional=True) or {}
+    if not isinstance(tensors_raw, dict):
+        raise TraceError("tensors", f"expected a dict of layer -> tensors, found {type(tensors_raw).__name__}")
+    tensors = {}
+    for layer, section in tensors_raw.items():
+        if not str(layer).isdigit():
+            raise TraceError(f"tensors[{layer!r}]", "layer keys must be layer numbers")
+        tensors[int(layer)] = _layer_tensors(_Reader(section, f"tensors.{layer}"), model, batch)
+    if batch.forward_mode is ForwardMode.TARGET_VERIFY and spec_r is None:
+        raise TraceError("spec", "missing: a TARGET_VERIFY step needs its draft tree")
+    return Trace(
+        source=source,
+        model=model,
+        batch=batch,
+        seed=seed,
+        spec=_spec(spec_r, batch) if spec_r else None,
+        graph=_graph(graph_r) if graph_r else None,
+        plan=_plan(plan_r) if plan_r else None,
+        tensors=tensors,
+    )
+
+
+def _section(top: _Reader, key: str, optional: bool = False) -> _Reader | None:
+    reader = top.section(key, optional)
+    if reader is not None:
+        reader.prefix = key  # fields read as "batch.kv_lens", not "trace.batch.kv_lens"
+    return reader

@@ -1,0 +1,45 @@
+"""Backend names -> adapters: the built-in ones, plus third parties through an entry point.
+
+A third-party package registers `[project.entry-points."attndbg.backends"] NAME = "pkg.mod:Class"`;
+the class follows `attndbg.backends.base.Backend`.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+from attndbg.backends.base import Backend
+from attndbg.backends.reference import ReferenceBackend
+from attndbg.backends.triton import TritonBackend, TritonOptions
+
+ENTRY_POINT_GROUP = "attndbg.backends"
+BUILTIN = ("reference", "triton")
+
+
+def backend_names() -> list[str]:
+    names = list(BUILTIN)
+    names += sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name not in names)
+    return names
+
+
+def create(name: str, *, triton_options: TritonOptions | None = None) -> Backend:
+    if name == "reference":
+        return ReferenceBackend()
+    if name == "triton":
+        return TritonBackend(triton_options)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            return ep.load()()
+    raise KeyError(name)
+
+
+def resolve(spec: str) -> list[str]:
+    """'triton,reference' or 'all' -> names; unknown names raise KeyError naming the first."""
+    if spec.strip() == "all":
+        return backend_names()
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    known = backend_names()
+    for n in names:
+        if n not in known:
+            raise KeyError(n)
+    return names
