@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import tempfile
+import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +56,9 @@ def load(path: str | os.PathLike) -> Trace:
     except OSError as e:
         raise TraceError("file", f"cannot read ({e.strerror or e})", str(path)) from None
     try:
-        data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about pickle protocols; the error says enough
+            warnings.simplefilter("ignore")
+            data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except _UNREADABLE as e:
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
         if "weights_only" in str(e) or "Unsupported global" in str(e):

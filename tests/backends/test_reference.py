@@ -1,0 +1,108 @@
+"""The float64 reference against a naive per-query, per-key loop written from first principles."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from attndbg.backends import reference
+from attndbg.replay.data import build_inputs
+from tests.factories import make_trace
+
+
+def _naive(trace, inputs):
+    """Loop over every query and key: which keys a query sees, decided from the batch alone."""
+    m, b = trace.model, trace.batch
+    out = torch.zeros(b.num_tokens, m.num_qo_heads, m.v_head_dim, dtype=torch.float64)
+    lse = torch.zeros(b.num_tokens, m.num_qo_heads, dtype=torch.float64)
+    for r in range(b.batch_size):
+        slots = b.request_slots(r).tolist()
+        prefix = int(b.prefix_lens[r])
+        start = int(b.qo_indptr[r])
+        for i in range(int(b.extend_lens[r])):
+            t = start + i
+            qcol = int(b.query_cols[t])
+            keys = []
+            for j in range(len(slots)):
+                if trace.is_tree_verify:
+                    if j < prefix:
+                        ok, kpos = True, j
+                    else:
+                        node, chain = i, []
+                        parents = trace.spec.parents[r].tolist()
+                        while node != -1:
+                            chain.append(node)
+                            node = parents[node]
+                        ok = (j - prefix) in chain
+                        # depth of the key's draft token
+                        d, node = 0, j - prefix
+                        while parents[node] != -1:
+                            node, d = parents[node], d + 1
+                        kpos = prefix + d
+                    qpos = int(b.positions[t])
+                else:
+                    ok, kpos, qpos = j <= qcol, j, qcol
+                if m.sliding_window >= 0 and qpos - kpos > m.sliding_window:
+                    ok = False
+                if ok:
+                    keys.append(slots[j])
+            for h in range(m.num_qo_heads):
+                kh = h // (m.num_qo_heads // m.num_kv_heads)
+                q = inputs.q[t, h].double()
+                scores = []
+                for s in keys:
+                    x = float(q @ inputs.k_cache[s, kh].double()) * m.sm_scale
+                    if m.logit_cap > 0:
+                        x = m.logit_cap * math.tanh(x / m.logit_cap)
+                    scores.append(x)
+                mx = max(scores)
+                w = [math.exp(x - mx) for x in scores]
+                total = sum(w)
+                lse[t, h] = mx + math.log(total)
+                for wi, s in zip(w, keys):
+                    out[t, h] += (wi / total) * inputs.v_cache[s, kh].double()
+    return out, lse
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ("decode-mha", "kv_lens=1,9,40", "heads=2:2", "head_dim=16"),
+        ("decode-gqa", "kv_lens=3,30", "heads=4:2", "head_dim=16", "page_size=4", "shared_prefix=8"),
+        ("extend-prefix", "prefix_lens=0,7", "extend_lens=5,4", "heads=2:1", "head_dim=8"),
+        ("verify", "prefix_lens=4,9", "heads=2:1", "head_dim=8", "topk=2", "steps=3", "draft_tokens=5"),
+        ("window", "prefix_lens=12,0", "extend_lens=6,9", "heads=2:1", "head_dim=8", "window=4"),
+        ("softcap", "kv_lens=5,17", "heads=2:1", "head_dim=8", "logit_cap=0.7"),
+        ("selective", "kv_lens=10,20", "select=3", "heads=2:1", "head_dim=8"),
+        ("mla-decode", "kv_lens=3,11", "heads=2", "kv_lora_rank=16", "rope_dim=8"),
+    ],
+)
+def test_reference_matches_naive_loop(spec: tuple[str, ...]) -> None:
+    trace = make_trace(*spec, "dtype=float32")
+    inputs = build_inputs(trace)
+    result = reference.attention(trace, inputs)
+    out, lse = _naive(trace, inputs)
+    torch.testing.assert_close(result.output, out, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(result.lse, lse, rtol=1e-10, atol=1e-10)
+
+
+def test_mla_values_are_the_latent_part_of_the_keys() -> None:
+    trace = make_trace("mla-decode", "kv_lens=4", "heads=2", "kv_lora_rank=16", "rope_dim=8")
+    inputs = build_inputs(trace)
+    assert inputs.v_cache.data_ptr() == inputs.k_cache.data_ptr()
+    assert inputs.v_cache.shape[-1] == 16 and inputs.k_cache.shape[-1] == 24
+
+
+def test_new_kv_is_written_before_attention() -> None:
+    trace = make_trace("extend-prefix")
+    inputs = build_inputs(trace)
+    assert torch.equal(inputs.k_cache[trace.batch.out_cache_loc], inputs.k_new)
+    assert torch.equal(inputs.v_cache[trace.batch.out_cache_loc], inputs.v_new)
+
+
+def test_inputs_are_deterministic_from_the_seed() -> None:
+    a = build_inputs(make_trace("decode-gqa", "seed=3"))
+    b = build_inputs(make_trace("decode-gqa", "seed=3"))
+    assert torch.equal(a.q, b.q) and torch.equal(a.k_cache, b.k_cache)
