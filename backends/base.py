@@ -32,6 +32,10 @@ class AttentionInputs:
     v_cache: Tensor  # [N, Hkv, Dv] (MLA: a view of k_cache[..., :kv_lora_rank])
 
 
+class KernelError(RuntimeError):
+    """The kernel library raised while planning or running; the message is its first line."""
+
+
 @dataclass(frozen=True)
 class AttentionResult:
     output: Tensor  # [T, Hq, Dv]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from attndbg import machine
-from attndbg.backends.base import AttentionInputs, AttentionResult, Backend
+from attndbg.backends.base import AttentionInputs, AttentionResult, Backend, KernelError
 from attndbg.trace import tree
 from attndbg.trace.schema import AttentionKind, ForwardMode, Plan, Trace
 
@@ -67,11 +67,21 @@ def _kernels():
     return decode, extend
 
 
+def _triton_errors() -> tuple[type[BaseException], ...]:
+    import triton
+
+    errors = getattr(triton, "errors", None)
+    return (RuntimeError, errors.TritonError) if errors and hasattr(errors, "TritonError") else (RuntimeError,)
+
+
 class TritonBackend(Backend):
     name = "triton"
 
     def __init__(self, options: TritonOptions | None = None):
         self.options = options or TritonOptions()
+        # Decide compiled vs interpreted before anything imports triton: Triton reads
+        # TRITON_INTERPRET when kernels and its language module are set up.
+        machine.select_triton_mode()
 
     def unavailable_reason(self) -> str | None:
         if not machine.module_available("triton"):
@@ -185,6 +195,13 @@ class TritonBackend(Backend):
     # -- run ----------------------------------------------------------------------------------
 
     def run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
+        try:
+            return self._run(trace, inputs, plan)
+        except _triton_errors() as e:
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise KernelError(f"{type(e).__name__}: {first[:300]}") from e
+
+    def _run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
         decode, extend = _kernels()
         device = inputs.q.device
         t = {k: v.to(device) for k, v in plan.tensors.items()}

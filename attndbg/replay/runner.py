@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from attndbg.backends import reference
-from attndbg.backends.base import AttentionResult, Backend
+from attndbg.backends.base import AttentionResult, Backend, KernelError
 from attndbg.backends.triton import TritonOptions
 from attndbg.backends import registry
 from attndbg.compare.tolerance import Comparison, compare
@@ -89,9 +89,8 @@ def _run_one(backend: Backend, trace: Trace, cpu_inputs, ref: AttentionResult, l
             result = backend.run(trace, inputs, plan)
             if inputs.q.is_cuda:
                 torch.cuda.synchronize()
-    except RuntimeError as e:  # kernel launch / CUDA / Triton compile errors
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        return BackendRun(backend.name, RunStatus.ERROR, description, reason=first[:300], plan=plan)
+    except KernelError as e:
+        return BackendRun(backend.name, RunStatus.ERROR, description, reason=str(e), plan=plan)
     seconds = time.perf_counter() - start
     cpu_result = AttentionResult(output=result.output.cpu(), lse=result.lse.cpu())
     with phase("compare", label):

@@ -41,6 +41,7 @@ def save(trace: Trace, path: str | os.PathLike) -> Path:
             torch.save(data, f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes files private; traces are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -1,0 +1,531 @@
+"""Split-KV decode attention (SGLang Triton-backend semantics), for MHA, GQA/MQA and MLA.
+
+One query token per request attends to the request's KV slots, read through
+`kv_indices[kv_indptr[b]:kv_indptr[b+1]]`. The work is split along the KV sequence:
+
+  stage 1: each (request, kv head, block of query heads, split) program computes the
+           softmax-normalised partial output of its split and the split's natural-log LSE;
+  stage 2: each (request, query head) program merges the splits with online rescaling.
+
+Split boundaries (both stages compute them the same way, `_split_range`):
+  kv_len_per_split = cdiv(cdiv(seq_len, num_kv_splits[b]), MIN_BLOCK_KV) * MIN_BLOCK_KV
+  split s covers [s * kv_len_per_split, min((s + 1) * kv_len_per_split, seq_len)).
+An empty split writes nothing in stage 1 and is skipped in stage 2, so merging never computes
+exp(-inf - -inf) (FlashInfer #4051 is that bug).
+
+The jitted helpers `dot`, `attend_tile` and `load_kv_tile` and the host-side `HeadDims` are
+shared with the extend kernel (extend.py), so both kernels do the score/softmax step one way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from attndbg.machine import TritonMode, select_triton_mode
+
+# Split lengths are rounded up to a multiple of this many tokens (SGLang's value).
+MIN_BLOCK_KV = 32
+# tl.dot needs at least 16 rows: query heads of one kv head are padded up to this.
+MIN_BLOCK_H = 16
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: head-dim tiling and launch parameters
+# ---------------------------------------------------------------------------------------------
+
+# Head dims whose key is a power-of-2 "main" part plus a rope tail, loaded as two tiles instead
+# of one padded tile: 576 = MLA (512 latent + 64 rope), 192 = MLA prefill q/k (128 + 64).
+_ROPE_TAIL_SPLITS = {576: (512, 64), 192: (128, 64), 288: (256, 32)}
+
+
+@dataclass(frozen=True)
+class HeadDims:
+    """How a key head dim Dk and value head dim Dv are tiled in the kernels."""
+
+    d_model: int  # Dk without the rope tail: columns [0, d_model) of q/k form the main tile
+    dv: int  # Dv
+    block_dmodel: int  # power of 2 >= d_model; columns past d_model are masked
+    block_dpe: int  # rope tail width, columns [d_model, d_model + block_dpe); 0 when none
+    block_dv: int  # power of 2 >= dv; columns past dv are masked
+
+    @classmethod
+    def of(cls, dk: int, dv: int) -> HeadDims:
+        d_model, block_dpe = _ROPE_TAIL_SPLITS.get(dk, (dk, 0))
+        return cls(
+            d_model=d_model,
+            dv=dv,
+            block_dmodel=triton.next_power_of_2(d_model),
+            block_dpe=block_dpe,
+            block_dv=triton.next_power_of_2(dv),
+        )
+
+    def constexprs(self) -> dict[str, int]:
+        return dict(
+            D_MODEL=self.d_model,
+            DV=self.dv,
+            BLOCK_DMODEL=self.block_dmodel,
+            BLOCK_DPE=self.block_dpe,
+            BLOCK_DV=self.block_dv,
+        )
+
+
+def dot_flags(dtype: torch.dtype) -> dict[str, object]:
+    """Constexprs that pick how every tl.dot in our kernels runs.
+
+    DOT_FP32: under TRITON_INTERPRET=1 (triton 3.9) tl.dot on bf16 operands returns garbage
+    (measured: max error 2.5e10 on a 16x16 product; the interpreter hands the raw bf16 bits to
+    numpy.matmul), while fp32 operands are exact. So when interpreted we upcast both operands to
+    fp32 *after* rounding them to the storage dtype, which keeps the GPU's numerics (bf16 inputs,
+    fp32 accumulation). On the GPU the dots stay in the native dtype (tensor cores).
+    DOT_PRECISION: fp32 inputs use exact "ieee" products instead of Triton's default tf32, so an
+    fp32 run is a precise reference rather than a 10-bit-mantissa one.
+    """
+    return dict(
+        DOT_FP32=select_triton_mode() is TritonMode.INTERPRETER,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+    )
+
+
+def interpreted() -> bool:
+    return select_triton_mode() is TritonMode.INTERPRETER
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+# ---------------------------------------------------------------------------------------------
+# Jitted helpers shared with extend.py
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def dot(a, b, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """a @ b with fp32 accumulation; see `dot_flags` for why the interpreter upcasts."""
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _tanh(x):
+    # There is no portable tl.tanh; 2 / (1 + e^-2x) - 1 saturates to +-1 without overflow NaNs.
+    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+
+
+@triton.jit
+def load_kv_tile(
+    K,  # pointer to K of this kv head (row 0)
+    V,  # pointer to V of this kv head (row 0)
+    offs_row,  # [BLOCK_N] int64 rows (cache slots or token rows) to read
+    mask_n,  # [BLOCK_N] which of them exist
+    stride_kn,
+    stride_kd,
+    stride_vn,
+    stride_vd,
+    D_MODEL: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DMODEL: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """Load K transposed as [BLOCK_DMODEL, BLOCK_N] (+ rope tail [BLOCK_DPE, BLOCK_N]) and V as
+    [BLOCK_N, BLOCK_DV]. Missing rows and padded columns read as 0."""
+    offs_d = tl.arange(0, BLOCK_DMODEL)
+    k = tl.load(
+        K + offs_row[None, :] * stride_kn + offs_d[:, None] * stride_kd,
+        mask=mask_n[None, :] & (offs_d[:, None] < D_MODEL),
+        other=0.0,
+    )
+    if BLOCK_DPE > 0:
+        offs_dpe = D_MODEL + tl.arange(0, BLOCK_DPE)
+        k_pe = tl.load(
+            K + offs_row[None, :] * stride_kn + offs_dpe[:, None] * stride_kd,
+            mask=mask_n[None, :],
+            other=0.0,
+        )
+    else:
+        k_pe = k  # placeholder, never used when BLOCK_DPE == 0
+    offs_dv = tl.arange(0, BLOCK_DV)
+    v = tl.load(
+        V + offs_row[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+        mask=mask_n[:, None] & (offs_dv[None, :] < DV),
+        other=0.0,
+    )
+    return k, k_pe, v
+
+
+@triton.jit
+def attend_tile(
+    acc,  # [ROWS, BLOCK_DV] float32, un-normalised output so far
+    l_i,  # [ROWS] float32, sum of exp(score - m_i) so far
+    m_i,  # [ROWS] float32, running max score (-inf while nothing was visible)
+    q,  # [ROWS, BLOCK_DMODEL]
+    q_pe,  # [ROWS, BLOCK_DPE] (placeholder when BLOCK_DPE == 0)
+    k,  # [BLOCK_DMODEL, BLOCK_N]
+    k_pe,  # [BLOCK_DPE, BLOCK_N]
+    v,  # [BLOCK_N, BLOCK_DV]
+    visible,  # bool, broadcastable to [ROWS, BLOCK_N]
+    sm_scale,
+    logit_cap,
+    BLOCK_DPE: tl.constexpr,
+    USE_LOGIT_CAP: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One step of the online softmax over a tile of keys; returns the new (acc, l_i, m_i)."""
+    # scores: qk = (q . k) * sm_scale, optionally soft-capped with tanh
+    qk = dot(q, k, DOT_FP32, DOT_PRECISION)
+    if BLOCK_DPE > 0:
+        qk += dot(q_pe, k_pe, DOT_FP32, DOT_PRECISION)
+    qk = qk * sm_scale
+    if USE_LOGIT_CAP:
+        qk = logit_cap * _tanh(qk / logit_cap)
+    qk = tl.where(visible, qk, float("-inf"))
+
+    # online softmax: new running max, then rescale what was accumulated under the old one.
+    # A row that has seen no visible key keeps m = -inf; subtract 0 instead so that
+    # exp(-inf - -inf) = NaN never happens (its p and alpha are then exp(-inf) = 0).
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_base)
+    p = tl.exp(qk - m_base[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # P is rounded to V's dtype for the tensor-core product, as in the fused-attention tutorial.
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_FP32, DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _split_range(Kv_Indptr, Num_Kv_Splits, cur_batch, split, MIN_BLOCK_KV: tl.constexpr):
+    """[split_start, split_end) of this split inside the request's KV, and the request's first
+    index into kv_indices. Both stages call this, so they agree on the boundaries."""
+    kv_start = tl.load(Kv_Indptr + cur_batch)
+    seq_len = tl.load(Kv_Indptr + cur_batch + 1) - kv_start
+    num_splits = tl.load(Num_Kv_Splits + cur_batch)
+    kv_len_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), MIN_BLOCK_KV) * MIN_BLOCK_KV
+    split_start = split * kv_len_per_split
+    split_end = tl.minimum(split_start + kv_len_per_split, seq_len)
+    return kv_start, split_start, split_end
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 1: partial attention per split
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    Q,  # [bs, Hq, Dk]
+    K_Buffer,  # [N, Hkv, Dk]
+    V_Buffer,  # [N, Hkv, Dv]
+    Kv_Indptr,  # [bs + 1] int32
+    Kv_Indices,  # [kv_indptr[-1]] int32/int64 slot ids
+    Num_Kv_Splits,  # [bs] int32
+    Att_Out,  # [bs, Hq, max_kv_splits, Dv] float32: normalised partial outputs
+    Att_Lse,  # [bs, Hq, max_kv_splits] float32: natural-log LSE of each split
+    sm_scale,
+    logit_cap,
+    stride_qb, stride_qh, stride_qd,
+    stride_kn, stride_kh, stride_kd,
+    stride_vn, stride_vh, stride_vd,
+    stride_ab, stride_ah, stride_as, stride_ad,
+    stride_lb, stride_lh, stride_ls,
+    GROUP: tl.constexpr,  # query heads per kv head
+    HEAD_BLOCKS: tl.constexpr,  # cdiv(GROUP, BLOCK_H): programs per kv head
+    D_MODEL: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_DMODEL: tl.constexpr,
+    BLOCK_DPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MIN_BLOCK_KV: tl.constexpr,
+    USE_LOGIT_CAP: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    cur_batch = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # The BLOCK_H query heads of this program all share one kv head (MHA: GROUP = 1, the block is
+    # padded up to MIN_BLOCK_H rows so the scores are still one tl.dot).
+    cur_kv_head = pid_h // HEAD_BLOCKS
+    offs_g = (pid_h % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_g < GROUP
+    offs_h = cur_kv_head * GROUP + offs_g
+
+    kv_start, split_start, split_end = _split_range(
+        Kv_Indptr, Num_Kv_Splits, cur_batch, split, MIN_BLOCK_KV
+    )
+    # Empty split (short request, or split >= num_kv_splits[b]): write nothing.
+    if split_end > split_start:
+        offs_d = tl.arange(0, BLOCK_DMODEL)
+        q_ptrs = Q + cur_batch * stride_qb + offs_h[:, None] * stride_qh
+        q = tl.load(
+            q_ptrs + offs_d[None, :] * stride_qd,
+            mask=mask_h[:, None] & (offs_d[None, :] < D_MODEL),
+            other=0.0,
+        )
+        if BLOCK_DPE > 0:
+            offs_dpe = D_MODEL + tl.arange(0, BLOCK_DPE)
+            q_pe = tl.load(q_ptrs + offs_dpe[None, :] * stride_qd, mask=mask_h[:, None], other=0.0)
+        else:
+            q_pe = q  # placeholder, never used
+
+        K = K_Buffer + cur_kv_head * stride_kh
+        V = V_Buffer + cur_kv_head * stride_vh
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+        for start_n in range(split_start, split_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < split_end
+            # 64-bit slot ids: slot * stride overflows int32 on large caches
+            kv_loc = tl.load(Kv_Indices + kv_start + offs_n, mask=mask_n, other=0).to(tl.int64)
+            k, k_pe, v = load_kv_tile(
+                K, V, kv_loc, mask_n, stride_kn, stride_kd, stride_vn, stride_vd,
+                D_MODEL, DV, BLOCK_DMODEL, BLOCK_DPE, BLOCK_DV,
+            )
+            # Padded head rows have q = 0 and finite scores, so only key columns are masked;
+            # the first tile of a non-empty split always has a visible key.
+            acc, l_i, m_i = attend_tile(
+                acc, l_i, m_i, q, q_pe, k, k_pe, v, mask_n[None, :], sm_scale, logit_cap,
+                BLOCK_DPE, USE_LOGIT_CAP, DOT_FP32, DOT_PRECISION,
+            )
+
+        # the split's normalised output and natural-log LSE (l_i >= 1: the max term is exp(0))
+        offs_dv = tl.arange(0, BLOCK_DV)
+        out_ptrs = Att_Out + cur_batch * stride_ab + offs_h[:, None] * stride_ah + split * stride_as
+        tl.store(
+            out_ptrs + offs_dv[None, :] * stride_ad,
+            acc / l_i[:, None],
+            mask=mask_h[:, None] & (offs_dv[None, :] < DV),
+        )
+        lse_ptrs = Att_Lse + cur_batch * stride_lb + offs_h * stride_lh + split * stride_ls
+        tl.store(lse_ptrs, m_i + tl.log(l_i), mask=mask_h)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage 2: merge the splits
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    Att_Out,  # [bs, Hq, max_kv_splits, Dv] float32
+    Att_Lse,  # [bs, Hq, max_kv_splits] float32
+    O,  # [bs, Hq, Dv]
+    Lse,  # [bs, Hq] float32
+    Kv_Indptr,
+    Num_Kv_Splits,
+    stride_ab, stride_ah, stride_as, stride_ad,
+    stride_lb, stride_lh, stride_ls,
+    stride_ob, stride_oh, stride_od,
+    stride_sb, stride_sh,
+    DV: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    MIN_BLOCK_KV: tl.constexpr,
+):
+    cur_batch = tl.program_id(0)
+    cur_head = tl.program_id(1)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < DV
+
+    out_ptrs = Att_Out + cur_batch * stride_ab + cur_head * stride_ah + offs_dv * stride_ad
+    lse_ptr = Att_Lse + cur_batch * stride_lb + cur_head * stride_lh
+    num_splits = tl.load(Num_Kv_Splits + cur_batch)
+
+    # online merge: each split is (o_s, lse_s) with o_s already normalised, so its weight is
+    # exp(lse_s - m) relative to the running max m of the LSEs.
+    m = float("-inf")
+    total = 0.0
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for split in range(0, num_splits):
+        _, split_start, split_end = _split_range(
+            Kv_Indptr, Num_Kv_Splits, cur_batch, split, MIN_BLOCK_KV
+        )
+        # stage 1 wrote nothing for an empty split: skip it (its scratch holds garbage)
+        if split_end > split_start:
+            o_s = tl.load(out_ptrs + split * stride_as, mask=mask_dv, other=0.0)
+            lse_s = tl.load(lse_ptr + split * stride_ls)
+            m_new = tl.maximum(m, lse_s)  # finite: lse_s of a non-empty split is finite
+            alpha = tl.exp(m - m_new)
+            w = tl.exp(lse_s - m_new)
+            acc = acc * alpha + w * o_s
+            total = total * alpha + w
+            m = m_new
+
+    # seq_len 0: no split was merged; write 0 and lse = -inf instead of 0/0
+    has_kv = total > 0.0
+    o = tl.where(has_kv, acc / tl.where(has_kv, total, 1.0), 0.0)
+    lse = tl.where(has_kv, m + tl.log(tl.where(has_kv, total, 1.0)), float("-inf"))
+    tl.store(O + cur_batch * stride_ob + cur_head * stride_oh + offs_dv * stride_od,
+             o.to(O.dtype.element_ty), mask=mask_dv)
+    tl.store(Lse + cur_batch * stride_sb + cur_head * stride_sh, lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# Python wrappers
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Stage1Launch:
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    @classmethod
+    def choose(cls, *, group: int, dims: HeadDims) -> _Stage1Launch:
+        # Up to 64 query heads of one kv head share each K/V tile; 16 is tl.dot's minimum.
+        # Wide MLA heads (Dv 512) keep 16 rows so the [BLOCK_H, BLOCK_DV] fp32 accumulator
+        # stays in registers.
+        max_h = MIN_BLOCK_H if dims.block_dv >= 512 else 64
+        block_h = min(max(MIN_BLOCK_H, triton.next_power_of_2(group)), max_h)
+        if interpreted():
+            # ~3-4 ms per loop iteration of a program under the interpreter, whatever the
+            # tile size: fewer, larger tiles.
+            return cls(block_h=block_h, block_n=64, num_warps=4, num_stages=1)
+        # Memory-bound: tiles large enough for coalesced 128-byte rows and a few loads in
+        # flight, small enough to keep K, V and the accumulator out of local memory.
+        width = dims.block_dmodel + dims.block_dpe + dims.block_dv
+        if width >= 1024:  # MLA: 576 + 512
+            return cls(block_h=block_h, block_n=16, num_warps=4, num_stages=2)
+        if width >= 512:
+            return cls(block_h=block_h, block_n=32, num_warps=4, num_stages=2)
+        return cls(block_h=block_h, block_n=64, num_warps=4, num_stages=2)
+
+
+def decode_stage1(
+    *,
+    q: torch.Tensor,  # [bs, Hq, Dk]
+    k_buffer: torch.Tensor,  # [N, Hkv, Dk], any strides
+    v_buffer: torch.Tensor,  # [N, Hkv, Dv], any strides (MLA: a view of k_buffer)
+    kv_indptr: torch.Tensor,  # [bs + 1] int32
+    kv_indices: torch.Tensor,  # [kv_indptr[-1]] int32 or int64
+    attn_logits: torch.Tensor,  # [bs, Hq, max_kv_splits, Dv] float32 scratch (written)
+    attn_lse: torch.Tensor,  # [bs, Hq, max_kv_splits] float32 scratch (written)
+    num_kv_splits: torch.Tensor,  # [bs] int32 in [1, max_kv_splits]
+    max_kv_splits: int,
+    sm_scale: float,
+    logit_cap: float = 0.0,
+) -> None:
+    """Stage 1: per split, the normalised partial output and its natural-log LSE."""
+    bs, num_q_heads, dk = q.shape
+    _, num_kv_heads, dk_cache = k_buffer.shape
+    dv = v_buffer.shape[-1]
+    _check(dk == dk_cache, f"q head dim {dk} != k_buffer head dim {dk_cache}")
+    _check(
+        num_q_heads % num_kv_heads == 0,
+        f"q has {num_q_heads} heads, not a multiple of k_buffer's {num_kv_heads} kv heads",
+    )
+    _check(
+        attn_logits.shape == (bs, num_q_heads, max_kv_splits, dv)
+        and attn_lse.shape == (bs, num_q_heads, max_kv_splits),
+        f"scratch attn_logits {tuple(attn_logits.shape)} / attn_lse {tuple(attn_lse.shape)}: "
+        f"expected ({bs}, {num_q_heads}, {max_kv_splits}, {dv}) / ({bs}, {num_q_heads}, {max_kv_splits})",
+    )
+    group = num_q_heads // num_kv_heads
+    dims = HeadDims.of(dk, dv)
+    launch = _Stage1Launch.choose(group=group, dims=dims)
+    head_blocks = triton.cdiv(group, launch.block_h)
+
+    grid = (bs, num_kv_heads * head_blocks, max_kv_splits)
+    _decode_stage1_kernel[grid](
+        q, k_buffer, v_buffer, kv_indptr, kv_indices, num_kv_splits, attn_logits, attn_lse,
+        sm_scale, logit_cap,
+        *q.stride(), *k_buffer.stride(), *v_buffer.stride(),
+        *attn_logits.stride(), *attn_lse.stride(),
+        GROUP=group,
+        HEAD_BLOCKS=head_blocks,
+        **dims.constexprs(),
+        BLOCK_H=launch.block_h,
+        BLOCK_N=launch.block_n,
+        MIN_BLOCK_KV=MIN_BLOCK_KV,
+        USE_LOGIT_CAP=logit_cap > 0,
+        **dot_flags(q.dtype),
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+    )
+
+
+def decode_stage2(
+    *,
+    attn_logits: torch.Tensor,  # [bs, Hq, max_kv_splits, Dv] float32, from stage 1
+    attn_lse: torch.Tensor,  # [bs, Hq, max_kv_splits] float32, from stage 1
+    o: torch.Tensor,  # [bs, Hq, Dv] (written, in o's dtype)
+    lse: torch.Tensor,  # [bs, Hq] float32 natural log (written)
+    kv_indptr: torch.Tensor,  # [bs + 1] int32
+    num_kv_splits: torch.Tensor,  # [bs] int32, the same values stage 1 used
+    max_kv_splits: int,
+) -> None:
+    """Stage 2: merge each request's non-empty splits into o and its natural-log LSE."""
+    bs, num_q_heads, dv = o.shape
+    _check(
+        attn_logits.shape == (bs, num_q_heads, max_kv_splits, dv)
+        and attn_lse.shape == (bs, num_q_heads, max_kv_splits)
+        and lse.shape == (bs, num_q_heads),
+        f"attn_logits {tuple(attn_logits.shape)}, attn_lse {tuple(attn_lse.shape)}, "
+        f"lse {tuple(lse.shape)}: expected ({bs}, {num_q_heads}, {max_kv_splits}, {dv}), "
+        f"({bs}, {num_q_heads}, {max_kv_splits}), ({bs}, {num_q_heads})",
+    )
+    grid = (bs, num_q_heads)
+    _decode_stage2_kernel[grid](
+        attn_logits, attn_lse, o, lse, kv_indptr, num_kv_splits,
+        *attn_logits.stride(), *attn_lse.stride(), *o.stride(), *lse.stride(),
+        DV=dv,
+        BLOCK_DV=triton.next_power_of_2(dv),
+        MIN_BLOCK_KV=MIN_BLOCK_KV,
+        num_warps=4,
+        num_stages=2,
+    )
+
+
+def decode_attention_fwd(
+    *,
+    q: torch.Tensor,  # [bs, Hq, Dk]
+    k_buffer: torch.Tensor,  # [N, Hkv, Dk]
+    v_buffer: torch.Tensor,  # [N, Hkv, Dv]
+    o: torch.Tensor,  # [bs, Hq, Dv] (written)
+    lse: torch.Tensor,  # [bs, Hq] float32 (written)
+    kv_indptr: torch.Tensor,  # [bs + 1] int32
+    kv_indices: torch.Tensor,  # int32 or int64 slot ids
+    attn_logits: torch.Tensor,  # [bs, Hq, max_kv_splits, Dv] float32 scratch
+    attn_lse: torch.Tensor,  # [bs, Hq, max_kv_splits] float32 scratch
+    num_kv_splits: torch.Tensor,  # [bs] int32
+    max_kv_splits: int,
+    sm_scale: float,
+    logit_cap: float = 0.0,
+) -> None:
+    """Split-KV decode attention: stage 1 then stage 2 (see the module docstring)."""
+    decode_stage1(
+        q=q,
+        k_buffer=k_buffer,
+        v_buffer=v_buffer,
+        kv_indptr=kv_indptr,
+        kv_indices=kv_indices,
+        attn_logits=attn_logits,
+        attn_lse=attn_lse,
+        num_kv_splits=num_kv_splits,
+        max_kv_splits=max_kv_splits,
+        sm_scale=sm_scale,
+        logit_cap=logit_cap,
+    )
+    decode_stage2(
+        attn_logits=attn_logits,
+        attn_lse=attn_lse,
+        o=o,
+        lse=lse,
+        kv_indptr=kv_indptr,
+        num_kv_splits=num_kv_splits,
+        max_kv_splits=max_kv_splits,
+    )
