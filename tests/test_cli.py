@@ -1,0 +1,118 @@
+"""One CliRunner test per command, and the exit-code contract (0 ok, 1 failed, 2 bad input)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from attndbg.backends import registry
+from attndbg.backends.triton import TritonBackend
+from attndbg.cli import main
+from tests.factories import write_trace
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_synth_writes_a_loadable_trace_with_a_plan(tmp_path: Path) -> None:
+    out = tmp_path / "v.pt"
+    result = invoke("synth", "verify", "prefix_lens=5,9", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    from attndbg.trace import io
+
+    trace = io.load(out)
+    assert trace.batch.prefix_lens.tolist() == [5, 9]
+    assert trace.plan is not None and trace.plan.backend == "triton"
+    assert torch.equal(trace.plan.tensors["custom_mask"], trace.spec.custom_mask)
+
+
+def test_synth_bad_spec_is_one_line_exit_2(tmp_path: Path) -> None:
+    result = invoke("synth", "decode-gqa", "kv_lenz=1", "-o", str(tmp_path / "x.pt"))
+    assert result.exit_code == 2
+    assert result.output.strip().count("\n") == 0 and "unknown key 'kv_lenz'" in result.output
+
+
+def test_synth_list() -> None:
+    result = invoke("synth", "--list")
+    assert result.exit_code == 0 and "verify" in result.output and "draft_tokens" in result.output
+
+
+def test_replay_passes_and_writes_json(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.pt", "decode-mha")
+    report = tmp_path / "r.json"
+    result = invoke("replay", str(trace), "--backend", "triton,reference", "--json", str(report))
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    assert data["passed"] is True
+    assert [b["backend"] for b in data["backends"]] == ["triton", "reference"]
+    assert all(b["status"] == "passed" and b["failing_rows"] == 0 for b in data["backends"])
+
+
+def test_replay_unknown_backend_exit_2(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.pt", "decode-mha")
+    result = invoke("replay", str(trace), "--backend", "tritonn")
+    assert result.exit_code == 2 and "unknown backend 'tritonn'" in result.output
+
+
+def test_replay_missing_file_exit_2(tmp_path: Path) -> None:
+    result = invoke("replay", str(tmp_path / "nope.pt"))
+    assert result.exit_code == 2 and "nope.pt" in result.output and "cannot read" in result.output
+
+
+class _WrongMaskTriton(TritonBackend):
+    """Triton with an engine-style bug: every draft token also sees the last draft token."""
+
+    name = "triton-wrong-mask"
+
+    def derive_plan(self, trace):
+        plan = super().derive_plan(trace)
+        mask = plan.tensors["custom_mask"].clone()
+        n = trace.spec.draft_token_num
+        start = 0
+        for prefix in trace.batch.prefix_lens.tolist():
+            block = mask[start : start + n * (prefix + n)].view(n, prefix + n)
+            block[:, -1] = True
+            start += n * (prefix + n)
+        return replace(plan, tensors={**plan.tensors, "custom_mask": mask})
+
+
+def test_replay_exit_1_when_a_backend_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trace = write_trace(tmp_path / "t.pt", "verify", "prefix_lens=6,10")
+    monkeypatch.setattr(registry, "backend_names", lambda: ["reference", "triton", "triton-wrong-mask"])
+    original = registry.create
+    monkeypatch.setattr(registry, "create", lambda name, **kw: _WrongMaskTriton() if name == "triton-wrong-mask" else original(name, **kw))
+    report = tmp_path / "r.json"
+    result = invoke("replay", str(trace), "--backend", "triton,triton-wrong-mask", "--json", str(report))
+    assert result.exit_code == 1, result.output
+    runs = {b["backend"]: b for b in json.loads(report.read_text())["backends"]}
+    assert runs["triton"]["status"] == "passed"
+    assert runs["triton-wrong-mask"]["status"] == "failed" and runs["triton-wrong-mask"]["failing_rows"] > 0
+
+
+def test_replay_reports_unsupported_features(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.pt", "mla-decode", "mode=extend", "prefix_lens=3", "extend_lens=4", plan=False)
+    report = tmp_path / "r.json"
+    result = invoke("replay", str(trace), "--backend", "triton,reference", "--json", str(report))
+    assert result.exit_code == 0, result.output
+    runs = {b["backend"]: b for b in json.loads(report.read_text())["backends"]}
+    assert runs["triton"]["status"] == "unsupported" and "MLA EXTEND" in runs["triton"]["reason"]
+
+
+def test_backends_lists_triton_and_its_mode() -> None:
+    result = invoke("backends")
+    assert result.exit_code == 0
+    assert "reference" in result.output and "triton" in result.output
+
+
+def test_python_dash_m_runs() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "attndbg", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "replay" in proc.stdout
