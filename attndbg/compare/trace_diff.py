@@ -63,6 +63,10 @@ class TraceDiff:
     def identical(self) -> bool:
         return not self.differences
 
+    @property
+    def differs(self) -> bool:
+        return not self.identical
+
     def section(self, name: str) -> tuple[FieldDiff, ...]:
         """The fields of one top-level section ("model", "batch", ...)."""
         return tuple(f for f in self.fields if f.field.split(".", 1)[0] == name)
@@ -155,9 +159,16 @@ def _compare_tensor(name: str, a: Tensor, b: Tensor, locate: "_Locator") -> Fiel
             first = int(torch.nonzero(ne)[0, 0]) if ne.any() else n
             both = first < n
             return FieldDiff(
-                name, FieldStatus.SHAPE, _item(a, (first,)) if both else None, _item(b, (first,)) if both else None,
-                index=(first,), count=int(ne.sum()), numel=n, where=locate(name, first), **meta,
-            )  # fmt: skip
+                name,
+                FieldStatus.SHAPE,
+                _item(a, (first,)) if both else None,
+                _item(b, (first,)) if both else None,
+                index=(first,),
+                count=int(ne.sum()),
+                numel=n,
+                where=locate(name, first),
+                **meta,
+            )
         return FieldDiff(name, FieldStatus.SHAPE, tuple(a.shape), tuple(b.shape), **meta)
     ne = _differs(a, b)
     count = int(ne.sum())
@@ -165,11 +176,17 @@ def _compare_tensor(name: str, a: Tensor, b: Tensor, locate: "_Locator") -> Fiel
     if count == 0:
         return FieldDiff(name, status, numel=a.numel(), **meta)
     index = tuple(int(i) for i in torch.nonzero(ne)[0])
-    flat = int(torch.nonzero(ne.flatten())[0, 0])
     return FieldDiff(
-        name, status, _item(a, index), _item(b, index),
-        index=index, count=count, numel=a.numel(), where=locate(name, flat) if a.dim() == 1 else "", **meta,
-    )  # fmt: skip
+        name,
+        status,
+        _item(a, index),
+        _item(b, index),
+        index=index,
+        count=count,
+        numel=a.numel(),
+        where=locate(name, index[0]) if a.dim() == 1 else "",
+        **meta,
+    )
 
 
 class _Locator:
@@ -222,4 +239,4 @@ class _Locator:
             row, col = divmod(rest, n)
             return f"request {b}, row {row}, draft col {col}" if b < prefix.numel() else ""
         b, row = divmod(k, n)
-        return f"request {b}, row {row} (one packed word per row, bit j = draft col j)" if b < prefix.numel() else ""
+        return f"request {b}, row {row}, packed word: bit j = draft col j" if b < prefix.numel() else ""

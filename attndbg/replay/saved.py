@@ -17,7 +17,10 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import pickletools
+import re
 import tempfile
+import warnings
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -171,6 +174,28 @@ def save_replay(
         raise
 
 
+def is_saved_replay(path: str | os.PathLike) -> bool:
+    """Whether `path` is a saved replay rather than a trace, decided without unpickling anything.
+
+    A `.replay` name counts (so a damaged one gets `load_replay`'s error, not the trace loader's);
+    otherwise the torch archive's pickle is read as opcodes only and its top-level "format" string
+    is checked. Anything unreadable is "no": the trace loader then reports what is wrong with it.
+    """
+    path = Path(path)
+    if path.suffix == ".replay":
+        return True
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickled = next((n for n in archive.namelist() if n.rsplit("/", 1)[-1] == "data.pkl"), None)
+            if pickled is None:
+                return False
+            ops = pickletools.genops(archive.read(pickled))
+            strings = [arg for op, arg, _ in ops if isinstance(arg, str) and "UNICODE" in op.name]
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
+    return any(key == "format" and value == FORMAT_NAME for key, value in zip(strings, strings[1:]))
+
+
 def load_replay(path: str | os.PathLike) -> SavedReplay:
     """Load and check a saved replay; any problem is a one-line `TraceError` naming the file."""
     where = str(path)
@@ -178,25 +203,41 @@ def load_replay(path: str | os.PathLike) -> SavedReplay:
         raw = Path(path).read_bytes()
     except OSError as e:
         raise TraceError("file", f"cannot read ({e.strerror or e})", where) from None
+    if not raw:
+        raise TraceError("file", "is empty (an interrupted write? save_replay writes atomically)", where)
     try:
-        data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            # A plain pickle (not a torch archive) makes torch warn about its protocol before
+            # refusing it; the refusal below is the message the user needs.
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except _UNREADABLE as e:
-        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        if "weights_only" in str(e) or "Unsupported global" in str(e):
-            first_line = "contains Python objects that would run code when loaded; refused (weights_only)"
-        raise TraceError("file", f"not a readable attndbg saved replay: {first_line[:200]}", where) from None
+        raise TraceError("file", f"not a readable attndbg saved replay: {_unreadable_reason(e)}", where) from None
     if not isinstance(data, dict):
         raise TraceError("file", f"not an attndbg saved replay (top level is {type(data).__name__})", where)
     if data.get("format") != FORMAT_NAME:
-        hint = " (this is a trace: replay it with `attndbg replay --save FILE`)" if data.get("format") == "attndbg.trace" else ""
+        is_trace = data.get("format") == "attndbg.trace"
+        hint = " (this is a trace: replay it with `attndbg replay --save FILE`)" if is_trace else ""
         raise TraceError(
             "format", f"= {data.get('format')!r}, not an attndbg saved replay (expected {FORMAT_NAME!r}){hint}", where
         )
-    if data.get("version") != FORMAT_VERSION:
+    if data.get("version") != FORMAT_VERSION or isinstance(data.get("version"), bool):
         raise TraceError(
             "version", f"= {data.get('version')!r}, this attndbg reads saved-replay version {FORMAT_VERSION}", where
         )
     return _built(where, lambda: _from_dict(data, where))
+
+
+def _unreadable_reason(e: Exception) -> str:
+    """One line from torch.load's multi-paragraph error: a refused global, or what was malformed."""
+    text = str(e)
+    refused = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    if refused:
+        return f"contains a Python object ({refused.group(1)}) that would run code when loaded; refused"
+    after = text.split("WeightsUnpickler error:", 1)
+    lines = [line.strip() for line in after[-1].splitlines() if line.strip()]
+    detail = lines[0] if lines else type(e).__name__
+    return f"not a torch archive of plain data ({detail[:200]})" if len(after) == 2 else detail[:200]
 
 
 def _from_dict(data: dict, where: str) -> SavedReplay:
