@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode import HeadDims, attend_tile, dot_flags, interpreted, load_kv_tile
+from .common import HeadDims, attend_tile, dot_flags, interpreted, load_kv_tile
 
 
 @triton.jit
