@@ -19,7 +19,6 @@ import os
 import pickle
 import pickletools
 import re
-import tempfile
 import warnings
 import zipfile
 from collections.abc import Mapping
@@ -27,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from attndbg.atomic import torch_save_atomically
 from torch import Tensor
 
 from attndbg.trace.validate import TraceError, check_indptr
@@ -161,17 +162,7 @@ def save_replay(
         "qo_indptr": saved.qo_indptr,
         "results": {name: {"output": r.output, "lse": r.lse} for name, r in saved.results.items()},
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    torch_save_atomically(data, path)
 
 
 def is_saved_replay(path: str | os.PathLike) -> bool:

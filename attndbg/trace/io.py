@@ -11,7 +11,6 @@ import io
 import json
 import os
 import pickle
-import tempfile
 import warnings
 import zipfile
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from attndbg.atomic import torch_save_atomically
 from attndbg.trace.schema import Trace, to_dict
 from attndbg.trace.validate import TraceError, from_dict
 
@@ -34,19 +34,7 @@ def save(trace: Trace, path: str | os.PathLike) -> Path:
     path = Path(path)
     data = to_dict(trace)
     from_dict(data)  # never write what we could not read back
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes files private; traces are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return torch_save_atomically(data, path)
 
 
 def load(path: str | os.PathLike) -> Trace:
