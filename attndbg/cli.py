@@ -111,8 +111,25 @@ def show(trace: str) -> None:
 @click.option("--save", "save_path", type=click.Path(dir_okay=False), help="keep outputs for `attndbg diff`")
 @click.option("--layer", type=int, default=None, help="use this recorded layer's tensors")
 @click.option("--num-kv-splits", type=click.IntRange(min=1), default=None, help="force split-KV count (triton)")
+@click.option("--plan", "plan_source", type=click.Choice(["derived", "recorded", "both"]), default="derived", show_default=True, help="run the plan derived from the batch, the one the engine recorded, or both")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help="eager runs per backend; any bit difference between them fails")
+@click.option("--cuda-graph", is_flag=True, help="also replay inside a real CUDA graph, padded as engines pad")
+@click.option("--capture-bs", type=click.IntRange(min=1), default=None, help="graph capture batch size (default: next SGLang size above the batch)")
+@click.option("--fill-value", type=click.IntRange(min=0), default=None, help="seq_len of padded rows (default: each backend's own)")
 @handles_bad_input
-def replay(trace: str, backend_spec: str, json_path: str | None, save_path: str | None, layer: int | None, num_kv_splits: int | None) -> None:
+def replay(
+    trace: str,
+    backend_spec: str,
+    json_path: str | None,
+    save_path: str | None,
+    layer: int | None,
+    num_kv_splits: int | None,
+    plan_source: str,
+    repeat: int,
+    cuda_graph: bool,
+    capture_bs: int | None,
+    fill_value: int | None,
+) -> None:
     """Replay a step through real kernels and compare each backend with a float64 reference.
 
     Exit 0 when every backend that ran passed, 1 when any failed, 2 on bad input.
@@ -123,7 +140,8 @@ def replay(trace: str, backend_spec: str, json_path: str | None, save_path: str 
     """
     from attndbg.backends import registry
     from attndbg.backends.triton import TritonOptions
-    from attndbg.replay.runner import ReplayOptions, replay as run_replay
+    from attndbg import machine
+    from attndbg.replay.runner import PlanSource, ReplayOptions, replay as run_replay
     from attndbg.report.replay import render_replay, replay_to_json
     from attndbg.trace import io
 
@@ -134,8 +152,18 @@ def replay(trace: str, backend_spec: str, json_path: str | None, save_path: str 
     paths = io.trace_paths(trace)
     if save_path and len(paths) != 1:
         raise BadInput("--save takes a single step file, not a recording directory")
+    if cuda_graph and not machine.cuda_available():
+        raise BadInput("--cuda-graph needs a CUDA GPU, and this machine has none")
     max_splits = max(num_kv_splits or 0, TritonOptions().max_kv_splits)
-    options = ReplayOptions(layer=layer, triton=TritonOptions(num_kv_splits=num_kv_splits, max_kv_splits=max_splits))
+    options = ReplayOptions(
+        layer=layer,
+        triton=TritonOptions(num_kv_splits=num_kv_splits, max_kv_splits=max_splits),
+        plan=PlanSource(plan_source),
+        repeat=repeat,
+        cuda_graph=cuda_graph,
+        capture_bs=capture_bs,
+        fill_value=fill_value,
+    )
     console = _console()
     results = []
     for path in paths:
@@ -152,7 +180,10 @@ def replay(trace: str, backend_spec: str, json_path: str | None, save_path: str 
 
         only = results[0]
         outputs = {"reference": (only.reference.output, only.reference.lse)}
-        outputs.update({r.name: (r.result.output, r.result.lse) for r in only.runs if r.result is not None})
+        for r in only.runs:
+            if r.result is not None:
+                key = r.name if r.variant == "eager" else f"{r.name}[{r.variant}]"
+                outputs[key] = (r.result.output, r.result.lse)
         save_replay(save_path, trace_file=str(paths[0]), qo_indptr=only.trace.batch.qo_indptr, results=outputs)
     sys.exit(EXIT_FAILED if any(r.failed for r in results) else EXIT_OK)
 

@@ -42,8 +42,61 @@ class AttentionResult:
     lse: Tensor  # [T, Hq] natural log
 
 
+@dataclass(frozen=True)
+class Padding:
+    """How a CUDA-graph batch is padded, the way engines pad (SGLang's CudaGraphRunner).
+
+    Requests [bs, capture_bs) are padding: each has the step's tokens per request (1 for decode,
+    draft_token_num for verify) and `fill_value` KV columns, all at `dummy_slot`; their new K/V go
+    to `dummy_slot` too (SGLang zeroes out_cache_loc: "padded slot 0 is used for writing dummy
+    outputs from padded tokens").
+    """
+
+    capture_bs: int
+    fill_value: int
+    dummy_slot: int = 0
+
+
+@dataclass(frozen=True)
+class GraphCapacity:
+    """Sizes the static buffers of a captured graph must hold, for every batch replayed into it."""
+
+    capture_bs: int
+    max_tokens: int  # query tokens, padding included
+    max_kv_slots: int  # sum of KV lengths (the length of kv_indices), padding included
+    max_kv_len: int  # the longest request's KV
+    max_mask: int  # elements of a custom mask (0 when none)
+
+
+class GraphState(abc.ABC):
+    """One backend's static buffers for one captured graph.
+
+    The runner calls, in order: `load_plan` for a decoy batch, `forward` under warm-up and under
+    `torch.cuda.graph` capture, then for each replayed batch `load_plan` (outside the graph; it
+    must write into the same buffers in place: a graph keeps the pointers it saw at capture)
+    followed by `graph.replay()`. `forward` reads only static buffers and returns static outputs.
+    """
+
+    @abc.abstractmethod
+    def load_plan(self, plan: Plan) -> None:
+        """Outside the graph: copy a (padded) plan into the static buffers, or re-plan a wrapper on them."""
+
+    @abc.abstractmethod
+    def forward(self, inputs: AttentionInputs) -> AttentionResult:
+        """Inside the graph: launch the kernels on static buffers; output [capture tokens, Hq, Dv], LSE natural log."""
+
+    def poison_scratch(self) -> None:
+        """Fill workspace/scratch with garbage before a replay: a correct kernel never reads it unwritten."""
+
+    def plan_pointers(self) -> dict[str, int]:
+        """data_ptr of every static plan buffer, so the runner can check they never move."""
+        return {}
+
+
 class Backend(abc.ABC):
     name: ClassVar[str]
+    # The seq_len an engine gives padded requests for this backend (SGLang: 1 for every GPU backend).
+    cuda_graph_fill_value: ClassVar[int] = 1
 
     @abc.abstractmethod
     def unavailable_reason(self) -> str | None:
@@ -62,9 +115,21 @@ class Backend(abc.ABC):
         """None when this trace's features are supported, else exactly which one is not."""
 
     @abc.abstractmethod
-    def derive_plan(self, trace: Trace) -> Plan:
-        """The plan a correct engine backend builds for this batch, from the batch alone."""
+    def derive_plan(self, trace: Trace, padding: Padding | None = None) -> Plan:
+        """The plan a correct engine backend builds for this batch, from the batch alone.
+
+        With `padding`, the plan covers `padding.capture_bs` requests: the real ones first, then
+        padded ones as `Padding` describes, in this backend's own conventions.
+        """
 
     @abc.abstractmethod
     def run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
         """Run the real kernels with `plan`; output in q's dtype, LSE natural log."""
+
+    def graph_unsupported_reason(self, trace: Trace) -> str | None:
+        """None when this trace's mode can be replayed under a CUDA graph by this backend."""
+        return f"{self.name} has no CUDA-graph support yet"
+
+    def graph_state(self, trace: Trace, capacity: GraphCapacity) -> GraphState:
+        """Allocate static buffers for graphs of `trace`'s model and mode at `capacity`."""
+        raise NotImplementedError(self.graph_unsupported_reason(trace))

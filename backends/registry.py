@@ -8,12 +8,21 @@ from __future__ import annotations
 
 from importlib.metadata import entry_points
 
+import importlib
+
 from attndbg.backends.base import Backend
 from attndbg.backends.reference import ReferenceBackend
 from attndbg.backends.triton import TritonBackend, TritonOptions
 
 ENTRY_POINT_GROUP = "attndbg.backends"
-BUILTIN = ("reference", "triton")
+BUILTIN = ("reference", "triton", "flashinfer", "fa3", "mla")
+# Adapters of optional libraries: module and class, imported only when asked for. Their modules
+# import nothing heavy at import time; each says why it cannot run when its library is missing.
+_LAZY = {
+    "flashinfer": ("attndbg.backends.flashinfer", "FlashInferBackend"),
+    "fa3": ("attndbg.backends.fa3", "FA3Backend"),
+    "mla": ("attndbg.backends.mla", "MLABackend"),
+}
 
 
 def backend_names() -> list[str]:
@@ -27,6 +36,9 @@ def create(name: str, *, triton_options: TritonOptions | None = None) -> Backend
         return ReferenceBackend()
     if name == "triton":
         return TritonBackend(triton_options)
+    if name in _LAZY:
+        module, cls = _LAZY[name]
+        return getattr(importlib.import_module(module), cls)()
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
             return ep.load()()

@@ -14,9 +14,17 @@ from dataclasses import dataclass
 import torch
 
 from attndbg import machine
-from attndbg.backends.base import AttentionInputs, AttentionResult, Backend, KernelError
+from attndbg.backends.base import (
+    AttentionInputs,
+    AttentionResult,
+    Backend,
+    GraphCapacity,
+    GraphState,
+    KernelError,
+    Padding,
+)
 from attndbg.trace import tree
-from attndbg.trace.schema import AttentionKind, ForwardMode, Plan, Trace
+from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace
 
 # SGLang's default `--triton-attention-num-kv-splits`.
 DEFAULT_MAX_KV_SPLITS = 8
@@ -119,44 +127,50 @@ class TritonBackend(Backend):
         info = machine.gpu_info()
         return info.num_sms if info else FALLBACK_CORE_COUNT
 
-    def derive_plan(self, trace: Trace) -> Plan:
+    def derive_plan(self, trace: Trace, padding: Padding | None = None) -> Plan:
         if trace.batch.forward_mode is ForwardMode.DECODE:
-            return self._decode_plan(trace)
-        return self._extend_plan(trace)
+            return self._decode_plan(trace, padding)
+        if padding is not None and not trace.is_tree_verify:
+            raise ValueError("only decode and verify steps are padded for CUDA graphs")
+        return self._extend_plan(trace, padding)
 
-    def _decode_plan(self, trace: Trace) -> Plan:
+    def _decode_plan(self, trace: Trace, padding: Padding | None) -> Plan:
         batch, model = trace.batch, trace.model
-        lens = batch.kv_lens
         window = model.sliding_window
-        # Sliding window: SGLang passes only the window's slots (window_kv_indices).
-        visible = torch.clamp(lens, max=window + 1) if window >= 0 else lens
-        kv_indices = torch.cat(
-            [batch.request_slots(b)[int(lens[b] - visible[b]) :] for b in range(batch.batch_size)]
-        )
+        rows = []
+        for b in range(batch.batch_size):
+            slots = batch.request_slots(b)
+            # Sliding window: SGLang passes only the window's slots (window_kv_indices).
+            rows.append(slots[-(window + 1) :] if window >= 0 else slots)
+        rows += _padded_rows(batch.batch_size, padding)
+        lens = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
         if self.options.num_kv_splits is not None:
-            splits = [self.options.num_kv_splits] * batch.batch_size
+            splits = [self.options.num_kv_splits] * len(rows)
         else:
             splits = sglang_num_kv_splits(
-                visible.tolist(),
+                lens.tolist(),
                 num_qo_heads=model.num_qo_heads,
                 num_kv_heads=model.num_kv_heads,
                 max_kv_splits=self.options.max_kv_splits,
                 core_count=self.core_count(),
             )
-        max_splits = max(self.options.max_kv_splits, max(splits))
         return Plan(
             backend=self.name,
             tensors={
-                "kv_indptr": _indptr(visible).to(torch.int32),
-                "kv_indices": kv_indices.to(torch.int64),
+                "kv_indptr": _indptr(lens).to(torch.int32),
+                "kv_indices": torch.cat(rows).to(torch.int64),
                 "num_kv_splits": torch.tensor(splits, dtype=torch.int32),
             },
-            scalars={"max_kv_splits": max_splits},
+            scalars={"max_kv_splits": max([self.options.max_kv_splits, *splits])},
         )
 
-    def _extend_plan(self, trace: Trace) -> Plan:
+    def _extend_plan(self, trace: Trace, padding: Padding | None = None) -> Plan:
         batch = trace.batch
-        tensors: dict[str, torch.Tensor] = {"qo_indptr": _indptr(batch.extend_lens).to(torch.int32)}
+        extend_lens = batch.extend_lens
+        if padding is not None:  # verify: padded requests carry draft_token_num tokens too
+            pad = padding.capture_bs - batch.batch_size
+            extend_lens = torch.cat([extend_lens, torch.full((pad,), trace.spec.draft_token_num)])
+        tensors: dict[str, torch.Tensor] = {"qo_indptr": _indptr(extend_lens).to(torch.int32)}
         scalars: dict[str, int | float | bool | str] = {
             "max_extend_len": int(batch.extend_lens.max()) if batch.batch_size else 0,
             "is_causal": True,
@@ -183,13 +197,20 @@ class TritonBackend(Backend):
             scalars["skip_prefix_custom_mask"] = False
         else:
             prefix_lens = batch.prefix_lens
-            if trace.is_tree_verify:
-                tensors["custom_mask"] = tree.full_mask(trace.spec.parents, prefix_lens)
-                tensors["mask_indptr"] = tree.full_mask_indptr(trace.spec.draft_token_num, prefix_lens)
-        tensors["kv_indptr"] = _indptr(prefix_lens).to(torch.int32)
-        tensors["kv_indices"] = torch.cat(
-            [batch.request_slots(b)[: int(prefix_lens[b])] for b in range(batch.batch_size)]
-        ).to(torch.int64)
+        rows = [batch.request_slots(b)[: int(prefix_lens[b])] for b in range(batch.batch_size)]
+        rows += _padded_rows(batch.batch_size, padding)
+        if trace.is_tree_verify:
+            n = trace.spec.draft_token_num
+            parents = trace.spec.parents
+            if padding is not None:
+                # Padded requests get a valid chain tree over their dummy prefix.
+                chain = torch.arange(-1, n - 1).expand(padding.capture_bs - batch.batch_size, n)
+                parents = torch.cat([parents, chain])
+            prefix_lens = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
+            tensors["custom_mask"] = tree.full_mask(parents, prefix_lens)
+            tensors["mask_indptr"] = tree.full_mask_indptr(n, prefix_lens)
+        tensors["kv_indptr"] = _indptr(torch.tensor([r.numel() for r in rows])).to(torch.int32)
+        tensors["kv_indices"] = torch.cat(rows).to(torch.int64)
         return Plan(backend=self.name, tensors=tensors, scalars=scalars)
 
     # -- run ----------------------------------------------------------------------------------
@@ -202,54 +223,139 @@ class TritonBackend(Backend):
             raise KernelError(f"{type(e).__name__}: {first[:300]}") from e
 
     def _run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
-        decode, extend = _kernels()
         device = inputs.q.device
-        t = {k: v.to(device) for k, v in plan.tensors.items()}
         model = trace.model
         tokens = inputs.q.shape[0]
+        tensors = {k: v.to(device) for k, v in plan.tensors.items()}
         out = torch.full((tokens, model.num_qo_heads, model.v_head_dim), float("nan"), dtype=inputs.q.dtype, device=device)
         lse = torch.full((tokens, model.num_qo_heads), float("nan"), dtype=torch.float32, device=device)
-        if "num_kv_splits" in t:
-            max_splits = int(plan.scalars["max_kv_splits"])
-            attn_logits = torch.full((tokens, model.num_qo_heads, max_splits, model.v_head_dim), float("nan"), dtype=torch.float32, device=device)
-            attn_lse = torch.full((tokens, model.num_qo_heads, max_splits), float("nan"), dtype=torch.float32, device=device)
-            decode.decode_attention_fwd(
-                q=inputs.q,
-                k_buffer=inputs.k_cache,
-                v_buffer=inputs.v_cache,
-                o=out,
-                lse=lse,
-                kv_indptr=t["kv_indptr"],
-                kv_indices=t["kv_indices"],
-                attn_logits=attn_logits,
-                attn_lse=attn_lse,
-                num_kv_splits=t["num_kv_splits"],
-                max_kv_splits=max_splits,
-                sm_scale=model.sm_scale,
-                logit_cap=model.logit_cap,
-            )
-        else:
-            extend.extend_attention_fwd(
-                q_extend=inputs.q,
-                k_extend=inputs.k_new,
-                v_extend=inputs.v_new,
-                o_extend=out,
-                lse_extend=lse,
-                k_buffer=inputs.k_cache,
-                v_buffer=inputs.v_cache,
-                qo_indptr=t["qo_indptr"],
-                kv_indptr=t["kv_indptr"],
-                kv_indices=t["kv_indices"],
-                custom_mask=t.get("custom_mask"),
-                mask_indptr=t.get("mask_indptr"),
-                is_causal=bool(plan.scalars["is_causal"]),
-                max_len_extend=int(plan.scalars["max_extend_len"]),
-                sm_scale=model.sm_scale,
-                logit_cap=model.logit_cap,
-                skip_prefix_custom_mask=bool(plan.scalars["skip_prefix_custom_mask"]),
-                sliding_window=int(plan.scalars["sliding_window"]),
-            )
+        scratch = _split_scratch(model, tokens, int(plan.scalars.get("max_kv_splits", 0)), device)
+        _launch(model, tensors, plan.scalars, inputs, out, lse, scratch)
         return AttentionResult(output=out, lse=lse)
+
+    # -- CUDA graphs ----------------------------------------------------------------------------
+
+    def graph_unsupported_reason(self, trace: Trace) -> str | None:
+        if trace.batch.forward_mode is ForwardMode.DECODE or trace.is_tree_verify:
+            return None
+        return f"engines capture only decode and verify steps in CUDA graphs, not {trace.batch.forward_mode.value}"
+
+    def graph_state(self, trace: Trace, capacity: GraphCapacity) -> GraphState:
+        return _TritonGraphState(trace, capacity, self.options)
+
+
+def _split_scratch(model, tokens: int, max_kv_splits: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Stage-1 partials, NaN-poisoned: stage 2 must read only the splits stage 1 wrote."""
+    if max_kv_splits == 0:
+        return None
+    logits = torch.full((tokens, model.num_qo_heads, max_kv_splits, model.v_head_dim), float("nan"), dtype=torch.float32, device=device)
+    lse = torch.full((tokens, model.num_qo_heads, max_kv_splits), float("nan"), dtype=torch.float32, device=device)
+    return logits, lse
+
+
+def _launch(model, t: dict[str, torch.Tensor], scalars, inputs: AttentionInputs, out, lse, scratch) -> None:
+    """One forward with plan tensors `t` (SGLang names): decode when the plan has split counts."""
+    decode, extend = _kernels()
+    if "num_kv_splits" in t:
+        decode.decode_attention_fwd(
+            q=inputs.q,
+            k_buffer=inputs.k_cache,
+            v_buffer=inputs.v_cache,
+            o=out,
+            lse=lse,
+            kv_indptr=t["kv_indptr"],
+            kv_indices=t["kv_indices"],
+            attn_logits=scratch[0],
+            attn_lse=scratch[1],
+            num_kv_splits=t["num_kv_splits"],
+            max_kv_splits=scratch[0].shape[2],
+            sm_scale=model.sm_scale,
+            logit_cap=model.logit_cap,
+        )
+        return
+    extend.extend_attention_fwd(
+        q_extend=inputs.q,
+        k_extend=inputs.k_new,
+        v_extend=inputs.v_new,
+        o_extend=out,
+        lse_extend=lse,
+        k_buffer=inputs.k_cache,
+        v_buffer=inputs.v_cache,
+        qo_indptr=t["qo_indptr"],
+        kv_indptr=t["kv_indptr"],
+        kv_indices=t["kv_indices"],
+        custom_mask=t.get("custom_mask"),
+        mask_indptr=t.get("mask_indptr"),
+        is_causal=bool(scalars["is_causal"]),
+        max_len_extend=int(scalars["max_extend_len"]),
+        sm_scale=model.sm_scale,
+        logit_cap=model.logit_cap,
+        skip_prefix_custom_mask=bool(scalars["skip_prefix_custom_mask"]),
+        sliding_window=int(scalars["sliding_window"]),
+    )
+
+
+class _TritonGraphState(GraphState):
+    """SGLang's Triton CUDA-graph buffers: plan tensors sized for the capture, updated in place."""
+
+    def __init__(self, trace: Trace, capacity: GraphCapacity, options: TritonOptions):
+        self.model = trace.model
+        self.capacity = capacity
+        self.decode = trace.batch.forward_mode is ForwardMode.DECODE
+        device = machine.kernel_device()
+        bs = capacity.capture_bs
+        self.buffers: dict[str, torch.Tensor] = {
+            "kv_indptr": torch.zeros(bs + 1, dtype=torch.int32, device=device),
+            "kv_indices": torch.zeros(max(capacity.max_kv_slots, 1), dtype=torch.int64, device=device),
+        }
+        if self.decode:
+            # SGLang fills the static split counts with max_kv_splits.
+            self.max_kv_splits = options.max_kv_splits if options.num_kv_splits is None else max(options.max_kv_splits, options.num_kv_splits)
+            self.buffers["num_kv_splits"] = torch.full((bs,), self.max_kv_splits, dtype=torch.int32, device=device)
+            self.scratch = _split_scratch(self.model, capacity.max_tokens, self.max_kv_splits, device)
+            self.scalars: dict = {}
+        else:
+            self.buffers["qo_indptr"] = torch.zeros(bs + 1, dtype=torch.int32, device=device)
+            self.buffers["custom_mask"] = torch.zeros(max(capacity.max_mask, 1), dtype=torch.bool, device=device)
+            self.buffers["mask_indptr"] = torch.zeros(bs + 1, dtype=torch.int64, device=device)
+            self.scratch = None
+            self.scalars = {}
+        self.out = torch.full((capacity.max_tokens, self.model.num_qo_heads, self.model.v_head_dim), float("nan"), dtype=DTYPES[self.model.q_dtype], device=device)
+        self.lse = torch.full((capacity.max_tokens, self.model.num_qo_heads), float("nan"), dtype=torch.float32, device=device)
+
+    def load_plan(self, plan: Plan) -> None:
+        if self.decode and int(plan.scalars["max_kv_splits"]) > self.max_kv_splits:
+            raise ValueError(f"plan wants {plan.scalars['max_kv_splits']} KV splits, the graph was captured with {self.max_kv_splits}")
+        if not self.decode:
+            if self.scalars and plan.scalars != self.scalars:
+                raise ValueError(f"plan scalars {plan.scalars} differ from the captured {self.scalars}")
+            self.scalars = dict(plan.scalars)
+        for name, buffer in self.buffers.items():
+            value = plan.tensors[name]
+            if value.numel() > buffer.numel():
+                raise ValueError(f"plan {name} has {value.numel()} elements, the graph holds {buffer.numel()}")
+            # In place: the captured graph keeps these pointers.
+            buffer[: value.numel()].copy_(value.to(buffer.dtype), non_blocking=True)
+
+    def poison_scratch(self) -> None:
+        if self.scratch is not None:
+            self.scratch[0].fill_(float("nan"))
+            self.scratch[1].fill_(float("nan"))
+
+    def forward(self, inputs: AttentionInputs) -> AttentionResult:
+        _launch(self.model, self.buffers, self.scalars, inputs, self.out, self.lse, self.scratch)
+        return AttentionResult(output=self.out, lse=self.lse)
+
+    def plan_pointers(self) -> dict[str, int]:
+        return {name: buffer.data_ptr() for name, buffer in self.buffers.items()}
+
+
+def _padded_rows(bs: int, padding: Padding | None) -> list[torch.Tensor]:
+    """KV rows of the padded requests: `fill_value` columns, all at the dummy slot."""
+    if padding is None:
+        return []
+    row = torch.full((padding.fill_value,), padding.dummy_slot, dtype=torch.int64)
+    return [row] * (padding.capture_bs - bs)
 
 
 def _indptr(lengths: torch.Tensor) -> torch.Tensor:

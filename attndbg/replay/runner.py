@@ -1,20 +1,28 @@
-"""Eager replay: data, plans, kernels, and the comparison of every backend with the reference."""
+"""Replay: data, plans, kernels (eager, recorded plan, CUDA graph), and every comparison.
+
+Each backend yields one row per variant it ran:
+  eager            the plan derived from the batch, run once (or --repeat times, checked bitwise)
+  recorded plan    the plan the engine recorded in the trace, when it was built by this backend
+  graph            the derived plan padded to a capture size and replayed in a real CUDA graph
+"""
 
 from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from attndbg.backends import reference
-from attndbg.backends.base import AttentionResult, Backend, KernelError
+from attndbg import machine
+from attndbg.backends import reference, registry
+from attndbg.backends.base import AttentionInputs, AttentionResult, Backend, KernelError, Padding
 from attndbg.backends.triton import TritonOptions
-from attndbg.backends import registry
 from attndbg.compare.tolerance import Comparison, compare
 from attndbg.profiling import phase, step_label
+from attndbg.replay import graph as graph_replay
 from attndbg.replay.data import build_inputs, to_device
+from attndbg.replay.plan_guard import out_of_bounds
 from attndbg.trace.schema import DTYPES, Plan, Trace
 
 
@@ -23,7 +31,13 @@ class RunStatus(enum.Enum):
     FAILED = "failed"
     UNSUPPORTED = "unsupported"  # this trace uses a feature the backend lacks
     UNAVAILABLE = "unavailable"  # the backend cannot run on this machine
-    ERROR = "error"  # the kernel raised
+    ERROR = "error"  # the kernel raised, or a recorded plan would read outside the cache
+
+
+class PlanSource(enum.Enum):
+    DERIVED = "derived"
+    RECORDED = "recorded"
+    BOTH = "both"
 
 
 @dataclass(frozen=True)
@@ -31,11 +45,13 @@ class BackendRun:
     name: str
     status: RunStatus
     description: str
-    reason: str | None = None
+    variant: str = "eager"  # "eager", "recorded plan", "graph bs=N fill=V"
+    reason: str | None = None  # why it did not run, or what failed besides the numbers
     comparison: Comparison | None = None
     result: AttentionResult | None = None  # CPU copies
     plan: Plan | None = None
     seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)  # failures beyond tolerance (bits, padding, KV writes)
 
 
 @dataclass(frozen=True)
@@ -54,55 +70,143 @@ class ReplayResult:
 class ReplayOptions:
     layer: int | None = None  # recorded layer whose tensors to use
     triton: TritonOptions = TritonOptions()
+    plan: PlanSource = PlanSource.DERIVED
+    repeat: int = 1  # eager runs per backend; all must be bitwise identical
+    cuda_graph: bool = False
+    capture_bs: int | None = None  # default: the next SGLang capture size above the batch
+    fill_value: int | None = None  # default: each backend's own fill value
+    graph_capture: bool = True  # False: the graph sequence runs eagerly (CPU tests)
+
+
+class _Context:
+    """What every backend run of one step shares: inputs and both references."""
+
+    def __init__(self, trace: Trace, options: ReplayOptions):
+        self.trace = trace
+        self.options = options
+        self.label = step_label(trace)
+        with phase("data", self.label):
+            self.inputs = build_inputs(trace, layer=options.layer)
+        with phase("reference", self.label):
+            self.ref = reference.attention(trace, self.inputs, torch.float64)
+            self.lowp = reference.attention(trace, self.inputs, DTYPES[trace.model.q_dtype])
+
+    def compare(self, result: AttentionResult) -> Comparison:
+        with phase("compare", self.label):
+            return compare(
+                output=result.output,
+                lse=result.lse,
+                reference_output=self.ref.output,
+                reference_lse=self.ref.lse,
+                lowp_output=self.lowp.output,
+                lowp_lse=self.lowp.lse,
+                dtype=DTYPES[self.trace.model.q_dtype],
+                qo_indptr=self.trace.batch.qo_indptr,
+            )
 
 
 def replay(trace: Trace, trace_path: str, backend_names: list[str], options: ReplayOptions = ReplayOptions()) -> ReplayResult:
-    label = step_label(trace)
-    with phase("data", label):
-        inputs = build_inputs(trace, layer=options.layer)
-    with phase("reference", label):
-        ref = reference.attention(trace, inputs, torch.float64)
-        lowp = reference.attention(trace, inputs, DTYPES[trace.model.q_dtype])
-    runs = []
+    ctx = _Context(trace, options)
+    runs: list[BackendRun] = []
     for name in backend_names:
         backend = registry.create(name, triton_options=options.triton)
-        with phase(f"backend/{name}", label):
-            runs.append(_run_one(backend, trace, inputs, ref, lowp))
-    return ReplayResult(trace=trace, trace_path=trace_path, reference=ref, runs=runs)
+        with phase(f"backend/{name}", ctx.label):
+            runs.extend(_runs_of(backend, ctx))
+    return ReplayResult(trace=trace, trace_path=trace_path, reference=ctx.ref, runs=runs)
 
 
-def _run_one(backend: Backend, trace: Trace, cpu_inputs, ref: AttentionResult, lowp: AttentionResult) -> BackendRun:
+def _runs_of(backend: Backend, ctx: _Context) -> list[BackendRun]:
     reason = backend.unavailable_reason()
     if reason:
-        return BackendRun(backend.name, RunStatus.UNAVAILABLE, "", reason=reason)
+        return [BackendRun(backend.name, RunStatus.UNAVAILABLE, "", reason=reason)]
     description = backend.describe()
-    reason = backend.unsupported_reason(trace)
+    reason = backend.unsupported_reason(ctx.trace)
     if reason:
-        return BackendRun(backend.name, RunStatus.UNSUPPORTED, description, reason=reason)
-    label = step_label(trace)
-    with phase("plan", label):
-        plan = backend.derive_plan(trace)
-    inputs = to_device(cpu_inputs, backend.device())
+        return [BackendRun(backend.name, RunStatus.UNSUPPORTED, description, reason=reason)]
+    inputs = to_device(ctx.inputs, backend.device())
+    runs = []
+    if ctx.options.plan is not PlanSource.RECORDED:
+        with phase("plan", ctx.label):
+            plan = backend.derive_plan(ctx.trace)
+        runs.append(_eager(backend, ctx, inputs, plan, description, "eager", ctx.options.repeat))
+    if ctx.options.plan is not PlanSource.DERIVED:
+        runs.append(_recorded(backend, ctx, inputs, description))
+    if ctx.options.cuda_graph:
+        runs.append(_graph(backend, ctx, inputs, description))
+    return runs
+
+
+def _execute(backend: Backend, ctx: _Context, inputs: AttentionInputs, plan: Plan) -> tuple[AttentionResult, float]:
     start = time.perf_counter()
-    try:
-        with phase("run", f"{label} backend={backend.name}"):
-            result = backend.run(trace, inputs, plan)
-            if inputs.q.is_cuda:
-                torch.cuda.synchronize()
-    except KernelError as e:
-        return BackendRun(backend.name, RunStatus.ERROR, description, reason=str(e), plan=plan)
+    with phase("run", f"{ctx.label} backend={backend.name}"):
+        result = backend.run(ctx.trace, inputs, plan)
+        if inputs.q.is_cuda:
+            torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    cpu_result = AttentionResult(output=result.output.cpu(), lse=result.lse.cpu())
-    with phase("compare", label):
-        comparison = compare(
-            output=cpu_result.output,
-            lse=cpu_result.lse,
-            reference_output=ref.output,
-            reference_lse=ref.lse,
-            lowp_output=lowp.output,
-            lowp_lse=lowp.lse,
-            dtype=DTYPES[trace.model.q_dtype],
-            qo_indptr=trace.batch.qo_indptr,
-        )
-    status = RunStatus.PASSED if comparison.passed else RunStatus.FAILED
-    return BackendRun(backend.name, status, description, comparison=comparison, result=cpu_result, plan=plan, seconds=seconds)
+    return AttentionResult(output=result.output.cpu(), lse=result.lse.cpu()), seconds
+
+
+def _eager(backend, ctx, inputs, plan, description, variant, repeat) -> BackendRun:
+    try:
+        result, seconds = _execute(backend, ctx, inputs, plan)
+        problems = []
+        for run in range(2, repeat + 1):
+            again, _ = _execute(backend, ctx, inputs, plan)
+            if not (torch.equal(again.output, result.output) and torch.equal(again.lse, result.lse)):
+                differing = int((again.output != result.output).sum() + (again.lse != result.lse).sum())
+                problems.append(f"run {run} differs from run 1 in {differing} elements (not deterministic)")
+                break
+    except KernelError as e:
+        return BackendRun(backend.name, RunStatus.ERROR, description, variant=variant, reason=str(e), plan=plan)
+    comparison = ctx.compare(result)
+    status = RunStatus.PASSED if comparison.passed and not problems else RunStatus.FAILED
+    return BackendRun(backend.name, status, description, variant, comparison=comparison, result=result, plan=plan, seconds=seconds, problems=problems)
+
+
+def _recorded(backend: Backend, ctx: _Context, inputs: AttentionInputs, description: str) -> BackendRun:
+    variant = "recorded plan"
+    plan = ctx.trace.plan
+    if plan is None:
+        return BackendRun(backend.name, RunStatus.UNSUPPORTED, description, variant, reason="the trace has no recorded plan")
+    if plan.backend != backend.name:
+        return BackendRun(backend.name, RunStatus.UNSUPPORTED, description, variant, reason=f"the recorded plan was built by {plan.backend!r}; only that backend can run it")
+    guard = out_of_bounds(ctx.trace, plan)
+    if guard:
+        return BackendRun(backend.name, RunStatus.ERROR, description, variant, reason=guard + " (not launched)", plan=plan)
+    return _eager(backend, ctx, inputs, plan, description, variant, 1)
+
+
+def _graph(backend: Backend, ctx: _Context, inputs: AttentionInputs, description: str) -> BackendRun:
+    trace, options = ctx.trace, ctx.options
+    fill = backend.cuda_graph_fill_value if options.fill_value is None else options.fill_value
+    capture_bs = options.capture_bs or graph_replay.default_capture_bs(trace)
+    variant = f"graph bs={capture_bs} fill={fill}"
+    reason = backend.graph_unsupported_reason(trace)
+    if reason:
+        return BackendRun(backend.name, RunStatus.UNSUPPORTED, description, variant, reason=reason)
+    if capture_bs < trace.batch.batch_size:
+        return BackendRun(backend.name, RunStatus.UNSUPPORTED, description, variant, reason=f"capture bs {capture_bs} < the batch's {trace.batch.batch_size}")
+    capture = options.graph_capture and machine.cuda_available() and inputs.q.is_cuda
+    if options.graph_capture and not capture:
+        return BackendRun(backend.name, RunStatus.UNAVAILABLE, description, variant, reason="CUDA graphs need a CUDA GPU and a backend running on it")
+    try:
+        with phase("capture+replay", f"{ctx.label} backend={backend.name} capture_bs={capture_bs}"):
+            start = time.perf_counter()
+            outcome = graph_replay.graph_replay(
+                backend, trace, inputs, padding=Padding(capture_bs=capture_bs, fill_value=fill), capture=capture, seed=trace.seed
+            )
+            seconds = time.perf_counter() - start
+    except KernelError as e:
+        return BackendRun(backend.name, RunStatus.ERROR, description, variant, reason=str(e))
+    comparison = ctx.compare(outcome.result)
+    problems = []
+    if not outcome.eager_bitwise_equal:
+        problems.append(f"graph replay differs from the same step run eagerly (max abs {outcome.eager_max_abs:.3e}; same plan, same buffers)")
+    if outcome.padded_nonfinite:
+        problems.append(f"{outcome.padded_nonfinite} NaN/Inf values in padded rows (they can leak through per-batch reductions)")
+    if outcome.stray_kv_slots:
+        problems.append(f"padded tokens wrote KV slots {outcome.stray_kv_slots}, not only the dummy slot")
+    if not outcome.pointers_stable:
+        problems.append("plan buffers moved between capture and replay (the graph reads the old pointers)")
+    status = RunStatus.PASSED if comparison.passed and not problems else RunStatus.FAILED
+    return BackendRun(backend.name, status, description, variant, comparison=comparison, result=outcome.result, seconds=seconds, problems=problems)

@@ -36,16 +36,18 @@ def _short(values: list[int], limit: int = 8) -> str:
 
 def render_replay(result: ReplayResult) -> RenderableType:
     table = Table(title=_trace_line(result), title_justify="left", show_lines=False)
-    for column in ("backend", "status", "max abs", "max rel", "max LSE err", "worst", "failing rows", "NaN/Inf", "time", "note"):
+    for column in ("backend", "variant", "status", "max abs", "max rel", "max LSE err", "worst", "failing rows", "NaN/Inf", "time", "note"):
         table.add_column(column, overflow="fold")
     for run in result.runs:
         c = run.comparison
         status = Text(run.status.value, style=_STYLE[run.status])
         if c is None:
-            table.add_row(run.name, status, "", "", "", "", "", "", "", run.reason or run.description)
+            table.add_row(run.name, run.variant, status, "", "", "", "", "", "", "", run.reason or run.description)
             continue
+        note = "; ".join(run.problems) if run.problems else run.description
         table.add_row(
             run.name,
+            run.variant,
             status,
             f"{c.max_abs:.3e}",
             f"{c.max_rel:.3e}",
@@ -54,13 +56,20 @@ def render_replay(result: ReplayResult) -> RenderableType:
             f"{c.failing_rows}/{c.total_rows}",
             str(c.nonfinite),
             f"{run.seconds * 1e3:.1f} ms",
-            run.description,
+            Text(note, style="bold red" if run.problems else ""),
         )
     return Group(table)
 
 
 def run_to_json(run: BackendRun) -> dict[str, Any]:
-    out: dict[str, Any] = {"backend": run.name, "status": run.status.value, "description": run.description, "reason": run.reason}
+    out: dict[str, Any] = {
+        "backend": run.name,
+        "variant": run.variant,
+        "status": run.status.value,
+        "description": run.description,
+        "reason": run.reason,
+        "problems": list(run.problems),
+    }
     c = run.comparison
     if c is not None:
         out.update(

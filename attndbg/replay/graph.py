@@ -1,0 +1,230 @@
+"""CUDA-graph replay, padded the way engines pad (DESIGN.md "CUDA-graph replay").
+
+One graph per backend, captured at a batch size larger than the trace's: static input buffers,
+warm-up on a side stream, capture, then for each replayed batch an in-place copy of inputs and
+plan (the plan is built outside the graph) followed by `graph.replay()`. What a correct kernel
+must not read is poisoned first: outputs and scratch are NaN, padded query rows are garbage, and a
+decoy batch is replayed before the real one so stale state shows. Checks: real rows against the
+eager run (bitwise where the kernel is deterministic) and against the reference, padded rows
+finite, plan buffers never moved, and padded tokens writing KV only to the dummy slot.
+
+Without a GPU `capture=False` runs the same sequence eagerly on the static buffers, which tests
+everything but the capture itself.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, replace
+
+import torch
+
+from attndbg.backends.base import AttentionInputs, AttentionResult, Backend, GraphCapacity, Padding
+from attndbg.trace.schema import ForwardMode, Trace
+
+# SGLang's default capture sizes without speculative decoding (cuda_graph_runner.py), and with it.
+SGLANG_CAPTURE_BS = [1, 2, 4, 8, 12] + list(range(16, 257, 8))
+SGLANG_SPEC_CAPTURE_BS = list(range(1, 9)) + list(range(10, 33, 2)) + list(range(40, 64, 4)) + list(range(72, 257, 8))
+# Padded query rows hold large finite garbage: a kernel that lets them reach real rows shows it.
+GARBAGE_SCALE = 1e3
+
+
+def default_capture_bs(trace: Trace) -> int:
+    """The smallest SGLang capture size strictly above the trace's batch, so at least one row is padded."""
+    sizes = SGLANG_SPEC_CAPTURE_BS if trace.is_tree_verify else SGLANG_CAPTURE_BS
+    i = bisect.bisect_right(sizes, trace.batch.batch_size)
+    return sizes[i] if i < len(sizes) else trace.batch.batch_size + 1
+
+
+def decoy(trace: Trace) -> Trace:
+    """A different batch of the same shape class: about half of each request's cached KV dropped.
+
+    Replayed into the graph first, so anything the real replay reads but does not rewrite (stale
+    indices, masks, split counts) holds the decoy's values instead of zeros.
+    """
+    b = trace.batch
+    page = trace.model.page_size
+    rows, kv, prefix, cols = [], [], [], []
+    for r in range(b.batch_size):
+        slots = b.request_slots(r)
+        p, e = int(b.prefix_lens[r]), int(b.extend_lens[r])
+        # Drop whole pages before the page holding column p, so every column keeps its page offset.
+        page_start = (p // page) * page
+        drop = ((page_start // 2) // page) * page
+        new_p = p - drop
+        rows.append(torch.cat([slots[: page_start - drop], slots[page_start:]]))
+        prefix.append(new_p)
+        kv.append(new_p + e)
+        cols.append(torch.arange(new_p, new_p + e))
+    query_cols = torch.cat(cols)
+    positions = b.positions - torch.repeat_interleave(b.prefix_lens - torch.tensor(prefix), b.extend_lens)
+    batch = replace(
+        b,
+        prefix_lens=torch.tensor(prefix),
+        kv_lens=torch.tensor(kv),
+        slot_indptr=torch.nn.functional.pad(torch.cumsum(torch.tensor(kv), 0), (1, 0)),
+        slot_ids=torch.cat(rows),
+        query_cols=query_cols,
+        positions=positions,
+        seq_lens_raw=torch.tensor(prefix if trace.is_tree_verify else kv),
+    )
+    return replace(trace, batch=batch)
+
+
+@dataclass(frozen=True)
+class GraphOutcome:
+    """What one graph replay showed, for the real rows and the padding."""
+
+    capture_bs: int
+    fill_value: int
+    result: AttentionResult  # real rows only, CPU
+    eager_bitwise_equal: bool  # the same step, same plan and buffers, run without the graph
+    eager_max_abs: float
+    padded_nonfinite: int  # NaN/Inf in padded rows' output, NaN in their LSE (-inf = no keys, allowed)
+    stray_kv_slots: list[int]  # KV slots changed by the replay that no token should write
+    pointers_stable: bool
+    captured: bool
+
+
+def _capacity(traces: list[Trace], padding: Padding, plans) -> GraphCapacity:
+    tokens_per_req = max(int(t.batch.extend_lens.max()) for t in traces)
+    return GraphCapacity(
+        capture_bs=padding.capture_bs,
+        max_tokens=padding.capture_bs * tokens_per_req,
+        max_kv_slots=max(int(p.tensors["kv_indices"].numel()) for p in plans),
+        max_kv_len=max(int(t.batch.kv_lens.max()) for t in traces) + padding.fill_value,
+        max_mask=max(int(p.tensors["custom_mask"].numel()) if "custom_mask" in p.tensors else 0 for p in plans),
+    )
+
+
+def graph_replay(
+    backend: Backend,
+    trace: Trace,
+    inputs: AttentionInputs,
+    *,
+    padding: Padding,
+    capture: bool,
+    seed: int,
+) -> GraphOutcome:
+    """Replay `trace` through `backend` inside a graph captured at `padding.capture_bs`.
+
+    `inputs` are the eager inputs on the backend's device (cache after this step's writes).
+    """
+    decoy_trace = decoy(trace)
+    real_plan = backend.derive_plan(trace, padding)
+    decoy_plan = backend.derive_plan(decoy_trace, padding)
+    capacity = _capacity([trace, decoy_trace], padding, [real_plan, decoy_plan])
+    state = backend.graph_state(trace, capacity)
+    device = inputs.q.device
+    g = torch.Generator().manual_seed(seed)
+
+    tokens = trace.batch.num_tokens
+    total = capacity.max_tokens
+    tokens_per_req = total // padding.capture_bs
+    padded_tokens = (padding.capture_bs - trace.batch.batch_size) * tokens_per_req
+    used = tokens + padded_tokens
+
+    def static_like(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((total, *t.shape[1:]), dtype=t.dtype, device=device)
+
+    mla = inputs.v_cache.data_ptr() == inputs.k_cache.data_ptr()
+    k_cache = inputs.k_cache.clone()
+    v_cache = k_cache[..., : inputs.v_cache.shape[-1]] if mla else inputs.v_cache.clone()
+    q_static, k_static = static_like(inputs.q), static_like(inputs.k_new)
+    v_static = k_static[..., : inputs.v_new.shape[-1]] if mla else static_like(inputs.v_new)
+    loc_static = torch.full((total,), padding.dummy_slot, dtype=torch.int64, device=device)
+    static_inputs = AttentionInputs(q=q_static, k_new=k_static, v_new=v_static, k_cache=k_cache, v_cache=v_cache)
+
+    def fill_inputs(step: Trace, real: AttentionInputs) -> None:
+        n = step.batch.num_tokens
+        for static, value in ((q_static, real.q), (k_static, real.k_new)) + (() if mla else ((v_static, real.v_new),)):
+            garbage = torch.randn((total - n, *static.shape[1:]), generator=g) * GARBAGE_SCALE
+            static[:n].copy_(value)
+            static[n:].copy_(garbage.to(static.dtype))
+        loc_static[:n].copy_(step.batch.out_cache_loc.to(device))
+        loc_static[n:].fill_(padding.dummy_slot)  # SGLang zeroes out_cache_loc of padded tokens
+
+    def step() -> AttentionResult:
+        # The engine writes this step's K/V (padded tokens into the dummy slot), then attends.
+        k_cache.index_copy_(0, loc_static[:used], k_static[:used])
+        if not mla:
+            v_cache.index_copy_(0, loc_static[:used], v_static[:used])
+        return state.forward(static_inputs)
+
+    # Decoy data: the same cache, other queries.
+    decoy_inputs = replace(inputs, q=torch.randn(inputs.q.shape, generator=g).to(inputs.q.dtype).to(device))
+    fill_inputs(decoy_trace, replace(decoy_inputs, k_new=inputs.k_new[: decoy_trace.batch.num_tokens], v_new=inputs.v_new[: decoy_trace.batch.num_tokens]))
+    state.load_plan(decoy_plan)
+    pointers = state.plan_pointers()
+    graph = None
+    if capture:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+    else:
+        out = step()
+
+    def replay_once() -> None:
+        out.output.fill_(float("nan"))
+        out.lse.fill_(float("nan"))
+        state.poison_scratch()
+        if graph is not None:
+            graph.replay()
+        else:
+            step()
+
+    replay_once()  # the decoy batch: leaves its state behind in every static buffer
+    # The real batch: restore the cache the decoy's writes touched, then replay.
+    k_cache.copy_(inputs.k_cache)
+    if not mla:
+        v_cache.copy_(inputs.v_cache)
+    fill_inputs(trace, inputs)
+    state.load_plan(real_plan)
+    replay_once()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+    graph_out, graph_lse = out.output[:used].clone(), out.lse[:used].clone()
+    pad_out, pad_lse = graph_out[tokens:], graph_lse[tokens:]
+    padded_nonfinite = int((~torch.isfinite(pad_out)).sum() + torch.isnan(pad_lse).sum())
+    changed = (k_cache != inputs.k_cache).flatten(1).any(1)
+    if not mla:
+        changed |= (v_cache != inputs.v_cache).flatten(1).any(1)
+    allowed = set(trace.batch.out_cache_loc.tolist()) | {padding.dummy_slot}
+    stray = [s for s in torch.nonzero(changed).flatten().tolist() if s not in allowed]
+
+    # The eager twin: the same step on the same buffers and plan, without the graph.
+    k_cache.copy_(inputs.k_cache)
+    if not mla:
+        v_cache.copy_(inputs.v_cache)
+    out.output.fill_(float("nan"))
+    out.lse.fill_(float("nan"))
+    state.poison_scratch()
+    twin = step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    twin_out, twin_lse = twin.output[:used], twin.lse[:used]
+    diff = (graph_out[:tokens].float() - twin_out[:tokens].float()).abs()
+    output, lse = graph_out[:tokens].cpu(), graph_lse[:tokens].cpu()
+    return GraphOutcome(
+        capture_bs=padding.capture_bs,
+        fill_value=padding.fill_value,
+        result=AttentionResult(output=output, lse=lse),
+        eager_bitwise_equal=bool(torch.equal(graph_out[:tokens], twin_out[:tokens]) and torch.equal(graph_lse[:tokens], twin_lse[:tokens])),
+        eager_max_abs=float(torch.nan_to_num(diff, nan=float("inf")).max()) if diff.numel() else 0.0,
+        padded_nonfinite=padded_nonfinite,
+        stray_kv_slots=stray[:16],
+        pointers_stable=state.plan_pointers() == pointers,
+        captured=graph is not None,
+    )
+
+
+def supports_graph(trace: Trace) -> bool:
+    return trace.batch.forward_mode is ForwardMode.DECODE or trace.is_tree_verify
+
