@@ -116,3 +116,63 @@ def test_python_dash_m_runs() -> None:
 
     proc = subprocess.run([sys.executable, "-m", "attndbg", "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "replay" in proc.stdout
+
+
+def _trace_with_plan_change(tmp_path: Path, change) -> Path:
+    from attndbg.trace import io
+    from tests.factories import make_trace
+
+    trace = make_trace("decode-gqa", "kv_lens=20,60,90", plan=True)
+    tensors = dict(trace.plan.tensors)
+    change(tensors)
+    return io.save(replace(trace, plan=replace(trace.plan, tensors=tensors)), tmp_path / "p.pt")
+
+
+def _rows(report: Path) -> dict[tuple[str, str], dict]:
+    return {(b["backend"], b["variant"]): b for b in json.loads(report.read_text())["backends"]}
+
+
+def test_recorded_plan_replays_beside_the_derived_one(tmp_path: Path) -> None:
+    path = _trace_with_plan_change(tmp_path, lambda t: None)
+    report = tmp_path / "r.json"
+    result = invoke("replay", str(path), "--backend", "triton", "--plan", "both", "--repeat", "2", "--json", str(report))
+    assert result.exit_code == 0, result.output
+    rows = _rows(report)
+    assert rows[("triton", "eager")]["status"] == "passed"
+    assert rows[("triton", "recorded plan")]["status"] == "passed"
+
+
+def test_wrong_recorded_plan_fails_at_its_request(tmp_path: Path) -> None:
+    def swap(t):  # request 1 reads one slot of request 2: a wrong index still inside the cache
+        indices = t["kv_indices"].clone()
+        # Column 40 of request 1 and column 70 of request 2: past the 16 shared prefix columns.
+        assert indices[20 + 40] != indices[80 + 70]
+        indices[20 + 40] = indices[80 + 70]
+        t["kv_indices"] = indices
+
+    report = tmp_path / "r.json"
+    result = invoke("replay", str(_trace_with_plan_change(tmp_path, swap)), "--backend", "triton", "--plan", "recorded", "--json", str(report))
+    assert result.exit_code == 1
+    row = _rows(report)[("triton", "recorded plan")]
+    assert row["status"] == "failed" and row["failing_rows"] == 1 and row["worst"]["request"] == 1
+
+
+def test_recorded_plan_outside_the_cache_is_not_launched(tmp_path: Path) -> None:
+    def outside(t):
+        indices = t["kv_indices"].clone()
+        indices[7] = 10**9
+        t["kv_indices"] = indices
+
+    report = tmp_path / "r.json"
+    result = invoke("replay", str(_trace_with_plan_change(tmp_path, outside)), "--backend", "triton", "--plan", "recorded", "--json", str(report))
+    assert result.exit_code == 1
+    row = _rows(report)[("triton", "recorded plan")]
+    assert row["status"] == "error" and "kv_indices[7] = 1000000000" in row["reason"] and "not launched" in row["reason"]
+
+
+def test_recorded_plan_of_another_backend_is_reported(tmp_path: Path) -> None:
+    path = _trace_with_plan_change(tmp_path, lambda t: None)
+    report = tmp_path / "r.json"
+    result = invoke("replay", str(path), "--backend", "reference", "--plan", "recorded", "--json", str(report))
+    assert result.exit_code == 0
+    assert "built by 'triton'" in _rows(report)[("reference", "recorded plan")]["reason"]
