@@ -227,6 +227,55 @@ def diff(a: str, b: str, json_path: str | None, pairs: tuple[str, ...]) -> None:
 
 
 @main.command()
+@click.argument("trace", type=click.Path())
+@click.option("--backend", "backend_spec", default="triton", show_default=True, help="NAME[,NAME...] or all")
+@click.option("--samples", type=click.IntRange(min=3), default=30, show_default=True, help="timed samples (median reported)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="also write the timings as JSON")
+@handles_bad_input
+def bench(trace: str, backend_spec: str, samples: int, json_path: str | None) -> None:
+    """Time each backend on a trace over CUDA-graph replays; bandwidth against the device's copy peak.
+
+    \b
+    Example:
+      attndbg bench traces/decode_gqa.pt --backend triton,flashinfer
+    """
+    from rich.table import Table
+
+    from attndbg import machine
+    from attndbg.backends import registry
+    from attndbg.replay.data import build_inputs, to_device
+    from attndbg.replay.timing import copy_bandwidth_gbps, time_backend
+    from attndbg.trace import io
+
+    if not machine.cuda_available():
+        raise BadInput("bench times CUDA-graph replays and needs a CUDA GPU, and this machine has none")
+    try:
+        names = registry.resolve(backend_spec)
+    except KeyError as e:
+        raise BadInput(f"--backend: unknown backend {e.args[0]!r}; known: {', '.join(registry.backend_names())}") from None
+    loaded = io.load(trace)
+    inputs = build_inputs(loaded)
+    peak = copy_bandwidth_gbps()
+    table = Table(title=f"{trace}: {loaded.batch.forward_mode.value} bs={loaded.batch.batch_size}; device copy bandwidth {peak:.0f} GB/s")
+    for column in ("backend", "median", "min..max", "bytes", "GB/s", "of copy peak", "note"):
+        table.add_column(column)
+    rows = []
+    for name in names:
+        backend = registry.create(name)
+        reason = backend.unavailable_reason() or backend.unsupported_reason(loaded) or backend.graph_unsupported_reason(loaded)
+        if reason:
+            table.add_row(name, "", "", "", "", "", reason)
+            rows.append({"backend": name, "skipped": reason})
+            continue
+        t = time_backend(backend, loaded, to_device(inputs, backend.device()), samples=samples)
+        table.add_row(name, f"{t.median_us:.1f} us", f"{t.min_us:.1f}..{t.max_us:.1f}", f"{t.bytes_moved / 1e6:.1f} MB", f"{t.achieved_gbps:.0f}", f"{t.achieved_gbps / peak:.0%}", backend.describe())
+        rows.append(t.__dict__ | {"copy_gbps": peak})
+    _console().print(table)
+    if json_path:
+        _write_json(json_path, rows)
+
+
+@main.command()
 @handles_bad_input
 def backends() -> None:
     """List the backends and whether each can run here (and exactly why not).

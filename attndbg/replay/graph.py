@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from attndbg.backends.base import AttentionInputs, AttentionResult, Backend, GraphCapacity, Padding
-from attndbg.trace.schema import ForwardMode, Trace
+from attndbg.trace.schema import ForwardMode, Plan, Trace
 
 # SGLang's default capture sizes without speculative decoding (cuda_graph_runner.py), and with it.
 SGLANG_CAPTURE_BS = [1, 2, 4, 8, 12] + list(range(16, 257, 8))
@@ -97,6 +97,110 @@ def _capacity(traces: list[Trace], padding: Padding, plans) -> GraphCapacity:
     )
 
 
+class GraphHarness:
+    """Static inputs, the engine's KV write and one backend's graph state, captured once.
+
+    `step()` is what an engine's captured forward does for attention: write this step's K/V into
+    the cache (padded tokens into the dummy slot), then attend. `capture=False` runs it eagerly.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        trace: Trace,
+        inputs: AttentionInputs,
+        *,
+        padding: Padding,
+        plans: list[Plan],
+        traces: list[Trace],
+        seed: int,
+        write_kv: bool = True,  # False: attention alone (timing)
+    ):
+        self.padding = padding
+        self.write_kv = write_kv
+        self.capacity = _capacity(traces, padding, plans)
+        self.state = backend.graph_state(trace, self.capacity)
+        self.device = inputs.q.device
+        self.generator = torch.Generator().manual_seed(seed)
+        total = self.capacity.max_tokens
+        self.tokens_per_req = total // padding.capture_bs
+
+        def static_like(t: torch.Tensor) -> torch.Tensor:
+            return torch.zeros((total, *t.shape[1:]), dtype=t.dtype, device=self.device)
+
+        self.mla = inputs.v_cache.data_ptr() == inputs.k_cache.data_ptr()
+        self.k_cache = inputs.k_cache.clone()
+        self.v_cache = self.k_cache[..., : inputs.v_cache.shape[-1]] if self.mla else inputs.v_cache.clone()
+        k_static = static_like(inputs.k_new)
+        self.static = AttentionInputs(
+            q=static_like(inputs.q),
+            k_new=k_static,
+            v_new=k_static[..., : inputs.v_new.shape[-1]] if self.mla else static_like(inputs.v_new),
+            k_cache=self.k_cache,
+            v_cache=self.v_cache,
+        )
+        self.loc = torch.full((total,), padding.dummy_slot, dtype=torch.int64, device=self.device)
+        self.used = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: AttentionResult | None = None
+
+    def load(self, step_trace: Trace, data: AttentionInputs, plan: Plan) -> None:
+        """Copy a step's inputs into the static buffers (garbage in padded rows) and its plan."""
+        n = step_trace.batch.num_tokens
+        self.used = n + (self.padding.capture_bs - step_trace.batch.batch_size) * self.tokens_per_req
+        pairs = [(self.static.q, data.q), (self.static.k_new, data.k_new)]
+        if not self.mla:
+            pairs.append((self.static.v_new, data.v_new))
+        for static, value in pairs:
+            garbage = torch.randn((static.shape[0] - n, *static.shape[1:]), generator=self.generator) * GARBAGE_SCALE
+            static[:n].copy_(value[:n])
+            static[n:].copy_(garbage.to(static.dtype))
+        self.loc[:n].copy_(step_trace.batch.out_cache_loc.to(self.device))
+        self.loc[n:].fill_(self.padding.dummy_slot)  # SGLang zeroes out_cache_loc of padded tokens
+        self.state.load_plan(plan)
+
+    def restore_cache(self, cache: AttentionInputs) -> None:
+        self.k_cache.copy_(cache.k_cache)
+        if not self.mla:
+            self.v_cache.copy_(cache.v_cache)
+
+    def step(self) -> AttentionResult:
+        if self.write_kv:
+            # Every padded row writes too (to the dummy slot): the captured write covers the capacity.
+            self.k_cache.index_copy_(0, self.loc, self.static.k_new)
+            if not self.mla:
+                self.v_cache.index_copy_(0, self.loc, self.static.v_new)
+        return self.state.forward(self.static)
+
+    def capture(self, capture: bool) -> None:
+        if not capture:
+            self.out = self.step()
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up outside the graph: autotuning, JIT, allocator
+                self.step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self.step()
+
+    def poison(self) -> None:
+        assert self.out is not None
+        self.out.output.fill_(float("nan"))
+        self.out.lse.fill_(float("nan"))
+        self.state.poison_scratch()
+
+    def replay(self) -> AttentionResult:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.out = self.step()
+        assert self.out is not None
+        return self.out
+
+
 def graph_replay(
     backend: Backend,
     trace: Trace,
@@ -113,100 +217,37 @@ def graph_replay(
     decoy_trace = decoy(trace)
     real_plan = backend.derive_plan(trace, padding)
     decoy_plan = backend.derive_plan(decoy_trace, padding)
-    capacity = _capacity([trace, decoy_trace], padding, [real_plan, decoy_plan])
-    state = backend.graph_state(trace, capacity)
+    harness = GraphHarness(backend, trace, inputs, padding=padding, plans=[real_plan, decoy_plan], traces=[trace, decoy_trace], seed=seed)
     device = inputs.q.device
-    g = torch.Generator().manual_seed(seed)
-
-    tokens = trace.batch.num_tokens
-    total = capacity.max_tokens
-    tokens_per_req = total // padding.capture_bs
-    padded_tokens = (padding.capture_bs - trace.batch.batch_size) * tokens_per_req
-    used = tokens + padded_tokens
-
-    def static_like(t: torch.Tensor) -> torch.Tensor:
-        return torch.zeros((total, *t.shape[1:]), dtype=t.dtype, device=device)
-
-    mla = inputs.v_cache.data_ptr() == inputs.k_cache.data_ptr()
-    k_cache = inputs.k_cache.clone()
-    v_cache = k_cache[..., : inputs.v_cache.shape[-1]] if mla else inputs.v_cache.clone()
-    q_static, k_static = static_like(inputs.q), static_like(inputs.k_new)
-    v_static = k_static[..., : inputs.v_new.shape[-1]] if mla else static_like(inputs.v_new)
-    loc_static = torch.full((total,), padding.dummy_slot, dtype=torch.int64, device=device)
-    static_inputs = AttentionInputs(q=q_static, k_new=k_static, v_new=v_static, k_cache=k_cache, v_cache=v_cache)
-
-    def fill_inputs(step: Trace, real: AttentionInputs) -> None:
-        n = step.batch.num_tokens
-        for static, value in ((q_static, real.q), (k_static, real.k_new)) + (() if mla else ((v_static, real.v_new),)):
-            garbage = torch.randn((total - n, *static.shape[1:]), generator=g) * GARBAGE_SCALE
-            static[:n].copy_(value)
-            static[n:].copy_(garbage.to(static.dtype))
-        loc_static[:n].copy_(step.batch.out_cache_loc.to(device))
-        loc_static[n:].fill_(padding.dummy_slot)  # SGLang zeroes out_cache_loc of padded tokens
-
-    def step() -> AttentionResult:
-        # The engine writes this step's K/V (padded tokens into the dummy slot), then attends.
-        k_cache.index_copy_(0, loc_static[:used], k_static[:used])
-        if not mla:
-            v_cache.index_copy_(0, loc_static[:used], v_static[:used])
-        return state.forward(static_inputs)
-
-    # Decoy data: the same cache, other queries.
-    decoy_inputs = replace(inputs, q=torch.randn(inputs.q.shape, generator=g).to(inputs.q.dtype).to(device))
-    fill_inputs(decoy_trace, replace(decoy_inputs, k_new=inputs.k_new[: decoy_trace.batch.num_tokens], v_new=inputs.v_new[: decoy_trace.batch.num_tokens]))
-    state.load_plan(decoy_plan)
-    pointers = state.plan_pointers()
-    graph = None
-    if capture:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
-    else:
-        out = step()
-
-    def replay_once() -> None:
-        out.output.fill_(float("nan"))
-        out.lse.fill_(float("nan"))
-        state.poison_scratch()
-        if graph is not None:
-            graph.replay()
-        else:
-            step()
-
-    replay_once()  # the decoy batch: leaves its state behind in every static buffer
+    # The decoy: other queries over the same cache, loaded first and captured with.
+    decoy_q = torch.randn(inputs.q.shape, generator=harness.generator).to(inputs.q.dtype).to(device)
+    harness.load(decoy_trace, replace(inputs, q=decoy_q), decoy_plan)
+    pointers = harness.state.plan_pointers()
+    harness.capture(capture)
+    harness.poison()
+    harness.replay()  # the decoy leaves its state behind in every static buffer
     # The real batch: restore the cache the decoy's writes touched, then replay.
-    k_cache.copy_(inputs.k_cache)
-    if not mla:
-        v_cache.copy_(inputs.v_cache)
-    fill_inputs(trace, inputs)
-    state.load_plan(real_plan)
-    replay_once()
+    harness.restore_cache(inputs)
+    harness.load(trace, inputs, real_plan)
+    harness.poison()
+    out = harness.replay()
     if device.type == "cuda":
         torch.cuda.synchronize()
 
+    tokens, used = trace.batch.num_tokens, harness.used
     graph_out, graph_lse = out.output[:used].clone(), out.lse[:used].clone()
     pad_out, pad_lse = graph_out[tokens:], graph_lse[tokens:]
     padded_nonfinite = int((~torch.isfinite(pad_out)).sum() + torch.isnan(pad_lse).sum())
-    changed = (k_cache != inputs.k_cache).flatten(1).any(1)
-    if not mla:
-        changed |= (v_cache != inputs.v_cache).flatten(1).any(1)
+    changed = (harness.k_cache != inputs.k_cache).flatten(1).any(1)
+    if not harness.mla:
+        changed |= (harness.v_cache != inputs.v_cache).flatten(1).any(1)
     allowed = set(trace.batch.out_cache_loc.tolist()) | {padding.dummy_slot}
     stray = [s for s in torch.nonzero(changed).flatten().tolist() if s not in allowed]
 
     # The eager twin: the same step on the same buffers and plan, without the graph.
-    k_cache.copy_(inputs.k_cache)
-    if not mla:
-        v_cache.copy_(inputs.v_cache)
-    out.output.fill_(float("nan"))
-    out.lse.fill_(float("nan"))
-    state.poison_scratch()
-    twin = step()
+    harness.restore_cache(inputs)
+    harness.poison()
+    twin = harness.step()
     if device.type == "cuda":
         torch.cuda.synchronize()
     twin_out, twin_lse = twin.output[:used], twin.lse[:used]
@@ -220,11 +261,10 @@ def graph_replay(
         eager_max_abs=float(torch.nan_to_num(diff, nan=float("inf")).max()) if diff.numel() else 0.0,
         padded_nonfinite=padded_nonfinite,
         stray_kv_slots=stray[:16],
-        pointers_stable=state.plan_pointers() == pointers,
-        captured=graph is not None,
+        pointers_stable=harness.state.plan_pointers() == pointers,
+        captured=harness.graph is not None,
     )
 
 
 def supports_graph(trace: Trace) -> bool:
     return trace.batch.forward_mode is ForwardMode.DECODE or trace.is_tree_verify
-
