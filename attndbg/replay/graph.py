@@ -86,13 +86,17 @@ class GraphOutcome:
     captured: bool
 
 
-def _capacity(traces: list[Trace], padding: Padding, plans) -> GraphCapacity:
+def _capacity(traces: list[Trace], padding: Padding, plans: list[Plan]) -> GraphCapacity:
+    """Static sizes that hold every batch replayed into the graph, from the batches themselves
+    (plans name their tensors differently per backend; only a custom mask is read from them)."""
     tokens_per_req = max(int(t.batch.extend_lens.max()) for t in traces)
+    padded = [padding.capture_bs - t.batch.batch_size for t in traces]
     return GraphCapacity(
         capture_bs=padding.capture_bs,
         max_tokens=padding.capture_bs * tokens_per_req,
-        max_kv_slots=max(int(p.tensors["kv_indices"].numel()) for p in plans),
-        max_kv_len=max(int(t.batch.kv_lens.max()) for t in traces) + padding.fill_value,
+        # Padded requests hold fill_value columns, plus their tokens' own columns in verify.
+        max_kv_slots=max(int(t.batch.kv_lens.sum()) + pad * (padding.fill_value + tokens_per_req) for t, pad in zip(traces, padded)),
+        max_kv_len=max(int(t.batch.kv_lens.max()) for t in traces) + padding.fill_value + tokens_per_req,
         max_mask=max(int(p.tensors["custom_mask"].numel()) if "custom_mask" in p.tensors else 0 for p in plans),
     )
 

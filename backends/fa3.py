@@ -1,0 +1,588 @@
+"""`fa3`: FlashAttention-3 semantics, run by whichever implementation is installed.
+
+The plan speaks FA3's names, as SGLang's FlashAttentionBackend builds them: `page_table`
+[bs, max_pages] (page ids of each request's KV row), `cache_seqlens`, `cu_seqlens_q`,
+`cu_seqlens_k`, `max_seqlen_q`, `causal` (aligned bottom-right), `window_left`.
+`select_impl` picks the implementation, in one place and in this order: `flash_attn_interface`
+(FA3 proper), `sgl_kernel.flash_attn`, vLLM's `vllm.vllm_flash_attn`, then FlashInfer's paged
+prefill wrapper with backend="fa3" (SM90 only). FlashInfer takes kv_indptr/kv_indices instead of
+a page table: `flashinfer_paged_kv` translates, in one place.
+
+Tree verify (topk > 1): FA3 has no custom mask. SGLang's FA3 backend runs two calls and merges
+them (engines.md A4.4), and so do we ("two-call"): call 1 = every draft token over the prefix,
+non-causal; call 2 ("expand_" tensors) = each draft token as its own one-token request over the
+draft tokens it may see (its ancestors and itself), their slots sorted to the front of its page
+table row, cache_seqlens = the mask row's sum; both with LSE, merged exactly in torch (float32,
+natural log). A chain (topk == 1) is plain causal attention over prefix + drafts.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attndbg import machine
+from attndbg.backends.base import (
+    AttentionInputs,
+    AttentionResult,
+    Backend,
+    GraphCapacity,
+    GraphState,
+    KernelError,
+    Padding,
+)
+from attndbg.trace import tree
+from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace
+
+LN2 = math.log(2.0)
+# FlashInfer's recommended float workspace (its docstrings: "128MB").
+FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
+# FlashInfer's SM90 prefill kernels are instantiated for these (head_dim_qk, head_dim_vo) pairs
+# (flashinfer/utils.py, is_fa3_prefill_head_dim_supported).
+FLASHINFER_FA3_HEAD_DIMS = {(64, 64), (128, 128), (256, 256), (192, 128)}
+INSTALL_HINT = "pip install flash-attn-3 (flash_attn_interface), sgl-kernel, vllm, or flashinfer-python (SM90)"
+# What the kernels raise on bad arguments or a refused launch (FlashInfer's TVM-FFI checks
+# surface as RuntimeError, its argument checks as ValueError/NotImplementedError).
+KERNEL_ERRORS = (RuntimeError, ValueError, NotImplementedError)
+
+
+class Impl(enum.Enum):
+    FLASH_ATTN_INTERFACE = "flash_attn_interface"
+    SGL_KERNEL = "sgl_kernel.flash_attn"
+    VLLM = "vllm.vllm_flash_attn"
+    FLASHINFER = "flashinfer"
+
+
+# The top-level module whose presence means an implementation is installed (found without importing it).
+_PROBE = {
+    Impl.FLASH_ATTN_INTERFACE: "flash_attn_interface",
+    Impl.SGL_KERNEL: "sgl_kernel",
+    Impl.VLLM: "vllm",
+    Impl.FLASHINFER: "flashinfer",
+}
+SM90 = (9, 0)
+
+
+def select_impl() -> Impl | None:
+    """The implementation this machine runs: the first installed in FA3's order; FlashInfer last, on SM90."""
+    info = machine.gpu_info()
+    if info is None:
+        return None
+    for impl in (Impl.FLASH_ATTN_INTERFACE, Impl.SGL_KERNEL, Impl.VLLM):
+        if machine.module_available(_PROBE[impl]):
+            return impl
+    if machine.module_available(_PROBE[Impl.FLASHINFER]) and info.capability == SM90:
+        return Impl.FLASHINFER
+    return None
+
+
+class VerifyPath(enum.Enum):
+    AUTO = "auto"  # chain: one causal call; tree (topk > 1): two calls merged (SGLang's FA3 backend)
+    TWO_CALL = "two-call"  # every verify step through the two calls, chains too
+    MASK = "mask"  # one call with the tree as a custom mask, as FlashInfer/Triton do: FA3 cannot
+
+
+@dataclass(frozen=True)
+class FA3Options:
+    verify_path: VerifyPath | str = VerifyPath.AUTO
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "verify_path", VerifyPath(self.verify_path))
+        except ValueError:
+            choices = ", ".join(p.value for p in VerifyPath)
+            raise ValueError(f"verify_path={self.verify_path!r}: expected one of {choices}") from None
+
+
+@dataclass(frozen=True)
+class FA3Call:
+    """One flash_attn_with_kvcache call, in FA3's words (CPU tensors)."""
+
+    page_table: Tensor  # [bs, max_pages] int32
+    cache_seqlens: Tensor  # [bs] int32
+    cu_seqlens_q: Tensor  # [bs+1] int32
+    max_seqlen_q: int
+    max_seqlen_k: int
+    causal: bool
+    window_left: int  # -1 = off; FA3's window_size = (window_left, 0)
+    page_size: int
+
+    @classmethod
+    def from_plan(cls, plan: Plan, prefix: str = "") -> FA3Call:
+        t, s = plan.tensors, plan.scalars
+        return cls(
+            page_table=t[f"{prefix}page_table"],
+            cache_seqlens=t[f"{prefix}cache_seqlens"],
+            cu_seqlens_q=t[f"{prefix}cu_seqlens_q"],
+            max_seqlen_q=int(s[f"{prefix}max_seqlen_q"]),
+            max_seqlen_k=int(s[f"{prefix}max_seqlen_k"]),
+            causal=bool(s[f"{prefix}causal"]),
+            window_left=int(s["window_left"]),
+            page_size=int(s[f"{prefix}page_size"]),
+        )
+
+
+class FA3Backend(Backend):
+    name = "fa3"
+
+    def __init__(self, options: FA3Options | None = None):
+        self.options = options or FA3Options()
+        self._workspace: Tensor | None = None
+        self._wrappers: dict[str, object] = {}  # FlashInfer wrappers, by call ("main", "expand")
+
+    # -- what runs here -----------------------------------------------------------------------
+
+    def unavailable_reason(self) -> str | None:
+        info = machine.gpu_info()
+        installed = [impl for impl in Impl if machine.module_available(_PROBE[impl])]
+        if info is None:
+            missing = "" if installed else f"; no FlashAttention-3 implementation is installed either ({INSTALL_HINT})"
+            return f"fa3 needs a CUDA GPU, and none was found{missing}"
+        if select_impl() is not None:
+            return None
+        if installed == [Impl.FLASHINFER]:
+            return (
+                f"FlashInfer's backend='fa3' needs SM90 (Hopper), this GPU ({info.name}) is {info.arch}; "
+                f"no other FlashAttention-3 implementation is installed ({INSTALL_HINT})"
+            )
+        return f"no FlashAttention-3 implementation is installed: {INSTALL_HINT}"
+
+    def device(self) -> str:
+        return "cuda"
+
+    def describe(self) -> str:
+        impl = select_impl()
+        if impl is None:
+            return "FlashAttention-3 semantics: no implementation available here"
+        if impl is Impl.FLASHINFER:
+            import flashinfer
+
+            what = (
+                f"FlashInfer {flashinfer.__version__} BatchPrefillWithPagedKVCacheWrapper(backend='fa3') on sm90, "
+                "page_table translated to kv_indptr/kv_indices, LSE base 2 converted to natural"
+            )
+        else:
+            what = f"{impl.value}.flash_attn_with_kvcache" if impl is not Impl.VLLM else "vllm.vllm_flash_attn.flash_attn_varlen_func(fa_version=3)"
+        return f"FlashAttention-3 via {what}; tree verify: {self._verify_words()}"
+
+    def _verify_words(self) -> str:
+        path = self.options.verify_path
+        if path is VerifyPath.MASK:
+            return "custom mask in one call (unsupported by FA3)"
+        when = "every verify step" if path is VerifyPath.TWO_CALL else "topk > 1"
+        return f"SGLang's two calls (prefix + draft block) for {when}, merged exactly in torch (float32)"
+
+    # -- what this backend can take -----------------------------------------------------------
+
+    def unsupported_reason(self, trace: Trace) -> str | None:
+        model, batch = trace.model, trace.batch
+        if model.attention is AttentionKind.MLA:
+            return "an MLA model: use the mla backend (FlashInfer MLA, FlashMLA or our Triton MLA decode)"
+        if batch.forward_mode is ForwardMode.IDLE:
+            return "an IDLE step has no attention to run"
+        if model.q_dtype not in ("float16", "bfloat16") or model.kv_dtype != model.q_dtype:
+            return f"q {model.q_dtype} / KV {model.kv_dtype}: the fa3 adapter runs fp16 or bf16 with q and KV of one dtype"
+        if batch.selective:
+            return (
+                "selective recompute attends by column (a custom mask), and FA3 masks are causal or "
+                "sliding-window only"
+            )
+        if trace.is_tree_verify:
+            if model.sliding_window >= 0:
+                return "target verify with a sliding window is not supported by the fa3 adapter (SGLang uses a separate swa_spec_metadata path)"
+            if self._verify_path(trace) is VerifyPath.MASK:
+                return self._mask_reason(trace)
+        if batch.kv_cache_size % model.page_size:
+            return f"the KV pool has {batch.kv_cache_size} slots, not a whole number of {model.page_size}-token pages"
+        misaligned = first_misaligned_column(trace)
+        if misaligned:
+            return misaligned
+        if select_impl() is Impl.FLASHINFER and (model.head_dim, model.v_head_dim) not in FLASHINFER_FA3_HEAD_DIMS:
+            return f"head dims {model.head_dim}/{model.v_head_dim}: FlashInfer's SM90 kernels take {sorted(FLASHINFER_FA3_HEAD_DIMS)}"
+        return None
+
+    def _verify_path(self, trace: Trace) -> VerifyPath:
+        """MASK, TWO_CALL, or AUTO for a chain (one causal call)."""
+        path = self.options.verify_path
+        if path is VerifyPath.AUTO and not is_chain(trace.spec.parents):
+            return VerifyPath.TWO_CALL
+        if path is VerifyPath.MASK and is_chain(trace.spec.parents):
+            return VerifyPath.AUTO  # a chain needs no mask: causal is the same thing
+        return path
+
+    def _mask_reason(self, trace: Trace) -> str:
+        impl = select_impl()
+        if impl is Impl.FLASHINFER:
+            why = "FlashInfer's backend='fa3' rejects custom masks at run time ('operation not supported': its SM90 kernels have no MaskMode.CUSTOM)"
+        else:
+            why = "flash_attn_with_kvcache takes no custom mask (causal and sliding window only)"
+        return (
+            f"tree verify (topk={trace.spec.topk}) with verify_path='mask' needs a custom mask in one call, and {why}; "
+            "use verify_path='two-call' (SGLang's FA3 path: prefix call + draft-block call, merged)"
+        )
+
+    # -- plan -----------------------------------------------------------------------------------
+
+    def derive_plan(self, trace: Trace, padding: Padding | None = None) -> Plan:
+        model = trace.model
+        rows, q_lens = padded_requests(trace, padding)
+        if trace.is_tree_verify and self._verify_path(trace) is VerifyPath.MASK:
+            raise ValueError(self._mask_reason(trace))
+        if trace.is_tree_verify and self._verify_path(trace) is VerifyPath.TWO_CALL:
+            return self._two_call_plan(trace, rows, padding)
+        tensors = _call_tensors(rows, q_lens, model.page_size)
+        scalars: dict[str, int | float | bool | str] = {"window_left": model.sliding_window, "verify_path": "causal"}
+        scalars.update(_call_scalars(rows, q_lens, causal=True, page_size=model.page_size))
+        return Plan(backend=self.name, tensors=tensors, scalars=scalars)
+
+    def _two_call_plan(self, trace: Trace, rows: list[Tensor], padding: Padding | None) -> Plan:
+        batch, model = trace.batch, trace.model
+        n = trace.spec.draft_token_num
+        pad = len(rows) - batch.batch_size
+        prefix_lens = batch.prefix_lens.tolist() + [padding.fill_value if padding else 0] * pad
+        parents = torch.cat([trace.spec.parents, torch.arange(-1, n - 1).expand(pad, n)])  # padded: chains
+        prefix_rows = [r[:p] for r, p in zip(rows, prefix_lens)]
+        draft_rows = [r[p:] for r, p in zip(rows, prefix_lens)]
+        # Call 1: all n draft tokens of a request over its prefix, non-causal.
+        tensors = _call_tensors(prefix_rows, [n] * len(rows), model.page_size)
+        scalars: dict[str, int | float | bool | str] = {"window_left": model.sliding_window, "verify_path": "two-call"}
+        scalars.update(_call_scalars(prefix_rows, [n] * len(rows), causal=False, page_size=model.page_size))
+        # Call 2: each draft token alone over the draft tokens it may see. Draft slots need not
+        # be page-aligned, so this call reads the cache as 1-token pages (page ids = slot ids).
+        expand_rows = []
+        for slots, p in zip(draft_rows, parents):
+            allowed = tree.ancestor_matrix(p)  # [n, n]
+            cols = torch.arange(n)
+            # SGLang's order: allowed columns first (in column order), then the rest.
+            order = torch.argsort(torch.where(allowed, cols, cols + n), dim=1)
+            for i in range(n):
+                expand_rows.append((slots[order[i]], int(allowed[i].sum())))
+        table = torch.stack([r for r, _ in expand_rows]).to(torch.int32) if expand_rows else torch.zeros(0, n, dtype=torch.int32)
+        seqlens = torch.tensor([k for _, k in expand_rows], dtype=torch.int32)
+        tensors.update(
+            {
+                "expand_page_table": table,
+                "expand_cache_seqlens": seqlens,
+                "expand_cu_seqlens_q": torch.arange(len(expand_rows) + 1, dtype=torch.int32),
+                "expand_cu_seqlens_k": to_indptr(seqlens),
+            }
+        )
+        scalars.update(
+            {
+                "expand_max_seqlen_q": 1,
+                "expand_max_seqlen_k": int(seqlens.max()) if seqlens.numel() else 0,
+                "expand_causal": False,
+                "expand_page_size": 1,
+            }
+        )
+        return Plan(backend=self.name, tensors=tensors, scalars=scalars)
+
+    # -- run ------------------------------------------------------------------------------------
+
+    def run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
+        impl = select_impl()
+        if impl is None:
+            raise KernelError(self.unavailable_reason() or "no FlashAttention-3 implementation")
+        main_call = FA3Call.from_plan(plan)
+        try:
+            main = self._call(impl, "main", trace, inputs, main_call)
+            if plan.scalars["verify_path"] != "two-call":
+                return main
+            expand = self._call(impl, "expand", trace, inputs, FA3Call.from_plan(plan, "expand_"))
+        except KERNEL_ERRORS as e:
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise KernelError(f"{impl.value}: {type(e).__name__}: {first[:300]}") from e
+        # A request with an empty prefix contributes nothing to the merge, whatever LSE the
+        # kernel leaves in its rows (kernels differ: -inf, or 0 with a zero output).
+        q_lens = (main_call.cu_seqlens_q[1:] - main_call.cu_seqlens_q[:-1]).to(torch.int64)
+        empty = (main_call.cache_seqlens == 0).repeat_interleave(q_lens).to(main.lse.device)
+        main = AttentionResult(output=main.output, lse=main.lse.masked_fill(empty[:, None], float("-inf")))
+        return merge_states(main, expand, dtype=inputs.q.dtype)
+
+    def _call(self, impl: Impl, key: str, trace: Trace, inputs: AttentionInputs, call: FA3Call) -> AttentionResult:
+        """One FA3 call: output [T, Hq, Dv] in q's dtype, LSE [T, Hq] natural log."""
+        model = trace.model
+        device = inputs.q.device
+        k_cache = inputs.k_cache.view(-1, call.page_size, model.num_kv_heads, model.head_dim)
+        v_cache = inputs.v_cache.view(-1, call.page_size, model.num_kv_heads, model.v_head_dim)
+        window = (call.window_left, 0) if call.window_left >= 0 else (-1, -1)
+        if impl is Impl.FLASHINFER:
+            wrapper = self._wrappers.get(key)
+            if wrapper is None:
+                import flashinfer
+
+                wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._flashinfer_workspace(device), "NHD", backend="fa3")
+                self._wrappers[key] = wrapper
+            _flashinfer_plan(wrapper, model, call)
+            out, lse2 = wrapper.run(inputs.q, (k_cache, v_cache), return_lse=True)
+            return AttentionResult(output=out, lse=lse2 * LN2)  # FlashInfer's LSE is base 2
+        # UNTESTED here (no such library on our GPU machine): written from each library's
+        # documented signature. LSE comes back natural-log, [Hq, total_q].
+        page_table, cache_seqlens, cu_seqlens_q = (t.to(device) for t in (call.page_table, call.cache_seqlens, call.cu_seqlens_q))
+        if impl is Impl.VLLM:
+            from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+            out, lse = flash_attn_varlen_func(
+                q=inputs.q,
+                k=k_cache,
+                v=v_cache,
+                max_seqlen_q=call.max_seqlen_q,
+                cu_seqlens_q=cu_seqlens_q,
+                max_seqlen_k=call.max_seqlen_k,
+                seqused_k=cache_seqlens,
+                softmax_scale=model.sm_scale,
+                causal=call.causal,
+                window_size=list(window),
+                softcap=model.logit_cap,
+                block_table=page_table,
+                return_softmax_lse=True,
+                fa_version=3,
+            )
+        else:
+            if impl is Impl.FLASH_ATTN_INTERFACE:
+                from flash_attn_interface import flash_attn_with_kvcache
+            else:
+                from sgl_kernel.flash_attn import flash_attn_with_kvcache
+            out, lse, *_ = flash_attn_with_kvcache(
+                q=inputs.q,
+                k_cache=k_cache,
+                v_cache=v_cache,
+                page_table=page_table,
+                cache_seqlens=cache_seqlens,
+                cu_seqlens_q=cu_seqlens_q,
+                max_seqlen_q=call.max_seqlen_q,
+                softmax_scale=model.sm_scale,
+                causal=call.causal,
+                window_size=window,
+                softcap=model.logit_cap,
+                return_softmax_lse=True,
+            )
+        return AttentionResult(output=out, lse=lse.T)
+
+    def _flashinfer_workspace(self, device: torch.device) -> Tensor:
+        if self._workspace is None:
+            self._workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        return self._workspace
+
+    # -- CUDA graphs ----------------------------------------------------------------------------
+
+    def graph_unsupported_reason(self, trace: Trace) -> str | None:
+        reason = self.unsupported_reason(trace)
+        if reason:
+            return reason
+        if select_impl() is not Impl.FLASHINFER:
+            return "fa3 CUDA-graph replay is wired for FlashInfer's fa3 wrapper (use_cuda_graph=True) only"
+        mode = trace.batch.forward_mode
+        if mode is ForwardMode.DECODE:
+            return None
+        if trace.is_tree_verify and self._verify_path(trace) is not VerifyPath.TWO_CALL:
+            return None
+        if trace.is_tree_verify:
+            return "the two-call tree-verify path (two wrappers and a torch merge) is not captured; replay it eagerly"
+        return f"engines capture only decode and verify steps in CUDA graphs, not {mode.value}"
+
+    def graph_state(self, trace: Trace, capacity: GraphCapacity) -> GraphState:
+        reason = self.graph_unsupported_reason(trace)
+        if reason:
+            raise NotImplementedError(reason)
+        return _FlashInferFA3Graph(trace, capacity)
+
+
+class _FlashInferFA3Graph(GraphState):
+    """FlashInfer's fa3 wrapper with use_cuda_graph=True: indptr/indices/last-page buffers
+    sized for the capture; `load_plan` re-plans the wrapper, which copies into them in place."""
+
+    def __init__(self, trace: Trace, capacity: GraphCapacity):
+        import flashinfer
+
+        self.model = trace.model
+        device = torch.device("cuda")
+        bs = capacity.capture_bs
+        self.buffers = {
+            "qo_indptr": torch.zeros(bs + 1, dtype=torch.int32, device=device),
+            "kv_indptr": torch.zeros(bs + 1, dtype=torch.int32, device=device),
+            "kv_indices": torch.zeros(max(capacity.max_kv_slots, 1), dtype=torch.int32, device=device),
+            "kv_last_page_len": torch.zeros(bs, dtype=torch.int32, device=device),
+        }
+        self.workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=self.buffers["qo_indptr"],
+            paged_kv_indptr_buf=self.buffers["kv_indptr"],
+            paged_kv_indices_buf=self.buffers["kv_indices"],
+            paged_kv_last_page_len_buf=self.buffers["kv_last_page_len"],
+            backend="fa3",
+        )
+        tokens, heads = capacity.max_tokens, self.model.num_qo_heads
+        self.out = torch.full((tokens, heads, self.model.v_head_dim), float("nan"), dtype=DTYPES[self.model.q_dtype], device=device)
+        self.lse2 = torch.full((tokens, heads), float("nan"), dtype=torch.float32, device=device)
+        self.lse = torch.full((tokens, heads), float("nan"), dtype=torch.float32, device=device)
+
+    def load_plan(self, plan: Plan) -> None:
+        if plan.scalars["verify_path"] == "two-call":
+            raise ValueError("a two-call plan cannot be loaded into a captured fa3 graph")
+        _flashinfer_plan(self.wrapper, self.model, FA3Call.from_plan(plan))
+
+    def forward(self, inputs: AttentionInputs) -> AttentionResult:
+        m = self.model
+        tokens = inputs.q.shape[0]
+        k_cache = inputs.k_cache.view(-1, self.model.page_size, m.num_kv_heads, m.head_dim)
+        v_cache = inputs.v_cache.view(-1, self.model.page_size, m.num_kv_heads, m.v_head_dim)
+        self.wrapper.run(inputs.q, (k_cache, v_cache), out=self.out[:tokens], lse=self.lse2[:tokens], return_lse=True)
+        torch.mul(self.lse2, LN2, out=self.lse)  # FlashInfer's LSE is base 2
+        return AttentionResult(output=self.out[:tokens], lse=self.lse[:tokens])
+
+    def poison_scratch(self) -> None:
+        # All-ones bytes are NaN in every float dtype. Only the float workspace (split partials,
+        # written before they are read): the int workspace holds the plan.
+        self.workspace.fill_(0xFF)
+
+    def plan_pointers(self) -> dict[str, int]:
+        return {name: buffer.data_ptr() for name, buffer in self.buffers.items()}
+
+
+# -- translation helpers ----------------------------------------------------------------------
+
+
+def flashinfer_paged_kv(page_table: Tensor, cache_seqlens: Tensor, page_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """FA3's page_table + cache_seqlens -> FlashInfer's (kv_indptr, kv_indices, kv_last_page_len), int32.
+
+    A request with no KV has no pages and last_page_len 0 (FlashInfer's get_seq_lens clamps
+    `pages - 1` at 0, so a 1 there would read one token)."""
+    lens = cache_seqlens.to(torch.int64)
+    pages = (lens + page_size - 1) // page_size
+    kv_indices = torch.cat([page_table[b, : int(pages[b])] for b in range(lens.numel())]) if lens.numel() else page_table.new_zeros(0)
+    last = torch.where(pages > 0, lens - (pages - 1) * page_size, torch.zeros_like(lens))
+    return to_indptr(pages), kv_indices.to(torch.int32), last.to(torch.int32)
+
+
+def _flashinfer_plan(wrapper, model, call: FA3Call) -> None:
+    kv_indptr, kv_indices, last = flashinfer_paged_kv(call.page_table, call.cache_seqlens, call.page_size)
+    # plan() stages metadata in the wrapper's pinned host buffer and copies it to the GPU
+    # asynchronously: the previous plan's copy must have landed before that buffer is rewritten.
+    torch.cuda.current_stream().synchronize()
+    dtype = DTYPES[model.q_dtype]
+    wrapper.plan(
+        qo_indptr=call.cu_seqlens_q,
+        paged_kv_indptr=kv_indptr,
+        paged_kv_indices=kv_indices,
+        paged_kv_last_page_len=last,
+        num_qo_heads=model.num_qo_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim_qk=model.head_dim,
+        page_size=call.page_size,
+        head_dim_vo=model.v_head_dim,
+        causal=call.causal,
+        sm_scale=model.sm_scale,
+        window_left=call.window_left,
+        logits_soft_cap=model.logit_cap,
+        q_data_type=dtype,
+        kv_data_type=DTYPES[model.kv_dtype],
+    )
+
+
+def merge_states(a: AttentionResult, b: AttentionResult, *, dtype: torch.dtype) -> AttentionResult:
+    """Exact merge of two partial attentions over disjoint keys (natural-log LSEs), in float32.
+
+    A side with LSE -inf (no keys) has weight 0 and its output, whatever it holds, is ignored."""
+    lse_a, lse_b = a.lse.float(), b.lse.float()
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)  # [T, H]
+    total = w_a + w_b
+    part_a = torch.where(w_a[..., None] > 0, w_a[..., None] * a.output.float(), 0.0)
+    part_b = torch.where(w_b[..., None] > 0, w_b[..., None] * b.output.float(), 0.0)
+    out = (part_a + part_b) / total[..., None]
+    return AttentionResult(output=out.to(dtype), lse=m + torch.log(total))
+
+
+def padded_requests(trace: Trace, padding: Padding | None) -> tuple[list[Tensor], list[int]]:
+    """Each request's KV row (slot ids) and query length; with `padding`, then the padded requests.
+
+    Padded requests are SGLang's graph-runner padding: `fill_value` KV columns at the dummy slot,
+    plus, for verify, their n draft tokens, whose K/V go to the dummy slot too (SGLang verify
+    seq_lens exclude the drafts; the backend adds n).
+    """
+    batch = trace.batch
+    rows = [batch.request_slots(b) for b in range(batch.batch_size)]
+    q_lens = batch.extend_lens.tolist()
+    if padding is None:
+        return rows, q_lens
+    mode = batch.forward_mode
+    if mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        raise ValueError(f"only decode and verify steps are padded for CUDA graphs, not {mode.value}")
+    pad = padding.capture_bs - batch.batch_size
+    if pad < 0:
+        raise ValueError(f"capture_bs {padding.capture_bs} is smaller than the batch ({batch.batch_size} requests)")
+    tokens = 1 if mode is ForwardMode.DECODE else trace.spec.draft_token_num
+    kv = padding.fill_value + (0 if mode is ForwardMode.DECODE else tokens)
+    rows += [torch.full((kv,), padding.dummy_slot, dtype=torch.int64)] * pad
+    q_lens += [tokens] * pad
+    return rows, q_lens
+
+
+def _call_tensors(rows: list[Tensor], q_lens: list[int], page_size: int) -> dict[str, Tensor]:
+    lens = torch.tensor([r.numel() for r in rows], dtype=torch.int32)
+    return {
+        "page_table": build_page_table(rows, page_size),
+        "cache_seqlens": lens,
+        "cu_seqlens_q": to_indptr(torch.tensor(q_lens, dtype=torch.int32)),
+        "cu_seqlens_k": to_indptr(lens),
+    }
+
+
+def _call_scalars(rows: list[Tensor], q_lens: list[int], *, causal: bool, page_size: int) -> dict[str, int | bool]:
+    return {
+        "max_seqlen_q": max(q_lens, default=0),
+        "max_seqlen_k": max((r.numel() for r in rows), default=0),
+        "causal": causal,
+        "page_size": page_size,
+    }
+
+
+def build_page_table(rows: list[Tensor], page_size: int) -> Tensor:
+    """[bs, max_pages] int32: the page id of every page of each request's KV row (SGLang:
+    `req_to_token[:, ::page_size] // page_size`). Columns past a request's pages hold 0, the
+    dummy page, as a zeroed req_to_token row does."""
+    pages = [r[::page_size] // page_size for r in rows]
+    table = torch.zeros(len(rows), max([1] + [p.numel() for p in pages]), dtype=torch.int32)
+    for b, p in enumerate(pages):
+        table[b, : p.numel()] = p.to(torch.int32)
+    return table
+
+
+def first_misaligned_column(trace: Trace) -> str | None:
+    """A page table can only name whole pages: request rows must fill pages from their start."""
+    page_size = trace.model.page_size
+    if page_size == 1:
+        return None
+    batch = trace.batch
+    for b in range(batch.batch_size):
+        slots = batch.request_slots(b)
+        cols = torch.arange(slots.numel())
+        expected = (slots[::page_size] // page_size).repeat_interleave(page_size)[: slots.numel()] * page_size + cols % page_size
+        bad = torch.nonzero(slots != expected).flatten()
+        if bad.numel():
+            j = int(bad[0])
+            return (
+                f"request {b}'s KV column {j} is in slot {int(slots[j])}, but a page table of "
+                f"{page_size}-token pages puts it in slot {int(expected[j])}"
+            )
+    return None
+
+
+def is_chain(parents: Tensor) -> bool:
+    """[bs, n] parents: every draft token's parent is the one before it, so the tree mask is plain causal."""
+    n = parents.shape[1]
+    return bool((parents == torch.arange(-1, n - 1)).all())
+
+
+def to_indptr(lengths: Tensor) -> Tensor:
+    """[n] lengths -> [n+1] int32 offsets starting at 0."""
+    return torch.nn.functional.pad(torch.cumsum(lengths.to(torch.int64), 0), (1, 0)).to(torch.int32)

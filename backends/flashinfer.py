@@ -1,0 +1,613 @@
+"""`flashinfer`: the real FlashInfer kernels, driven the way SGLang's FlashInfer backend drives them.
+
+The plan speaks SGLang's FlashInferAttnBackend vocabulary (see ../shared/reference/engines.md, A4.1):
+`kv_indptr` (pages, int32), `kv_indices` (page ids; at page size 1 the slot ids themselves),
+`kv_last_page_len`, `qo_indptr`, and for verify a bool `custom_mask` in the FULL layout (per request a
+row-major [n, prefix + n] block) that FlashInfer's `plan` packs little-endian itself. Which wrapper
+runs is the plan's `path` scalar:
+
+    decode   BatchDecodeWithPagedKVCacheWrapper (tensor cores on or off)
+    ragged   BatchPrefillWithRaggedKVCacheWrapper over this step's tokens (extend without any prefix)
+    cascade  ragged over this step's tokens (causal) + paged over the cached prefix (non-causal),
+             merged with flashinfer.cascade.merge_state: SGLang's default extend with a prefix
+    paged    BatchPrefillWithPagedKVCacheWrapper over the whole visible row: causal extend, or a
+             custom mask (verify trees, selective recompute)
+
+Plan scalars: `path`, `page_size`, `window_left` and `logits_soft_cap` as the kernels take them,
+`causal` (the mask of the pass over the paged KV; False for the cascade's prefix pass and wherever a
+custom mask rules), `use_tensor_cores` (decode). A trace's KV cache [N, Hkv, D] is handed over as
+NHD pages [N / page, page, Hkv, D]; a request's pages are `row[::page] // page`.
+
+Facts this relies on (measured on an H200, FlashInfer 0.7.2): the kernels write base-2 LSEs (converted
+here: natural = base2 * ln 2); decode `plan` needs `q_data_type` unless q is fp16. flashinfer is
+imported only when a kernel runs, so this module imports on a machine without it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attndbg import machine
+from attndbg.backends.base import (
+    AttentionInputs,
+    AttentionResult,
+    Backend,
+    GraphCapacity,
+    GraphState,
+    KernelError,
+    Padding,
+)
+from attndbg.trace import tree
+from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Model, Plan, Trace
+
+LN2 = math.log(2.0)
+# FlashInfer's recommended float workspace (split-KV partial outputs); zeroed before first use.
+WORKSPACE_BYTES = 128 * 1024 * 1024
+INSTALL_HINT = "flashinfer is not installed (pip install 'attndbg[flashinfer]')"
+# FlashInfer's FA2 prefill kernels (bf16, tensor-core decode) need Ampere or newer.
+MIN_CAPABILITY = (8, 0)
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+# All-ones bytes read as NaN in fp32, fp16 and bf16: what scratch holds before a replay.
+NAN_BYTE = 0xFF
+# Group size above which SGLang's should_use_tensor_core picks tensor-core decode for fp16/bf16 KV.
+SGLANG_TENSOR_CORE_MIN_GROUP = 4
+
+
+class ExtendPath(enum.Enum):
+    """How EXTEND/MIXED steps are run. AUTO is SGLang's choice (see `FlashInferBackend.extend_path`)."""
+
+    AUTO = "auto"
+    PAGED = "paged"
+    RAGGED = "ragged"
+    CASCADE = "cascade"
+
+
+class PlanPath(enum.Enum):
+    """The wrapper(s) a plan is for; stored by value in `plan.scalars["path"]`."""
+
+    DECODE = "decode"
+    PAGED = "paged"
+    RAGGED = "ragged"
+    CASCADE = "cascade"
+
+
+@dataclass(frozen=True)
+class FlashInferOptions:
+    # None: SGLang's should_use_tensor_core (fp8 KV, or fp16/bf16 KV with GQA group > 4).
+    decode_tensor_cores: bool | None = None
+    extend_path: ExtendPath | str = ExtendPath.AUTO
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "extend_path", ExtendPath(self.extend_path))
+        except ValueError:
+            choices = ", ".join(p.value for p in ExtendPath)
+            raise ValueError(f"extend_path={self.extend_path!r}: expected one of {choices}") from None
+
+
+def sglang_uses_tensor_cores(kv_dtype: str, num_qo_heads: int, num_kv_heads: int) -> bool:
+    """SGLang's `should_use_tensor_core` (flashinfer_backend.py) without its env override.
+
+    fp8 KV always; fp16/bf16 KV when the GQA group exceeds 4 ("a group of at least 4 is needed to
+    use tensor cores efficiently"; SGLang's test is `>`); anything else never.
+    """
+    if kv_dtype in FP8_DTYPES:
+        return True
+    if kv_dtype in ("float16", "bfloat16"):
+        return num_qo_heads // num_kv_heads > SGLANG_TENSOR_CORE_MIN_GROUP
+    return False
+
+
+def _flashinfer():
+    import flashinfer
+
+    return flashinfer
+
+
+def _kernel_error(e: BaseException) -> KernelError:
+    first = (str(e).strip().splitlines() or [""])[0]
+    return KernelError(f"{type(e).__name__}: {first[:300]}")
+
+
+# Exceptions FlashInfer raises for problems it detects (C++ checks arrive as RuntimeError/ValueError).
+_LIBRARY_ERRORS = (RuntimeError, ValueError, NotImplementedError)
+
+
+class FlashInferBackend(Backend):
+    name = "flashinfer"
+
+    def __init__(self, options: FlashInferOptions | None = None):
+        self.options = options or FlashInferOptions()
+        self._workspace_buffer: Tensor | None = None
+
+    # -- capabilities -------------------------------------------------------------------------
+
+    def unavailable_reason(self) -> str | None:
+        if not machine.cuda_available():
+            return "no CUDA GPU: FlashInfer's kernels run only on NVIDIA GPUs"
+        if not machine.module_available("flashinfer"):
+            return INSTALL_HINT
+        info = machine.gpu_info()
+        if info is not None and info.capability < MIN_CAPABILITY:
+            return f"FlashInfer's prefill kernels need sm80 or newer; this GPU ({info.name}) is {info.arch}"
+        return None
+
+    def device(self) -> str:
+        return "cuda"
+
+    def describe(self) -> str:
+        version = getattr(_flashinfer(), "__version__", "?")
+        info = machine.gpu_info()
+        cores = {None: "SGLang's rule: fp8 KV or GQA group > 4", True: "on", False: "off"}[self.options.decode_tensor_cores]
+        return (
+            f"FlashInfer {version} on {info.arch if info else 'cuda'}: decode BatchDecodeWithPagedKVCacheWrapper "
+            f"(tensor cores {cores}); extend {self.options.extend_path.value} (ragged / cascade ragged+paged "
+            "merged with merge_state / paged prefill); verify and selective: paged prefill with a custom mask"
+        )
+
+    def unsupported_reason(self, trace: Trace) -> str | None:
+        model, batch = trace.model, trace.batch
+        mode = batch.forward_mode
+        if model.attention is AttentionKind.MLA:
+            return "MLA traces: use the mla backend (FlashInfer's MLA wrapper), not the MHA wrappers"
+        if mode is ForwardMode.IDLE:
+            return "an IDLE step has no attention to run"
+        if model.q_dtype not in ("float16", "bfloat16"):
+            return f"FlashInfer's kernels take fp16 or bf16 queries; this trace's are {model.q_dtype}"
+        if mode is ForwardMode.DECODE and model.head_dim != model.v_head_dim:
+            return f"FlashInfer's decode wrapper takes one head_dim for q/k and v; this trace has {model.head_dim} and {model.v_head_dim}"
+        misaligned = _first_misaligned(trace)
+        if misaligned:
+            return misaligned
+        if mode in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND) and not trace.is_tree_verify:
+            return self._extend_path_problem(trace)
+        return None
+
+    def _extend_path_problem(self, trace: Trace) -> str | None:
+        requested = self.options.extend_path
+        batch = trace.batch
+        if batch.selective and requested in (ExtendPath.RAGGED, ExtendPath.CASCADE):
+            return (
+                f"extend_path={requested.value}: selective recompute reads its whole row from the cache with a "
+                "per-column causal mask; only the paged path (custom mask) runs it"
+            )
+        if requested is ExtendPath.RAGGED and bool((batch.prefix_lens > 0).any()):
+            b = int(torch.nonzero(batch.prefix_lens > 0)[0])
+            return (
+                f"extend_path=ragged attends only to this step's tokens, but request {b} has a cached prefix of "
+                f"{int(batch.prefix_lens[b])}: use cascade or paged"
+            )
+        if requested is ExtendPath.CASCADE and trace.model.sliding_window >= 0:
+            return (
+                "extend_path=cascade with a sliding window: FlashInfer's window_left counts back from the end of "
+                "the KV it is given, and the cascade's prefix pass holds only the prefix, so the window would be "
+                "shifted by the extend length (SGLang runs window layers paged): use paged"
+            )
+        return None
+
+    # -- plan ---------------------------------------------------------------------------------
+
+    def use_tensor_cores(self, trace: Trace) -> bool:
+        if self.options.decode_tensor_cores is not None:
+            return self.options.decode_tensor_cores
+        m = trace.model
+        return sglang_uses_tensor_cores(m.kv_dtype, m.num_qo_heads, m.num_kv_heads)
+
+    def extend_path(self, trace: Trace) -> PlanPath:
+        """The path of an EXTEND/MIXED/DRAFT_EXTEND step.
+
+        AUTO is SGLang's: ragged when no request has a prefix, cascade otherwise; paged for sliding
+        windows ("window attention use paged only"), draft extend and selective recompute.
+        """
+        requested = self.options.extend_path
+        if requested is not ExtendPath.AUTO:
+            return PlanPath(requested.value)
+        batch = trace.batch
+        if batch.selective or trace.model.sliding_window >= 0 or batch.forward_mode is ForwardMode.DRAFT_EXTEND:
+            return PlanPath.PAGED
+        return PlanPath.CASCADE if bool((batch.prefix_lens > 0).any()) else PlanPath.RAGGED
+
+    def derive_plan(self, trace: Trace, padding: Padding | None = None) -> Plan:
+        if padding is not None and padding.capture_bs < trace.batch.batch_size:
+            raise ValueError(f"capture_bs {padding.capture_bs} < batch size {trace.batch.batch_size}")
+        if trace.batch.forward_mode is ForwardMode.DECODE:
+            return self._decode_plan(trace, padding)
+        if trace.is_tree_verify:
+            return self._verify_plan(trace, padding)
+        if padding is not None:
+            raise ValueError("only decode and verify steps are padded for CUDA graphs")
+        problem = self.unsupported_reason(trace)
+        if problem:
+            raise ValueError(problem)
+        return self._extend_plan(trace)
+
+    def _scalars(self, trace: Trace, path: PlanPath, **extra) -> dict[str, int | float | bool | str]:
+        return {
+            "path": path.value,
+            "page_size": trace.model.page_size,
+            "window_left": trace.model.sliding_window,
+            "logits_soft_cap": trace.model.logit_cap,
+            **extra,
+        }
+
+    def _decode_plan(self, trace: Trace, padding: Padding | None) -> Plan:
+        batch, ps = trace.batch, trace.model.page_size
+        window = trace.model.sliding_window
+        pages = []
+        for b in range(batch.batch_size):
+            kv = int(batch.kv_lens[b])
+            # Sliding window: only the window's pages (SGLang: kv_start_idx = seq_len - (window + 1)).
+            start = _window_start(kv, keep=window + 1, page_size=ps) if window >= 0 else 0
+            pages.append((_page_ids(batch.request_slots(b)[start:kv], ps), kv - start))
+        if padding is not None:
+            pages += [_padded_pages(padding.fill_value, padding, ps)] * (padding.capture_bs - batch.batch_size)
+        scalars = self._scalars(trace, PlanPath.DECODE, use_tensor_cores=self.use_tensor_cores(trace), causal=False)
+        return Plan(backend=self.name, tensors=_paged_arrays(pages, ps), scalars=scalars)
+
+    def _verify_plan(self, trace: Trace, padding: Padding | None) -> Plan:
+        batch, ps = trace.batch, trace.model.page_size
+        n = trace.spec.draft_token_num
+        window = trace.model.sliding_window
+        pages, blocks = [], []
+        for b in range(batch.batch_size):
+            kv = int(batch.kv_lens[b])  # prefix + draft tokens: all in the cache
+            pages.append((_page_ids(batch.request_slots(b), ps), kv))
+            blocks.append(_tree_block(trace.spec.parents[b], int(batch.prefix_lens[b]), window))
+        if padding is not None:
+            # Padded requests: `fill_value` prefix columns plus n draft tokens, all at the dummy
+            # page, under a chain tree (a valid mask whatever they read).
+            chain = torch.arange(-1, n - 1)
+            for _ in range(padding.capture_bs - batch.batch_size):
+                pages.append(_padded_pages(padding.fill_value + n, padding, ps))
+                blocks.append(_tree_block(chain, padding.fill_value, window))
+        tensors = _paged_arrays(pages, ps)
+        tensors["qo_indptr"] = torch.arange(0, (len(pages) + 1) * n, n, dtype=torch.int32)
+        tensors["custom_mask"] = torch.cat([blk.flatten() for blk in blocks])
+        tensors["mask_indptr"] = _indptr(torch.tensor([blk.numel() for blk in blocks])).to(torch.int32)
+        # The window is folded into the mask (draft tokens sit at prefix + depth, not prefix + index,
+        # which FlashInfer's window_left would assume), so the kernel gets window_left = -1.
+        scalars = self._scalars(trace, PlanPath.PAGED, causal=False)
+        scalars["window_left"] = -1
+        return Plan(backend=self.name, tensors=tensors, scalars=scalars)
+
+    def _extend_plan(self, trace: Trace) -> Plan:
+        batch, ps = trace.batch, trace.model.page_size
+        path = self.extend_path(trace)
+        window = trace.model.sliding_window
+        tensors = {"qo_indptr": _indptr(batch.extend_lens).to(torch.int32)}
+        pages = []
+        if batch.selective:
+            # The recomputed tokens' K/V are already in their slots: the whole row is read from the
+            # cache and a custom mask applies causality (and the window) by each query's column.
+            blocks = []
+            qo = batch.qo_indptr
+            for b in range(batch.batch_size):
+                kv = int(batch.kv_lens[b])
+                pages.append((_page_ids(batch.request_slots(b), ps), kv))
+                distance = batch.query_cols[int(qo[b]) : int(qo[b + 1])][:, None] - torch.arange(kv)[None, :]
+                blocks.append((distance >= 0) & ((distance <= window) if window >= 0 else True))
+            tensors.update(_paged_arrays(pages, ps))
+            tensors["custom_mask"] = torch.cat([blk.flatten() for blk in blocks])
+            tensors["mask_indptr"] = _indptr(torch.tensor([blk.numel() for blk in blocks])).to(torch.int32)
+            return Plan(backend=self.name, tensors=tensors, scalars=self._scalars(trace, path, causal=False, window_left=-1))
+        for b in range(batch.batch_size):
+            slots = batch.request_slots(b)
+            if path is PlanPath.PAGED:
+                kv = int(batch.kv_lens[b])
+                # SGLang's window wrapper: paged_kernel_lens = min(seq_len, window + extend_len).
+                keep = window + int(batch.extend_lens[b])
+                start = _window_start(kv, keep=keep, page_size=ps) if window >= 0 else 0
+                pages.append((_page_ids(slots[start:kv], ps), kv - start))
+            else:  # ragged and cascade: SGLang plans the paged wrapper over the prefix only
+                prefix = int(batch.prefix_lens[b])
+                pages.append((_page_ids(slots[:prefix], ps), prefix))
+        tensors.update(_paged_arrays(pages, ps))
+        # Only the cascade's prefix pass is non-causal (every new token sees the whole prefix).
+        return Plan(backend=self.name, tensors=tensors, scalars=self._scalars(trace, path, causal=path is not PlanPath.CASCADE))
+
+    # -- run ----------------------------------------------------------------------------------
+
+    def _workspace(self) -> Tensor:
+        if self._workspace_buffer is None:
+            self._workspace_buffer = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+        return self._workspace_buffer
+
+    def run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
+        fi = _flashinfer()
+        path = PlanPath(plan.scalars["path"])
+        try:
+            if path is PlanPath.DECODE:
+                wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self._workspace(), "NHD", use_tensor_cores=bool(plan.scalars["use_tensor_cores"])
+                )
+                _plan_decode(wrapper, trace.model, plan, q_dtype=inputs.q.dtype, kv_dtype=inputs.k_cache.dtype)
+                out, lse = wrapper.run(inputs.q, _paged_kv(inputs, trace.model.page_size), return_lse=True)
+            elif path is PlanPath.PAGED:
+                wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace(), "NHD", backend="fa2")
+                _plan_paged(wrapper, trace.model, plan, q_dtype=inputs.q.dtype, kv_dtype=inputs.k_cache.dtype)
+                out, lse = wrapper.run(inputs.q, _paged_kv(inputs, trace.model.page_size), return_lse=True)
+            elif path is PlanPath.RAGGED:
+                out, lse = self._ragged(fi, trace, plan, inputs)
+            else:
+                out, lse = self._cascade(fi, trace, plan, inputs)
+        except _LIBRARY_ERRORS as e:
+            raise _kernel_error(e) from e
+        return AttentionResult(output=out, lse=lse * LN2)
+
+    def _ragged(self, fi, trace: Trace, plan: Plan, inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
+        """This step's tokens against themselves, causal; SGLang's ragged wrapper (backend auto)."""
+        m = trace.model
+        wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(self._workspace(), "NHD")
+        qo_indptr = plan.tensors["qo_indptr"]
+        wrapper.plan(
+            qo_indptr,
+            qo_indptr,  # SGLang: begin_forward(qo_indptr, qo_indptr, ...): keys are the queries' tokens
+            m.num_qo_heads,
+            m.num_kv_heads,
+            m.head_dim,
+            head_dim_vo=m.v_head_dim,
+            causal=True,
+            sm_scale=m.sm_scale,
+            window_left=int(plan.scalars["window_left"]),
+            logits_soft_cap=float(plan.scalars["logits_soft_cap"]),
+            q_data_type=inputs.q.dtype,
+            kv_data_type=inputs.q.dtype,
+        )
+        # The engine passes the new K/V before they are quantised into an fp8 cache; fp8 values are
+        # exact in fp16/bf16, so the cast loses nothing.
+        return wrapper.run(inputs.q, inputs.k_new.to(inputs.q.dtype), inputs.v_new.to(inputs.q.dtype), return_lse=True)
+
+    def _cascade(self, fi, trace: Trace, plan: Plan, inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
+        """SGLang's extend with a prefix: ragged (new tokens, causal) + paged (prefix, non-causal), merged.
+
+        merge_state works in FlashInfer's own base-2 convention, so both LSEs go in unconverted.
+        A request with no prefix gives an empty paged state; merging it must leave the ragged one.
+        """
+        o_new, s_new = self._ragged(fi, trace, plan, inputs)
+        wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace(), "NHD", backend="fa2")
+        _plan_paged(wrapper, trace.model, plan, q_dtype=inputs.q.dtype, kv_dtype=inputs.k_cache.dtype)
+        o_prefix, s_prefix = wrapper.run(inputs.q, _paged_kv(inputs, trace.model.page_size), return_lse=True)
+        return fi.cascade.merge_state(o_new, s_new, o_prefix, s_prefix)
+
+    # -- CUDA graphs ----------------------------------------------------------------------------
+
+    def graph_unsupported_reason(self, trace: Trace) -> str | None:
+        if trace.batch.forward_mode is ForwardMode.DECODE or trace.is_tree_verify:
+            return None
+        return f"engines capture only decode and verify steps in CUDA graphs, not {trace.batch.forward_mode.value}"
+
+    def graph_state(self, trace: Trace, capacity: GraphCapacity) -> GraphState:
+        reason = self.graph_unsupported_reason(trace) or self.unsupported_reason(trace)
+        if reason:
+            raise NotImplementedError(reason)
+        return _FlashInferGraphState(trace=trace, capacity=capacity, use_tensor_cores=self.use_tensor_cores(trace))
+
+
+class _FlashInferGraphState(GraphState):
+    """SGLang's CUDA-graph wrappers: `use_cuda_graph=True` over plan buffers sized for the capture.
+
+    FlashInfer fixes the batch size at construction, so every plan loaded here must have exactly
+    `capture_bs` requests (derive_plan with Padding). `load_plan` re-plans the wrapper outside the
+    graph; FlashInfer copies the plan into the buffers below in place and keeps split-KV on in graph
+    mode, so the captured grid fits every plan. The graph owns its float workspace: nothing an eager
+    run does between replays can move or reuse it.
+    """
+
+    def __init__(self, *, trace: Trace, capacity: GraphCapacity, use_tensor_cores: bool):
+        fi = _flashinfer()
+        self.model = trace.model
+        self.decode = trace.batch.forward_mode is ForwardMode.DECODE
+        self.use_tensor_cores = use_tensor_cores
+        bs = capacity.capture_bs
+        cuda = "cuda"
+        self.capture_bs = bs
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=cuda)
+        self.buffers: dict[str, Tensor] = {
+            "kv_indptr": torch.zeros(bs + 1, dtype=torch.int32, device=cuda),
+            # Page count <= slot count, so the slot capacity bounds the page indices too.
+            "kv_indices": torch.zeros(max(capacity.max_kv_slots, 1), dtype=torch.int32, device=cuda),
+            "kv_last_page_len": torch.zeros(bs, dtype=torch.int32, device=cuda),
+        }
+        if self.decode:
+            self.wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=use_tensor_cores,
+                paged_kv_indptr_buffer=self.buffers["kv_indptr"],
+                paged_kv_indices_buffer=self.buffers["kv_indices"],
+                paged_kv_last_page_len_buffer=self.buffers["kv_last_page_len"],
+            )
+        else:
+            # The mask is stored packed (one bit per element, each request's segment padded to a byte).
+            self.buffers["qo_indptr"] = torch.zeros(bs + 1, dtype=torch.int32, device=cuda)
+            self.buffers["custom_mask"] = torch.zeros(capacity.max_mask // 8 + bs + 1, dtype=torch.uint8, device=cuda)
+            self.buffers["mask_indptr"] = torch.zeros(bs + 1, dtype=torch.int32, device=cuda)
+            self.wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                qo_indptr_buf=self.buffers["qo_indptr"],
+                paged_kv_indptr_buf=self.buffers["kv_indptr"],
+                paged_kv_indices_buf=self.buffers["kv_indices"],
+                paged_kv_last_page_len_buf=self.buffers["kv_last_page_len"],
+                custom_mask_buf=self.buffers["custom_mask"],
+                mask_indptr_buf=self.buffers["mask_indptr"],
+                backend="fa2",
+            )
+        tokens, hq, dv = capacity.max_tokens, self.model.num_qo_heads, self.model.v_head_dim
+        q_dtype = DTYPES[self.model.q_dtype]
+        # Static outputs, NaN until a kernel writes them; the kernel's LSE (base 2) and ours (natural).
+        self.out = torch.full((tokens, hq, dv), float("nan"), dtype=q_dtype, device=cuda)
+        self.lse_base2 = torch.full((tokens, hq), float("nan"), dtype=torch.float32, device=cuda)
+        self.lse = torch.full((tokens, hq), float("nan"), dtype=torch.float32, device=cuda)
+
+    def load_plan(self, plan: Plan) -> None:
+        path = PlanPath(plan.scalars["path"])
+        want = PlanPath.DECODE if self.decode else PlanPath.PAGED
+        if path is not want:
+            raise ValueError(f"plan path {path.value!r}, but this graph was built for {want.value!r}")
+        if self.decode and bool(plan.scalars["use_tensor_cores"]) != self.use_tensor_cores:
+            raise ValueError(f"plan use_tensor_cores={plan.scalars['use_tensor_cores']}, graph built with {self.use_tensor_cores}")
+        requests = plan.tensors["kv_last_page_len"].numel()
+        if requests != self.capture_bs:
+            raise ValueError(f"plan has {requests} requests; FlashInfer graphs fix the batch at capture_bs={self.capture_bs}: pad it")
+        if plan.tensors["kv_indices"].numel() > self.buffers["kv_indices"].numel():
+            raise ValueError(f"plan kv_indices has {plan.tensors['kv_indices'].numel()} pages, the graph holds {self.buffers['kv_indices'].numel()}")
+        if not self.decode:
+            sizes = plan.tensors["mask_indptr"].diff().to(torch.int64)
+            packed = int(((sizes + 7) // 8).sum())
+            if packed > self.buffers["custom_mask"].numel():
+                raise ValueError(f"plan mask packs to {packed} bytes, the graph holds {self.buffers['custom_mask'].numel()}")
+        q_dtype = DTYPES[self.model.q_dtype]
+        kv_dtype = DTYPES[self.model.kv_dtype]
+        try:
+            planner = _plan_decode if self.decode else _plan_paged
+            planner(self.wrapper, self.model, plan, q_dtype=q_dtype, kv_dtype=kv_dtype)
+        except _LIBRARY_ERRORS as e:
+            raise _kernel_error(e) from e
+
+    def forward(self, inputs: AttentionInputs) -> AttentionResult:
+        tokens = inputs.q.shape[0]
+        out, lse2, lse = self.out[:tokens], self.lse_base2[:tokens], self.lse[:tokens]
+        self.wrapper.run(inputs.q, _paged_kv(inputs, self.model.page_size), out=out, lse=lse2, return_lse=True)
+        torch.mul(lse2, LN2, out=lse)
+        return AttentionResult(output=out, lse=lse)
+
+    def poison_scratch(self) -> None:
+        # The float workspace holds only split-KV partials (tmp_v, tmp_s), written before they are
+        # read; the plan lives in each wrapper's int workspace (scheduler.cuh), left alone here.
+        self.workspace.fill_(NAN_BYTE)
+
+    def plan_pointers(self) -> dict[str, int]:
+        return {name: buffer.data_ptr() for name, buffer in self.buffers.items()}
+
+
+# -- planning helpers (kernel vocabulary) -------------------------------------------------------
+
+
+def _plan_decode(wrapper, m: Model, plan: Plan, *, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    t = plan.tensors
+    wrapper.plan(
+        t["kv_indptr"],
+        t["kv_indices"],
+        t["kv_last_page_len"],
+        m.num_qo_heads,
+        m.num_kv_heads,
+        m.head_dim,
+        int(plan.scalars["page_size"]),
+        window_left=int(plan.scalars["window_left"]),
+        logits_soft_cap=float(plan.scalars["logits_soft_cap"]),
+        # Needed whenever q is not fp16 (FlashInfer's default).
+        q_data_type=q_dtype,
+        kv_data_type=kv_dtype,
+        sm_scale=m.sm_scale,
+    )
+
+
+def _plan_paged(wrapper, m: Model, plan: Plan, *, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    t = plan.tensors
+    mask = t.get("custom_mask")
+    wrapper.plan(
+        t["qo_indptr"],
+        t["kv_indptr"],
+        t["kv_indices"],
+        t["kv_last_page_len"],
+        m.num_qo_heads,
+        m.num_kv_heads,
+        m.head_dim,
+        int(plan.scalars["page_size"]),
+        head_dim_vo=m.v_head_dim,
+        # Bool, FULL layout; plan() packs it little-endian with segment_packbits on the mask's device.
+        custom_mask=None if mask is None else mask.to("cuda"),
+        causal=bool(plan.scalars["causal"]),
+        sm_scale=m.sm_scale,
+        window_left=int(plan.scalars["window_left"]),
+        logits_soft_cap=float(plan.scalars["logits_soft_cap"]),
+        q_data_type=q_dtype,
+        kv_data_type=kv_dtype,
+    )
+
+
+def _paged_kv(inputs: AttentionInputs, ps: int) -> tuple[Tensor, Tensor]:
+    """The cache [N, Hkv, D] as FlashInfer's NHD pages [N / page, page, Hkv, D] (views, no copy)."""
+    whole = inputs.k_cache.shape[0] // ps * ps
+    k = inputs.k_cache[:whole]
+    v = inputs.v_cache[:whole]
+    return k.view(whole // ps, ps, *k.shape[1:]), v.view(whole // ps, ps, *v.shape[1:])
+
+
+def _page_ids(slots: Tensor, page_size: int) -> Tensor:
+    """A page-aligned slot row -> its page ids (FA3's page_table derivation: row[::page] // page)."""
+    return slots[::page_size] // page_size
+
+
+def _padded_pages(kv_len: int, padding: Padding, page_size: int) -> tuple[Tensor, int]:
+    """A padded request: `kv_len` columns, every page the dummy slot's page."""
+    return torch.full((-(-kv_len // page_size),), padding.dummy_slot // page_size, dtype=torch.int64), kv_len
+
+
+def _paged_arrays(requests: list[tuple[Tensor, int]], page_size: int) -> dict[str, Tensor]:
+    """(page ids, KV length) per request -> kv_indptr, kv_indices, kv_last_page_len (int32).
+
+    kv_last_page_len = (len - 1) % page + 1: at page size 1 SGLang's all-ones buffer; a request with
+    no KV gets no pages (FlashInfer then reads length 0 whatever its last_page_len says).
+    """
+    counts = torch.tensor([p.numel() for p, _ in requests], dtype=torch.int64)
+    lens = torch.tensor([n for _, n in requests], dtype=torch.int64)
+    indices = torch.cat([p for p, _ in requests]) if requests else torch.zeros(0, dtype=torch.int64)
+    return {
+        "kv_indptr": _indptr(counts).to(torch.int32),
+        "kv_indices": indices.to(torch.int32),
+        "kv_last_page_len": ((lens - 1) % page_size + 1).to(torch.int32),
+    }
+
+
+def _window_start(kv_len: int, *, keep: int, page_size: int) -> int:
+    """First column to pass when only the last `keep` columns can be seen, rounded down to a page."""
+    return max(kv_len - keep, 0) // page_size * page_size
+
+
+def _tree_block(parents: Tensor, prefix: int, window: int) -> Tensor:
+    """[n, prefix + n] bool, FULL layout: prefix all visible, draft columns = ancestors (and self).
+
+    A sliding window is folded in with the tokens' real positions: a draft token sits at
+    prefix + its depth.
+    """
+    n = parents.numel()
+    block = torch.ones(n, prefix + n, dtype=torch.bool)
+    block[:, prefix:] = tree.ancestor_matrix(parents)
+    if window >= 0:
+        depth = tree.depths(parents)
+        key_pos = torch.cat([torch.arange(prefix), prefix + depth])
+        query_pos = prefix + depth
+        block &= (query_pos[:, None] - key_pos[None, :]) <= window
+    return block
+
+
+def _first_misaligned(trace: Trace) -> str | None:
+    """FlashInfer reads whole pages: each request's row must be pages laid end to end."""
+    batch, ps = trace.batch, trace.model.page_size
+    if ps == 1:
+        return None
+    for b in range(batch.batch_size):
+        slots = batch.request_slots(b)
+        cols = torch.arange(slots.numel())
+        expected = (slots[cols - cols % ps] // ps) * ps + cols % ps
+        bad = torch.nonzero(slots != expected)
+        if bad.numel():
+            j = int(bad[0])
+            return (
+                f"request {b}'s KV row is not page-aligned at column {j} (slot {int(slots[j])}, expected "
+                f"{int(expected[j])}): FlashInfer reads whole pages of {ps}"
+            )
+    return None
+
+
+def _indptr(lengths: Tensor) -> Tensor:
+    return torch.nn.functional.pad(torch.cumsum(lengths.to(torch.int64), 0), (1, 0))

@@ -1,0 +1,419 @@
+"""`mla`: DeepSeek-style absorbed MLA (keys = [latent 512 | rope 64], values = the latent).
+
+Three implementations, chosen by `MLAOptions.impl` ("auto": FlashInfer when it can run here,
+else our Triton kernel; `describe()` names the one used):
+
+- `flashinfer`: `BatchMLAPagedAttentionWrapper`, on FlashInfer's own CSR plan (qo_indptr,
+  kv_indptr and kv_indices over pages, kv_len_arr), any page size; decode, and causal
+  extend / chain verify (q_len > 1, aligned bottom-right), as SGLang's FlashInfer-MLA backend;
+- `flashmla`: `flash_mla_with_kvcache` on 64-token blocks (`block_table`, `cache_seqlens`),
+  decode and chain verify, as SGLang's FlashMLA backend; UNTESTED here (not installed on our GPU);
+- `triton`: our split-KV `decode_attention_fwd` with k_buffer [N, 1, 576] and v_buffer = its
+  first 512 columns, through the `triton` backend (its plan, run and CUDA-graph state).
+
+The query [T, H, 576] and the cache [N, 1, 576] are split into nope/rope (q_nope, q_pe, ckv,
+kpe) for FlashInfer as views, never copies: its MLA kernels read every tensor's strides
+(batch_mla_run.cu / batch_mla_sm90_run.cu take q_nope.stride(0), ckv_cache.stride(0), ...), and
+the wrapper accepts two adjacent views of one tensor as a "split" input. FlashMLA and Triton
+take the concatenated 576-wide tensors. No MLA kernel here has a custom mask: tree verify
+(topk > 1) is unsupported, as in SGLang's MLA backends.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attndbg import machine
+from attndbg.backends.base import (
+    AttentionInputs,
+    AttentionResult,
+    Backend,
+    GraphCapacity,
+    GraphState,
+    KernelError,
+    Padding,
+)
+from attndbg.backends.fa3 import (
+    FLASHINFER_WORKSPACE_BYTES,
+    KERNEL_ERRORS,
+    LN2,
+    build_page_table,
+    first_misaligned_column,
+    is_chain,
+    padded_requests,
+    to_indptr,
+)
+from attndbg.backends.triton import TritonBackend
+from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace
+
+# FlashMLA reads the cache in 64-token blocks (SGLang's flashmla_backend PAGE_SIZE).
+FLASHMLA_PAGE_SIZE = 64
+# FlashInfer's MLA kernels: FA3 (Hopper) on SM90, FA2 from SM80 (mla/_batch_mla/_fa_common.py).
+SM80, SM90 = (8, 0), (9, 0)
+_FLASHINFER_MODES = (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND, ForwardMode.TARGET_VERIFY)
+
+
+class MLAImpl(enum.Enum):
+    AUTO = "auto"
+    FLASHINFER = "flashinfer"
+    FLASHMLA = "flashmla"
+    TRITON = "triton"
+
+
+@dataclass(frozen=True)
+class MLAOptions:
+    impl: MLAImpl | str = MLAImpl.AUTO
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "impl", MLAImpl(self.impl))
+        except ValueError:
+            choices = ", ".join(i.value for i in MLAImpl)
+            raise ValueError(f"impl={self.impl!r}: expected one of {choices}") from None
+
+
+def _flashinfer_backend_name() -> str:
+    """FlashInfer's MLA kernel family for this GPU, named explicitly: its 'auto' would fall back silently."""
+    info = machine.gpu_info()
+    return "fa3" if info is not None and info.capability == SM90 else "fa2"
+
+
+class MLABackend(Backend):
+    name = "mla"
+
+    def __init__(self, options: MLAOptions | None = None):
+        self.options = options or MLAOptions()
+        self._triton = TritonBackend()
+        self._wrapper = None  # eager FlashInfer wrapper, re-planned every run
+        self._workspace: Tensor | None = None
+
+    def impl(self) -> MLAImpl:
+        """The one place that resolves "auto": FlashInfer when it can run here, else our Triton kernel."""
+        if self.options.impl is not MLAImpl.AUTO:
+            return self.options.impl
+        return MLAImpl.FLASHINFER if _library_reason(MLAImpl.FLASHINFER) is None else MLAImpl.TRITON
+
+    # -- what runs here -----------------------------------------------------------------------
+
+    def unavailable_reason(self) -> str | None:
+        impl = self.impl()
+        if impl is MLAImpl.TRITON:
+            return self._triton.unavailable_reason()
+        return _library_reason(impl)
+
+    def device(self) -> str:
+        return self._triton.device() if self.impl() is MLAImpl.TRITON else "cuda"
+
+    def describe(self) -> str:
+        impl = self.impl()
+        if impl is MLAImpl.FLASHINFER:
+            import flashinfer
+
+            return (
+                f"FlashInfer {flashinfer.__version__} BatchMLAPagedAttentionWrapper(backend='{_flashinfer_backend_name()}'), "
+                "q/cache split into nope/rope views, LSE base 2 converted to natural"
+            )
+        if impl is MLAImpl.FLASHMLA:
+            return "FlashMLA flash_mla_with_kvcache on 64-token blocks (untested adapter)"
+        return f"{self._triton.describe()}; MLA decode: k_buffer [N,1,576], v_buffer = its first 512 columns"
+
+    # -- what this backend can take -----------------------------------------------------------
+
+    def unsupported_reason(self, trace: Trace) -> str | None:
+        model, batch = trace.model, trace.batch
+        if model.attention is not AttentionKind.MLA:
+            return f"not an MLA model (attention={model.attention.value}): use the fa3, flashinfer or triton backend"
+        if batch.forward_mode is ForwardMode.IDLE:
+            return "an IDLE step has no attention to run"
+        if batch.selective:
+            return "selective recompute attends by column (a custom mask), and no MLA kernel here takes one"
+        impl = self.impl()
+        if impl is MLAImpl.TRITON:
+            return self._triton.unsupported_reason(trace)
+        what = "FlashInfer MLA" if impl is MLAImpl.FLASHINFER else "FlashMLA"
+        if trace.is_tree_verify and not is_chain(trace.spec.parents):
+            return (
+                f"tree verify (topk={trace.spec.topk}) needs a custom mask, and {what} has no custom mask "
+                "(SGLang's MLA backends run verify causally, so they support topk = 1 only)"
+            )
+        if model.q_dtype not in ("float16", "bfloat16") or model.kv_dtype != model.q_dtype:
+            return f"q {model.q_dtype} / KV {model.kv_dtype}: {what} is wired for fp16 or bf16 q and KV of one dtype (fp8 KV needs scales)"
+        if model.logit_cap > 0:
+            return f"{what} has no logit soft-cap"
+        if model.sliding_window >= 0:
+            return f"{what} has no sliding window"
+        if impl is MLAImpl.FLASHINFER:
+            if model.kv_lora_rank % 128 or model.qk_rope_head_dim % 64:
+                return f"kv_lora_rank {model.kv_lora_rank} / rope {model.qk_rope_head_dim}: FlashInfer MLA needs multiples of 128 / 64"
+            if batch.forward_mode not in _FLASHINFER_MODES:
+                return f"{batch.forward_mode.value} is not an MLA mode FlashInfer runs"
+        else:
+            if (model.kv_lora_rank, model.qk_rope_head_dim) != (512, 64):
+                return "FlashMLA takes kv_lora_rank 512 and rope 64 only"
+            if model.page_size != FLASHMLA_PAGE_SIZE:
+                return f"FlashMLA reads {FLASHMLA_PAGE_SIZE}-token blocks; this trace has page_size {model.page_size}"
+            if batch.forward_mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+                return f"FlashMLA runs decode and verify; SGLang runs MLA {batch.forward_mode.value} through FlashInfer MLA (use impl=flashinfer)"
+        if batch.kv_cache_size % model.page_size:
+            return f"the KV pool has {batch.kv_cache_size} slots, not a whole number of {model.page_size}-token pages"
+        return first_misaligned_column(trace)
+
+    # -- plan -----------------------------------------------------------------------------------
+
+    def derive_plan(self, trace: Trace, padding: Padding | None = None) -> Plan:
+        impl = self.impl()
+        if impl is MLAImpl.TRITON:
+            plan = self._triton.derive_plan(trace, padding)
+            return Plan(backend=self.name, tensors=plan.tensors, scalars={**plan.scalars, "impl": impl.value})
+        page_size = trace.model.page_size
+        rows, q_lens = padded_requests(trace, padding)
+        kv_lens = torch.tensor([r.numel() for r in rows], dtype=torch.int32)
+        causal = trace.batch.forward_mode is not ForwardMode.DECODE
+        if impl is MLAImpl.FLASHMLA:
+            if len(set(q_lens)) > 1:
+                raise ValueError(f"FlashMLA needs the same query length in every request, got {sorted(set(q_lens))}")
+            return Plan(
+                backend=self.name,
+                tensors={"block_table": build_page_table(rows, page_size), "cache_seqlens": kv_lens},
+                scalars={"impl": impl.value, "page_size": page_size, "causal": True, "q_len": q_lens[0] if q_lens else 1},
+            )
+        pages = [r[::page_size] // page_size for r in rows]
+        return Plan(
+            backend=self.name,
+            tensors={
+                "qo_indptr": to_indptr(torch.tensor(q_lens)),
+                "kv_indptr": to_indptr(torch.tensor([p.numel() for p in pages])),
+                "kv_indices": torch.cat(pages).to(torch.int32) if pages else torch.zeros(0, dtype=torch.int32),
+                "kv_len_arr": kv_lens,
+            },
+            scalars={"impl": impl.value, "page_size": page_size, "causal": causal},
+        )
+
+    # -- run ------------------------------------------------------------------------------------
+
+    def run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
+        impl = self.impl()
+        if plan.scalars.get("impl") != impl.value:
+            raise ValueError(f"plan for impl={plan.scalars.get('impl')!r} given to the mla backend running impl={impl.value!r}")
+        if impl is MLAImpl.TRITON:
+            return self._triton.run(trace, inputs, _as_triton_plan(plan))
+        try:
+            if impl is MLAImpl.FLASHMLA:
+                return _flashmla_run(trace, inputs, plan)
+            return self._flashinfer_run(trace, inputs, plan)
+        except KERNEL_ERRORS as e:
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise KernelError(f"{impl.value}: {type(e).__name__}: {first[:300]}") from e
+
+    def _flashinfer_run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+        model = trace.model
+        if self._wrapper is None:
+            self._workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=inputs.q.device)
+            self._wrapper = BatchMLAPagedAttentionWrapper(self._workspace, backend=_flashinfer_backend_name())
+        _flashinfer_plan(self._wrapper, model, plan)
+        tokens = inputs.q.shape[0]
+        out = torch.empty(tokens, model.num_qo_heads, model.kv_lora_rank, dtype=inputs.q.dtype, device=inputs.q.device)
+        lse2 = torch.empty(tokens, model.num_qo_heads, dtype=torch.float32, device=inputs.q.device)
+        _flashinfer_run(self._wrapper, model, inputs, int(plan.scalars["page_size"]), out=out, lse=lse2)
+        return AttentionResult(output=out, lse=lse2 * LN2)  # FlashInfer's LSE is base 2
+
+    # -- CUDA graphs ----------------------------------------------------------------------------
+
+    def graph_unsupported_reason(self, trace: Trace) -> str | None:
+        reason = self.unsupported_reason(trace)
+        if reason:
+            return reason
+        impl = self.impl()
+        mode = trace.batch.forward_mode
+        if impl is MLAImpl.FLASHMLA:
+            return "CUDA-graph replay is not wired for the (untested) FlashMLA adapter"
+        if impl is MLAImpl.TRITON:
+            return self._triton.graph_unsupported_reason(trace)
+        if mode is ForwardMode.DECODE or trace.is_tree_verify:
+            return None
+        return f"engines capture only decode and verify steps in CUDA graphs, not {mode.value}"
+
+    def graph_state(self, trace: Trace, capacity: GraphCapacity) -> GraphState:
+        reason = self.graph_unsupported_reason(trace)
+        if reason:
+            raise NotImplementedError(reason)
+        if self.impl() is MLAImpl.TRITON:
+            return _TritonMLAGraph(self._triton.graph_state(trace, capacity))
+        return _FlashInferMLAGraph(trace, capacity)
+
+
+class _TritonMLAGraph(GraphState):
+    """The triton backend's graph state (static kv_indptr/kv_indices/num_kv_splits and split
+    scratch, copied into in place), fed this backend's plans."""
+
+    def __init__(self, inner: GraphState):
+        self.inner = inner
+
+    def load_plan(self, plan: Plan) -> None:
+        self.inner.load_plan(_as_triton_plan(plan))
+
+    def forward(self, inputs: AttentionInputs) -> AttentionResult:
+        return self.inner.forward(inputs)
+
+    def poison_scratch(self) -> None:
+        self.inner.poison_scratch()
+
+    def plan_pointers(self) -> dict[str, int]:
+        return self.inner.plan_pointers()
+
+
+class _FlashInferMLAGraph(GraphState):
+    """BatchMLAPagedAttentionWrapper(use_cuda_graph=True) on static CSR buffers sized for the
+    capture. `load_plan` re-plans the wrapper: FlashInfer copies the metadata into these buffers
+    and rewrites its schedule in the same int workspace (FA2/FA3 MLA plans may be re-planned
+    under a graph: supports_cuda_graph_replan)."""
+
+    def __init__(self, trace: Trace, capacity: GraphCapacity):
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+        self.model = m = trace.model
+        device = torch.device("cuda")
+        bs = capacity.capture_bs
+        self.buffers = {
+            "qo_indptr": torch.zeros(bs + 1, dtype=torch.int32, device=device),
+            "kv_indptr": torch.zeros(bs + 1, dtype=torch.int32, device=device),
+            # max_kv_slots counts tokens; a request never has more pages than tokens.
+            "kv_indices": torch.zeros(max(capacity.max_kv_slots, 1), dtype=torch.int32, device=device),
+            "kv_len_arr": torch.zeros(bs, dtype=torch.int32, device=device),
+        }
+        self.workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.wrapper = BatchMLAPagedAttentionWrapper(
+            self.workspace,
+            use_cuda_graph=True,
+            qo_indptr=self.buffers["qo_indptr"],
+            kv_indptr=self.buffers["kv_indptr"],
+            kv_indices=self.buffers["kv_indices"],
+            kv_len_arr=self.buffers["kv_len_arr"],
+            backend=_flashinfer_backend_name(),
+        )
+        tokens = capacity.max_tokens
+        self.out = torch.full((tokens, m.num_qo_heads, m.kv_lora_rank), float("nan"), dtype=DTYPES[m.q_dtype], device=device)
+        self.lse2 = torch.full((tokens, m.num_qo_heads), float("nan"), dtype=torch.float32, device=device)
+        self.lse = torch.full((tokens, m.num_qo_heads), float("nan"), dtype=torch.float32, device=device)
+        self.page_size = m.page_size
+
+    def load_plan(self, plan: Plan) -> None:
+        _flashinfer_plan(self.wrapper, self.model, plan)
+
+    def forward(self, inputs: AttentionInputs) -> AttentionResult:
+        tokens = inputs.q.shape[0]
+        _flashinfer_run(self.wrapper, self.model, inputs, self.page_size, out=self.out[:tokens], lse=self.lse2[:tokens])
+        torch.mul(self.lse2, LN2, out=self.lse)  # FlashInfer's LSE is base 2
+        return AttentionResult(output=self.out[:tokens], lse=self.lse[:tokens])
+
+    def poison_scratch(self) -> None:
+        # All-ones bytes are NaN in every float dtype. Only the float workspace (split partials
+        # partial_o/partial_lse, written before they are read): the int workspace holds the plan.
+        self.workspace.fill_(0xFF)
+
+    def plan_pointers(self) -> dict[str, int]:
+        return {name: buffer.data_ptr() for name, buffer in self.buffers.items()}
+
+
+# -- library calls ------------------------------------------------------------------------------
+
+
+def _library_reason(impl: MLAImpl) -> str | None:
+    """Why FlashInfer's or FlashMLA's MLA kernels cannot run on this machine, or None."""
+    module, package = ("flashinfer", "flashinfer-python") if impl is MLAImpl.FLASHINFER else ("flash_mla", "FlashMLA (github.com/deepseek-ai/FlashMLA)")
+    info = machine.gpu_info()
+    missing = []
+    if info is None:
+        missing.append("a CUDA GPU (none found)")
+    if not machine.module_available(module):
+        missing.append(f"{module} (install {package})")
+    if missing:
+        return f"mla impl={impl.value} needs " + " and ".join(missing)
+    if impl is MLAImpl.FLASHINFER and info.capability < SM80:
+        return f"FlashInfer MLA needs SM80 or newer; this GPU ({info.name}) is {info.arch}"
+    if impl is MLAImpl.FLASHMLA and info.capability != SM90:
+        return f"FlashMLA needs SM90 (Hopper); this GPU ({info.name}) is {info.arch}"
+    return None
+
+
+def _flashinfer_plan(wrapper, model, plan: Plan) -> None:
+    from flashinfer import mla as fi_mla
+
+    t, s = plan.tensors, plan.scalars
+    csr = {name: t[name] for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr")}
+    common = dict(
+        num_heads=model.num_qo_heads,
+        head_dim_ckv=model.kv_lora_rank,
+        head_dim_kpe=model.qk_rope_head_dim,
+        page_size=int(s["page_size"]),
+        causal=bool(s["causal"]),
+        sm_scale=model.sm_scale,
+        q_data_type=DTYPES[model.q_dtype],
+        kv_data_type=DTYPES[model.kv_dtype],
+    )
+    # plan() stages metadata through pinned host memory and copies it asynchronously: let the
+    # previous plan's copy land first (a graph re-plan rewrites the same int workspace).
+    torch.cuda.current_stream().synchronize()
+    if hasattr(fi_mla, "MLAPlanMetadata"):
+        # Canonical form (FlashInfer 0.7.2): the run contract (split inputs, base-2 LSE) is declared here.
+        wrapper.plan(
+            metadata=fi_mla.MLAPlanMetadata.csr(**csr), query_layout="split", kv_cache_layout="split", lse_mode="base2", **common
+        )
+    else:
+        # Older FlashInfer: the flat form, split inputs by default (untested here).
+        wrapper.plan(**csr, **common)
+
+
+def _flashinfer_run(wrapper, model, inputs: AttentionInputs, page_size: int, *, out: Tensor, lse: Tensor) -> None:
+    """q [T, H, 576] and cache [N, 1, 576] as nope/rope views; writes out [T, H, 512] and base-2 lse [T, H]."""
+    from flashinfer import mla as fi_mla
+
+    rank = model.kv_lora_rank
+    q_nope, q_pe = inputs.q[..., :rank], inputs.q[..., rank:]  # [T, H, 512], [T, H, 64]
+    paged = inputs.k_cache.view(-1, page_size, model.head_dim)  # [pages, page_size, 576]
+    ckv, kpe = paged[..., :rank], paged[..., rank:]  # [pages, page_size, 512], [pages, page_size, 64]
+    if hasattr(fi_mla, "MLAPlanMetadata"):
+        wrapper.run(query=(q_nope, q_pe), kv_cache=(ckv, kpe), out=out, lse=lse, return_lse=True)
+    else:
+        wrapper.run(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv, kpe_cache=kpe, out=out, lse=lse, return_lse=True)
+
+
+def _flashmla_run(trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
+    """UNTESTED here (FlashMLA is not installed on our GPU machine): written from FlashMLA's
+    documented interface, as SGLang's flashmla_backend calls it. Its LSE is natural log
+    ([bs, H, s_q]; FlashMLA's tests compare it with torch.logsumexp)."""
+    from flash_mla import flash_mla_with_kvcache, get_mla_metadata
+
+    model = trace.model
+    device = inputs.q.device
+    block_table = plan.tensors["block_table"].to(device)
+    cache_seqlens = plan.tensors["cache_seqlens"].to(device)
+    bs, s_q, heads = block_table.shape[0], int(plan.scalars["q_len"]), model.num_qo_heads
+    # Older FlashMLA plans here (tile metadata, num_splits); newer returns (empty meta, None).
+    tile_metadata, num_splits = get_mla_metadata(cache_seqlens, s_q * heads, 1)
+    out, lse = flash_mla_with_kvcache(
+        inputs.q.view(bs, s_q, heads, model.head_dim),
+        inputs.k_cache.view(-1, FLASHMLA_PAGE_SIZE, 1, model.head_dim),
+        block_table,
+        cache_seqlens,
+        model.kv_lora_rank,
+        tile_metadata,
+        num_splits,
+        softmax_scale=model.sm_scale,
+        causal=bool(plan.scalars["causal"]),
+    )
+    return AttentionResult(
+        output=out.reshape(bs * s_q, heads, model.kv_lora_rank),
+        lse=lse.transpose(1, 2).reshape(bs * s_q, heads),
+    )
+
+
+def _as_triton_plan(plan: Plan) -> Plan:
+    scalars = {k: v for k, v in plan.scalars.items() if k != "impl"}
+    return Plan(backend="triton", tensors=plan.tensors, scalars=scalars)
