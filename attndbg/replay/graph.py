@@ -176,7 +176,8 @@ class GraphHarness:
                 self.v_cache.index_copy_(0, self.loc, self.static.v_new)
         return self.state.forward(self.static)
 
-    def capture(self, capture: bool) -> None:
+    def capture(self, capture: bool, unroll: int = 1) -> None:
+        """Capture `step()` (`unroll` times back to back: timing amortises launch gaps that way)."""
         if not capture:
             self.out = self.step()
             return
@@ -188,7 +189,8 @@ class GraphHarness:
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.out = self.step()
+            for _ in range(unroll):
+                self.out = self.step()
 
     def poison(self) -> None:
         assert self.out is not None
