@@ -166,8 +166,11 @@ def replay(
     )
     console = _console()
     results = []
+    from attndbg.profiling import phase
+
     for path in paths:
-        loaded = io.load(path)
+        with phase("load", str(path)):
+            loaded = io.load(path)
         if layer is not None and layer not in loaded.tensors:
             raise BadInput(f"--layer {layer}: {path} has no tensors for that layer (has {sorted(loaded.tensors) or 'none'})")
         result = run_replay(loaded, str(path), names, options)

@@ -1,7 +1,8 @@
 """Replay every synth preset (and a few large shapes) through reference and Triton; print max errors.
 
-Run on the GPU machine:  bash .gpu/env.sh python bench/modes_report.py [--json FILE]
-Prints one row per (mode, backend): status, max abs / rel output error, max LSE error, time.
+Run on the GPU machine:  bash .gpu/env.sh python bench/modes_report.py [--backends all] [--cuda-graph] [--json FILE]
+Prints one row per (mode, backend, variant): status, max abs / rel output error, max LSE error,
+time, and for rows that did not run, exactly why.
 """
 
 from __future__ import annotations
@@ -29,23 +30,29 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", help="write all rows as JSON")
     parser.add_argument("--backends", default="reference,triton")
+    parser.add_argument("--cuda-graph", action="store_true", help="also replay each step in a CUDA graph")
     args = parser.parse_args()
+    from attndbg.backends import registry
+    from attndbg.replay.runner import ReplayOptions
+
+    names = registry.resolve(args.backends)
+    options = ReplayOptions(cuda_graph=args.cuda_graph)
     specs = {name: [name] for name in synth.PRESETS}
     specs.update(LARGE)
     rows = []
     failed = False
     for name, words in specs.items():
         trace = synth.build(synth.parse_spec(words))
-        result = replay(trace, name, args.backends.split(","))
+        result = replay(trace, name, names, options)
         failed |= result.failed
         for run in result.runs:
             row = run_to_json(run) | {"mode": name}
             rows.append(row)
             print(
-                f"{name:22s} {run.name:10s} {run.status.value:11s} "
+                f"{name:22s} {run.name:10s} {run.variant:18s} {run.status.value:11s} "
                 f"abs={row.get('max_abs', float('nan')):.3e} rel={row.get('max_rel', float('nan')):.3e} "
                 f"lse={row.get('max_lse_abs', float('nan')):.3e} fail={row.get('failing_rows', '-')}/{row.get('total_rows', '-')} "
-                f"t={row.get('seconds', 0) * 1e3:.1f}ms {run.reason or ''}",
+                f"t={row.get('seconds', 0) * 1e3:.1f}ms {run.reason or ''} {'; '.join(run.problems)}",
                 flush=True,
             )
     if args.json:
