@@ -63,9 +63,10 @@ def main() -> None:
 @main.command()
 @click.argument("spec", nargs=-1)
 @click.option("-o", "--output", "output", type=click.Path(dir_okay=False), help="trace file to write")
-@click.option("--list", "list_presets", is_flag=True, help="list presets and spec keys")
+@click.option("--list", "list_presets", is_flag=True, help="list presets, spec keys and injectable mistakes")
+@click.option("--inject", "inject_kind", default=None, help="carry a realistic mistake of one class (see --list)")
 @handles_bad_input
-def synth(spec: tuple[str, ...], output: str | None, list_presets: bool) -> None:
+def synth(spec: tuple[str, ...], output: str | None, list_presets: bool, inject_kind: str | None) -> None:
     """Build a trace from a spec: a preset, then key=value overrides.
 
     \b
@@ -73,16 +74,26 @@ def synth(spec: tuple[str, ...], output: str | None, list_presets: bool) -> None
       attndbg synth decode-gqa kv_lens=1,33,20000 page_size=16 -o decode.pt
     """
     from attndbg.replay.plans import with_engine_plan
-    from attndbg.trace import io, synth as synth_mod
+    from attndbg.trace import io, mutate, synth as synth_mod
 
     if list_presets:
         click.echo(synth_mod.__doc__)
         for name, values in synth_mod.PRESETS.items():
             click.echo(f"  {name:16s} " + " ".join(f"{k}={v}" for k, v in values.items()))
+        click.echo("\nInjectable mistakes (--inject KIND):")
+        for kind, func in sorted(mutate.injections().items()):
+            click.echo(f"  {kind:32s} {(func.__doc__ or '').strip().splitlines()[0] if func.__doc__ else ''}")
         return
     if not output:
         raise BadInput("synth: give -o FILE (or --list to see presets)")
     trace = with_engine_plan(synth_mod.build(synth_mod.parse_spec(spec)))
+    if inject_kind:
+        try:
+            trace = mutate.inject(trace, inject_kind)
+        except KeyError:
+            raise BadInput(f"--inject: unknown mistake {inject_kind!r}; see attndbg synth --list") from None
+        except ValueError as e:
+            raise BadInput(f"--inject {inject_kind}: {e}") from None
     io.save(trace, output)
     b = trace.batch
     click.echo(f"wrote {output}: {b.forward_mode.value} bs={b.batch_size} tokens={b.num_tokens} kv_lens={b.kv_lens.tolist()[:8]}")
@@ -227,6 +238,66 @@ def diff(a: str, b: str, json_path: str | None, pairs: tuple[str, ...]) -> None:
     if json_path:
         _write_json(json_path, data)
     sys.exit(EXIT_FAILED if result.differs else EXIT_OK)
+
+
+@main.command()
+@click.argument("target", type=click.Path())
+@click.option("--only", default=None, help="detectors to run: invariants,fill-value,tree-mask,split-merge (default: all)")
+@click.option("--backend", "backend_spec", default=None, help="kernel backends the detectors may use (default: all that run here)")
+@click.option("--cuda-graph", is_flag=True, help="detectors also replay under CUDA graphs (GPU)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="also write the findings as JSON")
+@handles_bad_input
+def check(target: str, only: str | None, backend_spec: str | None, cuda_graph: bool, json_path: str | None) -> None:
+    """Run the detectors on a step or a recording directory and explain what they find.
+
+    Exit 0 when clean, 1 with findings, 2 on bad input.
+
+    \b
+    Examples:
+      attndbg check traces/verify_tree.pt
+      attndbg synth verify --inject tree-mask:bit-order -o bad.pt && attndbg check bad.pt --only tree-mask
+    """
+    from rich.progress import Progress
+
+    from attndbg import machine
+    from attndbg.backends import registry
+    from attndbg.checks.context import CheckOptions
+    from attndbg.checks.run import check_steps, parse_only
+    from attndbg.report.checks import checks_to_json, render_step, render_summary
+    from attndbg.trace import io
+
+    try:
+        classes = parse_only(only)
+    except ValueError as e:
+        raise BadInput(f"--only: {e}") from None
+    names = None
+    if backend_spec:
+        try:
+            names = tuple(registry.resolve(backend_spec))
+        except KeyError as e:
+            raise BadInput(f"--backend: unknown backend {e.args[0]!r}; known: {', '.join(registry.backend_names())}") from None
+    if cuda_graph and not machine.cuda_available():
+        raise BadInput("--cuda-graph needs a CUDA GPU, and this machine has none")
+    options = CheckOptions(backends=names, cuda_graph=cuda_graph)
+    console = _console()
+    paths = io.trace_paths(target)
+    reports = []
+    if len(paths) > 1:
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task("checking", total=len(paths))
+            for report in check_steps(target, classes, options, progress=lambda _p: progress.advance(task)):
+                reports.append(report)
+        for report in reports:
+            if report.findings:
+                console.print(render_step(report))
+        console.print(render_summary(reports))
+    else:
+        for report in check_steps(target, classes, options):
+            reports.append(report)
+            console.print(render_step(report))
+    if json_path:
+        _write_json(json_path, checks_to_json(reports))
+    sys.exit(EXIT_FAILED if any(r.findings for r in reports) else EXIT_OK)
 
 
 @main.command()

@@ -27,6 +27,8 @@ Keys (lists are comma-separated):
     topk, steps, draft_tokens   verify: EAGLE tree shape
     mask_layout   full | qlen_only | qlen_only_bitpacked (how the engine's mask is recorded)
     select        selective: query positions recomputed per request
+    capture_bs    record the step as a CUDA-graph replay padded to this many requests (0 = eager)
+    fill_value    seq_len of padded requests in that graph (SGLang: 1)
     seed          RNG seed of the layout and of replay's data
 
 The same spec and seed give the same trace, bit for bit.
@@ -45,6 +47,7 @@ from attndbg.trace.schema import (
     AttentionKind,
     Batch,
     ForwardMode,
+    Graph,
     MaskLayout,
     Model,
     Source,
@@ -78,6 +81,8 @@ class SynthSpec:
     draft_tokens: int = 8
     mask_layout: str = "full"
     select: int = 4
+    capture_bs: int = 0
+    fill_value: int = 1
     seed: int = 0
 
 
@@ -321,4 +326,27 @@ def build(spec: SynthSpec) -> Trace:
         step=0,
         attndbg_version=attndbg.__version__,
     )
-    return Trace(source=source, model=model, batch=batch, seed=spec.seed, spec=spec_section)
+    graph = _graph_section(batch, spec) if spec.capture_bs else None
+    return Trace(source=source, model=model, batch=batch, seed=spec.seed, spec=spec_section, graph=graph)
+
+
+def _graph_section(batch: Batch, spec: SynthSpec) -> Graph:
+    """The static buffers a correct SGLang graph runner holds for this step (newer runner:
+    seq_lens padded with the fill value; req_pool_indices, out_cache_loc, positions zeroed)."""
+    if batch.forward_mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        raise SpecError(f"capture_bs: engines capture only decode and verify steps, not {batch.forward_mode.value}")
+    if spec.capture_bs < batch.batch_size:
+        raise SpecError(f"capture_bs={spec.capture_bs} is smaller than the batch ({batch.batch_size} requests)")
+    pad = spec.capture_bs - batch.batch_size
+    per_req = int(batch.extend_lens[0]) if batch.batch_size else 1
+    zeros = torch.zeros(pad * per_req, dtype=torch.int64)
+    return Graph(
+        is_graph_replay=True,
+        capture_bs=spec.capture_bs,
+        fill_value=spec.fill_value,
+        padded_seq_lens=torch.cat([batch.seq_lens_raw, torch.full((pad,), spec.fill_value, dtype=torch.int64)]),
+        # Request pool rows: synth gives request b row b + 1 (row 0 stays free, as a pool's first).
+        padded_req_pool_indices=torch.cat([torch.arange(1, batch.batch_size + 1), torch.zeros(pad, dtype=torch.int64)]),
+        padded_out_cache_loc=torch.cat([batch.out_cache_loc, zeros]),
+        padded_positions=torch.cat([batch.positions, zeros]),
+    )
