@@ -45,6 +45,16 @@ def handles_bad_input(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _backend_names(spec: str) -> list[str]:
+    """--backend NAME[,NAME...] or all -> names; an unknown name is bad input."""
+    from attndbg.backends import registry
+
+    try:
+        return registry.resolve(spec)
+    except KeyError as e:
+        raise BadInput(f"--backend: unknown backend {e.args[0]!r}; known: {', '.join(registry.backend_names())}") from None
+
+
 def _write_json(path: str, data: Any) -> None:
     Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
@@ -149,17 +159,13 @@ def replay(
     Example:
       attndbg replay traces/decode_gqa.pt --backend triton,reference --json out.json
     """
-    from attndbg.backends import registry
-    from attndbg.backends.triton import TritonOptions
     from attndbg import machine
+    from attndbg.backends.triton import TritonOptions
     from attndbg.replay.runner import PlanSource, ReplayOptions, replay as run_replay
     from attndbg.report.replay import render_replay, replay_to_json
     from attndbg.trace import io
 
-    try:
-        names = registry.resolve(backend_spec)
-    except KeyError as e:
-        raise BadInput(f"--backend: unknown backend {e.args[0]!r}; known: {', '.join(registry.backend_names())}") from None
+    names = _backend_names(backend_spec)
     paths = io.trace_paths(trace)
     if save_path and len(paths) != 1:
         raise BadInput("--save takes a single step file, not a recording directory")
@@ -260,7 +266,6 @@ def check(target: str, only: str | None, backend_spec: str | None, cuda_graph: b
     from rich.progress import Progress
 
     from attndbg import machine
-    from attndbg.backends import registry
     from attndbg.checks.context import CheckOptions
     from attndbg.checks.run import check_steps, parse_only
     from attndbg.report.checks import checks_to_json, render_step, render_summary
@@ -270,12 +275,7 @@ def check(target: str, only: str | None, backend_spec: str | None, cuda_graph: b
         classes = parse_only(only)
     except ValueError as e:
         raise BadInput(f"--only: {e}") from None
-    names = None
-    if backend_spec:
-        try:
-            names = tuple(registry.resolve(backend_spec))
-        except KeyError as e:
-            raise BadInput(f"--backend: unknown backend {e.args[0]!r}; known: {', '.join(registry.backend_names())}") from None
+    names = tuple(_backend_names(backend_spec)) if backend_spec else None
     if cuda_graph and not machine.cuda_available():
         raise BadInput("--cuda-graph needs a CUDA GPU, and this machine has none")
     options = CheckOptions(backends=names, cuda_graph=cuda_graph)
@@ -323,10 +323,7 @@ def bench(trace: str, backend_spec: str, samples: int, json_path: str | None) ->
 
     if not machine.cuda_available():
         raise BadInput("bench times CUDA-graph replays and needs a CUDA GPU, and this machine has none")
-    try:
-        names = registry.resolve(backend_spec)
-    except KeyError as e:
-        raise BadInput(f"--backend: unknown backend {e.args[0]!r}; known: {', '.join(registry.backend_names())}") from None
+    names = _backend_names(backend_spec)
     loaded = io.load(trace)
     inputs = build_inputs(loaded)
     peak = copy_bandwidth_gbps()
