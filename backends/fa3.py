@@ -36,7 +36,7 @@ from attndbg.backends.base import (
     Padding,
 )
 from attndbg.trace import tree
-from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace
+from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace, indptr
 
 LN2 = math.log(2.0)
 # FlashInfer's recommended float workspace (its docstrings: "128MB").
@@ -196,11 +196,7 @@ class FA3Backend(Backend):
                 return "target verify with a sliding window is not supported by the fa3 adapter (SGLang uses a separate swa_spec_metadata path)"
             if self._verify_path(trace) is VerifyPath.MASK:
                 return self._mask_reason(trace)
-        if batch.kv_cache_size % model.page_size:
-            return f"the KV pool has {batch.kv_cache_size} slots, not a whole number of {model.page_size}-token pages"
-        misaligned = first_misaligned_column(trace)
-        if misaligned:
-            return misaligned
+        # Rows of whole pages and a pool of whole pages are guaranteed by trace validation.
         if select_impl() is Impl.FLASHINFER and (model.head_dim, model.v_head_dim) not in FLASHINFER_FA3_HEAD_DIMS:
             return f"head dims {model.head_dim}/{model.v_head_dim}: FlashInfer's SM90 kernels take {sorted(FLASHINFER_FA3_HEAD_DIMS)}"
         return None
@@ -268,7 +264,7 @@ class FA3Backend(Backend):
                 "expand_page_table": table,
                 "expand_cache_seqlens": seqlens,
                 "expand_cu_seqlens_q": torch.arange(len(expand_rows) + 1, dtype=torch.int32),
-                "expand_cu_seqlens_k": to_indptr(seqlens),
+                "expand_cu_seqlens_k": indptr(seqlens).to(torch.int32),
             }
         )
         scalars.update(
@@ -459,7 +455,7 @@ def flashinfer_paged_kv(page_table: Tensor, cache_seqlens: Tensor, page_size: in
     pages = (lens + page_size - 1) // page_size
     kv_indices = torch.cat([page_table[b, : int(pages[b])] for b in range(lens.numel())]) if lens.numel() else page_table.new_zeros(0)
     last = torch.where(pages > 0, lens - (pages - 1) * page_size, torch.zeros_like(lens))
-    return to_indptr(pages), kv_indices.to(torch.int32), last.to(torch.int32)
+    return indptr(pages).to(torch.int32), kv_indices.to(torch.int32), last.to(torch.int32)
 
 
 def _flashinfer_plan(wrapper, model, call: FA3Call) -> None:
@@ -532,8 +528,8 @@ def _call_tensors(rows: list[Tensor], q_lens: list[int], page_size: int) -> dict
     return {
         "page_table": build_page_table(rows, page_size),
         "cache_seqlens": lens,
-        "cu_seqlens_q": to_indptr(torch.tensor(q_lens, dtype=torch.int32)),
-        "cu_seqlens_k": to_indptr(lens),
+        "cu_seqlens_q": indptr(torch.tensor(q_lens, dtype=torch.int32)).to(torch.int32),
+        "cu_seqlens_k": indptr(lens).to(torch.int32),
     }
 
 
@@ -557,32 +553,7 @@ def build_page_table(rows: list[Tensor], page_size: int) -> Tensor:
     return table
 
 
-def first_misaligned_column(trace: Trace) -> str | None:
-    """A page table can only name whole pages: request rows must fill pages from their start."""
-    page_size = trace.model.page_size
-    if page_size == 1:
-        return None
-    batch = trace.batch
-    for b in range(batch.batch_size):
-        slots = batch.request_slots(b)
-        cols = torch.arange(slots.numel())
-        expected = (slots[::page_size] // page_size).repeat_interleave(page_size)[: slots.numel()] * page_size + cols % page_size
-        bad = torch.nonzero(slots != expected).flatten()
-        if bad.numel():
-            j = int(bad[0])
-            return (
-                f"request {b}'s KV column {j} is in slot {int(slots[j])}, but a page table of "
-                f"{page_size}-token pages puts it in slot {int(expected[j])}"
-            )
-    return None
-
-
 def is_chain(parents: Tensor) -> bool:
     """[bs, n] parents: every draft token's parent is the one before it, so the tree mask is plain causal."""
     n = parents.shape[1]
     return bool((parents == torch.arange(-1, n - 1)).all())
-
-
-def to_indptr(lengths: Tensor) -> Tensor:
-    """[n] lengths -> [n+1] int32 offsets starting at 0."""
-    return torch.nn.functional.pad(torch.cumsum(lengths.to(torch.int64), 0), (1, 0)).to(torch.int32)

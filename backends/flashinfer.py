@@ -43,7 +43,7 @@ from attndbg.backends.base import (
     Padding,
 )
 from attndbg.trace import tree
-from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Model, Plan, Trace
+from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Model, Plan, Trace, indptr
 
 LN2 = math.log(2.0)
 # FlashInfer's recommended float workspace (split-KV partial outputs); zeroed before first use.
@@ -161,9 +161,6 @@ class FlashInferBackend(Backend):
             return f"FlashInfer's kernels take fp16 or bf16 queries; this trace's are {model.q_dtype}"
         if mode is ForwardMode.DECODE and model.head_dim != model.v_head_dim:
             return f"FlashInfer's decode wrapper takes one head_dim for q/k and v; this trace has {model.head_dim} and {model.v_head_dim}"
-        misaligned = _first_misaligned(trace)
-        if misaligned:
-            return misaligned
         if mode in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND) and not trace.is_tree_verify:
             return self._extend_path_problem(trace)
         return None
@@ -268,7 +265,7 @@ class FlashInferBackend(Backend):
         tensors = _paged_arrays(pages, ps)
         tensors["qo_indptr"] = torch.arange(0, (len(pages) + 1) * n, n, dtype=torch.int32)
         tensors["custom_mask"] = torch.cat([blk.flatten() for blk in blocks])
-        tensors["mask_indptr"] = _indptr(torch.tensor([blk.numel() for blk in blocks])).to(torch.int32)
+        tensors["mask_indptr"] = indptr(torch.tensor([blk.numel() for blk in blocks])).to(torch.int32)
         # The window is folded into the mask (draft tokens sit at prefix + depth, not prefix + index,
         # which FlashInfer's window_left would assume), so the kernel gets window_left = -1.
         scalars = self._scalars(trace, PlanPath.PAGED, causal=False)
@@ -279,7 +276,7 @@ class FlashInferBackend(Backend):
         batch, ps = trace.batch, trace.model.page_size
         path = self.extend_path(trace)
         window = trace.model.sliding_window
-        tensors = {"qo_indptr": _indptr(batch.extend_lens).to(torch.int32)}
+        tensors = {"qo_indptr": indptr(batch.extend_lens).to(torch.int32)}
         pages = []
         if batch.selective:
             # The recomputed tokens' K/V are already in their slots: the whole row is read from the
@@ -293,7 +290,7 @@ class FlashInferBackend(Backend):
                 blocks.append((distance >= 0) & ((distance <= window) if window >= 0 else True))
             tensors.update(_paged_arrays(pages, ps))
             tensors["custom_mask"] = torch.cat([blk.flatten() for blk in blocks])
-            tensors["mask_indptr"] = _indptr(torch.tensor([blk.numel() for blk in blocks])).to(torch.int32)
+            tensors["mask_indptr"] = indptr(torch.tensor([blk.numel() for blk in blocks])).to(torch.int32)
             return Plan(backend=self.name, tensors=tensors, scalars=self._scalars(trace, path, causal=False, window_left=-1))
         for b in range(batch.batch_size):
             slots = batch.request_slots(b)
@@ -562,7 +559,7 @@ def _paged_arrays(requests: list[tuple[Tensor, int]], page_size: int) -> dict[st
     lens = torch.tensor([n for _, n in requests], dtype=torch.int64)
     indices = torch.cat([p for p, _ in requests]) if requests else torch.zeros(0, dtype=torch.int64)
     return {
-        "kv_indptr": _indptr(counts).to(torch.int32),
+        "kv_indptr": indptr(counts).to(torch.int32),
         "kv_indices": indices.to(torch.int32),
         "kv_last_page_len": ((lens - 1) % page_size + 1).to(torch.int32),
     }
@@ -588,26 +585,3 @@ def _tree_block(parents: Tensor, prefix: int, window: int) -> Tensor:
         query_pos = prefix + depth
         block &= (query_pos[:, None] - key_pos[None, :]) <= window
     return block
-
-
-def _first_misaligned(trace: Trace) -> str | None:
-    """FlashInfer reads whole pages: each request's row must be pages laid end to end."""
-    batch, ps = trace.batch, trace.model.page_size
-    if ps == 1:
-        return None
-    for b in range(batch.batch_size):
-        slots = batch.request_slots(b)
-        cols = torch.arange(slots.numel())
-        expected = (slots[cols - cols % ps] // ps) * ps + cols % ps
-        bad = torch.nonzero(slots != expected)
-        if bad.numel():
-            j = int(bad[0])
-            return (
-                f"request {b}'s KV row is not page-aligned at column {j} (slot {int(slots[j])}, expected "
-                f"{int(expected[j])}): FlashInfer reads whole pages of {ps}"
-            )
-    return None
-
-
-def _indptr(lengths: Tensor) -> Tensor:
-    return torch.nn.functional.pad(torch.cumsum(lengths.to(torch.int64), 0), (1, 0))

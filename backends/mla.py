@@ -42,13 +42,11 @@ from attndbg.backends.fa3 import (
     KERNEL_ERRORS,
     LN2,
     build_page_table,
-    first_misaligned_column,
     is_chain,
     padded_requests,
-    to_indptr,
 )
 from attndbg.backends.triton import TritonBackend
-from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace
+from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace, indptr
 
 # FlashMLA reads the cache in 64-token blocks (SGLang's flashmla_backend PAGE_SIZE).
 FLASHMLA_PAGE_SIZE = 64
@@ -158,9 +156,7 @@ class MLABackend(Backend):
                 return f"FlashMLA reads {FLASHMLA_PAGE_SIZE}-token blocks; this trace has page_size {model.page_size}"
             if batch.forward_mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
                 return f"FlashMLA runs decode and verify; SGLang runs MLA {batch.forward_mode.value} through FlashInfer MLA (use impl=flashinfer)"
-        if batch.kv_cache_size % model.page_size:
-            return f"the KV pool has {batch.kv_cache_size} slots, not a whole number of {model.page_size}-token pages"
-        return first_misaligned_column(trace)
+        return None  # whole pages in rows and pool are guaranteed by trace validation
 
     # -- plan -----------------------------------------------------------------------------------
 
@@ -185,8 +181,8 @@ class MLABackend(Backend):
         return Plan(
             backend=self.name,
             tensors={
-                "qo_indptr": to_indptr(torch.tensor(q_lens)),
-                "kv_indptr": to_indptr(torch.tensor([p.numel() for p in pages])),
+                "qo_indptr": indptr(torch.tensor(q_lens)).to(torch.int32),
+                "kv_indptr": indptr(torch.tensor([p.numel() for p in pages])).to(torch.int32),
                 "kv_indices": torch.cat(pages).to(torch.int32) if pages else torch.zeros(0, dtype=torch.int32),
                 "kv_len_arr": kv_lens,
             },

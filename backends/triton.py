@@ -24,7 +24,7 @@ from attndbg.backends.base import (
     Padding,
 )
 from attndbg.trace import tree
-from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace
+from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace, indptr
 
 # SGLang's default `--triton-attention-num-kv-splits`.
 DEFAULT_MAX_KV_SPLITS = 8
@@ -157,7 +157,7 @@ class TritonBackend(Backend):
         return Plan(
             backend=self.name,
             tensors={
-                "kv_indptr": _indptr(lens).to(torch.int32),
+                "kv_indptr": indptr(lens).to(torch.int32),
                 "kv_indices": torch.cat(rows).to(torch.int64),
                 "num_kv_splits": torch.tensor(splits, dtype=torch.int32),
             },
@@ -170,7 +170,7 @@ class TritonBackend(Backend):
         if padding is not None:  # verify: padded requests carry draft_token_num tokens too
             pad = padding.capture_bs - batch.batch_size
             extend_lens = torch.cat([extend_lens, torch.full((pad,), trace.spec.draft_token_num)])
-        tensors: dict[str, torch.Tensor] = {"qo_indptr": _indptr(extend_lens).to(torch.int32)}
+        tensors: dict[str, torch.Tensor] = {"qo_indptr": indptr(extend_lens).to(torch.int32)}
         scalars: dict[str, int | float | bool | str] = {
             "max_extend_len": int(batch.extend_lens.max()) if batch.batch_size else 0,
             "is_causal": True,
@@ -192,7 +192,7 @@ class TritonBackend(Backend):
                 extend_block = torch.zeros(seen.shape[0], seen.shape[0], dtype=torch.bool)
                 masks.append(torch.cat([seen, extend_block], 1).flatten())
             tensors["custom_mask"] = torch.cat(masks)
-            tensors["mask_indptr"] = _indptr(batch.extend_lens * (prefix_lens + batch.extend_lens))
+            tensors["mask_indptr"] = indptr(batch.extend_lens * (prefix_lens + batch.extend_lens))
             scalars["sliding_window"] = -1  # folded into the mask: kernel columns are shifted here
             scalars["skip_prefix_custom_mask"] = False
         else:
@@ -209,7 +209,7 @@ class TritonBackend(Backend):
             prefix_lens = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
             tensors["custom_mask"] = tree.full_mask(parents, prefix_lens)
             tensors["mask_indptr"] = tree.full_mask_indptr(n, prefix_lens)
-        tensors["kv_indptr"] = _indptr(torch.tensor([r.numel() for r in rows])).to(torch.int32)
+        tensors["kv_indptr"] = indptr(torch.tensor([r.numel() for r in rows])).to(torch.int32)
         tensors["kv_indices"] = torch.cat(rows).to(torch.int64)
         return Plan(backend=self.name, tensors=tensors, scalars=scalars)
 
@@ -356,7 +356,3 @@ def _padded_rows(bs: int, padding: Padding | None) -> list[torch.Tensor]:
         return []
     row = torch.full((padding.fill_value,), padding.dummy_slot, dtype=torch.int64)
     return [row] * (padding.capture_bs - bs)
-
-
-def _indptr(lengths: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.pad(torch.cumsum(lengths.to(torch.int64), 0), (1, 0))

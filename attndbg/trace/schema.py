@@ -62,6 +62,11 @@ DTYPES: dict[str, torch.dtype] = {
 Q_DTYPES = ("float16", "bfloat16", "float32")
 
 
+def indptr(lengths: Tensor) -> Tensor:
+    """[n] lengths -> [n+1] int64 offsets starting at 0 (the CSR "indptr" every plan uses)."""
+    return torch.nn.functional.pad(torch.cumsum(lengths.to(torch.int64), 0), (1, 0))
+
+
 @dataclass(frozen=True)
 class Source:
     """Where the step came from."""
@@ -134,7 +139,7 @@ class Batch:
     @property
     def qo_indptr(self) -> Tensor:
         """[bs+1] int64: request b's query tokens are rows qo_indptr[b]:qo_indptr[b+1]."""
-        return torch.nn.functional.pad(torch.cumsum(self.extend_lens, 0), (1, 0))
+        return indptr(self.extend_lens)
 
     def request_slots(self, b: int) -> Tensor:
         return self.slot_ids[int(self.slot_indptr[b]) : int(self.slot_indptr[b + 1])]

@@ -198,11 +198,6 @@ def test_fa3_extend_plan_page_64() -> None:
     assert plan.scalars["page_size"] == 64 and plan.scalars["max_seqlen_q"] == 2
 
 
-def test_fa3_rejects_rows_that_are_not_page_aligned() -> None:
-    trace = _trace([[64, 65, 3]], [1], page_size=64, kv_cache_size=128)
-    assert "column 2 is in slot 3" in FA3Backend().unsupported_reason(trace)
-
-
 def test_fa3_padded_decode_rows() -> None:
     trace = _trace([[7, 3, 9], [12, 4]], [1, 1])
     plan = FA3Backend().derive_plan(trace, Padding(capture_bs=4, fill_value=1, dummy_slot=0))

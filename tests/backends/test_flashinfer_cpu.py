@@ -24,6 +24,8 @@ from attndbg.backends.flashinfer import (
     sglang_uses_tensor_cores,
 )
 from attndbg.trace.schema import AttentionKind, Batch, ForwardMode, MaskLayout, Model, Source, Spec, Trace
+from attndbg.trace.schema import to_dict
+from attndbg.trace.validate import TraceError, from_dict
 from tests.factories import make_trace
 
 T, F = True, False
@@ -407,10 +409,12 @@ def test_unsupported_reasons(spec, options, needle):
     assert reason is not None and needle in reason
 
 
-def test_a_row_that_is_not_page_aligned_is_refused():
+def test_a_row_that_is_not_page_aligned_never_reaches_the_backend():
+    """Paged kernels read whole pages; trace validation is the one place that guarantees them."""
     rows = [page_slots([2], 16) + [99]]  # column 16 starts a page at slot 99, not a page boundary
     trace = hand_trace(mode=ForwardMode.DECODE, rows=rows, extend_lens=[1], page_size=16)
-    assert "not page-aligned at column 16 (slot 99" in FlashInferBackend().unsupported_reason(trace)
+    with pytest.raises(TraceError, match=r"batch.slot_ids\[16\]: = 99 sits at page offset 3"):
+        from_dict(to_dict(trace))
 
 
 def test_graph_modes():
