@@ -9,12 +9,23 @@ engines, recordings or reports.
 from __future__ import annotations
 
 import abc
+import enum
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from torch import Tensor
 
 from attndbg.trace.schema import Plan, Trace
+
+
+def coerce_option(options: Any, field: str, kind: type[enum.Enum]) -> None:
+    """In a frozen options dataclass's __post_init__: accept the enum or its string value."""
+    value = getattr(options, field)
+    try:
+        object.__setattr__(options, field, kind(value))
+    except ValueError:
+        choices = ", ".join(str(member.value) for member in kind)
+        raise ValueError(f"{field}={value!r}: expected one of {choices}") from None
 
 
 @dataclass(frozen=True)

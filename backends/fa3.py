@@ -34,6 +34,7 @@ from attndbg.backends.base import (
     GraphState,
     KernelError,
     Padding,
+    coerce_option,
 )
 from attndbg.trace import tree
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace, indptr
@@ -91,11 +92,7 @@ class FA3Options:
     verify_path: VerifyPath | str = VerifyPath.AUTO
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "verify_path", VerifyPath(self.verify_path))
-        except ValueError:
-            choices = ", ".join(p.value for p in VerifyPath)
-            raise ValueError(f"verify_path={self.verify_path!r}: expected one of {choices}") from None
+        coerce_option(self, "verify_path", VerifyPath)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from attndbg.backends.base import (
     GraphState,
     KernelError,
     Padding,
+    coerce_option,
 )
 from attndbg.trace import tree
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Model, Plan, Trace, indptr
@@ -83,11 +84,7 @@ class FlashInferOptions:
     extend_path: ExtendPath | str = ExtendPath.AUTO
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "extend_path", ExtendPath(self.extend_path))
-        except ValueError:
-            choices = ", ".join(p.value for p in ExtendPath)
-            raise ValueError(f"extend_path={self.extend_path!r}: expected one of {choices}") from None
+        coerce_option(self, "extend_path", ExtendPath)
 
 
 def sglang_uses_tensor_cores(kv_dtype: str, num_qo_heads: int, num_kv_heads: int) -> bool:

@@ -36,6 +36,7 @@ from attndbg.backends.base import (
     GraphState,
     KernelError,
     Padding,
+    coerce_option,
 )
 from attndbg.backends.fa3 import (
     FLASHINFER_WORKSPACE_BYTES,
@@ -67,11 +68,7 @@ class MLAOptions:
     impl: MLAImpl | str = MLAImpl.AUTO
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "impl", MLAImpl(self.impl))
-        except ValueError:
-            choices = ", ".join(i.value for i in MLAImpl)
-            raise ValueError(f"impl={self.impl!r}: expected one of {choices}") from None
+        coerce_option(self, "impl", MLAImpl)
 
 
 def _flashinfer_backend_name() -> str:
