@@ -1,0 +1,270 @@
+"""Mistakes in speculative tree masks that the tree-mask detector finds.
+
+A wrong tree mask lives in what the engine recorded: `spec.custom_mask` (in its layout) and the
+plan's `custom_mask` / `mask_indptr` (FULL layout, triton and flashinfer vocabularies) or, for the
+fa3 two-call verify, its `expand_*` tables. Where the engine builds one mask and hands it to the
+backend, a mistake in building it reaches both, so both are changed. Placement (request, row,
+column) comes from a generator seeded with the trace's seed, or by keyword for tests. A mistake
+that does not apply raises ValueError saying what the trace needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+from torch import Tensor
+
+from attndbg.trace import tree
+from attndbg.trace.schema import ForwardMode, MaskLayout, Plan, Spec, Trace
+
+
+def _rng(trace: Trace, salt: int) -> torch.Generator:
+    return torch.Generator().manual_seed(trace.seed * 1000003 + salt)
+
+
+def _pick(options: list, g: torch.Generator):
+    return options[int(torch.randint(len(options), (1,), generator=g))]
+
+
+def _need_verify(trace: Trace, kind: str) -> Spec:
+    if not trace.is_tree_verify:
+        raise ValueError(f"{kind} is a tree-mask mistake: it needs a TARGET_VERIFY trace with a draft tree (synth verify)")
+    return trace.spec
+
+
+def _with(trace: Trace, *, spec_mask: Tensor | None = None, tensors: dict[str, Tensor] | None = None) -> Trace:
+    if spec_mask is not None:
+        trace = replace(trace, spec=replace(trace.spec, custom_mask=spec_mask))
+    if tensors:
+        plan = trace.plan
+        trace = replace(trace, plan=Plan(backend=plan.backend, tensors={**plan.tensors, **tensors}, scalars=dict(plan.scalars)))
+    return trace
+
+
+def _plan_blocks(trace: Trace) -> list[tuple[int, int]] | None:
+    """(start, width) of each real request's [n, width] block in the plan's FULL custom_mask."""
+    plan = trace.plan
+    if plan is None or "custom_mask" not in plan.tensors or "mask_indptr" not in plan.tensors:
+        return None
+    n = trace.spec.draft_token_num
+    indptr = plan.tensors["mask_indptr"].to(torch.int64)
+    return [(int(indptr[b]), int(indptr[b + 1] - indptr[b]) // n) for b in range(trace.batch.batch_size)]
+
+
+def _set_spec_bit(trace: Trace, mask: Tensor, b: int, row: int, draft: int, value: bool) -> Tensor:
+    spec = trace.spec
+    n = spec.draft_token_num
+    mask = mask.clone()
+    if spec.mask_layout is MaskLayout.FULL:
+        prefix = int(trace.batch.prefix_lens[b])
+        start = int(tree.full_mask_indptr(n, trace.batch.prefix_lens)[b])
+        mask[start + row * (prefix + n) + prefix + draft] = value
+    elif spec.mask_layout is MaskLayout.QLEN_ONLY:
+        mask[(b * n + row) * n + draft] = value
+    else:
+        word = int(mask[b * n + row])
+        word = word | (1 << draft) if value else word & ~(1 << draft)
+        mask[b * n + row] = word
+    return mask
+
+
+def sibling_visible(trace: Trace, *, request: int | None = None, row: int | None = None, column: int | None = None) -> Trace:
+    """One draft token sees its sibling: a next-sibling link followed as a parent link while building the tree mask.
+
+    `row` and `column` are draft-token indices of request `request` with the same parent.
+    """
+    spec = _need_verify(trace, "sibling-visible")
+    pairs = [
+        (b, i, j)
+        for b in range(trace.batch.batch_size)
+        for i in range(1, spec.draft_token_num)
+        for j in range(1, spec.draft_token_num)
+        if i != j and int(spec.parents[b, i]) == int(spec.parents[b, j])
+    ]
+    if request is None or row is None or column is None:
+        if not pairs:
+            raise ValueError("sibling-visible: the draft trees are chains (topk=1), no token has a sibling")
+        request, row, column = _pick(pairs, _rng(trace, 11))
+    if (request, row, column) not in pairs:
+        raise ValueError(f"sibling-visible: draft tokens {row} and {column} of request {request} are not siblings")
+    spec_mask = _set_spec_bit(trace, spec.custom_mask, request, row, column, True) if spec.custom_mask is not None else None
+    tensors = {}
+    blocks = _plan_blocks(trace)
+    n = spec.draft_token_num
+    if blocks is not None:
+        start, width = blocks[request]
+        mask = trace.plan.tensors["custom_mask"].clone()
+        mask[start + row * width + width - n + column] = True
+        tensors["custom_mask"] = mask
+    elif trace.plan is not None and "expand_page_table" in trace.plan.tensors:
+        tensors.update(_expand_add(trace, request, row, column))
+    if spec_mask is None and not tensors:
+        raise ValueError("sibling-visible: the trace records no tree mask (neither spec.custom_mask nor a plan mask)")
+    return _with(trace, spec_mask=spec_mask, tensors=tensors)
+
+
+def _expand_add(trace: Trace, b: int, row: int, column: int) -> dict[str, Tensor]:
+    """fa3 two-call: list draft token `column`'s slot among row's visible slots."""
+    plan = trace.plan
+    n = trace.spec.draft_token_num
+    r = b * n + row
+    table = plan.tensors["expand_page_table"].clone()
+    lens = plan.tensors["expand_cache_seqlens"].clone()
+    prefix = int(trace.batch.prefix_lens[b])
+    slot = int(trace.batch.request_slots(b)[prefix + column])
+    k = int(lens[r])
+    at = int(torch.nonzero(table[r] == slot)[0])
+    table[r, k], table[r, at] = table[r, at].clone(), table[r, k].clone()
+    lens[r] = k + 1
+    cu = torch.nn.functional.pad(torch.cumsum(lens.to(torch.int64), 0), (1, 0)).to(plan.tensors["expand_cu_seqlens_k"].dtype)
+    return {"expand_page_table": table, "expand_cache_seqlens": lens, "expand_cu_seqlens_k": cu}
+
+
+def bit_order(trace: Trace) -> Trace:
+    """Bit-packed tree mask packed big-endian (bit 0 = last draft token) where SGLang and FlashInfer pack little-endian."""
+    spec = _need_verify(trace, "bit-order")
+    if spec.mask_layout is not MaskLayout.QLEN_ONLY_BITPACKED or spec.custom_mask is None:
+        raise ValueError("bit-order needs a bit-packed mask: synth verify mask_layout=qlen_only_bitpacked")
+    words = spec.custom_mask
+    width = words.element_size() * 8
+    bits = (words.to(torch.int64)[:, None] >> torch.arange(width)) & 1
+    reversed_words = (bits.flip(1) << torch.arange(width)).sum(1)
+    if torch.equal(reversed_words, words.to(torch.int64)):
+        raise ValueError("bit-order: every word is a bit palindrome, reversing changes nothing")
+    return _with(trace, spec_mask=reversed_words.to(words.dtype))
+
+
+def short_buffer(trace: Trace, *, request: int | None = None, columns: int | None = None) -> Trace:
+    """Tree mask built for fewer KV columns than the request has, flattened without a shape check (FlashInfer #3176).
+
+    Request `request`'s FULL block is built [n, prefix + n - columns] (its first `columns` prefix
+    columns dropped); a QLEN_ONLY block loses its last column, a bit-packed mask its last word.
+    The plan's mask is cut the same way and its mask_indptr left as it was.
+    """
+    spec = _need_verify(trace, "short-buffer")
+    prefix = trace.batch.prefix_lens
+    g = _rng(trace, 12)
+    if request is None:
+        candidates = [b for b in range(trace.batch.batch_size) if int(prefix[b]) > 0]
+        request = _pick(candidates or list(range(trace.batch.batch_size)), g)
+    p = int(prefix[request])
+    if columns is None:
+        columns = int(torch.randint(1, p + 1, (1,), generator=g)) if p > 0 else 1
+    n = spec.draft_token_num
+    spec_mask = None
+    if spec.custom_mask is not None:
+        mask = spec.custom_mask
+        if spec.mask_layout is MaskLayout.FULL:
+            if not 1 <= columns <= p:
+                raise ValueError(f"short-buffer: request {request} has {p} prefix columns, cannot drop {columns}")
+            start = int(tree.full_mask_indptr(n, prefix)[request])
+            block = mask[start : start + n * (p + n)].reshape(n, p + n)[:, columns:]
+            spec_mask = torch.cat([mask[:start], block.flatten(), mask[start + n * (p + n) :]])
+        elif spec.mask_layout is MaskLayout.QLEN_ONLY:
+            start = request * n * n
+            block = mask[start : start + n * n].reshape(n, n)[:, :-1]
+            spec_mask = torch.cat([mask[:start], block.flatten(), mask[start + n * n :]])
+        else:
+            spec_mask = torch.cat([mask[: request * n + n - 1], mask[request * n + n :]])
+    tensors = {}
+    blocks = _plan_blocks(trace)
+    if blocks is not None:
+        start, width = blocks[request]
+        drop = min(columns, width - n) if width > n else 1
+        mask = trace.plan.tensors["custom_mask"]
+        block = mask[start : start + n * width].reshape(n, width)[:, drop:]
+        tensors["custom_mask"] = torch.cat([mask[:start], block.flatten(), mask[start + n * width :]])
+    if spec_mask is None and not tensors:
+        raise ValueError("short-buffer: the trace records no tree mask to cut")
+    return _with(trace, spec_mask=spec_mask, tensors=tensors)
+
+
+def missing_prefix(trace: Trace) -> Trace:
+    """FULL tree mask whose prefix columns are False (zeros where SGLang writes torch.full(True)), so drafts see no context."""
+    spec = _need_verify(trace, "missing-prefix")
+    if spec.mask_layout is not MaskLayout.FULL or spec.custom_mask is None:
+        raise ValueError("missing-prefix needs a FULL-layout mask: synth verify mask_layout=full")
+    prefix = trace.batch.prefix_lens
+    if not bool((prefix > 0).any()):
+        raise ValueError("missing-prefix: no request has a prefix")
+    n = spec.draft_token_num
+    starts = tree.full_mask_indptr(n, prefix)
+    mask = spec.custom_mask.clone()
+    for b in range(trace.batch.batch_size):
+        p = int(prefix[b])
+        mask[int(starts[b]) : int(starts[b + 1])].view(n, p + n)[:, :p] = False
+    tensors = {}
+    blocks = _plan_blocks(trace)
+    if blocks is not None:
+        plan_mask = trace.plan.tensors["custom_mask"].clone()
+        for start, width in blocks:
+            plan_mask[start : start + n * width].view(n, width)[:, : width - n] = False
+        tensors["custom_mask"] = plan_mask
+    return _with(trace, spec_mask=mask, tensors=tensors)
+
+
+def window_ignored(trace: Trace) -> Trace:
+    """Plan tree mask built without the sliding window while the kernel's window is off, so drafts see keys older than the window."""
+    spec = _need_verify(trace, "window-ignored")
+    window = trace.model.sliding_window
+    blocks = _plan_blocks(trace)
+    if window < 0 or blocks is None:
+        raise ValueError("window-ignored needs a verify trace with a sliding window and a plan mask (e.g. a flashinfer plan of synth verify window=40)")
+    kernel_window = trace.plan.scalars.get("window_left", trace.plan.scalars.get("sliding_window", window))
+    if int(kernel_window) >= 0:
+        raise ValueError("window-ignored: this plan's kernel applies the window itself (window_left >= 0)")
+    n = spec.draft_token_num
+    mask = trace.plan.tensors["custom_mask"].clone()
+    for start, width in blocks:
+        mask[start : start + n * width].view(n, width)[:, : width - n] = True
+    if torch.equal(mask, trace.plan.tensors["custom_mask"]):
+        raise ValueError("window-ignored: every prefix column is inside the window already")
+    return _with(trace, tensors={"custom_mask": mask})
+
+
+def qlen_indptr(trace: Trace) -> Trace:
+    """mask_indptr computed with QLEN_ONLY sizes (n·n per request) for a FULL-layout mask."""
+    _need_verify(trace, "qlen-indptr")
+    plan = trace.plan
+    if plan is None or "mask_indptr" not in plan.tensors:
+        raise ValueError("qlen-indptr needs a verify plan with a mask_indptr (triton or flashinfer)")
+    n = trace.spec.draft_token_num
+    indptr = plan.tensors["mask_indptr"]
+    wrong = torch.arange(indptr.numel(), dtype=torch.int64) * n * n
+    if torch.equal(wrong, indptr.to(torch.int64)):
+        raise ValueError("qlen-indptr: no request has a prefix, so both layouts have the same sizes")
+    return _with(trace, tensors={"mask_indptr": wrong.to(indptr.dtype)})
+
+
+def stale_after_causal(trace: Trace) -> Trace:
+    """Extend step whose plan keeps the custom mask of an earlier verify step (FlashInfer #1028: a wrapper re-planned causal kept its mask)."""
+    batch = trace.batch
+    if batch.forward_mode not in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND) or batch.selective:
+        raise ValueError("stale-after-causal needs a (non-selective) EXTEND or MIXED trace, the causal step after a verify")
+    if trace.plan is None:
+        raise ValueError("stale-after-causal lives in the recorded plan, and this trace has none")
+    blocks = []
+    for b in range(batch.batch_size):
+        e, p = int(batch.extend_lens[b]), int(batch.prefix_lens[b])
+        # The old verify step's tree: a binary tree over this request's tokens.
+        parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, e)], dtype=torch.int64)
+        block = torch.ones(e, p + e, dtype=torch.bool)
+        block[:, p:] = tree.ancestor_matrix(parents) if e else block[:, p:]
+        blocks.append(block.flatten())
+    mask = torch.cat(blocks)
+    sizes = batch.extend_lens * (batch.prefix_lens + batch.extend_lens)
+    indptr = torch.nn.functional.pad(torch.cumsum(sizes, 0), (1, 0))
+    return _with(trace, tensors={"custom_mask": mask, "mask_indptr": indptr})
+
+
+INJECTIONS: dict[str, Callable[[Trace], Trace]] = {
+    "tree-mask:sibling-visible": sibling_visible,
+    "tree-mask:bit-order": bit_order,
+    "tree-mask:short-buffer": short_buffer,
+    "tree-mask:missing-prefix": missing_prefix,
+    "tree-mask:window-ignored": window_ignored,
+    "tree-mask:qlen-indptr": qlen_indptr,
+    "tree-mask:stale-after-causal": stale_after_causal,
+}
