@@ -51,7 +51,8 @@ class BackendRun:
     result: AttentionResult | None = None  # CPU copies
     plan: Plan | None = None
     seconds: float = 0.0
-    problems: list[str] = field(default_factory=list)  # failures beyond tolerance (bits, padding, KV writes)
+    problems: list[str] = field(default_factory=list)  # failures beyond tolerance (bits, padding, KV writes), for people
+    graph: graph_replay.GraphOutcome | None = None  # the same facts as data, for detectors (graph variant only)
 
 
 @dataclass(frozen=True)
@@ -209,4 +210,6 @@ def _graph(backend: Backend, ctx: _Context, inputs: AttentionInputs, description
     if not outcome.pointers_stable:
         problems.append("plan buffers moved between capture and replay (the graph reads the old pointers)")
     status = RunStatus.PASSED if comparison.passed and not problems else RunStatus.FAILED
-    return BackendRun(backend.name, status, description, variant, comparison=comparison, result=outcome.result, seconds=seconds, problems=problems)
+    return BackendRun(
+        backend.name, status, description, variant, comparison=comparison, result=outcome.result, seconds=seconds, problems=problems, graph=outcome
+    )

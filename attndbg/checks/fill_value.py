@@ -1,0 +1,494 @@
+"""fill-value: how the batch was padded for a CUDA graph, and what the padding does to the kernels.
+
+Two halves (DESIGN.md "The detectors"):
+
+  recorded padding  the trace's `graph` section (the runner's static buffers) and recorded plan,
+                    read without running anything: padded seq_lens a backend cannot take, padded
+                    tokens writing KV outside the dummy slot, `seq_lens_sum` that ignores padding,
+                    indptrs whose padded entries decrease, stale padded req_pool_indices/positions.
+  padded replays    the step replayed in a graph (captured where a GPU is present, else the same
+                    sequence run eagerly on the static buffers) at the recorded capture size with
+                    the engine's recorded fill value and with each backend's own; without a
+                    recorded graph, at the next SGLang capture size with each backend's fill value.
+                    Findings: padded rows that are not finite, KV writes outside the dummy slot,
+                    a replay that raises, and real rows that are right eagerly but wrong padded.
+
+When stale padded values are harmless, and so are not reported: a padded req_pool_index whose
+padded seq_len is 0 (nothing is read through it), or that is the row of a live request of this
+batch at least as long as the padded seq_len (the backend reads that row's first slot ids, which
+are valid); any padded req_pool_index or position of a vLLM step (vLLM has no request pool and
+leaves positions stale by design, engines.md B5). Zero is what SGLang's newer runner writes. Other
+non-zero values are reported with low severity: a row that no live request holds may never have
+been written (req_to_token allocated with torch.empty, SGLang #1779), and stale positions broke
+FlashInfer's verify plan (SGLang #24361: high severity for a FlashInfer verify step). A row id
+outside any plausible request pool is high severity when it is read (padded seq_len >= 1):
+req_to_token is read out of bounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attndbg import machine
+from attndbg.backends import registry
+from attndbg.checks.context import CheckContext
+from attndbg.checks.findings import Finding, FindingClass, Location
+from attndbg.replay import graph as graph_replay
+from attndbg.replay.runner import BackendRun, ReplayOptions, RunStatus
+from attndbg.trace.schema import ForwardMode, Trace
+
+KIND = FindingClass.FILL_VALUE
+HIGH, LOW = "high", "low"
+# What a padded token's out_cache_loc may hold: SGLang zeroes it (slot 0 is reserved "for writing
+# dummy outputs from padded tokens"), vLLM sets -1 (the KV write is skipped).
+DUMMY_SLOTS = (0, -1)
+# No engine keeps a request pool of a million rows (SGLang's is max_running_requests, thousands at
+# most; a req_to_token of 2^20 rows x 4096 int32 columns is 16 GiB): a padded row id at or above
+# this is garbage, wherever the pool ends.
+IMPLAUSIBLE_POOL_ROWS = 1 << 20
+# Plan tensors that are per-request offsets over the (possibly padded) batch.
+INDPTR_NAMES = ("kv_indptr", "qo_indptr", "cu_seqlens_q", "cu_seqlens_k", "mask_indptr")
+
+
+@dataclass(frozen=True)
+class FillRequirement:
+    min_seq_len: int  # the smallest padded seq_len the backend's kernels take
+    why: str
+
+
+# Per engine backend name (trace.source.backend). Sources: ../shared/reference/engines.md A4.0
+# (get_cuda_graph_seq_len_fill_value per SGLang backend) and bugs.md.
+FILL_REQUIREMENTS: dict[str, FillRequirement] = {
+    "flashinfer": FillRequirement(
+        1,
+        "FlashInfer's decode kernels need seq_len >= 1 in every row: seq_len 0 gave illegal memory accesses "
+        "(SGLang #1469) and NaN padded rows (FlashInfer #2883, vLLM #38436), so SGLang fills 1 (#1779)",
+    ),
+    "flashinfer_mla": FillRequirement(1, "FlashInfer's MLA decode needs seq_len >= 1 (SGLang fills 1)"),
+    "mla": FillRequirement(1, "FlashInfer MLA and FlashMLA need seq_len >= 1 (SGLang fills 1)"),
+    "flashmla": FillRequirement(1, "FlashMLA's tile scheduler needs seq_len >= 1 (SGLang fills 1)"),
+    "triton": FillRequirement(
+        1,
+        "SGLang's Triton stage 2 divides by the merged exp-sum, which is 0 for a row with no KV (0/0 = NaN), "
+        "so SGLang's Triton backend fills 1",
+    ),
+    "fa3": FillRequirement(0, "FlashAttention takes cache_seqlens = 0 (vLLM pads with 0); SGLang fills 1"),
+    "ascend": FillRequirement(0, "SGLang's Ascend backend declares fill value 0"),
+}
+
+
+def requirement(backend: str) -> FillRequirement | None:
+    """What `backend` needs of padded rows: the table, else a registered adapter's fill value."""
+    if backend in FILL_REQUIREMENTS:
+        return FILL_REQUIREMENTS[backend]
+    if backend in registry.backend_names():
+        fill = registry.create(backend).cuda_graph_fill_value
+        return FillRequirement(fill, f"the {backend} adapter pads with seq_len {fill}")
+    return None
+
+
+def requirements_summary() -> str:
+    return ", ".join(f"{name} >= {r.min_seq_len}" for name, r in FILL_REQUIREMENTS.items())
+
+
+def detect(ctx: CheckContext) -> list[Finding]:
+    return recorded_padding(ctx.trace) + padded_replays(ctx)
+
+
+# -- recorded padding -------------------------------------------------------------------------
+
+
+def recorded_padding(trace: Trace) -> list[Finding]:
+    """Findings from the recorded graph section and plan alone (no kernel runs)."""
+    graph, batch = trace.graph, trace.batch
+    if graph is None or not graph.is_graph_replay:
+        return []
+    bs, cap = batch.batch_size, graph.capture_bs
+    if cap <= bs:
+        return []  # nothing padded (a capture size below the batch is the invariants detector's)
+    return (
+        _padded_seq_lens(trace)
+        + _padded_out_cache_loc(trace)
+        + _seq_lens_sum(trace)
+        + _padded_indptrs(trace)
+        + _padded_req_pool_indices(trace)
+        + _padded_positions(trace)
+    )
+
+
+def _finding(trace: Trace, check: str, evidence: str, cause: str, *, severity: str = HIGH, **where) -> Finding:
+    data = where.pop("data", {})
+    if severity == LOW:
+        cause = "Low severity: " + cause[0].lower() + cause[1:]
+    return Finding(KIND, check, Location(step=trace.source.step, **where), evidence, cause, data={"severity": severity, **data})
+
+
+def _padded_seq_lens(trace: Trace) -> list[Finding]:
+    graph, bs = trace.graph, trace.batch.batch_size
+    padded = graph.padded_seq_lens[bs : graph.capture_bs].tolist()
+    backend = trace.source.backend
+    need = requirement(backend)
+    findings = []
+    if need is not None:
+        bad = [(bs + i, n) for i, n in enumerate(padded) if n < need.min_seq_len]
+        if bad:
+            row, value = bad[0]
+            findings.append(
+                _finding(
+                    trace,
+                    "padded-seq-len-unsupported",
+                    f"{len(bad)} of {len(padded)} padded requests have seq_len < {need.min_seq_len} "
+                    f"(first: graph.padded_seq_lens[{row}] = {value}; graph.fill_value = {graph.fill_value}); "
+                    f"the step ran on {backend}, which needs >= {need.min_seq_len}. Backends need: {requirements_summary()}",
+                    f"The graph runner padded with a fill value {backend} cannot take: {need.why}.",
+                    request=row,
+                    field=f"graph.padded_seq_lens[{row}]",
+                    data={"backend": backend, "min_seq_len": need.min_seq_len, "padded_seq_lens": padded, "fill_value": graph.fill_value},
+                )
+            )
+            return findings
+    stale = [(bs + i, n) for i, n in enumerate(padded) if n != graph.fill_value]
+    if stale:
+        row, value = stale[0]
+        findings.append(
+            _finding(
+                trace,
+                "padded-seq-len-stale",
+                f"{len(stale)} padded requests hold a seq_len other than the fill value {graph.fill_value} "
+                f"(first: graph.padded_seq_lens[{row}] = {value})",
+                "the runner did not reset the padded seq_lens to its fill value, so padded requests read as many "
+                "KV slots of their (stale) req_to_token rows as an earlier batch had; harmless only while those rows hold valid slot ids.",
+                severity=LOW,
+                request=row,
+                field=f"graph.padded_seq_lens[{row}]",
+                data={"padded_seq_lens": padded, "fill_value": graph.fill_value},
+            )
+        )
+    return findings
+
+
+def _owner(trace: Trace, slot: int) -> tuple[int, int] | None:
+    """(request, column) whose KV row holds `slot`, if any request of the batch does."""
+    batch = trace.batch
+    hits = torch.nonzero(batch.slot_ids == slot).flatten()
+    if not hits.numel():
+        return None
+    i = int(hits[0])
+    b = int(torch.searchsorted(batch.slot_indptr, torch.tensor(i), right=True)) - 1
+    return b, i - int(batch.slot_indptr[b])
+
+
+def _padded_out_cache_loc(trace: Trace) -> list[Finding]:
+    graph, batch = trace.graph, trace.batch
+    tokens = batch.num_tokens
+    per_req = max(tokens // max(batch.batch_size, 1), 1)
+    tail = graph.padded_out_cache_loc[tokens:]
+    bad = torch.nonzero(~torch.isin(tail, torch.tensor(DUMMY_SLOTS))).flatten()
+    if not bad.numel():
+        return []
+    i = int(bad[0])
+    row, slot = tokens + i, int(tail[i])
+    owner = _owner(trace, slot)
+    where = f"request {owner[0]}'s column {owner[1]}, live KV of this batch" if owner else "a slot no request of this batch reads"
+    return [
+        _finding(
+            trace,
+            "padded-kv-write",
+            f"{bad.numel()} padded tokens write K/V outside the dummy slot (first: graph.padded_out_cache_loc[{row}] = {slot}, "
+            f"{where}); padded tokens may write only slot 0 (SGLang) or -1 (vLLM, skipped)",
+            "The graph runner did not reset out_cache_loc past the real tokens (SGLang zeroes it every replay), so padded "
+            "tokens overwrite the KV that stale values point at" + (", corrupting a live request's cache." if owner else "."),
+            request=batch.batch_size + i // per_req,
+            row=row,
+            field=f"graph.padded_out_cache_loc[{row}]",
+            data={"slots": tail[bad].tolist()[:16], "owner": list(owner) if owner else None},
+        )
+    ]
+
+
+def _seq_lens_sum(trace: Trace) -> list[Finding]:
+    graph, plan, batch = trace.graph, trace.plan, trace.batch
+    if plan is None or "seq_lens_sum" not in plan.scalars:
+        return []
+    recorded = int(plan.scalars["seq_lens_sum"])
+    padded = int(graph.padded_seq_lens[: graph.capture_bs].sum())
+    raw = int(batch.seq_lens_raw.sum())
+    if recorded == padded:
+        return []
+    pad = graph.capture_bs - batch.batch_size
+    if recorded == raw:
+        return [
+            _finding(
+                trace,
+                "seq-lens-sum-ignores-padding",
+                f"plan.seq_lens_sum = {recorded} = the {batch.batch_size} real requests' sum, but the padded batch's "
+                f"seq_lens sum to {padded} ({pad} padded requests x fill {graph.fill_value})",
+                "The runner passed the raw batch's seq_lens_sum instead of seq_lens_sum + padded requests x fill_value "
+                "(SGLang's replay adds it): buffers sized from it (kv_indices) miss the padded requests' entries.",
+                field="plan.seq_lens_sum",
+                data={"recorded": recorded, "padded": padded, "raw": raw},
+            )
+        ]
+    return [
+        _finding(
+            trace,
+            "seq-lens-sum-mismatch",
+            f"plan.seq_lens_sum = {recorded}, but the padded batch's seq_lens sum to {padded} (real requests alone: {raw})",
+            "seq_lens_sum was computed from other seq_lens than the ones the graph ran (stale or double-counted padding).",
+            field="plan.seq_lens_sum",
+            data={"recorded": recorded, "padded": padded, "raw": raw},
+        )
+    ]
+
+
+def _padded_indptrs(trace: Trace) -> list[Finding]:
+    plan, bs = trace.plan, trace.batch.batch_size
+    if plan is None:
+        return []
+    findings = []
+    for name in INDPTR_NAMES:
+        values = plan.tensors.get(name)
+        if values is None or values.numel() <= bs + 1:
+            continue  # the plan covers only the real requests: nothing padded was recorded
+        values = values.to(torch.int64)
+        drops = torch.nonzero(values[bs + 1 :] < values[bs:-1]).flatten()
+        if not drops.numel():
+            continue
+        i = bs + 1 + int(drops[0])
+        findings.append(
+            _finding(
+                trace,
+                "padded-indptr-decreases",
+                f"plan.{name}[{i}] = {int(values[i])} < plan.{name}[{i - 1}] = {int(values[i - 1])} "
+                f"(entry of padded request {i - 1}; the real requests end at {name}[{bs}] = {int(values[bs])})",
+                f"The padded entries of {name} were left at the static buffer's initial or stale values instead of "
+                "continuing the cumulative sum (each padded request adds its fill_value columns): a kernel reading them "
+                "gets a negative length for a padded request.",
+                request=i - 1,
+                field=f"plan.{name}[{i}]",
+                data={"name": name, "values": values.tolist()[: 2 * (bs + 2)]},
+            )
+        )
+    return findings
+
+
+def _padded_req_pool_indices(trace: Trace) -> list[Finding]:
+    graph, batch = trace.graph, trace.batch
+    if trace.source.engine == "vllm":
+        return []
+    bs, cap = batch.batch_size, graph.capture_bs
+    live = graph.padded_req_pool_indices[:bs].tolist()
+    live_len = {row: int(batch.kv_lens[b]) for b, row in enumerate(live)}
+    seq_lens = graph.padded_seq_lens[:cap].tolist()
+    out, stale = [], []
+    for r in range(bs, min(cap, graph.padded_req_pool_indices.numel())):
+        index, reads = int(graph.padded_req_pool_indices[r]), int(seq_lens[r]) if r < len(seq_lens) else 0
+        if index == 0:
+            continue
+        if index < 0 or index >= IMPLAUSIBLE_POOL_ROWS:
+            out.append((r, index, reads))
+        elif reads > 0 and live_len.get(index, 0) < reads:
+            stale.append((r, index, reads))
+    findings = []
+    if out:
+        r, index, reads = out[0]
+        findings.append(
+            _finding(
+                trace,
+                "padded-req-pool-index-out-of-pool",
+                f"{len(out)} padded requests carry a request-pool row outside any pool (first: "
+                f"graph.padded_req_pool_indices[{r}] = {index}, padded seq_len {reads})",
+                "The runner never reset the padded req_pool_indices (an uninitialised buffer, SGLang #1779): the backend "
+                "reads req_to_token at that row out of bounds" + (" (illegal memory access)." if reads else " once the padded seq_len is >= 1."),
+                severity=HIGH if reads else LOW,
+                request=r,
+                field=f"graph.padded_req_pool_indices[{r}]",
+                data={"rows": [i for _, i, _ in out][:16]},
+            )
+        )
+    if stale:
+        r, index, reads = stale[0]
+        findings.append(
+            _finding(
+                trace,
+                "stale-padded-req-pool-index",
+                f"{len(stale)} padded requests point at request-pool rows no live request of this batch holds (first: "
+                f"graph.padded_req_pool_indices[{r}] = {index}, read for {reads} slot ids; live rows: {live[:8]}); "
+                "SGLang's newer runner zeroes them",
+                "The classic SGLang runner leaves padded req_pool_indices stale: harmless while that row still holds valid "
+                "slot ids from an earlier request, garbage if it was never written (req_to_token allocated with torch.empty, SGLang #1779).",
+                severity=LOW,
+                request=r,
+                field=f"graph.padded_req_pool_indices[{r}]",
+                data={"rows": [i for _, i, _ in stale][:16], "live_rows": live},
+            )
+        )
+    return findings
+
+
+def _padded_positions(trace: Trace) -> list[Finding]:
+    graph, batch = trace.graph, trace.batch
+    if trace.source.engine == "vllm":
+        return []
+    tokens = batch.num_tokens
+    per_req = max(tokens // max(batch.batch_size, 1), 1)
+    tail = graph.padded_positions[tokens:]
+    bad = torch.nonzero(tail != 0).flatten()
+    if not bad.numel():
+        return []
+    i = int(bad[0])
+    verify_on_flashinfer = batch.forward_mode is ForwardMode.TARGET_VERIFY and trace.source.backend == "flashinfer"
+    if verify_on_flashinfer:
+        cause = (
+            "The runner left stale positions in padded verify tokens; FlashInfer's verify plan reads them and hit an "
+            "illegal memory access (SGLang #24361, why the newer runner zeroes positions)."
+        )
+    else:
+        cause = (
+            "The classic SGLang runner leaves padded positions stale: harmless for this attention step (only the padded "
+            "rows' rotary embedding uses them), but a verify plan that reads positions crashed on them (SGLang #24361)."
+        )
+    return [
+        _finding(
+            trace,
+            "stale-padded-positions",
+            f"{bad.numel()} padded tokens have non-zero positions (first: graph.padded_positions[{tokens + i}] = {int(tail[i])}); "
+            "SGLang's newer runner zeroes them",
+            cause,
+            severity=HIGH if verify_on_flashinfer else LOW,
+            request=batch.batch_size + i // per_req,
+            row=tokens + i,
+            field=f"graph.padded_positions[{tokens + i}]",
+            data={"positions": tail[bad].tolist()[:16]},
+        )
+    ]
+
+
+# -- padded replays -----------------------------------------------------------------------------
+
+
+
+@dataclass(frozen=True)
+class _Padded:
+    fill: int
+    eager: BackendRun | None
+    graph: BackendRun | None
+
+
+def replay_fills(trace: Trace, backend_fill: int) -> list[int]:
+    """Fill values to replay with: the backend's own, the engine's recorded one, and the smallest
+    seq_len actually found in the recorded padded rows (when the runner did not apply its fill)."""
+    fills = [backend_fill]
+    graph = trace.graph
+    if graph is not None and graph.is_graph_replay and graph.capture_bs > trace.batch.batch_size:
+        padded = graph.padded_seq_lens[trace.batch.batch_size : graph.capture_bs]
+        fills += [graph.fill_value] + ([int(padded.min())] if padded.numel() else [])
+    return sorted(set(f for f in fills if f >= 0), key=fills.index)
+
+
+def padded_replays(ctx: CheckContext) -> list[Finding]:
+    trace = ctx.trace
+    if not graph_replay.supports_graph(trace):
+        return []
+    graph, bs = trace.graph, trace.batch.batch_size
+    recorded = graph is not None and graph.is_graph_replay and graph.capture_bs >= bs
+    capture_bs = graph.capture_bs if recorded else graph_replay.default_capture_bs(trace)
+    findings = []
+    for name in ctx.backends():
+        backend = registry.create(name)
+        if backend.graph_unsupported_reason(trace) is not None:
+            continue
+        runs = []
+        for fill in replay_fills(trace, backend.cuda_graph_fill_value):
+            options = ReplayOptions(
+                layer=ctx.options.layer,
+                cuda_graph=True,
+                graph_capture=machine.cuda_available(),
+                capture_bs=capture_bs,
+                fill_value=fill,
+            )
+            result = ctx.replay(options, (name,))
+            eager = next((r for r in result.runs if r.variant == "eager"), None)
+            graphed = next((r for r in result.runs if r.variant.startswith("graph")), None)
+            runs.append(_Padded(fill, eager, graphed))
+        findings += _replay_findings(trace, name=name, capture_bs=capture_bs, runs=runs, recorded=recorded)
+    return findings
+
+
+def _fill_note(trace: Trace, backend: str, fill: int) -> str:
+    need = requirement(backend)
+    if need is not None and fill < need.min_seq_len:
+        return f" seq_len {fill} is below what {backend} takes: {need.why}."
+    return ""
+
+
+def _replay_findings(trace: Trace, *, name: str, capture_bs: int, runs: list[_Padded], recorded: bool) -> list[Finding]:
+    findings = []
+    where = "the recorded capture size" if recorded else "the next SGLang capture size"
+    passing = [p.fill for p in runs if p.graph is not None and p.graph.status is RunStatus.PASSED]
+    for p in runs:
+        run = p.graph
+        if run is None or run.status in (RunStatus.UNSUPPORTED, RunStatus.UNAVAILABLE, RunStatus.PASSED):
+            continue
+        label = f"{name} graph replay at capture_bs={capture_bs} ({where}), padded seq_len {p.fill}"
+        data = {"backend": name, "capture_bs": capture_bs, "fill_value": p.fill}
+        if run.status is RunStatus.ERROR:
+            findings.append(
+                _finding(
+                    trace,
+                    "padded-replay-error",
+                    f"{label}: {run.reason}",
+                    "The kernel failed on the padded batch although the real rows are the same as eagerly."
+                    + _fill_note(trace, name, p.fill),
+                    field="graph",
+                    data=data,
+                )
+            )
+            continue
+        outcome = run.graph
+        if outcome is not None and outcome.padded_nonfinite:
+            findings.append(
+                _finding(
+                    trace,
+                    "padded-rows-nonfinite",
+                    f"{label}: {outcome.padded_nonfinite} NaN/Inf values in the padded rows' output/LSE",
+                    "The kernel writes NaN/Inf into padded rows; any per-batch reduction downstream (a quantisation "
+                    "scale shared by a 128-row tile, FlashInfer #2883) spreads them into real tokens." + _fill_note(trace, name, p.fill),
+                    request=trace.batch.batch_size,
+                    data={**data, "nonfinite": outcome.padded_nonfinite},
+                )
+            )
+        if outcome is not None and outcome.stray_kv_slots:
+            slots = ", ".join(map(str, outcome.stray_kv_slots))
+            findings.append(
+                _finding(
+                    trace,
+                    "padded-kv-write",
+                    f"{label}: the replay changed KV slots [{slots}], which no token of the step writes",
+                    "Padded tokens wrote K/V outside the dummy slot 0, overwriting KV that other requests read.",
+                    field="graph.padded_out_cache_loc",
+                    data=data,
+                )
+            )
+        eager_ok = p.eager is not None and p.eager.status is RunStatus.PASSED
+        cmp = run.comparison
+        if eager_ok and cmp is not None and not cmp.passed:
+            worst = cmp.worst
+            others = f"; at padded seq_len {', '.join(map(str, passing))} the same rows pass" if passing else ""
+            findings.append(
+                _finding(
+                    trace,
+                    "padding-leaks-into-real-rows",
+                    f"{label}: {cmp.failing_rows}/{cmp.total_rows} real rows fail the reference (max abs {cmp.max_abs:.3e}, "
+                    f"{cmp.nonfinite} non-finite; worst {worst}) while the eager run passes{others}",
+                    "Real rows are right eagerly but wrong when the batch is padded: the kernel lets padded rows (their "
+                    "garbage queries, fill-value KV or shared per-batch state) reach real ones." + _fill_note(trace, name, p.fill),
+                    request=worst.request if worst else None,
+                    row=worst.row if worst else None,
+                    head=worst.head if worst else None,
+                    data={**data, "failing_rows": cmp.failing_rows, "max_abs": cmp.max_abs},
+                )
+            )
+    return findings

@@ -1,0 +1,251 @@
+"""split-merge mistakes: engine tensors whose LSE or merged output went wrong the way real merges do.
+
+The engine's tensors of one layer (`Trace.tensors`) are what these mutate. When the trace has none,
+layer 0's are made here: q, K/V rows and this step's K/V drawn from the trace's seed, and the
+output/LSE a correct engine would record, computed in float64 with plain torch from the trace's
+own batch (causal by query column; the draft tree's ancestors for verify; sliding window and
+soft-cap as the model says). The trace layer knows nothing of backends, so this small reference
+lives here rather than being imported from the replay layer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from attndbg.trace import tree
+from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, LayerTensors, LseBase, Trace
+
+LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2
+LAYER = 0
+# SGLang's split tile (MIN_BLOCK_KV) and default --triton-attention-num-kv-splits, which its CUDA
+# graph buffer holds for every request.
+SPLIT_TILE = 32
+DEFAULT_KV_SPLITS = 8
+# Seed offset for the drawn tensors, so they differ from replay's own draws of the same seed.
+SEED_SALT = 0x5EED
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One layer's recorded tensors and the per-request views the float64 math needs."""
+
+    tensors: LayerTensors
+    k: Tensor  # [N, Hkv, Dk] float64: the cache after this step's writes, indexed by slot
+    v: Tensor  # [N, Hkv, Dv] float64
+    q: Tensor  # [T, Hq, Dk] float64
+
+
+def _layer(trace: Trace) -> _Step:
+    """Layer tensors: the recorded ones when the trace has them, else drawn for layer 0."""
+    model, batch = trace.model, trace.batch
+    recorded = trace.tensors.get(LAYER)
+    mla = model.attention is AttentionKind.MLA
+    if recorded is None:
+        g = torch.Generator().manual_seed(trace.seed + SEED_SALT)
+        kv_dtype, q_dtype = DTYPES[model.kv_dtype], DTYPES[model.q_dtype]
+        slots = torch.unique(batch.slot_ids)
+        hkv, dk = model.num_kv_heads, model.head_dim
+        dv = 0 if mla else model.v_head_dim
+        t = batch.num_tokens
+        recorded = LayerTensors(
+            q=torch.randn(t, model.num_qo_heads, dk, generator=g).to(q_dtype),
+            k_new=torch.randn(t, hkv, dk, generator=g).to(kv_dtype),
+            v_new=torch.randn(t, hkv, dv, generator=g).to(kv_dtype),
+            kv_slots=slots,
+            k_rows=torch.randn(slots.numel(), hkv, dk, generator=g).to(kv_dtype),
+            v_rows=torch.randn(slots.numel(), hkv, dv, generator=g).to(kv_dtype),
+            output=None,
+            lse=None,
+            lse_base=LseBase.E,
+        )
+    # The cache as attention reads it: rows before the step, then this step's K/V at out_cache_loc.
+    k = torch.zeros(batch.kv_cache_size, model.num_kv_heads, model.head_dim, dtype=torch.float64)
+    k[recorded.kv_slots] = recorded.k_rows.double()
+    k[batch.out_cache_loc] = recorded.k_new.double()
+    if mla:
+        v = k[..., : model.kv_lora_rank]
+    else:
+        v = torch.zeros(batch.kv_cache_size, model.num_kv_heads, model.v_head_dim, dtype=torch.float64)
+        v[recorded.kv_slots] = recorded.v_rows.double()
+        v[batch.out_cache_loc] = recorded.v_new.double()
+    return _Step(tensors=recorded, k=k, v=v, q=recorded.q.double())
+
+
+def _visible(trace: Trace, b: int) -> Tensor:
+    """[extend_len, kv_len] bool: the columns each query of request b attends to."""
+    batch = trace.batch
+    prefix, kv = int(batch.prefix_lens[b]), int(batch.kv_lens[b])
+    qo = batch.qo_indptr
+    query_cols = batch.query_cols[int(qo[b]) : int(qo[b + 1])]
+    cols = torch.arange(kv)
+    if trace.is_tree_verify:
+        parents = trace.spec.parents[b]
+        visible = torch.ones(query_cols.numel(), kv, dtype=torch.bool)
+        visible[:, prefix:] = tree.ancestor_matrix(parents)
+        depth = tree.depths(parents)
+        key_pos, query_pos = torch.cat([cols[:prefix], prefix + depth]), prefix + depth
+    else:
+        visible = cols[None, :] <= query_cols[:, None]
+        key_pos, query_pos = cols, query_cols
+    if trace.model.sliding_window >= 0:
+        visible &= (query_pos[:, None] - key_pos[None, :]) <= trace.model.sliding_window
+    return visible
+
+
+def _attend(trace: Trace, step: _Step, b: int, columns: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Request b's output [e, Hq, Dv] and natural-log LSE [e, Hq] in float64, over the visible
+    columns (restricted to `columns`, a [kv_len] bool, when given). No visible key: 0 and -inf."""
+    model, batch = trace.model, trace.batch
+    qo = batch.qo_indptr
+    rows = slice(int(qo[b]), int(qo[b + 1]))
+    slots = batch.request_slots(b)
+    group = model.gqa_group
+    q = step.q[rows]
+    k = step.k[slots].repeat_interleave(group, dim=1)
+    v = step.v[slots].repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * model.sm_scale
+    if model.logit_cap > 0:
+        scores = model.logit_cap * torch.tanh(scores / model.logit_cap)
+    visible = _visible(trace, b)
+    if columns is not None:
+        visible &= columns[None, :]
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [Hq, e]
+    probs = torch.nan_to_num(torch.exp(scores - lse[..., None]), nan=0.0)
+    return torch.einsum("hqk,khd->qhd", probs, v), lse.T
+
+
+def _merge(o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Two normalised partial states merged by their natural-log LSEs (empty = -inf, skipped)."""
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    total = w_a + w_b
+    out = (w_a[..., None] * o_a + w_b[..., None] * o_b) / total.clamp_min(1e-300)[..., None]
+    return out, m + torch.log(total)
+
+
+def _reference(trace: Trace, step: _Step) -> tuple[Tensor, Tensor]:
+    model, batch = trace.model, trace.batch
+    out = torch.zeros(batch.num_tokens, model.num_qo_heads, model.v_head_dim, dtype=torch.float64)
+    lse = torch.full((batch.num_tokens, model.num_qo_heads), float("-inf"), dtype=torch.float64)
+    qo = batch.qo_indptr
+    for b in range(batch.batch_size):
+        if int(batch.extend_lens[b]):
+            out[int(qo[b]) : int(qo[b + 1])], lse[int(qo[b]) : int(qo[b + 1])] = _attend(trace, step, b)
+    return out, lse
+
+
+def _recorded(trace: Trace, step: _Step, output: Tensor, lse: Tensor | None, base: LseBase) -> Trace:
+    tensors = replace(
+        step.tensors,
+        output=output.to(DTYPES[trace.model.q_dtype]),
+        lse=None if lse is None else lse.to(torch.float32),
+        lse_base=base,
+    )
+    return replace(trace, tensors={**trace.tensors, LAYER: tensors})
+
+
+def lse_base_2(trace: Trace) -> Trace:
+    """FlashInfer #2113 / SGLang #40903: FlashInfer's base-2 LSE recorded (and merged) as natural log.
+
+    The output is right; the LSE is the kernel's base-2 value (natural / ln 2) labelled base e, as
+    an engine that forgets FlashInfer's convention hands it to natural-log merge code.
+    """
+    step = _layer(trace)
+    recorded = step.tensors
+    output, natural = _reference(trace, step)
+    if recorded.lse is not None:
+        natural = recorded.lse.double() * (LN2 if recorded.lse_base is LseBase.TWO else 1.0)
+    if recorded.output is not None:
+        output = recorded.output
+    return _recorded(trace, step, output, natural * LOG2E, LseBase.E)
+
+
+def _split_counts(trace: Trace) -> tuple[list[int], list[int], str]:
+    """Per request: KV length the split kernel sees, its num_kv_splits, and where those came from."""
+    batch, plan = trace.batch, trace.plan
+    bs = batch.batch_size
+    if plan is not None and "num_kv_splits" in plan.tensors and "kv_indptr" in plan.tensors:
+        lengths = plan.tensors["kv_indptr"].to(torch.int64).diff()[:bs].tolist()
+        return lengths, plan.tensors["num_kv_splits"][:bs].tolist(), "the recorded plan's num_kv_splits"
+    window = trace.model.sliding_window
+    lengths = [min(int(n), window + 1) if window >= 0 else int(n) for n in batch.kv_lens]
+    return lengths, [DEFAULT_KV_SPLITS] * bs, f"SGLang's graph default num_kv_splits = {DEFAULT_KV_SPLITS}"
+
+
+def empty_splits(length: int, splits: int) -> int:
+    """How many of `splits` splits get no KV: SGLang splits a request into cdiv(cdiv(len, s), 32)*32 tokens."""
+    if splits <= 0:
+        return 0
+    chunk = -(-length // splits)
+    per_split = -(-chunk // SPLIT_TILE) * SPLIT_TILE
+    used = -(-length // per_split) if per_split else 0
+    return splits - used
+
+
+def nan_empty_split(trace: Trace) -> Trace:
+    """FlashInfer #4051: merging two empty split states computes exp(-inf - -inf): NaN output rows.
+
+    Decode only: the requests of this step that have an empty split under the recorded
+    num_kv_splits (or, without a recorded split plan, SGLang's graph default of 8 for every request;
+    a split covers cdiv(cdiv(len, splits), 32) * 32 tokens) get NaN output and LSE; the others the
+    correct values.
+    """
+    if trace.batch.forward_mode is not ForwardMode.DECODE:
+        raise ValueError(f"split-merge:nan-empty-split applies to split-KV decode steps, not {trace.batch.forward_mode.value}")
+    lengths, splits, _ = _split_counts(trace)
+    victims = [b for b, (n, s) in enumerate(zip(lengths, splits)) if empty_splits(n, s) > 0]
+    if not victims:
+        raise ValueError(f"split-merge:nan-empty-split: no request is shorter than its splits need (lengths {lengths}, splits {splits})")
+    step = _layer(trace)
+    output, lse = _reference(trace, step)
+    qo = trace.batch.qo_indptr
+    for b in victims:
+        output[int(qo[b]) : int(qo[b + 1])] = float("nan")
+        lse[int(qo[b]) : int(qo[b + 1])] = float("nan")
+    return _recorded(trace, step, output, lse, LseBase.E)
+
+
+def cascade_lse_base_2(trace: Trace) -> Trace:
+    """SGLang #40903: a chunked-prefill merge fed FlashInfer's base-2 prefix LSE into natural-log code.
+
+    Extend steps with a cached prefix: the output is the merge of the prefix partial (columns before
+    the prefix, its LSE in base 2 read as natural, so weighted too heavily) with the new tokens'
+    partial. The engine keeps the output and drops the merged LSE, as SGLang's extend does. Recorded
+    from SGLang's FlashInfer backend (the cascade is its path); a plan of another backend is dropped.
+    """
+    batch = trace.batch
+    if batch.forward_mode not in (ForwardMode.EXTEND, ForwardMode.MIXED) or batch.selective:
+        raise ValueError("split-merge:cascade-lse-base-2 applies to extend steps with a cached prefix (cascade), not this step")
+    if not bool((batch.prefix_lens > 0).any()):
+        raise ValueError("split-merge:cascade-lse-base-2 needs a request with a cached prefix (the prefix partial)")
+    if trace.model.sliding_window >= 0:
+        raise ValueError("split-merge:cascade-lse-base-2: sliding-window layers run FlashInfer's paged path, not the cascade")
+    step = _layer(trace)
+    output, _ = _reference(trace, step)
+    qo = batch.qo_indptr
+    for b in range(batch.batch_size):
+        prefix, kv = int(batch.prefix_lens[b]), int(batch.kv_lens[b])
+        if prefix == 0 or int(batch.extend_lens[b]) == 0:
+            continue
+        cols = torch.arange(kv)
+        o_p, lse_p = _attend(trace, step, b, cols < prefix)
+        o_s, lse_s = _attend(trace, step, b, cols >= prefix)
+        output[int(qo[b]) : int(qo[b + 1])] = _merge(o_p, lse_p * LOG2E, o_s, lse_s)[0]
+    source = replace(trace.source, backend="flashinfer")
+    plan = trace.plan if trace.plan is not None and trace.plan.backend == "flashinfer" else None
+    return replace(_recorded(trace, step, output, None, LseBase.E), source=source, plan=plan)
+
+
+INJECTIONS: dict[str, Callable[[Trace], Trace]] = {
+    "split-merge:lse-base-2": lse_base_2,
+    "split-merge:nan-empty-split": nan_empty_split,
+    "split-merge:cascade-lse-base-2": cascade_lse_base_2,
+}
