@@ -176,3 +176,32 @@ def test_recorded_plan_of_another_backend_is_reported(tmp_path: Path) -> None:
     result = invoke("replay", str(path), "--backend", "reference", "--plan", "recorded", "--json", str(report))
     assert result.exit_code == 0
     assert "built by 'triton'" in _rows(report)[("reference", "recorded plan")]["reason"]
+
+
+def test_check_a_recording_directory(tmp_path: Path) -> None:
+    """A directory is checked step by step; only the step carrying a mistake has findings."""
+    from attndbg.trace import io, mutate
+    from tests.factories import make_trace
+
+    small = ("heads=2:1", "head_dim=32")
+    steps = [
+        make_trace("decode-mha", "kv_lens=3,20", *small, plan=True),
+        mutate.inject(make_trace("verify", "prefix_lens=4,7", *small, plan=True), "tree-mask:sibling-visible"),
+        make_trace("extend-prefix", "prefix_lens=0,9", "extend_lens=5,3", *small, plan=True),
+    ]
+    for step, trace in enumerate(steps):
+        io.append_to_recording(tmp_path / "rec", replace(trace, source=replace(trace.source, step=step)))
+    report = tmp_path / "findings.json"
+    result = invoke("check", str(tmp_path / "rec"), "--only", "tree-mask,invariants", "--json", str(report))
+    assert result.exit_code == 1, result.output
+    data = json.loads(report.read_text())
+    by_step = {s["step"]: s["findings"] for s in data["steps"]}
+    assert by_step[0] == [] and by_step[2] == []
+    assert by_step[1] and all(f["class"] == "tree-mask" for f in by_step[1])
+    assert "summary" in result.output
+
+
+def test_check_unknown_detector_exit_2(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "t.pt", "decode-mha")
+    result = invoke("check", str(path), "--only", "fill-values")
+    assert result.exit_code == 2 and "unknown detector 'fill-values'" in result.output
