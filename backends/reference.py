@@ -8,35 +8,10 @@ request's KV row (causal), the draft tree (verify), the sliding window and the s
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from attndbg.backends.base import AttentionInputs, AttentionResult, Backend
-from attndbg.trace import tree
+from attndbg.trace.visibility import visibility
 from attndbg.trace.schema import Plan, Trace
-
-
-def visibility(trace: Trace, b: int) -> Tensor:
-    """[extend_len, kv_len] bool: which columns of request b's row each of its queries sees."""
-    batch = trace.batch
-    prefix = int(batch.prefix_lens[b])
-    kv = int(batch.kv_lens[b])
-    qo = batch.qo_indptr
-    query_cols = batch.query_cols[int(qo[b]) : int(qo[b + 1])]
-    cols = torch.arange(kv)
-    if trace.is_tree_verify:
-        parents = trace.spec.parents[b]
-        visible = torch.ones(query_cols.numel(), kv, dtype=torch.bool)
-        visible[:, prefix:] = tree.ancestor_matrix(parents)
-        # Window distances use rope positions: a draft token sits at prefix + its depth.
-        key_pos = torch.cat([cols[:prefix], prefix + tree.depths(parents)])
-        query_pos = prefix + tree.depths(parents)
-    else:
-        visible = cols[None, :] <= query_cols[:, None]
-        key_pos, query_pos = cols, query_cols
-    window = trace.model.sliding_window
-    if window >= 0:
-        visible &= (query_pos[:, None] - key_pos[None, :]) <= window
-    return visible
 
 
 def attention(trace: Trace, inputs: AttentionInputs, compute_dtype: torch.dtype = torch.float64) -> AttentionResult:

@@ -50,6 +50,7 @@ from attndbg.replay import runner
 from attndbg.replay.data import build_inputs, to_device
 from attndbg.replay.runner import PlanSource, ReplayOptions, RunStatus
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, LseBase, Trace
+from attndbg.trace.visibility import visibility
 
 KIND = FindingClass.SPLIT_MERGE
 LN2 = math.log(2.0)
@@ -592,7 +593,7 @@ def _partials(trace: Trace, inputs: AttentionInputs, b: int) -> tuple[Tensor, Te
     scores = torch.einsum("qhd,khd->hqk", q, k) * model.sm_scale
     if model.logit_cap > 0:
         scores = model.logit_cap * torch.tanh(scores / model.logit_cap)
-    visible = reference.visibility(trace, b)
+    visible = visibility(trace, b)
     prefix = int(batch.prefix_lens[b])
     cols = torch.arange(visible.shape[1])
     parts = []

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attndbg.backends.reference import visibility
+from attndbg.trace.visibility import visibility
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding, FindingClass, Location
 from attndbg.checks.invariants import kv_coverage

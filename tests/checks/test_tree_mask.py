@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from attndbg.backends import registry
 from attndbg.backends.base import Padding
-from attndbg.backends.reference import visibility
+from attndbg.trace.visibility import visibility
 from attndbg.backends.triton import TritonBackend
 from attndbg.checks import tree_mask
 from attndbg.checks.context import CheckContext, CheckOptions

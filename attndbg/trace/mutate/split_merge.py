@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from attndbg.trace import tree
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, LayerTensors, LseBase, Trace
+from attndbg.trace.visibility import visibility
 
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
@@ -77,27 +77,6 @@ def _layer(trace: Trace) -> _Step:
     return _Step(tensors=recorded, k=k, v=v, q=recorded.q.double())
 
 
-def _visible(trace: Trace, b: int) -> Tensor:
-    """[extend_len, kv_len] bool: the columns each query of request b attends to."""
-    batch = trace.batch
-    prefix, kv = int(batch.prefix_lens[b]), int(batch.kv_lens[b])
-    qo = batch.qo_indptr
-    query_cols = batch.query_cols[int(qo[b]) : int(qo[b + 1])]
-    cols = torch.arange(kv)
-    if trace.is_tree_verify:
-        parents = trace.spec.parents[b]
-        visible = torch.ones(query_cols.numel(), kv, dtype=torch.bool)
-        visible[:, prefix:] = tree.ancestor_matrix(parents)
-        depth = tree.depths(parents)
-        key_pos, query_pos = torch.cat([cols[:prefix], prefix + depth]), prefix + depth
-    else:
-        visible = cols[None, :] <= query_cols[:, None]
-        key_pos, query_pos = cols, query_cols
-    if trace.model.sliding_window >= 0:
-        visible &= (query_pos[:, None] - key_pos[None, :]) <= trace.model.sliding_window
-    return visible
-
-
 def _attend(trace: Trace, step: _Step, b: int, columns: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Request b's output [e, Hq, Dv] and natural-log LSE [e, Hq] in float64, over the visible
     columns (restricted to `columns`, a [kv_len] bool, when given). No visible key: 0 and -inf."""
@@ -112,7 +91,7 @@ def _attend(trace: Trace, step: _Step, b: int, columns: Tensor | None = None) ->
     scores = torch.einsum("qhd,khd->hqk", q, k) * model.sm_scale
     if model.logit_cap > 0:
         scores = model.logit_cap * torch.tanh(scores / model.logit_cap)
-    visible = _visible(trace, b)
+    visible = visibility(trace, b)
     if columns is not None:
         visible &= columns[None, :]
     scores = scores.masked_fill(~visible[None], float("-inf"))

@@ -1,0 +1,39 @@
+"""Which keys each query of a request sees: decided from the batch alone.
+
+This is the ground truth every comparison rests on (the reference backend, the detectors, the
+injections): a query attends causally to the columns at or before its own; a draft token of a
+verify step to the prefix, the root, itself and its ancestors; the sliding window and rope
+positions (a draft token sits at prefix + its depth) cut what is left.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attndbg.trace import tree
+from attndbg.trace.schema import Trace
+
+
+def visibility(trace: Trace, b: int) -> Tensor:
+    """[extend_len, kv_len] bool: which columns of request b's row each of its queries sees."""
+    batch = trace.batch
+    prefix = int(batch.prefix_lens[b])
+    kv = int(batch.kv_lens[b])
+    qo = batch.qo_indptr
+    query_cols = batch.query_cols[int(qo[b]) : int(qo[b + 1])]
+    cols = torch.arange(kv)
+    if trace.is_tree_verify:
+        parents = trace.spec.parents[b]
+        visible = torch.ones(query_cols.numel(), kv, dtype=torch.bool)
+        visible[:, prefix:] = tree.ancestor_matrix(parents)
+        # Window distances use rope positions: a draft token sits at prefix + its depth.
+        key_pos = torch.cat([cols[:prefix], prefix + tree.depths(parents)])
+        query_pos = prefix + tree.depths(parents)
+    else:
+        visible = cols[None, :] <= query_cols[:, None]
+        key_pos, query_pos = cols, query_cols
+    window = trace.model.sliding_window
+    if window >= 0:
+        visible &= (query_pos[:, None] - key_pos[None, :]) <= window
+    return visible
