@@ -1,0 +1,143 @@
+"""invariants on the batch's own bookkeeping: the engine's recorded `positions` and raw `seq_lens`
+(and a plan's `seq_lens_sum` scalar) against the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attndbg.checks.findings import Finding
+from attndbg.checks.invariants_base import _finding, _first, _request_of
+from attndbg.trace import tree
+from attndbg.trace.schema import ForwardMode, Trace
+
+
+def expected_positions(trace: Trace) -> Tensor:
+    """[T] the rope position of every query token: its column, or prefix + depth for a draft token."""
+    batch = trace.batch
+    if not trace.is_tree_verify:
+        return batch.query_cols.clone()
+    depth = torch.cat([tree.depths(p) for p in trace.spec.parents]) if batch.batch_size else torch.zeros(0, dtype=torch.int64)
+    return torch.repeat_interleave(batch.prefix_lens, batch.extend_lens) + depth
+
+
+def _check_positions(trace: Trace, out: list[Finding]) -> None:
+    batch = trace.batch
+    expected = expected_positions(trace)
+    found = batch.positions
+    t = _first(found != expected)
+    if t < 0:
+        return
+    qo = batch.qo_indptr
+    b = _request_of(qo, t)
+    i = t - int(qo[b])
+    rows = slice(int(qo[b]), int(qo[b + 1]))
+    diff = (found[rows] - expected[rows]).unique()
+    prefix = int(batch.prefix_lens[b])
+    if trace.is_tree_verify:
+        rule = f"prefix + depth = {prefix} + {int(expected[t]) - prefix}"
+        by_index = prefix + torch.arange(rows.stop - rows.start)
+        if torch.equal(found[rows], by_index):
+            cause = "the engine computed draft positions as prefix + token index; a draft token sits at prefix + its tree depth (EAGLE's spec_info.positions)"
+        else:
+            cause = None
+    else:
+        rule = "kv_len - 1" if batch.forward_mode is ForwardMode.DECODE else ("its KV column" if batch.selective else f"prefix + {i}")
+        cause = None
+    if cause is None:
+        if diff.numel() == 1 and int(diff) == -1:
+            cause = "the positions are one step stale: computed before this step's seq_lens update"
+        elif diff.numel() == 1 and int(diff) == 1:
+            cause = "the positions are one ahead: computed from seq_lens that already count the current token (position = seq_len - 1)"
+        elif diff.numel() == 1:
+            cause = f"the positions are off by {int(diff)}: computed from another request's or another step's lengths"
+        else:
+            cause = "the engine's positions were not computed from this batch's lengths (a stale buffer or rows out of order)"
+    count = int((found != expected).sum())
+    out.append(
+        _finding(
+            trace,
+            "positions",
+            request=b,
+            row=t,
+            field=f"batch.positions[{t}]",
+            evidence=f"batch.positions[{t}] = {int(found[t])} (request {b}, token {i}), expected {int(expected[t])} ({rule}); {count} of {found.numel()} positions differ",
+            cause=cause,
+            expected=int(expected[t]),
+            found=int(found[t]),
+            differing=count,
+        )
+    )
+
+
+def expected_seq_lens(trace: Trace) -> Tensor:
+    """The raw seq_lens a correct engine records: SGLang verify = prefix, else (and vLLM) kv_len."""
+    batch = trace.batch
+    if trace.is_tree_verify and trace.source.engine != "vllm":
+        return batch.prefix_lens.clone()
+    return batch.kv_lens.clone()
+
+
+def _check_seq_lens(trace: Trace, out: list[Finding]) -> None:
+    batch = trace.batch
+    expected = expected_seq_lens(trace)
+    found = batch.seq_lens_raw
+    b = _first(found != expected)
+    if b >= 0:
+        kv, prefix = int(batch.kv_lens[b]), int(batch.prefix_lens[b])
+        if trace.is_tree_verify:
+            rule = "SGLang verify: the prefix only" if trace.source.engine != "vllm" else "vLLM: prefix + draft tokens"
+        else:
+            rule = f"{batch.forward_mode.value}: prefix + extend = {kv}"
+        if trace.is_tree_verify and int(found[b]) == kv and trace.source.engine != "vllm":
+            cause = "the engine's verify seq_lens include the draft tokens; SGLang backends add draft_token_num themselves, so the drafts are counted twice"
+        elif batch.forward_mode is ForwardMode.DECODE and int(found[b]) == kv - 1:
+            cause = "seq_lens were taken before the decode step's seq_lens += 1 (the current token is missing)"
+        elif trace.is_tree_verify and int(found[b]) == prefix and trace.source.engine == "vllm":
+            cause = "vLLM's seq_lens count the speculative tokens; these exclude them"
+        else:
+            cause = "the engine's seq_lens buffer holds another step's or another request's lengths"
+        out.append(
+            _finding(
+                trace,
+                "seq-lens",
+                request=b,
+                field=f"batch.seq_lens_raw[{b}]",
+                evidence=f"batch.seq_lens_raw[{b}] = {int(found[b])}, expected {int(expected[b])} ({rule})",
+                cause=cause,
+                expected=int(expected[b]),
+                found=int(found[b]),
+            )
+        )
+    plan = trace.plan
+    value = plan.scalars.get("seq_lens_sum") if plan is not None else None
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    want = int(expected.sum())
+    accepted = {want}
+    graph = trace.graph
+    if graph is not None and graph.is_graph_replay and graph.capture_bs > batch.batch_size:
+        padded = want + (graph.capture_bs - batch.batch_size) * graph.fill_value
+        accepted = {padded, want}  # `want` alone under padding is fill-value's finding
+        want = padded
+    if int(value) in accepted:
+        return
+    bs = batch.batch_size
+    if batch.forward_mode is ForwardMode.DECODE and int(value) == want - bs:
+        cause = "seq_lens_sum was computed before the decode step's seq_lens += 1"
+    elif trace.is_tree_verify and int(value) == want + bs * trace.spec.draft_token_num:
+        cause = "seq_lens_sum counts the draft tokens, which SGLang's verify seq_lens exclude"
+    else:
+        cause = "seq_lens_sum was not updated with this batch's seq_lens (a stale host-side sum)"
+    out.append(
+        _finding(
+            trace,
+            "seq-lens-sum",
+            field="plan.scalars.seq_lens_sum",
+            evidence=f"plan.scalars.seq_lens_sum = {int(value)}, expected sum(seq_lens) = {want}",
+            cause=cause,
+            expected=want,
+            found=int(value),
+        )
+    )

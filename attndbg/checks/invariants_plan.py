@@ -1,0 +1,255 @@
+"""invariants on the recorded plan against the batch: index dtypes, the batch size it covers, each
+request's KV indices and length, query offsets and split counts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attndbg.checks.findings import Finding
+from attndbg.checks.invariants_base import _finding, _first
+from attndbg.checks.invariants_indptr import _indptr_ends, _indptr_shape, _is_indptr
+from attndbg.checks.plan_kv import _coverage, _kv_view, _KvView, _needed_start
+from attndbg.trace.schema import ForwardMode, Plan, Trace
+
+
+CAUSE_WRONG_ROW = "the engine built request {b}'s kv_indices from request {c}'s req_to_token row (a wrong req_pool_indices entry)"
+CAUSE_SHIFTED = "the engine's indices for request {b} start {k} column(s) too {direction} (a wrong kv_start_idx or window offset)"
+CAUSE_STALE_ROW = "the engine built request {b}'s indices from a stale or overwritten req_to_token row"
+CAUSE_GARBAGE = (
+    "the engine read a req_to_token entry that was never written (garbage from a torch.empty pool, SGLang #1469) "
+    "or read past the row's used length"
+)
+
+
+_INDEX_WORDS = ("indptr", "indices", "cu_seqlens", "page_table", "block_table", "cache_seqlens", "kv_len", "last_page_len", "num_kv_splits")
+
+
+def _check_plan(trace: Trace, plan: Plan, out: list[Finding]) -> None:
+    tensors: dict[str, Tensor] = {}
+    for name, value in plan.tensors.items():
+        if any(w in name for w in _INDEX_WORDS) and (value.is_floating_point() or value.is_complex() or value.dtype is torch.bool):
+            out.append(
+                _finding(
+                    trace,
+                    "plan-dtype",
+                    field=f"plan.{name}",
+                    evidence=f"plan.{name} has dtype {str(value.dtype).replace('torch.', '')}, expected an integer index type",
+                    cause="the engine passed a float or bool tensor where the kernel takes indices",
+                )
+            )
+            continue
+        tensors[name] = value.to(torch.int64) if any(w in name for w in _INDEX_WORDS) else value
+    sane = {name for name in tensors if not _is_indptr(name) or _indptr_shape(trace, name, tensors[name], out)}
+    _indptr_ends(trace, tensors, sane, out)
+    view = _kv_view(trace, plan, tensors, sane, out)
+    if view is None:
+        return
+    bs = trace.batch.batch_size
+    graph = trace.graph
+    allowed = {bs} | ({graph.capture_bs} if graph is not None and graph.is_graph_replay else set())
+    if view.requests not in allowed:
+        out.append(
+            _finding(
+                trace,
+                "plan-batch-size",
+                field=f"plan.{view.count_field}",
+                evidence=f"plan.{view.count_field} describes {view.requests} requests, the batch has {bs}"
+                + (f" (graph capture_bs {graph.capture_bs})" if graph is not None and graph.is_graph_replay else ""),
+                cause="the plan was built for another batch (stale metadata, or padded to the wrong capture size)",
+                expected=bs,
+                found=view.requests,
+            )
+        )
+        return
+    outside = _check_in_cache(trace, view, out)
+    _check_requests(trace, view, outside, out)
+    _check_qo(trace, tensors, sane, view.requests, out)
+    _check_splits(trace, plan, tensors, view.requests, out)
+
+
+def _check_in_cache(trace: Trace, view: _KvView, out: list[Finding]) -> set[int]:
+    """index-outside-cache over every request (padded ones too); returns the requests it names."""
+    limit = trace.batch.kv_cache_size // view.page_size
+    unit = "slot" if view.page_size == 1 else "page"
+    for b, seg in enumerate(view.segments):
+        j = _first((seg.units < 0) | (seg.units >= limit))
+        if j < 0:
+            continue
+        padded = b >= trace.batch.batch_size
+        span = None if padded else _coverage(trace, view, b)
+        column = (span[0] if span else 0) + j * view.page_size
+        where = f"KV column {column}" if span or padded else f"entry {j}"
+        out.append(
+            _finding(
+                trace,
+                "index-outside-cache",
+                request=b,
+                column=column if span or padded else None,
+                field=seg.name(j),
+                evidence=f"{seg.name(j)} = {int(seg.units[j])} ({'padded ' if padded else ''}request {b}, {where}) is outside the KV cache: {unit} ids are in [0, {limit})",
+                cause=CAUSE_GARBAGE,
+                found=int(seg.units[j]),
+                limit=limit,
+            )
+        )
+        return {b}
+    return set()
+
+
+def _check_requests(trace: Trace, view: _KvView, skip: set[int], out: list[Finding]) -> None:
+    batch = trace.batch
+    ps = view.page_size
+    rows = [batch.request_slots(b) for b in range(batch.batch_size)]
+    for b in range(batch.batch_size):
+        if b in skip:
+            continue
+        seg = view.segments[b]
+        ends = {k: {"prefix": int(batch.prefix_lens[b]), "kv": int(batch.kv_lens[b])}[k] for k in view.ends}
+        span = _coverage(trace, view, b)
+        if span is None:
+            length = seg.length if seg.length is not None else seg.units.numel() * ps
+            out.append(_length_finding(trace, view, b, length, ends, _needed_start(trace, b)))
+            continue
+        start, end = span
+        expected = rows[b][start:end][::ps] // ps
+        found = seg.units
+        if found.numel() != expected.numel():
+            out.append(_length_finding(trace, view, b, found.numel() * ps, ends, _needed_start(trace, b)))
+            continue
+        j = _first(found != expected)
+        if j < 0:
+            continue
+        count = int((found != expected).sum())
+        unit = "slot" if ps == 1 else "page"
+        out.append(
+            _finding(
+                trace,
+                "kv-index",
+                request=b,
+                column=start + j * ps,
+                field=seg.name(j),
+                evidence=f"{seg.name(j)} = {int(found[j])} (request {b}, KV column {start + j * ps}), expected {unit} {int(expected[j])} from its req_to_token row; {count} of {found.numel()} entries differ",
+                cause=_index_cause(b, found, rows, start, end, ps),
+                expected=int(expected[j]),
+                found=int(found[j]),
+                differing=count,
+            )
+        )
+
+
+def _index_cause(b: int, found: Tensor, rows: list[Tensor], start: int, end: int, ps: int) -> str:
+    for c, row in enumerate(rows):
+        if c == b:
+            continue
+        for other in (row[start:end][::ps] // ps, row[::ps] // ps):
+            k = min(other.numel(), found.numel())
+            # Past the other row's used length, a req_to_token row holds zeros.
+            if k and torch.equal(found[:k], other[:k]) and not bool(found[k:].any()):
+                return CAUSE_WRONG_ROW.format(b=b, c=c)
+    own = rows[b][::ps] // ps
+    first = start // ps
+    for shift in (-2, -1, 1, 2):
+        lo = first + shift
+        if lo < 0 or lo + found.numel() > own.numel():
+            continue
+        if torch.equal(found, own[lo : lo + found.numel()]):
+            return CAUSE_SHIFTED.format(b=b, k=abs(shift) * ps, direction="late" if shift > 0 else "early")
+    return CAUSE_STALE_ROW.format(b=b)
+
+
+def _length_finding(trace: Trace, view: _KvView, b: int, found: int, ends: dict[str, int], needed: int) -> Finding:
+    batch = trace.batch
+    window = trace.model.sliding_window
+    main = next(iter(ends.values()))
+    if window >= 0 and needed > 0:
+        expected_text = " or ".join(f"between {e - needed} and {e}" for e in ends.values()) + f" (sliding window {window})"
+    else:
+        expected_text = " or ".join(f"{k} = {e}" for k, e in ends.items())
+    n = trace.spec.draft_token_num if trace.spec is not None else 0
+    if trace.is_tree_verify and found == main - n:
+        cause = "the draft tokens were not added: SGLang's verify seq_lens exclude them and the backend must add draft_token_num"
+    elif trace.is_tree_verify and found == main + n:
+        cause = "the draft tokens were counted twice (the seq_lens given to the backend already included them)"
+    elif batch.forward_mode is ForwardMode.DECODE and found == main - 1:
+        cause = "the length was taken before the decode step's seq_lens += 1, so the current token is missing"
+    elif found == main + 1:
+        cause = "one column too many: the current token was counted twice"
+    elif any(found == int(v) for v in batch.kv_lens) or any(found == int(v) for v in batch.prefix_lens):
+        cause = "the length belongs to another request (lengths in the wrong order, or a wrong req_pool_indices entry)"
+    else:
+        cause = "the plan's lengths were not computed from this batch's seq_lens (a stale or partially updated buffer)"
+    return _finding(
+        trace,
+        "kv-length",
+        request=b,
+        field=f"plan.{view.length_field}",
+        evidence=f"the plan gives request {b} {found} KV columns ({view.length_field}), expected {expected_text}",
+        cause=cause,
+        expected=main,
+        found=found,
+    )
+
+
+def _check_qo(trace: Trace, t: dict[str, Tensor], sane: set[str], requests: int, out: list[Finding]) -> None:
+    batch = trace.batch
+    for name in ("qo_indptr", "cu_seqlens_q"):
+        if name not in sane:
+            continue
+        values = t[name]
+        if values.numel() != requests + 1:
+            out.append(_finding(trace, "qo-lens", field=f"plan.{name}", evidence=f"plan.{name} has {values.numel()} entries, expected {requests + 1}", cause="the query offsets were built for another batch size"))
+            continue
+        lens = values.diff()[: batch.batch_size]
+        b = _first(lens != batch.extend_lens)
+        if b < 0:
+            continue
+        if batch.forward_mode is ForwardMode.DECODE or trace.is_tree_verify:
+            cause = "the query offsets assume another number of tokens per request (decode 1, verify draft_token_num)"
+        else:
+            cause = "the query offsets were computed from stale extend lengths (or prefix lengths taken as extend lengths)"
+        out.append(
+            _finding(
+                trace,
+                "qo-lens",
+                request=b,
+                field=f"plan.{name}[{b + 1}]",
+                evidence=f"plan.{name} gives request {b} {int(lens[b])} query tokens ({name}[{b + 1}] - {name}[{b}]), the batch has extend_lens[{b}] = {int(batch.extend_lens[b])}",
+                cause=cause,
+                expected=int(batch.extend_lens[b]),
+                found=int(lens[b]),
+            )
+        )
+
+
+def _check_splits(trace: Trace, plan: Plan, t: dict[str, Tensor], requests: int, out: list[Finding]) -> None:
+    splits = t.get("num_kv_splits")
+    if splits is None:
+        return
+    if splits.numel() != requests:
+        out.append(_finding(trace, "num-kv-splits", field="plan.num_kv_splits", evidence=f"plan.num_kv_splits has {splits.numel()} entries for {requests} requests", cause="the split counts were sized for another batch"))
+        return
+    top = plan.scalars.get("max_kv_splits")
+    top = int(top) if isinstance(top, int) and not isinstance(top, bool) else None
+    bad = (splits < 1) | ((splits > top) if top is not None else torch.zeros_like(splits, dtype=torch.bool))
+    b = _first(bad)
+    if b < 0:
+        return
+    value = int(splits[b])
+    if value < 1:
+        cause = "a request with no KV split is skipped by stage 1 and merged from nothing in stage 2 (NaN or stale output)"
+    else:
+        cause = "the stage-1 scratch holds max_kv_splits partials per request; more splits write past it"
+    out.append(
+        _finding(
+            trace,
+            "num-kv-splits",
+            request=b,
+            field=f"plan.num_kv_splits[{b}]",
+            evidence=f"plan.num_kv_splits[{b}] = {value}, expected a value in [1, {top if top is not None else 'max_kv_splits'}]",
+            cause=cause,
+            found=value,
+            maximum=top,
+        )
+    )

@@ -1,0 +1,73 @@
+"""Shared vocabulary of the split-merge detector: the kernels' split rule (split_length,
+empty_splits), which path of a step merges partial states (merge_path), and the location and
+reference-comparison helpers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attndbg.backends.base import AttentionResult
+from attndbg.checks.context import CheckContext
+from attndbg.checks.findings import FindingClass, Location
+from attndbg.compare.tolerance import Comparison, compare
+from attndbg.trace.schema import DTYPES, ForwardMode, Trace
+
+
+KIND = FindingClass.SPLIT_MERGE
+LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2
+# SGLang's and our kernels' split tile (MIN_BLOCK_KV in backends/triton_kernels/decode.py).
+SPLIT_TILE = 32
+
+
+def split_length(length: int, splits: int) -> int:
+    """Tokens per split, the kernels' rule: cdiv(cdiv(length, splits), 32) * 32."""
+    if splits <= 0:
+        return 0
+    chunk = -(-length // splits)
+    return -(-chunk // SPLIT_TILE) * SPLIT_TILE
+
+
+def empty_splits(length: int, splits: int) -> int:
+    """Splits of a request that get no KV under that rule."""
+    per_split = split_length(length, splits)
+    return splits - (-(-length // per_split) if per_split else 0) if splits > 0 else 0
+
+
+def merge_path(trace: Trace) -> str | None:
+    """The merge of partial states in the path the recording backend runs for this step, if any."""
+    batch, backend = trace.batch, trace.source.backend
+    if batch.forward_mode is ForwardMode.DECODE:
+        return "split-KV decode (partial states of KV splits merged by their LSEs)"
+    cached = bool((batch.prefix_lens > 0).any())
+    if batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and backend == "flashinfer" and cached and not batch.selective:
+        return "FlashInfer cascade (ragged new tokens + paged prefix merged with merge_state)"
+    if trace.is_tree_verify and backend == "fa3" and trace.spec.topk > 1:
+        return "FA3 two-call verify (prefix and draft partials merged with merge_state_v2)"
+    return None
+
+
+def _location(ctx: CheckContext, worst=None, **extra) -> Location:
+    if worst is not None:
+        extra = {"request": worst.request, "row": worst.row, "head": worst.head, **extra}
+    return Location(step=ctx.step, layer=ctx.options.layer, **extra)
+
+
+def _compare(trace: Trace, result: AttentionResult, ref: AttentionResult, lowp: AttentionResult) -> Comparison:
+    return compare(
+        output=result.output,
+        lse=result.lse,
+        reference_output=ref.output,
+        reference_lse=ref.lse,
+        lowp_output=lowp.output,
+        lowp_lse=lowp.lse,
+        dtype=DTYPES[trace.model.q_dtype],
+        qo_indptr=trace.batch.qo_indptr,
+    )
+
+
+def _request_of(trace: Trace, row: int) -> int:
+    return int(torch.searchsorted(trace.batch.qo_indptr, torch.tensor(row), right=True)) - 1

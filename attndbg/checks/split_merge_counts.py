@@ -1,0 +1,183 @@
+"""split-merge, split counts: decode steps through our Triton split-KV kernels with num_kv_splits
+forced to 1, 2, SGLang's heuristic, the recorded plan's and the maximum, plus vLLM PagedAttention
+v2's scheme, each against the float64 reference and the single-split run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from attndbg.backends import reference
+from attndbg.backends.triton import DEFAULT_MAX_KV_SPLITS, TritonBackend, TritonOptions
+from attndbg.checks.context import CheckContext
+from attndbg.checks.findings import Finding
+from attndbg.checks.split_merge_base import KIND, SPLIT_TILE, _location, _request_of, empty_splits
+from attndbg.checks.split_merge_vllm import V2_PARTITION_TOKENS, _vllm_v2_available, _vllm_v2_run
+from attndbg.compare.tolerance import ERROR_FACTOR, OUTPUT_FLOOR, Comparison
+from attndbg.replay import runner
+from attndbg.replay.data import build_inputs
+from attndbg.replay.runner import PlanSource, ReplayOptions, RunStatus
+from attndbg.trace.schema import DTYPES, ForwardMode, Trace
+
+
+MAX_KV_SPLITS = 16
+FORCED_SPLITS = (1, 2)
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    label: str
+    splits: tuple[int, ...]  # per request
+    forced: int | None = None  # a uniform count the runner can force; else the vector is planted in a plan
+    vllm_v2: bool = False
+
+
+def split_configs(trace: Trace) -> tuple[list[SplitConfig], list[int]]:
+    """Distinct split configurations to run (first label wins for equal vectors), and the KV length
+    each request's split kernel sees (the window's slots only, under a sliding window)."""
+    heuristic = TritonBackend(TritonOptions()).derive_plan(trace)
+    lengths = heuristic.tensors["kv_indptr"].to(torch.int64).diff().tolist()
+    bs = len(lengths)
+    candidates = [SplitConfig(f"num_kv_splits={k}", (k,) * bs, forced=k) for k in FORCED_SPLITS]
+    candidates.append(SplitConfig("SGLang's heuristic (the engine's)", tuple(heuristic.tensors["num_kv_splits"].tolist())))
+    plan = trace.plan
+    if plan is not None and plan.backend == "triton" and "num_kv_splits" in plan.tensors:
+        recorded = plan.tensors["num_kv_splits"][:bs].tolist()
+        if len(recorded) == bs and min(recorded) >= 1:
+            candidates.append(SplitConfig("the recorded plan's num_kv_splits", tuple(recorded)))
+    candidates.append(SplitConfig(f"num_kv_splits={MAX_KV_SPLITS} (max)", (MAX_KV_SPLITS,) * bs, forced=MAX_KV_SPLITS))
+    v2 = tuple(max(1, -(-n // V2_PARTITION_TOKENS)) for n in lengths)
+    candidates.append(SplitConfig(f"vLLM PagedAttention v2 ({V2_PARTITION_TOKENS}-token partitions)", v2, vllm_v2=True))
+    configs, seen = [], set()
+    for c in candidates:
+        # vLLM's own kernel is a different computation even where its split vector repeats one of ours.
+        key = ("vllm", c.splits) if c.vllm_v2 and _vllm_v2_available(trace) else c.splits
+        if key not in seen:
+            seen.add(key)
+            configs.append(c)
+    return configs, lengths
+
+
+def split_counts(ctx: CheckContext) -> list[Finding]:
+    """Every split configuration against the reference. A single split merges nothing: when it
+    fails too, the reference says nothing about the merge, and a configuration is reported only
+    where its output moves away from the single-split output beyond the reference tolerance."""
+    trace = ctx.trace
+    if trace.batch.forward_mode is not ForwardMode.DECODE or "triton" not in ctx.backends():
+        return []
+    configs, lengths = split_configs(trace)
+    results = [_run_config(ctx, c) for c in configs]
+    base = next((r for c, r in results if c.forced == 1 and isinstance(r, runner.BackendRun)), None)
+    base_passes = base is not None and base.comparison is not None and base.comparison.passed
+    tolerance = None if base is None or base_passes else _tolerance(trace, ctx.options.layer)
+    findings = []
+    for config, run in results:
+        if run is None or config.forced == 1:
+            continue  # not runnable here (never a finding), or the baseline itself
+        if isinstance(run, str):
+            findings.append(
+                Finding(KIND, "split-count-error", _location(ctx), f"{config.label}: {run}", "The split-KV kernels raised for this split configuration.")
+            )
+            continue
+        cmp = run.comparison
+        if cmp is None or cmp.passed:
+            continue
+        if base is not None and not base_passes:
+            finding = _drift_finding(ctx, config=config, run=run, base=base, tolerance=tolerance)
+            findings += [finding] if finding else []
+            continue
+        findings.append(_split_finding(ctx, config=config, run=run, base=base, lengths=lengths))
+    return findings
+
+
+def _tolerance(trace: Trace, layer: int | None) -> Tensor:
+    """[T, Hq]: the reference comparison's per-row tolerance (tolerance.py's model)."""
+    inputs = build_inputs(trace, layer=layer)
+    ref = reference.attention(trace, inputs, torch.float64).output
+    lowp = reference.attention(trace, inputs, DTYPES[trace.model.q_dtype]).output.double()
+    floor = OUTPUT_FLOOR.get(DTYPES[trace.model.q_dtype], OUTPUT_FLOOR[torch.bfloat16])
+    return ERROR_FACTOR * (lowp - ref).abs().amax(-1) + floor * ref.abs().amax(-1).clamp_min(1.0)
+
+
+def _drift_finding(ctx: CheckContext, *, config: SplitConfig, run, base, tolerance: Tensor) -> Finding | None:
+    diff = torch.nan_to_num((run.result.output.double() - base.result.output.double()).abs().amax(-1), nan=float("inf"))
+    over = diff / tolerance
+    if not bool((over > 1).any()):
+        return None
+    row, head = divmod(int(torch.argmax(over)), over.shape[1])
+    request = _request_of(ctx.trace, row)
+    return Finding(
+        KIND,
+        "split-count-changes-output",
+        _location(ctx, request=request, row=row, head=head),
+        f"{config.label}: differs from the single-split output by up to {float(diff.max()):.3e} "
+        f"({int((over > 1).any(1).sum())} rows beyond the reference tolerance; worst row {row} head {head}); "
+        f"the single-split run fails the reference too ({base.comparison.failing_rows} rows)",
+        "The step is wrong even without splitting (outside the merge), and this split configuration adds an error of its own in the merge.",
+        data={"splits": list(config.splits), "max_diff": float(diff.max())},
+    )
+
+
+def _run_config(ctx: CheckContext, config: SplitConfig) -> tuple[SplitConfig, runner.BackendRun | str | None]:
+    """The eager run of one configuration: a failure message when the kernels raised, None when
+    the backend could not run the step at all."""
+    trace = ctx.trace
+    if config.vllm_v2 and _vllm_v2_available(trace):
+        run = _vllm_v2_run(ctx)
+        if not isinstance(run, str):
+            return config, run
+        # vLLM's op did not take our call (its signature moves between versions): our kernels run
+        # v2's partition count instead, and a finding on this configuration says so.
+        config = replace(config, label=f"{config.label} on our kernels ({run})")
+    return config, _run_triton(ctx, config)
+
+
+def _run_triton(ctx: CheckContext, config: SplitConfig) -> runner.BackendRun | str | None:
+    trace = ctx.trace
+    if config.forced is not None:
+        opts = TritonOptions(num_kv_splits=config.forced, max_kv_splits=max(DEFAULT_MAX_KV_SPLITS, config.forced))
+        result = ctx.replay(ReplayOptions(layer=ctx.options.layer, triton=opts), ("triton",))
+    else:
+        # A per-request vector: planted in the plan derived from the batch, run as a recorded plan.
+        plan = TritonBackend(TritonOptions()).derive_plan(trace)
+        plan = replace(
+            plan,
+            tensors={**plan.tensors, "num_kv_splits": torch.tensor(config.splits, dtype=torch.int32)},
+            scalars={**plan.scalars, "max_kv_splits": max(DEFAULT_MAX_KV_SPLITS, *config.splits)},
+        )
+        options = ReplayOptions(layer=ctx.options.layer, plan=PlanSource.RECORDED)
+        result = runner.replay(replace(trace, plan=plan), ctx.path, ["triton"], options)
+    run = result.runs[0] if result.runs else None
+    if run is None or run.status in (RunStatus.UNSUPPORTED, RunStatus.UNAVAILABLE):
+        return None
+    if run.status is RunStatus.ERROR:
+        return run.reason or "kernel error"
+    return run
+
+
+def _split_finding(ctx: CheckContext, *, config: SplitConfig, run, base, lengths: list[int]) -> Finding:
+    cmp: Comparison = run.comparison
+    worst = cmp.worst
+    b = worst.request if worst else 0
+    n, s = lengths[b], config.splits[b]
+    empty = empty_splits(n, s)
+    evidence = (
+        f"{config.label}: {cmp.failing_rows}/{cmp.total_rows} rows fail the reference (max abs {cmp.max_abs:.3e}, "
+        f"{cmp.nonfinite} non-finite; worst {worst}); request {b}: kv {n}, {s} splits, {empty} empty"
+    )
+    if base is not None and base.result is not None and run.result is not None:
+        diff = torch.nan_to_num((run.result.output.double() - base.result.output.double()).abs().amax(-1), nan=float("inf"))
+        row, head = divmod(int(torch.argmax(diff)), diff.shape[1])
+        evidence += f"; against 1 split: max abs {float(diff.max()):.3e} at row {row} head {head} (1 split passes)"
+    if cmp.nonfinite and empty:
+        cause = (
+            f"Request {b} has {empty} empty splits (kv {n} < {SPLIT_TILE} x {s} splits): merging empty states "
+            "(-inf LSE) computes exp(-inf - -inf) = NaN instead of skipping them (FlashInfer #4051)."
+        )
+    else:
+        cause = "The partial states of the splits are merged wrongly (split boundaries, LSE weights or the final normalisation)."
+    data = {"splits": list(config.splits), "lengths": lengths, "failing_rows": cmp.failing_rows, "max_abs": cmp.max_abs}
+    return Finding(KIND, "split-count-fails-reference", _location(ctx, worst), evidence, cause, data=data)

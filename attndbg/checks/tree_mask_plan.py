@@ -1,0 +1,312 @@
+"""tree-mask on the recorded plan, judged by what its kernel will see: the plan's mask (triton,
+flashinfer), fa3's two-call expand tables or a plain causal plan, turned into a PlanVisibility and
+compared with the true visibility (mask-indptr, mask-length, window-ignored, window-offset,
+plan-mask-missing, mask-prefix-hidden, mask-mismatch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attndbg.checks.findings import Finding
+from attndbg.checks.plan_kv import kv_coverage
+from attndbg.checks.tree_mask_base import _as_bool, _describe_column, _finding, _mismatch_cause, _tree_block
+from attndbg.trace.schema import Trace
+from attndbg.trace.visibility import visibility
+
+
+@dataclass(frozen=True)
+class PlanVisibility:
+    """What the recorded plan's kernel will let each draft row see, per real request."""
+
+    kind: str  # "mask" | "causal" | "expand"
+    blocks: dict[int, Tensor]  # request -> [n, prefix + n] bool (requests the plan leaves unclear are absent)
+
+
+def _vocabulary(trace: Trace) -> str | None:
+    plan = trace.plan
+    impl = plan.scalars.get("impl")
+    if plan.backend == "triton" or (plan.backend == "mla" and impl == "triton"):
+        return "triton"
+    if plan.backend in ("flashinfer", "fa3", "mla"):
+        return plan.backend
+    return None
+
+
+def _kernel_window(trace: Trace, name: str) -> int:
+    value = trace.plan.scalars.get(name, trace.model.sliding_window)
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else trace.model.sliding_window
+
+
+def _index_window(prefix: int, n: int, width: int, window: int) -> Tensor:
+    """[n, width] what a kernel window by KV index allows: query i at column prefix + i."""
+    if window < 0:
+        return torch.ones(n, width, dtype=torch.bool)
+    return (prefix + torch.arange(n))[:, None] - torch.arange(width)[None, :] <= window
+
+
+def plan_view(trace: Trace, out: list[Finding] | None = None) -> PlanVisibility | None:
+    """The recorded plan's effective visibility; structural findings go to `out` and, with them,
+    visibility comparisons against the truth. None when the plan's vocabulary is unknown or its KV
+    structure is malformed (invariants reports that)."""
+    out = out if out is not None else []
+    vocabulary = _vocabulary(trace)
+    coverage = kv_coverage(trace)
+    if vocabulary is None or coverage is None:
+        return None
+    plan = trace.plan
+    if vocabulary in ("triton", "flashinfer") and "custom_mask" in plan.tensors:
+        view = _mask_view(trace, vocabulary, coverage, out)
+    elif vocabulary == "fa3" and plan.scalars.get("verify_path") == "two-call":
+        view = _expand_view(trace, coverage, out)
+    else:
+        window = _kernel_window(trace, "window_left" if vocabulary != "triton" else "sliding_window")
+        view = _causal_view(trace, coverage, window)
+    if view is not None:
+        _compare_plan(trace, view, out)
+    return view
+
+
+def _causal_view(trace: Trace, coverage, window: int) -> PlanVisibility:
+    n = trace.spec.draft_token_num
+    blocks = {}
+    for b, span in enumerate(coverage):
+        if span is None:
+            continue
+        prefix = int(trace.batch.prefix_lens[b])
+        cols = torch.arange(prefix + n)
+        seen = (cols[None, :] <= (prefix + torch.arange(n))[:, None]) & (cols >= span[0])[None, :]
+        blocks[b] = seen & _index_window(prefix, n, prefix + n, window)
+    return PlanVisibility("causal", blocks)
+
+
+def _mask_view(trace: Trace, vocabulary: str, coverage, out: list[Finding]) -> PlanVisibility | None:
+    plan, batch = trace.plan, trace.batch
+    n = trace.spec.draft_token_num
+    mask = plan.tensors["custom_mask"]
+    indptr = plan.tensors.get("mask_indptr")
+    if indptr is None:
+        out.append(_finding(trace, "mask-indptr", field="plan.mask_indptr", evidence="the plan carries custom_mask but no mask_indptr", cause="the kernel cannot find each request's block: mask_indptr was not passed with the mask"))
+        return None
+    indptr = indptr.to(torch.int64)
+    if indptr.numel() < batch.batch_size + 1 or int(indptr[0]) != 0 or bool((indptr.diff() < 0).any()):
+        return None  # invariants names the bad element
+    widths = []
+    for b in range(batch.batch_size):
+        prefix = int(batch.prefix_lens[b])
+        if vocabulary == "flashinfer" and coverage[b] is not None:
+            widths.append(coverage[b][1] - coverage[b][0])  # FlashInfer's block spans the KV it is given
+        else:
+            widths.append(prefix + n)
+    sizes = indptr.diff()[: batch.batch_size]
+    expected_sizes = torch.tensor([n * w for w in widths], dtype=torch.int64)
+    b = int(torch.nonzero(sizes != expected_sizes)[0]) if bool((sizes != expected_sizes).any()) else -1
+    if b >= 0:
+        found = int(sizes[b])
+        prefix = int(batch.prefix_lens[b])
+        if found == n * n:
+            cause = "mask_indptr counts only the n x n draft block (QLEN_ONLY sizes) while the mask is in the FULL layout"
+        elif found == n * prefix:
+            cause = "mask_indptr leaves out the draft columns: it was computed from seq_lens without draft_token_num"
+        elif found == n * (prefix + 2 * n):
+            cause = "mask_indptr counts the draft tokens twice (seq_lens that already included them, plus n)"
+        else:
+            cause = "mask_indptr is not cumsum(n * (prefix + n)): computed from another batch's lengths"
+        out.append(
+            _finding(
+                trace,
+                "mask-indptr",
+                request=b,
+                field=f"plan.mask_indptr[{b + 1}]",
+                evidence=f"plan.mask_indptr gives request {b} a block of {found} elements (mask_indptr[{b + 1}] - mask_indptr[{b}]), expected "
+                + (f"n·(prefix+n) = {n}·({prefix}+{n})" if widths[b] == prefix + n else f"n·(KV the plan covers) = {n}·{widths[b]}")
+                + f" = {int(expected_sizes[b])}",
+                cause=cause,
+                expected=int(expected_sizes[b]),
+                found=found,
+            )
+        )
+        return None
+    end = int(indptr[-1])
+    if mask.numel() != end:
+        short = mask.numel() < end
+        out.append(
+            _finding(
+                trace,
+                "mask-length",
+                field="plan.custom_mask",
+                evidence=f"plan.custom_mask has {mask.numel()} elements but mask_indptr[-1] = {end} ({'short' if short else 'long'} by {abs(end - mask.numel())})",
+                cause=(
+                    "the mask was built for fewer KV columns than the plan's requests have; the kernel reads past the buffer (FlashInfer #3176)"
+                    if short
+                    else "the mask buffer is longer than its offsets: built for other lengths, or recorded untrimmed"
+                ),
+                expected=end,
+                found=mask.numel(),
+            )
+        )
+        if short:
+            return None
+    bits = _as_bool(mask)
+    window = _kernel_window(trace, "sliding_window" if vocabulary == "triton" else "window_left")
+    offsets = plan.tensors.get("window_kv_offsets")
+    skip_prefix = vocabulary == "triton" and bool(plan.scalars.get("skip_prefix_custom_mask", True))
+    blocks = {}
+    for b in range(batch.batch_size):
+        if coverage[b] is None:
+            continue
+        prefix = int(batch.prefix_lens[b])
+        start, _ = coverage[b]
+        block = bits[int(indptr[b]) : int(indptr[b + 1])].reshape(n, widths[b])
+        if vocabulary == "triton":
+            offset = int(offsets[b]) if offsets is not None and b < offsets.numel() else 0
+            if offset != start:
+                out.append(_offset_finding(trace, b, offset, start, offsets is not None))
+                continue
+            seen = block.clone()
+            if skip_prefix:
+                seen[:, :prefix] = True
+        else:
+            seen = torch.zeros(n, prefix + n, dtype=torch.bool)
+            seen[:, start:] = block
+        seen[:, :start] = False
+        blocks[b] = seen & _index_window(prefix, n, prefix + n, window)
+    return PlanVisibility("mask", blocks)
+
+
+def _offset_finding(trace: Trace, b: int, offset: int, start: int, present: bool) -> Finding:
+    return _finding(
+        trace,
+        "window-offset",
+        request=b,
+        field=f"plan.window_kv_offsets[{b}]" if present else "plan.window_kv_offsets",
+        evidence=(
+            f"plan.kv_indices hold request {b}'s prefix from column {start} (the sliding window's), but "
+            + (f"plan.window_kv_offsets[{b}] = {offset}" if present else "the plan has no window_kv_offsets")
+            + f": the kernel reads the mask {abs(start - offset)} column(s) off"
+        ),
+        cause="the mask is indexed as if the plan held the whole prefix: the sliding window's KV offset (SGLang's window_kv_offsets) is missing or wrong",
+        expected=start,
+        found=offset,
+    )
+
+
+def _expand_view(trace: Trace, coverage, out: list[Finding]) -> PlanVisibility | None:
+    """fa3 two-call: call 1 covers the prefix, call 2 row b*n+i covers the draft slots it lists."""
+    plan, batch = trace.plan, trace.batch
+    n = trace.spec.draft_token_num
+    table, lens = plan.tensors.get("expand_page_table"), plan.tensors.get("expand_cache_seqlens")
+    if table is None or lens is None or table.dim() != 2:
+        out.append(_finding(trace, "plan-mask-missing", field="plan.expand_page_table", evidence="a two-call verify plan without expand_page_table / expand_cache_seqlens", cause="the second (draft-block) call of the two-call verify was not planned"))
+        return None
+    if table.shape[0] < batch.batch_size * n or lens.numel() < batch.batch_size * n:
+        out.append(
+            _finding(
+                trace,
+                "mask-length",
+                field="plan.expand_page_table",
+                evidence=f"plan.expand_page_table has {table.shape[0]} rows and expand_cache_seqlens {lens.numel()}, expected one per draft token = {batch.batch_size * n}",
+                cause="the draft-block call was planned for another batch or draft_token_num",
+            )
+        )
+        return None
+    blocks = {}
+    for b in range(batch.batch_size):
+        if coverage[b] is None:
+            continue
+        prefix = int(batch.prefix_lens[b])
+        draft_slots = batch.request_slots(b)[prefix:]
+        seen = torch.zeros(n, prefix + n, dtype=torch.bool)
+        seen[:, coverage[b][0] : prefix] = True
+        for i in range(n):
+            r = b * n + i
+            listed = table[r, : max(min(int(lens[r]), table.shape[1]), 0)].to(torch.int64)
+            seen[i, prefix:] = torch.isin(draft_slots, listed)
+        blocks[b] = seen
+    return PlanVisibility("expand", blocks)
+
+
+def _compare_plan(trace: Trace, view: PlanVisibility, out: list[Finding]) -> None:
+    """One finding per check id at its first (request, row, column), against the true visibility."""
+    batch = trace.batch
+    plan = trace.plan
+    first: dict[str, tuple] = {}
+    counts: dict[str, int] = {}
+    for b, seen in sorted(view.blocks.items()):
+        truth = visibility(trace, b)
+        prefix = int(batch.prefix_lens[b])
+        unwindowed = _tree_block(trace, b)
+        # Columns before the plan's KV start are outside every row's window (kv_coverage's rule),
+        # so a difference is always in what the plan's kernel will do with what it reads.
+        for r, c in torch.nonzero(seen != truth).tolist():
+            found = bool(seen[r, c])
+            check = _classify(trace, view, b, r, c, found, bool(unwindowed[r, c]))
+            counts[check] = counts.get(check, 0) + 1
+            first.setdefault(check, (b, r, c, found))
+    for check, (b, r, c, found) in first.items():
+        prefix = int(batch.prefix_lens[b])
+        row = int(batch.qo_indptr[b]) + r
+        field = _plan_field(trace, view, b, r, c)
+        if check == "window-offset":
+            field = "plan.scalars." + ("sliding_window" if _vocabulary(trace) == "triton" else "window_left")
+        if check == "window-ignored":
+            cause = "the kernel's window is off (window_left = -1), so the mask must fold the sliding window in by position, and it was built without it"
+        elif check == "window-offset":
+            cause = "the kernel applies the sliding window by KV index (query i at column prefix + i), but draft token i sits at prefix + its depth: fold the window into the mask by position and turn the kernel's window off"
+        elif check == "plan-mask-missing":
+            cause = "the plan runs the verify step as causal attention by token index with no tree mask, but the draft tree is not a chain"
+        elif check == "mask-prefix-hidden":
+            cause = "the plan's FULL mask hides prefix columns that the kernel reads; every draft token must see the whole prefix"
+        else:
+            found_draft = view.blocks[b][:, prefix:] if view.kind != "causal" else None
+            cause = _mismatch_cause(trace, b, r, c, found, found_draft)
+        out.append(
+            _finding(
+                trace,
+                check,
+                request=b,
+                row=row,
+                column=c,
+                field=field,
+                evidence=(
+                    f"with the recorded {plan.backend} plan, draft row {r} of request {b} (step row {row}) {'sees' if found else 'cannot see'} "
+                    f"{_describe_column(trace, b, c)}; it should {'not ' if found else ''}see it ({field}); {counts[check]} such (row, column) pair(s)"
+                ),
+                cause=cause,
+                expected=not found,
+                found=found,
+                pairs=counts[check],
+            )
+        )
+
+
+def _classify(trace: Trace, view: PlanVisibility, b: int, r: int, c: int, found: bool, tree_allows: bool) -> str:
+    prefix = int(trace.batch.prefix_lens[b])
+    window = trace.model.sliding_window
+    if found and c < prefix and tree_allows and window >= 0:
+        return "window-ignored"
+    if not found and view.kind != "expand" and window >= 0:
+        kernel_window = _kernel_window(trace, "sliding_window" if _vocabulary(trace) == "triton" else "window_left")
+        if not bool(_index_window(prefix, trace.spec.draft_token_num, prefix + trace.spec.draft_token_num, kernel_window)[r, c]):
+            return "window-offset"
+    if view.kind == "causal":
+        return "plan-mask-missing"
+    if view.kind == "mask" and not found and c < prefix:
+        return "mask-prefix-hidden"
+    return "mask-mismatch"
+
+
+def _plan_field(trace: Trace, view: PlanVisibility, b: int, r: int, c: int) -> str:
+    plan = trace.plan
+    n = trace.spec.draft_token_num
+    if view.kind == "mask":
+        indptr = plan.tensors["mask_indptr"].to(torch.int64)
+        width = int(indptr[b + 1] - indptr[b]) // n
+        shift = int(trace.batch.prefix_lens[b]) + n - width  # flashinfer blocks start at the covered KV
+        return f"plan.custom_mask[{int(indptr[b]) + r * width + c - shift}]"
+    if view.kind == "expand":
+        return f"plan.expand_page_table[{b * n + r}]"
+    return "plan.scalars.causal" if "causal" in plan.scalars else "plan.custom_mask"

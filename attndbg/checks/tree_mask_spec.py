@@ -1,0 +1,239 @@
+"""tree-mask on the engine's recorded `spec.custom_mask`, in its tagged layout: mask-layout,
+mask-length, mask-bit-order, mask-prefix-hidden and mask-mismatch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attndbg.checks.findings import Finding
+from attndbg.checks.tree_mask_base import _as_bool, _describe_column, _finding, _mismatch_cause, _tree_block
+from attndbg.trace import tree
+from attndbg.trace.schema import MaskLayout, Trace
+from attndbg.trace.visibility import visibility
+
+
+def _layout_sizes(trace: Trace) -> dict[MaskLayout, int]:
+    n = trace.spec.draft_token_num
+    prefix = trace.batch.prefix_lens
+    bs = trace.batch.batch_size
+    return {
+        MaskLayout.FULL: int((n * (prefix + n)).sum()),
+        MaskLayout.QLEN_ONLY: bs * n * n,
+        MaskLayout.QLEN_ONLY_BITPACKED: bs * n,
+    }
+
+
+def _word_bits(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size() * 8
+
+
+def _check_spec(trace: Trace, out: list[Finding]) -> None:
+    spec = trace.spec
+    mask = spec.custom_mask
+    if mask is None:
+        return
+    layout = spec.mask_layout
+    field = "spec.custom_mask"
+    packed = layout is MaskLayout.QLEN_ONLY_BITPACKED
+    if mask.is_floating_point() or mask.is_complex() or (packed and mask.dtype is torch.bool):
+        out.append(
+            _finding(
+                trace,
+                "mask-layout",
+                field=field,
+                evidence=f"{field} has dtype {str(mask.dtype).replace('torch.', '')}, layout {layout.value} expects "
+                + ("one integer word per row" if packed else "bool (or 0/1 integers)"),
+                cause="the recorded mask is not in the layout its tag names (the recorder or the engine mixed up SGLang's TreeMaskMode)",
+            )
+        )
+        return
+    if not packed and mask.dtype is not torch.bool and bool(((mask != 0) & (mask != 1)).any()):
+        out.append(
+            _finding(
+                trace,
+                "mask-layout",
+                field=field,
+                evidence=f"{field} holds values up to {int(mask.max())} under layout {layout.value}, which is one 0/1 element per (row, column)",
+                cause="the mask was recorded bit-packed (FlashInfer's packbits, or QLEN_ONLY_BITPACKING words) but tagged as a bool layout",
+            )
+        )
+        return
+    sizes = _layout_sizes(trace)
+    if mask.numel() != sizes[layout]:
+        other = [lay.value for lay, size in sizes.items() if lay is not layout and size == mask.numel()]
+        if other:
+            cause = f"the mask has the size of layout {other[0]} but is tagged {layout.value}: the engine's TreeMaskMode and the recorded tag disagree"
+        elif mask.numel() < sizes[layout]:
+            cause = "the mask was built for fewer KV columns than the requests have (FlashInfer #3176: a kernel reading it runs past the buffer)"
+        else:
+            cause = "the mask is longer than this batch needs: built for other lengths, or a graph buffer recorded untrimmed"
+        rule = {MaskLayout.FULL: "Σ n·(prefix+n)", MaskLayout.QLEN_ONLY: "bs·n·n", MaskLayout.QLEN_ONLY_BITPACKED: "bs·n words"}[layout]
+        out.append(
+            _finding(
+                trace,
+                "mask-length",
+                field=field,
+                evidence=f"{field} has {mask.numel()} elements, layout {layout.value} needs {rule} = {sizes[layout]} ({'short' if mask.numel() < sizes[layout] else 'long'} by {abs(mask.numel() - sizes[layout])})",
+                cause=cause,
+                expected=sizes[layout],
+                found=mask.numel(),
+            )
+        )
+        return
+    if packed:
+        words = mask.to(torch.int64)
+        if _check_bit_order(trace, words, _word_bits(mask.dtype), out):
+            return
+        _compare_spec_packed(trace, words, _word_bits(mask.dtype), out)
+    else:
+        _compare_spec_bool(trace, _as_bool(mask), layout, out)
+
+
+def _expected_words(trace: Trace) -> Tensor:
+    return tree.qlen_only_bitpacked_mask(trace.spec.parents).to(torch.int64)
+
+
+def _reverse(words: Tensor, width: int) -> Tensor:
+    bits = (words[:, None] >> torch.arange(width)) & 1
+    return (bits.flip(1) << torch.arange(width)).sum(1)
+
+
+def _check_bit_order(trace: Trace, words: Tensor, stored_bits: int, out: list[Finding]) -> bool:
+    n = trace.spec.draft_token_num
+    expected = _expected_words(trace)
+    if torch.equal(words, expected):
+        return False
+    for width in sorted({stored_bits, _word_bits(tree.bitpacked_word_dtype(n)), n}):
+        if width < n or width > 63:
+            continue
+        reversed_words = _reverse(expected, width)
+        if torch.equal(reversed_words, expected) or not torch.equal(words, reversed_words):
+            continue
+        t = int(torch.nonzero(words != expected)[0])
+        b, r = divmod(t, n)
+        out.append(
+            _finding(
+                trace,
+                "mask-bit-order",
+                request=b,
+                row=int(trace.batch.qo_indptr[b]) + r,
+                field=f"spec.custom_mask[{t}]",
+                evidence=(
+                    f"spec.custom_mask[{t}] (request {b}, draft row {r}) = {int(words[t]):#0{width + 2}b}, expected {int(expected[t]):#0{width + 2}b}: "
+                    f"every one of the {words.numel()} words is the expected word with its {width} bits reversed"
+                ),
+                cause="the mask was packed big-endian (bit 0 = the last draft token); SGLang's QLEN_ONLY_BITPACKING and FlashInfer's packbits are little-endian, bit 0 = the root",
+                expected=int(expected[t]),
+                found=int(words[t]),
+                width=width,
+            )
+        )
+        return True
+    return False
+
+
+def _compare_spec_packed(trace: Trace, words: Tensor, stored_bits: int, out: list[Finding]) -> None:
+    n = trace.spec.draft_token_num
+    width = max(stored_bits, n)
+    bits = ((words[:, None] >> torch.arange(min(width, 63))) & 1).to(torch.bool)
+    extra = bits[:, n:].any(1)
+    if bool(extra.any()):
+        t = int(torch.nonzero(extra)[0])
+        b, r = divmod(t, n)
+        k = n + int(torch.nonzero(bits[t, n:])[0])
+        out.append(
+            _finding(
+                trace,
+                "mask-mismatch",
+                request=b,
+                row=int(trace.batch.qo_indptr[b]) + r,
+                field=f"spec.custom_mask[{t}]",
+                evidence=f"spec.custom_mask[{t}] (request {b}, draft row {r}) = {int(words[t]):#b} sets bit {k}, but there are only {n} draft tokens (bits 0..{n - 1})",
+                cause="the words were packed for a larger tree or shifted (a stale or misaligned buffer)",
+                found=int(words[t]),
+            )
+        )
+        return
+    found = bits[:, :n].reshape(trace.batch.batch_size, n, n)
+    _compare_draft_blocks(trace, found, "spec.custom_mask", lambda b, r, j: f"spec.custom_mask[{b * n + r}] bit {j}", out)
+
+
+def _compare_spec_bool(trace: Trace, mask: Tensor, layout: MaskLayout, out: list[Finding]) -> None:
+    n = trace.spec.draft_token_num
+    bs = trace.batch.batch_size
+    if layout is MaskLayout.QLEN_ONLY:
+        found = mask.reshape(bs, n, n)
+        _compare_draft_blocks(trace, found, "spec.custom_mask", lambda b, r, j: f"spec.custom_mask[{(b * n + r) * n + j}]", out)
+        return
+    offsets = tree.full_mask_indptr(n, trace.batch.prefix_lens)
+    blocks = [mask[int(offsets[b]) : int(offsets[b + 1])].reshape(n, -1) for b in range(bs)]
+    unfolded = [_tree_block(trace, b) for b in range(bs)]
+    if trace.model.sliding_window >= 0:
+        folded = [visibility(trace, b) for b in range(bs)]
+        wrong = [sum(int((f != e).sum()) for f, e in zip(blocks, ref)) for ref in (unfolded, folded)]
+        expected = folded if wrong[1] < wrong[0] else unfolded
+    else:
+        expected = unfolded
+    diffs = [(f != e) for f, e in zip(blocks, expected)]
+    total = sum(int(d.sum()) for d in diffs)
+    if total == 0:
+        return
+    first = next((b, d) for b, d in enumerate(diffs) if bool(d.any()))
+    b, d = first
+    r, c = (int(x) for x in torch.nonzero(d)[0])
+    prefix = int(trace.batch.prefix_lens[b])
+    element = int(offsets[b]) + r * (prefix + n) + c
+    prefix_only = all(
+        not bool(dd[:, int(trace.batch.prefix_lens[bb]) :].any()) and not bool(blocks[bb][:, : int(trace.batch.prefix_lens[bb])][dd[:, : int(trace.batch.prefix_lens[bb])]].any())
+        for bb, dd in enumerate(diffs)
+    )
+    check = "mask-prefix-hidden" if prefix_only else "mask-mismatch"
+    found_value = bool(blocks[b][r, c])
+    if prefix_only:
+        cause = "the engine built the FULL mask with its prefix part False (zeros instead of torch.full(True)); every draft token must see the whole prefix"
+    else:
+        cause = _mismatch_cause(trace, b, r, c, found_value, blocks[b][:, prefix:])
+    out.append(
+        _finding(
+            trace,
+            check,
+            request=b,
+            row=int(trace.batch.qo_indptr[b]) + r,
+            column=c,
+            field=f"spec.custom_mask[{element}]",
+            evidence=f"spec.custom_mask[{element}] (request {b}, draft row {r}, {_describe_column(trace, b, c)}) = {found_value}, expected {not found_value}; {total} wrong element(s) in all",
+            cause=cause,
+            expected=not found_value,
+            found=found_value,
+            wrong=total,
+        )
+    )
+
+
+def _compare_draft_blocks(trace: Trace, found: Tensor, field: str, element, out: list[Finding]) -> None:
+    """found [bs, n, n] draft blocks against the ancestor matrices; one finding at the first wrong bit."""
+    expected = torch.stack([tree.ancestor_matrix(p) for p in trace.spec.parents])
+    diff = found != expected
+    total = int(diff.sum())
+    if total == 0:
+        return
+    b, r, j = (int(x) for x in torch.nonzero(diff)[0])
+    prefix = int(trace.batch.prefix_lens[b])
+    value = bool(found[b, r, j])
+    out.append(
+        _finding(
+            trace,
+            "mask-mismatch",
+            request=b,
+            row=int(trace.batch.qo_indptr[b]) + r,
+            column=prefix + j,
+            field=element(b, r, j).split(" bit")[0],
+            evidence=f"{element(b, r, j)} (request {b}, draft row {r}, {_describe_column(trace, b, prefix + j)}) = {value}, expected {not value}; {total} wrong element(s) in all",
+            cause=_mismatch_cause(trace, b, r, prefix + j, value, found[b]),
+            expected=not value,
+            found=value,
+            wrong=total,
+        )
+    )
