@@ -9,11 +9,9 @@ import math
 
 import torch
 
-from attndbg.backends.base import AttentionResult
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import FindingClass, Location
-from attndbg.compare.tolerance import Comparison, compare
-from attndbg.trace.schema import DTYPES, ForwardMode, Trace
+from attndbg.trace.schema import ForwardMode, Trace
 
 
 KIND = FindingClass.SPLIT_MERGE
@@ -54,19 +52,6 @@ def _location(ctx: CheckContext, worst=None, **extra) -> Location:
     if worst is not None:
         extra = {"request": worst.request, "row": worst.row, "head": worst.head, **extra}
     return Location(step=ctx.step, layer=ctx.options.layer, **extra)
-
-
-def _compare(trace: Trace, result: AttentionResult, ref: AttentionResult, lowp: AttentionResult) -> Comparison:
-    return compare(
-        output=result.output,
-        lse=result.lse,
-        reference_output=ref.output,
-        reference_lse=ref.lse,
-        lowp_output=lowp.output,
-        lowp_lse=lowp.lse,
-        dtype=DTYPES[trace.model.q_dtype],
-        qo_indptr=trace.batch.qo_indptr,
-    )
 
 
 def _request_of(trace: Trace, row: int) -> int:

@@ -14,7 +14,8 @@ from attndbg.backends import reference
 from attndbg.backends.base import AttentionResult, KernelError
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding
-from attndbg.checks.split_merge_base import KIND, _compare, _location, merge_path
+from attndbg.checks.split_merge_base import KIND, _location, merge_path
+from attndbg.compare.tolerance import compare_to_reference
 from attndbg.replay.data import build_inputs, to_device
 from attndbg.replay.runner import ReplayOptions, RunStatus
 from attndbg.trace.schema import DTYPES, ForwardMode
@@ -48,7 +49,7 @@ def cascade_vs_single_pass(ctx: CheckContext) -> list[Finding]:
         except KernelError as e:
             runs[path] = str(e)
             continue
-        runs[path] = _compare(trace, AttentionResult(result.output.cpu(), result.lse.cpu()), ref, lowp)
+        runs[path] = compare_to_reference(trace, AttentionResult(result.output.cpu(), result.lse.cpu()), ref, lowp)
     cascade, paged = runs["cascade"], runs["paged"]
     if isinstance(cascade, str) or cascade.passed or isinstance(paged, str) or not paged.passed:
         return []

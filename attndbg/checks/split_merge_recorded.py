@@ -15,8 +15,8 @@ from attndbg.backends.base import AttentionInputs, AttentionResult
 from attndbg.backends.triton import DEFAULT_MAX_KV_SPLITS
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding, Location
-from attndbg.checks.split_merge_base import KIND, LN2, LOG2E, _compare, _request_of, empty_splits, merge_path, split_length
-from attndbg.compare.tolerance import ERROR_FACTOR, LSE_FLOOR, OUTPUT_FLOOR
+from attndbg.checks.split_merge_base import KIND, LN2, LOG2E, _request_of, empty_splits, merge_path, split_length
+from attndbg.compare.tolerance import ERROR_FACTOR, LSE_FLOOR, OUTPUT_FLOOR, compare_to_reference
 from attndbg.replay.data import build_inputs
 from attndbg.trace.schema import DTYPES, ForwardMode, LseBase, Trace
 from attndbg.trace.visibility import visibility
@@ -61,7 +61,7 @@ def engine_splits(trace: Trace) -> tuple[list[int], list[int], str]:
 
 def _output_findings(ctx: CheckContext, *, layer: int, output: Tensor, truth: _Truth) -> tuple[list[Finding], Tensor]:
     trace = ctx.trace
-    cmp = _compare(trace, AttentionResult(output, truth.ref.lse), truth.ref, truth.lowp)
+    cmp = compare_to_reference(trace, AttentionResult(output, truth.ref.lse), truth.ref, truth.lowp)
     nonfinite_rows = (~torch.isfinite(output.double())).flatten(1).any(1) & torch.isfinite(truth.ref.output).flatten(1).all(1)
     if cmp.passed:
         return [], nonfinite_rows

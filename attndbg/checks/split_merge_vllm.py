@@ -10,7 +10,7 @@ from attndbg import machine
 from attndbg.backends import reference
 from attndbg.backends.base import AttentionResult
 from attndbg.checks.context import CheckContext
-from attndbg.checks.split_merge_base import _compare
+from attndbg.compare.tolerance import compare_to_reference
 from attndbg.replay import runner
 from attndbg.replay.data import build_inputs
 from attndbg.replay.runner import RunStatus
@@ -90,6 +90,6 @@ def _vllm_v2_run(ctx: CheckContext) -> runner.BackendRun | str:
     result = AttentionResult(output=out.cpu(), lse=lse.float())
     lowp = reference.attention(trace, inputs, dtype)
     ref = reference.attention(trace, inputs, torch.float64)
-    cmp = _compare(trace, result, ref, lowp)
+    cmp = compare_to_reference(trace, result, ref, lowp)
     status = RunStatus.PASSED if cmp.passed else RunStatus.FAILED
     return runner.BackendRun("vllm", status, f"vLLM {getattr(ops, '__name__', '')} paged_attention_v2", comparison=cmp, result=result)

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attndbg.backends.base import AttentionResult
+from attndbg.trace.schema import DTYPES, Trace
+
 # Twice the same-dtype error: FlashAttention's "at most 2x the error of a PyTorch implementation".
 ERROR_FACTOR = 2.0
 # One ulp at magnitude 1, scaled by the row's magnitude: outputs are convex combinations of the
@@ -111,4 +114,18 @@ def compare(
         nonfinite=nonfinite,
         row_errors=ratio,
         lse_errors=lse_ratio,
+    )
+
+
+def compare_to_reference(trace: Trace, result: AttentionResult, reference: AttentionResult, lowp: AttentionResult) -> Comparison:
+    """`compare` for one step: `reference` in float64, `lowp` the same math in the trace's dtype."""
+    return compare(
+        output=result.output,
+        lse=result.lse,
+        reference_output=reference.output,
+        reference_lse=reference.lse,
+        lowp_output=lowp.output,
+        lowp_lse=lowp.lse,
+        dtype=DTYPES[trace.model.q_dtype],
+        qo_indptr=trace.batch.qo_indptr,
     )

@@ -18,7 +18,7 @@ from attndbg import machine
 from attndbg.backends import reference, registry
 from attndbg.backends.base import AttentionInputs, AttentionResult, Backend, KernelError, Padding
 from attndbg.backends.triton import TritonOptions
-from attndbg.compare.tolerance import Comparison, compare
+from attndbg.compare.tolerance import Comparison, compare_to_reference
 from attndbg.profiling import phase, step_label
 from attndbg.replay import graph as graph_replay
 from attndbg.replay.data import build_inputs, to_device
@@ -94,16 +94,7 @@ class _Context:
 
     def compare(self, result: AttentionResult) -> Comparison:
         with phase("compare", self.label):
-            return compare(
-                output=result.output,
-                lse=result.lse,
-                reference_output=self.ref.output,
-                reference_lse=self.ref.lse,
-                lowp_output=self.lowp.output,
-                lowp_lse=self.lowp.lse,
-                dtype=DTYPES[self.trace.model.q_dtype],
-                qo_indptr=self.trace.batch.qo_indptr,
-            )
+            return compare_to_reference(self.trace, result, self.ref, self.lowp)
 
 
 def replay(trace: Trace, trace_path: str, backend_names: list[str], options: ReplayOptions = ReplayOptions()) -> ReplayResult:

@@ -16,7 +16,7 @@ import torch
 from attndbg.backends import reference
 from attndbg.backends.base import AttentionInputs, AttentionResult, Backend, GraphCapacity, Padding
 from attndbg.backends.fa3 import FA3Backend, FA3Options, Impl, select_impl
-from attndbg.compare.tolerance import Comparison, compare
+from attndbg.compare.tolerance import Comparison, compare_to_reference
 from attndbg.replay.data import build_inputs, to_device
 from attndbg.replay.runner import RunStatus, replay
 from attndbg.trace import synth
@@ -53,16 +53,7 @@ def check(backend: Backend, trace: Trace, plan: Plan | None = None) -> Checked:
 
 def compare_with_reference(trace: Trace, result: AttentionResult, cpu: AttentionInputs, ref: AttentionResult) -> Comparison:
     lowp = reference.attention(trace, cpu, DTYPES[trace.model.q_dtype])
-    return compare(
-        output=result.output,
-        lse=result.lse,
-        reference_output=ref.output,
-        reference_lse=ref.lse,
-        lowp_output=lowp.output,
-        lowp_lse=lowp.lse,
-        dtype=DTYPES[trace.model.q_dtype],
-        qo_indptr=trace.batch.qo_indptr,
-    )
+    return compare_to_reference(trace, result, ref, lowp)
 
 
 def record_and_assert(record_property, comparison: Comparison) -> None:

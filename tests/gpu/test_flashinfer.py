@@ -16,7 +16,7 @@ import torch
 from attndbg.backends import reference
 from attndbg.backends.base import AttentionInputs, AttentionResult, GraphCapacity, Padding
 from attndbg.backends.flashinfer import INSTALL_HINT, FlashInferBackend, FlashInferOptions
-from attndbg.compare.tolerance import Comparison, compare
+from attndbg.compare.tolerance import Comparison, compare_to_reference
 from attndbg.machine import module_available
 from attndbg.replay.data import build_inputs, to_device
 from attndbg.replay.runner import RunStatus, replay
@@ -54,21 +54,8 @@ def check(trace: Trace, backend: FlashInferBackend | None = None, plan: Plan | N
     result = backend.run(trace, to_device(cpu, "cuda"), plan)
     torch.cuda.synchronize()
     result = AttentionResult(output=result.output.cpu(), lse=result.lse.cpu())
-    comparison = _compare(trace, result, ref, lowp)
+    comparison = compare_to_reference(trace, result, ref, lowp)
     return Checked(comparison=comparison, result=result, reference=ref, plan=plan)
-
-
-def _compare(trace: Trace, result: AttentionResult, ref: AttentionResult, lowp: AttentionResult) -> Comparison:
-    return compare(
-        output=result.output,
-        lse=result.lse,
-        reference_output=ref.output,
-        reference_lse=ref.lse,
-        lowp_output=lowp.output,
-        lowp_lse=lowp.lse,
-        dtype=DTYPES[trace.model.q_dtype],
-        qo_indptr=trace.batch.qo_indptr,
-    )
 
 
 def record(record_property, comparison: Comparison) -> None:
@@ -332,7 +319,7 @@ def test_cuda_graph_replay(words, decoy, tensor_cores, page_size, record_propert
     cpu = build_inputs(trace)
     ref = reference.attention(trace, cpu, torch.float64)
     lowp = reference.attention(trace, cpu, DTYPES[trace.model.q_dtype])
-    comparison = _compare(trace, AttentionResult(output=out[:tokens], lse=lse[:tokens]), ref, lowp)
+    comparison = compare_to_reference(trace, AttentionResult(output=out[:tokens], lse=lse[:tokens]), ref, lowp)
     record(record_property, comparison)
     assert_passed(comparison)
 

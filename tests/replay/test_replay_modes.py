@@ -9,7 +9,8 @@ import torch
 
 from attndbg.backends import reference
 from attndbg.backends.triton import TritonBackend, TritonOptions, sglang_num_kv_splits
-from attndbg.compare.tolerance import compare
+from attndbg.backends.base import AttentionResult
+from attndbg.compare.tolerance import compare_to_reference
 from attndbg.machine import kernel_device
 from attndbg.replay.data import build_inputs, to_device
 from attndbg.replay.runner import RunStatus, replay
@@ -34,10 +35,7 @@ def test_decode_variants_pass(extra: tuple[str, ...]) -> None:
 def _compare(trace, inputs, output, lse):
     ref = reference.attention(trace, inputs)
     lowp = reference.attention(trace, inputs, DTYPES[trace.model.q_dtype])
-    return compare(
-        output=output, lse=lse, reference_output=ref.output, reference_lse=ref.lse,
-        lowp_output=lowp.output, lowp_lse=lowp.lse, dtype=DTYPES[trace.model.q_dtype], qo_indptr=trace.batch.qo_indptr,
-    )
+    return compare_to_reference(trace, AttentionResult(output=output, lse=lse), ref, lowp)
 
 
 def test_a_wrong_tree_mask_is_caught_at_its_row() -> None:
