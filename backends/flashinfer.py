@@ -59,6 +59,9 @@ NAN_BYTE = 0xFF
 SGLANG_TENSOR_CORE_MIN_GROUP = 4
 
 
+# Head dims FlashInfer's split-KV merge (cascade.cuh VariableLengthMergeStates) is compiled for.
+MERGE_HEAD_DIMS = (64, 128, 256, 512)
+
 class ExtendPath(enum.Enum):
     """How EXTEND/MIXED steps are run. AUTO is SGLang's choice (see `FlashInferBackend.extend_path`)."""
 
@@ -371,9 +374,16 @@ class FlashInferBackend(Backend):
     # -- CUDA graphs ----------------------------------------------------------------------------
 
     def graph_unsupported_reason(self, trace: Trace) -> str | None:
-        if trace.batch.forward_mode is ForwardMode.DECODE or trace.is_tree_verify:
-            return None
-        return f"engines capture only decode and verify steps in CUDA graphs, not {trace.batch.forward_mode.value}"
+        if not (trace.batch.forward_mode is ForwardMode.DECODE or trace.is_tree_verify):
+            return f"engines capture only decode and verify steps in CUDA graphs, not {trace.batch.forward_mode.value}"
+        if trace.model.v_head_dim not in MERGE_HEAD_DIMS:
+            # Measured on the H200: the graph replay fails with "Unsupported head_dim: 32".
+            return (
+                "FlashInfer's CUDA-graph wrappers keep split-KV on and merge the partial states with "
+                f"VariableLengthMergeStates, compiled only for head_dim {'/'.join(map(str, MERGE_HEAD_DIMS))}; "
+                f"this trace's is {trace.model.v_head_dim}"
+            )
+        return None
 
     def graph_state(self, trace: Trace, capacity: GraphCapacity) -> GraphState:
         reason = self.graph_unsupported_reason(trace) or self.unsupported_reason(trace)

@@ -1,0 +1,58 @@
+"""The detectors' clean sweep: every synth mode x dtype, every backend here, eager and graph.
+
+Run on the GPU machine:  bash .gpu/env.sh python bench/check_sweep.py [--cuda-graph] [--json FILE]
+A finding on these clean traces is a false positive, i.e. a bug: the script prints each one and
+exits 1. On a CPU machine it runs with the reference and Triton (interpreted) only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from attndbg.checks.context import CheckOptions
+from attndbg.checks.run import check_steps, parse_only
+from attndbg.trace import io, synth
+
+DTYPES = ("bfloat16", "float16")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--cuda-graph", action="store_true", help="detectors also replay under CUDA graphs")
+    parser.add_argument("--backends", default=None, help="default: every backend that runs here")
+    parser.add_argument("--json", help="write per-trace results as JSON")
+    args = parser.parse_args()
+    from attndbg.backends import registry
+
+    names = tuple(registry.resolve(args.backends)) if args.backends else None
+    options = CheckOptions(backends=names, cuda_graph=args.cuda_graph)
+    rows, total_findings = [], 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for preset in synth.PRESETS:
+            for dtype in DTYPES:
+                words = [preset] if preset == "fp16" or dtype == "bfloat16" else [preset, f"dtype={dtype}"]
+                if preset == "fp16" and dtype != "bfloat16":
+                    continue
+                path = Path(tmp) / f"{preset}-{dtype}.pt"
+                io.save(synth.build(synth.parse_spec(words)), path)
+                start = time.perf_counter()
+                findings = [f for report in check_steps(str(path), parse_only(None), options) for f in report.findings]
+                seconds = time.perf_counter() - start
+                total_findings += len(findings)
+                rows.append({"trace": " ".join(words), "findings": [f"{f.kind.value}/{f.check}: {f.evidence}" for f in findings], "seconds": round(seconds, 2)})
+                print(f"{' '.join(words):40s} findings={len(findings)} t={seconds:.1f}s", flush=True)
+                for f in findings:
+                    print(f"    {f.kind.value}/{f.check} {f.location}: {f.evidence}", flush=True)
+    print(f"{len(rows)} traces, {total_findings} findings (backends: {', '.join(names) if names else 'all available'}, cuda_graph={args.cuda_graph})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    return 1 if total_findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
