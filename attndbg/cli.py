@@ -300,6 +300,54 @@ def check(target: str, only: str | None, backend_spec: str | None, cuda_graph: b
     sys.exit(EXIT_FAILED if any(r.findings for r in reports) else EXIT_OK)
 
 
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("-o", "--output", "out_dir", default="recording", show_default=True, type=click.Path(file_okay=False), help="recording directory (manifest.jsonl + one .pt per step)")
+@click.option("--every", type=click.IntRange(min=1), default=1, show_default=True, help="record every N-th step")
+@click.option("--steps", default=None, help="record only steps A <= step < B (A:B, A:, :B)")
+@click.option("--layers", default=None, help="also record real tensors (q, new k/v, KV rows read, output) of these layers, e.g. 0,5")
+@click.option("--max-size", default="2G", show_default=True, help="stop recording (not the engine) when the directory holds this much")
+@click.option("--engine", "engines", default="transformers,sglang,vllm", show_default=True, help="engines to hook")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+@handles_bad_input
+def record(out_dir: str, every: int, steps: str | None, layers: str | None, max_size: str, engines: str, command: tuple[str, ...]) -> None:
+    """Run an engine command with recording hooks and write each step as a trace.
+
+    Hooks are armed in every Python process the command starts (schedulers, workers); a hook that
+    fails logs one line and stops recording, the engine goes on. Exit code: the command's.
+
+    \b
+    Examples:
+      attndbg record -o rec -- python -m sglang.launch_server --model-path ...
+      attndbg record -o rec --layers 0 --steps 0:20 -- python my_generate.py
+      attndbg check rec && attndbg replay rec/step_000003.pt --backend all
+    """
+    from attndbg.record.launch import run_recorded
+    from attndbg.record.options import OptionError, RecordOptions, parse_layers, parse_size, parse_steps
+
+    known = ("transformers", "sglang", "vllm")
+    chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
+    unknown = [e for e in chosen if e not in known]
+    if unknown or not chosen:
+        raise BadInput(f"--engine: unknown engine {unknown[0] if unknown else engines!r}; known: {', '.join(known)}")
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise BadInput("record: no command given (attndbg record [OPTIONS] -- COMMAND ...)")
+    try:
+        first, last = parse_steps(steps)
+        options = RecordOptions(out_dir=out_dir, every=every, first_step=first, last_step=last, layers=parse_layers(layers), max_bytes=parse_size(max_size), engines=chosen)
+    except OptionError as e:
+        raise BadInput(str(e)) from None
+    try:
+        result = run_recorded(list(command), options)
+    except FileNotFoundError:
+        raise BadInput(f"record: command not found: {command[0]}") from None
+    steps_written = len(result.entries)
+    modes = sorted({e.mode for e in result.entries})
+    click.echo(f"attndbg record: {steps_written} step(s) in {result.out_dir} ({', '.join(modes) or 'no steps'}); command exited {result.exit_code}", err=True)
+    sys.exit(result.exit_code)
+
+
 @main.command()
 @click.argument("trace", type=click.Path())
 @click.option("--backend", "backend_spec", default="triton", show_default=True, help="NAME[,NAME...] or all")

@@ -1,0 +1,228 @@
+"""One process's recording: step numbering, sampling, host copies, the writer thread, the rules.
+
+The rules every engine hook follows through this class:
+- nothing here synchronises the device: tensors are copied to pinned host memory with
+  `non_blocking=True` on the engine's stream and an event marks when they are complete; the
+  writer thread waits on that event, builds the trace and writes it, off the engine's path;
+- nothing is copied while a CUDA graph is being captured (a copy there would be baked into the
+  graph and a host wait would break the capture): `snapshot` refuses, the step is skipped;
+- a hook that fails logs one line and recording stops; the engine goes on (`guard`);
+- files are written atomically and the directory stops growing at `max_bytes`;
+- the engine never waits on the writer: when the queue is full, the step is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import queue
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from attndbg.record.options import RecordOptions
+from attndbg.trace.io import append_to_recording
+from attndbg.trace.schema import Trace
+
+QUEUE_DEPTH = 64
+
+
+def capturing() -> bool:
+    """True inside `torch.cuda.graph(...)` capture on the current stream."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class HostCopy:
+    """Tensors copied to (pinned) host memory without a device sync; `wait()` completes them."""
+
+    def __init__(self, tensors: dict[str, Tensor | None]):
+        self._host: dict[str, Tensor | None] = {}
+        self._event: torch.cuda.Event | None = None
+        for name, t in tensors.items():
+            if t is None:
+                self._host[name] = None
+            elif t.is_cuda:
+                host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                self._host[name] = host
+                if self._event is None:
+                    self._event = torch.cuda.Event()
+            else:
+                # A host tensor may be reused by the engine for the next step: copy it now.
+                self._host[name] = t.detach().clone()
+        if self._event is not None:
+            self._event.record()
+
+    def wait(self) -> dict[str, Tensor | None]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host
+
+
+Build = Callable[[dict[str, Tensor | None]], Trace | None]
+
+
+@dataclass
+class Stats:
+    written: int = 0
+    dropped_queue_full: int = 0
+    skipped_in_capture: int = 0
+    bytes_written: int = 0
+    stopped_reason: str | None = None
+    files: list[str] = field(default_factory=list)
+
+
+class RecordingSession:
+    """Owns the output directory of one process and the writer thread feeding it."""
+
+    def __init__(self, options: RecordOptions, log: Callable[[str], None] | None = None):
+        self.options = options
+        self.out_dir = Path(options.out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.stats = Stats()
+        self._log = log or (lambda message: print(f"attndbg record: {message}", file=sys.stderr, flush=True))
+        self._enabled = True
+        self._steps = 0
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[tuple[HostCopy, Build] | None] = queue.Queue(maxsize=QUEUE_DEPTH)
+        self._bytes_at_start = sum(p.stat().st_size for p in self.out_dir.glob("*.pt"))
+        self._writer = threading.Thread(target=self._write_loop, name="attndbg-record-writer", daemon=True)
+        self._writer.start()
+        atexit.register(self.close)
+
+    # -- what hooks ask -------------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    def next_step(self) -> int:
+        """This process's next step number (every forward counts, recorded or not)."""
+        with self._lock:
+            step = self._steps
+            self._steps += 1
+        return step
+
+    def wants(self, step: int) -> bool:
+        return self._enabled and self.options.wants_step(step)
+
+    def wants_layer(self, layer: int) -> bool:
+        return self._enabled and self.options.wants_layer(layer)
+
+    def snapshot(self, tensors: dict[str, Tensor | None]) -> HostCopy | None:
+        """Start host copies of a step's tensors; None (and counted) inside a graph capture."""
+        if capturing():
+            self.stats.skipped_in_capture += 1
+            return None
+        return HostCopy(tensors)
+
+    def submit(self, copy: HostCopy, build: Build) -> None:
+        """Hand a step to the writer: `build(host_tensors)` runs on the writer thread."""
+        if not self._enabled:
+            return
+        try:
+            self._queue.put_nowait((copy, build))
+        except queue.Full:
+            self.stats.dropped_queue_full += 1
+
+    @contextlib.contextmanager
+    def guard(self, where: str) -> Iterator[None]:
+        """Run hook code; the first exception disables recording with one log line."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - a recorder must never take the engine down
+            self.disable(f"error in {where}: {type(e).__name__}: {e}")
+
+    def disable(self, reason: str) -> None:
+        if self._enabled:
+            self._enabled = False
+            self.stats.stopped_reason = reason
+            self._log(f"recording stopped, the engine goes on ({reason})")
+
+    # -- writer -----------------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                if self._enabled:
+                    with self.guard("writing a step"):
+                        self._write(*job)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, copy: HostCopy, build: Build) -> None:
+        trace = build(copy.wait())
+        if trace is None:
+            return
+        rank = trace.source.tp_rank
+        name = f"step_{trace.source.step:06d}{f'_tp{rank}' if rank else ''}.pt"
+        path = append_to_recording(self.out_dir, trace, name)
+        self.stats.written += 1
+        self.stats.bytes_written += path.stat().st_size
+        self.stats.files.append(name)
+        if self._bytes_at_start + self.stats.bytes_written >= self.options.max_bytes:
+            self.disable(f"size cap reached: {self.out_dir} holds {self._bytes_at_start + self.stats.bytes_written} bytes >= --max-size {self.options.max_bytes}")
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait (bounded) until every submitted step is written."""
+        done = threading.Event()
+
+        def join() -> None:
+            self._queue.join()
+            done.set()
+
+        threading.Thread(target=join, daemon=True).start()
+        done.wait(timeout)
+
+    def close(self) -> None:
+        if self._writer.is_alive():
+            self.flush()
+            with contextlib.suppress(queue.Full):
+                self._queue.put_nowait(None)
+            self._writer.join(timeout=5.0)
+
+
+_SESSION: RecordingSession | None = None
+_SESSION_LOCK = threading.Lock()
+
+
+def current_session() -> RecordingSession | None:
+    """The process-wide session, created on first use from the environment (or None)."""
+    global _SESSION
+    with _SESSION_LOCK:
+        if _SESSION is None:
+            options = RecordOptions.from_env()
+            if options is not None:
+                _SESSION = RecordingSession(options)
+        return _SESSION
+
+
+def start_session(options: RecordOptions) -> RecordingSession:
+    """Start a session in this process (tests, benchmarks, in-process engines)."""
+    global _SESSION
+    with _SESSION_LOCK:
+        if _SESSION is not None:
+            _SESSION.close()
+        _SESSION = RecordingSession(options)
+        os.environ["ATTNDBG_RECORD"] = options.to_env()
+        return _SESSION
+
+
+def end_session() -> Stats | None:
+    global _SESSION
+    with _SESSION_LOCK:
+        session, _SESSION = _SESSION, None
+    os.environ.pop("ATTNDBG_RECORD", None)
+    if session is None:
+        return None
+    session.close()
+    return session.stats

@@ -1,0 +1,368 @@
+"""SGLang recorder: hooks on the attention backend (and graph runner) that write one trace per step.
+
+Hook points (engines.md A6), each found by feature, not by SGLang version:
+- `init_forward_metadata(fb)` on every AttentionBackend subclass: eager steps (both APIs);
+- SGL-new `init_forward_metadata_out_graph(view, in_capture)`: graph replays, where `view` is the
+  runner's SimpleNamespace with `num_padding`; `in_capture=True` (startup capture) is skipped;
+- SGL-classic `CudaGraphRunner.replay_prepare(fb)`: graph replays; after it returns, the runner's
+  static buffers are padded and `bs`/`raw_bs` are set, and the backend's
+  `init_forward_metadata_replay_cuda_graph` has refilled its graph buffers;
+- `RadixAttention.__init__`: remembers the layers, whose shape and numerics the Model records;
+- SGL-new `build_replay_fb_view`: attaches the padded out_cache_loc buffer to the view.
+
+Every hook runs the engine's own code first and unchanged, then records inside `session.guard`
+(a failure logs once and stops recording; the engine's result is returned regardless). Hooks only
+take device views and start async host copies (`session.snapshot`); the Trace is built on the
+writer thread. Pools: classic ForwardBatch carries `req_to_token_pool`; SGL-new removed it, so it
+comes from the published forward context or the backend (every backend keeps its pools).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attndbg.record.build import package_version, source
+from attndbg.record.session import RecordingSession, capturing, current_session
+from attndbg.record.sglang_batch import BatchInfo, UnsupportedStep, batch_from_host, capture_batch, trace_mode
+from attndbg.record.sglang_graph import PADDED_OUT_CACHE_LOC, GraphInfo, capture_graph_from_runner, capture_graph_from_view, graph_from_host
+from attndbg.record.sglang_model import kv_cache_size, model_from_backend
+from attndbg.record.sglang_plan import PlanCapture, capture_plan, plan_from_host
+from attndbg.record.sglang_spec import SpecInfo, algorithm_name, capture_spec, spec_from_host
+from attndbg.trace.schema import ForwardMode, Model, Source, Trace
+
+MARK = "__attndbg_hook__"  # set on every wrapper, so installing twice wraps nothing twice
+BACKEND_NAMES = {  # class name -> the trace's backend name (fill-value rules and replay use these)
+    "TritonAttnBackend": "triton",
+    "FlashInferAttnBackend": "flashinfer",
+    "FlashAttentionBackend": "fa3",
+    "FlashMLABackend": "flashmla",
+    "FlashInferMLAAttnBackend": "flashinfer_mla",
+}
+
+_installed = False
+_layers: list[weakref.ref] = []  # RadixAttention layers in construction order
+_local = threading.local()  # .depth: nesting of instrumented backend calls on this thread
+
+
+# -- what one recorded step holds until the writer builds it ------------------------------------
+
+
+@dataclass(frozen=True)
+class _Step:
+    source: Source
+    model: Model
+    kv_cache_size: int
+    batch: BatchInfo
+    spec: SpecInfo | None
+    plan: PlanCapture | None
+    graph: GraphInfo | None
+
+    def build(self, host: dict[str, Tensor | None]) -> Trace:
+        def part(prefix: str) -> dict[str, Tensor | None]:
+            return {k[len(prefix) :]: v for k, v in host.items() if k.startswith(prefix)}
+
+        return Trace(
+            source=self.source,
+            model=self.model,
+            batch=batch_from_host(self.batch, part("batch."), kv_cache_size=self.kv_cache_size),
+            seed=self.source.step,
+            spec=spec_from_host(self.spec, part("spec.")) if self.spec is not None else None,
+            graph=graph_from_host(self.graph, part("graph.")) if self.graph is not None else None,
+            plan=plan_from_host(self.plan, part("plan.")) if self.plan is not None else None,
+        )
+
+
+def backend_name(backend: Any, mode: ForwardMode) -> str:
+    """SGL-new stamps the resolved names on the backend; else the class (or a parent) names it."""
+    stamped = getattr(backend, "decode_attention_backend_str" if mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY) else "prefill_attention_backend_str", None)
+    if isinstance(stamped, str) and stamped:
+        return {"flashattention": "fa3"}.get(stamped, stamped)
+    for cls in type(backend).__mro__:
+        if cls.__name__ in BACKEND_NAMES:
+            return BACKEND_NAMES[cls.__name__]
+    return type(backend).__name__
+
+
+def req_to_token_of(backend: Any, fb: Any) -> Tensor:
+    pool = getattr(fb, "req_to_token_pool", None)  # SGL-classic ForwardBatch
+    if pool is None:
+        with contextlib.suppress(ImportError, AssertionError):
+            from sglang.srt.model_executor import forward_context
+
+            if forward_context.has_forward_context():
+                pool = forward_context.get_req_to_token_pool()
+    if pool is None:
+        pool = getattr(backend, "req_to_token_pool", None)
+    if pool is not None:
+        return pool.req_to_token
+    table = getattr(backend, "req_to_token", None)
+    if table is None:
+        raise ValueError(f"{type(backend).__name__} exposes no req_to_token pool and no forward context is active")
+    return table
+
+
+def layer_for(backend: Any) -> Any:
+    """A RadixAttention layer of the backend's model: the latest one with its head count."""
+    live = [layer for layer in (ref() for ref in _layers) if layer is not None]
+    heads = getattr(backend, "num_head", None)
+    for layer in reversed(live):
+        if heads is None or layer.tp_q_head_num == heads:
+            return layer
+    raise ValueError("no RadixAttention layer was constructed after attndbg installed its hooks; the model's shape is unknown")
+
+
+def _tp_rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+@functools.lru_cache(maxsize=1)
+def _sglang_version() -> str:
+    return package_version("sglang")
+
+
+def record_step(session: RecordingSession, backend: Any, fb: Any, *, raw_bs: int | None = None, graph: tuple[GraphInfo, dict[str, Tensor]] | None = None) -> bool:
+    """Snapshot one step and queue it for the writer; False when the step is not recorded."""
+    step = session.next_step()
+    if not session.wants(step):
+        return False
+    if capturing():
+        session.stats.skipped_in_capture += 1
+        return False
+    try:
+        mode = trace_mode(fb)
+    except UnsupportedStep:
+        return False  # IDLE and friends: nothing for attention to get wrong
+    req_to_token = req_to_token_of(backend, fb)
+    binfo, btensors = capture_batch(fb, req_to_token, raw_bs=raw_bs)
+    tensors: dict[str, Tensor | None] = {f"batch.{k}": v for k, v in btensors.items()}
+    sinfo = None
+    if mode is ForwardMode.TARGET_VERIFY:
+        prefix_sum = getattr(fb.spec_info, "seq_lens_sum", None)
+        if not isinstance(prefix_sum, int):  # the spec input's host sum is the verify prefix sum
+            prefix_sum = int(fb.seq_lens_sum)
+            if graph is not None and raw_bs is not None:  # an SGL-new view's sum includes the padding
+                prefix_sum -= (graph[0].capture_bs - raw_bs) * graph[0].fill_value
+        layout = _mask_mode(backend)
+        sinfo, stensors = capture_spec(fb.spec_info, batch_size=binfo.batch_size, prefix_sum=prefix_sum, algorithm=algorithm_name(fb), layout=layout)
+        tensors.update({f"spec.{k}": v for k, v in stensors.items()})
+    plan = capture_plan(backend, graph_bs=graph[0].capture_bs if graph else None, verify=mode is ForwardMode.TARGET_VERIFY, spec_info=getattr(fb, "spec_info", None))
+    if plan is None:
+        for child in getattr(backend, "attn_backend_list", None) or []:
+            plan = capture_plan(child, graph_bs=graph[0].capture_bs if graph else None, verify=mode is ForwardMode.TARGET_VERIFY, spec_info=getattr(fb, "spec_info", None))
+            if plan is not None:
+                break
+    if plan is not None:
+        if isinstance(getattr(fb, "seq_lens_sum", None), int):
+            plan.scalars["seq_lens_sum"] = int(fb.seq_lens_sum) if graph is None or raw_bs is not None else _padded_sum(fb, graph[0])
+        tensors.update({f"plan.{k}": v for k, v in plan.tensors.items()})
+    if graph is not None:
+        tensors.update({f"graph.{k}": v for k, v in graph[1].items()})
+    record = _Step(
+        source=source(engine="sglang", backend=backend_name(backend, mode), device=req_to_token.device, step=step, tp_rank=_tp_rank(), engine_version=_sglang_version()),
+        model=model_from_backend(backend, layer_for(backend)),
+        kv_cache_size=kv_cache_size(backend),
+        batch=binfo,
+        spec=sinfo,
+        plan=plan,
+        graph=graph[0] if graph else None,
+    )
+    copy = session.snapshot(tensors)
+    if copy is None:
+        return False
+    session.submit(copy, record.build)
+    return True
+
+
+def _padded_sum(fb: Any, graph: GraphInfo) -> int:
+    """What classic SGLang hands the backend at replay: seq_lens_sum + padded requests x fill."""
+    return int(fb.seq_lens_sum) + (graph.capture_bs - graph.raw_bs) * graph.fill_value
+
+
+def _mask_mode(backend: Any) -> Any:
+    """The backend's TreeMaskMode when it says (SGL-new VerifyMask.mode), else None (by size)."""
+    from attndbg.record.sglang_spec import TREE_MASK_MODES
+
+    verify_mask = getattr(backend, "verify_mask", None)
+    mode = getattr(verify_mask, "mode", None)
+    return TREE_MASK_MODES.get(getattr(mode, "name", ""), None)
+
+
+# -- hooks ----------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _nested() -> Iterator[None]:
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def _outermost() -> bool:
+    return getattr(_local, "depth", 0) == 0
+
+
+def _active() -> RecordingSession | None:
+    session = current_session()
+    return session if session is not None and session.enabled else None
+
+
+def _wrap_eager(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def init_forward_metadata(self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        session = _active() if _outermost() else None
+        with _nested():
+            result = original(self, forward_batch, *args, **kwargs)
+        if session is not None:
+            with session.guard("sglang init_forward_metadata"):
+                record_step(session, self, forward_batch)
+        return result
+
+    setattr(init_forward_metadata, MARK, True)
+    return init_forward_metadata
+
+
+def _wrap_out_graph(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def init_forward_metadata_out_graph(self: Any, forward_batch: Any, in_capture: bool = False, *args: Any, **kwargs: Any) -> Any:
+        session = _active() if _outermost() and not in_capture else None
+        with _nested():
+            result = original(self, forward_batch, in_capture, *args, **kwargs)
+        # Only replays are recorded here (the view has num_padding); eager steps come through
+        # init_forward_metadata, whose default calls this method nested.
+        if session is not None and hasattr(forward_batch, "num_padding"):
+            with session.guard("sglang init_forward_metadata_out_graph"):
+                _record_view(session, self, forward_batch)
+        return result
+
+    setattr(init_forward_metadata_out_graph, MARK, True)
+    return init_forward_metadata_out_graph
+
+
+def _record_view(session: RecordingSession, backend: Any, view: Any) -> None:
+    """An SGL-new replay: the view's padded buffers are the graph section."""
+    if getattr(view, PADDED_OUT_CACHE_LOC, None) is None:
+        session.next_step()  # a view built elsewhere than build_replay_fb_view: padding unknown, not recorded
+        return
+    per_req = 1 if view.forward_mode.name == "DECODE" else len(view.positions) // max(int(view.batch_size), 1)
+    graph = capture_graph_from_view(view, fill_value=int(backend.get_cuda_graph_seq_len_fill_value()), tokens_per_req=per_req)
+    record_step(session, backend, view, raw_bs=graph[0].raw_bs, graph=graph)
+
+
+def _wrap_replay_prepare(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def replay_prepare(self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, forward_batch, *args, **kwargs)
+        session = _active()
+        if session is not None:
+            with session.guard("sglang CudaGraphRunner.replay_prepare"):
+                graph = capture_graph_from_runner(self)
+                record_step(session, self.model_runner.attn_backend, forward_batch, graph=graph)
+        return result
+
+    setattr(replay_prepare, MARK, True)
+    return replay_prepare
+
+
+def _wrap_view_builder(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def build_replay_fb_view(forward_batch: Any, buffers: Any, bs: int, raw_bs: int, num_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        view = original(forward_batch, buffers, bs, raw_bs, num_tokens, *args, **kwargs)
+        out_cache_loc = getattr(buffers, "out_cache_loc", None)
+        if out_cache_loc is not None:
+            setattr(view, PADDED_OUT_CACHE_LOC, out_cache_loc[:num_tokens])
+        return view
+
+    setattr(build_replay_fb_view, MARK, True)
+    return build_replay_fb_view
+
+
+def _wrap_layer_init(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        _layers.append(weakref.ref(self))
+
+    setattr(__init__, MARK, True)
+    return __init__
+
+
+def _patch(owner: Any, name: str, wrap: Callable[[Callable], Callable]) -> bool:
+    """Wrap `owner.name` where owner defines it itself (inherited ones are wrapped on the parent)."""
+    current = owner.__dict__.get(name)
+    if current is None or getattr(current, MARK, False) or not callable(current):
+        return False
+    setattr(owner, name, wrap(current))
+    return True
+
+
+def instrument_backend_class(cls: type) -> None:
+    """Wrap the metadata entry points a backend class defines (idempotent)."""
+    _patch(cls, "init_forward_metadata", _wrap_eager)
+    _patch(cls, "init_forward_metadata_out_graph", _wrap_out_graph)
+
+
+def _subclasses(cls: type) -> Iterator[type]:
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+def _instrument_future_subclasses(base: type) -> None:
+    """Backends are imported lazily (attention_registry): wrap each class when it is defined."""
+    previous = base.__dict__.get("__init_subclass__")
+    previous_function = getattr(previous, "__func__", None)
+    if previous_function is not None and getattr(previous_function, MARK, False):
+        return
+
+    def __init_subclass__(cls: type, **kwargs: Any) -> None:
+        if previous_function is not None:
+            previous_function(cls, **kwargs)
+        else:
+            super(base, cls).__init_subclass__(**kwargs)
+        instrument_backend_class(cls)
+
+    setattr(__init_subclass__, MARK, True)
+    base.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[method-assign]
+
+
+def install() -> None:
+    """Install the hooks (idempotent); nothing unless a recording session is active."""
+    global _installed
+    if _installed or current_session() is None:
+        return
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    _installed = True
+    _patch(RadixAttention, "__init__", _wrap_layer_init)
+    instrument_backend_class(AttentionBackend)
+    for cls in _subclasses(AttentionBackend):
+        instrument_backend_class(cls)
+    _instrument_future_subclasses(AttentionBackend)
+    with contextlib.suppress(ImportError):  # SGL-classic only
+        from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+
+        _patch(CudaGraphRunner, "replay_prepare", _wrap_replay_prepare)
+    with contextlib.suppress(ImportError):  # SGL-new only
+        from sglang.srt.model_executor.runner import decode_cuda_graph_runner as runner
+
+        if not getattr(runner.build_replay_fb_view, MARK, False):
+            runner.build_replay_fb_view = _wrap_view_builder(runner.build_replay_fb_view)
+
+
+def register() -> None:
+    """SGLang's `sglang.srt.plugins` entry point: SGLang calls it in every process it loads plugins in."""
+    install()

@@ -1,0 +1,181 @@
+"""SGLang's ForwardBatch -> attndbg's engine-neutral Batch, with SGLang's seq_lens resolved per mode.
+
+Two halves, because a hook must not synchronise the device:
+- `capture_batch` runs in the engine's hook: it only slices and gathers device tensors (no
+  `.item()`, `.cpu()`, `.tolist()`) and reads host fields the engine already holds;
+- `batch_from_host` runs on the writer thread on host copies of those tensors.
+`batch_from_forward_batch` composes the two for host-side callers and tests.
+
+SGLang's `seq_lens` (engines.md A2): DECODE and EXTEND/MIXED count the tokens of this step,
+TARGET_VERIFY counts only the prefix (the backend adds draft_token_num itself), DRAFT_EXTEND counts
+the accepted tokens. Fields are read by name from a real ForwardBatch or from SGL-new's replay
+view (a SimpleNamespace with the same names), so both work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attndbg.record.build import batch_from_rows
+from attndbg.trace.schema import Batch, ForwardMode
+
+# SGLang ForwardMode names (classic and new) -> the trace's; IDLE and the modes attention does not
+# run as a normal step (PREBUILT, SPLIT_PREFILL, DLLM_EXTEND, DUMMY_FIRST) are not recorded.
+MODES: dict[str, ForwardMode] = {
+    "DECODE": ForwardMode.DECODE,
+    "EXTEND": ForwardMode.EXTEND,
+    "MIXED": ForwardMode.MIXED,
+    "TARGET_VERIFY": ForwardMode.TARGET_VERIFY,
+    "DRAFT_EXTEND": ForwardMode.DRAFT_EXTEND,
+    "DRAFT_EXTEND_V2": ForwardMode.DRAFT_EXTEND,
+}
+
+
+class UnsupportedStep(ValueError):
+    """A step the adapter does not record (IDLE, an exotic mode); the message says which and why."""
+
+
+def engine_mode_name(fb: Any) -> str:
+    """The runtime mode's name. SGL-new's replay view carries the capture mode in `forward_mode`
+    and the step's own in `actual_forward_mode` (IDLE may replay a DECODE graph)."""
+    mode = getattr(fb, "actual_forward_mode", None) or fb.forward_mode
+    return mode.name
+
+
+def trace_mode(fb: Any) -> ForwardMode:
+    name = engine_mode_name(fb)
+    if name not in MODES:
+        raise UnsupportedStep(f"SGLang ForwardMode.{name} is not recorded (recorded: {', '.join(MODES)})")
+    return MODES[name]
+
+
+def draft_token_num(spec_info: Any) -> int:
+    """Tokens per request of a verify step: SGL-new's per-step `num_tokens_per_req` when set (> 0),
+    else the configured `draft_token_num`."""
+    per_req = getattr(spec_info, "num_tokens_per_req", None)
+    if isinstance(per_req, int) and per_req > 0:
+        return per_req
+    return int(spec_info.draft_token_num)
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """Host facts of one step, read without touching the device."""
+
+    mode: ForwardMode
+    batch_size: int  # real requests (graph padding excluded)
+    tokens_per_req: int  # 1 for decode, draft_token_num for verify, 0 when it varies (extend)
+
+
+def _cpu_max(values: Any) -> int | None:
+    """max() of a host-side list/tensor, None when the engine has no host copy."""
+    if values is None:
+        return None
+    if isinstance(values, Tensor):
+        if values.is_cuda or values.numel() == 0:
+            return None if values.is_cuda else 0
+        return int(values.max())
+    return max(values) if len(values) else 0
+
+
+def capture_batch(fb: Any, req_to_token: Tensor, *, raw_bs: int | None = None) -> tuple[BatchInfo, dict[str, Tensor | None]]:
+    """Device tensors describing the batch's real requests, plus host facts; never syncs.
+
+    `raw_bs` is the number of real requests when `fb` is padded for a CUDA graph (the first
+    `raw_bs` rows are the real ones). Each request's req_to_token row is gathered on the device and
+    cut to the longest KV length when the engine has it on the host (seq_lens_cpu), else kept whole.
+    """
+    mode = trace_mode(fb)
+    bs = int(fb.batch_size if raw_bs is None else raw_bs)
+    if mode is ForwardMode.TARGET_VERIFY:
+        if fb.spec_info is None:
+            raise ValueError("a TARGET_VERIFY ForwardBatch without spec_info: the draft token count is unknown")
+        per_req = draft_token_num(fb.spec_info)
+    elif mode is ForwardMode.DECODE:
+        per_req = 1
+    else:
+        per_req = 0
+    seq_lens = fb.seq_lens[:bs]
+    req_pool_indices = fb.req_pool_indices[:bs]
+    seq_lens_cpu = getattr(fb, "seq_lens_cpu", None)
+    longest = _cpu_max(seq_lens_cpu[:bs] if seq_lens_cpu is not None else None)
+    # Verify seq_lens exclude the draft tokens, whose slots follow the prefix in the row.
+    extra = per_req if mode is ForwardMode.TARGET_VERIFY else 0
+    width = req_to_token.shape[1] if longest is None else min(longest + extra, req_to_token.shape[1])
+    tokens = bs * per_req if per_req else None
+    positions = getattr(fb, "positions", None)
+    if positions is None and mode is ForwardMode.TARGET_VERIFY:
+        positions = getattr(fb.spec_info, "positions", None)
+    tensors: dict[str, Tensor | None] = {
+        "seq_lens": seq_lens,
+        "rows": req_to_token[req_pool_indices.to(torch.long), :width],
+        "out_cache_loc": fb.out_cache_loc[:tokens] if tokens is not None else fb.out_cache_loc,
+        "positions": None if positions is None else (positions[:tokens] if tokens is not None else positions),
+        "extend_prefix_lens": None,
+        "extend_seq_lens": None,
+    }
+    if per_req == 0:
+        tensors["extend_prefix_lens"] = getattr(fb, "extend_prefix_lens", None)
+        tensors["extend_seq_lens"] = getattr(fb, "extend_seq_lens", None)
+    return BatchInfo(mode=mode, batch_size=bs, tokens_per_req=per_req), tensors
+
+
+def lengths_from_host(info: BatchInfo, host: dict[str, Tensor | None]) -> tuple[Tensor, Tensor]:
+    """(prefix_lens, extend_lens) per request, SGLang's seq_lens semantics resolved per mode."""
+    seq_lens = host["seq_lens"].to(torch.int64)
+    if info.mode is ForwardMode.DECODE:
+        if bool((seq_lens < 1).any()):
+            raise ValueError(f"DECODE seq_lens {seq_lens.tolist()} include the current token, so every one must be >= 1")
+        return seq_lens - 1, torch.ones_like(seq_lens)
+    if info.mode is ForwardMode.TARGET_VERIFY:
+        return seq_lens, torch.full_like(seq_lens, info.tokens_per_req)
+    prefix, extend = host["extend_prefix_lens"], host["extend_seq_lens"]
+    if extend is None:
+        raise ValueError(f"a {info.mode.value} ForwardBatch without extend_seq_lens: the new tokens per request are unknown")
+    extend = extend.to(torch.int64)
+    prefix = seq_lens - extend if prefix is None else prefix.to(torch.int64)
+    bad = torch.nonzero(prefix + extend != seq_lens).flatten()
+    if bad.numel():
+        b = int(bad[0])
+        raise ValueError(
+            f"request {b}: extend_prefix_lens {int(prefix[b])} + extend_seq_lens {int(extend[b])} != seq_lens {int(seq_lens[b])}"
+        )
+    return prefix, extend
+
+
+def batch_from_host(info: BatchInfo, host: dict[str, Tensor | None], *, kv_cache_size: int) -> Batch:
+    """The trace's Batch from host copies of `capture_batch`'s tensors."""
+    prefix, extend = lengths_from_host(info, host)
+    kv = prefix + extend
+    rows = host["rows"]
+    if kv.numel() and int(kv.max()) > rows.shape[1]:
+        raise ValueError(f"a request needs {int(kv.max())} KV columns but its req_to_token row has {rows.shape[1]}")
+    positions = host["positions"]
+    if positions is None:
+        # ForwardBatch.init_new computes them like this (compute_position); verify takes spec_info's.
+        positions = torch.cat([torch.arange(int(p), int(p) + int(e)) for p, e in zip(prefix, extend)]) if info.batch_size else torch.zeros(0)
+    return batch_from_rows(
+        forward_mode=info.mode,
+        prefix_lens=prefix,
+        extend_lens=extend,
+        rows=list(rows),
+        out_cache_loc=host["out_cache_loc"],
+        positions=positions,
+        seq_lens_raw=host["seq_lens"],
+        kv_cache_size=kv_cache_size,
+    )
+
+
+def host_copy(tensors: dict[str, Tensor | None]) -> dict[str, Tensor | None]:
+    """Synchronous host copies (for callers outside a hook: tests, offline conversion)."""
+    return {k: None if v is None else v.detach().to("cpu") for k, v in tensors.items()}
+
+
+def batch_from_forward_batch(fb: Any, req_to_token: Tensor, kv_cache_size: int, *, raw_bs: int | None = None) -> Batch:
+    """The trace's Batch of a ForwardBatch (or SGL-new replay view) and its req_to_token table."""
+    info, tensors = capture_batch(fb, req_to_token, raw_bs=raw_bs)
+    return batch_from_host(info, host_copy(tensors), kv_cache_size=kv_cache_size)

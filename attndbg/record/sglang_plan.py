@@ -1,0 +1,196 @@
+"""The plan SGLang's live attention backend built, read by the backend's own field names.
+
+Readers dispatch on the metadata's fields, not on class names (SGLang renames and subclasses its
+backends between versions):
+
+  Triton      ForwardMetadata: kv_indptr, kv_indices, num_kv_splits | qo_indptr, custom_mask,
+              mask_indptr, max_extend_len                 -> our `triton` plan names (identical)
+  FA3         FlashAttentionMetadata: cache_seqlens_int32, cu_seqlens_q/k, page_table, max_seq_len_q/k
+              -> `fa3` names (cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table, max_seqlen_q/k)
+  FlashMLA    FlashMLADecodeMetadata: block_kv_indices, num_splits -> `mla` (impl flashmla): block_table
+  FlashInfer  DecodeMetadata / PrefillMetadata: wrappers whose planned buffers hold the indices
+              (FlashInfer's `_paged_kv_*_buf`, `_qo_indptr_buf`) -> `flashinfer` names
+
+Under a CUDA-graph replay SGLang does not rebuild `forward_metadata` (both the classic
+`init_forward_metadata_replay_cuda_graph` and SGL-new's `init_forward_metadata_out_graph` refill
+the captured buffers in place and keep the capture-time object, which may describe another batch
+size). The Triton reader therefore reads the graph buffers themselves (`kv_indptr[:bs+1]`,
+`cuda_graph_kv_indices`, `cuda_graph_num_kv_splits[:bs]`, ...) when it is told the padded bs.
+
+Capture never syncs: tensors are sliced views; cutting index buffers to their used length (the
+end of their indptr) happens on the host in `plan_from_host`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from attndbg.trace.schema import Plan
+
+Scalars = dict[str, int | float | bool | str]
+
+
+@dataclass
+class PlanCapture:
+    """A plan on its way to the host: device tensors plus host scalars."""
+
+    backend: str
+    tensors: dict[str, Tensor | None]
+    scalars: Scalars = field(default_factory=dict)
+    # tensor name -> the indptr whose last entry is its used length (cut on the host)
+    trim: dict[str, str] = field(default_factory=dict)
+
+
+def _has(obj: Any, *names: str) -> bool:
+    return all(hasattr(obj, n) for n in names)
+
+
+def _window(backend: Any) -> int:
+    window = getattr(backend, "sliding_window_size", None)
+    return int(window) if isinstance(window, int) and window > 0 else -1
+
+
+def _triton_extend_scalars(backend: Any, max_extend_len: Any) -> Scalars:
+    # SGLang's Triton forward_extend: causal unless cross/encoder attention, prefix columns of a
+    # custom mask skipped (skip_prefix_custom_mask defaults to True there).
+    return {
+        "max_extend_len": int(max_extend_len) if max_extend_len is not None else 0,
+        "is_causal": True,
+        "skip_prefix_custom_mask": True,
+        "sliding_window": _window(backend),
+    }
+
+
+def _max_kv_splits(backend: Any, md: Any) -> int:
+    """The stage-1 scratch width: the backend's setting, else attn_logits' split dimension."""
+    value = getattr(backend, "max_kv_splits", None)
+    if isinstance(value, int):
+        return value
+    return int(md.attn_logits.shape[2])  # [bs, heads, max_kv_splits, v_head_dim]
+
+
+def _triton_eager(backend: Any, md: Any) -> PlanCapture:
+    if md.num_kv_splits is not None:
+        return PlanCapture(
+            "triton",
+            {"kv_indptr": md.kv_indptr, "kv_indices": md.kv_indices, "num_kv_splits": md.num_kv_splits},
+            {"max_kv_splits": _max_kv_splits(backend, md)},
+            trim={"kv_indices": "kv_indptr"},
+        )
+    tensors = {"qo_indptr": md.qo_indptr, "kv_indptr": md.kv_indptr, "kv_indices": md.kv_indices}
+    trim = {"kv_indices": "kv_indptr"}
+    if md.custom_mask is not None:
+        tensors["custom_mask"] = md.custom_mask
+        tensors["mask_indptr"] = md.mask_indptr
+        trim["custom_mask"] = "mask_indptr"
+    return PlanCapture("triton", tensors, _triton_extend_scalars(backend, md.max_extend_len), trim)
+
+
+def _triton_graph(backend: Any, bs: int, verify: bool, spec_info: Any) -> PlanCapture:
+    """The Triton backend's CUDA-graph buffers after a replay refill, for padded batch size bs."""
+    tensors: dict[str, Tensor | None] = {"kv_indptr": backend.kv_indptr[: bs + 1], "kv_indices": backend.cuda_graph_kv_indices}
+    trim = {"kv_indices": "kv_indptr"}
+    if not verify:
+        tensors["num_kv_splits"] = backend.cuda_graph_num_kv_splits[:bs]
+        return PlanCapture("triton", tensors, {"max_kv_splits": int(backend.max_kv_splits)}, trim)
+    tensors["qo_indptr"] = backend.qo_indptr[: bs + 1]
+    if spec_info is not None and getattr(spec_info, "custom_mask", None) is not None:
+        verify_mask = getattr(backend, "verify_mask", None)  # SGL-new: VerifyMask(buffer, ...)
+        buffer = verify_mask.buffer if verify_mask is not None else getattr(backend, "cuda_graph_custom_mask", None)
+        if buffer is not None:
+            tensors["custom_mask"] = buffer
+            tensors["mask_indptr"] = backend.mask_indptr[: bs + 1]
+            trim["custom_mask"] = "mask_indptr"
+    from attndbg.record.sglang_batch import draft_token_num
+
+    n = draft_token_num(spec_info) if spec_info is not None else int(backend.num_draft_tokens)
+    return PlanCapture("triton", tensors, _triton_extend_scalars(backend, n), trim)
+
+
+def _fa3(md: Any) -> PlanCapture:
+    window = getattr(md, "window_size", (-1, -1)) or (-1, -1)
+    return PlanCapture(
+        "fa3",
+        {"page_table": md.page_table, "cache_seqlens": md.cache_seqlens_int32, "cu_seqlens_q": md.cu_seqlens_q, "cu_seqlens_k": md.cu_seqlens_k},
+        {"max_seqlen_q": int(md.max_seq_len_q), "max_seqlen_k": int(md.max_seq_len_k), "window_left": int(window[0])},
+    )
+
+
+def _flashmla(backend: Any, md: Any) -> PlanCapture:
+    return PlanCapture(
+        "mla",
+        {"block_table": md.block_kv_indices, "num_splits": md.num_splits},
+        {"impl": "flashmla", "page_size": int(getattr(backend, "page_size", 64))},
+    )
+
+
+def _wrapper_buffers(wrapper: Any) -> dict[str, Tensor | None]:
+    """FlashInfer keeps what `plan()` was given in these attributes (flashinfer/decode.py, prefill.py)."""
+    names = {
+        "qo_indptr": "_qo_indptr_buf",
+        "kv_indptr": "_paged_kv_indptr_buf",
+        "kv_indices": "_paged_kv_indices_buf",
+        "kv_last_page_len": "_paged_kv_last_page_len_buf",
+        # FlashInfer stores the custom mask bit-packed (segment_packbits): not our bool layout.
+        "packed_custom_mask": "_custom_mask_buf",
+        "packed_mask_indptr": "_mask_indptr_buf",
+    }
+    return {ours: getattr(wrapper, theirs) for ours, theirs in names.items() if getattr(wrapper, theirs, None) is not None}
+
+
+def _flashinfer(md: Any) -> PlanCapture:
+    decode = hasattr(md, "decode_wrappers")
+    wrappers = md.decode_wrappers if decode else md.prefill_wrappers
+    # Wrapper 0 is the only one, or the sliding-window one when SGLang runs two (WrapperDispatch).
+    tensors = _wrapper_buffers(wrappers[0])
+    if decode:
+        path = "decode"
+    elif md.use_ragged:
+        path = "ragged" if md.extend_no_prefix else "cascade"
+    else:
+        path = "paged"
+    trim = {"kv_indices": "kv_indptr"} if "kv_indptr" in tensors else {}
+    return PlanCapture("flashinfer", tensors, {"path": path, "page_size": 1, "num_wrappers": len(wrappers)}, trim)
+
+
+def capture_plan(backend: Any, *, graph_bs: int | None = None, verify: bool = False, spec_info: Any = None) -> PlanCapture | None:
+    """The live backend's plan as device views; None when its metadata is of no known kind.
+
+    `graph_bs`: the padded batch size of a CUDA-graph replay (read graph buffers where the backend
+    keeps them); None for an eager step.
+    """
+    if graph_bs is not None and _has(backend, "cuda_graph_kv_indices", "kv_indptr", "max_kv_splits"):
+        return _triton_graph(backend, graph_bs, verify, spec_info)
+    md = getattr(backend, "forward_metadata", None)
+    if md is None:
+        return None
+    if _has(md, "kv_indptr", "kv_indices", "num_kv_splits", "max_extend_len"):
+        return _triton_eager(backend, md)
+    if _has(md, "cache_seqlens_int32", "cu_seqlens_q", "page_table"):
+        return _fa3(md)
+    if _has(md, "block_kv_indices", "num_splits"):
+        return _flashmla(backend, md)
+    if hasattr(md, "decode_wrappers") or _has(md, "prefill_wrappers", "use_ragged"):
+        return _flashinfer(md)
+    return None
+
+
+def plan_from_host(capture: PlanCapture, host: dict[str, Tensor | None]) -> Plan:
+    """Cut index buffers to their used length and drop empty entries; the rest as recorded."""
+    tensors = {k: v for k, v in host.items() if v is not None}
+    for name, indptr_name in capture.trim.items():
+        if name in tensors and indptr_name in tensors and tensors[indptr_name].numel():
+            tensors[name] = tensors[name][: int(tensors[indptr_name][-1])]
+    return Plan(backend=capture.backend, tensors=tensors, scalars=dict(capture.scalars))
+
+
+def plan_from_backend(backend: Any, *, graph_bs: int | None = None, verify: bool = False, spec_info: Any = None) -> Plan | None:
+    """The plan `backend` holds now (host copies), or None for metadata of no known kind."""
+    capture = capture_plan(backend, graph_bs=graph_bs, verify=verify, spec_info=spec_info)
+    if capture is None:
+        return None
+    host = {k: None if v is None else v.detach().cpu() for k, v in capture.tensors.items()}
+    return plan_from_host(capture, host)

@@ -1,0 +1,305 @@
+"""Recorder for Hugging Face transformers' continuous batching (`generate_batch`, paged KV cache).
+
+Two hooks, both on public extension points of transformers >= 5.2x:
+- `ModelRunner.compute_batch(model, batch_data)` runs once per forward step, eager or CUDA-graph
+  replay, after the batch tensors were prepared. It gives the step: `cu_seq_lens_q`,
+  `cu_seq_lens_k["full_attention"]`, `write_index`/`read_index` (one per cache allocator),
+  `position_ids`, and the `PagedAttentionCache`.
+- the attention functions `"sdpa"` and `"paged|eager"`, re-registered through
+  `AttentionInterface.register`, see each layer's q / new k, v / output in eager steps; they
+  record the tensors of the layers `--layers` names (under a CUDA graph they run only at capture,
+  so graph-replayed steps are recorded as metadata only).
+
+Cache indices: transformers addresses a token as a row of a per-layer "shifted" token view in which
+block `b` starts at row `b * block_physical_stride` and holds `page_size` tokens. We store dense
+slot ids, `slot = (index // stride) * page_size + index % stride`, so `Model.page_size` means what
+it says and slot 0 stays the engine's trash (the first two sectors are never handed to requests).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attndbg.record.build import batch_from_rows, mode_from_lengths, source
+from attndbg.record.session import RecordingSession, current_session
+from attndbg.trace.schema import AttentionKind, LayerTensors, LseBase, Model, Trace
+
+ENGINE = "transformers"
+FULL_ATTENTION = "full_attention"
+WRAPPED_ATTENTION = ("sdpa", "paged|eager")
+DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """How transformers' cache indices map to dense slots, for the full-attention allocator."""
+
+    allocator_index: int
+    stride: int  # rows between consecutive blocks in the token view
+    page_size: int  # tokens per page
+    num_slots: int  # dense slots covering the whole view
+
+    def to_slots(self, index: Tensor) -> Tensor:
+        index = index.to(torch.int64)
+        return torch.div(index, self.stride, rounding_mode="floor") * self.page_size + index % self.stride
+
+
+def cache_geometry(cache: Any) -> CacheGeometry:
+    """Read the full-attention allocator's layout from a live `PagedAttentionCache`."""
+    full = [a for a in cache.cache_allocators.values() if type(a).__name__.startswith("FullAttention")] if isinstance(cache.cache_allocators, dict) else []
+    if not full:
+        allocators = cache.cache_allocators.values() if isinstance(cache.cache_allocators, dict) else cache.cache_allocators
+        kinds = sorted({type(a).__name__ for a in allocators})
+        raise NotImplementedError(f"only full-attention layers are recorded; this cache has {kinds}")
+    allocator = full[0]
+    k_view, _ = allocator._kv_token_views[allocator.layer_indices[0]]
+    stride = int(allocator.block_physical_stride)
+    page = int(allocator.tokens_per_page)
+    return CacheGeometry(allocator_index=int(allocator.index), stride=stride, page_size=page, num_slots=(int(k_view.shape[0]) // stride + 1) * page)
+
+
+def model_from_config(config: Any, dtype: torch.dtype, page_size: int) -> Model:
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    if dtype not in DTYPE_NAMES:
+        raise NotImplementedError(f"cache dtype {dtype} is not recorded (fp16/bf16/fp32 are)")
+    if getattr(config, "sliding_window", None) and "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        raise NotImplementedError("sliding-window layers keep a separate ring cache; only full-attention models are recorded")
+    return Model(
+        num_qo_heads=heads,
+        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=head_dim,
+        v_head_dim=head_dim,
+        attention=AttentionKind.MHA,
+        kv_lora_rank=0,
+        qk_rope_head_dim=0,
+        sm_scale=float(getattr(config, "attention_multiplier", None) or head_dim**-0.5),
+        logit_cap=float(getattr(config, "attn_logit_softcapping", None) or 0.0),
+        sliding_window=-1,
+        q_dtype=DTYPE_NAMES[dtype],
+        kv_dtype=DTYPE_NAMES[dtype],
+        page_size=page_size,
+    )
+
+
+def _first(value: Any, index: int) -> Any:
+    """batch_data holds per-allocator lists (read/write index) and per-type dicts (cu_seq_lens_k)."""
+    if isinstance(value, dict):
+        return value.get(FULL_ATTENTION)
+    if isinstance(value, (list, tuple)):
+        return value[index] if len(value) > index else None
+    return value
+
+
+@dataclass
+class _StepState:
+    """What one step's hooks collect before it is handed to the writer."""
+
+    step: int
+    geometry: CacheGeometry
+    layers: dict[int, dict[str, Tensor]] = field(default_factory=dict)
+
+
+_local = threading.local()
+
+
+def _on_step(session: RecordingSession, runner: Any, model: Any, batch_data: dict[str, Any], call: Any) -> Any:
+    step = session.next_step()
+    if not session.wants(step):
+        return call()
+    state: _StepState | None = None
+    with session.guard("transformers compute_batch (before)"):
+        state = _StepState(step=step, geometry=cache_geometry(batch_data["cache"]))
+    _local.state = state
+    try:
+        result = call()
+    finally:
+        _local.state = None
+    if state is None:
+        return result
+    with session.guard("transformers compute_batch (after)"):
+        _submit(session, runner, model, batch_data, state)
+    return result
+
+
+def _submit(session: RecordingSession, runner: Any, model: Any, batch_data: dict[str, Any], state: _StepState) -> None:
+    io = runner.inputs_and_outputs
+    num_requests = int(getattr(io, "num_request_in_batch", len(io.requests_in_batch)))
+    a = state.geometry.allocator_index
+    write_size = int(io.true_write_sizes[a]) if hasattr(io, "true_write_sizes") else None
+    read_size = int(io.true_read_sizes[a]) if hasattr(io, "true_read_sizes") else None
+    read_index = _first(batch_data.get("read_index"), a)
+    write_index = _first(batch_data["write_index"], a)
+    tensors: dict[str, Tensor | None] = {
+        "cu_seq_lens_q": batch_data["cu_seq_lens_q"][: num_requests + 1],
+        "cu_seq_lens_k": _first(batch_data["cu_seq_lens_k"], a)[: num_requests + 1],
+        "write_index": write_index[:write_size] if write_size is not None else write_index,
+        "read_index": None if read_index is None else (read_index[:read_size] if read_size is not None else read_index),
+        "position_ids": batch_data["position_ids"].reshape(-1),
+    }
+    for layer, layer_tensors in state.layers.items():
+        tensors.update({f"layer{layer}.{name}": t for name, t in layer_tensors.items()})
+    copy = session.snapshot(tensors)
+    if copy is None:
+        return
+    config, dtype = model.config, batch_data["cache"].dtype
+    device = batch_data["cu_seq_lens_q"].device
+    engine_model = model_from_config(config, dtype, state.geometry.page_size)
+    geometry, step = state.geometry, state.step
+    backend = str(getattr(config, "_attn_implementation", "?"))
+
+    def build(host: dict[str, Tensor | None]) -> Trace:
+        return trace_from_step(host, model=engine_model, geometry=geometry, step=step, backend=backend, device=device, layers=sorted(state.layers))
+
+    session.submit(copy, build)
+
+
+def trace_from_step(host: dict[str, Tensor | None], *, model: Model, geometry: CacheGeometry, step: int, backend: str, device: torch.device | str, layers: list[int]) -> Trace:
+    """One recorded step (host tensors) -> Trace."""
+    cu_q = host["cu_seq_lens_q"].to(torch.int64)
+    cu_k = host["cu_seq_lens_k"].to(torch.int64)
+    extend = cu_q.diff()
+    kv = cu_k.diff()
+    prefix = kv - extend
+    total_tokens = int(cu_q[-1])
+    write = geometry.to_slots(host["write_index"][:total_tokens])
+    read = host["read_index"]
+    rows = []
+    for b in range(extend.numel()):
+        new = write[int(cu_q[b]) : int(cu_q[b + 1])]
+        if read is not None and read.numel():
+            rows.append(geometry.to_slots(read[int(cu_k[b]) : int(cu_k[b + 1])]))
+        else:  # no request read cached KV this step: each row is just its new tokens
+            rows.append(new)
+    batch = batch_from_rows(
+        forward_mode=mode_from_lengths(extend, prefix),
+        prefix_lens=prefix,
+        extend_lens=extend,
+        rows=rows,
+        out_cache_loc=write,
+        positions=host["position_ids"][:total_tokens],
+        seq_lens_raw=kv,
+        kv_cache_size=geometry.num_slots,
+    )
+    tensors = {}
+    for layer in layers:
+        q = host[f"layer{layer}.q"]
+        read_rows = host.get(f"layer{layer}.read_index")
+        tensors[layer] = LayerTensors(
+            q=q,
+            k_new=host[f"layer{layer}.k_new"],
+            v_new=host[f"layer{layer}.v_new"],
+            kv_slots=geometry.to_slots(read_rows) if read_rows is not None else torch.zeros(0, dtype=torch.int64),
+            k_rows=host[f"layer{layer}.k_rows"],
+            v_rows=host[f"layer{layer}.v_rows"],
+            output=host[f"layer{layer}.output"],
+            lse=None,
+            lse_base=LseBase.E,
+        )
+    return Trace(
+        source=source(engine=ENGINE, backend=backend, device=device, step=step),
+        model=model,
+        batch=batch,
+        seed=step,
+        tensors=tensors,
+    )
+
+
+def _attention_wrapper(original: Any) -> Any:
+    """An attention function that records q, new k/v, the KV rows read and the output of chosen layers."""
+
+    def attention(module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
+        state: _StepState | None = getattr(_local, "state", None)
+        session = current_session()
+        layer = getattr(module, "layer_idx", None)
+        if state is None or session is None or layer is None or not session.wants_layer(int(layer)):
+            return original(module, query, key, value, attention_mask, *args, **kwargs)
+        captured: dict[str, Tensor] = {}
+        with session.guard("transformers attention (before)"):
+            cache = kwargs.get("cache")
+            k_view, v_view = cache.layer_to_allocator[int(layer)]._kv_token_views[int(layer)]
+            read_index = _first(kwargs.get("read_index"), state.geometry.allocator_index)
+            # [1, H, T, D] -> [T, H, D]; the cache rows are read before this layer writes into them.
+            captured = {
+                "q": query[0].transpose(0, 1).detach().clone(),
+                "k_new": key[0].transpose(0, 1).detach().clone(),
+                "v_new": value[0].transpose(0, 1).detach().clone(),
+            }
+            if read_index is not None and read_index.numel():
+                captured.update(read_index=read_index.detach().clone(), k_rows=k_view.index_select(0, read_index), v_rows=v_view.index_select(0, read_index))
+            else:
+                empty = k_view.new_zeros((0, *k_view.shape[1:]))
+                captured.update(k_rows=empty, v_rows=empty.clone())
+        result = original(module, query, key, value, attention_mask, *args, **kwargs)
+        with session.guard("transformers attention (after)"):
+            if "q" in captured:
+                output = result[0] if isinstance(result, tuple) else result
+                captured["output"] = output[0].detach().clone()  # [1, T, H, D] -> [T, H, D]
+                state.layers[int(layer)] = captured
+        return result
+
+    attention.__attndbg_original__ = original  # type: ignore[attr-defined]
+    return attention
+
+
+_INSTALLED = False
+_ATTENTION_WRAPPED = False
+
+
+def _wrap_attention() -> None:
+    """Re-register the paged attention functions; done at the first recorded step, when
+    `transformers.modeling_utils` is surely imported (at install time it may be half-imported)."""
+    global _ATTENTION_WRAPPED
+    if _ATTENTION_WRAPPED:
+        return
+    from transformers.modeling_utils import AttentionInterface
+
+    for name in WRAPPED_ATTENTION:
+        original = AttentionInterface._global_mapping.get(name)
+        if original is not None and not hasattr(original, "__attndbg_original__"):
+            AttentionInterface.register(name, _attention_wrapper(original))
+    _ATTENTION_WRAPPED = True
+
+
+def install() -> None:
+    """Wrap ModelRunner.compute_batch (once per process); the attention functions follow lazily."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    from transformers.generation.continuous_batching import model_runner
+
+    original_compute = model_runner.ModelRunner.compute_batch
+
+    def compute_batch(self: Any, model: Any, batch_data: dict[str, Any]) -> Any:
+        session = current_session()
+        if session is None or not session.enabled:
+            return original_compute(self, model, batch_data)
+        if session.options.layers:
+            with session.guard("wrapping transformers attention"):
+                _wrap_attention()
+        return _on_step(session, self, model, batch_data, lambda: original_compute(self, model, batch_data))
+
+    compute_batch.__attndbg_original__ = original_compute  # type: ignore[attr-defined]
+    model_runner.ModelRunner.compute_batch = compute_batch
+    _INSTALLED = True
+
+
+def uninstall() -> None:
+    """Restore transformers' own functions (tests, benchmarks)."""
+    global _INSTALLED, _ATTENTION_WRAPPED
+    from transformers.generation.continuous_batching import model_runner
+    from transformers.modeling_utils import AttentionInterface
+
+    compute = model_runner.ModelRunner.compute_batch
+    if hasattr(compute, "__attndbg_original__"):
+        model_runner.ModelRunner.compute_batch = compute.__attndbg_original__
+    for name in WRAPPED_ATTENTION:
+        current = AttentionInterface._global_mapping.get(name)
+        if current is not None and hasattr(current, "__attndbg_original__"):
+            AttentionInterface.register(name, current.__attndbg_original__)
+    _INSTALLED = _ATTENTION_WRAPPED = False

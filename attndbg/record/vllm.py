@@ -1,0 +1,221 @@
+"""vLLM (v1 engine) recorder: wraps the attention metadata builders' `build()`.
+
+Entry points: vLLM calls `register()` in every process through the `vllm.general_plugins`
+entry point (pyproject.toml); `attndbg.record.bootstrap` calls `install()` once
+`vllm.v1.worker.gpu_model_runner` is imported. Both do nothing without a recording session
+(ATTNDBG_RECORD) and are idempotent.
+
+Why `build()` (engines.md B6): every runner (V1 and V2) turns each step's
+`CommonAttentionMetadata` into per-backend metadata there, outside any CUDA graph, for target and
+draft models alike; it sees both the engine-neutral batch and what the backend built.
+
+Which classes: every `AttentionMetadataBuilder` subclass. Those defined when `install()` runs are
+found by walking `__subclasses__()`; those defined later (backends are imported lazily, when a
+model picks them) are wrapped by an `__init_subclass__` installed on the base class, which runs
+the moment the subclass statement executes. Patching the base class's `build` alone would not
+do: it is abstract and every subclass overrides it.
+
+Per call (the outermost wrapped call on this thread; nested ones, such as `super().build()` or a
+capture that calls `build`, pass straight through):
+- `build_for_cudagraph_capture` is not a step: it is counted as skipped and not recorded;
+- `build` and `build_for_drafting` take a step number, and when sampled, start asynchronous host
+  copies of the common metadata and of the built metadata's tensors (`session.snapshot`), then
+  hand the copies to the writer thread, which builds and writes the Trace;
+- anything that raises inside the hook disables recording with one log line (`session.guard`);
+  the engine's metadata is returned unchanged either way.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attndbg.record import vllm_model
+from attndbg.record.build import source
+from attndbg.record.session import RecordingSession, current_session
+from attndbg.record.vllm_convert import HostCommon, Speculation, convert_common, device_fields, parents_from_tree_bias
+from attndbg.record.vllm_plan import Scalar, plan_from_parts, plan_parts
+from attndbg.trace.schema import Model, Trace
+
+WRAPPED = "__attndbg_wrapped__"
+METHODS = ("build", "build_for_cudagraph_capture", "build_for_drafting")
+CAPTURE = "build_for_cudagraph_capture"
+# Where the base class lives: vLLM 0.33 (`backend.py`), then older v1 releases (`backends/utils.py`).
+BASE_MODULES = ("vllm.v1.attention.backend", "vllm.v1.attention.backends.utils")
+
+_local = threading.local()
+_install_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class _Static:
+    """What the writer thread needs besides the host copies (read in the hook, no tensors)."""
+
+    model: Model
+    backend: str
+    device: torch.device
+    tp_rank: int
+    kv_cache_size: int | None
+    speculation: Speculation | None
+    scalars: dict[str, Scalar]
+
+
+def base_class() -> type:
+    """vLLM's `AttentionMetadataBuilder` (ImportError naming the modules tried when absent)."""
+    import importlib
+
+    for name in BASE_MODULES:
+        try:
+            return importlib.import_module(name).AttentionMetadataBuilder
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError(f"no AttentionMetadataBuilder in {', '.join(BASE_MODULES)}: is vLLM (v1) installed?")
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point (vLLM calls it with no arguments in every process)."""
+    install()
+
+
+def install() -> None:
+    """Wrap the builders' build methods, now and for subclasses defined later. Idempotent."""
+    if current_session() is None:
+        return
+    base = base_class()
+    with _install_lock:
+        _patch_init_subclass(base)
+        for cls in [base, *_subclasses(base)]:
+            wrap_class(cls)
+
+
+def _subclasses(cls: type) -> list[type]:
+    seen: list[type] = []
+    stack = list(cls.__subclasses__())
+    while stack:
+        sub = stack.pop()
+        if sub not in seen:
+            seen.append(sub)
+            stack.extend(sub.__subclasses__())
+    return seen
+
+
+def _patch_init_subclass(base: type) -> None:
+    if base.__dict__.get("_attndbg_init_subclass", False):
+        return
+    own = base.__dict__.get("__init_subclass__")
+
+    def __init_subclass__(cls: type, **kwargs: Any) -> None:
+        if own is not None:
+            own.__func__(cls, **kwargs)
+        else:
+            super(base, cls).__init_subclass__(**kwargs)
+        wrap_class(cls)
+
+    base.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]
+    base._attndbg_init_subclass = True  # type: ignore[attr-defined]
+
+
+def wrap_class(cls: type) -> None:
+    """Wrap the build methods `cls` defines itself (inherited ones are wrapped where defined)."""
+    for name in METHODS:
+        fn = cls.__dict__.get(name)
+        if fn is None or not callable(fn) or getattr(fn, WRAPPED, False) or getattr(fn, "__isabstractmethod__", False):
+            continue
+        setattr(cls, name, _wrap(fn, name))
+
+
+def _wrap(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_local, "active", False):
+            return fn(self, *args, **kwargs)
+        _local.active = True
+        try:
+            result = fn(self, *args, **kwargs)
+        finally:
+            _local.active = False
+        session = current_session()
+        if session is not None and session.enabled:
+            with session.guard(f"vLLM {type(self).__name__}.{kind}"):
+                _record(session, self, kind, args, kwargs, result)
+        return result
+
+    setattr(wrapper, WRAPPED, True)
+    return wrapper
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, position: int, default: Any = None) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[position] if len(args) > position else default
+
+
+def _record(session: RecordingSession, builder: Any, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any], metadata: Any) -> None:
+    if kind == CAPTURE:
+        session.stats.skipped_in_capture += 1  # capture runs dummy batches, not a step
+        return
+    step = session.next_step()
+    if not session.wants(step):
+        return
+    if kind == "build":
+        cm = _arg(args, kwargs, "common_attn_metadata", 1)
+        call_scalars: dict[str, Scalar] = {"fast_build": bool(_arg(args, kwargs, "fast_build", 2, False))}
+    else:
+        cm = _arg(args, kwargs, "common_attn_metadata", 0)
+        call_scalars = {"draft_index": int(_arg(args, kwargs, "draft_index", 1, 0))}
+    block_size = int(builder.kv_cache_spec.block_size)
+    plan_tensors, plan_scalars = plan_parts(metadata, block_size=block_size, max_seq_len=int(cm.max_seq_len))
+    static = _Static(
+        model=vllm_model.model_from_builder(builder),
+        backend=vllm_model.backend_name(type(builder)),
+        device=torch.device(getattr(builder, "device", "cpu")),
+        tp_rank=vllm_model.tp_rank(),
+        kv_cache_size=vllm_model.kv_cache_size(builder),
+        speculation=vllm_model.speculation(builder),
+        scalars={
+            **plan_scalars,
+            "vllm.call": kind,
+            "vllm.builder": type(builder).__name__,
+            "vllm.metadata": type(metadata).__name__,
+            "vllm.num_reqs": int(cm.num_reqs),
+            "vllm.num_actual_tokens": int(cm.num_actual_tokens),
+            "vllm.max_query_len": int(cm.max_query_len),
+            "vllm.max_seq_len": int(cm.max_seq_len),
+            **{f"vllm.{k}": v for k, v in call_scalars.items()},
+        },
+    )
+    tensors: dict[str, Tensor | None] = {f"cm.{k}": v for k, v in device_fields(cm, block_size).items()}
+    tensors.update({f"plan.{k}": v for k, v in plan_tensors.items()})
+    copy = session.snapshot(tensors)
+    if copy is not None:
+        session.submit(copy, functools.partial(trace_from_host, static=static, step=step))
+
+
+def trace_from_host(host: dict[str, Tensor | None], *, static: _Static, step: int) -> Trace:
+    """Writer thread: host copies of one step -> Trace (validated when written)."""
+    common = HostCommon(**{k.removeprefix("cm."): v for k, v in host.items() if k.startswith("cm.")})
+    plan = plan_from_parts(static.backend, {k.removeprefix("plan."): v for k, v in host.items() if k.startswith("plan.")}, static.scalars)
+    bias = plan.tensors.get("tree_attn_bias")
+    tree = parents_from_tree_bias(bias) if bias is not None and bias.dim() == 2 and bias.shape[0] > 1 else None
+    converted = convert_common(
+        common,
+        block_size=static.model.page_size,
+        kv_cache_size=static.kv_cache_size,
+        speculation=static.speculation,
+        tree_parents=tree,
+    )
+    return Trace(
+        source=source(engine="vllm", backend=static.backend, device=static.device, step=step, tp_rank=static.tp_rank),
+        model=static.model,
+        batch=converted.batch,
+        seed=step,
+        spec=converted.spec,
+        graph=converted.graph,
+        plan=plan,
+    )

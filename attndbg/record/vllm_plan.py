@@ -1,0 +1,89 @@
+"""What a vLLM attention metadata builder built, as a `Plan` under the builder's own field names.
+
+Generic over the built dataclass (FlashAttentionMetadata, FlashInferMetadata,
+TritonAttentionMetadata, MLACommonMetadata with its nested decode/prefill parts, classic
+TreeAttentionMetadata ...): fields are discovered, not listed, because they change between vLLM
+versions. Rules:
+
+- integer and bool tensors are recorded (they are the index metadata: query_start_loc, seq_lens,
+  block_table, slot_mapping, paged_kv_indptr_gpu ...); 2-D `*block_table*` tensors are cut to the
+  columns the step can read, like the batch's block table;
+- float tensors are recorded when small (`tree_attn_bias` is [tree_len, tree_len]); large ones
+  are scratch workspaces (`softmax_segm_output`, ...) whose contents mean nothing at build time:
+  their shape and dtype are recorded as the string scalar `NAME_shape`;
+- every tensor's data pointer is recorded as the int scalar `NAME_data_ptr` (the invariants
+  detector checks that graph-replayed plans keep their pointers);
+- int/float/bool/str/enum fields become scalars; nested dataclasses are flattened with dotted
+  names (`decode.block_table`); wrapper objects (FlashInfer planners, ...) and dicts are skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from torch import Tensor
+
+from attndbg.trace.schema import Plan
+
+SMALL_FLOAT_TENSOR = 1024  # elements: a tree bias of up to 32 tokens fits; per-step scratch workspaces do not
+MAX_DEPTH = 3  # MLACommonMetadata.prefill.chunked_context is the deepest nesting seen (0.33)
+Scalar = int | float | bool | str
+
+
+def _fields(obj: Any) -> list[tuple[str, Any]]:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [(f.name, getattr(obj, f.name, None)) for f in dataclasses.fields(obj)]
+    return [(k, v) for k, v in vars(obj).items() if not k.startswith("_")] if hasattr(obj, "__dict__") else []
+
+
+def plan_parts(metadata: Any, *, block_size: int | None = None, max_seq_len: int | None = None) -> tuple[dict[str, Tensor], dict[str, Scalar]]:
+    """(tensors to copy, scalars) of built metadata; tensors are the engine's own (views, no copy)."""
+    tensors: dict[str, Tensor] = {}
+    scalars: dict[str, Scalar] = {}
+    _collect(metadata, "", 0, tensors, scalars, block_size, max_seq_len)
+    return tensors, scalars
+
+
+def _collect(obj: Any, prefix: str, depth: int, tensors: dict[str, Tensor], scalars: dict[str, Scalar], block_size: int | None, max_seq_len: int | None) -> None:
+    for name, value in _fields(obj):
+        key = prefix + name
+        if value is None:
+            continue
+        if isinstance(value, Tensor):
+            _tensor(key, value, tensors, scalars, block_size, max_seq_len)
+        elif isinstance(value, enum.Enum):
+            scalars[key] = value.name
+        elif isinstance(value, (bool, int, float, str)):
+            scalars[key] = value
+        elif isinstance(value, (tuple, list)) and value and all(isinstance(v, (bool, int, float)) for v in value):
+            scalars[key] = str(tuple(value))  # e.g. window_size=(-1, -1)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type) and depth < MAX_DEPTH:
+            _collect(value, key + ".", depth + 1, tensors, scalars, block_size, max_seq_len)
+
+
+def _tensor(key: str, value: Tensor, tensors: dict[str, Tensor], scalars: dict[str, Scalar], block_size: int | None, max_seq_len: int | None) -> None:
+    scalars[f"{key}_data_ptr"] = int(value.data_ptr())
+    if value.is_floating_point() or value.is_complex():
+        if value.numel() > SMALL_FLOAT_TENSOR:
+            scalars[f"{key}_shape"] = f"{list(value.shape)} {str(value.dtype).replace('torch.', '')}"
+            return
+    elif "block_table" in key and value.dim() == 2 and block_size and max_seq_len:
+        value = value[:, : -(-int(max_seq_len) // int(block_size))]
+    tensors[key] = value
+
+
+def plan_from_parts(backend: str, tensors: dict[str, Tensor | None], scalars: dict[str, Scalar]) -> Plan:
+    """The Plan from host copies of `plan_parts`' tensors (contiguous CPU tensors, as stored)."""
+    return Plan(
+        backend=backend,
+        tensors={k: v.detach().cpu().contiguous() for k, v in tensors.items() if v is not None},
+        scalars=dict(scalars),
+    )
+
+
+def plan_from_metadata(metadata: Any, *, backend: str, block_size: int | None = None, max_seq_len: int | None = None) -> Plan:
+    """Plan of built metadata in one call (copies device tensors: for tests and offline tools)."""
+    tensors, scalars = plan_parts(metadata, block_size=block_size, max_seq_len=max_seq_len)
+    return plan_from_parts(backend, {k: v.clone() if v.device.type == "cpu" else v for k, v in tensors.items()}, scalars)

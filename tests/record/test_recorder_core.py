@@ -1,0 +1,138 @@
+"""The recorder's engine-neutral rules: options, sampling, the size cap, fail-once, the CLI, the startup hook."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from attndbg.cli import main
+from attndbg.record.launch import recording_env
+from attndbg.record.options import OptionError, RecordOptions, parse_layers, parse_size, parse_steps
+from attndbg.record.session import HostCopy, RecordingSession
+from attndbg.trace import io, synth
+
+
+def test_option_parsing_and_errors() -> None:
+    assert parse_steps("3:7") == (3, 7) and parse_steps("5:") == (5, None) and parse_steps(":4") == (0, 4) and parse_steps(None) == (0, None)
+    assert parse_layers("5,0,5") == (0, 5) and parse_layers(None) == ()
+    assert parse_size("2G") == 2 << 30 and parse_size("500M") == 500 << 20 and parse_size("123") == 123
+    for bad, parse in [("7:3", parse_steps), ("x", parse_steps), ("0,a", parse_layers), ("-1", parse_layers), ("lots", parse_size), ("0", parse_size)]:
+        with pytest.raises(OptionError):
+            parse(bad)
+
+
+def test_sampling_every_and_steps() -> None:
+    options = RecordOptions(out_dir="x", every=3, first_step=2, last_step=11)
+    assert [s for s in range(20) if options.wants_step(s)] == [2, 5, 8]
+    assert RecordOptions.from_env({"ATTNDBG_RECORD": options.to_env()}) == options
+    assert RecordOptions.from_env({}) is None
+
+
+def _trace(step: int):
+    from dataclasses import replace
+
+    trace = synth.build(synth.parse_spec(["decode-gqa", "kv_lens=3,9"]))
+    return replace(trace, source=replace(trace.source, step=step))
+
+
+def test_session_writes_steps_in_order_and_stops_at_the_size_cap(tmp_path: Path) -> None:
+    size = len(io.save(_trace(0), tmp_path / "probe.pt").read_bytes())
+    (tmp_path / "probe.pt").unlink()
+    logs: list[str] = []
+    session = RecordingSession(RecordOptions(out_dir=str(tmp_path / "rec"), max_bytes=int(2.5 * size)), log=logs.append)
+    for _ in range(5):
+        step = session.next_step()
+        session.submit(HostCopy({"x": torch.ones(2)}), lambda host, step=step: _trace(step))
+    session.close()
+    # Two steps fit under 2.5 files' worth; the third crosses the cap and stops recording.
+    assert [e.step for e in io.read_manifest(tmp_path / "rec")] == [0, 1, 2]
+    assert not session.enabled and len(logs) == 1 and "size cap" in logs[0]
+
+
+def test_a_failing_build_disables_recording_once(tmp_path: Path) -> None:
+    logs: list[str] = []
+    session = RecordingSession(RecordOptions(out_dir=str(tmp_path)), log=logs.append)
+
+    def boom(host):  # noqa: ANN001
+        raise KeyError("seq_lens")
+
+    for _ in range(3):
+        session.submit(HostCopy({}), boom)
+    session.close()
+    assert not session.enabled and len(logs) == 1 and "KeyError" in logs[0]
+    with session.guard("a hook"):
+        raise RuntimeError("never propagates")
+    assert len(logs) == 1  # already stopped: no second line
+
+
+def test_host_copy_is_taken_at_snapshot_time() -> None:
+    t = torch.arange(4)
+    copy = HostCopy({"t": t, "none": None})
+    t.add_(100)  # the engine reuses its buffer for the next step
+    assert copy.wait()["t"].tolist() == [0, 1, 2, 3] and copy.wait()["none"] is None
+
+
+def test_record_cli_bad_input_is_one_line_exit_2(tmp_path: Path) -> None:
+    runner = CliRunner()
+    for args, message in [
+        (["record", "--steps", "9:2", "--", "true"], "--steps"),
+        (["record", "--layers", "a", "--", "true"], "--layers"),
+        (["record", "--engine", "tgi", "--", "true"], "--engine"),
+        (["record", "-o", str(tmp_path / "r"), "--", "no-such-command-xyz"], "command not found"),
+    ]:
+        result = runner.invoke(main, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert message in result.output and "Traceback" not in result.output
+
+
+def test_record_passes_the_exit_code_on_and_arms_the_startup_hook(tmp_path: Path) -> None:
+    # The child sees the options and the hook ran: the bootstrap is active in it.
+    script = textwrap.dedent(
+        """
+        import sys
+        import attndbg.record.bootstrap as b
+        from attndbg.record.options import RecordOptions
+        print("active", b._ACTIVE, RecordOptions.from_env().every)
+        sys.exit(3)
+        """
+    )
+    out = tmp_path / "rec"
+    done = subprocess.run([sys.executable, "-m", "attndbg", "record", "-o", str(out), "--every", "4", "--", sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3 and "active True 4" in done.stdout
+    assert "0 step(s)" in done.stderr
+
+
+def test_startup_hook_installs_an_adapter_after_its_engine_module_is_imported(tmp_path: Path) -> None:
+    # A stand-in engine package on the path; the trigger table is pointed at it for this child only.
+    pkg = tmp_path / "fake_engine"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "runner.py").write_text("VALUE = 1\n")
+    script = textwrap.dedent(
+        """
+        import attndbg.record.bootstrap as b
+        import sys
+        hits = []
+        def installer():
+            hits.append(sys.modules["fake_engine.runner"].VALUE)
+        sys.modules["fake_installer"] = type(sys)("fake_installer")
+        sys.modules["fake_installer"].install = installer
+        b._ACTIVE = False
+        b.TRIGGERS = {"fake_engine.runner": ("transformers", "fake_installer:install")}
+        b.activate()
+        assert hits == []          # not imported yet: nothing installed
+        import fake_engine.runner
+        print("hits", hits)        # installed right after the module ran
+        """
+    )
+    env = recording_env(RecordOptions(out_dir=str(tmp_path / "rec")))
+    env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "hits [1]" in done.stdout
