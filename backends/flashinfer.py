@@ -159,6 +159,12 @@ class FlashInferBackend(Backend):
             return "an IDLE step has no attention to run"
         if model.q_dtype not in ("float16", "bfloat16"):
             return f"FlashInfer's kernels take fp16 or bf16 queries; this trace's are {model.q_dtype}"
+        if mode is not ForwardMode.DECODE and min(model.head_dim, model.v_head_dim) < 32:
+            # Measured on the H200 at head_dim 16: "Invalid configuration : NUM_MMA_Q=1 NUM_MMA_D_QK=1 ...".
+            return (
+                f"FlashInfer's prefill kernels tile head_dim in 16-wide MMAs and need at least two "
+                f"(head_dim >= 32); this trace's is {model.head_dim}/{model.v_head_dim}"
+            )
         if mode is ForwardMode.DECODE and model.head_dim != model.v_head_dim:
             return f"FlashInfer's decode wrapper takes one head_dim for q/k and v; this trace has {model.head_dim} and {model.v_head_dim}"
         if mode in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND) and not trace.is_tree_verify:

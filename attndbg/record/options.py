@@ -26,6 +26,7 @@ class RecordOptions:
     layers: tuple[int, ...] = ()  # layers whose tensors are recorded; empty = metadata only
     max_bytes: int = 2 << 30  # stop recording (not the engine) once the directory holds this much
     engines: tuple[str, ...] = ("transformers", "sglang", "vllm")
+    writer: str = "process"  # "process": save in a child process (off the engine's GIL); "thread": in-process
     extra: dict[str, str] = field(default_factory=dict)
 
     def wants_step(self, step: int) -> bool:

@@ -8,7 +8,9 @@ The rules every engine hook follows through this class:
   graph and a host wait would break the capture): `snapshot` refuses, the step is skipped;
 - a hook that fails logs one line and recording stops; the engine goes on (`guard`);
 - files are written atomically and the directory stops growing at `max_bytes`;
-- the engine never waits on the writer: when the queue is full, the step is dropped and counted.
+- the engine never waits on the writer: when the queue is full, the step is dropped and counted;
+- validating and saving run in a child process (`writer_process`), so that Python work does not
+  hold the engine process's GIL; the writer thread here only builds and packs each step.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ import torch
 from torch import Tensor
 
 from attndbg.record.options import RecordOptions
+from attndbg.record.writer_process import ProcessWriter
 from attndbg.trace.io import append_to_recording
-from attndbg.trace.schema import Trace
+from attndbg.trace.schema import Trace, to_dict
 
-QUEUE_DEPTH = 64
+# Steps waiting for the writer are bounded by their bytes, not their number: metadata-only steps
+# are a few KB (thousands may wait while the writer process starts), tensor steps can be MBs.
+MAX_PENDING_BYTES = 1 << 30
 
 
 def capturing() -> bool:
@@ -44,10 +49,13 @@ class HostCopy:
     def __init__(self, tensors: dict[str, Tensor | None]):
         self._host: dict[str, Tensor | None] = {}
         self._event: torch.cuda.Event | None = None
+        self.nbytes = 0
         for name, t in tensors.items():
             if t is None:
                 self._host[name] = None
-            elif t.is_cuda:
+                continue
+            self.nbytes += t.numel() * t.element_size()
+            if t.is_cuda:
                 host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
                 host.copy_(t, non_blocking=True)
                 self._host[name] = host
@@ -71,7 +79,8 @@ Build = Callable[[dict[str, Tensor | None]], Trace | None]
 @dataclass
 class Stats:
     written: int = 0
-    dropped_queue_full: int = 0
+    dropped_queue_full: int = 0  # steps dropped because MAX_PENDING_BYTES were waiting for the writer
+    hook_seconds: float = 0.0  # time the engine's own thread spent in our hooks (adapters add to it)
     skipped_in_capture: int = 0
     bytes_written: int = 0
     stopped_reason: str | None = None
@@ -90,8 +99,11 @@ class RecordingSession:
         self._enabled = True
         self._steps = 0
         self._lock = threading.Lock()
-        self._queue: queue.Queue[tuple[HostCopy, Build] | None] = queue.Queue(maxsize=QUEUE_DEPTH)
+        self._queue: queue.Queue[tuple[HostCopy, Build] | None] = queue.Queue()
+        self._pending_bytes = 0
         self._bytes_at_start = sum(p.stat().st_size for p in self.out_dir.glob("*.pt"))
+        # Started now: its Python and torch take seconds to import, and steps queue meanwhile.
+        self._process = ProcessWriter(self.out_dir, on_written=self._written, on_error=self.disable) if options.writer == "process" else None
         self._writer = threading.Thread(target=self._write_loop, name="attndbg-record-writer", daemon=True)
         self._writer.start()
         atexit.register(self.close)
@@ -126,10 +138,12 @@ class RecordingSession:
         """Hand a step to the writer: `build(host_tensors)` runs on the writer thread."""
         if not self._enabled:
             return
-        try:
-            self._queue.put_nowait((copy, build))
-        except queue.Full:
-            self.stats.dropped_queue_full += 1
+        with self._lock:
+            if self._pending_bytes + copy.nbytes > MAX_PENDING_BYTES:
+                self.stats.dropped_queue_full += 1
+                return
+            self._pending_bytes += copy.nbytes
+        self._queue.put_nowait((copy, build))
 
     @contextlib.contextmanager
     def guard(self, where: str) -> Iterator[None]:
@@ -156,6 +170,8 @@ class RecordingSession:
                 if self._enabled:
                     with self.guard("writing a step"):
                         self._write(*job)
+                with self._lock:
+                    self._pending_bytes -= job[0].nbytes
             finally:
                 self._queue.task_done()
 
@@ -165,12 +181,22 @@ class RecordingSession:
             return
         rank = trace.source.tp_rank
         name = f"step_{trace.source.step:06d}{f'_tp{rank}' if rank else ''}.pt"
-        path = append_to_recording(self.out_dir, trace, name)
+        if self._process is not None:
+            self._process.write(name, to_dict(trace))
+            # One step in flight: the cap and the step order stay exact, and waiting on the pipe
+            # releases the GIL (the child is the one working).
+            self._process.flush(timeout=60.0)
+        else:
+            path = append_to_recording(self.out_dir, trace, name)
+            self._written(name, path.stat().st_size)
+
+    def _written(self, name: str, size: int) -> None:
         self.stats.written += 1
-        self.stats.bytes_written += path.stat().st_size
+        self.stats.bytes_written += size
         self.stats.files.append(name)
-        if self._bytes_at_start + self.stats.bytes_written >= self.options.max_bytes:
-            self.disable(f"size cap reached: {self.out_dir} holds {self._bytes_at_start + self.stats.bytes_written} bytes >= --max-size {self.options.max_bytes}")
+        total = self._bytes_at_start + self.stats.bytes_written
+        if total >= self.options.max_bytes:
+            self.disable(f"size cap reached: {self.out_dir} holds {total} bytes >= --max-size {self.options.max_bytes}")
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait (bounded) until every submitted step is written."""
@@ -182,6 +208,8 @@ class RecordingSession:
 
         threading.Thread(target=join, daemon=True).start()
         done.wait(timeout)
+        if self._process is not None:
+            self._process.flush(timeout)
 
     def close(self) -> None:
         if self._writer.is_alive():
@@ -189,6 +217,8 @@ class RecordingSession:
             with contextlib.suppress(queue.Full):
                 self._queue.put_nowait(None)
             self._writer.join(timeout=5.0)
+        if self._process is not None:
+            self._process.close()
 
 
 _SESSION: RecordingSession | None = None

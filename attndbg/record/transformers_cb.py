@@ -19,6 +19,7 @@ it says and slot 0 stays the engine's trash (the first two sectors are never han
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ import torch
 from torch import Tensor
 
 from attndbg.record.build import batch_from_rows, mode_from_lengths, source
-from attndbg.record.session import RecordingSession, current_session
+from attndbg.record.session import RecordingSession, capturing, current_session
 from attndbg.trace.schema import AttentionKind, LayerTensors, LseBase, Model, Trace
 
 ENGINE = "transformers"
@@ -109,21 +110,26 @@ _local = threading.local()
 
 
 def _on_step(session: RecordingSession, runner: Any, model: Any, batch_data: dict[str, Any], call: Any) -> Any:
+    start = time.perf_counter()
     step = session.next_step()
     if not session.wants(step):
+        session.stats.hook_seconds += time.perf_counter() - start
         return call()
     state: _StepState | None = None
     with session.guard("transformers compute_batch (before)"):
         state = _StepState(step=step, geometry=cache_geometry(batch_data["cache"]))
     _local.state = state
+    session.stats.hook_seconds += time.perf_counter() - start
     try:
         result = call()
     finally:
         _local.state = None
     if state is None:
         return result
+    start = time.perf_counter()
     with session.guard("transformers compute_batch (after)"):
         _submit(session, runner, model, batch_data, state)
+    session.stats.hook_seconds += time.perf_counter() - start
     return result
 
 
@@ -217,7 +223,8 @@ def _attention_wrapper(original: Any) -> Any:
         state: _StepState | None = getattr(_local, "state", None)
         session = current_session()
         layer = getattr(module, "layer_idx", None)
-        if state is None or session is None or layer is None or not session.wants_layer(int(layer)):
+        if state is None or session is None or layer is None or not session.wants_layer(int(layer)) or capturing():
+            # Under a CUDA-graph capture kernels are recorded, not run: there is nothing real to copy.
             return original(module, query, key, value, attention_mask, *args, **kwargs)
         captured: dict[str, Tensor] = {}
         with session.guard("transformers attention (before)"):

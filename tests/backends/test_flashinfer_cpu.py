@@ -77,12 +77,12 @@ def hand_trace(
     model = Model(
         num_qo_heads=4,
         num_kv_heads=2,
-        head_dim=16,
-        v_head_dim=16,
+        head_dim=32,  # FlashInfer's prefill kernels need head_dim >= 32
+        v_head_dim=32,
         attention=AttentionKind.MHA,
         kv_lora_rank=0,
         qk_rope_head_dim=0,
-        sm_scale=0.25,
+        sm_scale=32**-0.5,
         logit_cap=0.0,
         sliding_window=window,
         q_dtype=q_dtype,
@@ -402,6 +402,7 @@ def test_selective_recompute_masks_by_query_column():
         (("selective",), {"extend_path": "cascade"}, "only the paged path"),
         (("decode-gqa", "dtype=float32"), {}, "fp16 or bf16"),
         (("decode-gqa", "head_dim=128", "v_head_dim=64"), {}, "one head_dim"),
+        (("extend-noprefix", "head_dim=16"), {}, "head_dim >= 32"),
     ],
 )
 def test_unsupported_reasons(spec, options, needle):

@@ -41,11 +41,12 @@ def _trace(step: int):
     return replace(trace, source=replace(trace.source, step=step))
 
 
-def test_session_writes_steps_in_order_and_stops_at_the_size_cap(tmp_path: Path) -> None:
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_session_writes_steps_in_order_and_stops_at_the_size_cap(tmp_path: Path, writer: str) -> None:
     size = len(io.save(_trace(0), tmp_path / "probe.pt").read_bytes())
     (tmp_path / "probe.pt").unlink()
     logs: list[str] = []
-    session = RecordingSession(RecordOptions(out_dir=str(tmp_path / "rec"), max_bytes=int(2.5 * size)), log=logs.append)
+    session = RecordingSession(RecordOptions(out_dir=str(tmp_path / "rec"), max_bytes=int(2.5 * size), writer=writer), log=logs.append)
     for _ in range(5):
         step = session.next_step()
         session.submit(HostCopy({"x": torch.ones(2)}), lambda host, step=step: _trace(step))
@@ -53,6 +54,49 @@ def test_session_writes_steps_in_order_and_stops_at_the_size_cap(tmp_path: Path)
     # Two steps fit under 2.5 files' worth; the third crosses the cap and stops recording.
     assert [e.step for e in io.read_manifest(tmp_path / "rec")] == [0, 1, 2]
     assert not session.enabled and len(logs) == 1 and "size cap" in logs[0]
+
+
+def test_the_writer_process_writes_what_the_thread_writes_and_reports_a_bad_step(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    assert RecordOptions(out_dir="x").writer == "process"  # the default keeps saving off the engine
+    for writer in ("process", "thread"):
+        session = RecordingSession(RecordOptions(out_dir=str(tmp_path / writer), writer=writer))
+        session.submit(HostCopy({}), lambda host: _trace(7))
+        session.close()
+    a, b = io.load(tmp_path / "process" / "step_000007.pt"), io.load(tmp_path / "thread" / "step_000007.pt")
+    assert all(torch.equal(getattr(a.batch, f), getattr(b.batch, f)) for f in ("kv_lens", "slot_ids", "out_cache_loc", "positions"))
+    assert a.model == b.model and a.source == b.source
+    # A step the child's validator rejects: recording stops with one line naming the field.
+    logs: list[str] = []
+    session = RecordingSession(RecordOptions(out_dir=str(tmp_path / "bad")), log=logs.append)
+    trace = _trace(1)
+    bad = replace(trace, batch=replace(trace.batch, slot_ids=trace.batch.slot_ids + trace.batch.kv_cache_size))
+    for _ in range(3):
+        session.submit(HostCopy({}), lambda host: bad)
+    session.close()
+    assert not session.enabled and len(logs) == 1 and "batch.slot_ids" in logs[0]
+    assert not (tmp_path / "bad" / "manifest.jsonl").exists()
+
+
+def test_steps_beyond_the_pending_bytes_are_dropped_and_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from attndbg.record import session as session_module
+
+    monkeypatch.setattr(session_module, "MAX_PENDING_BYTES", 100)
+    session = RecordingSession(RecordOptions(out_dir=str(tmp_path), writer="thread"))
+    gate = threading.Event()
+
+    def slow(host):  # noqa: ANN001 - a writer still busy with this step
+        gate.wait(10)
+        return _trace(int(host["x"][0]))
+
+    session.submit(HostCopy({"x": torch.zeros(20)}), slow)  # 80 bytes waiting
+    session.submit(HostCopy({"x": torch.ones(20)}), slow)  # 160 > 100: dropped, the engine does not wait
+    gate.set()
+    session.close()
+    assert session.stats.dropped_queue_full == 1 and [e.step for e in io.read_manifest(tmp_path)] == [0]
 
 
 def test_a_failing_build_disables_recording_once(tmp_path: Path) -> None:
