@@ -1,6 +1,10 @@
 """split-merge on the engine's recorded tensors: output and LSE against the reference, LSE base
 confusion (log2 e / ln 2), FA2's +inf empty marker, NaN rows of requests with empty splits, and a
 merge mis-weighted by one partial's LSE.
+
+An engine output that fails the reference on a path without any merge is still reported (as
+`recorded-output-mismatch` / `-nonfinite`): the recorded tensors are the engine's own result, and a
+user must never get a clean report for a step whose output is wrong.
 """
 
 from __future__ import annotations
@@ -20,6 +24,13 @@ from attndbg.compare.tolerance import ERROR_FACTOR, LSE_FLOOR, OUTPUT_FLOOR, com
 from attndbg.replay.data import build_inputs
 from attndbg.trace.schema import DTYPES, ForwardMode, LseBase, Trace
 from attndbg.trace.visibility import visibility
+
+
+_NO_MERGE_CAUSE = (
+    "No partial states are merged on this path, so the engine's kernel, or the lengths, KV slots or mask "
+    "it was given, disagree with the batch; `attndbg replay --plan recorded` shows whether the recorded "
+    "plan reproduces it."
+)
 
 
 @dataclass(frozen=True)
@@ -92,14 +103,14 @@ def _output_findings(ctx: CheckContext, *, layer: int, output: Tensor, truth: _T
                         data={"rows": rows[:32], "requests": requests, "lengths": lengths, "splits": splits},
                     )
                 )
-        if not explained and path:
+        if not explained:
             findings.append(
                 Finding(
                     KIND,
                     "recorded-output-nonfinite",
                     first,
                     f"the engine's output has NaN/Inf in {len(rows)} rows of requests {requests} where the reference is finite",
-                    f"A non-finite partial state reached the merge of this path ({path}).",
+                    f"A non-finite partial state reached the merge of this path ({path})." if path else _NO_MERGE_CAUSE,
                     data={"rows": rows[:32], "requests": requests},
                 )
             )
@@ -125,15 +136,16 @@ def _output_findings(ctx: CheckContext, *, layer: int, output: Tensor, truth: _T
                     data={"part": part, "factor": factor, "rows": rows[:32]},
                 )
             )
-        elif path:
+        else:
+            requests = sorted({_request_of(trace, r) for r in rows})
             findings.append(
                 Finding(
                     KIND,
                     "recorded-output-mismatch",
                     spot,
-                    f"the engine's output fails the reference in {len(rows)} rows (max abs {cmp.max_abs:.3e}, worst {cmp.worst})",
-                    f"This step's path merges partial states ({path}); no single LSE rescaling explains the error.",
-                    data={"rows": rows[:32], "max_abs": cmp.max_abs},
+                    f"the engine's output fails the reference in {len(rows)} rows of requests {requests} (max abs {cmp.max_abs:.3e}, worst {cmp.worst})",
+                    f"This step's path merges partial states ({path}); no single LSE rescaling explains the error." if path else _NO_MERGE_CAUSE,
+                    data={"rows": rows[:32], "requests": requests, "max_abs": cmp.max_abs},
                 )
             )
     return findings, nonfinite_rows

@@ -8,7 +8,10 @@ Hook points (engines.md A6), each found by feature, not by SGLang version:
   static buffers are padded and `bs`/`raw_bs` are set, and the backend's
   `init_forward_metadata_replay_cuda_graph` has refilled its graph buffers;
 - `RadixAttention.__init__`: remembers the layers, whose shape and numerics the Model records;
-- SGL-new `build_replay_fb_view`: attaches the padded out_cache_loc buffer to the view.
+- SGL-new `build_replay_fb_view`: attaches the padded out_cache_loc buffer to the view;
+- with `--layers`: `forward(q, k, v, layer, forward_batch, ...)` on every AttentionBackend subclass
+  that defines it (per-layer tensors of eager steps, `sglang_layers`), and `ModelRunner.forward`,
+  at whose end a step with layers is submitted.
 
 Every hook runs the engine's own code first and unchanged, then records inside `session.guard`
 (a failure logs once and stops recording; the engine's result is returned regardless). Hooks only
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -30,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attndbg.record import sglang_layers
 from attndbg.record.build import package_version, source
 from attndbg.record.session import RecordingSession, capturing, current_session
 from attndbg.record.sglang_batch import BatchInfo, UnsupportedStep, batch_from_host, capture_batch, trace_mode
@@ -37,7 +42,7 @@ from attndbg.record.sglang_graph import PADDED_OUT_CACHE_LOC, GraphInfo, capture
 from attndbg.record.sglang_model import kv_cache_size, model_from_backend
 from attndbg.record.sglang_plan import PlanCapture, capture_plan, plan_from_host
 from attndbg.record.sglang_spec import SpecInfo, algorithm_name, capture_spec, spec_from_host
-from attndbg.trace.schema import ForwardMode, Model, Source, Trace
+from attndbg.trace.schema import AttentionKind, ForwardMode, Model, Source, Trace
 
 MARK = "__attndbg_hook__"  # set on every wrapper, so installing twice wraps nothing twice
 BACKEND_NAMES = {  # class name -> the trace's backend name (fill-value rules and replay use these)
@@ -132,7 +137,11 @@ def _sglang_version() -> str:
 
 
 def record_step(session: RecordingSession, backend: Any, fb: Any, *, raw_bs: int | None = None, graph: tuple[GraphInfo, dict[str, Tensor]] | None = None) -> bool:
-    """Snapshot one step and queue it for the writer; False when the step is not recorded."""
+    """Snapshot one step and queue it for the writer; False when the step is not recorded.
+
+    With `--layers`, an eager step is not queued here but held until its layers ran
+    (`sglang_layers`); a step still held from an earlier forward is queued first."""
+    sglang_layers.flush()
     step = session.next_step()
     if not session.wants(step):
         return False
@@ -177,11 +186,42 @@ def record_step(session: RecordingSession, backend: Any, fb: Any, *, raw_bs: int
         plan=plan,
         graph=graph[0] if graph else None,
     )
+    layers = bool(session.options.layers) and graph is None  # under graph replay no layer runs in Python
+    if layers:
+        _instrument_model_runner()
+        extra = binfo.tokens_per_req if mode is ForwardMode.TARGET_VERIFY else 0
+        tensors[sglang_layers.SLOTS] = sglang_layers.read_slots(fb, req_to_token, batch_size=binfo.batch_size, extra=extra)
     copy = session.snapshot(tensors)
     if copy is None:
         return False
-    session.submit(copy, record.build)
+    if not layers:
+        session.submit(copy, record.build)
+        return True
+    sglang_layers.hold(
+        sglang_layers.PendingStep(
+            session=session,
+            forward_batch=fb,
+            metadata=copy,
+            build=record.build,
+            read_slots=tensors[sglang_layers.SLOTS],
+            num_tokens=_num_tokens(fb, binfo),
+            mla=record.model.attention is AttentionKind.MLA,
+            lse_base=sglang_layers.lse_base(record.source.backend),
+        )
+    )
     return True
+
+
+def _num_tokens(fb: Any, binfo: BatchInfo) -> int | None:
+    """The step's query rows when the host knows them (a padded batch's q has more rows)."""
+    if binfo.tokens_per_req:
+        return binfo.batch_size * binfo.tokens_per_req
+    extend = getattr(fb, "extend_seq_lens_cpu", None)
+    if extend is not None and not isinstance(extend, Tensor):
+        return int(sum(extend[: binfo.batch_size]))
+    if isinstance(extend, Tensor) and not extend.is_cuda:
+        return int(extend[: binfo.batch_size].sum())
+    return None
 
 
 def _padded_sum(fb: Any, graph: GraphInfo) -> int:
@@ -254,6 +294,7 @@ def _wrap_out_graph(original: Callable) -> Callable:
 def _record_view(session: RecordingSession, backend: Any, view: Any) -> None:
     """An SGL-new replay: the view's padded buffers are the graph section."""
     if getattr(view, PADDED_OUT_CACHE_LOC, None) is None:
+        sglang_layers.flush()
         session.next_step()  # a view built elsewhere than build_replay_fb_view: padding unknown, not recorded
         return
     per_req = 1 if view.forward_mode.name == "DECODE" else len(view.positions) // max(int(view.batch_size), 1)
@@ -289,6 +330,59 @@ def _wrap_view_builder(original: Callable) -> Callable:
     return build_replay_fb_view
 
 
+def _wrap_forward(original: Callable) -> Callable:
+    """`AttentionBackend.forward`: the layer's tensors go to this thread's held step (if any)."""
+
+    @functools.wraps(original)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        step = sglang_layers.pending()
+        if step is None or sglang_layers.forward_depth() > 0 or not step.session.enabled:
+            return original(self, *args, **kwargs)  # no step wants layers, or a delegated inner call
+        captured = None
+        bound = sglang_layers.forward_args(args, kwargs)
+        with step.session.guard("sglang attention forward (before)"):
+            captured = sglang_layers.capture_inputs(step, self, bound, kwargs)
+        sglang_layers.enter_forward()
+        try:
+            result = original(self, *args, **kwargs)
+        finally:
+            sglang_layers.leave_forward()
+        if captured is not None:
+            with step.session.guard("sglang attention forward (after)"):
+                sglang_layers.capture_output(step, captured[0], captured[1], result, bound["layer"])
+        return result
+
+    setattr(forward, MARK, True)
+    return forward
+
+
+def _wrap_model_forward(original: Callable) -> Callable:
+    """`ModelRunner.forward`: when it returns, every layer of the step ran; the held step goes
+    to the writer. A forward that raises leaves incomplete layers: its step is dropped."""
+
+    @functools.wraps(original)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            result = original(self, *args, **kwargs)
+        except BaseException:
+            sglang_layers.discard()
+            raise
+        sglang_layers.flush()
+        return result
+
+    setattr(forward, MARK, True)
+    return forward
+
+
+def _instrument_model_runner() -> None:
+    """Wrap ModelRunner.forward once SGLang imported it (never imported from here: at plugin load
+    the model runner's import closure may not be ready)."""
+    module = sys.modules.get("sglang.srt.model_executor.model_runner")
+    runner = getattr(module, "ModelRunner", None)
+    if runner is not None:
+        _patch(runner, "forward", _wrap_model_forward)
+
+
 def _wrap_layer_init(original: Callable) -> Callable:
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -309,9 +403,10 @@ def _patch(owner: Any, name: str, wrap: Callable[[Callable], Callable]) -> bool:
 
 
 def instrument_backend_class(cls: type) -> None:
-    """Wrap the metadata entry points a backend class defines (idempotent)."""
+    """Wrap the metadata entry points and the attention call a backend class defines (idempotent)."""
     _patch(cls, "init_forward_metadata", _wrap_eager)
     _patch(cls, "init_forward_metadata_out_graph", _wrap_out_graph)
+    _patch(cls, "forward", _wrap_forward)
 
 
 def _subclasses(cls: type) -> Iterator[type]:
@@ -352,6 +447,7 @@ def install() -> None:
     for cls in _subclasses(AttentionBackend):
         instrument_backend_class(cls)
     _instrument_future_subclasses(AttentionBackend)
+    _instrument_model_runner()
     with contextlib.suppress(ImportError):  # SGL-classic only
         from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 

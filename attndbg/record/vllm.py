@@ -23,10 +23,17 @@ capture that calls `build`, pass straight through):
   hand the copies to the writer thread, which builds and writes the Trace;
 - anything that raises inside the hook disables recording with one log line (`session.guard`);
   the engine's metadata is returned unchanged either way.
+
+With `--layers`, `install()` also wraps `AttentionImpl.forward` on every impl class (the same way:
+existing subclasses now, later ones through `__init_subclass__`), and a recorded step is held
+until its layers ran instead of being submitted at once: see `vllm_tensors` for when it is
+written and what is copied. Each outermost build call first submits the step its builder built
+last. Without `--layers` nothing is held and `forward` is not wrapped.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import threading
 from collections.abc import Callable
@@ -36,12 +43,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attndbg.record import vllm_model
+from attndbg.record import vllm_model, vllm_tensors
 from attndbg.record.build import source
 from attndbg.record.session import RecordingSession, current_session
 from attndbg.record.vllm_convert import HostCommon, Speculation, convert_common, device_fields, parents_from_tree_bias
 from attndbg.record.vllm_plan import Scalar, plan_from_parts, plan_parts
-from attndbg.trace.schema import Model, Trace
+from attndbg.trace.schema import LayerTensors, LseBase, Model, Trace
 
 WRAPPED = "__attndbg_wrapped__"
 METHODS = ("build", "build_for_cudagraph_capture", "build_for_drafting")
@@ -51,6 +58,7 @@ BASE_MODULES = ("vllm.v1.attention.backend", "vllm.v1.attention.backends.utils")
 
 _local = threading.local()
 _install_lock = threading.Lock()
+_atexit_registered = False
 
 
 @dataclass(frozen=True)
@@ -84,14 +92,27 @@ def register() -> None:
 
 
 def install() -> None:
-    """Wrap the builders' build methods, now and for subclasses defined later. Idempotent."""
-    if current_session() is None:
+    """Wrap the builders' build methods, now and for subclasses defined later; with `--layers`,
+    the impls' `forward` too. Idempotent."""
+    global _atexit_registered
+    session = current_session()
+    if session is None:
         return
     base = base_class()
     with _install_lock:
-        _patch_init_subclass(base)
+        _patch_init_subclass(base, wrap_class)
         for cls in [base, *_subclasses(base)]:
             wrap_class(cls)
+        if session.options.layers:
+            impl_base = vllm_tensors.impl_base_class()
+            _patch_init_subclass(impl_base, wrap_impl_class)
+            for cls in [impl_base, *_subclasses(impl_base)]:
+                wrap_impl_class(cls)
+            if not _atexit_registered:
+                # Registered after the session's own close (atexit runs last-in first-out), so
+                # the held steps reach the writer before it shuts down.
+                atexit.register(vllm_tensors.finish)
+                _atexit_registered = True
 
 
 def _subclasses(cls: type) -> list[type]:
@@ -105,7 +126,7 @@ def _subclasses(cls: type) -> list[type]:
     return seen
 
 
-def _patch_init_subclass(base: type) -> None:
+def _patch_init_subclass(base: type, wrap: Callable[[type], None]) -> None:
     if base.__dict__.get("_attndbg_init_subclass", False):
         return
     own = base.__dict__.get("__init_subclass__")
@@ -115,7 +136,7 @@ def _patch_init_subclass(base: type) -> None:
             own.__func__(cls, **kwargs)
         else:
             super(base, cls).__init_subclass__(**kwargs)
-        wrap_class(cls)
+        wrap(cls)
 
     base.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]
     base._attndbg_init_subclass = True  # type: ignore[attr-defined]
@@ -130,11 +151,21 @@ def wrap_class(cls: type) -> None:
         setattr(cls, name, _wrap(fn, name))
 
 
+def wrap_impl_class(cls: type) -> None:
+    """Wrap the `forward` an AttentionImpl class defines itself (not the abstract one)."""
+    fn = cls.__dict__.get("forward")
+    if fn is None or not callable(fn) or getattr(fn, WRAPPED, False) or getattr(fn, "__isabstractmethod__", False):
+        return
+    cls.forward = vllm_tensors.wrap_forward(fn)  # type: ignore[attr-defined]
+
+
 def _wrap(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         if getattr(_local, "active", False):
             return fn(self, *args, **kwargs)
+        # This builder builds again: the step it built last has run its layers (vllm_tensors).
+        vllm_tensors.release(self)
         _local.active = True
         try:
             result = fn(self, *args, **kwargs)
@@ -193,12 +224,27 @@ def _record(session: RecordingSession, builder: Any, kind: str, args: tuple[Any,
     tensors: dict[str, Tensor | None] = {f"cm.{k}": v for k, v in device_fields(cm, block_size).items()}
     tensors.update({f"plan.{k}": v for k, v in plan_tensors.items()})
     copy = session.snapshot(tensors)
-    if copy is not None:
-        session.submit(copy, functools.partial(trace_from_host, static=static, step=step))
+    if copy is None:
+        return
+    build = functools.partial(trace_from_host, static=static, step=step)
+    if session.options.layers:
+        table = tensors["cm.block_table_tensor"]
+        assert table is not None
+        vllm_tensors.hold(session, builder, metadata, copy, build, tokens=int(cm.num_actual_tokens), block_size=block_size, block_table=table)
+    else:
+        session.submit(copy, build)
 
 
-def trace_from_host(host: dict[str, Tensor | None], *, static: _Static, step: int) -> Trace:
-    """Writer thread: host copies of one step -> Trace (validated when written)."""
+def trace_from_host(
+    host: dict[str, Tensor | None],
+    *,
+    static: _Static,
+    step: int,
+    layers: tuple[int, ...] = (),
+    lse_bases: dict[int, LseBase] | None = None,
+) -> Trace:
+    """Writer thread: host copies of one step (and of its recorded layers) -> Trace (validated
+    when written)."""
     common = HostCommon(**{k.removeprefix("cm."): v for k, v in host.items() if k.startswith("cm.")})
     plan = plan_from_parts(static.backend, {k.removeprefix("plan."): v for k, v in host.items() if k.startswith("plan.")}, static.scalars)
     bias = plan.tensors.get("tree_attn_bias")
@@ -210,6 +256,17 @@ def trace_from_host(host: dict[str, Tensor | None], *, static: _Static, step: in
         speculation=static.speculation,
         tree_parents=tree,
     )
+    tensors: dict[int, LayerTensors] = {
+        layer: vllm_tensors.layer_tensors(
+            host,
+            layer,
+            batch=converted.batch,
+            block_table=common.block_table_tensor,
+            block_size=static.model.page_size,
+            lse_base=(lse_bases or {}).get(layer, LseBase.E),
+        )
+        for layer in layers
+    }
     return Trace(
         source=source(engine="vllm", backend=static.backend, device=static.device, step=step, tp_rank=static.tp_rank),
         model=static.model,
@@ -218,4 +275,5 @@ def trace_from_host(host: dict[str, Tensor | None], *, static: _Static, step: in
         spec=converted.spec,
         graph=converted.graph,
         plan=plan,
+        tensors=tensors,
     )

@@ -83,6 +83,7 @@ ForwardMode = sgl.forward_batch_info.ForwardMode
 CaptureHiddenMode = sgl.forward_batch_info.CaptureHiddenMode
 EagleVerifyInput = sgl.eagle_info.EagleVerifyInput
 ReqToTokenPool = sgl.memory_pool.ReqToTokenPool
+MHATokenToKVPool = sgl.memory_pool.MHATokenToKVPool
 RadixAttention = sgl.radix_attention.RadixAttention
 TritonAttnBackend = sgl.triton_backend.TritonAttnBackend
 TritonForwardMetadata = sgl.triton_backend.ForwardMetadata
@@ -102,3 +103,23 @@ def req_pool(rows: dict[int, list[int]], *, size: int = 8, width: int = 64) -> R
 def layer(*, heads: int = 4, kv_heads: int = 2, head_dim: int = 16, layer_id: int = 0, scaling: float | None = None) -> RadixAttention:
     """A real RadixAttention module (an nn.Module holding the layer's attention parameters)."""
     return RadixAttention(heads, head_dim, scaling if scaling is not None else head_dim**-0.5, kv_heads, layer_id)
+
+
+# ModelRunner's import closure reaches the HTTP server's packages (sglang.srt.distributed.bootstrap
+# -> uvicorn, fastapi), which a scheduler process never uses; like torchvision above, they are
+# stood in for only here and only when missing.
+SERVER_MODULES = ("uvicorn", "fastapi", "fastapi.responses")
+
+
+def load_model_runner() -> types.ModuleType:
+    """sglang.srt.model_executor.model_runner (the real ModelRunner class)."""
+    missing = {top for top in {n.split(".")[0] for n in SERVER_MODULES} if top not in sys.modules and importlib.util.find_spec(top) is None}
+    for name in SERVER_MODULES:
+        if name.split(".")[0] in missing and name not in sys.modules:
+            module = types.ModuleType(name)
+            module.__path__ = []
+            module.__getattr__ = lambda attr, _name=name: mock.MagicMock(name=f"{_name}.{attr}")  # type: ignore[method-assign]
+            sys.modules[name] = module
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return import_engine("sglang.srt.model_executor.model_runner")

@@ -94,9 +94,10 @@ def test_recording_replays_and_checks_clean(recording) -> None:
         assert not result.failed, [(r.name, r.status, r.reason, r.problems) for r in result.runs]
 
 
-def test_engine_outputs_are_compared_and_a_wrong_slot_map_is_caught(recording) -> None:
+@pytest.mark.parametrize("step", [0, 2], ids=["prefill-no-merge", "decode-split-kv"])
+def test_engine_outputs_are_compared_and_a_wrong_slot_map_is_caught(recording, step: int) -> None:
     _, out = recording
-    trace = io.load(io.trace_paths(out)[2])  # a decode step, requests with 6..22 cached tokens
+    trace = io.load(io.trace_paths(out)[step])  # the prefill (no merge on its path) and a decode step
     ctx = CheckContext(trace=trace, path="live", options=CheckOptions(backends=("reference",)))
     assert recorded_tensors(ctx) == []
     # Point the longest request's first column at another request's first slot (attention is a set

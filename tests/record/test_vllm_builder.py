@@ -21,10 +21,11 @@ from attndbg.record.session import RecordingSession, end_session, start_session
 from attndbg.trace import io
 from attndbg.trace.schema import ForwardMode
 from tests.record.engines import import_engine
+from tests.record import vllm_env
 from tests.record.vllm_env import BLOCK_SIZE, AttentionMetadataBuilder, make_layout, usable
 
 triton_attn = import_engine("vllm.v1.attention.backends.triton_attn")
-vllm_config_module = import_engine("vllm.config")
+import_engine("vllm.config")  # the builder tests need a real VllmConfig
 kv_cache_interface = import_engine("vllm.v1.kv_cache_interface")
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 4, 2, 32
@@ -33,22 +34,7 @@ LAYERS = ["model.layers.0.self_attn.attn"]
 
 @pytest.fixture(scope="module")
 def vllm_config(tmp_path_factory: pytest.TempPathFactory):
-    from transformers import LlamaConfig
-
-    model_dir = tmp_path_factory.mktemp("tiny-llama")
-    LlamaConfig(
-        hidden_size=Q_HEADS * HEAD_DIM,
-        intermediate_size=256,
-        num_hidden_layers=1,
-        num_attention_heads=Q_HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        vocab_size=128,
-        max_position_embeddings=256,
-    ).save_pretrained(model_dir)
-    cfg = vllm_config_module
-    model = cfg.ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=256)
-    return cfg.VllmConfig(model_config=model, cache_config=cfg.CacheConfig(block_size=BLOCK_SIZE), device_config=cfg.DeviceConfig(device="cpu"))
+    return vllm_env.tiny_vllm_config(tmp_path_factory.mktemp("tiny-llama"), q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
 
 
 def new_builder(vllm_config):

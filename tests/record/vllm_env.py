@@ -158,3 +158,66 @@ def usable(trace: Trace, path: Path) -> Trace:
     findings = [f for report in check_steps(str(path), list(DETECTORS), CheckOptions(backends=("triton",))) for f in report.findings]
     assert findings == [], [(f.kind.value, f.check, f.evidence) for f in findings]
     return loaded
+
+
+def tiny_vllm_config(model_dir: Path, *, num_layers: int = 1, q_heads: int = 4, kv_heads: int = 2, head_dim: int = 32):
+    """A real VllmConfig on the CPU: a real ModelConfig read from a tiny Llama config.json written
+    to `model_dir` (no weights, no tokenizer), float32, block size 16."""
+    from transformers import LlamaConfig
+    from vllm import config as cfg
+
+    LlamaConfig(
+        hidden_size=q_heads * head_dim,
+        intermediate_size=256,
+        num_hidden_layers=num_layers,
+        num_attention_heads=q_heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=128,
+        max_position_embeddings=256,
+    ).save_pretrained(model_dir)
+    model = cfg.ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=256)
+    return cfg.VllmConfig(model_config=model, cache_config=cfg.CacheConfig(block_size=BLOCK_SIZE), device_config=cfg.DeviceConfig(device="cpu"))
+
+
+def layer_name(index: int) -> str:
+    """vLLM's name of a Llama decoder layer's attention (`Attention.layer_name`)."""
+    return f"model.layers.{index}.self_attn.attn"
+
+
+class AttentionLayerStub(torch.nn.Module):
+    """What `AttentionImpl.forward` reads from its `layer` argument (vLLM's `AttentionLayer`
+    protocol: the name and unit q/k/v scales), like vLLM's own tests' MockAttentionLayer; the real
+    `Attention` module needs a model being loaded to exist."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.layer_name = name
+        for scale in ("_q_scale", "_k_scale", "_v_scale", "_prob_scale", "_k_scale_cpu", "_v_scale_cpu"):
+            setattr(self, scale, torch.ones(1))
+        self._q_scale_float = self._k_scale_float = self._v_scale_float = 1.0
+
+
+def new_kv_cache(generator: torch.Generator, *, kv_heads: int = 2, head_dim: int = 32) -> torch.Tensor:
+    """One layer's KV cache in vLLM 0.33's per-layer layout [blocks, Hkv, block_size, K | V],
+    filled with random "earlier steps" contents."""
+    return torch.randn(NUM_BLOCKS, kv_heads, BLOCK_SIZE, 2 * head_dim, generator=generator)
+
+
+def cache_rows(kv_cache: torch.Tensor, slots: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) rows [len(slots), Hkv, D] of `slots`, read with plain indexing: block = slot // 16."""
+    slots = torch.as_tensor(slots, dtype=torch.int64)
+    head_dim = kv_cache.shape[-1] // 2
+    rows = kv_cache[slots // BLOCK_SIZE, :, slots % BLOCK_SIZE]  # [n, Hkv, 2D]
+    return rows[..., :head_dim], rows[..., head_dim:]
+
+
+def write_new_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """What vLLM's `do_kv_cache_update` does before `forward` (Triton backend), in plain torch:
+    token t's K/V into slot_mapping[t]; padded tokens (slot -1) are skipped. (vLLM's own
+    reshape_and_cache kernel asks the CUDA device for its capability: it cannot run on the CPU.)"""
+    head_dim = kv_cache.shape[-1] // 2
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            kv_cache[slot // BLOCK_SIZE, :, slot % BLOCK_SIZE, :head_dim] = key[t]
+            kv_cache[slot // BLOCK_SIZE, :, slot % BLOCK_SIZE, head_dim:] = value[t]
