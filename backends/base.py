@@ -100,8 +100,11 @@ class GraphState(abc.ABC):
         """Fill workspace/scratch with garbage before a replay: a correct kernel never reads it unwritten."""
 
     def plan_pointers(self) -> dict[str, int]:
-        """data_ptr of every static plan buffer, so the runner can check they never move."""
-        return {}
+        """data_ptr of every static plan buffer, so the runner can check they never move.
+
+        States keep those buffers in `self.buffers` (name -> tensor); a state without one has none."""
+        buffers: dict[str, Tensor] = getattr(self, "buffers", {})
+        return {name: buffer.data_ptr() for name, buffer in buffers.items()}
 
 
 class Backend(abc.ABC):

@@ -19,7 +19,6 @@ natural log). A chain (topk == 1) is plain causal attention over prefix + drafts
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 
 import torch
@@ -36,12 +35,10 @@ from attndbg.backends.base import (
     Padding,
     coerce_option,
 )
+from attndbg.backends.flashinfer import LN2, WORKSPACE_BYTES, FlashInferGraphState
 from attndbg.trace import tree
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace, indptr
 
-LN2 = math.log(2.0)
-# FlashInfer's recommended float workspace (its docstrings: "128MB").
-FLASHINFER_WORKSPACE_BYTES = 128 * 1024 * 1024
 # FlashInfer's SM90 prefill kernels are instantiated for these (head_dim_qk, head_dim_vo) pairs
 # (flashinfer/utils.py, is_fa3_prefill_head_dim_supported).
 FLASHINFER_FA3_HEAD_DIMS = {(64, 64), (128, 128), (256, 256), (192, 128)}
@@ -358,7 +355,7 @@ class FA3Backend(Backend):
 
     def _flashinfer_workspace(self, device: torch.device) -> Tensor:
         if self._workspace is None:
-            self._workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         return self._workspace
 
     # -- CUDA graphs ----------------------------------------------------------------------------
@@ -385,14 +382,15 @@ class FA3Backend(Backend):
         return _FlashInferFA3Graph(trace, capacity)
 
 
-class _FlashInferFA3Graph(GraphState):
+class _FlashInferFA3Graph(FlashInferGraphState):
     """FlashInfer's fa3 wrapper with use_cuda_graph=True: indptr/indices/last-page buffers
     sized for the capture; `load_plan` re-plans the wrapper, which copies into them in place."""
 
     def __init__(self, trace: Trace, capacity: GraphCapacity):
         import flashinfer
 
-        self.model = trace.model
+        m = self.model = trace.model
+        super().__init__(max_tokens=capacity.max_tokens, num_heads=m.num_qo_heads, v_head_dim=m.v_head_dim, q_dtype=DTYPES[m.q_dtype])
         device = torch.device("cuda")
         bs = capacity.capture_bs
         self.buffers = {
@@ -401,7 +399,6 @@ class _FlashInferFA3Graph(GraphState):
             "kv_indices": torch.zeros(max(capacity.max_kv_slots, 1), dtype=torch.int32, device=device),
             "kv_last_page_len": torch.zeros(bs, dtype=torch.int32, device=device),
         }
-        self.workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace,
             "NHD",
@@ -412,10 +409,6 @@ class _FlashInferFA3Graph(GraphState):
             paged_kv_last_page_len_buf=self.buffers["kv_last_page_len"],
             backend="fa3",
         )
-        tokens, heads = capacity.max_tokens, self.model.num_qo_heads
-        self.out = torch.full((tokens, heads, self.model.v_head_dim), float("nan"), dtype=DTYPES[self.model.q_dtype], device=device)
-        self.lse2 = torch.full((tokens, heads), float("nan"), dtype=torch.float32, device=device)
-        self.lse = torch.full((tokens, heads), float("nan"), dtype=torch.float32, device=device)
 
     def load_plan(self, plan: Plan) -> None:
         if plan.scalars["verify_path"] == "two-call":
@@ -427,17 +420,8 @@ class _FlashInferFA3Graph(GraphState):
         tokens = inputs.q.shape[0]
         k_cache = inputs.k_cache.view(-1, self.model.page_size, m.num_kv_heads, m.head_dim)
         v_cache = inputs.v_cache.view(-1, self.model.page_size, m.num_kv_heads, m.v_head_dim)
-        self.wrapper.run(inputs.q, (k_cache, v_cache), out=self.out[:tokens], lse=self.lse2[:tokens], return_lse=True)
-        torch.mul(self.lse2, LN2, out=self.lse)  # FlashInfer's LSE is base 2
-        return AttentionResult(output=self.out[:tokens], lse=self.lse[:tokens])
-
-    def poison_scratch(self) -> None:
-        # All-ones bytes are NaN in every float dtype. Only the float workspace (split partials,
-        # written before they are read): the int workspace holds the plan.
-        self.workspace.fill_(0xFF)
-
-    def plan_pointers(self) -> dict[str, int]:
-        return {name: buffer.data_ptr() for name, buffer in self.buffers.items()}
+        self.wrapper.run(inputs.q, (k_cache, v_cache), out=self.out[:tokens], lse=self.lse_base2[:tokens], return_lse=True)
+        return self.result(tokens)
 
 
 # -- translation helpers ----------------------------------------------------------------------

@@ -398,7 +398,32 @@ class FlashInferBackend(Backend):
         return _FlashInferGraphState(trace=trace, capacity=capacity, use_tensor_cores=self.use_tensor_cores(trace))
 
 
-class _FlashInferGraphState(GraphState):
+class FlashInferGraphState(GraphState):
+    """What every graph state built on a FlashInfer wrapper owns (flashinfer, fa3, mla).
+
+    The float workspace the wrapper schedules split-KV partials in: the graph owns it, so nothing an
+    eager run does between replays can move or reuse it. Static outputs, NaN until a kernel writes
+    them: the output, the kernel's LSE (base 2) and ours (natural log)."""
+
+    def __init__(self, *, max_tokens: int, num_heads: int, v_head_dim: int, q_dtype: torch.dtype):
+        cuda = "cuda"
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=cuda)
+        self.out = torch.full((max_tokens, num_heads, v_head_dim), float("nan"), dtype=q_dtype, device=cuda)
+        self.lse_base2 = torch.full((max_tokens, num_heads), float("nan"), dtype=torch.float32, device=cuda)
+        self.lse = torch.full((max_tokens, num_heads), float("nan"), dtype=torch.float32, device=cuda)
+
+    def result(self, tokens: int) -> AttentionResult:
+        """After the wrapper wrote `out`/`lse_base2[:tokens]`: the result, LSE in natural log."""
+        torch.mul(self.lse_base2[:tokens], LN2, out=self.lse[:tokens])
+        return AttentionResult(output=self.out[:tokens], lse=self.lse[:tokens])
+
+    def poison_scratch(self) -> None:
+        # The float workspace holds only split-KV partials (tmp_v/tmp_s, partial_o/partial_lse),
+        # written before they are read; the plan lives in each wrapper's int workspace, left alone.
+        self.workspace.fill_(NAN_BYTE)
+
+
+class _FlashInferGraphState(FlashInferGraphState):
     """SGLang's CUDA-graph wrappers: `use_cuda_graph=True` over plan buffers sized for the capture.
 
     FlashInfer fixes the batch size at construction, so every plan loaded here must have exactly
@@ -410,13 +435,13 @@ class _FlashInferGraphState(GraphState):
 
     def __init__(self, *, trace: Trace, capacity: GraphCapacity, use_tensor_cores: bool):
         fi = _flashinfer()
-        self.model = trace.model
+        m = self.model = trace.model
+        super().__init__(max_tokens=capacity.max_tokens, num_heads=m.num_qo_heads, v_head_dim=m.v_head_dim, q_dtype=DTYPES[m.q_dtype])
         self.decode = trace.batch.forward_mode is ForwardMode.DECODE
         self.use_tensor_cores = use_tensor_cores
         bs = capacity.capture_bs
         cuda = "cuda"
         self.capture_bs = bs
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=cuda)
         self.buffers: dict[str, Tensor] = {
             "kv_indptr": torch.zeros(bs + 1, dtype=torch.int32, device=cuda),
             # Page count <= slot count, so the slot capacity bounds the page indices too.
@@ -450,12 +475,6 @@ class _FlashInferGraphState(GraphState):
                 mask_indptr_buf=self.buffers["mask_indptr"],
                 backend="fa2",
             )
-        tokens, hq, dv = capacity.max_tokens, self.model.num_qo_heads, self.model.v_head_dim
-        q_dtype = DTYPES[self.model.q_dtype]
-        # Static outputs, NaN until a kernel writes them; the kernel's LSE (base 2) and ours (natural).
-        self.out = torch.full((tokens, hq, dv), float("nan"), dtype=q_dtype, device=cuda)
-        self.lse_base2 = torch.full((tokens, hq), float("nan"), dtype=torch.float32, device=cuda)
-        self.lse = torch.full((tokens, hq), float("nan"), dtype=torch.float32, device=cuda)
 
     def load_plan(self, plan: Plan) -> None:
         path = PlanPath(plan.scalars["path"])
@@ -484,18 +503,8 @@ class _FlashInferGraphState(GraphState):
 
     def forward(self, inputs: AttentionInputs) -> AttentionResult:
         tokens = inputs.q.shape[0]
-        out, lse2, lse = self.out[:tokens], self.lse_base2[:tokens], self.lse[:tokens]
-        self.wrapper.run(inputs.q, _paged_kv(inputs, self.model.page_size), out=out, lse=lse2, return_lse=True)
-        torch.mul(lse2, LN2, out=lse)
-        return AttentionResult(output=out, lse=lse)
-
-    def poison_scratch(self) -> None:
-        # The float workspace holds only split-KV partials (tmp_v, tmp_s), written before they are
-        # read; the plan lives in each wrapper's int workspace (scheduler.cuh), left alone here.
-        self.workspace.fill_(NAN_BYTE)
-
-    def plan_pointers(self) -> dict[str, int]:
-        return {name: buffer.data_ptr() for name, buffer in self.buffers.items()}
+        self.wrapper.run(inputs.q, _paged_kv(inputs, self.model.page_size), out=self.out[:tokens], lse=self.lse_base2[:tokens], return_lse=True)
+        return self.result(tokens)
 
 
 # -- planning helpers (kernel vocabulary) -------------------------------------------------------

@@ -38,14 +38,8 @@ from attndbg.backends.base import (
     Padding,
     coerce_option,
 )
-from attndbg.backends.fa3 import (
-    FLASHINFER_WORKSPACE_BYTES,
-    KERNEL_ERRORS,
-    LN2,
-    build_page_table,
-    is_chain,
-    padded_requests,
-)
+from attndbg.backends.fa3 import KERNEL_ERRORS, build_page_table, is_chain, padded_requests
+from attndbg.backends.flashinfer import LN2, WORKSPACE_BYTES, FlashInferGraphState
 from attndbg.backends.triton import TritonBackend
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace, indptr
 
@@ -207,7 +201,7 @@ class MLABackend(Backend):
 
         model = trace.model
         if self._wrapper is None:
-            self._workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=inputs.q.device)
+            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=inputs.q.device)
             self._wrapper = BatchMLAPagedAttentionWrapper(self._workspace, backend=_flashinfer_backend_name())
         _flashinfer_plan(self._wrapper, model, plan)
         tokens = inputs.q.shape[0]
@@ -261,7 +255,7 @@ class _TritonMLAGraph(GraphState):
         return self.inner.plan_pointers()
 
 
-class _FlashInferMLAGraph(GraphState):
+class _FlashInferMLAGraph(FlashInferGraphState):
     """BatchMLAPagedAttentionWrapper(use_cuda_graph=True) on static CSR buffers sized for the
     capture. `load_plan` re-plans the wrapper: FlashInfer copies the metadata into these buffers
     and rewrites its schedule in the same int workspace (FA2/FA3 MLA plans may be re-planned
@@ -271,6 +265,7 @@ class _FlashInferMLAGraph(GraphState):
         from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
         self.model = m = trace.model
+        super().__init__(max_tokens=capacity.max_tokens, num_heads=m.num_qo_heads, v_head_dim=m.kv_lora_rank, q_dtype=DTYPES[m.q_dtype])
         device = torch.device("cuda")
         bs = capacity.capture_bs
         self.buffers = {
@@ -280,7 +275,6 @@ class _FlashInferMLAGraph(GraphState):
             "kv_indices": torch.zeros(max(capacity.max_kv_slots, 1), dtype=torch.int32, device=device),
             "kv_len_arr": torch.zeros(bs, dtype=torch.int32, device=device),
         }
-        self.workspace = torch.zeros(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.wrapper = BatchMLAPagedAttentionWrapper(
             self.workspace,
             use_cuda_graph=True,
@@ -290,10 +284,6 @@ class _FlashInferMLAGraph(GraphState):
             kv_len_arr=self.buffers["kv_len_arr"],
             backend=_flashinfer_backend_name(),
         )
-        tokens = capacity.max_tokens
-        self.out = torch.full((tokens, m.num_qo_heads, m.kv_lora_rank), float("nan"), dtype=DTYPES[m.q_dtype], device=device)
-        self.lse2 = torch.full((tokens, m.num_qo_heads), float("nan"), dtype=torch.float32, device=device)
-        self.lse = torch.full((tokens, m.num_qo_heads), float("nan"), dtype=torch.float32, device=device)
         self.page_size = m.page_size
 
     def load_plan(self, plan: Plan) -> None:
@@ -301,17 +291,8 @@ class _FlashInferMLAGraph(GraphState):
 
     def forward(self, inputs: AttentionInputs) -> AttentionResult:
         tokens = inputs.q.shape[0]
-        _flashinfer_run(self.wrapper, self.model, inputs, self.page_size, out=self.out[:tokens], lse=self.lse2[:tokens])
-        torch.mul(self.lse2, LN2, out=self.lse)  # FlashInfer's LSE is base 2
-        return AttentionResult(output=self.out[:tokens], lse=self.lse[:tokens])
-
-    def poison_scratch(self) -> None:
-        # All-ones bytes are NaN in every float dtype. Only the float workspace (split partials
-        # partial_o/partial_lse, written before they are read): the int workspace holds the plan.
-        self.workspace.fill_(0xFF)
-
-    def plan_pointers(self) -> dict[str, int]:
-        return {name: buffer.data_ptr() for name, buffer in self.buffers.items()}
+        _flashinfer_run(self.wrapper, self.model, inputs, self.page_size, out=self.out[:tokens], lse=self.lse_base2[:tokens])
+        return self.result(tokens)
 
 
 # -- library calls ------------------------------------------------------------------------------

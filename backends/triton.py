@@ -346,9 +346,6 @@ class _TritonGraphState(GraphState):
         _launch(self.model, self.buffers, self.scalars, inputs, self.out, self.lse, self.scratch)
         return AttentionResult(output=self.out, lse=self.lse)
 
-    def plan_pointers(self) -> dict[str, int]:
-        return {name: buffer.data_ptr() for name, buffer in self.buffers.items()}
-
 
 def _padded_rows(bs: int, padding: Padding | None) -> list[torch.Tensor]:
     """KV rows of the padded requests: `fill_value` columns, all at the dummy slot."""
