@@ -3,15 +3,13 @@ and the check that compares the engine's own output with the reference is sensit
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
-
-import torch
 
 from attndbg.checks.context import CheckContext, CheckOptions
 from attndbg.checks.run import check_steps, parse_only
 from attndbg.checks.split_merge_recorded import recorded_tensors
 from attndbg.trace import io
+from tests.record.corruptions import foreign_first_key
 
 SHIPPED = Path(__file__).resolve().parents[2] / "traces" / "transformers_step.pt"
 
@@ -26,11 +24,6 @@ def test_shipped_recording_is_a_real_engine_step_and_checks_clean() -> None:
 
 
 def test_a_foreign_key_in_one_request_is_caught_at_that_request() -> None:
-    trace = io.load(SHIPPED)
-    b = int(torch.argmax(trace.batch.kv_lens))
-    other = (b + 1) % trace.batch.batch_size
-    slots = trace.batch.slot_ids.clone()
-    slots[int(trace.batch.slot_indptr[b])] = slots[int(trace.batch.slot_indptr[other])]
-    wrong = replace(trace, batch=replace(trace.batch, slot_ids=slots))
+    wrong, b = foreign_first_key(io.load(SHIPPED))
     findings = recorded_tensors(CheckContext(trace=wrong, path="shipped", options=CheckOptions(backends=("reference",))))
     assert findings and {f.location.request for f in findings} == {b}

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.record.engines import import_engine
 
@@ -29,8 +28,8 @@ from attndbg.record.options import RecordOptions  # noqa: E402
 from attndbg.record.session import end_session, start_session  # noqa: E402
 from attndbg.replay.runner import ReplayOptions, replay  # noqa: E402
 from attndbg.trace import io  # noqa: E402
-from attndbg.trace.schema import ForwardMode  # noqa: E402
 from tests.record import transformers_generate as live  # noqa: E402
+from tests.record.corruptions import foreign_first_key  # noqa: E402
 
 SCRIPT = Path(live.__file__)
 PROMPT_LENS = sorted(len(p) for p in live.PROMPTS)  # 3, 5, 20
@@ -100,16 +99,7 @@ def test_engine_outputs_are_compared_and_a_wrong_slot_map_is_caught(recording, s
     trace = io.load(io.trace_paths(out)[step])  # the prefill (no merge on its path) and a decode step
     ctx = CheckContext(trace=trace, path="live", options=CheckOptions(backends=("reference",)))
     assert recorded_tensors(ctx) == []
-    # Point the longest request's first column at another request's first slot (attention is a set
-    # operation over keys, so a wrong map must bring in a foreign key to matter): its engine output
-    # no longer matches attention over what the trace says it reads; the other requests still do.
-    b = int(torch.argmax(trace.batch.kv_lens))
-    other = (b + 1) % trace.batch.batch_size
-    slots = trace.batch.slot_ids.clone()
-    slots[int(trace.batch.slot_indptr[b])] = slots[int(trace.batch.slot_indptr[other])]
-    from dataclasses import replace
-
-    swapped = replace(trace, batch=replace(trace.batch, slot_ids=slots))
+    swapped, b = foreign_first_key(trace)
     findings = recorded_tensors(CheckContext(trace=swapped, path="live", options=CheckOptions(backends=("reference",))))
     assert findings and {f.location.request for f in findings} == {b}
 
