@@ -103,7 +103,7 @@ class RecordingSession:
         self._pending_bytes = 0
         self._bytes_at_start = sum(p.stat().st_size for p in self.out_dir.glob("*.pt"))
         # Started now: its Python and torch take seconds to import, and steps queue meanwhile.
-        self._process = ProcessWriter(self.out_dir, on_written=self._written, on_error=self.disable) if options.writer == "process" else None
+        self._process = ProcessWriter(self.out_dir) if options.writer == "process" else None
         self._writer = threading.Thread(target=self._write_loop, name="attndbg-record-writer", daemon=True)
         self._writer.start()
         atexit.register(self.close)
@@ -182,10 +182,7 @@ class RecordingSession:
         rank = trace.source.tp_rank
         name = f"step_{trace.source.step:06d}{f'_tp{rank}' if rank else ''}.pt"
         if self._process is not None:
-            self._process.write(name, to_dict(trace))
-            # One step in flight: the cap and the step order stay exact, and waiting on the pipe
-            # releases the GIL (the child is the one working).
-            self._process.flush(timeout=60.0)
+            self._written(name, self._process.write(name, to_dict(trace)))
         else:
             path = append_to_recording(self.out_dir, trace, name)
             self._written(name, path.stat().st_size)
@@ -208,8 +205,6 @@ class RecordingSession:
 
         threading.Thread(target=join, daemon=True).start()
         done.wait(timeout)
-        if self._process is not None:
-            self._process.flush(timeout)
 
     def close(self) -> None:
         if self._writer.is_alive():
