@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attndbg.trace.errors import TraceError  # noqa: F401  (defined without torch, re-exported)
 from attndbg.trace.schema import (
     DTYPES,
     FORMAT_NAME,
@@ -33,19 +34,6 @@ from attndbg.trace.schema import (
 )
 
 INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-class TraceError(ValueError):
-    """A trace that cannot be used. `str()` is the one-line message shown to users."""
-
-    def __init__(self, field: str, message: str, path: str | None = None):
-        self.field = field
-        self.message = message
-        self.path = path
-        super().__init__(f"{path + ': ' if path else ''}{field}: {message}")
-
-    def in_file(self, path: str) -> "TraceError":
-        return TraceError(self.field, self.message, path)
 
 
 class _Reader:

@@ -8,10 +8,14 @@ engine *recorded* (plan, spec mask, graph padding, tensors), never in the batch 
 
 from __future__ import annotations
 
+import ast
 import importlib
 from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from attndbg.trace.schema import Trace
+if TYPE_CHECKING:
+    from attndbg.trace.schema import Trace
 
 _MODULES = ("invariants", "tree_mask", "fill_value", "split_merge")
 
@@ -34,3 +38,25 @@ def inject(trace: Trace, kind: str) -> Trace:
     if kind not in table:
         raise KeyError(kind)
     return table[kind](trace)
+
+
+def catalog() -> dict[str, str]:
+    """Kind -> first line of its docstring, read from the modules' source without importing them.
+
+    `attndbg synth --list` uses this so that listing stays instant (the modules import torch);
+    `injections()` is the executable truth and a test keeps the two equal.
+    """
+    out: dict[str, str] = {}
+    for name in _MODULES:
+        path = Path(__file__).with_name(f"{name}.py")
+        if not path.exists():
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docs = {f.name: ast.get_docstring(f) or "" for f in tree.body if isinstance(f, ast.FunctionDef)}
+        for node in tree.body:
+            target = node.target if isinstance(node, ast.AnnAssign) else None
+            if isinstance(target, ast.Name) and target.id == "INJECTIONS" and isinstance(node.value, ast.Dict):
+                for key, value in zip(node.value.keys, node.value.values):
+                    doc = docs.get(value.id, "") if isinstance(value, ast.Name) else ""
+                    out[ast.literal_eval(key)] = (doc.strip().splitlines() or [""])[0]
+    return out
