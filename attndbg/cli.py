@@ -1,32 +1,44 @@
-"""`attndbg` command line: each command parses, calls one core function, renders, exits 0/1/2.
+"""`attndbg` command line: each command parses, calls one core function, renders, exits 0/1/2/3.
 
-Exit codes: 0 all good, 1 a backend failed (or findings), 2 bad input (one line on stderr).
+Exit codes: 0 all good, 1 a backend failed (or findings), 2 bad input (one line on stderr),
+3 nothing failed but something asked for did not run (a backend named with --backend).
+
+Only click and rich are imported here: torch and the kernels load inside the commands that use
+them, so `--version`, `--help` and `synth --list` answer at once.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 from rich.console import Console
 
-from attndbg.trace.validate import TraceError
+from attndbg.trace.errors import TraceError
+from attndbg.trace.synth_spec import SpecError
 
 F = TypeVar("F", bound=Callable[..., Any])
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+# Nothing failed, but something asked for did not run (a named backend unavailable, a step not checked).
+EXIT_NOT_RUN = 3
 
 
 class BadInput(Exception):
     """Any user-input problem that is not a TraceError (unknown backend, bad option combination)."""
 
 
-def _console() -> Console:
-    return Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+def _console(*, stderr: bool = False) -> Console:
+    """The terminal's width; piped, $COLUMNS when set, else 160. `stderr` when stdout carries JSON."""
+    stream = sys.stderr if stderr else sys.stdout
+    piped_default = None if stream.isatty() or os.environ.get("COLUMNS", "").isdigit() else 160
+    return Console(highlight=False, soft_wrap=False, width=piped_default, stderr=stderr)
 
 
 def handles_bad_input(func: F) -> F:
@@ -34,8 +46,6 @@ def handles_bad_input(func: F) -> F:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from attndbg.trace.synth import SpecError
-
         try:
             return func(*args, **kwargs)
         except (TraceError, SpecError, BadInput) as e:
@@ -56,7 +66,12 @@ def _backend_names(spec: str) -> list[str]:
 
 
 def _write_json(path: str, data: Any) -> None:
-    Path(path).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    """Write `data` to `path`, or to stdout when `path` is "-"."""
+    text = json.dumps(data, indent=2) + "\n"
+    if path == "-":
+        click.echo(text, nl=False)
+    else:
+        Path(path).write_text(text, encoding="utf-8")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -81,22 +96,25 @@ def synth(spec: tuple[str, ...], output: str | None, list_presets: bool, inject_
 
     \b
     Example:
-      attndbg synth decode-gqa kv_lens=1,33,20000 page_size=16 -o decode.pt
+      attndbg synth decode-gqa kv_lens=1,33,2000 page_size=16 -o decode.pt
     """
-    from attndbg.replay.plans import with_engine_plan
-    from attndbg.trace import io, mutate, synth as synth_mod
+    from attndbg.trace import mutate, synth_spec
 
     if list_presets:
-        click.echo(synth_mod.__doc__)
-        for name, values in synth_mod.PRESETS.items():
+        # Read from torch-free modules: listing is instant.
+        click.echo(synth_spec.__doc__)
+        for name, values in synth_spec.PRESETS.items():
             click.echo(f"  {name:16s} " + " ".join(f"{k}={v}" for k, v in values.items()))
         click.echo("\nInjectable mistakes (--inject KIND):")
-        for kind, func in sorted(mutate.injections().items()):
-            click.echo(f"  {kind:32s} {(func.__doc__ or '').strip().splitlines()[0] if func.__doc__ else ''}")
+        for kind, doc in sorted(mutate.catalog().items()):
+            click.echo(f"  {kind:32s} {doc}")
         return
     if not output:
         raise BadInput("synth: give -o FILE (or --list to see presets)")
-    trace = with_engine_plan(synth_mod.build(synth_mod.parse_spec(spec)))
+    from attndbg.replay.plans import with_engine_plan
+    from attndbg.trace import io, synth as synth_mod
+
+    trace = with_engine_plan(synth_mod.build(synth_spec.parse_spec(spec)))
     if inject_kind:
         try:
             trace = mutate.inject(trace, inject_kind)
@@ -111,32 +129,36 @@ def synth(spec: tuple[str, ...], output: str | None, list_presets: bool, inject_
 
 @main.command()
 @click.argument("trace", type=click.Path())
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), help="also write the summary as JSON (attndbg.show/1; - for stdout)")
 @handles_bad_input
-def show(trace: str) -> None:
+def show(trace: str, json_path: str | None) -> None:
     """Summarise a trace: mode, batch, lengths, slots, plan, tree masks.
 
     \b
     Example:
       attndbg show traces/verify_tree.pt
     """
-    from attndbg.report.show import render_trace
+    from attndbg.report.show import render_trace, trace_to_json
     from attndbg.trace import io
 
-    _console().print(render_trace(io.load(trace), trace))
+    loaded = io.load(trace)
+    _console(stderr=json_path == "-").print(render_trace(loaded, trace))
+    if json_path:
+        _write_json(json_path, trace_to_json(loaded, trace))
 
 
 @main.command()
 @click.argument("trace", type=click.Path())
-@click.option("--backend", "backend_spec", default="triton", show_default=True, help="NAME[,NAME...] or all")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="also write the results as JSON")
+@click.option("--backend", "backend_spec", default="triton", show_default=True, help="NAME[,NAME...] or all (all skips, and names, what cannot run here)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), help="also write the results as JSON (attndbg.replay/1; - for stdout)")
 @click.option("--save", "save_path", type=click.Path(dir_okay=False), help="keep outputs for `attndbg diff`")
-@click.option("--layer", type=int, default=None, help="use this recorded layer's tensors")
-@click.option("--num-kv-splits", type=click.IntRange(min=1), default=None, help="force split-KV count (triton)")
+@click.option("--layer", type=int, default=None, help="use this recorded layer's tensors (default: the first recorded layer, else seeded data)")
+@click.option("--num-kv-splits", type=click.IntRange(min=1), default=None, help="force split-KV count (triton, decode steps)")
 @click.option("--plan", "plan_source", type=click.Choice(["derived", "recorded", "both"]), default="derived", show_default=True, help="run the plan derived from the batch, the one the engine recorded, or both")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help="eager runs per backend; any bit difference between them fails")
 @click.option("--cuda-graph", is_flag=True, help="also replay inside a real CUDA graph, padded as engines pad")
-@click.option("--capture-bs", type=click.IntRange(min=1), default=None, help="graph capture batch size (default: next SGLang size above the batch)")
-@click.option("--fill-value", type=click.IntRange(min=0), default=None, help="seq_len of padded rows (default: each backend's own)")
+@click.option("--capture-bs", type=click.IntRange(min=1), default=None, help="graph capture batch size (with --cuda-graph; default: next SGLang size above the batch)")
+@click.option("--fill-value", type=click.IntRange(min=0), default=None, help="seq_len of padded rows (with --cuda-graph; default: each backend's own)")
 @handles_bad_input
 def replay(
     trace: str,
@@ -151,29 +173,37 @@ def replay(
     capture_bs: int | None,
     fill_value: int | None,
 ) -> None:
-    """Replay a step through real kernels and compare each backend with a float64 reference.
+    """Replay a step (or every step of a folder) through real kernels and compare each backend
+    with a float64 reference.
 
-    Exit 0 when every backend that ran passed, 1 when any failed, 2 on bad input.
+    Exit 0 when every backend compared passed, 1 when any failed, 2 on bad input, 3 when a
+    backend named with --backend could not run here (nothing of it was compared).
 
     \b
-    Example:
+    Examples:
       attndbg replay traces/decode_gqa.pt --backend triton,reference --json out.json
+      attndbg replay rec --backend all --json - | jq .verdict
     """
+    names = _backend_names(backend_spec)
+    if not cuda_graph:
+        for flag, value in (("--capture-bs", capture_bs), ("--fill-value", fill_value)):
+            if value is not None:
+                raise BadInput(f"{flag} shapes the CUDA-graph replay: add --cuda-graph, or drop {flag}")
     from attndbg import machine
-    from attndbg.backends.triton import TritonOptions
-    from attndbg.replay.runner import PlanSource, ReplayOptions, replay as run_replay
-    from attndbg.report.replay import render_replay, replay_to_json
     from attndbg.trace import io
 
-    names = _backend_names(backend_spec)
     paths = io.trace_paths(trace)
     if save_path and len(paths) != 1:
         raise BadInput("--save takes a single step file, not a recording directory")
     if cuda_graph and not machine.cuda_available():
         raise BadInput("--cuda-graph needs a CUDA GPU, and this machine has none")
+
+    from attndbg.backends.triton import TritonOptions
+    from attndbg.replay.runner import PlanSource, ReplayOptions, replay as run_replay
+    from attndbg.report.replay import StepReport, overall, render_replay, replay_to_json, verdict_line
+
     max_splits = max(num_kv_splits or 0, TritonOptions().max_kv_splits)
     options = ReplayOptions(
-        layer=layer,
         triton=TritonOptions(num_kv_splits=num_kv_splits, max_kv_splits=max_splits),
         plan=PlanSource(plan_source),
         repeat=repeat,
@@ -181,69 +211,173 @@ def replay(
         capture_bs=capture_bs,
         fill_value=fill_value,
     )
-    console = _console()
-    results = []
-    from attndbg.profiling import phase
-
-    for path in paths:
-        with phase("load", str(path)):
+    named = () if backend_spec.strip() == "all" else tuple(names)
+    console = _console(stderr=json_path == "-")
+    steps = []
+    with _Progress(len(paths), "replaying") as progress:
+        for path in paths:
             loaded = io.load(path)
-        if layer is not None and layer not in loaded.tensors:
-            raise BadInput(f"--layer {layer}: {path} has no tensors for that layer (has {sorted(loaded.tensors) or 'none'})")
-        result = run_replay(loaded, str(path), names, options)
-        console.print(render_replay(result))
-        results.append(result)
+            step_layer, notes = _data_layer(loaded, layer, str(path), single=len(paths) == 1)
+            notes += _ignored_options(loaded, names, num_kv_splits)
+            progress.show(f"{path}: {', '.join(names)}")
+            result = run_replay(loaded, str(path), names, replace(options, layer=step_layer))
+            step = StepReport(result=result, layer=step_layer, repeat=repeat, named=named, notes=tuple(notes))
+            progress.print(console, render_replay(step))
+            steps.append(step)
+    console.print(verdict_line(steps))
     if json_path:
-        _write_json(json_path, [replay_to_json(r) for r in results] if len(results) > 1 else replay_to_json(results[0]))
+        _write_json(json_path, replay_to_json(steps))
     if save_path:
-        from attndbg.replay.saved import save_replay
+        _save_replay(save_path, str(paths[0]), steps[0].result)
+    sys.exit(_EXIT_BY_VERDICT[overall(steps).value])
 
-        only = results[0]
-        outputs = {"reference": (only.reference.output, only.reference.lse)}
-        for r in only.runs:
-            if r.result is not None:
-                key = r.name if r.variant == "eager" else f"{r.name}[{r.variant}]"
-                outputs[key] = (r.result.output, r.result.lse)
-        save_replay(save_path, trace_file=str(paths[0]), qo_indptr=only.trace.batch.qo_indptr, results=outputs)
-    sys.exit(EXIT_FAILED if any(r.failed for r in results) else EXIT_OK)
+
+# Verdict (report.replay.Verdict, by value) -> exit code.
+_EXIT_BY_VERDICT = {"passed": EXIT_OK, "failed": EXIT_FAILED, "incomplete": EXIT_NOT_RUN}
+
+
+class _Progress:
+    """A spinner with elapsed time on stderr while steps run (only on a terminal); what is
+    printed meanwhile appears above it."""
+
+    def __init__(self, total: int, verb: str):
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        columns = [SpinnerColumn(), TextColumn(f"{verb} {{task.completed}}/{{task.total}} {{task.description}}"), TimeElapsedColumn()]
+        self._progress = Progress(*columns, console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty())
+        self._task = self._progress.add_task("", total=total)
+
+    def __enter__(self) -> _Progress:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    def show(self, what: str) -> None:
+        self._progress.update(self._task, description=what)
+
+    def print(self, console: Console, renderable: Any) -> None:
+        self._progress.advance(self._task)
+        if self._progress.disable:
+            console.print(renderable)
+        else:
+            self._progress.stop()  # print above the spinner, then go on
+            console.print(renderable)
+            self._progress.start()
+
+
+def _data_layer(trace: Any, layer: int | None, path: str, *, single: bool) -> tuple[int | None, list[str]]:
+    """Which recorded layer's tensors to replay: --layer, else the first recorded one, else none
+    (seeded data). A step without the layer asked for is bad input alone, a note in a folder."""
+    recorded = sorted(trace.tensors)
+    if layer is None:
+        return (recorded[0] if recorded else None), []
+    if layer in recorded:
+        return layer, []
+    has = f"has {recorded}" if recorded else "has no recorded tensors"
+    if single:
+        raise BadInput(f"--layer {layer}: {path} has no tensors for that layer ({has})")
+    return None, [f"--layer {layer}: this step {has}; replayed with seeded data"]
+
+
+def _ignored_options(trace: Any, names: list[str], num_kv_splits: int | None) -> list[str]:
+    """Options given that cannot change this step's result, said rather than silently ignored."""
+    from attndbg.trace.schema import ForwardMode
+
+    notes = []
+    if num_kv_splits is not None:
+        if "triton" not in names:
+            notes.append("--num-kv-splits sets the triton backend's split count; triton is not among the backends run")
+        elif trace.batch.forward_mode is not ForwardMode.DECODE:
+            notes.append(f"--num-kv-splits: only decode steps split the KV; this {trace.batch.forward_mode.value} step has no splits")
+    return notes
+
+
+def _save_replay(path: str, trace_file: str, result: Any) -> None:
+    import hashlib
+
+    from attndbg.replay.saved import REFERENCE, save_replay
+
+    outputs = {REFERENCE: (result.reference.output, result.reference.lse)}
+    for r in result.runs:
+        if r.result is not None:
+            key = r.name if r.variant == "eager" else f"{r.name}[{r.variant}]"
+            outputs[key] = (r.result.output, r.result.lse)
+    digest = hashlib.sha256(Path(trace_file).read_bytes()).hexdigest()
+    save_replay(path, trace_file=trace_file, qo_indptr=result.trace.batch.qo_indptr, results=outputs, trace_digest=digest)
 
 
 @main.command()
 @click.argument("a", type=click.Path())
 @click.argument("b", type=click.Path())
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="also write the differences as JSON")
-@click.option("--pair", "pairs", multiple=True, help="saved replays: compare backend X of A with Y of B (X:Y)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), help="also write the differences as JSON (attndbg.diff/1; - for stdout)")
+@click.option("--pair", "pairs", multiple=True, help="saved replays only: compare backend X of A with Y of B (X:Y)")
 @handles_bad_input
 def diff(a: str, b: str, json_path: str | None, pairs: tuple[str, ...]) -> None:
-    """Show what differs between two traces, or between two saved replays (--save files).
+    """Show what differs between two traces, two recordings (folders, step by step), or two saved
+    replays (--save files).
 
-    Exit 0 when nothing differs, 1 when something does.
+    Exit 0 when nothing differs, 1 when something does, 2 on bad input.
 
     \b
     Examples:
       attndbg diff engine_step.pt synth_step.pt
+      attndbg diff rec_a rec_b
       attndbg diff run_a.replay run_b.replay --pair triton:triton
     """
-    from attndbg.compare import replay_diff, trace_diff
-    from attndbg.replay.saved import is_saved_replay, load_replay
-    from attndbg.report.diff import render_replay_diff, render_trace_diff, replay_diff_to_json, trace_diff_to_json
-    from attndbg.trace import io
+    from attndbg.replay.saved import is_saved_replay
 
-    console = _console()
-    if is_saved_replay(a) or is_saved_replay(b):
-        pair_list = [tuple(p.split(":", 1)) for p in pairs] if pairs else None
-        if pair_list and any(len(p) != 2 for p in pair_list):
-            raise BadInput("--pair: expected BACKEND_A:BACKEND_B")
-        result = replay_diff.diff_replays(load_replay(a), load_replay(b), pairs=pair_list)
-        console.print(render_replay_diff(result))
-        data = replay_diff_to_json(result)
+    console = _console(stderr=json_path == "-")
+    a_dir, b_dir = Path(a).is_dir(), Path(b).is_dir()
+    a_saved, b_saved = (not a_dir and is_saved_replay(a)), (not b_dir and is_saved_replay(b))
+    kinds = {a: "a folder" if a_dir else "a saved replay" if a_saved else "a trace", b: "a folder" if b_dir else "a saved replay" if b_saved else "a trace"}
+    if (a_dir, a_saved) != (b_dir, b_saved):
+        raise BadInput(f"diff: {a} is {kinds[a]} and {b} is {kinds[b]}: give two traces, two recordings or two saved replays")
+    if pairs and not a_saved:
+        raise BadInput(f"--pair compares backends of two saved replays (`attndbg replay --save FILE`); {a} and {b} are {kinds[a].split(' ', 1)[1]}s")
+    if a_saved:
+        data, differs = _diff_saved(console, a, b, pairs)
+    elif a_dir:
+        from attndbg.compare.recording_diff import diff_recordings
+        from attndbg.report.diff import recording_diff_to_json, render_recording_diff
+
+        result = diff_recordings(a, b)
+        console.print(render_recording_diff(result))
+        data, differs = recording_diff_to_json(result), result.differs
     else:
-        result = trace_diff.diff_traces(io.load(a), io.load(b))
+        from attndbg.compare.trace_diff import diff_traces
+        from attndbg.report.diff import render_trace_diff, trace_diff_to_json
+        from attndbg.trace import io
+
+        result = diff_traces(io.load(a), io.load(b))
         console.print(render_trace_diff(result))
-        data = trace_diff_to_json(result)
+        data, differs = trace_diff_to_json(result), result.differs
     if json_path:
         _write_json(json_path, data)
-    sys.exit(EXIT_FAILED if result.differs else EXIT_OK)
+    sys.exit(EXIT_FAILED if differs else EXIT_OK)
+
+
+def _diff_saved(console: Console, a: str, b: str, pairs: tuple[str, ...]) -> tuple[dict[str, Any], bool]:
+    """Two saved replays: refuse pairs naming absent backends and replays of different traces."""
+    from attndbg.compare.replay_diff import diff_replays, different_traces
+    from attndbg.replay.saved import load_replay
+    from attndbg.report.diff import render_replay_diff, replay_diff_to_json
+
+    ra, rb = load_replay(a), load_replay(b)
+    pair_list = [tuple(p.split(":", 1)) for p in pairs] or None
+    for pair in pair_list or ():
+        if len(pair) != 2 or not all(pair):
+            raise BadInput(f"--pair: expected BACKEND_A:BACKEND_B (e.g. triton:reference), got {':'.join(pair)!r}")
+        for name, side, path in ((pair[0], ra, a), (pair[1], rb, b)):
+            if name not in side.results:
+                raise BadInput(f"--pair {pair[0]}:{pair[1]}: {path} has no {name!r} (it has {', '.join(side.results)})")
+    why = different_traces(ra, rb)
+    if why:
+        raise BadInput(f"diff: {a} and {b} are replays of different traces ({why}); diff replays of one trace")
+    result = diff_replays(ra, rb, pairs=pair_list)
+    console.print(render_replay_diff(result))
+    return replay_diff_to_json(result), result.differs
 
 
 @main.command()
@@ -302,6 +436,8 @@ def check(target: str, only: str | None, backend_spec: str | None, cuda_graph: b
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("-o", "--output", "out_dir", default="recording", show_default=True, type=click.Path(file_okay=False), help="recording directory (manifest.jsonl + one .pt per step)")
+@click.option("--append", is_flag=True, help="add this run's steps to an existing recording (files named run<N>_step_*.pt)")
+@click.option("--overwrite", is_flag=True, help="replace an existing recording in the directory")
 @click.option("--every", type=click.IntRange(min=1), default=1, show_default=True, help="record every N-th step")
 @click.option("--steps", default=None, help="record only steps A <= step < B (A:B, A:, :B)")
 @click.option("--layers", default=None, help="also record real tensors (q, new k/v, KV rows read, output) of these layers, e.g. 0,5")
@@ -309,11 +445,22 @@ def check(target: str, only: str | None, backend_spec: str | None, cuda_graph: b
 @click.option("--engine", "engines", default="transformers,sglang,vllm", show_default=True, help="engines to hook")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 @handles_bad_input
-def record(out_dir: str, every: int, steps: str | None, layers: str | None, max_size: str, engines: str, command: tuple[str, ...]) -> None:
+def record(
+    out_dir: str,
+    append: bool,
+    overwrite: bool,
+    every: int,
+    steps: str | None,
+    layers: str | None,
+    max_size: str,
+    engines: str,
+    command: tuple[str, ...],
+) -> None:
     """Run an engine command with recording hooks and write each step as a trace.
 
     Hooks are armed in every Python process the command starts (schedulers, workers); a hook that
-    fails logs one line and stops recording, the engine goes on. Exit code: the command's.
+    fails logs one line and stops recording, the engine goes on. A directory that already holds
+    files is refused unless --append or --overwrite. Exit code: the command's.
 
     \b
     Examples:
@@ -321,7 +468,7 @@ def record(out_dir: str, every: int, steps: str | None, layers: str | None, max_
       attndbg record -o rec --layers 0 --steps 0:20 -- python my_generate.py
       attndbg check rec && attndbg replay rec/step_000003.pt --backend all
     """
-    from attndbg.record.launch import run_recorded
+    from attndbg.record.launch import missing_layers, prepare_directory, run_recorded
     from attndbg.record.options import OptionError, RecordOptions, parse_layers, parse_size, parse_steps
 
     known = ("transformers", "sglang", "vllm")
@@ -335,16 +482,21 @@ def record(out_dir: str, every: int, steps: str | None, layers: str | None, max_
         raise BadInput("record: no command given (attndbg record [OPTIONS] -- COMMAND ...)")
     try:
         first, last = parse_steps(steps)
-        options = RecordOptions(out_dir=out_dir, every=every, first_step=first, last_step=last, layers=parse_layers(layers), max_bytes=parse_size(max_size), engines=chosen)
+        prefix = prepare_directory(out_dir, append=append, overwrite=overwrite)
+        options = RecordOptions(
+            out_dir=out_dir, every=every, first_step=first, last_step=last, layers=parse_layers(layers), max_bytes=parse_size(max_size), engines=chosen, file_prefix=prefix
+        )
     except OptionError as e:
         raise BadInput(str(e)) from None
     try:
         result = run_recorded(list(command), options)
     except FileNotFoundError:
         raise BadInput(f"record: command not found: {command[0]}") from None
-    steps_written = len(result.entries)
     modes = sorted({e.mode for e in result.entries})
-    click.echo(f"attndbg record: {steps_written} step(s) in {result.out_dir} ({', '.join(modes) or 'no steps'}); command exited {result.exit_code}", err=True)
+    click.echo(f"attndbg record: {len(result.entries)} step(s) in {result.out_dir} ({', '.join(modes) or 'no steps'}); command exited {result.exit_code}", err=True)
+    never = missing_layers(options, result.entries)
+    if never:
+        click.echo(f"attndbg record: note: --layers {','.join(map(str, never))}: no step recorded tensors of these layers (does the model have that many layers?)", err=True)
     sys.exit(result.exit_code)
 
 
@@ -352,46 +504,62 @@ def record(out_dir: str, every: int, steps: str | None, layers: str | None, max_
 @click.argument("trace", type=click.Path())
 @click.option("--backend", "backend_spec", default="triton", show_default=True, help="NAME[,NAME...] or all")
 @click.option("--samples", type=click.IntRange(min=3), default=30, show_default=True, help="timed samples (median reported)")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="also write the timings as JSON")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), help="also write the timings as JSON (attndbg.bench/1; - for stdout)")
 @handles_bad_input
 def bench(trace: str, backend_spec: str, samples: int, json_path: str | None) -> None:
     """Time each backend on a trace over CUDA-graph replays; bandwidth against the device's copy peak.
+
+    Exit 0 when every backend was timed, 2 on bad input (or no GPU), 3 when a backend named with
+    --backend could not run here.
 
     \b
     Example:
       attndbg bench traces/decode_gqa.pt --backend triton,flashinfer
     """
+    names = _backend_names(backend_spec)  # a typo is reported before the GPU is looked for
+    from attndbg import machine
+    from attndbg.trace import io
+
+    loaded = io.load(trace)
+    if not machine.cuda_available():
+        raise BadInput("bench times CUDA-graph replays and needs a CUDA GPU, and this machine has none (attndbg replay runs on a CPU)")
     from rich.table import Table
 
-    from attndbg import machine
     from attndbg.backends import registry
     from attndbg.replay.data import build_inputs, to_device
     from attndbg.replay.timing import copy_bandwidth_gbps, time_backend
-    from attndbg.trace import io
 
-    if not machine.cuda_available():
-        raise BadInput("bench times CUDA-graph replays and needs a CUDA GPU, and this machine has none")
-    names = _backend_names(backend_spec)
-    loaded = io.load(trace)
     inputs = build_inputs(loaded)
     peak = copy_bandwidth_gbps()
-    table = Table(title=f"{trace}: {loaded.batch.forward_mode.value} bs={loaded.batch.batch_size}; device copy bandwidth {peak:.0f} GB/s")
-    for column in ("backend", "median", "min..max", "bytes", "GB/s", "of copy peak", "note"):
-        table.add_column(column)
-    rows = []
+    console = _console(stderr=json_path == "-")
+    table = Table(title=f"{trace}: {loaded.batch.forward_mode.value} bs={loaded.batch.batch_size}; device copy bandwidth {peak:.0f} GB/s", title_justify="left")
+    for column in ("backend", "median", "min..max", "bytes", "GB/s", "of peak"):
+        table.add_column(column, no_wrap=True, justify="left" if column == "backend" else "right")
+    timed, skipped = [], []
     for name in names:
         backend = registry.create(name)
         reason = backend.unavailable_reason() or backend.unsupported_reason(loaded) or backend.graph_unsupported_reason(loaded)
         if reason:
-            table.add_row(name, "", "", "", "", "", reason)
-            rows.append({"backend": name, "skipped": reason})
+            skipped.append({"backend": name, "reason": reason})
             continue
         t = time_backend(backend, loaded, to_device(inputs, backend.device()), samples=samples)
-        table.add_row(name, f"{t.median_us:.1f} us", f"{t.min_us:.1f}..{t.max_us:.1f}", f"{t.bytes_moved / 1e6:.1f} MB", f"{t.achieved_gbps:.0f}", f"{t.achieved_gbps / peak:.0%}", backend.describe())
-        rows.append(t.__dict__ | {"copy_gbps": peak})
-    _console().print(table)
+        table.add_row(name, f"{t.median_us:.1f} us", f"{t.min_us:.1f}..{t.max_us:.1f}", f"{t.bytes_moved / 1e6:.1f} MB", f"{t.achieved_gbps:.0f}", f"{t.achieved_gbps / peak:.0%}")
+        timed.append(t.__dict__ | {"backend": name, "description": backend.describe(), "copy_gbps": peak})
+    if timed:
+        console.print(table)
+    for row in timed:
+        console.print(f"{row['backend']}: {row['description']}", style="dim", highlight=False)
+    for row in skipped:
+        console.print(f"{row['backend']}: skipped: {row['reason']}", style="yellow", highlight=False)
+    named = () if backend_spec.strip() == "all" else tuple(names)
+    missing = [s["backend"] for s in skipped if s["backend"] in named]
+    verdict = "incomplete" if missing or not timed else "timed"
+    summary = f"{len(timed)} backend(s) timed ({', '.join(r['backend'] for r in timed) or 'none'})"
+    summary += "".join(f"; {s['backend']} skipped: {s['reason']}" for s in skipped)
+    console.print(f"{verdict.upper()}: {summary}", style="bold green" if verdict == "timed" else "bold yellow", highlight=False)
     if json_path:
-        _write_json(json_path, rows)
+        _write_json(json_path, {"schema": "attndbg.bench/1", "verdict": verdict, "summary": summary, "trace": trace, "timed": timed, "skipped": skipped})
+    sys.exit(EXIT_NOT_RUN if verdict == "incomplete" else EXIT_OK)
 
 
 @main.command()

@@ -12,7 +12,7 @@ import json
 import sys
 
 from attndbg.replay.runner import replay
-from attndbg.report.replay import run_to_json
+from attndbg.report.replay import StepReport, run_to_json
 from attndbg.trace import synth
 
 LARGE = {
@@ -46,7 +46,7 @@ def main() -> int:
         result = replay(trace, name, names, options)
         failed |= result.failed
         for run in result.runs:
-            row = run_to_json(run) | {"mode": name}
+            row = run_to_json(run, StepReport(result=result, layer=None)) | {"mode": name}
             rows.append(row)
             print(
                 f"{name:22s} {run.name:10s} {run.variant:18s} {run.status.value:11s} "

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from attndbg.backends import registry
 from attndbg.backends.triton import TritonBackend
-from attndbg.cli import main
+from attndbg.cli import EXIT_NOT_RUN, main
 from tests.factories import write_trace
 
 
@@ -49,9 +49,12 @@ def test_replay_passes_and_writes_json(tmp_path: Path) -> None:
     result = invoke("replay", str(trace), "--backend", "triton,reference", "--json", str(report))
     assert result.exit_code == 0, result.output
     data = json.loads(report.read_text())
-    assert data["passed"] is True
-    assert [b["backend"] for b in data["backends"]] == ["triton", "reference"]
-    assert all(b["status"] == "passed" and b["failing_rows"] == 0 for b in data["backends"])
+    assert data["schema"] == "attndbg.replay/1" and data["passed"] is True and data["verdict"] == "passed"
+    (step,) = data["steps"]
+    assert [b["backend"] for b in step["backends"]] == ["triton", "reference"]
+    assert step["compared"] == ["triton", "reference"] and step["skipped"] == []
+    assert all(b["status"] == "passed" and b["failing_rows"] == 0 for b in step["backends"])
+    assert "PASSED: 2 backends compared (triton, reference)" in result.output
 
 
 def test_replay_unknown_backend_exit_2(tmp_path: Path) -> None:
@@ -90,18 +93,22 @@ def test_replay_exit_1_when_a_backend_fails(tmp_path: Path, monkeypatch: pytest.
     report = tmp_path / "r.json"
     result = invoke("replay", str(trace), "--backend", "triton,triton-wrong-mask", "--json", str(report))
     assert result.exit_code == 1, result.output
-    runs = {b["backend"]: b for b in json.loads(report.read_text())["backends"]}
+    runs = {b["backend"]: b for b in _steps(report)[0]["backends"]}
     assert runs["triton"]["status"] == "passed"
     assert runs["triton-wrong-mask"]["status"] == "failed" and runs["triton-wrong-mask"]["failing_rows"] > 0
 
 
 def test_replay_reports_unsupported_features(tmp_path: Path) -> None:
+    """triton, named explicitly, cannot run an MLA extend: reported, and the exit code says so."""
     trace = write_trace(tmp_path / "t.pt", "mla-decode", "mode=extend", "prefix_lens=3", "extend_lens=4", plan=False)
     report = tmp_path / "r.json"
     result = invoke("replay", str(trace), "--backend", "triton,reference", "--json", str(report))
-    assert result.exit_code == 0, result.output
-    runs = {b["backend"]: b for b in json.loads(report.read_text())["backends"]}
+    assert result.exit_code == EXIT_NOT_RUN, result.output
+    (step,) = _steps(report)
+    runs = {b["backend"]: b for b in step["backends"]}
     assert runs["triton"]["status"] == "unsupported" and "MLA EXTEND" in runs["triton"]["reason"]
+    assert step["compared"] == ["reference"] and [s["backend"] for s in step["skipped"]] == ["triton"]
+    assert step["verdict"] == "incomplete" and "triton unsupported" in result.output
 
 
 def test_backends_lists_triton_and_its_mode() -> None:
@@ -128,8 +135,15 @@ def _trace_with_plan_change(tmp_path: Path, change) -> Path:
     return io.save(replace(trace, plan=replace(trace.plan, tensors=tensors)), tmp_path / "p.pt")
 
 
+def _steps(report: Path) -> list[dict]:
+    data = json.loads(report.read_text())
+    assert data["schema"] == "attndbg.replay/1"
+    return data["steps"]
+
+
 def _rows(report: Path) -> dict[tuple[str, str], dict]:
-    return {(b["backend"], b["variant"]): b for b in json.loads(report.read_text())["backends"]}
+    (step,) = _steps(report)
+    return {(b["backend"], b["variant"]): b for b in step["backends"]}
 
 
 def test_recorded_plan_replays_beside_the_derived_one(tmp_path: Path) -> None:
@@ -174,8 +188,9 @@ def test_recorded_plan_of_another_backend_is_reported(tmp_path: Path) -> None:
     path = _trace_with_plan_change(tmp_path, lambda t: None)
     report = tmp_path / "r.json"
     result = invoke("replay", str(path), "--backend", "reference", "--plan", "recorded", "--json", str(report))
-    assert result.exit_code == 0
+    assert result.exit_code == EXIT_NOT_RUN, result.output  # nothing of reference was compared
     assert "built by 'triton'" in _rows(report)[("reference", "recorded plan")]["reason"]
+    assert "0 backends compared" in result.output
 
 
 def test_check_a_recording_directory(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attndbg.replay.saved import SavedReplay
+from attndbg.replay.saved import REFERENCE, SavedReplay
 
 
 class PairStatus(enum.Enum):
@@ -77,6 +77,10 @@ class PairDiff:
     differing_rows: int = 0  # rows whose output or LSE differ in value
     num_rows: int = 0
     requests: tuple[RequestDelta, ...] = ()  # every request, in batch order
+    # For scale: (output, LSE) max abs of each side's result against that file's own float64
+    # reference; None where the file has no reference or the name is the reference.
+    a_vs_reference: tuple[float, float] | None = None
+    b_vs_reference: tuple[float, float] | None = None
 
     @property
     def bitwise_equal(self) -> bool:
@@ -162,7 +166,33 @@ def _pair(a: SavedReplay, b: SavedReplay, a_name: str, b_name: str) -> PairDiff:
         differing_rows=int(rows.sum()),
         num_rows=int(rows.numel()),
         requests=_requests(e_out, e_lse, qo),
+        a_vs_reference=_vs_reference(a, a_name),
+        b_vs_reference=_vs_reference(b, b_name),
     )
+
+
+def _vs_reference(side: SavedReplay, name: str) -> tuple[float, float] | None:
+    if name == REFERENCE or REFERENCE not in side.results:
+        return None
+    r, ref = side.results[name], side.results[REFERENCE]
+
+    def max_abs(x: Tensor, y: Tensor) -> float:
+        return float(_elementwise(x, y).abs_diff.max()) if x.numel() else 0.0
+
+    return max_abs(r.output, ref.output), max_abs(r.lse, ref.lse)
+
+
+def different_traces(a: SavedReplay, b: SavedReplay) -> str:
+    """Why `a` and `b` cannot be replays of one trace ("" when they may be): the traces' digests,
+    the batches (qo_indptr) or the result shapes differ."""
+    if a.trace_digest and b.trace_digest and a.trace_digest != b.trace_digest:
+        return f"{a.trace_file} and {b.trace_file} have different contents (sha256 {a.trace_digest[:12]}… vs {b.trace_digest[:12]}…)"
+    if not (a.qo_indptr.shape == b.qo_indptr.shape and torch.equal(a.qo_indptr, b.qo_indptr)):
+        return f"their batches differ: qo_indptr {a.qo_indptr.tolist()[:8]} vs {b.qo_indptr.tolist()[:8]}"
+    shapes = {tuple(r.output.shape) for side in (a, b) for r in side.results.values()}
+    if len(shapes) > 1:
+        return f"their outputs have different shapes: {' vs '.join(str(list(s)) for s in sorted(shapes))}"
+    return ""
 
 
 @dataclass(frozen=True)

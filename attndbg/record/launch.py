@@ -14,7 +14,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from attndbg.record.options import ENV_VAR, RecordOptions
+from attndbg.record.options import ENV_VAR, OptionError, RecordOptions
 from attndbg.trace.io import MANIFEST, ManifestEntry, read_manifest
 
 STARTUP_DIR = Path(__file__).resolve().parent / "startup"
@@ -32,6 +32,49 @@ def recording_env(options: RecordOptions, base: dict[str, str] | None = None) ->
     env[ENV_VAR] = options.to_env()
     env["PYTHONPATH"] = os.pathsep.join([str(STARTUP_DIR), *filter(None, [env.get("PYTHONPATH")])])
     return env
+
+
+def prepare_directory(out_dir: str | os.PathLike, *, append: bool, overwrite: bool) -> str:
+    """Make `out_dir` ready for a new run and return the step files' name prefix.
+
+    Two runs never mix silently: a directory holding anything is refused unless the user says
+    --append (this run's files get a fresh `run<N>_` prefix, so no step of the earlier run is
+    overwritten) or --overwrite (the earlier recording's manifest and step files are deleted;
+    a directory holding other files is never emptied).
+    """
+    if append and overwrite:
+        raise OptionError("--append and --overwrite exclude each other")
+    directory = Path(out_dir)
+    if directory.exists() and not directory.is_dir():
+        raise OptionError(f"-o {out_dir}: exists and is not a directory")
+    present = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    if not present:
+        return ""
+    ours = [n for n in present if n == MANIFEST or n.endswith(".pt")]
+    if overwrite:
+        others = [n for n in present if n not in ours]
+        if others:
+            raise OptionError(f"-o {out_dir}: holds files that are not a recording ({', '.join(others[:3])}); choose another directory")
+        for name in ours:
+            (directory / name).unlink()
+        return ""
+    if append:
+        run = 2
+        while any(n.startswith(f"run{run}_") for n in present):
+            run += 1
+        return f"run{run}_"
+    steps = len(read_manifest(directory)) if MANIFEST in present else 0
+    held = f"a recording ({steps} steps)" if MANIFEST in present else f"{len(present)} files"
+    raise OptionError(f"-o {out_dir}: already holds {held}; add --append to add to it, --overwrite to replace it, or choose another -o")
+
+
+def missing_layers(options: RecordOptions, entries: list[ManifestEntry]) -> list[int]:
+    """Layers asked for with --layers that no recorded step carries tensors of (a model with fewer
+    layers, say). Empty when nothing was recorded: then there is nothing to judge by."""
+    if not entries:
+        return []
+    seen = {layer for e in entries for layer in e.layers}
+    return [layer for layer in options.layers if layer not in seen]
 
 
 def run_recorded(command: list[str], options: RecordOptions) -> RecordResult:

@@ -27,6 +27,7 @@ class RecordOptions:
     max_bytes: int = 2 << 30  # stop recording (not the engine) once the directory holds this much
     engines: tuple[str, ...] = ("transformers", "sglang", "vllm")
     writer: str = "process"  # "process": save in a child process (off the engine's GIL); "thread": in-process
+    file_prefix: str = ""  # step files are named f"{file_prefix}step_000012.pt" ("run2_" with --append)
     extra: dict[str, str] = field(default_factory=dict)
 
     def wants_step(self, step: int) -> bool:

@@ -180,7 +180,7 @@ class RecordingSession:
         if trace is None:
             return
         rank = trace.source.tp_rank
-        name = f"step_{trace.source.step:06d}{f'_tp{rank}' if rank else ''}.pt"
+        name = f"{self.options.file_prefix}step_{trace.source.step:06d}{f'_tp{rank}' if rank else ''}.pt"
         if self._process is not None:
             self._written(name, self._process.write(name, to_dict(trace)))
         else:

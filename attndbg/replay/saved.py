@@ -6,7 +6,7 @@ later without re-running anything. Stored as a plain dict of str/int/dict and te
 `torch.load(weights_only=True)` reads it without executing code:
 
     {"format": "attndbg.replay", "version": 1, "trace_file": str, "qo_indptr": Tensor,
-     "results": {name: {"output": Tensor, "lse": Tensor}}}
+     "results": {name: {"output": Tensor, "lse": Tensor}}, "trace_sha256": str (optional)}
 
 Values are float32 on the CPU: every backend's dtype (bf16, fp16, fp32) converts to it exactly, and
 the float64 reference rounds once, which is far below any tolerance the comparisons apply.
@@ -30,9 +30,10 @@ import torch
 from attndbg.atomic import torch_save_atomically
 from torch import Tensor
 
+from attndbg.trace.io import SAVED_REPLAY_FORMAT
 from attndbg.trace.validate import TraceError, check_indptr
 
-FORMAT_NAME = "attndbg.replay"
+FORMAT_NAME = SAVED_REPLAY_FORMAT  # the trace loader recognises it too, to point at `attndbg diff`
 FORMAT_VERSION = 1
 REFERENCE = "reference"  # the name the float64 reference result is stored under
 
@@ -66,6 +67,7 @@ class SavedReplay:
     qo_indptr: Tensor  # [bs+1] int64: request b's rows are qo_indptr[b]:qo_indptr[b+1]
     results: Mapping[str, BackendResult]  # by backend name; REFERENCE is the float64 reference
     path: str = ""  # the file it was loaded from ("" when built in memory)
+    trace_digest: str = ""  # sha256 of the trace file's bytes when saved ("" in older files)
 
     def __post_init__(self) -> None:
         _check(self)
@@ -139,6 +141,7 @@ def save_replay(
     trace_file: str,
     qo_indptr: Tensor,
     results: Mapping[str, tuple[Tensor, Tensor]],
+    trace_digest: str = "",
 ) -> None:
     """Write `results` (name -> (output [T, Hq, Dv], lse [T, Hq] natural log)) atomically.
 
@@ -153,6 +156,7 @@ def save_replay(
             trace_file=trace_file,
             qo_indptr=qo_indptr.detach().to(device="cpu", dtype=torch.int64).clone(),
             results={name: BackendResult(output=_stored(o), lse=_stored(l)) for name, (o, l) in results.items()},
+            trace_digest=trace_digest,
         ),
     )
     data = {
@@ -162,6 +166,8 @@ def save_replay(
         "qo_indptr": saved.qo_indptr,
         "results": {name: {"output": r.output, "lse": r.lse} for name, r in saved.results.items()},
     }
+    if saved.trace_digest:
+        data["trace_sha256"] = saved.trace_digest
     torch_save_atomically(data, path)
 
 
@@ -247,7 +253,10 @@ def _from_dict(data: dict, where: str) -> SavedReplay:
     qo_indptr = data["qo_indptr"]
     if isinstance(qo_indptr, Tensor) and qo_indptr.dtype == torch.int32:
         qo_indptr = qo_indptr.to(torch.int64)
-    return SavedReplay(trace_file=data["trace_file"], qo_indptr=qo_indptr, results=results, path=where)
+    digest = data.get("trace_sha256", "")
+    if not isinstance(digest, str):
+        raise TraceError("trace_sha256", f"expected a hex string, found {type(digest).__name__}")
+    return SavedReplay(trace_file=data["trace_file"], qo_indptr=qo_indptr, results=results, path=where, trace_digest=digest)
 
 
 def _built(where: str, make):

@@ -15,8 +15,11 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from attndbg.compare.recording_diff import RecordingDiff, StepDiff
 from attndbg.compare.replay_diff import PairDiff, PairStatus, ReplayDiff, Worst
 from attndbg.compare.trace_diff import SECTIONS, FieldDiff, FieldStatus, TraceDiff
+
+SCHEMA = "attndbg.diff/1"  # documented in docs/json.md
 
 MAX_FIELDS = 40  # differing fields listed before "... N more"
 MAX_REQUESTS = 16  # differing requests listed per backend pair
@@ -110,6 +113,10 @@ def _field_cells(f: FieldDiff) -> tuple[str, str, str]:
 
 
 def trace_diff_to_json(d: TraceDiff) -> dict[str, Any]:
+    return {"schema": SCHEMA, "kind": "traces"} | _trace_diff_data(d)
+
+
+def _trace_diff_data(d: TraceDiff) -> dict[str, Any]:
     return {
         "identical": d.identical,
         "compared": len(d.fields),
@@ -145,6 +152,11 @@ def render_replay_diff(d: ReplayDiff) -> RenderableType:
     for p in d.pairs:
         if p.status is PairStatus.COMPARED and p.differing_rows:
             parts.append(_pair_detail(p))
+            scale = _scale(p, a_label, b_label)
+            if scale is not None:
+                parts.append(scale)
+    if not d.identical:
+        parts.append(Text("judged bitwise: any difference counts (a deterministic kernel run twice matches exactly)", style="dim"))
     if d.identical:
         parts.append(Text("all pairs bitwise identical", style="green"))
     elif all(p.bitwise_equal for p in d.pairs):
@@ -174,8 +186,18 @@ def _worst(w: Worst | None, what: str) -> str:
     if w is None:
         return ""
     col = f" col {w.col}" if w.col >= 0 else ""
-    where = f"request {w.request} row {w.row_in_request} (token {w.row}) head {w.head}{col}"
-    return f"{what}: {where}: {w.a:.6g} vs {w.b:.6g}"
+    where = f"request {w.request} row {w.row_in_request} (step row {w.row}) head {w.head}{col}"
+    # 9 significant digits print any two distinct float32 values differently.
+    return f"{what}: {where}: {w.a:.9g} vs {w.b:.9g} (difference {abs(w.a - w.b):.3g})"
+
+
+def _scale(p: PairDiff, a_label: str, b_label: str) -> Text | None:
+    """How far each side is from its own float64 reference: the size a difference is judged by."""
+    sides = [(label, name, v) for label, name, v in ((a_label, p.a_name, p.a_vs_reference), (b_label, p.b_name, p.b_vs_reference)) if v]
+    if not sides:
+        return None
+    text = "; ".join(f"{name} in {label}: output {_num(v[0])}, LSE {_num(v[1])}" for label, name, v in sides)
+    return Text(f"against the float64 reference, for scale: {text}", style="dim")
 
 
 def _pair_cells(p: PairDiff) -> tuple[str | Text, ...]:
@@ -229,11 +251,69 @@ def _pair_detail(p: PairDiff) -> RenderableType:
 
 
 def replay_diff_to_json(d: ReplayDiff) -> dict[str, Any]:
-    data = _jsonable(d)
+    data = {"schema": SCHEMA, "kind": "replays"} | _jsonable(d)
     data["identical"] = d.identical
     for pair, p in zip(data["pairs"], d.pairs):
         pair["bitwise_equal"] = p.bitwise_equal
     return data
+
+
+# --- recording diff -----------------------------------------------------------------------------
+
+
+def _step_summary(s: StepDiff) -> str:
+    if s.error:
+        return f"could not compare: {s.error}"
+    if s.a_file is None or s.b_file is None:
+        return f"only in {'b' if s.a_file is None else 'a'}"
+    assert s.diff is not None
+    if s.diff.identical:
+        return "identical"
+    first = s.diff.differences[0]
+    a, b, detail = _field_cells(first)
+    return f"{len(s.diff.differences)} fields differ; first {first.field}: {detail or f'{a} vs {b}'}"
+
+
+def render_recording_diff(d: RecordingDiff) -> RenderableType:
+    parts: list[RenderableType] = [Text(f"{d.a_path} (a) vs {d.b_path} (b): {len(d.steps)} steps paired in order", style="bold")]
+    table = Table(header_style="bold", pad_edge=False)
+    for name in ("#", "a", "b", "result"):
+        table.add_column(name, overflow="fold")
+    for s in d.differing[:MAX_FIELDS]:
+        _add_row(table, str(s.index), s.a_file or "—", s.b_file or "—", _step_summary(s))
+    if d.differing:
+        parts.append(table)
+    if len(d.differing) > MAX_FIELDS:
+        parts.append(Text(f"… {len(d.differing) - MAX_FIELDS} more differing steps (see --json)", style="dim"))
+    first = d.first_difference
+    if first is None:
+        parts.append(Text(f"all {len(d.steps)} steps structurally identical", style="green"))
+    else:
+        parts.append(Text(f"{len(d.differing)} of {len(d.steps)} steps differ; first at #{first.index}: {_step_summary(first)}", style="bold red"))
+    return Group(*parts)
+
+
+def recording_diff_to_json(d: RecordingDiff) -> dict[str, Any]:
+    first = d.first_difference
+    return {
+        "schema": SCHEMA,
+        "kind": "recordings",
+        "identical": not d.differs,
+        "a": d.a_path,
+        "b": d.b_path,
+        "first_difference": None if first is None else first.index,
+        "steps": [
+            {
+                "index": s.index,
+                "a_file": s.a_file,
+                "b_file": s.b_file,
+                "identical": not s.differs,
+                "error": s.error or None,
+                "diff": None if s.diff is None else _trace_diff_data(s.diff),
+            }
+            for s in d.steps
+        ],
+    }
 
 
 # --- JSON ---------------------------------------------------------------------------------------

@@ -1,14 +1,25 @@
-"""Render replay results: a rich table for people, a plain dict for `--json`. Pure functions."""
+"""Render replay results: a rich table for people, a plain dict for `--json`. Pure functions.
+
+The table holds only numbers of runs that ran, so it fits 80 columns without folding a number;
+everything that is prose (why a backend was skipped, what failed, where) goes in lines below it.
+The JSON schema (`attndbg.replay/1`) is documented in docs/json.md.
+"""
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from rich import box
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
 from attndbg.replay.runner import BackendRun, ReplayResult, RunStatus
+
+SCHEMA = "attndbg.replay/1"
 
 _STYLE = {
     RunStatus.PASSED: "green",
@@ -17,6 +28,70 @@ _STYLE = {
     RunStatus.UNSUPPORTED: "yellow",
     RunStatus.UNAVAILABLE: "dim",
 }
+_RAN = (RunStatus.PASSED, RunStatus.FAILED, RunStatus.ERROR)
+
+
+class Verdict(enum.Enum):
+    PASSED = "passed"  # something was compared, all of it passed, every backend named ran
+    FAILED = "failed"  # a run missed the reference, was not deterministic, or raised
+    INCOMPLETE = "incomplete"  # nothing failed, but a backend named explicitly compared nothing
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One replayed step and the facts of how it was run that the result does not carry."""
+
+    result: ReplayResult
+    layer: int | None  # recorded layer whose tensors were used; None = data drawn from the seed
+    repeat: int = 1  # eager runs per backend (--repeat)
+    named: tuple[str, ...] = ()  # backends the user named explicitly (empty for `--backend all`)
+    notes: tuple[str, ...] = ()  # options that had no effect on this step, and why
+
+    @property
+    def ran(self) -> list[BackendRun]:
+        return [r for r in self.result.runs if r.status in _RAN]
+
+    @property
+    def skipped(self) -> list[BackendRun]:
+        return [r for r in self.result.runs if r.status not in _RAN]
+
+    @property
+    def missing(self) -> list[str]:
+        """Backends named explicitly that ran nothing here."""
+        ran = {r.name for r in self.ran}
+        return [n for n in self.named if n not in ran]
+
+    @property
+    def verdict(self) -> Verdict:
+        if self.result.failed:
+            return Verdict.FAILED
+        if self.missing or not self.ran:
+            return Verdict.INCOMPLETE
+        return Verdict.PASSED
+
+    @property
+    def data(self) -> str:
+        if self.layer is None:
+            return f"seeded data (seed {self.result.trace.seed})"
+        return f"recorded tensors of layer {self.layer}"
+
+
+def overall(steps: Sequence[StepReport]) -> Verdict:
+    verdicts = {s.verdict for s in steps}
+    for v in (Verdict.FAILED, Verdict.INCOMPLETE):
+        if v in verdicts:
+            return v
+    return Verdict.PASSED if steps else Verdict.INCOMPLETE
+
+
+def _run_name(run: BackendRun) -> str:
+    return run.name if run.variant == "eager" else f"{run.name} {run.variant}"
+
+
+def _repeat_identical(run: BackendRun) -> bool:
+    # The runner states a repeat mismatch only as a problem line ending "(not deterministic)";
+    # BackendRun has no field for it yet.
+    return not any(p.endswith("(not deterministic)") for p in run.problems)
 
 
 def _trace_line(result: ReplayResult) -> str:
@@ -25,7 +100,7 @@ def _trace_line(result: ReplayResult) -> str:
     return (
         f"{result.trace_path}: {b.forward_mode.value} bs={b.batch_size} tokens={b.num_tokens} "
         f"heads={m.num_qo_heads}:{m.num_kv_heads} d={m.head_dim}/{m.v_head_dim} {m.attention.value} "
-        f"{m.q_dtype} page={m.page_size} kv_lens={_short(b.kv_lens.tolist())}"
+        f"{m.q_dtype} kv={m.kv_dtype} page={m.page_size} kv_lens={_short(b.kv_lens.tolist())}"
     )
 
 
@@ -34,34 +109,106 @@ def _short(values: list[int], limit: int = 8) -> str:
     return f"[{head}{',…' if len(values) > limit else ''}]"
 
 
-def render_replay(result: ReplayResult) -> RenderableType:
-    table = Table(title=_trace_line(result), title_justify="left", show_lines=False)
-    for column in ("backend", "variant", "status", "max abs", "max rel", "max LSE err", "worst", "failing rows", "NaN/Inf", "time", "note"):
-        table.add_column(column, overflow="fold")
-    for run in result.runs:
-        c = run.comparison
+def where(result: ReplayResult, location: Any) -> str:
+    """'request 1 row 4 (step row 39) head 2': rows counted within their request."""
+    row_in_request = location.row - int(result.trace.batch.qo_indptr[location.request])
+    return f"request {location.request} row {row_in_request} (step row {location.row}) head {location.head}"
+
+
+def render_replay(step: StepReport) -> RenderableType:
+    result = step.result
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True, header_style="bold")
+    # Short headers: 8 columns of numbers fit 80 terminal columns; only `backend` may wrap.
+    table.add_column("backend", overflow="fold", min_width=len("reference"))
+    table.add_column("status", no_wrap=True)
+    for column in ("max abs", "max rel", "LSE err", "failing", "NaN", "time"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for run in step.ran:
         status = Text(run.status.value, style=_STYLE[run.status])
+        c = run.comparison
         if c is None:
-            table.add_row(run.name, run.variant, status, "", "", "", "", "", "", "", run.reason or run.description)
+            table.add_row(Text(_run_name(run)), status, "", "", "", "", "", "")
             continue
-        note = "; ".join(run.problems) if run.problems else run.description
         table.add_row(
-            run.name,
-            run.variant,
+            Text(_run_name(run)),
             status,
             f"{c.max_abs:.3e}",
             f"{c.max_rel:.3e}",
             f"{c.max_lse_abs:.3e}",
-            str(c.worst) if c.worst and not c.passed else "",
             f"{c.failing_rows}/{c.total_rows}",
             str(c.nonfinite),
             f"{run.seconds * 1e3:.1f} ms",
-            Text(note, style="bold red" if run.problems else ""),
         )
-    return Group(table)
+    parts: list[RenderableType] = [Text(_trace_line(result), style="bold"), Text(f"data: {step.data}")]
+    if step.ran:
+        parts.append(table)
+    parts.extend(_notes(step))
+    return Group(*parts)
 
 
-def run_to_json(run: BackendRun) -> dict[str, Any]:
+def _notes(step: StepReport) -> list[Text]:
+    """The prose below the table: failures and where, skipped runs and why, option notes."""
+    lines: list[Text] = []
+    for run in step.ran:
+        c = run.comparison
+        if run.status is RunStatus.ERROR:
+            lines.append(Text(f"{_run_name(run)}: error: {run.reason}", style="bold red"))
+            continue
+        if c is not None and not c.passed:
+            worst = f"; worst at {where(step.result, c.worst)}" if c.worst else ""
+            lines.append(Text(f"{_run_name(run)}: {c.failing_rows} of {c.total_rows} rows miss the reference{worst}", style="bold red"))
+        for problem in run.problems:
+            lines.append(Text(f"{_run_name(run)}: {problem}", style="bold red"))
+    if step.repeat > 1:
+        same = [r.name for r in step.ran if r.variant == "eager" and r.result is not None and _repeat_identical(r)]
+        if same:
+            lines.append(Text(f"--repeat {step.repeat}: {', '.join(same)} bitwise identical over {step.repeat} runs", style="green"))
+    for run in step.skipped:
+        lines.append(Text(f"{_run_name(run)}: {run.status.value}: {run.reason}", style=_STYLE[run.status]))
+    for note in step.notes:
+        lines.append(Text(f"note: {note}", style="yellow"))
+    described: dict[str, str] = {}
+    for run in step.ran:
+        described.setdefault(run.name, run.description)
+    for name, description in described.items():
+        lines.append(Text(f"{name}: {description}", style="dim"))
+    return lines
+
+
+def _first_clause(reason: str, limit: int = 60) -> str:
+    """'no CUDA GPU: FlashInfer's kernels run only on NVIDIA GPUs' -> 'no CUDA GPU' (the whole
+    reason is in the lines above the verdict)."""
+    clause = reason.split(": ", 1)[0]
+    return clause if len(clause) <= limit else clause[: limit - 1] + "…"
+
+
+def verdict_line(steps: Sequence[StepReport]) -> Text:
+    """One line naming what actually ran: '2 backends compared (triton, reference), all passed;
+    flashinfer unavailable: no CUDA GPU'."""
+    compared: dict[str, None] = {}
+    failed: dict[str, None] = {}
+    skipped: dict[str, str] = {}
+    for step in steps:
+        for run in step.ran:
+            compared[run.name] = None
+            if run.status is not RunStatus.PASSED:
+                failed[_run_name(run)] = None
+        for run in step.skipped:
+            skipped.setdefault(_run_name(run), f"{run.status.value}: {_first_clause(run.reason or '')}")
+    verdict = overall(steps)
+    where_ = f"{len(steps)} steps: " if len(steps) > 1 else ""
+    text = f"{where_}{len(compared)} backend{'s' * (len(compared) != 1)} compared ({', '.join(compared) or 'none'})"
+    text += f", failed: {', '.join(failed)}" if failed else (", all passed" if compared else "")
+    missing = sorted({n for s in steps for n in s.missing})
+    if skipped:
+        text += "; " + "; ".join(f"{name} {why}" for name, why in skipped.items())
+    if missing:
+        text += f"; named but not compared: {', '.join(missing)}"
+    style = {Verdict.PASSED: "bold green", Verdict.FAILED: "bold red", Verdict.INCOMPLETE: "bold yellow"}[verdict]
+    return Text(f"{verdict.value.upper()}: {text}", style=style)
+
+
+def run_to_json(run: BackendRun, step: StepReport) -> dict[str, Any]:
     out: dict[str, Any] = {
         "backend": run.name,
         "variant": run.variant,
@@ -72,27 +219,51 @@ def run_to_json(run: BackendRun) -> dict[str, Any]:
     }
     c = run.comparison
     if c is not None:
+        worst = None
+        if c.worst is not None:
+            start = int(step.result.trace.batch.qo_indptr[c.worst.request])
+            worst = {"request": c.worst.request, "row_in_request": c.worst.row - start, "step_row": c.worst.row, "head": c.worst.head}
         out.update(
             max_abs=c.max_abs,
             max_rel=c.max_rel,
             max_lse_abs=c.max_lse_abs,
-            worst=None if c.worst is None else {"request": c.worst.request, "row": c.worst.row, "head": c.worst.head},
+            worst=worst,
             failing_rows=c.failing_rows,
             total_rows=c.total_rows,
             failing_heads=c.failing_heads,
             nonfinite=c.nonfinite,
             seconds=run.seconds,
         )
+    if step.repeat > 1 and run.variant == "eager" and run.result is not None:
+        out["repeat"] = {"runs": step.repeat, "bitwise_identical": _repeat_identical(run)}
     return out
 
 
-def replay_to_json(result: ReplayResult) -> dict[str, Any]:
-    t = result.trace
+def step_to_json(step: StepReport) -> dict[str, Any]:
+    t = step.result.trace
     return {
-        "trace": result.trace_path,
+        "trace": step.result.trace_path,
+        "step": t.source.step,
         "mode": t.batch.forward_mode.value,
         "batch_size": t.batch.batch_size,
         "num_tokens": t.batch.num_tokens,
-        "passed": not result.failed,
-        "backends": [run_to_json(r) for r in result.runs],
+        "data": {"source": "seeded" if step.layer is None else "recorded", "layer": step.layer, "seed": t.seed},
+        "verdict": step.verdict.value,
+        "passed": step.verdict is Verdict.PASSED,
+        "compared": [_run_name(r) for r in step.ran],
+        "skipped": [{"backend": r.name, "variant": r.variant, "status": r.status.value, "reason": r.reason} for r in step.skipped],
+        "notes": list(step.notes),
+        "backends": [run_to_json(r, step) for r in step.result.runs],
+    }
+
+
+def replay_to_json(steps: Sequence[StepReport]) -> dict[str, Any]:
+    """The whole replay, one step or many, in the same shape."""
+    verdict = overall(steps)
+    return {
+        "schema": SCHEMA,
+        "verdict": verdict.value,
+        "passed": verdict is Verdict.PASSED,
+        "summary": verdict_line(steps).plain,
+        "steps": [step_to_json(s) for s in steps],
     }

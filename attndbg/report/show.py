@@ -431,3 +431,50 @@ def _tensors(trace: Trace) -> Panel:
     if more is not None:
         body.append(more)
     return Panel(Group(*body), title=f"tensors ({len(layers)} layers)", title_align="left")
+
+
+# --- JSON ---------------------------------------------------------------------------------------
+
+SHOW_SCHEMA = "attndbg.show/1"
+
+
+def _plain(value: object) -> object:
+    """JSON-ready: enums to values, tensors to a {dtype, shape} description."""
+    if isinstance(value, Tensor):
+        return {"dtype": str(value.dtype).replace("torch.", ""), "shape": list(value.shape)}
+    return getattr(value, "value", value)
+
+
+def trace_to_json(trace: Trace, path: str) -> dict[str, object]:
+    """What `show` prints, as data: every scalar field, per-request lengths, and tensors by dtype
+    and shape (their values are in the trace itself)."""
+    b, m = trace.batch, trace.model
+    out: dict[str, object] = {
+        "schema": SHOW_SCHEMA,
+        "trace": path,
+        "source": {k: _plain(v) for k, v in vars(trace.source).items()},
+        "model": {k: _plain(v) for k, v in vars(m).items()},
+        "seed": trace.seed,
+        "batch": {
+            "mode": b.forward_mode.value,
+            "batch_size": b.batch_size,
+            "num_tokens": b.num_tokens,
+            "prefix_lens": b.prefix_lens.tolist(),
+            "extend_lens": b.extend_lens.tolist(),
+            "kv_lens": b.kv_lens.tolist(),
+            "seq_lens_raw": b.seq_lens_raw.tolist(),
+            "kv_cache_size": b.kv_cache_size,
+            "selective": b.selective,
+        },
+        "spec": None if trace.spec is None else {k: _plain(v) for k, v in vars(trace.spec).items()},
+        "graph": None if trace.graph is None else {k: _plain(v) for k, v in vars(trace.graph).items()},
+        "plan": None,
+        "layers": sorted(trace.tensors),
+    }
+    if trace.plan is not None:
+        out["plan"] = {
+            "backend": trace.plan.backend,
+            "tensors": {k: _plain(v) for k, v in trace.plan.tensors.items()},
+            "scalars": dict(trace.plan.scalars),
+        }
+    return out

@@ -1,4 +1,5 @@
-"""Read and write traces: one step per `.pt` file, a recording is a directory with `manifest.jsonl`.
+"""Read and write traces: one step per `.pt` file, a recording is a directory with `manifest.jsonl`
+(steps in manifest order); a plain folder of `.pt` files is read in name order.
 
 Loading uses `torch.load(weights_only=True)`: a file that would execute code when unpickled is
 rejected, never run. Writing goes to a temporary file in the same directory and is renamed into
@@ -23,6 +24,7 @@ from attndbg.trace.schema import Trace, to_dict
 from attndbg.trace.validate import TraceError, from_dict
 
 MANIFEST = "manifest.jsonl"
+SAVED_REPLAY_FORMAT = "attndbg.replay"  # replay.saved.FORMAT_NAME: told apart here without importing it
 
 # What torch.load raises on a file that is not a (safe) torch archive: random bytes, truncation,
 # a pickle with code in it (UnpicklingError from the weights_only unpickler), a zip without data.
@@ -49,16 +51,28 @@ def load(path: str | os.PathLike) -> Trace:
             warnings.simplefilter("ignore")
             data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except _UNREADABLE as e:
-        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        if "weights_only" in str(e) or "Unsupported global" in str(e):
-            first_line = "contains Python objects that would run code when loaded; refused (weights_only)"
-        raise TraceError("file", f"not a readable attndbg trace: {first_line[:200]}", str(path)) from None
+        raise TraceError("file", f"not a readable attndbg trace: {_unreadable_reason(raw, e)}", str(path)) from None
     if not isinstance(data, dict):
         raise TraceError("file", f"not an attndbg trace (top level is {type(data).__name__})", str(path))
+    if data.get("format") == SAVED_REPLAY_FORMAT:
+        raise TraceError("file", "this is a saved replay (`attndbg replay --save`), not a trace: compare two with `attndbg diff A B`", str(path))
     try:
         return from_dict(data)
     except TraceError as e:
         raise e.in_file(str(path)) from None
+
+
+def _unreadable_reason(raw: bytes, e: Exception) -> str:
+    """One line saying what the file is instead, for a user who cannot read torch.load's error."""
+    if not raw:
+        return "the file is empty"
+    if not raw.startswith((b"PK", b"\x80")):  # a torch.save zip archive, or a legacy pickle
+        return f"not a torch.save file (it starts with {raw[:16]!r}; a trace is written by `attndbg synth` or `attndbg record`)"
+    text = str(e)
+    if "weights_only" in text or "Unsupported global" in text:
+        return "contains Python objects that would run code when loaded; refused (weights_only)"
+    first_line = (text.strip().splitlines() or [type(e).__name__])[0]
+    return f"a damaged torch file ({type(e).__name__}: {first_line[:200]})"
 
 
 @dataclass(frozen=True)
@@ -114,8 +128,14 @@ def read_manifest(directory: str | os.PathLike) -> list[ManifestEntry]:
 
 
 def trace_paths(target: str | os.PathLike) -> list[Path]:
-    """A `.pt` file, or every step of a recording directory in manifest order."""
+    """A `.pt` file; every step of a recording directory in manifest order; or, in a folder
+    without a manifest, every `.pt` file in name order."""
     target = Path(target)
-    if target.is_dir():
+    if not target.is_dir():
+        return [target]
+    if (target / MANIFEST).exists():
         return [target / e.file for e in read_manifest(target)]
-    return [target]
+    paths = sorted(p for p in target.iterdir() if p.suffix == ".pt" and p.is_file())
+    if not paths:
+        raise TraceError("folder", f"has no {MANIFEST} and no .pt files: expected a recording or a folder of traces", str(target))
+    return paths

@@ -69,7 +69,7 @@ def test_one_output_element_changed_names_request_row_head() -> None:
     assert p.requests[1].output_max_abs == pytest.approx(0.375, abs=1e-6) and p.requests[1].lse_max_abs == 0.0
     assert [h > 0 for h in p.output.head_max_abs] == [h == head for h in range(HQ)]
     text = _render(render_replay_diff(d))
-    assert "request 1 row 7 (token 47) head 2 col 5" in text
+    assert "request 1 row 7 (step row 47) head 2 col 5" in text
 
 
 def test_lse_change_in_a_single_row_request() -> None:
