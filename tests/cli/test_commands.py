@@ -1,0 +1,107 @@
+"""record, bench, show and synth at the command line: refused directories, noted layers, typos
+before the GPU, show --json, and error wording (issue 11, items 4, 5, 12, 13)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from attndbg import machine
+from attndbg.record.launch import missing_layers
+from attndbg.record.options import RecordOptions
+from attndbg.trace.io import ManifestEntry
+from tests.cli.helpers import invoke, one_line_error
+from tests.factories import write_trace
+
+NOTHING = [sys.executable, "-c", "pass"]  # a command that records no step
+
+
+def test_record_refuses_a_directory_that_holds_a_recording(tmp_path: Path) -> None:
+    out = tmp_path / "rec"
+    out.mkdir()
+    (out / "manifest.jsonl").write_text("")
+    (out / "step_000000.pt").write_bytes(b"old")
+    one_line_error(invoke("record", "-o", str(out), "--", *NOTHING), "already holds a recording", "--append", "--overwrite")
+    assert (out / "step_000000.pt").read_bytes() == b"old"
+
+
+def test_record_overwrite_replaces_the_recording(tmp_path: Path) -> None:
+    out = tmp_path / "rec"
+    out.mkdir()
+    (out / "manifest.jsonl").write_text("")
+    (out / "step_000000.pt").write_bytes(b"old")
+    result = invoke("record", "-o", str(out), "--overwrite", "--", *NOTHING)
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == []
+
+
+def test_record_overwrite_never_empties_a_foreign_directory(tmp_path: Path) -> None:
+    (tmp_path / "thesis.tex").write_text("precious")
+    one_line_error(invoke("record", "-o", str(tmp_path), "--overwrite", "--", *NOTHING), "not a recording", "thesis.tex")
+    assert (tmp_path / "thesis.tex").read_text() == "precious"
+
+
+def test_record_append_gives_the_new_run_its_own_file_names(tmp_path: Path) -> None:
+    from attndbg.record.launch import prepare_directory
+
+    out = tmp_path / "rec"
+    out.mkdir()
+    (out / "step_000000.pt").write_bytes(b"old")
+    assert prepare_directory(out, append=True, overwrite=False) == "run2_"
+    (out / "run2_step_000000.pt").write_bytes(b"old")
+    assert prepare_directory(out, append=True, overwrite=False) == "run3_"
+    assert prepare_directory(tmp_path / "new", append=False, overwrite=False) == ""
+    one_line_error(invoke("record", "-o", str(out), "--append", "--overwrite", "--", *NOTHING), "exclude each other")
+
+
+def test_record_notes_layers_no_step_carried() -> None:
+    entry = ManifestEntry(file="step_000000.pt", step=0, mode="DECODE", batch_size=1, graph=False, layers=[0])
+    assert missing_layers(RecordOptions(out_dir="x", layers=(0, 5)), [entry]) == [5]
+    assert missing_layers(RecordOptions(out_dir="x", layers=(0, 5)), []) == []
+
+
+def test_bench_typo_is_reported_before_the_gpu(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.pt", "decode-mha")
+    one_line_error(invoke("bench", str(trace), "--backend", "trition"), "unknown backend 'trition'")
+
+
+@pytest.mark.skipif(machine.cuda_available(), reason="checks the CPU-only answer")
+def test_bench_without_a_gpu_is_one_line(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.pt", "decode-mha")
+    one_line_error(invoke("bench", str(trace)), "needs a CUDA GPU", "attndbg replay runs on a CPU")
+
+
+def test_show_json(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.pt", "verify", "prefix_lens=4,9", "heads=2:1", "head_dim=32")
+    result = invoke("show", str(trace), "--json", "-")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["schema"] == "attndbg.show/1" and data["batch"]["mode"] == "TARGET_VERIFY"
+    assert data["batch"]["prefix_lens"] == [4, 9] and data["spec"]["mask_layout"] == "full"
+    assert data["plan"]["backend"] == "triton" and data["plan"]["tensors"]["custom_mask"]["dtype"] == "bool"
+
+
+@pytest.mark.parametrize(
+    ("word", "message"),
+    [
+        ("dtype=fp16", "dtype='fp16': expected one of float16, bfloat16, float32"),
+        ("kv_lens=a,b", "kv_lens='a,b': expected comma-separated integers"),
+        ("page_size=x", "page_size='x': expected an integer"),
+        ("mode=prefill", "mode='prefill': expected one of decode, extend"),
+    ],
+)
+def test_synth_errors_name_the_key_typed(tmp_path: Path, word: str, message: str) -> None:
+    one_line_error(invoke("synth", "decode-gqa", word, "-o", str(tmp_path / "x.pt")), message)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [(b"hello\n", "not a torch.save file (it starts with b'hello\\n'"), (b"", "the file is empty")],
+)
+def test_unreadable_file_says_what_it_is(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "x.pt"
+    path.write_bytes(content)
+    one_line_error(invoke("show", str(path)), message)
