@@ -215,11 +215,11 @@ def replay(
     console = _console(stderr=json_path == "-")
     steps = []
     with _Progress(len(paths), "replaying") as progress:
-        for path in paths:
+        for number, path in enumerate(paths, start=1):
             loaded = io.load(path)
             step_layer, notes = _data_layer(loaded, layer, str(path), single=len(paths) == 1)
             notes += _ignored_options(loaded, names, num_kv_splits)
-            progress.show(f"{path}: {', '.join(names)}")
+            progress.show(f"{number}/{len(paths)} {path}: {', '.join(names)}")
             result = run_replay(loaded, str(path), names, replace(options, layer=step_layer))
             step = StepReport(result=result, layer=step_layer, repeat=repeat, named=named, notes=tuple(notes))
             progress.print(console, render_replay(step))
@@ -243,7 +243,7 @@ class _Progress:
     def __init__(self, total: int, verb: str):
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-        columns = [SpinnerColumn(), TextColumn(f"{verb} {{task.completed}}/{{task.total}} {{task.description}}"), TimeElapsedColumn()]
+        columns = [SpinnerColumn(), TextColumn(f"{verb} {{task.description}}"), TimeElapsedColumn()]
         self._progress = Progress(*columns, console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty())
         self._task = self._progress.add_task("", total=total)
 
@@ -385,25 +385,38 @@ def _diff_saved(console: Console, a: str, b: str, pairs: tuple[str, ...]) -> tup
 @click.option("--only", default=None, help="detectors to run: invariants,fill-value,tree-mask,split-merge (default: all)")
 @click.option("--backend", "backend_spec", default=None, help="kernel backends the detectors may use (default: all that run here)")
 @click.option("--cuda-graph", is_flag=True, help="detectors also replay under CUDA graphs (GPU)")
+@click.option("--steps", "steps_spec", default=None, help="only steps A <= step < B of a recording (A:B, A:, :B)")
+@click.option("--sample", type=click.IntRange(min=1), default=None, help="only N steps, evenly spread over the (selected) recording")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True, help="worker processes checking steps in parallel")
+@click.option("--devices", "devices_spec", default=None, help="GPUs for the workers, e.g. 0,1 (default: every visible GPU)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="also write the findings as JSON")
 @handles_bad_input
-def check(target: str, only: str | None, backend_spec: str | None, cuda_graph: bool, json_path: str | None) -> None:
+def check(
+    target: str,
+    only: str | None,
+    backend_spec: str | None,
+    cuda_graph: bool,
+    steps_spec: str | None,
+    sample: int | None,
+    jobs: int,
+    devices_spec: str | None,
+    json_path: str | None,
+) -> None:
     """Run the detectors on a step or a recording directory and explain what they find.
 
-    Exit 0 when clean, 1 with findings, 2 on bad input.
+    Exit 0 when clean, 1 with findings, 2 on bad input, 3 when a backend named with --backend
+    could not run here (or a step could not be checked) and nothing was found.
 
     \b
     Examples:
       attndbg check traces/verify_tree.pt
       attndbg synth verify --inject tree-mask:bit-order -o bad.pt && attndbg check bad.pt --only tree-mask
+      attndbg check rec --jobs 8 --steps 100:200 --backend triton,flashinfer
     """
-    from rich.progress import Progress
-
     from attndbg import machine
     from attndbg.checks.context import CheckOptions
-    from attndbg.checks.run import check_steps, parse_only
-    from attndbg.report.checks import checks_to_json, render_step, render_summary
-    from attndbg.trace import io
+    from attndbg.checks.run import check_steps, parse_only, select_paths
+    from attndbg.report.checks import CheckProgress, check_verdict, checks_to_json, render_step, render_summary
 
     try:
         classes = parse_only(only)
@@ -412,26 +425,60 @@ def check(target: str, only: str | None, backend_spec: str | None, cuda_graph: b
     names = tuple(_backend_names(backend_spec)) if backend_spec else None
     if cuda_graph and not machine.cuda_available():
         raise BadInput("--cuda-graph needs a CUDA GPU, and this machine has none")
+    selection = _step_selection(steps_spec, sample)
+    devices = _devices(devices_spec)
     options = CheckOptions(backends=names, cuda_graph=cuda_graph)
     console = _console()
-    paths = io.trace_paths(target)
+    paths = select_paths(target, selection)
+    if not paths:
+        raise BadInput(f"{target}: no steps to check" + (" in the selection (--steps/--sample)" if steps_spec or sample else ""))
     reports = []
-    if len(paths) > 1:
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task("checking", total=len(paths))
-            for report in check_steps(target, classes, options, progress=lambda _p: progress.advance(task)):
-                reports.append(report)
-        for report in reports:
-            if report.findings:
-                console.print(render_step(report))
-        console.print(render_summary(reports))
-    else:
-        for report in check_steps(target, classes, options):
+    with CheckProgress(console, total=len(paths), enabled=len(paths) > 1) as progress:
+        for report in check_steps(target, classes, options, progress.advance, selection=selection, jobs=jobs, devices=devices):
             reports.append(report)
-            console.print(render_step(report))
+            if report.findings or report.error or len(paths) == 1:
+                progress.print(render_step(report))
+    if len(paths) > 1:
+        console.print(render_summary(reports))
+    verdict = check_verdict(reports, classes, names)
+    console.print(verdict.line)
     if json_path:
-        _write_json(json_path, checks_to_json(reports))
-    sys.exit(EXIT_FAILED if any(r.findings for r in reports) else EXIT_OK)
+        _write_json(json_path, checks_to_json(reports, verdict))
+    if any(r.findings for r in reports):
+        sys.exit(EXIT_FAILED)
+    sys.exit(EXIT_NOT_RUN if verdict.incomplete else EXIT_OK)
+
+
+def _step_selection(steps_spec: str | None, sample: int | None) -> Any:
+    from attndbg.checks.run import StepSelection
+    from attndbg.record.options import OptionError, parse_steps
+
+    start = stop = None
+    if steps_spec:
+        try:
+            start, stop = parse_steps(steps_spec)
+        except OptionError as e:
+            raise BadInput(str(e)) from None
+    return StepSelection(start=start, stop=stop, sample=sample)
+
+
+def _devices(spec: str | None) -> tuple[int, ...] | None:
+    """--devices 0,1 -> (0, 1); default: every visible GPU (None without one)."""
+    from attndbg import machine
+
+    if spec is None:
+        if not machine.cuda_available():
+            return None
+        import torch
+
+        return tuple(range(torch.cuda.device_count()))
+    try:
+        devices = tuple(int(d) for d in spec.split(",") if d.strip())
+    except ValueError:
+        raise BadInput(f"--devices: expected comma-separated GPU numbers such as 0,1, got {spec!r}") from None
+    if not devices or min(devices) < 0:
+        raise BadInput(f"--devices: expected comma-separated GPU numbers such as 0,1, got {spec!r}")
+    return devices
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

@@ -124,6 +124,10 @@ class Backend(abc.ABC):
     def device(self) -> str:
         """Where its tensors must live ('cpu' or 'cuda')."""
 
+    def first_use_note(self) -> str | None:
+        """What a new kernel shape costs on first use, when the library compiles it then (None: nothing)."""
+        return None
+
     @abc.abstractmethod
     def unsupported_reason(self, trace: Trace) -> str | None:
         """None when this trace's features are supported, else exactly which one is not."""

@@ -148,6 +148,11 @@ class FA3Backend(Backend):
     def device(self) -> str:
         return "cuda"
 
+    def first_use_note(self) -> str | None:
+        from attndbg.backends.flashinfer import FIRST_USE_NOTE
+
+        return FIRST_USE_NOTE if select_impl() is Impl.FLASHINFER else None
+
     def describe(self) -> str:
         impl = select_impl()
         if impl is None:

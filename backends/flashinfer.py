@@ -62,6 +62,10 @@ SGLANG_TENSOR_CORE_MIN_GROUP = 4
 # Head dims FlashInfer's split-KV merge (cascade.cuh VariableLengthMergeStates) is compiled for.
 MERGE_HEAD_DIMS = (64, 128, 256, 512)
 
+# Measured on the H200 (FlashInfer 0.7.2): 7-60 s per kernel, then served from ~/.cache/flashinfer.
+FIRST_USE_NOTE = "FlashInfer compiles each kernel on first use (7-60 s each, cached on disk for later runs)"
+
+
 class ExtendPath(enum.Enum):
     """How EXTEND/MIXED steps are run. AUTO is SGLang's choice (see `FlashInferBackend.extend_path`)."""
 
@@ -139,6 +143,9 @@ class FlashInferBackend(Backend):
 
     def device(self) -> str:
         return "cuda"
+
+    def first_use_note(self) -> str | None:
+        return FIRST_USE_NOTE
 
     def describe(self) -> str:
         version = getattr(_flashinfer(), "__version__", "?")

@@ -97,6 +97,11 @@ class MLABackend(Backend):
     def device(self) -> str:
         return self._triton.device() if self.impl() is MLAImpl.TRITON else "cuda"
 
+    def first_use_note(self) -> str | None:
+        from attndbg.backends.flashinfer import FIRST_USE_NOTE
+
+        return {MLAImpl.TRITON: self._triton.first_use_note(), MLAImpl.FLASHINFER: FIRST_USE_NOTE}.get(self.impl())
+
     def describe(self) -> str:
         impl = self.impl()
         if impl is MLAImpl.FLASHINFER:

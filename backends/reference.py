@@ -3,50 +3,175 @@ in the run's own low precision).
 
 Nothing here reads a plan. Which keys a query sees comes from the batch: its column in the
 request's KV row (causal), the draft tree (verify), the sliding window and the soft-cap.
+
+The whole batch is computed at once, on the inputs' device: requests are sorted by KV length and
+packed into groups whose padded work fits a memory budget; each group is one gather of its KV
+rows and one masked batched matmul per K and V. A request too large for the budget on its own is
+split over its query rows (rows are independent: every row's softmax still sees its whole row of
+keys, so the result is the same math as one pass).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch import Tensor
 
 from attndbg.backends.base import AttentionInputs, AttentionResult, Backend
-from attndbg.trace.visibility import visibility
 from attndbg.trace.schema import Plan, Trace
+from attndbg.trace.visibility import visibility
+
+# Bytes of padded work (gathered K/V in the compute dtype plus scores and their softmax) one group
+# may hold. Large enough that a decode step of 64 x 8k keys is a handful of groups, small enough
+# for a 24 GB CPU machine or beside a kernel's own buffers on the GPU.
+GROUP_BYTES = {"cpu": 256 << 20, "cuda": 1 << 30}
 
 
-def attention(trace: Trace, inputs: AttentionInputs, compute_dtype: torch.dtype = torch.float64) -> AttentionResult:
-    """Masked softmax attention per request.
+@dataclass(frozen=True)
+class _Unit:
+    """Query rows [row0, row1) of request b (all of them unless the request alone exceeds the budget)."""
+
+    b: int
+    row0: int
+    row1: int
+    kv: int
+
+
+def attention(
+    trace: Trace,
+    inputs: AttentionInputs,
+    compute_dtype: torch.dtype = torch.float64,
+    *,
+    columns: Tensor | None = None,  # [bs, 2] int64: per request, only KV columns [start, end) (a partial state)
+) -> AttentionResult:
+    """Masked softmax attention for the whole batch.
 
     float64: the reference. A low dtype: what a plain PyTorch implementation in the run's dtype
     commits (scores and the weighted sum in that dtype, softmax in float32 then cast, as
     FlashAttention's `attention_ref(upcast=False)`), used to size tolerances.
+
+    With `columns`, each request attends only to its columns in [start, end): the partial state a
+    split-KV kernel computes for that split (output normalised over those keys, their LSE); a row
+    that sees none of them has output 0 and LSE -inf.
     """
-    model = trace.model
-    batch = trace.batch
-    low = compute_dtype != torch.float64
-    qo = batch.qo_indptr
-    group = model.gqa_group
-    out = torch.zeros(batch.num_tokens, model.num_qo_heads, model.v_head_dim, dtype=compute_dtype, device=inputs.q.device)
-    lse = torch.full((batch.num_tokens, model.num_qo_heads), float("-inf"), dtype=torch.float64, device=inputs.q.device)
-    for b in range(batch.batch_size):
-        rows = slice(int(qo[b]), int(qo[b + 1]))
-        if rows.start == rows.stop:
-            continue
-        slots = batch.request_slots(b).to(inputs.q.device)
-        q = inputs.q[rows].to(compute_dtype)  # [e, Hq, Dk]
-        k = inputs.k_cache[slots].to(compute_dtype).repeat_interleave(group, dim=1)  # [kv, Hq, Dk]
-        v = inputs.v_cache[slots].to(compute_dtype).repeat_interleave(group, dim=1)  # [kv, Hq, Dv]
-        scores = torch.einsum("qhd,khd->hqk", q, k) * model.sm_scale  # [Hq, e, kv]
-        if model.logit_cap > 0:
-            scores = model.logit_cap * torch.tanh(scores / model.logit_cap)
-        visible = visibility(trace, b).to(inputs.q.device)
-        scores = scores.masked_fill(~visible[None], float("-inf"))
-        softmax_dtype = torch.float32 if low else torch.float64
-        probs = torch.softmax(scores.to(softmax_dtype), dim=-1).to(compute_dtype)
-        probs = torch.nan_to_num(probs, nan=0.0)  # a row that sees nothing has no weights
-        out[rows] = torch.einsum("hqk,khd->qhd", probs, v)
-        lse[rows] = torch.logsumexp(scores.to(torch.float64), dim=-1).T
+    model, batch = trace.model, trace.batch
+    device = inputs.q.device
+    out = torch.zeros(batch.num_tokens, model.num_qo_heads, model.v_head_dim, dtype=compute_dtype, device=device)
+    lse = torch.full((batch.num_tokens, model.num_qo_heads), float("-inf"), dtype=torch.float64, device=device)
+    budget = GROUP_BYTES.get(device.type, GROUP_BYTES["cpu"])
+    for group in _groups(trace, compute_dtype, budget):
+        _attend_group(trace, inputs, group, compute_dtype, columns, out, lse)
     return AttentionResult(output=out, lse=lse)
+
+
+def _unit_bytes(trace: Trace, rows: int, kv: int, compute_dtype: torch.dtype) -> int:
+    m = trace.model
+    item = torch.finfo(compute_dtype).bits // 8
+    kv_bytes = kv * m.num_kv_heads * (m.head_dim + m.v_head_dim) * item
+    # scores, their softmax in float32/float64 and the float64 logsumexp input: about 4 copies.
+    score_bytes = 4 * m.num_qo_heads * rows * kv * 8
+    return kv_bytes + score_bytes
+
+
+def _groups(trace: Trace, compute_dtype: torch.dtype, budget: int) -> list[list[_Unit]]:
+    batch = trace.batch
+    qo = batch.qo_indptr.tolist()
+    kv_lens = batch.kv_lens.tolist()
+    units = []
+    for b in sorted(range(batch.batch_size), key=lambda r: kv_lens[r]):
+        rows, kv = qo[b + 1] - qo[b], kv_lens[b]
+        if rows == 0:
+            continue
+        per_row = max(1, _unit_bytes(trace, 1, kv, compute_dtype))
+        step = max(1, min(rows, budget // per_row))
+        units += [_Unit(b, qo[b] + r, qo[b] + min(rows, r + step), kv) for r in range(0, rows, step)]
+    groups: list[list[_Unit]] = []
+    current: list[_Unit] = []
+    for unit in units:  # sorted by KV length: the group's padding is its last unit's
+        trial = current + [unit]
+        rows = max(u.row1 - u.row0 for u in trial)
+        if current and len(trial) * _unit_bytes(trace, rows, unit.kv, compute_dtype) > budget:
+            groups.append(current)
+            trial = [unit]
+        current = trial
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _group_masks(trace: Trace, group: list[_Unit], kv_max: int, rows_max: int, columns: Tensor | None) -> Tensor:
+    """[B, rows_max, kv_max] bool on the CPU: which padded columns each padded row sees."""
+    batch = trace.batch
+    mask = torch.zeros(len(group), rows_max, kv_max, dtype=torch.bool)
+    for i, u in enumerate(group):
+        if trace.is_tree_verify:
+            start = int(batch.qo_indptr[u.b])
+            seen = visibility(trace, u.b)[u.row0 - start : u.row1 - start]
+        else:
+            # Causal by column (the same rule visibility() applies), for the unit's rows only.
+            cols = torch.arange(u.kv)
+            query_cols = batch.query_cols[u.row0 : u.row1]
+            seen = cols[None, :] <= query_cols[:, None]
+            window = trace.model.sliding_window
+            if window >= 0:
+                seen &= (query_cols[:, None] - cols[None, :]) <= window
+        if columns is not None:
+            start, end = (int(x) for x in columns[u.b])
+            cols = torch.arange(u.kv)
+            seen = seen & ((cols >= start) & (cols < end))[None, :]
+        mask[i, : u.row1 - u.row0, : u.kv] = seen
+    return mask
+
+
+def _attend_group(
+    trace: Trace,
+    inputs: AttentionInputs,
+    group: list[_Unit],
+    compute_dtype: torch.dtype,
+    columns: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+) -> None:
+    model, batch = trace.model, trace.batch
+    device = inputs.q.device
+    low = compute_dtype != torch.float64
+    hkv, group_size = model.num_kv_heads, model.gqa_group
+    n, kv_max = len(group), max(u.kv for u in group)
+    rows_max = max(u.row1 - u.row0 for u in group)
+
+    # Padded slot and row tables: padding points at slot 0 / row 0 and is masked out.
+    slots = torch.zeros(n, kv_max, dtype=torch.int64)
+    rows = torch.zeros(n, rows_max, dtype=torch.int64)
+    for i, u in enumerate(group):
+        slots[i, : u.kv] = batch.request_slots(u.b)
+        rows[i, : u.row1 - u.row0] = torch.arange(u.row0, u.row1)
+    slots, rows = slots.to(device), rows.to(device)
+    mask = _group_masks(trace, group, kv_max, rows_max, columns).to(device)
+
+    # GQA without copying K/V per query head: query heads of one KV head become extra rows.
+    k = inputs.k_cache[slots].to(compute_dtype).permute(0, 2, 1, 3)  # [B, Hkv, kv, Dk]
+    v = inputs.v_cache[slots].to(compute_dtype).permute(0, 2, 1, 3)  # [B, Hkv, kv, Dv]
+    q = inputs.q[rows].to(compute_dtype)  # [B, e, Hq, Dk]
+    q = q.view(n, rows_max, hkv, group_size, -1).permute(0, 2, 3, 1, 4).reshape(n, hkv, group_size * rows_max, -1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * model.sm_scale  # [B, Hkv, g*e, kv]
+    if model.logit_cap > 0:
+        scores = model.logit_cap * torch.tanh(scores / model.logit_cap)
+    visible = mask[:, None, None].expand(n, 1, group_size, rows_max, kv_max).reshape(n, 1, group_size * rows_max, kv_max)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    softmax_dtype = torch.float32 if low else torch.float64
+    probs = torch.softmax(scores.to(softmax_dtype), dim=-1).to(compute_dtype)
+    probs = torch.nan_to_num(probs, nan=0.0)  # a row that sees nothing has no weights
+    o = torch.matmul(probs, v)  # [B, Hkv, g*e, Dv]
+    o = o.view(n, hkv, group_size, rows_max, -1).permute(0, 3, 1, 2, 4).reshape(n, rows_max, model.num_qo_heads, -1)
+    m = torch.logsumexp(scores.to(torch.float64), dim=-1)  # [B, Hkv, g*e]
+    m = m.view(n, hkv, group_size, rows_max).permute(0, 3, 1, 2).reshape(n, rows_max, model.num_qo_heads)
+    real = torch.zeros(n, rows_max, dtype=torch.bool)
+    for i, u in enumerate(group):
+        real[i, : u.row1 - u.row0] = True
+    real = real.to(device)
+    out.index_copy_(0, rows[real], o[real])
+    lse.index_copy_(0, rows[real], m[real])
 
 
 class ReferenceBackend(Backend):

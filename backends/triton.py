@@ -99,6 +99,11 @@ class TritonBackend(Backend):
     def device(self) -> str:
         return machine.kernel_device()
 
+    def first_use_note(self) -> str | None:
+        if machine.select_triton_mode() is machine.TritonMode.INTERPRETER:
+            return None
+        return "Triton compiles each kernel on first use (seconds each, cached on disk for later runs)"
+
     def describe(self) -> str:
         import triton
 

@@ -1,7 +1,9 @@
 """What detectors share for one step: the trace, which backends to use, and memoized replays.
 
 Detectors consume replay results rather than re-running kernels themselves: `replay()` runs the
-runner once per distinct (backends, options) and hands every detector the same result.
+runner once per distinct (backends, options) and hands every detector the same result. Every run
+of the step, whatever its options, reads the same inputs and is judged against the same reference:
+`data(layer)` builds them once per step (on the GPU when there is one).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from dataclasses import dataclass, field
 
 from attndbg.backends import registry
 from attndbg.replay.runner import ReplayOptions, ReplayResult, replay
+from attndbg.replay.step_data import StepData
 from attndbg.trace.schema import Trace
 
 
@@ -27,6 +30,7 @@ class CheckContext:
     options: CheckOptions = CheckOptions()
     _replays: dict[ReplayOptions, ReplayResult] = field(default_factory=dict)
     _backends: tuple[str, ...] | None = None
+    _data: dict[int | None, StepData] = field(default_factory=dict)
 
     @property
     def step(self) -> int:
@@ -46,10 +50,24 @@ class CheckContext:
             self._backends = tuple(usable)
         return self._backends
 
-    def replay(self, options: ReplayOptions | None = None, backends: tuple[str, ...] | None = None) -> ReplayResult:
+    def backends_consulted(self) -> tuple[str, ...]:
+        """The kernel backends the detectors used on this step (none if no detector asked)."""
+        return self._backends or ()
+
+    def data(self, layer: int | None = None) -> StepData:
+        """The step's inputs (recorded tensors of `layer`, else seeded) and references, built once."""
+        if layer not in self._data:
+            self._data[layer] = StepData(self.trace, layer=layer)
+        return self._data[layer]
+
+    def replay(self, options: ReplayOptions | None = None, backends: tuple[str, ...] | None = None, *, trace: Trace | None = None) -> ReplayResult:
+        """Replay the step (or `trace`, the same batch with another plan) with the step's shared data.
+        Replays of the step itself are memoized per (options, backends)."""
         options = options or ReplayOptions(layer=self.options.layer)
         names = backends if backends is not None else self.backends()
+        if trace is not None:
+            return replay(trace, self.path, list(names), options, data=self.data(options.layer))
         key = (options, names)
         if key not in self._replays:
-            self._replays[key] = replay(self.trace, self.path, list(names), options)
+            self._replays[key] = replay(self.trace, self.path, list(names), options, data=self.data(options.layer))
         return self._replays[key]

@@ -405,7 +405,9 @@ def padded_replays(ctx: CheckContext) -> list[Finding]:
             options = ReplayOptions(
                 layer=ctx.options.layer,
                 cuda_graph=True,
-                graph_capture=machine.cuda_available(),
+                # A real capture only when asked (--cuda-graph); otherwise the same padded
+                # sequence runs eagerly on the static buffers, which judges the fill values.
+                graph_capture=ctx.options.cuda_graph and machine.cuda_available(),
                 capture_bs=capture_bs,
                 fill_value=fill,
             )

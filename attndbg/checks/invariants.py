@@ -51,9 +51,10 @@ Recorder conventions this module defines:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from attndbg.checks.context import CheckContext
-from attndbg.checks.findings import Finding
-from attndbg.checks.invariants_base import _finding
+from attndbg.checks.findings import Finding, FindingClass, Location
 from attndbg.checks.invariants_batch import _check_positions, _check_seq_lens, expected_positions, expected_seq_lens
 from attndbg.checks.invariants_plan import CAUSE_GARBAGE, CAUSE_SHIFTED, CAUSE_STALE_ROW, CAUSE_WRONG_ROW, _check_plan
 from attndbg.checks.plan_kv import kv_coverage
@@ -70,6 +71,8 @@ __all__ = [
     "check_trace",
     "detect",
     "detect_recording",
+    "recording_digest",
+    "RecordingState",
     "expected_positions",
     "expected_seq_lens",
     "kv_coverage",
@@ -99,39 +102,65 @@ def check_trace(trace: Trace) -> list[Finding]:
     return out
 
 
-def detect_recording(contexts: list[CheckContext]) -> list[Finding]:
-    """plan-pointer-moved: a plan tensor whose `NAME_data_ptr` changes between replays of one graph."""
-    out: list[Finding] = []
-    first: dict[tuple, tuple[int, int]] = {}  # (graph key, name) -> (step, pointer)
-    reported: set[tuple] = set()
-    for ctx in sorted(contexts, key=lambda c: (c.trace.source.tp_rank, c.step)):
-        trace = ctx.trace
-        if trace.plan is None or trace.graph is None or not trace.graph.is_graph_replay:
-            continue
-        graph_key = (trace.source.tp_rank, trace.batch.forward_mode.value, trace.graph.capture_bs, trace.plan.backend)
-        for key, value in sorted(trace.plan.scalars.items()):
-            if not key.endswith(POINTER_SUFFIX) or isinstance(value, bool) or not isinstance(value, int):
+@dataclass(frozen=True)
+class PointerDigest:
+    """What plan-pointer-moved keeps of a graph-replayed step: which graph, and its plan's pointers."""
+
+    step: int
+    path: str
+    graph_key: tuple  # (tp_rank, mode, capture_bs, plan backend): one captured graph
+    description: str  # "the decode graph captured at bs=8"
+    pointers: dict[str, int]  # plan tensor name -> data pointer
+
+
+def recording_digest(ctx: CheckContext) -> PointerDigest | None:
+    trace = ctx.trace
+    if trace.plan is None or trace.graph is None or not trace.graph.is_graph_replay:
+        return None
+    pointers = {
+        key[: -len(POINTER_SUFFIX)]: value
+        for key, value in sorted(trace.plan.scalars.items())
+        if key.endswith(POINTER_SUFFIX) and isinstance(value, int) and not isinstance(value, bool)
+    }
+    mode, capture_bs = trace.batch.forward_mode.value, trace.graph.capture_bs
+    graph_key = (trace.source.tp_rank, mode, capture_bs, trace.plan.backend)
+    return PointerDigest(ctx.step, ctx.path, graph_key, f"the {mode} graph captured at bs={capture_bs}", pointers)
+
+
+class RecordingState:
+    """plan-pointer-moved over a recording, one step at a time: the first pointer of each (graph, tensor)."""
+
+    def __init__(self) -> None:
+        self.first: dict[tuple, tuple[int, int]] = {}  # (graph key, name) -> (step, pointer)
+        self.reported: set[tuple] = set()
+
+    def observe(self, now: PointerDigest | None) -> list[Finding]:
+        if now is None:
+            return []
+        out = []
+        for name, value in now.pointers.items():
+            key = (now.graph_key, name)
+            seen = self.first.setdefault(key, (now.step, value))
+            if seen[1] == value or key in self.reported:
                 continue
-            name = key[: -len(POINTER_SUFFIX)]
-            seen = first.setdefault((graph_key, name), (ctx.step, value))
-            if seen[1] == value or (graph_key, name) in reported:
-                continue
-            reported.add((graph_key, name))
+            self.reported.add(key)
             out.append(
-                _finding(
-                    trace,
+                Finding(
+                    FindingClass.INVARIANT,
                     "plan-pointer-moved",
-                    field=f"plan.{name}",
-                    evidence=(
-                        f"plan.{name} is at {value:#x} in step {ctx.step} but was at {seen[1]:#x} in step {seen[0]}, "
-                        f"both replays of the {trace.batch.forward_mode.value} graph captured at bs={trace.graph.capture_bs}"
-                    ),
-                    cause=CAUSE_POINTER,
-                    trace_path=ctx.path,
-                    name=name,
-                    expected=seen[1],
-                    found=value,
-                    first_step=seen[0],
+                    Location(step=now.step, field=f"plan.{name}"),
+                    f"plan.{name} is at {value:#x} in step {now.step} but was at {seen[1]:#x} in step {seen[0]}, "
+                    f"both replays of {now.description}",
+                    CAUSE_POINTER,
+                    trace=now.path,
+                    data={"name": name, "expected": seen[1], "found": value, "first_step": seen[0]},
                 )
             )
-    return out
+        return out
+
+
+def detect_recording(contexts: list[CheckContext]) -> list[Finding]:
+    """plan-pointer-moved: a plan tensor whose `NAME_data_ptr` changes between replays of one graph."""
+    state = RecordingState()
+    ordered = sorted(contexts, key=lambda c: (c.trace.source.tp_rank, c.step))
+    return [f for ctx in ordered for f in state.observe(recording_digest(ctx))]

@@ -1,18 +1,28 @@
 """Run the detectors over a step or a recording: `attndbg check`.
 
-Each detector module exposes `detect(ctx: CheckContext) -> list[Finding]`. Detectors that need
-more than one step (stale masks, pointer stability) also expose `detect_recording(contexts)`.
+Each detector module exposes `detect(ctx: CheckContext) -> list[Finding]`. Detectors that look
+across steps (stale masks, pointer stability) also expose `recording_digest(ctx)` (the little they
+keep of a step: small and picklable) and a `RecordingState` whose `observe(digest)` sees the digests
+in recording order. A recording is checked as a stream: one step's context lives only while that
+step is checked, so memory does not grow with the recording's length. With `jobs > 1` steps are
+checked by worker processes (`workers.py`); reports come back in recording order either way, so the
+result is the same for every number of jobs.
 """
 
 from __future__ import annotations
 
 import importlib
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from attndbg.checks.context import CheckContext, CheckOptions
 from attndbg.checks.findings import Finding, FindingClass
 from attndbg.trace import io
+from attndbg.trace.validate import TraceError
 
 DETECTORS: dict[FindingClass, str] = {
     FindingClass.INVARIANT: "attndbg.checks.invariants",
@@ -38,33 +48,117 @@ def parse_only(spec: str | None) -> list[FindingClass]:
 @dataclass(frozen=True)
 class StepReport:
     path: str
-    step: int
+    step: int  # -1: the recording as a whole, or a step whose file could not be read
     mode: str
     findings: list[Finding]
+    error: str | None = None  # the step was not checked: why (unreadable file, a worker that died)
+    seconds: float = 0.0
+    backends: tuple[str, ...] = ()  # kernel backends the detectors ran on this step
+
+    @property
+    def checked(self) -> bool:
+        return self.error is None
 
 
-def check_steps(target: str, only: list[FindingClass], options: CheckOptions = CheckOptions(), progress: Callable[[str], None] | None = None) -> Iterator[StepReport]:
-    """Check every step of `target` (a .pt file or a recording directory), one step at a time."""
-    modules = {kind: importlib.import_module(DETECTORS[kind]) for kind in only}
-    contexts = []
-    for path in io.trace_paths(target):
+@dataclass(frozen=True)
+class StepResult:
+    """What checking one step sends back: its report and the recording detectors' digests."""
+
+    report: StepReport
+    digests: dict[FindingClass, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepSelection:
+    """Which steps of a recording to check: `--steps A:B` (by step number) and `--sample N`."""
+
+    start: int | None = None
+    stop: int | None = None
+    sample: int | None = None  # N steps spread evenly over the selection (first and last included)
+
+
+def select_paths(target: str | Path, selection: StepSelection = StepSelection()) -> list[Path]:
+    """The step files of `target` in recording order, restricted to `selection`."""
+    target = Path(target)
+    if target.is_dir() and (target / io.MANIFEST).exists():
+        numbered = [(e.step, target / e.file) for e in io.read_manifest(target)]
+    else:
+        numbered = list(enumerate(io.trace_paths(target)))
+    paths = [
+        path
+        for step, path in numbered
+        if (selection.start is None or step >= selection.start) and (selection.stop is None or step < selection.stop)
+    ]
+    n = selection.sample
+    if n is not None and n < len(paths):
+        # Evenly spaced and deterministic: the same command checks the same steps.
+        picks = sorted({round(i * (len(paths) - 1) / max(1, n - 1)) for i in range(n)}) if n > 1 else [0]
+        paths = [paths[i] for i in picks]
+    return paths
+
+
+def detector_modules(only: list[FindingClass]) -> dict[FindingClass, ModuleType]:
+    return {kind: importlib.import_module(DETECTORS[kind]) for kind in only}
+
+
+def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions) -> StepResult:
+    """Load and check one step; an unreadable step is a report with its error, never an exception."""
+    start = time.perf_counter()
+    modules = detector_modules(only)
+    try:
         trace = io.load(path)
-        ctx = CheckContext(trace=trace, path=str(path), options=options)
-        findings: list[Finding] = []
-        for module in modules.values():
-            findings.extend(module.detect(ctx))
-        contexts.append(ctx)
+    except TraceError as e:
+        return StepResult(StepReport(str(path), -1, "unreadable", [], error=str(e)))
+    ctx = CheckContext(trace=trace, path=str(path), options=options)
+    findings: list[Finding] = []
+    for module in modules.values():
+        findings.extend(module.detect(ctx))
+    digests = {kind: module.recording_digest(ctx) for kind, module in modules.items() if hasattr(module, "recording_digest")}
+    report = StepReport(
+        str(path),
+        trace.source.step,
+        trace.batch.forward_mode.value,
+        [_with_trace(f, str(path)) for f in findings],
+        seconds=time.perf_counter() - start,
+        backends=ctx.backends_consulted(),
+    )
+    return StepResult(report, {k: d for k, d in digests.items() if d is not None})
+
+
+def check_steps(
+    target: str,
+    only: list[FindingClass],
+    options: CheckOptions = CheckOptions(),
+    progress: Callable[[StepReport], None] | None = None,
+    *,
+    selection: StepSelection = StepSelection(),
+    jobs: int = 1,
+    devices: tuple[int, ...] | None = None,
+) -> Iterator[StepReport]:
+    """Check the steps of `target` (a .pt file or a recording directory) in recording order.
+
+    `jobs` > 1 spreads steps over worker processes (on `devices`, round robin, when given); the
+    reports, and the findings of the recording detectors, are identical to `jobs=1`'s.
+    """
+    paths = select_paths(target, selection)
+    modules = detector_modules(only)
+    states = {kind: module.RecordingState() for kind, module in modules.items() if hasattr(module, "RecordingState")}
+    if jobs > 1:
+        from attndbg.checks.workers import check_in_workers
+
+        results: Iterator[StepResult] = check_in_workers(paths, only, options, jobs=jobs, devices=devices)
+    else:
+        results = (check_one(path, only, options) for path in paths)
+    across: list[Finding] = []
+    for result in results:
+        for kind, digest in result.digests.items():
+            across += states[kind].observe(digest) if kind in states else []
         if progress:
-            progress(str(path))
-        yield StepReport(str(path), trace.source.step, trace.batch.forward_mode.value, [_with_trace(f, str(path)) for f in findings])
-    across = [f for m in modules.values() if hasattr(m, "detect_recording") for f in m.detect_recording(contexts)]
+            progress(result.report)
+        yield result.report
     if across:
         yield StepReport(str(target), -1, "recording", across)
 
 
 def _with_trace(finding: Finding, path: str) -> Finding:
-    if finding.trace:
-        return finding
-    from dataclasses import replace
-
-    return replace(finding, trace=path)
+    return finding if finding.trace else replace(finding, trace=path)

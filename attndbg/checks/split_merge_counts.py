@@ -10,17 +10,15 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from attndbg.backends import reference
 from attndbg.backends.triton import DEFAULT_MAX_KV_SPLITS, TritonBackend, TritonOptions
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding
 from attndbg.checks.split_merge_base import KIND, SPLIT_TILE, _location, _request_of, empty_splits
 from attndbg.checks.split_merge_vllm import V2_PARTITION_TOKENS, _vllm_v2_available, _vllm_v2_run
-from attndbg.compare.tolerance import ERROR_FACTOR, OUTPUT_FLOOR, Comparison
+from attndbg.compare.tolerance import Comparison
 from attndbg.replay import runner
-from attndbg.replay.data import build_inputs
 from attndbg.replay.runner import PlanSource, ReplayOptions, RunStatus
-from attndbg.trace.schema import DTYPES, ForwardMode, Trace
+from attndbg.trace.schema import ForwardMode, Trace
 
 
 MAX_KV_SPLITS = 16
@@ -72,7 +70,7 @@ def split_counts(ctx: CheckContext) -> list[Finding]:
     results = [_run_config(ctx, c) for c in configs]
     base = next((r for c, r in results if c.forced == 1 and isinstance(r, runner.BackendRun)), None)
     base_passes = base is not None and base.comparison is not None and base.comparison.passed
-    tolerance = None if base is None or base_passes else _tolerance(trace, ctx.options.layer)
+    tolerance = None if base is None or base_passes else ctx.data(ctx.options.layer).output_tolerance()
     findings = []
     for config, run in results:
         if run is None or config.forced == 1:
@@ -91,15 +89,6 @@ def split_counts(ctx: CheckContext) -> list[Finding]:
             continue
         findings.append(_split_finding(ctx, config=config, run=run, base=base, lengths=lengths))
     return findings
-
-
-def _tolerance(trace: Trace, layer: int | None) -> Tensor:
-    """[T, Hq]: the reference comparison's per-row tolerance (tolerance.py's model)."""
-    inputs = build_inputs(trace, layer=layer)
-    ref = reference.attention(trace, inputs, torch.float64).output
-    lowp = reference.attention(trace, inputs, DTYPES[trace.model.q_dtype]).output.double()
-    floor = OUTPUT_FLOOR.get(DTYPES[trace.model.q_dtype], OUTPUT_FLOOR[torch.bfloat16])
-    return ERROR_FACTOR * (lowp - ref).abs().amax(-1) + floor * ref.abs().amax(-1).clamp_min(1.0)
 
 
 def _drift_finding(ctx: CheckContext, *, config: SplitConfig, run, base, tolerance: Tensor) -> Finding | None:
@@ -149,7 +138,7 @@ def _run_triton(ctx: CheckContext, config: SplitConfig) -> runner.BackendRun | s
             scalars={**plan.scalars, "max_kv_splits": max(DEFAULT_MAX_KV_SPLITS, *config.splits)},
         )
         options = ReplayOptions(layer=ctx.options.layer, plan=PlanSource.RECORDED)
-        result = runner.replay(replace(trace, plan=plan), ctx.path, ["triton"], options)
+        result = ctx.replay(options, ("triton",), trace=replace(trace, plan=plan))
     run = result.runs[0] if result.runs else None
     if run is None or run.status in (RunStatus.UNSUPPORTED, RunStatus.UNAVAILABLE):
         return None

@@ -10,13 +10,10 @@ import functools
 import torch
 
 from attndbg import machine
-from attndbg.backends import reference
 from attndbg.backends.base import AttentionResult, KernelError
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding
 from attndbg.checks.split_merge_base import KIND, _location, merge_path
-from attndbg.compare.tolerance import compare_to_reference
-from attndbg.replay.data import build_inputs, to_device
 from attndbg.replay.runner import ReplayOptions, RunStatus
 from attndbg.trace.schema import DTYPES, ForwardMode
 
@@ -38,18 +35,16 @@ def cascade_vs_single_pass(ctx: CheckContext) -> list[Finding]:
         return []
     from attndbg.backends.flashinfer import FlashInferBackend, FlashInferOptions
 
-    inputs = build_inputs(trace, layer=ctx.options.layer)
-    ref = reference.attention(trace, inputs, torch.float64)
-    lowp = reference.attention(trace, inputs, DTYPES[trace.model.q_dtype])
+    data = ctx.data(ctx.options.layer)
     runs = {}
     for path in ("cascade", "paged"):
         backend = FlashInferBackend(FlashInferOptions(extend_path=path))
         try:
-            result = backend.run(trace, to_device(inputs, "cuda"), backend.derive_plan(trace))
+            result = backend.run(trace, data.on("cuda"), backend.derive_plan(trace))
         except KernelError as e:
             runs[path] = str(e)
             continue
-        runs[path] = compare_to_reference(trace, AttentionResult(result.output.cpu(), result.lse.cpu()), ref, lowp)
+        runs[path] = data.compare(AttentionResult(result.output.cpu(), result.lse.cpu()))
     cascade, paged = runs["cascade"], runs["paged"]
     if isinstance(cascade, str) or cascade.passed or isinstance(paged, str) or not paged.passed:
         return []

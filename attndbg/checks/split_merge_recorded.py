@@ -14,14 +14,12 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from attndbg.backends import reference
 from attndbg.backends.base import AttentionInputs, AttentionResult
 from attndbg.backends.triton import DEFAULT_MAX_KV_SPLITS
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding, Location
 from attndbg.checks.split_merge_base import KIND, LN2, LOG2E, _request_of, empty_splits, merge_path, split_length
 from attndbg.compare.tolerance import ERROR_FACTOR, LSE_FLOOR, OUTPUT_FLOOR, compare_to_reference
-from attndbg.replay.data import build_inputs
 from attndbg.trace.schema import DTYPES, ForwardMode, LseBase, Trace
 from attndbg.trace.visibility import visibility
 
@@ -48,8 +46,8 @@ def recorded_tensors(ctx: CheckContext) -> list[Finding]:
         recorded = trace.tensors.get(layer)
         if recorded is None or (recorded.output is None and recorded.lse is None):
             continue
-        inputs = build_inputs(trace, layer=layer)
-        truth = _Truth(inputs, reference.attention(trace, inputs, torch.float64), reference.attention(trace, inputs, DTYPES[trace.model.q_dtype]))
+        data = ctx.data(layer)
+        truth = _Truth(data.on("cpu"), data.reference, data.lowp)
         skip_rows = torch.zeros(trace.batch.num_tokens, dtype=torch.bool)
         if recorded.output is not None:
             out_findings, skip_rows = _output_findings(ctx, layer=layer, output=recorded.output, truth=truth)

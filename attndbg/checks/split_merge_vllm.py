@@ -7,12 +7,9 @@ from __future__ import annotations
 import torch
 
 from attndbg import machine
-from attndbg.backends import reference
 from attndbg.backends.base import AttentionResult
 from attndbg.checks.context import CheckContext
-from attndbg.compare.tolerance import compare_to_reference
 from attndbg.replay import runner
-from attndbg.replay.data import build_inputs
 from attndbg.replay.runner import RunStatus
 from attndbg.trace.schema import DTYPES, AttentionKind, Trace
 
@@ -41,7 +38,8 @@ def _vllm_v2_run(ctx: CheckContext) -> runner.BackendRun | str:
 
     trace = ctx.trace
     m, batch = trace.model, trace.batch
-    inputs = build_inputs(trace, layer=ctx.options.layer)
+    data = ctx.data(ctx.options.layer)
+    inputs = data.on("cpu")
     dtype = DTYPES[m.q_dtype]
     x = 16 // torch.tensor([], dtype=dtype).element_size()
     lens = batch.kv_lens.tolist()
@@ -88,8 +86,6 @@ def _vllm_v2_run(ctx: CheckContext) -> runner.BackendRun | str:
     part_lse = torch.where(used[:, None, :], logits + torch.log(sums), torch.full_like(logits, float("-inf")))
     lse = torch.logsumexp(part_lse, dim=-1)
     result = AttentionResult(output=out.cpu(), lse=lse.float())
-    lowp = reference.attention(trace, inputs, dtype)
-    ref = reference.attention(trace, inputs, torch.float64)
-    cmp = compare_to_reference(trace, result, ref, lowp)
+    cmp = data.compare(result)
     status = RunStatus.PASSED if cmp.passed else RunStatus.FAILED
     return runner.BackendRun("vllm", status, f"vLLM {getattr(ops, '__name__', '')} paged_attention_v2", comparison=cmp, result=result)

@@ -50,11 +50,13 @@ row (prefix columns first, draft token j at prefix + j), whatever the layout.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from attndbg.checks.context import CheckContext
-from attndbg.checks.findings import Finding
+from attndbg.checks.findings import Finding, FindingClass, Location
 from attndbg.checks.tree_mask_base import _finding
 from attndbg.checks.tree_mask_outputs import MAX_COLUMNS_SHOWN, MAX_ROWS_SHOWN, _output_findings
 from attndbg.checks.tree_mask_plan import PlanVisibility, plan_view
@@ -68,6 +70,8 @@ __all__ = [
     "PlanVisibility",
     "detect",
     "detect_recording",
+    "recording_digest",
+    "RecordingState",
     "mask_findings",
     "plan_view",
 ]
@@ -103,46 +107,72 @@ def mask_findings(trace: Trace) -> list[Finding]:
     return out
 
 
-def detect_recording(contexts: list[CheckContext]) -> list[Finding]:
-    """stale-mask: a verify step's mask identical to the previous verify step's while the trees differ."""
-    out: list[Finding] = []
-    previous: dict[int, CheckContext] = {}
-    for ctx in sorted(contexts, key=lambda c: (c.trace.source.tp_rank, c.step)):
-        trace = ctx.trace
-        if not trace.is_tree_verify:
-            continue
-        prev = previous.get(trace.source.tp_rank)
-        previous[trace.source.tp_rank] = ctx
-        if prev is None or _same_tree(trace, prev.trace):
-            continue
-        for field, now, before in (
-            ("spec.custom_mask", trace.spec.custom_mask, prev.trace.spec.custom_mask),
-            ("plan.custom_mask", _plan_mask(trace), _plan_mask(prev.trace)),
-        ):
-            if now is None or before is None or now.numel() == 0 or now.dtype != before.dtype or now.shape != before.shape:
+@dataclass(frozen=True)
+class VerifyDigest:
+    """What stale-mask keeps of a verify step: its tree and both masks (small, picklable)."""
+
+    tp_rank: int
+    step: int
+    path: str
+    parents: Tensor
+    prefix_lens: Tensor
+    masks: dict[str, Tensor]  # "spec.custom_mask" / "plan.custom_mask" -> the mask as recorded
+
+
+def recording_digest(ctx: CheckContext) -> VerifyDigest | None:
+    trace = ctx.trace
+    if not trace.is_tree_verify:
+        return None
+    masks = {"spec.custom_mask": trace.spec.custom_mask}
+    plan_mask = _plan_mask(trace)
+    if plan_mask is not None:
+        masks["plan.custom_mask"] = plan_mask
+    return VerifyDigest(trace.source.tp_rank, ctx.step, ctx.path, trace.spec.parents, trace.batch.prefix_lens, masks)
+
+
+class RecordingState:
+    """stale-mask over a recording, one step at a time: only the previous verify step per TP rank is kept."""
+
+    def __init__(self) -> None:
+        self.previous: dict[int, VerifyDigest] = {}
+
+    def observe(self, now: VerifyDigest | None) -> list[Finding]:
+        if now is None:
+            return []
+        prev = self.previous.get(now.tp_rank)
+        self.previous[now.tp_rank] = now
+        if prev is None or _same_tree(now, prev):
+            return []
+        out = []
+        for field, mask in now.masks.items():
+            before = prev.masks.get(field)
+            if before is None or mask.numel() == 0 or mask.dtype != before.dtype or mask.shape != before.shape:
                 continue
-            if not torch.equal(now, before):
+            if not torch.equal(mask, before):
                 continue
             out.append(
-                _finding(
-                    trace,
+                Finding(
+                    FindingClass.TREE_MASK,
                     "stale-mask",
-                    field=field,
-                    evidence=f"{field} of step {ctx.step} equals step {prev.step}'s ({now.numel()} elements), but the draft trees (or prefix lengths) of the two steps differ",
-                    cause="the engine reused the previous verify step's mask buffer without rebuilding it for this step's tree",
-                    trace_path=ctx.path,
-                    previous_step=prev.step,
+                    Location(step=now.step, field=field),
+                    f"{field} of step {now.step} equals step {prev.step}'s ({mask.numel()} elements), but the draft trees (or prefix lengths) of the two steps differ",
+                    "the engine reused the previous verify step's mask buffer without rebuilding it for this step's tree",
+                    trace=now.path,
+                    data={"previous_step": prev.step},
                 )
             )
-    return out
+        return out
 
 
-def _same_tree(a: Trace, b: Trace) -> bool:
-    return (
-        a.spec.parents.shape == b.spec.parents.shape
-        and torch.equal(a.spec.parents, b.spec.parents)
-        and torch.equal(a.batch.prefix_lens, b.batch.prefix_lens)
-    )
+def detect_recording(contexts: list[CheckContext]) -> list[Finding]:
+    """stale-mask: a verify step's mask identical to the previous verify step's while the trees differ."""
+    state = RecordingState()
+    ordered = sorted(contexts, key=lambda c: (c.trace.source.tp_rank, c.step))
+    return [f for ctx in ordered for f in state.observe(recording_digest(ctx))]
+
+
+def _same_tree(a: VerifyDigest, b: VerifyDigest) -> bool:
+    return a.parents.shape == b.parents.shape and torch.equal(a.parents, b.parents) and torch.equal(a.prefix_lens, b.prefix_lens)
 
 
 def _plan_mask(trace: Trace) -> Tensor | None:

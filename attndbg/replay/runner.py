@@ -9,21 +9,22 @@ Each backend yields one row per variant it ran:
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from attndbg import machine
-from attndbg.backends import reference, registry
+from attndbg.backends import registry
 from attndbg.backends.base import AttentionInputs, AttentionResult, Backend, KernelError, Padding
 from attndbg.backends.triton import TritonOptions
-from attndbg.compare.tolerance import Comparison, compare_to_reference
+from attndbg.compare.tolerance import Comparison
 from attndbg.profiling import phase, step_label
 from attndbg.replay import graph as graph_replay
-from attndbg.replay.data import build_inputs, to_device
+from attndbg.replay.step_data import StepData
 from attndbg.replay.plan_guard import out_of_bounds
-from attndbg.trace.schema import DTYPES, Plan, Trace
+from attndbg.trace.schema import Plan, Trace
 
 
 class RunStatus(enum.Enum):
@@ -80,31 +81,35 @@ class ReplayOptions:
 
 
 class _Context:
-    """What every backend run of one step shares: inputs and both references."""
+    """What every backend run of one step shares: the step's data and references (`StepData`)."""
 
-    def __init__(self, trace: Trace, options: ReplayOptions):
+    def __init__(self, trace: Trace, options: ReplayOptions, data: StepData | None = None):
         self.trace = trace
         self.options = options
         self.label = step_label(trace)
-        with phase("data", self.label):
-            self.inputs = build_inputs(trace, layer=options.layer)
-        with phase("reference", self.label):
-            self.ref = reference.attention(trace, self.inputs, torch.float64)
-            self.lowp = reference.attention(trace, self.inputs, DTYPES[trace.model.q_dtype])
+        self.data = data if data is not None and data.layer == options.layer else StepData(trace, layer=options.layer)
 
     def compare(self, result: AttentionResult) -> Comparison:
-        with phase("compare", self.label):
-            return compare_to_reference(self.trace, result, self.ref, self.lowp)
+        return self.data.compare(result)
 
 
-def replay(trace: Trace, trace_path: str, backend_names: list[str], options: ReplayOptions = ReplayOptions()) -> ReplayResult:
-    ctx = _Context(trace, options)
+def replay(
+    trace: Trace,
+    trace_path: str,
+    backend_names: list[str],
+    options: ReplayOptions = ReplayOptions(),
+    *,
+    data: StepData | None = None,
+) -> ReplayResult:
+    """Run `backend_names` on one step. `data`: the step's inputs and references when the caller
+    already built them (a check shares one per step); it must come from the same batch and seed."""
+    ctx = _Context(trace, options, data)
     runs: list[BackendRun] = []
     for name in backend_names:
         backend = registry.create(name, triton_options=options.triton)
         with phase(f"backend/{name}", ctx.label):
             runs.extend(_runs_of(backend, ctx))
-    return ReplayResult(trace=trace, trace_path=trace_path, reference=ctx.ref, runs=runs)
+    return ReplayResult(trace=trace, trace_path=trace_path, reference=ctx.data.reference, runs=runs)
 
 
 def _runs_of(backend: Backend, ctx: _Context) -> list[BackendRun]:
@@ -115,17 +120,40 @@ def _runs_of(backend: Backend, ctx: _Context) -> list[BackendRun]:
     reason = backend.unsupported_reason(ctx.trace)
     if reason:
         return [BackendRun(backend.name, RunStatus.UNSUPPORTED, description, reason=reason)]
-    inputs = to_device(ctx.inputs, backend.device())
+    _announce_first_use(backend, ctx.trace)
+    inputs = ctx.data.on(backend.device())
     runs = []
     if ctx.options.plan is not PlanSource.RECORDED:
-        with phase("plan", ctx.label):
-            plan = backend.derive_plan(ctx.trace)
-        runs.append(_eager(backend, ctx, inputs, plan, description, "eager", ctx.options.repeat))
+        # The eager run of the derived plan is the same for every variant of the step: run once.
+        key = (backend.name, ctx.options.triton, ctx.options.repeat)
+        if key not in ctx.data.eager_runs:
+            with phase("plan", ctx.label):
+                plan = backend.derive_plan(ctx.trace)
+            ctx.data.eager_runs[key] = _eager(backend, ctx, inputs, plan, description, "eager", ctx.options.repeat)
+        runs.append(ctx.data.eager_runs[key])
     if ctx.options.plan is not PlanSource.DERIVED:
         runs.append(_recorded(backend, ctx, inputs, description))
     if ctx.options.cuda_graph:
         runs.append(_graph(backend, ctx, inputs, description))
     return runs
+
+
+_ANNOUNCED: set[tuple] = set()
+
+
+def _announce_first_use(backend: Backend, trace: Trace) -> None:
+    """Say once per process and kernel shape that a library may be compiling, so a long first step is explained."""
+    note = backend.first_use_note()
+    m = trace.model
+    key = (backend.name, trace.batch.forward_mode, m.head_dim, m.v_head_dim, m.q_dtype, m.kv_dtype, m.page_size, m.gqa_group)
+    if note is None or key in _ANNOUNCED:
+        return
+    _ANNOUNCED.add(key)
+    sys.stderr.write(
+        f"attndbg: {backend.name}: first {trace.batch.forward_mode.value} step with head_dim {m.head_dim}, "
+        f"{m.q_dtype} (KV {m.kv_dtype}), page {m.page_size}, GQA group {m.gqa_group} in this process: {note}\n"
+    )
+    sys.stderr.flush()
 
 
 def _execute(backend: Backend, ctx: _Context, inputs: AttentionInputs, plan: Plan) -> tuple[AttentionResult, float]:

@@ -106,3 +106,64 @@ def test_inputs_are_deterministic_from_the_seed() -> None:
     a = build_inputs(make_trace("decode-gqa", "seed=3"))
     b = build_inputs(make_trace("decode-gqa", "seed=3"))
     assert torch.equal(a.q, b.q) and torch.equal(a.k_cache, b.k_cache)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ("decode-gqa", "kv_lens=3,30,64", "heads=4:2", "head_dim=16", "dtype=float32"),
+        ("extend-prefix", "prefix_lens=0,7", "extend_lens=5,4", "heads=2:1", "head_dim=8", "dtype=float32"),
+        ("verify", "prefix_lens=4,9", "heads=2:1", "head_dim=8", "topk=2", "steps=3", "draft_tokens=5", "dtype=float32"),
+    ],
+)
+def test_partial_states_over_column_ranges_merge_to_the_full_attention(spec: tuple[str, ...]) -> None:
+    """Partial states (what split-KV kernels compute per split) come from the same code: two halves
+    of every request's row, merged by their LSEs, give the single pass; an empty range gives -inf / 0."""
+    trace = make_trace(*spec)
+    inputs = build_inputs(trace)
+    full = reference.attention(trace, inputs)
+    kv = trace.batch.kv_lens
+    mid = kv // 2
+    first = reference.attention(trace, inputs, columns=torch.stack([torch.zeros_like(kv), mid], 1))
+    second = reference.attention(trace, inputs, columns=torch.stack([mid, kv], 1))
+    lse = torch.logaddexp(first.lse, second.lse)
+    w1 = torch.exp(first.lse - lse).nan_to_num(0.0)[..., None]
+    w2 = torch.exp(second.lse - lse).nan_to_num(0.0)[..., None]
+    torch.testing.assert_close(w1 * first.output + w2 * second.output, full.output, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse, full.lse, rtol=1e-10, atol=1e-10)
+    empty = reference.attention(trace, inputs, columns=torch.stack([kv, kv], 1))
+    assert bool(torch.isneginf(empty.lse).all()) and bool((empty.output == 0).all())
+
+
+def test_groups_split_large_requests_without_changing_the_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny memory budget forces one group per request and row chunks inside a request: same numbers."""
+    trace = make_trace("extend-prefix", "prefix_lens=0,40,9", "extend_lens=37,5,20", "heads=4:2", "head_dim=16", "dtype=float32")
+    inputs = build_inputs(trace)
+    whole = reference.attention(trace, inputs)
+    monkeypatch.setitem(reference.GROUP_BYTES, "cpu", 1)
+    assert len(reference._groups(trace, torch.float64, 1)) == trace.batch.num_tokens  # one row per group
+    chunked = reference.attention(trace, inputs)
+    torch.testing.assert_close(chunked.output, whole.output, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(chunked.lse, whole.lse, rtol=1e-12, atol=1e-12)
+
+
+def test_only_the_slots_a_step_reads_are_drawn() -> None:
+    """Data is drawn for the batch's rows, its writes and the dummy page; the rest of the pool is zero."""
+    from attndbg.replay.data import slots_read
+
+    trace = make_trace("decode-gqa", "kv_lens=3,30", "heads=4:2", "head_dim=16", "page_size=4", "scatter=1")
+    inputs = build_inputs(trace)
+    read = slots_read(trace)
+    assert set(read.tolist()) == set(trace.batch.slot_ids.tolist()) | set(trace.batch.out_cache_loc.tolist()) | {0, 1, 2, 3}
+    unread = torch.ones(trace.batch.kv_cache_size, dtype=torch.bool)
+    unread[read] = False
+    assert bool(unread.any()), "the pool should have slots no request reads"
+    assert bool((inputs.k_cache[unread] == 0).all()) and bool((inputs.v_cache[unread] == 0).all())
+    assert bool((inputs.k_cache[read] != 0).any(-1).any(-1).all())
+
+
+def test_fp8_kv_rows_are_written_bytewise() -> None:
+    trace = make_trace("decode-gqa", "kv_lens=3,30", "heads=4:2", "head_dim=16", "kv_dtype=float8_e4m3fn")
+    inputs = build_inputs(trace)
+    assert inputs.k_cache.dtype == torch.float8_e4m3fn
+    assert torch.equal(inputs.k_cache[trace.batch.out_cache_loc].view(torch.uint8), inputs.k_new.view(torch.uint8))

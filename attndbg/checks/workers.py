@@ -1,0 +1,123 @@
+"""Check steps in worker processes: `attndbg check --jobs N [--devices 0,1]`.
+
+Each worker is a spawned process (CUDA cannot be forked) that checks one step at a time and sends
+back its `StepResult`. Worker i runs on device `devices[i % len(devices)]` (it sees only that GPU,
+through CUDA_VISIBLE_DEVICES set before CUDA starts). Results are yielded in recording order,
+whatever order the workers finish in; at most `WINDOW_PER_JOB * jobs` steps are dispatched ahead
+of the oldest unfinished one, so memory stays bounded.
+
+A worker is also a crash boundary: when one dies (a segfault in a kernel library, an abort, the
+out-of-memory killer), the step it was checking is reported as not checked, with the signal, and a
+fresh worker takes its place for the remaining steps.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+from attndbg.checks.context import CheckOptions
+from attndbg.checks.findings import FindingClass
+from attndbg.checks.run import StepReport, StepResult, check_one
+
+WINDOW_PER_JOB = 4
+
+
+CheckOne = Callable[[str, list[FindingClass], CheckOptions], StepResult]
+
+
+def _worker_main(conn: Connection, device: int | None, only: list[FindingClass], options: CheckOptions, check: CheckOne) -> None:
+    if device is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
+    while True:
+        task = conn.recv()
+        if task is None:
+            return
+        index, path = task
+        conn.send((index, check(path, only, options)))
+
+
+class _Worker:
+    def __init__(self, ctx: mp.context.SpawnContext, device: int | None, only: list[FindingClass], options: CheckOptions, check: CheckOne):
+        self.setup = (only, options, check)
+        self.device = device
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child, device, only, options, check), daemon=True)
+        self.process.start()
+        child.close()
+        self.task: tuple[int, Path] | None = None
+
+    def send(self, index: int, path: Path) -> None:
+        self.task = (index, path)
+        self.conn.send((index, str(path)))
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+
+
+def _death(process: mp.process.BaseProcess) -> str:
+    code = process.exitcode
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def check_in_workers(
+    paths: list[Path],
+    only: list[FindingClass],
+    options: CheckOptions,
+    *,
+    jobs: int,
+    devices: tuple[int, ...] | None,
+    check: CheckOne = check_one,  # a module-level function (workers import it by name)
+) -> Iterator[StepResult]:
+    ctx = mp.get_context("spawn")
+    slots = [devices[i % len(devices)] if devices else None for i in range(min(jobs, max(1, len(paths))))]
+    workers = [_Worker(ctx, device, only, options, check) for device in slots]
+    done: dict[int, StepResult] = {}
+    next_task, next_out = 0, 0
+    try:
+        while next_out < len(paths):
+            for worker in workers:
+                if worker.task is None and next_task < len(paths) and next_task < next_out + WINDOW_PER_JOB * len(workers):
+                    worker.send(next_task, paths[next_task])
+                    next_task += 1
+            busy = [w for w in workers if w.task is not None]
+            ready = wait([w.conn for w in busy] + [w.process.sentinel for w in busy])
+            for i, worker in enumerate(workers):
+                if worker.task is None:
+                    continue
+                if worker.conn in ready or worker.conn.poll():
+                    try:
+                        index, result = worker.conn.recv()
+                    except (EOFError, OSError):
+                        pass  # it died while sending: handled below
+                    else:
+                        done[index] = result
+                        worker.task = None
+                        continue
+                if worker.process.sentinel in ready and not worker.process.is_alive():
+                    index, path = worker.task
+                    reason = f"not checked: the worker checking this step {_death(worker.process)}"
+                    done[index] = StepResult(StepReport(str(path), -1, "crashed", [], error=reason))
+                    worker.conn.close()
+                    workers[i] = _Worker(ctx, worker.device, *worker.setup)
+            while next_out in done:
+                yield done.pop(next_out)
+                next_out += 1
+    finally:
+        for worker in workers:
+            worker.stop()

@@ -1,0 +1,92 @@
+"""What every run of one step shares: its inputs and its references, built once.
+
+A check runs a step many times (each backend, split counts, recorded plan, padded graph replays,
+detectors' probes); all of them read the same queries and KV cache and are judged against the same
+float64 reference. `StepData` builds each of those once, on the device the kernels use, and hands
+out per-device views. Everything is lazy: a metadata-only detector pays for nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attndbg import machine
+from attndbg.backends import reference
+from attndbg.backends.base import AttentionInputs, AttentionResult
+from attndbg.compare.tolerance import ERROR_FACTOR, OUTPUT_FLOOR, Comparison, compare_to_reference
+from attndbg.profiling import phase, step_label
+from attndbg.replay.data import build_inputs, to_device
+from attndbg.trace.schema import DTYPES, Trace
+
+
+def default_device() -> str:
+    """Where a step's data and reference live: the GPU when there is one."""
+    return "cuda" if machine.cuda_available() else "cpu"
+
+
+class StepData:
+    def __init__(self, trace: Trace, *, layer: int | None = None, device: str | None = None):
+        self.trace = trace
+        self.layer = layer
+        self.device = device or default_device()
+        self.label = step_label(trace)
+        self._inputs: dict[str, AttentionInputs] = {}
+        self._reference: AttentionResult | None = None
+        self._lowp: AttentionResult | None = None
+        # Eager runs of derived plans, by (backend, its options, repeat): the runner's memo, so the
+        # variants of a step (graph fills, split counts) do not rerun the same eager launch.
+        self.eager_runs: dict[tuple, Any] = {}
+
+    @property
+    def inputs(self) -> AttentionInputs:
+        """On the step's device."""
+        return self.on(self.device)
+
+    def on(self, device: str) -> AttentionInputs:
+        """The same inputs on `device` (copied once per device)."""
+        kind = torch.device(device).type
+        if kind not in self._inputs:
+            if not self._inputs:
+                with phase("data", self.label):
+                    self._inputs[torch.device(self.device).type] = build_inputs(self.trace, layer=self.layer, device=self.device)
+            if kind not in self._inputs:
+                self._inputs[kind] = to_device(self.inputs, device)
+        return self._inputs[kind]
+
+    @property
+    def reference(self) -> AttentionResult:
+        """float64, on the CPU (comparisons happen there)."""
+        if self._reference is None:
+            with phase("reference", self.label):
+                self._reference = _cpu(reference.attention(self.trace, self.inputs, torch.float64))
+        return self._reference
+
+    @property
+    def lowp(self) -> AttentionResult:
+        """The same math in the run's dtype, on the CPU: it sizes the tolerance."""
+        if self._lowp is None:
+            with phase("reference", self.label):
+                self._lowp = _cpu(reference.attention(self.trace, self.inputs, DTYPES[self.trace.model.q_dtype]))
+        return self._lowp
+
+    def compare(self, result: AttentionResult) -> Comparison:
+        with phase("compare", self.label):
+            return compare_to_reference(self.trace, result, self.reference, self.lowp)
+
+    def output_tolerance(self) -> Tensor:
+        """[T, Hq] float64: the absolute output error each row/head may have (tolerance.py's model)."""
+        ref, lowp = self.reference.output, self.lowp.output.double()
+        floor = OUTPUT_FLOOR.get(DTYPES[self.trace.model.q_dtype], OUTPUT_FLOOR[torch.bfloat16])
+        return ERROR_FACTOR * (lowp - ref).abs().amax(-1) + floor * ref.abs().amax(-1).clamp_min(1.0)
+
+    def partial(self, columns: Tensor) -> AttentionResult:
+        """float64 partial states: request b over its KV columns [columns[b,0], columns[b,1]) only."""
+        with phase("reference", self.label):
+            return _cpu(reference.attention(self.trace, self.inputs, torch.float64, columns=columns))
+
+
+def _cpu(result: AttentionResult) -> AttentionResult:
+    return AttentionResult(output=result.output.cpu(), lse=result.lse.cpu())

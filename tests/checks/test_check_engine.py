@@ -1,0 +1,164 @@
+"""The check engine at recording scale: streaming, step selection, worker processes (same result
+for any --jobs), a crashing worker, unreadable steps, and a verdict that says what ran."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from attndbg.checks.context import CheckOptions
+from attndbg.checks.run import StepSelection, check_steps, parse_only, select_paths
+from attndbg.checks.workers import check_in_workers
+from attndbg.cli import main
+from attndbg.trace import io, mutate
+from tests.checks.crashing_worker import check_or_segfault
+from tests.factories import make_trace
+
+SMALL = ("heads=2:1", "head_dim=32")
+METADATA = parse_only("invariants,tree-mask,fill-value")
+
+
+def _recording(directory: Path) -> Path:
+    """Six steps, two carrying mistakes (a wrong tree mask, a decreasing indptr), and one verify step
+    whose mask is left from the previous verify step (a recording-level finding)."""
+    verify = make_trace("verify", "prefix_lens=4,7", *SMALL, plan=True)
+    other_tree = make_trace("verify", "prefix_lens=4,7", *SMALL, "seed=9", plan=True)
+    stale = replace(other_tree, spec=replace(other_tree.spec, custom_mask=verify.spec.custom_mask))
+    steps = [
+        make_trace("decode-mha", "kv_lens=3,20", *SMALL, plan=True),
+        mutate.inject(make_trace("verify", "prefix_lens=4,7", *SMALL, plan=True), "tree-mask:sibling-visible"),
+        make_trace("extend-prefix", "prefix_lens=0,9", "extend_lens=5,3", *SMALL, plan=True),
+        verify,
+        stale,
+        mutate.inject(make_trace("decode-mha", "kv_lens=3,20,7", *SMALL, plan=True), "invariants:decreasing-indptr"),
+    ]
+    for step, trace in enumerate(steps):
+        io.append_to_recording(directory, replace(trace, source=replace(trace.source, step=10 + step)))
+    return directory
+
+
+def _json(reports) -> str:
+    from attndbg.report.checks import checks_to_json
+
+    return json.dumps(checks_to_json(list(reports)), sort_keys=True)
+
+
+def test_jobs_3_gives_the_same_json_as_jobs_1(tmp_path: Path) -> None:
+    rec = _recording(tmp_path / "rec")
+    one = list(check_steps(str(rec), METADATA, CheckOptions(backends=("reference",))))
+    three = list(check_steps(str(rec), METADATA, CheckOptions(backends=("reference",)), jobs=3))
+    assert _json(one) == _json(three)
+    by_step = {r.step: r for r in one}
+    assert by_step[11].findings and by_step[15].findings  # the injected mistakes
+    assert not by_step[10].findings and not by_step[12].findings
+    recording = [r for r in one if r.mode == "recording"]
+    assert len(recording) == 1 and [f.check for f in recording[0].findings] == ["stale-mask"]
+    assert recording[0].findings[0].location.step == 14
+
+
+def test_cli_jobs_json_identical(tmp_path: Path) -> None:
+    rec = _recording(tmp_path / "rec")
+    outputs = []
+    for jobs in ("1", "3"):
+        path = tmp_path / f"j{jobs}.json"
+        result = CliRunner().invoke(main, ["check", str(rec), "--only", "invariants,tree-mask", "--backend", "reference", "--jobs", jobs, "--json", str(path)])
+        assert result.exit_code == 1, result.output
+        outputs.append(json.loads(path.read_text()))
+    assert outputs[0] == outputs[1]
+    assert outputs[0]["schema"] == "attndbg.check/1"
+
+
+def test_a_worker_that_dies_loses_only_its_step(tmp_path: Path) -> None:
+    rec = _recording(tmp_path / "rec")
+    paths = select_paths(rec)
+    crash = paths[2].with_name("segfault.pt")
+    shutil.copy(paths[2], crash)
+    paths[2] = crash
+    results = list(check_in_workers(paths, METADATA, CheckOptions(backends=("reference",)), jobs=2, devices=None, check=check_or_segfault))
+    assert [r.report.path for r in results] == [str(p) for p in paths]  # every step, in order
+    dead = results[2].report
+    assert dead.error is not None and "SIGSEGV" in dead.error and not dead.checked
+    assert all(r.report.checked for i, r in enumerate(results) if i != 2)
+    assert results[1].report.findings and results[5].report.findings  # the replacement worker went on
+
+
+def test_steps_and_sample_select_by_step_number(tmp_path: Path) -> None:
+    rec = _recording(tmp_path / "rec")
+    names = lambda sel: [p.name for p in select_paths(rec, sel)]  # noqa: E731
+    assert names(StepSelection(start=12, stop=14)) == ["step_000012.pt", "step_000013.pt"]
+    assert names(StepSelection(start=14)) == ["step_000014.pt", "step_000015.pt"]
+    assert names(StepSelection(sample=3)) == ["step_000010.pt", "step_000012.pt", "step_000015.pt"]
+    assert names(StepSelection(start=11, sample=1)) == ["step_000011.pt"]
+    result = CliRunner().invoke(main, ["check", str(rec), "--only", "invariants", "--steps", "11:13"])
+    assert "checked 2 of 2 steps" in result.output
+    result = CliRunner().invoke(main, ["check", str(rec), "--steps", "5-9"])
+    assert result.exit_code == 2 and "--steps" in result.output
+
+
+def test_an_unreadable_step_is_reported_and_the_others_are_checked(tmp_path: Path) -> None:
+    rec = _recording(tmp_path / "rec")
+    (rec / "step_000012.pt").write_bytes(b"not a trace")
+    (rec / "step_000013.pt").unlink()
+    report = tmp_path / "r.json"
+    result = CliRunner().invoke(main, ["check", str(rec), "--only", "invariants", "--json", str(report)])
+    assert result.exit_code == 1, result.output  # findings elsewhere still win
+    steps = json.loads(report.read_text())["steps"]
+    errors = [s for s in steps if not s["checked"]]
+    assert [Path(s["trace"]).name for s in errors] == ["step_000012.pt", "step_000013.pt"]
+    assert "not a readable attndbg trace" in errors[0]["error"] and "cannot read" in errors[1]["error"]
+    assert sum(1 for s in steps if s["checked"]) == 4
+    assert "checked 4 of 6 steps" in result.output
+
+
+def test_clean_check_with_a_named_backend_that_cannot_run_is_not_a_pass(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from attndbg import machine
+
+    if machine.cuda_available():
+        pytest.skip("flashinfer may run on a GPU")
+    path = io.save(make_trace("decode-mha", *SMALL, plan=True), tmp_path / "t.pt")
+    result = CliRunner().invoke(main, ["check", str(path), "--only", "invariants", "--backend", "flashinfer"])
+    assert result.exit_code == 3, result.output
+    assert "flashinfer unavailable: no CUDA GPU" in result.output
+
+
+def test_verdict_names_the_kernels_that_ran(tmp_path: Path) -> None:
+    path = io.save(make_trace("decode-mha", "kv_lens=3,20", *SMALL, plan=True), tmp_path / "t.pt")
+    report = tmp_path / "r.json"
+    result = CliRunner().invoke(main, ["check", str(path), "--only", "split-merge", "--backend", "triton", "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    assert "kernels compared with the float64 reference: triton (1 step)" in result.output
+    verdict = json.loads(report.read_text())["verdict"]
+    assert verdict["compared"] == {"triton": 1} and verdict["skipped"] == {}
+    metadata_only = CliRunner().invoke(main, ["check", str(path), "--only", "invariants"])
+    assert metadata_only.exit_code == 0 and "no kernel ran" in metadata_only.output
+
+
+def test_a_step_builds_its_data_and_reference_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Every run of a step (split-count sweep, padded replays, recorded plan) shares one set of
+    inputs and one float64 + one low-precision reference."""
+    from attndbg.backends import reference
+    from attndbg.replay import step_data
+
+    calls = {"inputs": 0, "reference": 0}
+    real_build, real_attention = step_data.build_inputs, reference.attention
+
+    def counting_build(*args, **kwargs):
+        calls["inputs"] += 1
+        return real_build(*args, **kwargs)
+
+    def counting_attention(*args, **kwargs):
+        calls["reference"] += 1
+        return real_attention(*args, **kwargs)
+
+    monkeypatch.setattr(step_data, "build_inputs", counting_build)
+    monkeypatch.setattr(reference, "attention", counting_attention)
+    path = io.save(make_trace("decode-mha", "kv_lens=3,20", *SMALL, "capture_bs=4", plan=True), tmp_path / "t.pt")
+    reports = list(check_steps(str(path), parse_only(None), CheckOptions(backends=("triton",))))
+    assert reports and reports[0].backends == ("triton",)
+    assert calls == {"inputs": 1, "reference": 2}
