@@ -529,9 +529,11 @@ def record(
         raise BadInput("record: no command given (attndbg record [OPTIONS] -- COMMAND ...)")
     try:
         first, last = parse_steps(steps)
+        chosen_layers, max_bytes = parse_layers(layers), parse_size(max_size)
+        # Last: --overwrite deletes the earlier recording, only once every option is known good.
         prefix = prepare_directory(out_dir, append=append, overwrite=overwrite)
         options = RecordOptions(
-            out_dir=out_dir, every=every, first_step=first, last_step=last, layers=parse_layers(layers), max_bytes=parse_size(max_size), engines=chosen, file_prefix=prefix
+            out_dir=out_dir, every=every, first_step=first, last_step=last, layers=chosen_layers, max_bytes=max_bytes, engines=chosen, file_prefix=prefix
         )
     except OptionError as e:
         raise BadInput(str(e)) from None

@@ -17,6 +17,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from attndbg.compare.tolerance import Location
 from attndbg.replay.runner import BackendRun, ReplayResult, RunStatus
 
 SCHEMA = "attndbg.replay/1"
@@ -109,10 +110,14 @@ def _short(values: list[int], limit: int = 8) -> str:
     return f"[{head}{',…' if len(values) > limit else ''}]"
 
 
-def where(result: ReplayResult, location: Any) -> str:
-    """'request 1 row 4 (step row 39) head 2': rows counted within their request."""
-    row_in_request = location.row - int(result.trace.batch.qo_indptr[location.request])
-    return f"request {location.request} row {row_in_request} (step row {location.row}) head {location.head}"
+def _row_in_request(result: ReplayResult, location: Location) -> int:
+    """Location.row counts the step's query tokens; people count rows within a request."""
+    return location.row - int(result.trace.batch.qo_indptr[location.request])
+
+
+def where(result: ReplayResult, location: Location) -> str:
+    """'request 1 row 4 (step row 39) head 2'."""
+    return f"request {location.request} row {_row_in_request(result, location)} (step row {location.row}) head {location.head}"
 
 
 def render_replay(step: StepReport) -> RenderableType:
@@ -221,8 +226,8 @@ def run_to_json(run: BackendRun, step: StepReport) -> dict[str, Any]:
     if c is not None:
         worst = None
         if c.worst is not None:
-            start = int(step.result.trace.batch.qo_indptr[c.worst.request])
-            worst = {"request": c.worst.request, "row_in_request": c.worst.row - start, "step_row": c.worst.row, "head": c.worst.head}
+            w = c.worst
+            worst = {"request": w.request, "row_in_request": _row_in_request(step.result, w), "step_row": w.row, "head": w.head}
         out.update(
             max_abs=c.max_abs,
             max_rel=c.max_rel,

@@ -105,3 +105,11 @@ def test_unreadable_file_says_what_it_is(tmp_path: Path, content: bytes, message
     path = tmp_path / "x.pt"
     path.write_bytes(content)
     one_line_error(invoke("show", str(path)), message)
+
+
+def test_record_overwrite_deletes_nothing_when_another_option_is_wrong(tmp_path: Path) -> None:
+    out = tmp_path / "rec"
+    out.mkdir()
+    (out / "step_000000.pt").write_bytes(b"old")
+    one_line_error(invoke("record", "-o", str(out), "--overwrite", "--layers", "x", "--", *NOTHING), "--layers")
+    assert (out / "step_000000.pt").read_bytes() == b"old"
