@@ -11,6 +11,7 @@ import math
 from dataclasses import fields, is_dataclass
 from typing import Any
 
+from rich import box
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -24,6 +25,11 @@ SCHEMA = "attndbg.diff/1"  # documented in docs/json.md
 MAX_FIELDS = 40  # differing fields listed before "... N more"
 MAX_REQUESTS = 16  # differing requests listed per backend pair
 MAX_HEADS = 4  # worst heads named per backend pair
+
+
+def _compact_table(title: str | None = None) -> Table:
+    """Rules under the header only, one space between columns: numbers fit 80 columns unfolded."""
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False, show_edge=False, collapse_padding=True)
 
 
 def _add_row(table: Table, *cells: str | Text) -> None:
@@ -137,9 +143,13 @@ def render_replay_diff(d: ReplayDiff) -> RenderableType:
     if not d.qo_indptr_equal:
         note = "the two files replayed different batches (qo_indptr differs); requests follow the first file"
         parts.append(Text(note, style="yellow"))
-    table = Table(header_style="bold", pad_edge=False)
-    for name in ("pair", "result", "output max abs", "LSE max abs", "rows differ", "NaN/Inf a", "NaN/Inf b"):
-        table.add_column(name)
+    table = _compact_table()
+    table.add_column("pair", overflow="fold", min_width=len("reference"))
+    table.add_column("result", overflow="fold", min_width=len("identical"))
+    for name in ("out max abs", "LSE max abs", "rows differ"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for name in ("NaN/Inf a", "NaN/Inf b"):
+        table.add_column(name, overflow="fold")
     for p in d.pairs:
         _add_row(table, *_pair_cells(p))
     parts.append(table)
@@ -205,7 +215,7 @@ def _pair_cells(p: PairDiff) -> tuple[str | Text, ...]:
         return (_name(p), Text(p.status.value, style="yellow"), "", "", "", "", "")
     out, lse = p.output, p.lse
     if p.bitwise_equal:
-        result = Text("bitwise identical", style="green")
+        result = Text("identical", style="green")
     elif p.differing_rows == 0:
         result = Text("equal values, bits differ (NaN payload or ±0)", style="yellow")
     else:
@@ -216,7 +226,7 @@ def _pair_cells(p: PairDiff) -> tuple[str | Text, ...]:
         result,
         _num(out.max_abs),
         _num(lse.max_abs),
-        f"{p.differing_rows} / {p.num_rows}" + (f" ({mismatches} non-finite mismatches)" if mismatches else ""),
+        f"{p.differing_rows}/{p.num_rows}" + (f" ({mismatches} non-finite)" if mismatches else ""),
         _nonfinite(p, "a"),
         _nonfinite(p, "b"),
     )
@@ -224,9 +234,9 @@ def _pair_cells(p: PairDiff) -> tuple[str | Text, ...]:
 
 def _pair_detail(p: PairDiff) -> RenderableType:
     differing = [r for r in p.requests if r.differing_rows]
-    table = Table(title=f"{_name(p)}: requests that differ", title_justify="left", header_style="bold", pad_edge=False)
+    table = _compact_table(title=f"{_name(p)}: requests that differ")
     for name in ("request", "rows", "rows differ", "output max abs", "LSE max abs", "non-finite"):
-        table.add_column(name, justify="right")
+        table.add_column(name, justify="right", no_wrap=True)
     for r in differing[:MAX_REQUESTS]:
         _add_row(
             table,

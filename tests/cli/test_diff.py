@@ -109,3 +109,15 @@ def test_identical_recordings_and_a_missing_step(tmp_path: Path) -> None:
 def test_a_folder_against_a_file_is_bad_input(tmp_path: Path) -> None:
     a = _recording(tmp_path / "a", ["3,20"])
     one_line_error(invoke("diff", str(a), str(a / "step_000000.pt")), "is a folder and", "is a trace")
+
+
+def test_replay_diff_table_fits_80_columns(tmp_path: Path) -> None:
+    a, b = _saved(tmp_path / "a.replay"), _saved(tmp_path / "b.replay", lse_shift=2.0**-20)
+    report = tmp_path / "d.json"
+    result = invoke("diff", str(a), str(b), "--json", str(report), columns=80)
+    assert result.exit_code == 1
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    triton = json.loads(report.read_text())["pairs"][1]
+    row = next(line for line in lines if line.startswith("triton "))
+    assert row.split()[1:5] == ["differ", "0", f"{triton['lse']['max_abs']:.3g}", "1/3"]
