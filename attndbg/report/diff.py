@@ -59,6 +59,7 @@ def render_trace_diff(d: TraceDiff, *, labels: tuple[str, str] = ("a", "b")) -> 
     parts.append(table)
     if len(differences) > MAX_FIELDS:
         parts.append(Text(f"… {len(differences) - MAX_FIELDS} more differing fields (see --json)", style="dim"))
+    parts.append(Text(f"traces differ: {len(differences)} of {len(d.fields)} fields, first {differences[0].field}", style="bold red"))
     return Group(*parts)
 
 

@@ -121,3 +121,12 @@ def test_replay_diff_table_fits_80_columns(tmp_path: Path) -> None:
     triton = json.loads(report.read_text())["pairs"][1]
     row = next(line for line in lines if line.startswith("triton "))
     assert row.split()[1:5] == ["differ", "0", f"{triton['lse']['max_abs']:.3g}", "1/3"]
+
+
+def test_trace_diff_ends_with_its_verdict(tmp_path: Path) -> None:
+    a = write_trace(tmp_path / "a.pt", "decode-mha", "kv_lens=3,20")
+    b = write_trace(tmp_path / "b.pt", "decode-mha", "kv_lens=3,21")
+    result = invoke("diff", str(a), str(b), columns=200)
+    assert result.exit_code == 1
+    assert result.stdout.strip().splitlines()[-1].startswith("traces differ: ") and "first batch.prefix_lens" in result.stdout.splitlines()[-1]
+    assert invoke("diff", str(a), str(a)).stdout.strip().splitlines()[-1].startswith("traces are structurally identical")
