@@ -148,7 +148,7 @@ def show(trace: str, json_path: str | None) -> None:
 
 
 @main.command()
-@click.argument("trace", type=click.Path())
+@click.argument("trace", type=click.Path(), metavar="TRACE|DIR")
 @click.option("--backend", "backend_spec", default="triton", show_default=True, help="NAME[,NAME...] or all (all skips, and names, what cannot run here)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), help="also write the results as JSON (attndbg.replay/1; - for stdout)")
 @click.option("--save", "save_path", type=click.Path(dir_okay=False), help="keep outputs for `attndbg diff`")

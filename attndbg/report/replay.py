@@ -204,11 +204,8 @@ def verdict_line(steps: Sequence[StepReport]) -> Text:
     where_ = f"{len(steps)} steps: " if len(steps) > 1 else ""
     text = f"{where_}{len(compared)} backend{'s' * (len(compared) != 1)} compared ({', '.join(compared) or 'none'})"
     text += f", failed: {', '.join(failed)}" if failed else (", all passed" if compared else "")
-    missing = sorted({n for s in steps for n in s.missing})
-    if skipped:
+    if skipped:  # a named backend that compared nothing is always among these
         text += "; " + "; ".join(f"{name} {why}" for name, why in skipped.items())
-    if missing:
-        text += f"; named but not compared: {', '.join(missing)}"
     style = {Verdict.PASSED: "bold green", Verdict.FAILED: "bold red", Verdict.INCOMPLETE: "bold yellow"}[verdict]
     return Text(f"{verdict.value.upper()}: {text}", style=style)
 
