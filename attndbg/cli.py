@@ -70,11 +70,43 @@ def _write_json(path: str, data: Any) -> None:
     text = json.dumps(data, indent=2) + "\n"
     if path == "-":
         click.echo(text, nl=False)
-    else:
+        return
+    try:
         Path(path).write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise BadInput(f"--json {path}: cannot write ({e.strerror or e})") from None
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _check_outputs(**paths: str | None) -> None:
+    """Refuse an output file whose folder does not exist before a long run, not after it."""
+    for option, path in paths.items():
+        if path and path != "-" and not Path(path).absolute().parent.is_dir():
+            raise BadInput(f"--{option.replace('_', '-')} {path}: the folder {Path(path).parent} does not exist")
+
+
+class _Group(click.Group):
+    """click's usage errors (unknown option, bad value) as one line on stderr and exit 2, like
+    every other bad input, instead of click's usage block."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["standalone_mode"] = False
+        try:
+            code = super().main(*args, **kwargs)
+        except getattr(click.exceptions, "NoArgsIsHelpError", ()) as e:  # bare `attndbg`: the help
+            e.show()
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            click.echo(f"error: {e.format_message()}{hint}", err=True)
+            sys.exit(EXIT_BAD_INPUT)
+        except click.Abort:
+            click.echo("interrupted", err=True)
+            sys.exit(130)  # as a shell reports SIGINT
+        sys.exit(code if isinstance(code, int) else EXIT_OK)  # --help/--version return 0
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="attndbg")
 def main() -> None:
     """Record, replay, diff and explain LLM attention backends.
@@ -185,6 +217,7 @@ def replay(
       attndbg replay rec --backend all --json - | jq .verdict
     """
     names = _backend_names(backend_spec)
+    _check_outputs(json=json_path, save=save_path)
     if not cuda_graph:
         for flag, value in (("--capture-bs", capture_bs), ("--fill-value", fill_value)):
             if value is not None:
@@ -566,6 +599,7 @@ def bench(trace: str, backend_spec: str, samples: int, json_path: str | None) ->
       attndbg bench traces/decode_gqa.pt --backend triton,flashinfer
     """
     names = _backend_names(backend_spec)  # a typo is reported before the GPU is looked for
+    _check_outputs(json=json_path)
     from attndbg import machine
     from attndbg.trace import io
 

@@ -177,3 +177,13 @@ def test_table_numbers_are_never_folded(tmp_path: Path, columns: int) -> None:
         cells += [f"{run['failing_rows']}/{run['total_rows']}", f"{run['seconds'] * 1e3:.1f} ms"]
         found = NUMBER.findall(row)
         assert all(cell in found for cell in cells), (cells, row)
+
+
+@pytest.mark.parametrize("option", ["--json", "--save"])
+def test_output_in_a_missing_folder_is_refused_before_the_run(tiny: Path, tmp_path: Path, option: str) -> None:
+    one_line_error(invoke("replay", str(tiny), "--backend", "reference", option, str(tmp_path / "nope" / "out")), option, "does not exist")
+
+
+def test_a_folder_as_json_output_is_one_line(tiny: Path, tmp_path: Path) -> None:
+    (tmp_path / "out.json").mkdir()  # a folder where the file should go
+    one_line_error(invoke("replay", str(tiny), "--backend", "reference", "--json", str(tmp_path / "out.json")), "is a directory")

@@ -36,3 +36,12 @@ def test_spec_dtype_names_match_the_schema() -> None:
     from attndbg.trace.synth_spec import KV_DTYPE_NAMES, Q_DTYPE_NAMES
 
     assert Q_DTYPE_NAMES == Q_DTYPES and set(KV_DTYPE_NAMES) == set(DTYPES)
+
+
+def test_usage_errors_are_one_line() -> None:
+    from tests.cli.helpers import invoke, one_line_error
+
+    one_line_error(invoke("replay", "x.pt", "--repeat", "0"), "Invalid value for '--repeat'", "--help")
+    one_line_error(invoke("diff", "a.pt", "b.pt", "--bogus"), "No such option '--bogus'")
+    one_line_error(invoke("nosuchcommand"), "No such command 'nosuchcommand'")
+    assert invoke("--version").exit_code == 0 and invoke("replay", "--help").exit_code == 0
