@@ -592,7 +592,7 @@ def bench(trace: str, backend_spec: str, samples: int, json_path: str | None) ->
     """Time each backend on a trace over CUDA-graph replays; bandwidth against the device's copy peak.
 
     Exit 0 when every backend was timed, 2 on bad input (or no GPU), 3 when a backend named with
-    --backend could not run here.
+    --backend could not be timed here.
 
     \b
     Example:
@@ -606,43 +606,35 @@ def bench(trace: str, backend_spec: str, samples: int, json_path: str | None) ->
     loaded = io.load(trace)
     if not machine.cuda_available():
         raise BadInput("bench times CUDA-graph replays and needs a CUDA GPU, and this machine has none (attndbg replay runs on a CPU)")
-    from rich.table import Table
-
     from attndbg.backends import registry
     from attndbg.replay.data import build_inputs, to_device
     from attndbg.replay.timing import copy_bandwidth_gbps, time_backend
+    from attndbg.report.bench import BenchResult, Timed, bench_to_json, render_bench
 
     inputs = build_inputs(loaded)
     peak = copy_bandwidth_gbps()
-    console = _console(stderr=json_path == "-")
-    table = Table(title=f"{trace}: {loaded.batch.forward_mode.value} bs={loaded.batch.batch_size}; device copy bandwidth {peak:.0f} GB/s", title_justify="left")
-    for column in ("backend", "median", "min..max", "bytes", "GB/s", "of peak"):
-        table.add_column(column, no_wrap=True, justify="left" if column == "backend" else "right")
     timed, skipped = [], []
     for name in names:
         backend = registry.create(name)
         reason = backend.unavailable_reason() or backend.unsupported_reason(loaded) or backend.graph_unsupported_reason(loaded)
         if reason:
-            skipped.append({"backend": name, "reason": reason})
+            skipped.append((name, reason))
             continue
-        t = time_backend(backend, loaded, to_device(inputs, backend.device()), samples=samples)
-        table.add_row(name, f"{t.median_us:.1f} us", f"{t.min_us:.1f}..{t.max_us:.1f}", f"{t.bytes_moved / 1e6:.1f} MB", f"{t.achieved_gbps:.0f}", f"{t.achieved_gbps / peak:.0%}")
-        timed.append(t.__dict__ | {"backend": name, "description": backend.describe(), "copy_gbps": peak})
-    if timed:
-        console.print(table)
-    for row in timed:
-        console.print(f"{row['backend']}: {row['description']}", style="dim", highlight=False)
-    for row in skipped:
-        console.print(f"{row['backend']}: skipped: {row['reason']}", style="yellow", highlight=False)
-    named = () if backend_spec.strip() == "all" else tuple(names)
-    missing = [s["backend"] for s in skipped if s["backend"] in named]
-    verdict = "incomplete" if missing or not timed else "timed"
-    summary = f"{len(timed)} backend(s) timed ({', '.join(r['backend'] for r in timed) or 'none'})"
-    summary += "".join(f"; {s['backend']} skipped: {s['reason']}" for s in skipped)
-    console.print(f"{verdict.upper()}: {summary}", style="bold green" if verdict == "timed" else "bold yellow", highlight=False)
+        timing = time_backend(backend, loaded, to_device(inputs, backend.device()), samples=samples)
+        timed.append(Timed(timing=timing, description=backend.describe()))
+    result = BenchResult(
+        trace_path=trace,
+        mode=loaded.batch.forward_mode.value,
+        batch_size=loaded.batch.batch_size,
+        copy_gbps=peak,
+        timed=tuple(timed),
+        skipped=tuple(skipped),
+        named=() if backend_spec.strip() == "all" else tuple(names),
+    )
+    _console(stderr=json_path == "-").print(render_bench(result))
     if json_path:
-        _write_json(json_path, {"schema": "attndbg.bench/1", "verdict": verdict, "summary": summary, "trace": trace, "timed": timed, "skipped": skipped})
-    sys.exit(EXIT_NOT_RUN if verdict == "incomplete" else EXIT_OK)
+        _write_json(json_path, bench_to_json(result))
+    sys.exit(EXIT_NOT_RUN if result.incomplete else EXIT_OK)
 
 
 @main.command()

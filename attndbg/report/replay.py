@@ -180,7 +180,7 @@ def _notes(step: StepReport) -> list[Text]:
     return lines
 
 
-def _first_clause(reason: str, limit: int = 60) -> str:
+def first_clause(reason: str, limit: int = 60) -> str:
     """'no CUDA GPU: FlashInfer's kernels run only on NVIDIA GPUs' -> 'no CUDA GPU' (the whole
     reason is in the lines above the verdict)."""
     clause = reason.split(": ", 1)[0]
@@ -199,7 +199,7 @@ def verdict_line(steps: Sequence[StepReport]) -> Text:
             if run.status is not RunStatus.PASSED:
                 failed[_run_name(run)] = None
         for run in step.skipped:
-            skipped.setdefault(_run_name(run), f"{run.status.value}: {_first_clause(run.reason or '')}")
+            skipped.setdefault(_run_name(run), f"{run.status.value}: {first_clause(run.reason or '')}")
     verdict = overall(steps)
     where_ = f"{len(steps)} steps: " if len(steps) > 1 else ""
     text = f"{where_}{len(compared)} backend{'s' * (len(compared) != 1)} compared ({', '.join(compared) or 'none'})"
