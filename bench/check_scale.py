@@ -62,6 +62,9 @@ def _build_block(args: tuple[str, int, int]) -> None:
 
     from attndbg.trace import io, synth
 
+    import torch
+
+    torch.set_num_threads(1)  # one process per core
     Path(directory).mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
     specs = [scale_recording.step_spec(rng, step, 64, 8192) for step in range(last)]  # same draws as build()
@@ -120,14 +123,14 @@ _WRAPPER = (
 )
 
 
-def timed_check(label: str, args: list[str], log_dir: Path) -> dict:
+def timed_check(label: str, args: list[str], log_dir: Path, cwd: str | None = None) -> dict:
     """Run `attndbg check ARGS` in a fresh process; wall time, exit code, peaks, verdict line."""
     command = [sys.executable, "-c", _WRAPPER, sys.executable, "-m", "attndbg", "check", *args]
     with GpuMemorySampler() as gpu:
         start = time.perf_counter()
-        proc = subprocess.run(command, capture_output=True, text=True)
+        proc = subprocess.run(command, capture_output=True, text=True, cwd=cwd)
         seconds = time.perf_counter() - start
-    (log_dir / f"check_{label.replace(' ', '_')}.log").write_text(proc.stdout + proc.stderr)
+    (log_dir / f"check_{''.join(c if c.isalnum() else '_' for c in label)}.log").write_text(proc.stdout + proc.stderr)
     rss = [int(line.split()[1]) for line in proc.stderr.splitlines() if line.startswith("PEAK_RSS_KIB")]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("checked ")]
     return {
@@ -175,8 +178,8 @@ def main() -> int:
     rec = work / f"rec{args.steps}"
     rows = []
 
-    def record(label: str, check_args: list[str], steps: int) -> None:
-        row = timed_check(label, check_args, out)
+    def record(label: str, check_args: list[str], steps: int, cwd: str | None = None) -> None:
+        row = timed_check(label, check_args, out, cwd)
         row["steps_checked"] = steps
         rows.append(row)
         print(row, flush=True)
@@ -193,15 +196,15 @@ def main() -> int:
     if "before" in runs and args.before:
         short = work / f"rec{args.before_steps}"
         lengthen(rec, short, args.before_steps)
-        env_before = os.environ.get("PYTHONPATH", "")
-        os.environ["PYTHONPATH"] = args.before + (":" + env_before if env_before else "")
-        record("before", [str(short), *base], args.before_steps)
-        os.environ["PYTHONPATH"] = env_before
-        record("after (same steps)", [str(short), *base], args.before_steps)
+        # `python -m` puts the working directory first on sys.path: run the old code from its checkout.
+        record("before", [str(short), *base], args.before_steps, cwd=args.before)
+        record("after, jobs 1", [str(short), *base, "--jobs", "1"], args.before_steps)
     if "warm" in runs:
-        record("warm", [str(rec), *base, "--json", str(work / "warm.json")], args.steps)
+        record("warm, jobs 1", [str(rec), *base, "--jobs", "1", "--json", str(work / "warm.json")], args.steps)
+    if "default" in runs:
+        record("warm, default jobs", [str(rec), *base], args.steps)
     if "profile" in runs:
-        print(f"profile: {profile(rec, base, args.profile_sample, out)}", flush=True)
+        print(f"profile: {profile(rec, [*base, '--jobs', '1'], args.profile_sample, out)}", flush=True)
     if "jobs" in runs:
         for jobs in jobs_list:
             record(f"jobs {jobs}", [str(rec), *base, "--jobs", str(jobs), "--devices", "0", "--json", str(work / f"jobs{jobs}.json")], args.steps)
@@ -209,7 +212,7 @@ def main() -> int:
         jobs = max(jobs_list)
         record(f"jobs {jobs} devices {args.devices}", [str(rec), *base, "--jobs", str(jobs), "--devices", args.devices], args.steps)
     if "graph" in runs:
-        record("graph", [str(rec), *base, "--cuda-graph"], args.steps)
+        record("graph, jobs 1", [str(rec), *base, "--cuda-graph", "--jobs", "1"], args.steps)
         if jobs_list:
             record(f"graph jobs {max(jobs_list)}", [str(rec), *base, "--cuda-graph", "--jobs", str(max(jobs_list))], args.steps)
     if "long" in runs:

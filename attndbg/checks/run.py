@@ -12,6 +12,7 @@ result is the same for every number of jobs.
 from __future__ import annotations
 
 import importlib
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -22,6 +23,7 @@ from typing import Any
 from attndbg.checks.context import CheckContext, CheckOptions
 from attndbg.checks.findings import Finding, FindingClass
 from attndbg.trace import io
+from attndbg.trace.schema import Trace
 from attndbg.trace.validate import TraceError
 
 DETECTORS: dict[FindingClass, str] = {
@@ -146,7 +148,10 @@ def check_steps(
     if jobs > 1:
         from attndbg.checks.workers import check_in_workers
 
-        results: Iterator[StepResult] = check_in_workers(paths, only, options, jobs=jobs, devices=devices)
+        first = first_of_each_shape(paths)
+        if len(first) > 1:
+            sys.stderr.write(f"attndbg: checking one step of each of {len(first)} kernel shapes first, in parallel (kernels compile on first use)\n")
+        results: Iterator[StepResult] = check_in_workers(paths, only, options, jobs=jobs, devices=devices, first=first)
     else:
         results = (check_one(path, only, options) for path in paths)
     across: list[Finding] = []
@@ -158,6 +163,31 @@ def check_steps(
         yield result.report
     if across:
         yield StepReport(str(target), -1, "recording", across)
+
+
+# Steps looked at to find the kernel shapes of a recording (loading them costs milliseconds each).
+SHAPE_SAMPLE = 32
+
+
+def kernel_shape(trace: Trace) -> tuple:
+    """What decides which kernels a step compiles: mode and the attention layer's shape and dtypes."""
+    m = trace.model
+    return (
+        trace.batch.forward_mode, m.attention, m.head_dim, m.v_head_dim, m.gqa_group, m.q_dtype, m.kv_dtype,
+        m.page_size, m.sliding_window >= 0, m.logit_cap > 0, trace.graph is not None,
+    )  # fmt: skip
+
+
+def first_of_each_shape(paths: list[Path]) -> list[int]:
+    """Indices of one step per kernel shape, from a sample spread over the recording."""
+    picks = sorted({round(i * (len(paths) - 1) / max(1, SHAPE_SAMPLE - 1)) for i in range(min(SHAPE_SAMPLE, len(paths)))})
+    first: dict[tuple, int] = {}
+    for i in picks:
+        try:
+            first.setdefault(kernel_shape(io.load(paths[i])), i)
+        except TraceError:
+            continue  # reported when its turn comes
+    return sorted(first.values())
 
 
 def _with_trace(finding: Finding, path: str) -> Finding:

@@ -1,7 +1,8 @@
 """Check steps in worker processes: `attndbg check --jobs N [--devices 0,1]`.
 
 Each worker is a spawned process (CUDA cannot be forked) that checks one step at a time and sends
-back its `StepResult`. Worker i runs on device `devices[i % len(devices)]` (it sees only that GPU,
+back its `StepResult`. The steps in `first` (one of each kernel shape) go out before the others, so
+the kernels a recording needs are compiled up front by several workers at once. Worker i runs on device `devices[i % len(devices)]` (it sees only that GPU,
 through CUDA_VISIBLE_DEVICES set before CUDA starts). Results are yielded in recording order,
 whatever order the workers finish in; at most `WINDOW_PER_JOB * jobs` steps are dispatched ahead
 of the oldest unfinished one, so memory stays bounded.
@@ -83,17 +84,20 @@ def check_in_workers(
     jobs: int,
     devices: tuple[int, ...] | None,
     check: CheckOne = check_one,  # a module-level function (workers import it by name)
+    first: list[int] = (),  # indices to check before the others (one step of each kernel shape: compiles in parallel)
 ) -> Iterator[StepResult]:
     ctx = mp.get_context("spawn")
+    order = list(dict.fromkeys([*first, *range(len(paths))]))
     slots = [devices[i % len(devices)] if devices else None for i in range(min(jobs, max(1, len(paths))))]
     workers = [_Worker(ctx, device, only, options, check) for device in slots]
     done: dict[int, StepResult] = {}
-    next_task, next_out = 0, 0
+    next_task, next_out = 0, 0  # next_task indexes `order`; next_out the recording
+    window = WINDOW_PER_JOB * len(workers) + len(first)
     try:
         while next_out < len(paths):
             for worker in workers:
-                if worker.task is None and next_task < len(paths) and next_task < next_out + WINDOW_PER_JOB * len(workers):
-                    worker.send(next_task, paths[next_task])
+                if worker.task is None and next_task < len(order) and order[next_task] < next_out + window:
+                    worker.send(order[next_task], paths[order[next_task]])
                     next_task += 1
             busy = [w for w in workers if w.task is not None]
             ready = wait([w.conn for w in busy] + [w.process.sentinel for w in busy])

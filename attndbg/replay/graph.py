@@ -78,7 +78,7 @@ class GraphOutcome:
     capture_bs: int
     fill_value: int
     result: AttentionResult  # real rows only, CPU
-    eager_bitwise_equal: bool  # the same step, same plan and buffers, run without the graph
+    eager_bitwise_equal: bool  # the same step, same plan and buffers, run without the graph (True when not captured)
     eager_max_abs: float
     padded_nonfinite: int  # NaN/Inf in padded rows' output, NaN in their LSE (-inf = no keys, allowed)
     stray_kv_slots: list[int]  # KV slots changed by the replay that no token should write
@@ -250,21 +250,26 @@ def graph_replay(
     allowed = set(trace.batch.out_cache_loc.tolist()) | {padding.dummy_slot}
     stray = [s for s in torch.nonzero(changed).flatten().tolist() if s not in allowed]
 
-    # The eager twin: the same step on the same buffers and plan, without the graph.
-    harness.restore_cache(inputs)
-    harness.poison()
-    twin = harness.step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    twin_out, twin_lse = twin.output[:used], twin.lse[:used]
-    diff = (graph_out[:tokens].float() - twin_out[:tokens].float()).abs()
     output, lse = graph_out[:tokens].cpu(), graph_lse[:tokens].cpu()
+    bitwise, max_abs = True, 0.0
+    if harness.graph is not None:
+        # The eager twin: the same step on the same buffers and plan, without the graph. (Without a
+        # capture the replay above already was eager: there is no twin to compare with.)
+        harness.restore_cache(inputs)
+        harness.poison()
+        twin = harness.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        twin_out, twin_lse = twin.output[:used], twin.lse[:used]
+        diff = (graph_out[:tokens].float() - twin_out[:tokens].float()).abs()
+        bitwise = bool(torch.equal(graph_out[:tokens], twin_out[:tokens]) and torch.equal(graph_lse[:tokens], twin_lse[:tokens]))
+        max_abs = float(torch.nan_to_num(diff, nan=float("inf")).max()) if diff.numel() else 0.0
     return GraphOutcome(
         capture_bs=padding.capture_bs,
         fill_value=padding.fill_value,
         result=AttentionResult(output=output, lse=lse),
-        eager_bitwise_equal=bool(torch.equal(graph_out[:tokens], twin_out[:tokens]) and torch.equal(graph_lse[:tokens], twin_lse[:tokens])),
-        eager_max_abs=float(torch.nan_to_num(diff, nan=float("inf")).max()) if diff.numel() else 0.0,
+        eager_bitwise_equal=bitwise,
+        eager_max_abs=max_abs,
         padded_nonfinite=padded_nonfinite,
         stray_kv_slots=stray[:16],
         pointers_stable=harness.state.plan_pointers() == pointers,

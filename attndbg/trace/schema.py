@@ -13,6 +13,7 @@ the draft tokens. The engine's raw `seq_lens` is kept alongside, as recorded.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,7 +143,13 @@ class Batch:
         return indptr(self.extend_lens)
 
     def request_slots(self, b: int) -> Tensor:
-        return self.slot_ids[int(self.slot_indptr[b]) : int(self.slot_indptr[b + 1])]
+        return self._request_rows[b]
+
+    @functools.cached_property
+    def _request_rows(self) -> list[Tensor]:
+        # One split for every request's row (views): replay, plans and the reference ask per request
+        # hundreds of times a step, and indexing the indptr tensor each time costs more than the work.
+        return list(torch.split(self.slot_ids, self.slot_indptr.diff().tolist()))
 
 
 @dataclass(frozen=True)
