@@ -497,7 +497,7 @@ def _step_selection(steps_spec: str | None, sample: int | None) -> Any:
 
 
 # A worker holds one step's data, references and kernel buffers on its GPU: a few GB at server scale.
-_GPU_BYTES_PER_JOB = 8 << 30
+_GPU_BYTES_PER_JOB = 16 << 30
 _FEW_STEPS = 16
 
 

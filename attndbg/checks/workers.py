@@ -31,9 +31,15 @@ WINDOW_PER_JOB = 4
 CheckOne = Callable[[str, list[FindingClass], CheckOptions], StepResult]
 
 
-def _worker_main(conn: Connection, device: int | None, only: list[FindingClass], options: CheckOptions, check: CheckOne) -> None:
+def _worker_main(conn: Connection, device: int | None, share: float, only: list[FindingClass], options: CheckOptions, check: CheckOne) -> None:
     if device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
+        import torch
+
+        if torch.cuda.is_available():
+            # Workers share the GPU: each keeps to its part, so the caching allocators of several
+            # workers never take the card between them (an allocator at its limit frees its cache).
+            torch.cuda.set_per_process_memory_fraction(share)
     while True:
         task = conn.recv()
         if task is None:
@@ -43,11 +49,11 @@ def _worker_main(conn: Connection, device: int | None, only: list[FindingClass],
 
 
 class _Worker:
-    def __init__(self, ctx: mp.context.SpawnContext, device: int | None, only: list[FindingClass], options: CheckOptions, check: CheckOne):
-        self.setup = (only, options, check)
+    def __init__(self, ctx: mp.context.SpawnContext, device: int | None, share: float, only: list[FindingClass], options: CheckOptions, check: CheckOne):
+        self.setup = (share, only, options, check)
         self.device = device
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child, device, only, options, check), daemon=True)
+        self.process = ctx.Process(target=_worker_main, args=(child, device, share, only, options, check), daemon=True)
         self.process.start()
         child.close()
         self.task: tuple[int, Path] | None = None
@@ -89,7 +95,9 @@ def check_in_workers(
     ctx = mp.get_context("spawn")
     order = list(dict.fromkeys([*first, *range(len(paths))]))
     slots = [devices[i % len(devices)] if devices else None for i in range(min(jobs, max(1, len(paths))))]
-    workers = [_Worker(ctx, device, only, options, check) for device in slots]
+    # A little under an equal share of each GPU per worker on it (the CUDA context lives outside it).
+    share = {d: 0.9 / slots.count(d) for d in set(slots)}
+    workers = [_Worker(ctx, device, share[device], only, options, check) for device in slots]
     done: dict[int, StepResult] = {}
     next_task, next_out = 0, 0  # next_task indexes `order`; next_out the recording
     window = WINDOW_PER_JOB * len(workers) + len(first)
