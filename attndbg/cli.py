@@ -147,6 +147,8 @@ def synth(spec: tuple[str, ...], output: str | None, list_presets: bool, inject_
     from attndbg.trace import io, synth as synth_mod
 
     trace = with_engine_plan(synth_mod.build(synth_spec.parse_spec(spec)))
+    for note in synth_spec.unused_keys(spec):
+        click.echo(f"note: {note}", err=True)
     if inject_kind:
         try:
             trace = mutate.inject(trace, inject_kind)

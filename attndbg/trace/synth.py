@@ -53,10 +53,7 @@ def _lengths(spec: SynthSpec) -> tuple[list[int], list[int]]:
 
 def _model(spec: SynthSpec) -> Model:
     if spec.attention == "mla":
-        try:
-            heads = int(spec.heads.split(":")[0])
-        except ValueError:
-            raise SpecError(f"heads={spec.heads!r}: expected the query head count, e.g. 16") from None
+        heads = int(spec.heads.split(":")[0])  # parse_spec checked the head counts
         head_dim = spec.kv_lora_rank + spec.rope_dim
         return Model(
             num_qo_heads=heads,
@@ -73,10 +70,7 @@ def _model(spec: SynthSpec) -> Model:
             kv_dtype=spec.kv_dtype or spec.dtype,
             page_size=spec.page_size,
         )
-    try:
-        q_heads, kv_heads = (int(x) for x in spec.heads.split(":"))
-    except ValueError:
-        raise SpecError(f"heads={spec.heads!r}: expected Q:KV, e.g. 32:8") from None
+    q_heads, kv_heads = (int(x) for x in spec.heads.split(":"))  # parse_spec checked them
     return Model(
         num_qo_heads=q_heads,
         num_kv_heads=kv_heads,

@@ -106,6 +106,28 @@ _CHOICES = {
 }
 
 
+# Lower bounds of numeric keys (lists: every element), and what the bound means.
+_AT_LEAST = {
+    "head_dim": (1, ""),
+    "v_head_dim": (0, " (0 = head_dim)"),
+    "kv_lora_rank": (1, ""),
+    "rope_dim": (0, ""),
+    "page_size": (1, ""),
+    "window": (-1, " (-1 = off)"),
+    "logit_cap": (0, " (0 = off)"),
+    "sm_scale": (0, " (0 = the default)"),
+    "shared_prefix": (0, ""),
+    "topk": (1, ""),
+    "steps": (1, ""),
+    "draft_tokens": (1, ""),
+    "select": (1, ""),
+    "capture_bs": (0, " (0 = eager)"),
+    "fill_value": (0, ""),
+    "prefix_lens": (0, ""),
+    "extend_lens": (0, ""),
+}
+
+
 class SpecError(ValueError):
     """A synth spec that cannot be built; the message names the key."""
 
@@ -146,6 +168,58 @@ def parse_spec(words: list[str] | tuple[str, ...]) -> SynthSpec:
         choices = _CHOICES.get(key)
         if choices and value not in choices and not (key == "kv_dtype" and value == ""):
             raise SpecError(f"{key}={value!r}: expected one of {', '.join(choices)}")
-    return replace(SynthSpec(), **kwargs)
+        low = _AT_LEAST.get(key)
+        if low is not None and (min(kwargs[key]) if isinstance(kwargs[key], tuple) and kwargs[key] else kwargs[key]) < low[0]:
+            raise SpecError(f"{key}={value!r}: must be >= {low[0]}{low[1]}")
+    spec = replace(SynthSpec(), **kwargs)
+    _check_heads(spec)
+    return spec
+
+
+def _check_heads(spec: SynthSpec) -> None:
+    parts = spec.heads.split(":")
+    try:
+        counts = [int(p) for p in parts]
+    except ValueError:
+        expected = "the query head count, e.g. 16" if spec.attention == "mla" else "Q:KV, e.g. 32:8"
+        raise SpecError(f"heads={spec.heads!r}: expected {expected}") from None
+    if min(counts) < 1 or len(counts) > 2:
+        raise SpecError(f"heads={spec.heads!r}: expected Q:KV head counts >= 1, e.g. 32:8")
+    if spec.attention == "mha" and (len(counts) != 2 or counts[0] % counts[1]):
+        raise SpecError(f"heads={spec.heads!r}: expected Q:KV with Q a multiple of KV (grouped-query attention), e.g. 32:8")
+
+
+# What each key applies to: a key the user typed that the spec's mode or attention does not use
+# is reported (`unused_keys`), not silently dropped.
+_USED_BY = {
+    "kv_lens": ("mode", ("decode", "selective")),
+    "prefix_lens": ("mode", ("extend", "mixed", "verify")),
+    "extend_lens": ("mode", ("extend", "mixed")),
+    "topk": ("mode", ("verify",)),
+    "steps": ("mode", ("verify",)),
+    "draft_tokens": ("mode", ("verify",)),
+    "mask_layout": ("mode", ("verify",)),
+    "select": ("mode", ("selective",)),
+    "kv_lora_rank": ("attention", ("mla",)),
+    "rope_dim": ("attention", ("mla",)),
+    "head_dim": ("attention", ("mha",)),
+    "v_head_dim": ("attention", ("mha",)),
+}
+
+
+def unused_keys(words: list[str] | tuple[str, ...]) -> list[str]:
+    """Notes for `key=value` words that the resulting spec does not use, e.g.
+    "prefix_lens: not used by mode=decode (used by mode=extend, mixed, verify)"."""
+    spec = parse_spec(words)
+    typed = [w.partition("=")[0] for w in words if "=" in w]
+    notes = []
+    for key in typed:
+        if key in _USED_BY:
+            field, users = _USED_BY[key]
+            if getattr(spec, field) not in users:
+                notes.append(f"{key}: not used by {field}={getattr(spec, field)} (used by {field}={', '.join(users)})")
+        elif key == "fill_value" and not spec.capture_bs:
+            notes.append("fill_value: not used without capture_bs (the step is not a CUDA-graph replay)")
+    return notes
 
 

@@ -91,10 +91,15 @@ def test_show_json(tmp_path: Path) -> None:
         ("kv_lens=a,b", "kv_lens='a,b': expected comma-separated integers"),
         ("page_size=x", "page_size='x': expected an integer"),
         ("mode=prefill", "mode='prefill': expected one of decode, extend"),
+        ("heads=3:2", "heads='3:2': expected Q:KV with Q a multiple of KV"),
+        ("head_dim=0", "head_dim='0': must be >= 1"),
+        ("window=-5", "window='-5': must be >= -1 (-1 = off)"),
+        ("heads=0:0", "heads='0:0': expected Q:KV head counts >= 1"),
+        ("prefix_lens=3,-1", "prefix_lens='3,-1': must be >= 0"),
     ],
 )
 def test_synth_errors_name_the_key_typed(tmp_path: Path, word: str, message: str) -> None:
-    one_line_error(invoke("synth", "decode-gqa", word, "-o", str(tmp_path / "x.pt")), message)
+    one_line_error(invoke("synth", "extend-prefix", word, "-o", str(tmp_path / "x.pt")), message)
 
 
 @pytest.mark.parametrize(
@@ -113,3 +118,13 @@ def test_record_overwrite_deletes_nothing_when_another_option_is_wrong(tmp_path:
     (out / "step_000000.pt").write_bytes(b"old")
     one_line_error(invoke("record", "-o", str(out), "--overwrite", "--layers", "x", "--", *NOTHING), "--layers")
     assert (out / "step_000000.pt").read_bytes() == b"old"
+
+
+def test_synth_notes_keys_the_mode_does_not_use(tmp_path: Path) -> None:
+    result = invoke("synth", "decode-mha", "prefix_lens=1,2", "topk=2", "kv_lens=3,5", "-o", str(tmp_path / "x.pt"))
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines() == [
+        "note: prefix_lens: not used by mode=decode (used by mode=extend, mixed, verify)",
+        "note: topk: not used by mode=decode (used by mode=verify)",
+    ]
+    assert invoke("synth", "verify", "topk=2", "-o", str(tmp_path / "y.pt")).stderr == ""
