@@ -60,9 +60,12 @@ def _backend_names(spec: str) -> list[str]:
     from attndbg.backends import registry
 
     try:
-        return registry.resolve(spec)
+        names = registry.resolve(spec)
     except KeyError as e:
         raise BadInput(f"--backend: unknown backend {e.args[0]!r}; known: {', '.join(registry.backend_names())}") from None
+    if not names:
+        raise BadInput(f"--backend {spec!r}: names no backend; known: {', '.join(registry.backend_names())}, or all")
+    return names
 
 
 def _write_json(path: str, data: Any) -> None:
@@ -175,6 +178,7 @@ def show(trace: str, json_path: str | None) -> None:
     from attndbg.report.show import render_trace, trace_to_json
     from attndbg.trace import io
 
+    _check_outputs(json=json_path)
     loaded = io.load(trace)
     _console(stderr=json_path == "-").print(render_trace(loaded, trace))
     if json_path:
@@ -363,6 +367,7 @@ def diff(a: str, b: str, json_path: str | None, pairs: tuple[str, ...]) -> None:
     """
     from attndbg.replay.saved import is_saved_replay
 
+    _check_outputs(json=json_path)
     console = _console(stderr=json_path == "-")
     a_dir, b_dir = Path(a).is_dir(), Path(b).is_dir()
     a_saved, b_saved = (not a_dir and is_saved_replay(a)), (not b_dir and is_saved_replay(b))

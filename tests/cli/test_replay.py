@@ -187,3 +187,13 @@ def test_output_in_a_missing_folder_is_refused_before_the_run(tiny: Path, tmp_pa
 def test_a_folder_as_json_output_is_one_line(tiny: Path, tmp_path: Path) -> None:
     (tmp_path / "out.json").mkdir()  # a folder where the file should go
     one_line_error(invoke("replay", str(tiny), "--backend", "reference", "--json", str(tmp_path / "out.json")), "is a directory")
+
+
+def test_backend_list_naming_nothing_is_bad_input(tiny: Path) -> None:
+    one_line_error(invoke("replay", str(tiny), "--backend", ","), "names no backend")
+
+
+@pytest.mark.parametrize("command", [["diff", "A", "A"], ["show", "A"]])
+def test_json_into_a_missing_folder_is_refused(tiny: Path, tmp_path: Path, command: list[str]) -> None:
+    args = [str(tiny) if word == "A" else word for word in command]
+    one_line_error(invoke(*args, "--json", str(tmp_path / "nope" / "x.json")), "does not exist")
