@@ -239,7 +239,7 @@ def replay(
 
     from attndbg.backends.triton import TritonOptions
     from attndbg.replay.runner import PlanSource, ReplayOptions, replay as run_replay
-    from attndbg.report.replay import StepReport, overall, render_replay, replay_to_json, verdict_line
+    from attndbg.report.replay import StepReport, overall, render_replay, replay_to_json, step_to_json, verdict_line
 
     max_splits = max(num_kv_splits or 0, TritonOptions().max_kv_splits)
     options = ReplayOptions(
@@ -252,7 +252,7 @@ def replay(
     )
     named = () if backend_spec.strip() == "all" else tuple(names)
     console = _console(stderr=json_path == "-")
-    steps = []
+    steps = []  # each step's JSON only: a folder's tensors are not held until the end
     with _Progress(len(paths), "replaying") as progress:
         for number, path in enumerate(paths, start=1):
             loaded = io.load(path)
@@ -262,12 +262,12 @@ def replay(
             result = run_replay(loaded, str(path), names, replace(options, layer=step_layer))
             step = StepReport(result=result, layer=step_layer, repeat=repeat, named=named, notes=tuple(notes))
             progress.print(console, render_replay(step))
-            steps.append(step)
+            steps.append(step_to_json(step))
     console.print(verdict_line(steps))
     if json_path:
         _write_json(json_path, replay_to_json(steps))
-    if save_path:
-        _save_replay(save_path, str(paths[0]), steps[0].result)
+    if save_path:  # a single step (checked above): `result` is its
+        _save_replay(save_path, str(paths[0]), result)
     sys.exit(_EXIT_BY_VERDICT[overall(steps).value])
 
 

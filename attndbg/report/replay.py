@@ -30,6 +30,7 @@ _STYLE = {
     RunStatus.UNAVAILABLE: "dim",
 }
 _RAN = (RunStatus.PASSED, RunStatus.FAILED, RunStatus.ERROR)
+_RAN_VALUES = {s.value for s in _RAN}
 
 
 class Verdict(enum.Enum):
@@ -77,8 +78,9 @@ class StepReport:
         return f"recorded tensors of layer {self.layer}"
 
 
-def overall(steps: Sequence[StepReport]) -> Verdict:
-    verdicts = {s.verdict for s in steps}
+def overall(steps: Sequence[dict[str, Any]]) -> Verdict:
+    """The verdict of a whole replay from its steps' JSON (`step_to_json`)."""
+    verdicts = {Verdict(s["verdict"]) for s in steps}
     for v in (Verdict.FAILED, Verdict.INCOMPLETE):
         if v in verdicts:
             return v
@@ -87,6 +89,10 @@ def overall(steps: Sequence[StepReport]) -> Verdict:
 
 def _run_name(run: BackendRun) -> str:
     return run.name if run.variant == "eager" else f"{run.name} {run.variant}"
+
+
+def _json_run_name(run: dict[str, Any]) -> str:
+    return run["backend"] if run["variant"] == "eager" else f"{run['backend']} {run['variant']}"
 
 
 def _repeat_identical(run: BackendRun) -> bool:
@@ -187,19 +193,22 @@ def first_clause(reason: str, limit: int = 60) -> str:
     return clause if len(clause) <= limit else clause[: limit - 1] + "…"
 
 
-def verdict_line(steps: Sequence[StepReport]) -> Text:
+def verdict_line(steps: Sequence[dict[str, Any]]) -> Text:
     """One line naming what actually ran: '2 backends compared (triton, reference), all passed;
-    flashinfer unavailable: no CUDA GPU'."""
+    flashinfer unavailable: no CUDA GPU'. Built from the steps' JSON (`step_to_json`), so a
+    folder's steps need not keep their tensors until the end."""
     compared: dict[str, None] = {}
     failed: dict[str, None] = {}
     skipped: dict[str, str] = {}
     for step in steps:
-        for run in step.ran:
-            compared[run.name] = None
-            if run.status is not RunStatus.PASSED:
-                failed[_run_name(run)] = None
-        for run in step.skipped:
-            skipped.setdefault(_run_name(run), f"{run.status.value}: {first_clause(run.reason or '')}")
+        for run in step["backends"]:
+            name = _json_run_name(run)
+            if run["status"] in _RAN_VALUES:
+                compared[run["backend"]] = None
+                if run["status"] != RunStatus.PASSED.value:
+                    failed[name] = None
+            else:
+                skipped.setdefault(name, f"{run['status']}: {first_clause(run['reason'] or '')}")
     verdict = overall(steps)
     where_ = f"{len(steps)} steps: " if len(steps) > 1 else ""
     text = f"{where_}{len(compared)} backend{'s' * (len(compared) != 1)} compared ({', '.join(compared) or 'none'})"
@@ -259,13 +268,13 @@ def step_to_json(step: StepReport) -> dict[str, Any]:
     }
 
 
-def replay_to_json(steps: Sequence[StepReport]) -> dict[str, Any]:
-    """The whole replay, one step or many, in the same shape."""
+def replay_to_json(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The whole replay from its steps' JSON (`step_to_json`): one step or many, one shape."""
     verdict = overall(steps)
     return {
         "schema": SCHEMA,
         "verdict": verdict.value,
         "passed": verdict is Verdict.PASSED,
         "summary": verdict_line(steps).plain,
-        "steps": [step_to_json(s) for s in steps],
+        "steps": list(steps),
     }
