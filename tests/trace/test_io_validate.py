@@ -199,3 +199,18 @@ def test_manifest_cannot_point_outside_the_recording(tmp_path: Path) -> None:
     (tmp_path / "manifest.jsonl").write_text('{"file": "../x.pt", "step": 0, "mode": "DECODE", "batch_size": 1, "graph": false, "layers": []}\n')
     with pytest.raises(TraceError, match="inside the recording"):
         io.read_manifest(tmp_path)
+
+
+def test_trace_paths_manifest_first_else_pt_files_in_name_order(tmp_path: Path) -> None:
+    """A recording lists its steps in manifest order (stray .pt files are not steps); a folder
+    without a manifest is every .pt file in name order."""
+    from dataclasses import replace
+
+    rec = tmp_path / "rec"
+    for step in (2, 0):
+        trace = make_trace("decode-mha", "kv_lens=3")
+        io.append_to_recording(rec, replace(trace, source=replace(trace.source, step=step)))
+    io.save(make_trace("decode-mha", "kv_lens=3"), rec / "aaa_stray.pt")
+    assert [p.name for p in io.trace_paths(rec)] == ["step_000002.pt", "step_000000.pt"]
+    (rec / "manifest.jsonl").unlink()
+    assert [p.name for p in io.trace_paths(rec)] == ["aaa_stray.pt", "step_000000.pt", "step_000002.pt"]
