@@ -239,6 +239,7 @@ def replay(
 
     from attndbg.backends.triton import TritonOptions
     from attndbg.replay.runner import PlanSource, ReplayOptions, replay as run_replay
+    from attndbg.report.progress import StepProgress
     from attndbg.report.replay import StepReport, overall, render_replay, replay_to_json, step_to_json, verdict_line
 
     max_splits = max(num_kv_splits or 0, TritonOptions().max_kv_splits)
@@ -253,7 +254,7 @@ def replay(
     named = () if backend_spec.strip() == "all" else tuple(names)
     console = _console(stderr=json_path == "-")
     steps = []  # each step's JSON only: a folder's tensors are not held until the end
-    with _Progress(len(paths), "replaying") as progress:
+    with StepProgress(len(paths), "replaying") as progress:
         for number, path in enumerate(paths, start=1):
             loaded = io.load(path)
             step_layer, notes = _data_layer(loaded, layer, str(path), single=len(paths) == 1)
@@ -273,37 +274,6 @@ def replay(
 
 # Verdict (report.replay.Verdict, by value) -> exit code.
 _EXIT_BY_VERDICT = {"passed": EXIT_OK, "failed": EXIT_FAILED, "incomplete": EXIT_NOT_RUN}
-
-
-class _Progress:
-    """A spinner with elapsed time on stderr while steps run (only on a terminal); what is
-    printed meanwhile appears above it."""
-
-    def __init__(self, total: int, verb: str):
-        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-        columns = [SpinnerColumn(), TextColumn(f"{verb} {{task.description}}"), TimeElapsedColumn()]
-        self._progress = Progress(*columns, console=Console(stderr=True), transient=True, disable=not sys.stderr.isatty())
-        self._task = self._progress.add_task("", total=total)
-
-    def __enter__(self) -> _Progress:
-        self._progress.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._progress.stop()
-
-    def show(self, what: str) -> None:
-        self._progress.update(self._task, description=what)
-
-    def print(self, console: Console, renderable: Any) -> None:
-        self._progress.advance(self._task)
-        if self._progress.disable:
-            console.print(renderable)
-        else:
-            self._progress.stop()  # print above the spinner, then go on
-            console.print(renderable)
-            self._progress.start()
 
 
 def _data_layer(trace: Any, layer: int | None, path: str, *, single: bool) -> tuple[int | None, list[str]]:
