@@ -397,7 +397,7 @@ def _diff_saved(console: Console, a: str, b: str, pairs: tuple[str, ...]) -> tup
 @click.option("--cuda-graph", is_flag=True, help="detectors also replay under CUDA graphs (GPU)")
 @click.option("--steps", "steps_spec", default=None, help="only steps A <= step < B of a recording (A:B, A:, :B)")
 @click.option("--sample", type=click.IntRange(min=1), default=None, help="only N steps, evenly spread over the (selected) recording")
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="worker processes checking steps in parallel (default: 1 for a few steps, else up to 8 by cores and GPU memory)")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True, help="worker processes checking steps in parallel (each loads every kernel module itself: worth it when steps, not kernel loading, dominate)")
 @click.option("--devices", "devices_spec", default=None, help="GPUs for the workers, e.g. 0,1 (default: every visible GPU)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="also write the findings as JSON")
 @handles_bad_input
@@ -408,7 +408,7 @@ def check(
     cuda_graph: bool,
     steps_spec: str | None,
     sample: int | None,
-    jobs: int | None,
+    jobs: int,
     devices_spec: str | None,
     json_path: str | None,
 ) -> None:
@@ -442,7 +442,6 @@ def check(
     paths = select_paths(target, selection)
     if not paths:
         raise BadInput(f"{target}: no steps to check" + (" in the selection (--steps/--sample)" if steps_spec or sample else ""))
-    jobs = jobs or _default_jobs(len(paths))
     reports = []
     with CheckProgress(console, total=len(paths), enabled=len(paths) > 1) as progress:
         for report in check_steps(target, classes, options, progress.advance, selection=selection, jobs=jobs, devices=devices):
@@ -471,27 +470,6 @@ def _step_selection(steps_spec: str | None, sample: int | None) -> Any:
         except OptionError as e:
             raise BadInput(str(e)) from None
     return StepSelection(start=start, stop=stop, sample=sample)
-
-
-# A worker holds one step's data, references and kernel buffers on its GPU: a few GB at server scale.
-_GPU_BYTES_PER_JOB = 16 << 30
-_FEW_STEPS = 16
-
-
-def _default_jobs(steps: int) -> int:
-    """One process for a few steps (workers cost seconds to start); else one per two cores, at most
-    8, and no more than the GPU's memory holds."""
-    import os
-
-    from attndbg import machine
-
-    if steps < _FEW_STEPS:
-        return 1
-    jobs = max(1, min(8, (os.cpu_count() or 1) // 2))
-    info = machine.gpu_info()
-    if info is not None:
-        jobs = max(1, min(jobs, info.total_memory // _GPU_BYTES_PER_JOB))
-    return jobs
 
 
 def _devices(spec: str | None) -> tuple[int, ...] | None:
