@@ -399,7 +399,7 @@ def _diff_saved(console: Console, a: str, b: str, pairs: tuple[str, ...]) -> tup
 @click.option("--sample", type=click.IntRange(min=1), default=None, help="only N steps, evenly spread over the (selected) recording")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True, help="worker processes checking steps in parallel (each loads every kernel module itself: worth it when steps, not kernel loading, dominate)")
 @click.option("--devices", "devices_spec", default=None, help="GPUs for the workers, e.g. 0,1 (default: every visible GPU)")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="also write the findings as JSON")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), help="also write the findings as JSON (attndbg.check/1; - for stdout)")
 @handles_bad_input
 def check(
     target: str,
@@ -427,6 +427,7 @@ def check(
     from attndbg.checks.context import CheckOptions
     from attndbg.checks.run import check_steps, parse_only, select_paths
     from attndbg.report.checks import CheckProgress, check_verdict, checks_to_json, render_step, render_summary
+    from attndbg.trace import io
 
     try:
         classes = parse_only(only)
@@ -437,8 +438,11 @@ def check(
         raise BadInput("--cuda-graph needs a CUDA GPU, and this machine has none")
     selection = _step_selection(steps_spec, sample)
     devices = _devices(devices_spec)
+    _check_outputs(json=json_path)
     options = CheckOptions(backends=names, cuda_graph=cuda_graph)
-    console = _console()
+    console = _console(stderr=json_path == "-")
+    if not Path(target).is_dir():
+        io.load(target)  # one file: unreadable is bad input (exit 2); in a recording it is one step's error
     paths = select_paths(target, selection)
     if not paths:
         raise BadInput(f"{target}: no steps to check" + (" in the selection (--steps/--sample)" if steps_spec or sample else ""))

@@ -16,7 +16,8 @@ class FindingClass(enum.Enum):
 
 @dataclass(frozen=True)
 class Location:
-    """Where a finding is; unset parts do not apply. Rows are query tokens of the step."""
+    """Where a finding is; unset parts do not apply. `row` is the query token's index in the step;
+    `request_row` its index within its request (set by the check engine from the batch)."""
 
     step: int
     layer: int | None = None
@@ -25,12 +26,17 @@ class Location:
     column: int | None = None  # key column of the request's KV row, or mask column
     head: int | None = None
     field: str | None = None  # trace field with the first bad element, e.g. "plan.kv_indptr[3]"
+    request_row: int | None = None  # the row within its request
 
     def __str__(self) -> str:
         parts = [f"step {self.step}"]
         for name in ("layer", "request", "row", "column", "head"):
             value = getattr(self, name)
-            if value is not None:
+            if value is None:
+                continue
+            if name == "row" and self.request_row is not None and self.request is not None:
+                parts.append(f"row {self.request_row} (step row {value})")
+            else:
                 parts.append(f"{name} {value}")
         if self.field:
             parts.append(self.field)

@@ -120,7 +120,7 @@ def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions)
         str(path),
         trace.source.step,
         trace.batch.forward_mode.value,
-        [_with_trace(f, str(path)) for f in findings],
+        [_located(_with_trace(f, str(path)), trace) for f in findings],
         seconds=time.perf_counter() - start,
         backends=ctx.backends_consulted(),
     )
@@ -188,6 +188,14 @@ def first_of_each_shape(paths: list[Path]) -> list[int]:
         except TraceError:
             continue  # reported when its turn comes
     return sorted(first.values())
+
+
+def _located(finding: Finding, trace: Trace) -> Finding:
+    """Add the row within its request to a finding that names a request and a step row."""
+    loc = finding.location
+    if loc.request is None or loc.row is None or loc.request_row is not None or not 0 <= loc.request < trace.batch.batch_size:
+        return finding
+    return replace(finding, location=replace(loc, request_row=loc.row - int(trace.batch.qo_indptr[loc.request])))
 
 
 def _with_trace(finding: Finding, path: str) -> Finding:

@@ -35,9 +35,16 @@ def empty_splits(length: int, splits: int) -> int:
     return splits - (-(-length // per_split) if per_split else 0) if splits > 0 else 0
 
 
+# Attention implementations that compute each row in one pass, whatever its length: PyTorch's own
+# (transformers' `sdpa`, `eager`, `paged|sdpa`, `paged|eager`, `flex_attention`).
+UNSPLIT_ATTENTION = ("sdpa", "eager", "flex")
+
+
 def merge_path(trace: Trace) -> str | None:
     """The merge of partial states in the path the recording backend runs for this step, if any."""
     batch, backend = trace.batch, trace.source.backend
+    if any(name in backend.lower() for name in UNSPLIT_ATTENTION):
+        return None  # one softmax over the whole row: nothing is merged
     if batch.forward_mode is ForwardMode.DECODE:
         return "split-KV decode (partial states of KV splits merged by their LSEs)"
     cached = bool((batch.prefix_lens > 0).any())

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from attndbg.backends import reference
 from attndbg.backends.base import AttentionInputs, AttentionResult
 from attndbg.backends.triton import DEFAULT_MAX_KV_SPLITS
 from attndbg.checks.context import CheckContext
@@ -21,7 +22,6 @@ from attndbg.checks.findings import Finding, Location
 from attndbg.checks.split_merge_base import KIND, LN2, LOG2E, _request_of, empty_splits, merge_path, split_length
 from attndbg.compare.tolerance import ERROR_FACTOR, LSE_FLOOR, OUTPUT_FLOOR, compare_to_reference
 from attndbg.trace.schema import DTYPES, ForwardMode, LseBase, Trace
-from attndbg.trace.visibility import visibility
 
 
 _NO_MERGE_CAUSE = (
@@ -149,32 +149,6 @@ def _output_findings(ctx: CheckContext, *, layer: int, output: Tensor, truth: _T
     return findings, nonfinite_rows
 
 
-def _partials(trace: Trace, inputs: AttentionInputs, b: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Request b's prefix partial (columns before its prefix length) and new-token partial, float64:
-    outputs [e, Hq, Dv] and natural-log LSEs [e, Hq] (-inf where a part has no visible key)."""
-    model, batch = trace.model, trace.batch
-    qo = batch.qo_indptr
-    rows = slice(int(qo[b]), int(qo[b + 1]))
-    slots = batch.request_slots(b)
-    group = model.gqa_group
-    q = inputs.q[rows].double()
-    k = inputs.k_cache[slots].double().repeat_interleave(group, dim=1)
-    v = inputs.v_cache[slots].double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * model.sm_scale
-    if model.logit_cap > 0:
-        scores = model.logit_cap * torch.tanh(scores / model.logit_cap)
-    visible = visibility(trace, b)
-    prefix = int(batch.prefix_lens[b])
-    cols = torch.arange(visible.shape[1])
-    parts = []
-    for part in (cols < prefix, cols >= prefix):
-        masked = scores.masked_fill(~(visible & part[None, :])[None], float("-inf"))
-        lse = torch.logsumexp(masked, dim=-1)
-        probs = torch.nan_to_num(torch.exp(masked - lse[..., None]), nan=0.0)
-        parts += [torch.einsum("hqk,khd->qhd", probs, v), lse.T]
-    return tuple(parts)
-
-
 def _merge(o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor) -> Tensor:
     m = torch.maximum(lse_a, lse_b)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -196,16 +170,22 @@ def _merge_confusion(trace: Trace, *, output: Tensor, truth: _Truth, rows: Tenso
     magnitude = ref.abs().amax(-1)
     floor = OUTPUT_FLOOR.get(DTYPES[trace.model.q_dtype], OUTPUT_FLOOR[torch.bfloat16])
     tol = ERROR_FACTOR * (lowp - ref).abs().amax(-1) + floor * magnitude.clamp_min(1.0)
-    partials = {b: _partials(trace, truth.inputs, b) for b in cached}
+    # Each request's prefix partial (columns before its prefix) and new-token partial, float64,
+    # from the reference's own partial states.
+    zeros, prefix, kv = torch.zeros_like(batch.prefix_lens), batch.prefix_lens, batch.kv_lens
+    prefix_part = reference.attention(trace, truth.inputs, torch.float64, columns=torch.stack([zeros, prefix], 1))
+    new_part = reference.attention(trace, truth.inputs, torch.float64, columns=torch.stack([prefix, kv], 1))
+    p = (prefix_part.output.cpu(), prefix_part.lse.cpu(), new_part.output.cpu(), new_part.lse.cpu())
     qo = batch.qo_indptr
     out = output.double()
     for part, index in (("prefix", 1), ("new-token", 3)):
         for factor in (LOG2E, LN2):
             candidate = ref.clone()
-            for b, p in partials.items():
-                scaled = list(p)
-                scaled[index] = p[index] * factor
-                candidate[int(qo[b]) : int(qo[b + 1])] = _merge(*scaled)
+            scaled = list(p)
+            scaled[index] = p[index] * factor
+            merged = _merge(*scaled)
+            for b in cached:
+                candidate[int(qo[b]) : int(qo[b + 1])] = merged[int(qo[b]) : int(qo[b + 1])]
             err = torch.nan_to_num((out - candidate).abs().amax(-1), nan=float("inf"))
             if bool((err <= tol)[rows].all()):
                 return part, factor

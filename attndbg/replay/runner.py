@@ -54,6 +54,7 @@ class BackendRun:
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)  # failures beyond tolerance (bits, padding, KV writes), for people
     graph: graph_replay.GraphOutcome | None = None  # the same facts as data, for detectors (graph variant only)
+    repeat_identical: bool | None = None  # --repeat N > 1: were all N eager runs bitwise identical
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ class ReplayResult:
     trace_path: str
     reference: AttentionResult
     runs: list[BackendRun]
+    layer: int | None = None  # whose recorded tensors were the data; None: drawn from the trace's seed
 
     @property
     def failed(self) -> bool:
@@ -109,7 +111,7 @@ def replay(
         backend = registry.create(name, triton_options=options.triton)
         with phase(f"backend/{name}", ctx.label):
             runs.extend(_runs_of(backend, ctx))
-    return ReplayResult(trace=trace, trace_path=trace_path, reference=ctx.data.reference, runs=runs)
+    return ReplayResult(trace=trace, trace_path=trace_path, reference=ctx.data.reference, runs=runs, layer=options.layer)
 
 
 def _runs_of(backend: Backend, ctx: _Context) -> list[BackendRun]:
@@ -180,7 +182,10 @@ def _eager(backend, ctx, inputs, plan, description, variant, repeat) -> BackendR
         return BackendRun(backend.name, RunStatus.ERROR, description, variant=variant, reason=str(e), plan=plan)
     comparison = ctx.compare(result)
     status = RunStatus.PASSED if comparison.passed and not problems else RunStatus.FAILED
-    return BackendRun(backend.name, status, description, variant, comparison=comparison, result=result, plan=plan, seconds=seconds, problems=problems)
+    identical = None if repeat < 2 else not problems
+    return BackendRun(
+        backend.name, status, description, variant, comparison=comparison, result=result, plan=plan, seconds=seconds, problems=problems, repeat_identical=identical
+    )
 
 
 def _recorded(backend: Backend, ctx: _Context, inputs: AttentionInputs, description: str) -> BackendRun:

@@ -96,9 +96,7 @@ def _json_run_name(run: dict[str, Any]) -> str:
 
 
 def _repeat_identical(run: BackendRun) -> bool:
-    # The runner states a repeat mismatch only as a problem line ending "(not deterministic)";
-    # BackendRun has no field for it yet.
-    return not any(p.endswith("(not deterministic)") for p in run.problems)
+    return run.repeat_identical is not False
 
 
 def _trace_line(result: ReplayResult) -> str:

@@ -162,3 +162,27 @@ def test_a_step_builds_its_data_and_reference_once(monkeypatch: pytest.MonkeyPat
     reports = list(check_steps(str(path), parse_only(None), CheckOptions(backends=("triton",))))
     assert reports and reports[0].backends == ("triton",)
     assert calls == {"inputs": 1, "reference": 2}
+
+
+def test_findings_name_the_row_within_the_request(tmp_path: Path) -> None:
+    """A finding at step row 7 of request 1 (whose rows start at 5) reads 'row 2 (step row 7)'."""
+    from attndbg.checks.findings import Finding, FindingClass, Location
+    from attndbg.checks.run import _located
+
+    trace = make_trace("extend-prefix", "prefix_lens=0,9", "extend_lens=5,3", *SMALL)
+    found = Finding(FindingClass.INVARIANT, "x", Location(step=0, request=1, row=7, head=0), "e", "c")
+    located = _located(found, trace)
+    assert located.location.request_row == 2
+    assert "request 1 / row 2 (step row 7) / head 0" in str(located.location)
+    assert located.to_json()["location"]["request_row"] == 2
+
+
+def test_a_torch_attention_engine_is_not_said_to_merge_splits() -> None:
+    """transformers' sdpa/eager attention computes each row in one pass: a wrong decode output there
+    is not explained by a split-KV merge."""
+    from attndbg.checks.split_merge_base import merge_path
+
+    trace = make_trace("decode-mha", *SMALL)
+    assert merge_path(trace) is not None  # synth records SGLang's Triton backend: split-KV decode
+    for backend in ("sdpa", "paged|eager", "flex_attention"):
+        assert merge_path(replace(trace, source=replace(trace.source, backend=backend))) is None
