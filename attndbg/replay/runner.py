@@ -23,7 +23,7 @@ from attndbg.compare.tolerance import Comparison
 from attndbg.profiling import phase, step_label
 from attndbg.replay import graph as graph_replay
 from attndbg.replay.step_data import StepData
-from attndbg.replay.plan_guard import out_of_bounds
+from attndbg.replay.plan_guard import out_of_bounds, real_requests_only
 from attndbg.trace.schema import Plan, Trace
 
 
@@ -195,10 +195,13 @@ def _recorded(backend: Backend, ctx: _Context, inputs: AttentionInputs, descript
         return BackendRun(backend.name, RunStatus.UNSUPPORTED, description, variant, reason="the trace has no recorded plan")
     if plan.backend != backend.name:
         return BackendRun(backend.name, RunStatus.UNSUPPORTED, description, variant, reason=f"the recorded plan was built by {plan.backend!r}; only that backend can run it")
-    guard = out_of_bounds(ctx.trace, plan)
+    real = real_requests_only(ctx.trace, plan)
+    if real is not plan:
+        description += f" (the real {ctx.trace.batch.batch_size} requests of a plan padded to capture_bs={ctx.trace.graph.capture_bs})"
+    guard = out_of_bounds(ctx.trace, real)
     if guard:
         return BackendRun(backend.name, RunStatus.ERROR, description, variant, reason=guard + " (not launched)", plan=plan)
-    return _eager(backend, ctx, inputs, plan, description, variant, 1)
+    return _eager(backend, ctx, inputs, real, description, variant, 1)
 
 
 def _graph(backend: Backend, ctx: _Context, inputs: AttentionInputs, description: str) -> BackendRun:
