@@ -110,11 +110,14 @@ def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions)
     try:
         trace = io.load(path)
     except TraceError as e:
-        return StepResult(StepReport(str(path), -1, "unreadable", [], error=str(e)))
+        return StepResult(StepReport(str(path), -1, "unreadable", [], error=f"{e.field}: {e.message}"))
     ctx = CheckContext(trace=trace, path=str(path), options=options)
     findings: list[Finding] = []
-    for module in modules.values():
-        findings.extend(module.detect(ctx))
+    try:
+        for module in modules.values():
+            findings.extend(module.detect(ctx))
+    except TraceError as e:  # valid, but cannot be replayed here (e.g. its KV pool does not fit)
+        return StepResult(StepReport(str(path), trace.source.step, trace.batch.forward_mode.value, [], error=f"{e.field}: {e.message}"))
     digests = {kind: module.recording_digest(ctx) for kind, module in modules.items() if hasattr(module, "recording_digest")}
     report = StepReport(
         str(path),

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from attndbg.backends.base import AttentionInputs
+from attndbg.trace.errors import TraceError
 from attndbg.trace.schema import DTYPES, AttentionKind, Trace
 
 
@@ -27,10 +28,48 @@ def slots_read(trace: Trace) -> Tensor:
     return slots[(slots >= 0) & (slots < batch.kv_cache_size)]
 
 
+def input_bytes(trace: Trace) -> int:
+    """What `build_inputs` allocates: the KV pool in its dtype, and the float32 draws for the slots
+    read and the step's tokens."""
+    m, b = trace.model, trace.batch
+    dv = 0 if m.attention is AttentionKind.MLA else m.v_head_dim
+    kv_item = torch.empty((), dtype=DTYPES[m.kv_dtype]).element_size()
+    pool = b.kv_cache_size * m.num_kv_heads * (m.head_dim + dv) * kv_item
+    rows = int(b.slot_ids.numel() + b.out_cache_loc.numel()) + m.page_size
+    draws = 4 * (rows * m.num_kv_heads * (m.head_dim + dv) + b.num_tokens * (m.num_qo_heads * m.head_dim + m.num_kv_heads * (m.head_dim + dv)))
+    return pool + draws
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free memory where the data will live: the GPU's free memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62  # unknown: do not refuse
+
+
+def check_fits(trace: Trace, device: torch.device) -> None:
+    """Refuse, before allocating, a step whose data could not fit: a TraceError naming the field."""
+    need, free = input_bytes(trace), available_bytes(device)
+    if need > free:
+        raise TraceError(
+            "batch.kv_cache_size",
+            f"= {trace.batch.kv_cache_size} slots: replaying this step needs {need / 2**30:.1f} GiB on {device.type} "
+            f"(the KV pool and the step's data), {free / 2**30:.1f} GiB are free; not replayed",
+        )
+
+
 def build_inputs(trace: Trace, *, layer: int | None = None, device: str | torch.device = "cpu") -> AttentionInputs:
     """Inputs for one layer on `device` (recorded tensors of `layer` when the trace has them)."""
     model, batch = trace.model, trace.batch
     device = torch.device(device)
+    check_fits(trace, device)
     q_dtype, kv_dtype = DTYPES[model.q_dtype], DTYPES[model.kv_dtype]
     g = torch.Generator(device=device).manual_seed(trace.seed)
     n, t = batch.kv_cache_size, batch.num_tokens

@@ -24,6 +24,7 @@ from attndbg.profiling import phase, step_label
 from attndbg.replay import graph as graph_replay
 from attndbg.replay.step_data import StepData
 from attndbg.replay.plan_guard import out_of_bounds, real_requests_only
+from attndbg.trace.errors import TraceError
 from attndbg.trace.schema import Plan, Trace
 
 
@@ -107,10 +108,13 @@ def replay(
     already built them (a check shares one per step); it must come from the same batch and seed."""
     ctx = _Context(trace, options, data)
     runs: list[BackendRun] = []
-    for name in backend_names:
-        backend = registry.create(name, triton_options=options.triton)
-        with phase(f"backend/{name}", ctx.label):
-            runs.extend(_runs_of(backend, ctx))
+    try:
+        for name in backend_names:
+            backend = registry.create(name, triton_options=options.triton)
+            with phase(f"backend/{name}", ctx.label):
+                runs.extend(_runs_of(backend, ctx))
+    except TraceError as e:  # the step cannot be replayed here (its data does not fit)
+        raise (e if e.path else e.in_file(trace_path)) from None
     return ReplayResult(trace=trace, trace_path=trace_path, reference=ctx.data.reference, runs=runs, layer=options.layer)
 
 

@@ -186,3 +186,22 @@ def test_a_torch_attention_engine_is_not_said_to_merge_splits() -> None:
     assert merge_path(trace) is not None  # synth records SGLang's Triton backend: split-KV decode
     for backend in ("sdpa", "paged|eager", "flex_attention"):
         assert merge_path(replace(trace, source=replace(trace.source, backend=backend))) is None
+
+
+def test_a_step_whose_data_cannot_fit_is_refused_before_allocating(tmp_path: Path) -> None:
+    """A valid trace claiming a 2**33-slot KV pool (1 TiB here) is refused with the number, never
+    allocated: exit 2 for one file; in a recording, that step is not checked and the others are."""
+    trace = make_trace("decode-mha", *SMALL, plan=True)
+    huge = replace(trace, batch=replace(trace.batch, kv_cache_size=2**33))
+    path = io.save(huge, tmp_path / "huge.pt")
+    for command in (["replay", str(path), "--backend", "triton"], ["check", str(path)]):
+        result = CliRunner().invoke(main, command)
+        assert result.exit_code == 2, result.output
+        assert "batch.kv_cache_size: = 8589934592 slots" in result.output and "GiB" in result.output
+        assert "Traceback" not in result.output
+    rec = tmp_path / "rec"
+    for step, t in enumerate([trace, huge, trace]):
+        io.append_to_recording(rec, replace(t, source=replace(t.source, step=step)))
+    reports = list(check_steps(str(rec), parse_only("split-merge"), CheckOptions(backends=("triton",))))
+    assert [r.checked for r in reports] == [True, False, True]
+    assert "not replayed" in reports[1].error
