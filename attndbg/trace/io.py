@@ -110,9 +110,10 @@ def read_manifest(directory: str | os.PathLike) -> list[ManifestEntry]:
     directory = Path(directory)
     path = directory / MANIFEST
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise TraceError("manifest", f"cannot read ({e.strerror or e})", str(path)) from None
+    lines = text.splitlines()
     entries = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -120,6 +121,8 @@ def read_manifest(directory: str | os.PathLike) -> list[ManifestEntry]:
         try:
             entry = ManifestEntry(**json.loads(line))
         except (json.JSONDecodeError, TypeError) as e:
+            if number == len(lines) and not text.endswith("\n"):
+                break  # a recorder killed while appending its last line: that step was never committed
             raise TraceError(f"line {number}", f"not a manifest entry ({e})", str(path)) from None
         if Path(entry.file).name != entry.file:
             raise TraceError(f"line {number}.file", f"= {entry.file!r} must name a file inside the recording", str(path))
