@@ -450,10 +450,10 @@ def check(
     with CheckProgress(console, total=len(paths), enabled=len(paths) > 1) as progress:
         for report in check_steps(target, classes, options, progress.advance, selection=selection, jobs=jobs, devices=devices):
             reports.append(report)
-            single_error = len(paths) == 1 and report.error is not None  # raised as bad input below
+            single_error = len(paths) == 1 and report.bad_input  # raised as bad input below
             if (report.findings or report.error or len(paths) == 1) and not single_error:
                 progress.print(render_step(report))
-    if len(paths) == 1 and not Path(target).is_dir() and reports and reports[0].error:
+    if len(paths) == 1 and not Path(target).is_dir() and reports and reports[0].bad_input:
         raise BadInput(f"{target}: {reports[0].error}")  # one file that cannot be checked here is bad input
     if len(paths) > 1:
         console.print(render_summary(reports))

@@ -26,6 +26,14 @@ CAUSE_GARBAGE = (
 _INDEX_WORDS = ("indptr", "indices", "cu_seqlens", "page_table", "block_table", "cache_seqlens", "kv_len", "last_page_len", "num_kv_splits")
 
 
+def _expected_dims(name: str) -> int | None:
+    """The rank of an index field this detector reads: tables have a row per request, the other
+    index fields are flat; fields it does not read as indices are not judged (None)."""
+    if any(w in name for w in ("page_table", "block_table", "block_kv_indices")):
+        return 2
+    return 1 if any(w in name for w in _INDEX_WORDS) else None
+
+
 def _check_plan(trace: Trace, plan: Plan, out: list[Finding]) -> None:
     tensors: dict[str, Tensor] = {}
     for name, value in plan.tensors.items():
@@ -37,6 +45,18 @@ def _check_plan(trace: Trace, plan: Plan, out: list[Finding]) -> None:
                     field=f"plan.{name}",
                     evidence=f"plan.{name} has dtype {str(value.dtype).replace('torch.', '')}, expected an integer index type",
                     cause="the engine passed a float or bool tensor where the kernel takes indices",
+                )
+            )
+            continue
+        dims = _expected_dims(name)
+        if dims is not None and value.dim() != dims:
+            out.append(
+                _finding(
+                    trace,
+                    "plan-shape",
+                    field=f"plan.{name}",
+                    evidence=f"plan.{name} has shape {list(value.shape)}, expected {dims} dimension(s)",
+                    cause="the engine passed a tensor of the wrong rank where the kernel takes this plan field",
                 )
             )
             continue

@@ -56,6 +56,7 @@ class StepReport:
     error: str | None = None  # the step was not checked: why (unreadable file, a worker that died)
     seconds: float = 0.0
     backends: tuple[str, ...] = ()  # kernel backends the detectors ran on this step
+    bad_input: bool = False  # the error is the step's (unreadable, cannot fit here), not a detector's or a worker's
 
     @property
     def checked(self) -> bool:
@@ -110,20 +111,25 @@ def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions)
     try:
         trace = io.load(path)
     except TraceError as e:
-        return StepResult(StepReport(str(path), -1, "unreadable", [], error=f"{e.field}: {e.message}"))
+        return StepResult(StepReport(str(path), -1, "unreadable", [], error=f"{e.field}: {e.message}", bad_input=True))
     ctx = CheckContext(trace=trace, path=str(path), options=options)
     findings: list[Finding] = []
-    try:
-        for module in modules.values():
+    failures: list[str] = []
+    for kind, module in modules.items():
+        try:
             findings.extend(module.detect(ctx))
-    except TraceError as e:  # valid, but cannot be replayed here (e.g. its KV pool does not fit)
-        return StepResult(StepReport(str(path), trace.source.step, trace.batch.forward_mode.value, [], error=f"{e.field}: {e.message}"))
+        except TraceError as e:  # valid, but cannot be replayed here (e.g. its KV pool does not fit)
+            return StepResult(StepReport(str(path), trace.source.step, trace.batch.forward_mode.value, [], error=f"{e.field}: {e.message}", bad_input=True))
+        except Exception as e:  # noqa: BLE001 - a detector that cannot read this step must not end the check
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            failures.append(f"the {kind.value} detector failed on this step ({type(e).__name__}: {first})")
     digests = {kind: module.recording_digest(ctx) for kind, module in modules.items() if hasattr(module, "recording_digest")}
     report = StepReport(
         str(path),
         trace.source.step,
         trace.batch.forward_mode.value,
         [_located(_with_trace(f, str(path)), trace) for f in findings],
+        error="; ".join(failures) or None,
         seconds=time.perf_counter() - start,
         backends=ctx.backends_consulted(),
     )

@@ -102,9 +102,13 @@ def mask_findings(trace: Trace) -> list[Finding]:
         _check_stale_plan(trace, out)
         return out
     _check_spec(trace, out)
-    if trace.plan is not None:
-        plan_view(trace, out)
+    if trace.plan is not None and _flat_vectors(trace.plan):
+        plan_view(trace, out)  # (a plan field of the wrong rank is the invariants detector's plan-shape)
     return out
+
+
+def _flat_vectors(plan) -> bool:
+    return all(t.dim() == 1 for name, t in plan.tensors.items() if name in ("custom_mask", "mask_indptr", "qo_indptr", "kv_indptr", "kv_indices"))
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import os
 import pickle
 import pickletools
 import re
+import stat
 import warnings
 import zipfile
 from collections.abc import Mapping
@@ -182,14 +183,16 @@ def is_saved_replay(path: str | os.PathLike) -> bool:
     if path.suffix == ".replay":
         return True
     try:
+        if not stat.S_ISREG(path.stat().st_mode):
+            return False  # a FIFO or device: the trace loader refuses it without reading
         with zipfile.ZipFile(path) as archive:
             pickled = next((n for n in archive.namelist() if n.rsplit("/", 1)[-1] == "data.pkl"), None)
             if pickled is None:
                 return False
             ops = pickletools.genops(archive.read(pickled))
             strings = [arg for op, arg, _ in ops if isinstance(arg, str) and "UNICODE" in op.name]
-    except (OSError, zipfile.BadZipFile, ValueError):
-        return False
+    except (OSError, zipfile.BadZipFile, ValueError, NotImplementedError, RuntimeError, EOFError):
+        return False  # damaged zip headers (an unknown compression or version, an encrypted flag)
     return any(key == "format" and value == FORMAT_NAME for key, value in zip(strings, strings[1:]))
 
 

@@ -12,6 +12,7 @@ import io
 import json
 import os
 import pickle
+import stat
 import warnings
 import zipfile
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ def load(path: str | os.PathLike) -> Trace:
     """Load and validate one step file; any problem is a `TraceError` naming the file."""
     path = Path(path)
     try:
+        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO blocks forever, /dev/zero never ends
+            raise TraceError("file", "not a regular file (a FIFO, device or directory): refused", str(path))
         raw = path.read_bytes()
     except OSError as e:
         raise TraceError("file", f"cannot read ({e.strerror or e})", str(path)) from None
@@ -54,12 +57,42 @@ def load(path: str | os.PathLike) -> Trace:
         raise TraceError("file", f"not a readable attndbg trace: {_unreadable_reason(raw, e)}", str(path)) from None
     if not isinstance(data, dict):
         raise TraceError("file", f"not an attndbg trace (top level is {type(data).__name__})", str(path))
+    problem = _unbacked_tensor(data)
+    if problem:
+        raise TraceError(problem[0], problem[1], str(path))
     if data.get("format") == SAVED_REPLAY_FORMAT:
         raise TraceError("file", "this is a saved replay (`attndbg replay --save`), not a trace: compare two with `attndbg diff A B`", str(path))
     try:
         return from_dict(data)
     except TraceError as e:
         raise e.in_file(str(path)) from None
+
+
+def _unbacked_tensor(data: object, name: str = "", depth: int = 0) -> tuple[str, str] | None:
+    """(field, why) for the first tensor that is not plain CPU data backed by its own bytes: a
+    stride-0 view claiming 2**31 elements in a 4-byte file would make every later step allocate
+    gigabytes; meta, sparse and quantized tensors are nothing an engine records."""
+    if depth > 8:
+        return None  # deeper than any trace: the validator rejects the structure itself
+    if isinstance(data, torch.Tensor):
+        if data.layout is not torch.strided or data.is_quantized or data.device.type != "cpu":
+            return name, f"a {data.layout} {data.device.type} tensor{' (quantized)' if data.is_quantized else ''}, expected plain CPU data"
+        claimed = data.numel() * data.element_size()
+        stored = data.untyped_storage().nbytes()
+        if claimed > stored:
+            return name, f"claims {data.numel()} elements ({claimed} bytes) but the file stores {stored} bytes for it (a strided view)"
+        return None
+    if isinstance(data, dict):
+        items = data.items()
+    elif isinstance(data, (list, tuple)):
+        items = enumerate(data)
+    else:
+        return None
+    for key, value in items:
+        found = _unbacked_tensor(value, f"{name}.{key}" if name else str(key), depth + 1)
+        if found:
+            return found
+    return None
 
 
 def _unreadable_reason(raw: bytes, e: Exception) -> str:
@@ -113,6 +146,9 @@ def read_manifest(directory: str | os.PathLike) -> list[ManifestEntry]:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise TraceError("manifest", f"cannot read ({e.strerror or e})", str(path)) from None
+    except UnicodeDecodeError as e:
+        line = text_line(path.read_bytes(), e.start)
+        raise TraceError(f"line {line}", f"not UTF-8 (byte {e.object[e.start]:#04x} at offset {e.start})", str(path)) from None
     lines = text.splitlines()
     entries = []
     for number, line in enumerate(lines, start=1):
@@ -120,14 +156,28 @@ def read_manifest(directory: str | os.PathLike) -> list[ManifestEntry]:
             continue
         try:
             entry = ManifestEntry(**json.loads(line))
-        except (json.JSONDecodeError, TypeError) as e:
+        except (json.JSONDecodeError, TypeError, RecursionError) as e:
             if number == len(lines) and not text.endswith("\n"):
                 break  # a recorder killed while appending its last line: that step was never committed
             raise TraceError(f"line {number}", f"not a manifest entry ({e})", str(path)) from None
-        if Path(entry.file).name != entry.file:
-            raise TraceError(f"line {number}.file", f"= {entry.file!r} must name a file inside the recording", str(path))
+        for key, kind in (("file", str), ("step", int), ("mode", str), ("batch_size", int)):
+            value = getattr(entry, key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise TraceError(f"line {number}.{key}", f"= {_short_repr(value)}, expected {kind.__name__}", str(path))
+        if Path(entry.file).name != entry.file or not entry.file.isprintable() or not entry.file:
+            raise TraceError(f"line {number}.file", f"= {_short_repr(entry.file)} must name a file inside the recording", str(path))
         entries.append(entry)
     return entries
+
+
+def text_line(data: bytes, offset: int) -> int:
+    """The 1-based line of `offset` in `data`."""
+    return data.count(b"\n", 0, offset) + 1
+
+
+def _short_repr(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def trace_paths(target: str | os.PathLike) -> list[Path]:

@@ -8,6 +8,7 @@ plan is only type-checked, because a wrong plan is evidence the user came to fin
 from __future__ import annotations
 
 import math
+import reprlib
 from typing import Any
 
 import torch
@@ -36,6 +37,10 @@ from attndbg.trace.schema import (
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+# Longer strings are not names an engine records (a 10 MB plan.backend made `show` print 64k lines).
+MAX_NAME_LENGTH = 256
+
+
 class _Reader:
     """Typed access to one section of the stored dict, with field paths for errors."""
 
@@ -61,14 +66,20 @@ class _Reader:
             return default
         if isinstance(value, bool) or not isinstance(value, int):
             raise TraceError(self.name(key), f"expected an int, found {type(value).__name__}")
+        if not -(2**63) <= value < 2**63:
+            raise TraceError(self.name(key), f"= {reprlib.repr(value)}, does not fit in 64 bits")
         if min_value is not None and value < min_value:
             raise TraceError(self.name(key), f"= {value}, must be >= {min_value}")
         return value
 
     def float(self, key: str) -> float:
         value = self.raw(key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise TraceError(self.name(key), f"expected a finite number, found {value!r}")
+        try:
+            finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+        except OverflowError:  # an int too large for a float
+            finite = False
+        if not finite:
+            raise TraceError(self.name(key), f"expected a finite number, found {reprlib.repr(value)}")
         return float(value)
 
     def bool(self, key: str, optional: bool = False, default: bool = False) -> bool:
@@ -83,8 +94,10 @@ class _Reader:
         value = self.raw(key)
         if not isinstance(value, str):
             raise TraceError(self.name(key), f"expected a string, found {type(value).__name__}")
+        if len(value) > MAX_NAME_LENGTH or not value.isprintable():
+            raise TraceError(self.name(key), f"= {reprlib.repr(value)}: names are at most {MAX_NAME_LENGTH} printable characters")
         if choices is not None and value not in choices:
-            raise TraceError(self.name(key), f"= {value!r}, expected one of {', '.join(choices)}")
+            raise TraceError(self.name(key), f"= {reprlib.repr(value)}, expected one of {', '.join(choices)}")
         return value
 
     def enum(self, key: str, kind: type):
@@ -124,7 +137,9 @@ class _Reader:
     def section(self, key: str, optional: bool = False) -> "_Reader | None":
         value = self.raw(key, optional)
         if value is None:
-            return None
+            if optional:
+                return None
+            raise TraceError(self.name(key), "is None, expected a dict")
         return _Reader(value, self.name(key))
 
 
@@ -380,6 +395,14 @@ def _plan(r: _Reader) -> Plan:
         raise TraceError("plan.tensors", "expected a dict of name -> tensor")
     if not isinstance(scalars, dict) or not all(isinstance(v, (int, float, bool, str)) for v in scalars.values()):
         raise TraceError("plan.scalars", "expected a dict of name -> int/float/bool/str")
+    for name, value in scalars.items():
+        # A wrong value is evidence; one no engine could have recorded (past 64 bits, a huge string) is not.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise TraceError(f"plan.scalars.{name}", f"= {value}, expected a finite number")
+        if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
+            raise TraceError(f"plan.scalars.{name}", f"= {reprlib.repr(value)}, does not fit in 64 bits")
+        if isinstance(value, str) and len(value) > MAX_NAME_LENGTH:
+            raise TraceError(f"plan.scalars.{name}", f"is a string of {len(value)} characters (at most {MAX_NAME_LENGTH})")
     return Plan(backend=r.str("backend"), tensors=dict(tensors), scalars=dict(scalars))
 
 
