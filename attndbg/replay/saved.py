@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import pickletools
 import re
 import stat
@@ -31,28 +30,12 @@ import torch
 from attndbg.atomic import torch_save_atomically
 from torch import Tensor
 
-from attndbg.trace.io import SAVED_REPLAY_FORMAT
+from attndbg.trace.io import SAVED_REPLAY_FORMAT, UNREADABLE
 from attndbg.trace.validate import TraceError, check_indptr
 
 FORMAT_NAME = SAVED_REPLAY_FORMAT  # the trace loader recognises it too, to point at `attndbg diff`
 FORMAT_VERSION = 1
 REFERENCE = "reference"  # the name the float64 reference result is stored under
-
-# What torch.load raises on a file that is not a (safe) torch archive: random bytes, truncation,
-# a pickle with code in it (UnpicklingError from the weights_only unpickler), a zip without data.
-_UNREADABLE = (
-    pickle.UnpicklingError,
-    RuntimeError,
-    EOFError,
-    ValueError,
-    zipfile.BadZipFile,
-    KeyError,
-    IndexError,
-    AttributeError,
-    TypeError,
-    UnicodeDecodeError,
-)
-
 
 @dataclass(frozen=True)
 class BackendResult:
@@ -211,7 +194,7 @@ def load_replay(path: str | os.PathLike) -> SavedReplay:
             # refusing it; the refusal below is the message the user needs.
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
             data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except _UNREADABLE as e:
+    except UNREADABLE as e:  # what torch.load raises on a file that is not a (safe) torch archive
         raise TraceError("file", f"not a readable attndbg saved replay: {_unreadable_reason(e)}", where) from None
     if not isinstance(data, dict):
         raise TraceError("file", f"not an attndbg saved replay (top level is {type(data).__name__})", where)

@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import stat
+import struct
 import warnings
 import zipfile
 from dataclasses import dataclass
@@ -29,7 +30,11 @@ SAVED_REPLAY_FORMAT = "attndbg.replay"  # replay.saved.FORMAT_NAME: told apart h
 
 # What torch.load raises on a file that is not a (safe) torch archive: random bytes, truncation,
 # a pickle with code in it (UnpicklingError from the weights_only unpickler), a zip without data.
-_UNREADABLE = (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, zipfile.BadZipFile, KeyError, IndexError, AttributeError, TypeError, UnicodeDecodeError)
+UNREADABLE = (
+    pickle.UnpicklingError, RuntimeError, EOFError, ValueError, zipfile.BadZipFile, KeyError, IndexError, AttributeError, TypeError,
+    UnicodeDecodeError, struct.error,  # a legacy pickle cut inside a length field
+    NotImplementedError,  # a zip header naming an unknown compression or version
+)  # fmt: skip
 
 
 def save(trace: Trace, path: str | os.PathLike) -> Path:
@@ -53,7 +58,7 @@ def load(path: str | os.PathLike) -> Trace:
         with warnings.catch_warnings():  # torch warns about pickle protocols; the error says enough
             warnings.simplefilter("ignore")
             data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-    except _UNREADABLE as e:
+    except UNREADABLE as e:
         raise TraceError("file", f"not a readable attndbg trace: {_unreadable_reason(raw, e)}", str(path)) from None
     if not isinstance(data, dict):
         raise TraceError("file", f"not an attndbg trace (top level is {type(data).__name__})", str(path))
