@@ -100,6 +100,7 @@ def check_in_workers(
 ) -> Iterator[StepResult]:
     ctx = mp.get_context("spawn")
     order = list(dict.fromkeys([*first, *range(len(paths))]))
+    early = set(first)
     slots = [devices[i % len(devices)] if devices else None for i in range(min(jobs, max(1, len(paths))))]
     # A little under an equal share of each GPU per worker on it (the CUDA context lives outside it).
     share = {d: 0.9 / slots.count(d) for d in set(slots)}
@@ -107,14 +108,19 @@ def check_in_workers(
     workers = [_Worker(ctx, device, share[device], threads, only, options, check) for device in slots]
     done: dict[int, StepResult] = {}
     next_task, next_out = 0, 0  # next_task indexes `order`; next_out the recording
-    window = WINDOW_PER_JOB * len(workers) + len(first)
+    window = WINDOW_PER_JOB * len(workers)
     try:
         while next_out < len(paths):
             for worker in workers:
-                if worker.task is None and next_task < len(order) and order[next_task] < next_out + window:
+                # The early steps go out whatever their place; the others within the window
+                # (an early step far down the recording once stalled dispatch for good: with no
+                # worker busy, wait() below had nothing to wake it).
+                if worker.task is None and next_task < len(order) and (order[next_task] in early or order[next_task] < next_out + window):
                     worker.send(order[next_task], paths[order[next_task]])
                     next_task += 1
             busy = [w for w in workers if w.task is not None]
+            if not busy:
+                raise RuntimeError(f"check workers: nothing dispatched and nothing running at step {next_out} of {len(paths)}")
             ready = wait([w.conn for w in busy] + [w.process.sentinel for w in busy])
             for i, worker in enumerate(workers):
                 if worker.task is None:

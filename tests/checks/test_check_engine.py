@@ -205,3 +205,27 @@ def test_a_step_whose_data_cannot_fit_is_refused_before_allocating(tmp_path: Pat
     reports = list(check_steps(str(rec), parse_only("split-merge"), CheckOptions(backends=("triton",))))
     assert [r.checked for r in reports] == [True, False, True]
     assert "not replayed" in reports[1].error
+
+
+def test_an_early_step_far_down_the_recording_does_not_stall_the_workers(tmp_path: Path) -> None:
+    """The first step of a kernel shape may sit far past the dispatch window (one verify step at
+    step 45 of a decode recording): it goes out first and every step still comes back, in order.
+    (This stalled forever on the H100: with nothing dispatchable and no worker busy, nothing woke
+    the dispatcher.)"""
+    import signal
+
+    rec = tmp_path / "rec"
+    decode = make_trace("decode-mha", "kv_lens=3,5", *SMALL, plan=True)
+    verify = make_trace("verify", "prefix_lens=4,7", *SMALL, plan=True)
+    for step in range(50):
+        trace = verify if step == 45 else decode
+        io.append_to_recording(rec, replace(trace, source=replace(trace.source, step=step)))
+    paths = select_paths(rec)
+    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("the workers stalled")))
+    signal.alarm(180)
+    try:
+        results = list(check_in_workers(paths, parse_only("invariants"), CheckOptions(backends=("reference",)), jobs=2, devices=None, first=[0, 45]))
+    finally:
+        signal.alarm(0)
+    assert [r.report.path for r in results] == [str(p) for p in paths]
+    assert results[45].report.mode == "TARGET_VERIFY" and all(r.report.checked for r in results)
