@@ -20,7 +20,7 @@ from attndbg.backends.triton import DEFAULT_MAX_KV_SPLITS
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding, Location
 from attndbg.checks.split_merge_base import KIND, LN2, LOG2E, _request_of, empty_splits, merge_path, split_length
-from attndbg.compare.tolerance import ERROR_FACTOR, LSE_FLOOR, OUTPUT_FLOOR, compare_to_reference
+from attndbg.compare.tolerance import ERROR_FACTOR, LSE_FLOOR, compare_to_reference, output_tolerance
 from attndbg.trace.schema import DTYPES, ForwardMode, LseBase, Trace
 
 
@@ -166,10 +166,8 @@ def _merge_confusion(trace: Trace, *, output: Tensor, truth: _Truth, rows: Tenso
     cached = [b for b in range(batch.batch_size) if int(batch.prefix_lens[b]) > 0 and int(batch.extend_lens[b]) > 0]
     if not cached:
         return None
-    ref, lowp = truth.ref.output.double(), truth.lowp.output.double()
-    magnitude = ref.abs().amax(-1)
-    floor = OUTPUT_FLOOR.get(DTYPES[trace.model.q_dtype], OUTPUT_FLOOR[torch.bfloat16])
-    tol = ERROR_FACTOR * (lowp - ref).abs().amax(-1) + floor * magnitude.clamp_min(1.0)
+    ref = truth.ref.output.double()
+    tol = output_tolerance(ref, truth.lowp.output, DTYPES[trace.model.q_dtype])
     # Each request's prefix partial (columns before its prefix) and new-token partial, float64,
     # from the reference's own partial states.
     zeros, prefix, kv = torch.zeros_like(batch.prefix_lens), batch.prefix_lens, batch.kv_lens

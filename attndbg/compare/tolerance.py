@@ -57,6 +57,13 @@ class Comparison:
         return self.failing_rows == 0 and self.nonfinite == 0
 
 
+def output_tolerance(reference_output: Tensor, lowp_output: Tensor, dtype: torch.dtype) -> Tensor:
+    """[T, Hq] float64: the output error each row/head may have against the float64 reference."""
+    ref, lowp = reference_output.double(), lowp_output.double()
+    floor = OUTPUT_FLOOR.get(dtype, OUTPUT_FLOOR[torch.bfloat16])
+    return ERROR_FACTOR * (lowp - ref).abs().amax(-1) + floor * ref.abs().amax(-1).clamp_min(1.0)
+
+
 def compare(
     *,
     output: Tensor,  # [T, Hq, Dv]
@@ -74,12 +81,11 @@ def compare(
     ref_lse = reference_lse.detach().cpu().to(torch.float64)
     lowp = lowp_output.detach().cpu().to(torch.float64)
     lowp_lse = lowp_lse.detach().cpu().to(torch.float64)
-    floor = OUTPUT_FLOOR.get(dtype, OUTPUT_FLOOR[torch.bfloat16])
     lse_floor = LSE_FLOOR.get(dtype, LSE_FLOOR[torch.bfloat16])
 
     err = (out - ref).abs().amax(-1)  # [T, Hq]
     magnitude = ref.abs().amax(-1)
-    tol = ERROR_FACTOR * (lowp - ref).abs().amax(-1) + floor * magnitude.clamp_min(1.0)
+    tol = output_tolerance(ref, lowp, dtype)
     scale = magnitude.clamp_min(1e-30)
     # Rows that see no key have LSE -inf in the reference; they match when the backend agrees.
     lse_both_empty = torch.isneginf(ref_lse) & torch.isneginf(lse)

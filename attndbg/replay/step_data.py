@@ -16,7 +16,7 @@ from torch import Tensor
 from attndbg import machine
 from attndbg.backends import reference
 from attndbg.backends.base import AttentionInputs, AttentionResult
-from attndbg.compare.tolerance import ERROR_FACTOR, OUTPUT_FLOOR, Comparison, compare_to_reference
+from attndbg.compare.tolerance import Comparison, compare_to_reference, output_tolerance
 from attndbg.profiling import phase, step_label
 from attndbg.replay.data import build_inputs, to_device
 from attndbg.trace.schema import DTYPES, Trace
@@ -78,9 +78,7 @@ class StepData:
 
     def output_tolerance(self) -> Tensor:
         """[T, Hq] float64: the absolute output error each row/head may have (tolerance.py's model)."""
-        ref, lowp = self.reference.output, self.lowp.output.double()
-        floor = OUTPUT_FLOOR.get(DTYPES[self.trace.model.q_dtype], OUTPUT_FLOOR[torch.bfloat16])
-        return ERROR_FACTOR * (lowp - ref).abs().amax(-1) + floor * ref.abs().amax(-1).clamp_min(1.0)
+        return output_tolerance(self.reference.output, self.lowp.output, DTYPES[self.trace.model.q_dtype])
 
     def partial(self, columns: Tensor) -> AttentionResult:
         """float64 partial states: request b over its KV columns [columns[b,0], columns[b,1]) only."""
