@@ -105,17 +105,8 @@ def _group_masks(trace: Trace, group: list[_Unit], kv_max: int, rows_max: int, c
     batch = trace.batch
     mask = torch.zeros(len(group), rows_max, kv_max, dtype=torch.bool)
     for i, u in enumerate(group):
-        if trace.is_tree_verify:
-            start = int(batch.qo_indptr[u.b])
-            seen = visibility(trace, u.b)[u.row0 - start : u.row1 - start]
-        else:
-            # Causal by column (the same rule visibility() applies), for the unit's rows only.
-            cols = torch.arange(u.kv)
-            query_cols = batch.query_cols[u.row0 : u.row1]
-            seen = cols[None, :] <= query_cols[:, None]
-            window = trace.model.sliding_window
-            if window >= 0:
-                seen &= (query_cols[:, None] - cols[None, :]) <= window
+        start = int(batch.qo_indptr[u.b])
+        seen = visibility(trace, u.b, slice(u.row0 - start, u.row1 - start))
         if columns is not None:
             start, end = (int(x) for x in columns[u.b])
             cols = torch.arange(u.kv)

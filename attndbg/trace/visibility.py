@@ -15,21 +15,22 @@ from attndbg.trace import tree
 from attndbg.trace.schema import Trace
 
 
-def visibility(trace: Trace, b: int) -> Tensor:
-    """[extend_len, kv_len] bool: which columns of request b's row each of its queries sees."""
+def visibility(trace: Trace, b: int, rows: slice = slice(None)) -> Tensor:
+    """[extend_len, kv_len] bool: which columns of request b's row each of its queries sees
+    (only the request's query rows `rows`, counted within the request, when given)."""
     batch = trace.batch
     prefix = int(batch.prefix_lens[b])
     kv = int(batch.kv_lens[b])
     qo = batch.qo_indptr
-    query_cols = batch.query_cols[int(qo[b]) : int(qo[b + 1])]
+    query_cols = batch.query_cols[int(qo[b]) : int(qo[b + 1])][rows]
     cols = torch.arange(kv)
     if trace.is_tree_verify:
         parents = trace.spec.parents[b]
         visible = torch.ones(query_cols.numel(), kv, dtype=torch.bool)
-        visible[:, prefix:] = tree.ancestor_matrix(parents)
+        visible[:, prefix:] = tree.ancestor_matrix(parents)[rows]
         # Window distances use rope positions: a draft token sits at prefix + its depth.
         key_pos = torch.cat([cols[:prefix], prefix + tree.depths(parents)])
-        query_pos = prefix + tree.depths(parents)
+        query_pos = (prefix + tree.depths(parents))[rows]
     else:
         visible = cols[None, :] <= query_cols[:, None]
         key_pos, query_pos = cols, query_cols
