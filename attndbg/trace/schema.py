@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 FORMAT_NAME = "attndbg.trace"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # `buffers` (optional, absent in older files) was added within version 1
 
 
 class ForwardMode(enum.Enum):
@@ -188,6 +188,22 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class EngineBuffer:
+    """The engine buffer behind a recorded tensor (`Trace.buffers[field]`): evidence kept beside the
+    engine-neutral fields, so a detector can judge a buffer that is too long or holds a stale tail.
+
+    The tensor at `field` ("spec.custom_mask", "plan.custom_mask", "plan.kv_indices", ...) is the
+    buffer's head, untrimmed: all of it for a buffer the engine sized for this step (then a wrong
+    length is the engine's); for a `capacity` buffer, its first max(read, this step's need)
+    elements, because no kernel of this step reads further and the rest can be hundreds of MB.
+    """
+
+    length: int  # elements the engine's buffer really has (>= the recorded tensor's numel)
+    read: int  # elements the step's kernel reads from its start, by the engine's own offsets (mask_indptr[-1], kv_indptr[-1] of the launched batch); -1: the engine gives none
+    capacity: bool  # allocated once at a fixed size (a CUDA-graph buffer, SGLang's VerifyMask, an over-allocation by design): its length says nothing about this step
+
+
+@dataclass(frozen=True)
 class LayerTensors:
     """Real tensors of one layer (optional). KV rows are compacted: cache row i is slot kv_slots[i]."""
 
@@ -212,6 +228,9 @@ class Trace:
     graph: Graph | None = None
     plan: Plan | None = None
     tensors: dict[int, LayerTensors] = field(default_factory=dict)  # by layer id
+    # Recorded tensor field -> the engine buffer behind it (absent: the tensor is the whole buffer
+    # and nothing says how much the kernel reads; traces written before buffers existed load so).
+    buffers: dict[str, EngineBuffer] = field(default_factory=dict)
 
     @property
     def is_tree_verify(self) -> bool:
@@ -233,6 +252,8 @@ def to_dict(trace: Trace) -> dict[str, Any]:
         return obj
 
     out = plain(trace)
+    if not out["buffers"]:
+        del out["buffers"]  # files without engine buffers stay byte-identical to those written before it existed
     out["format"] = FORMAT_NAME
     out["version"] = FORMAT_VERSION
     return out

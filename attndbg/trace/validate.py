@@ -22,6 +22,7 @@ from attndbg.trace.schema import (
     Q_DTYPES,
     AttentionKind,
     Batch,
+    EngineBuffer,
     ForwardMode,
     Graph,
     LayerTensors,
@@ -460,16 +461,42 @@ def from_dict(data: Any) -> Trace:
         tensors[int(layer)] = _layer_tensors(_Reader(section, f"tensors.{layer}"), model, batch)
     if batch.forward_mode is ForwardMode.TARGET_VERIFY and spec_r is None:
         raise TraceError("spec", "missing: a TARGET_VERIFY step needs its draft tree")
+    spec = _spec(spec_r, batch) if spec_r else None
+    plan = _plan(plan_r) if plan_r else None
+    buffers_r = _section(top, "buffers", optional=True)
     return Trace(
         source=source,
         model=model,
         batch=batch,
         seed=seed,
-        spec=_spec(spec_r, batch) if spec_r else None,
+        spec=spec,
         graph=_graph(graph_r) if graph_r else None,
-        plan=_plan(plan_r) if plan_r else None,
+        plan=plan,
         tensors=tensors,
+        buffers=_buffers(buffers_r, spec, plan) if buffers_r else {},
     )
+
+
+def _buffers(r: _Reader, spec: Spec | None, plan: Plan | None) -> dict[str, EngineBuffer]:
+    """Each entry describes a recorded tensor: `spec.custom_mask` or `plan.<name>`, which must exist
+    and be no longer than the buffer it was cut from. A `read` past the buffer loads: it is evidence
+    (the kernel reads past the end) for the detectors."""
+    recorded: dict[str, Tensor | None] = {"spec.custom_mask": spec.custom_mask if spec is not None else None}
+    if plan is not None:
+        recorded.update({f"plan.{name}": t for name, t in plan.tensors.items()})
+    out = {}
+    for key in r.data:
+        if not isinstance(key, str) or recorded.get(key) is None:
+            raise TraceError(f"buffers[{reprlib.repr(key)}]", "names no recorded tensor (expected spec.custom_mask or plan.<tensor name>)")
+        entry = _Reader(r.data[key], f"buffers[{key!r}]")
+        buffer = EngineBuffer(length=entry.int("length", min_value=0), read=entry.int("read", min_value=-1), capacity=entry.bool("capacity"))
+        kept = recorded[key].numel()
+        if kept > buffer.length:
+            raise TraceError(f"buffers[{key!r}].length", f"= {buffer.length}, but {key} records {kept} elements of it")
+        if not buffer.capacity and kept != buffer.length:
+            raise TraceError(f"buffers[{key!r}].length", f"= {buffer.length}, but {key} records {kept}: a buffer sized for the step is recorded whole")
+        out[key] = buffer
+    return out
 
 
 def _section(top: _Reader, key: str, optional: bool = False) -> _Reader | None:
