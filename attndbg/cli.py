@@ -397,8 +397,9 @@ def _diff_saved(console: Console, a: str, b: str, pairs: tuple[str, ...]) -> tup
 @click.option("--cuda-graph", is_flag=True, help="detectors also replay under CUDA graphs (GPU)")
 @click.option("--steps", "steps_spec", default=None, help="only steps A <= step < B of a recording (A:B, A:, :B)")
 @click.option("--sample", type=click.IntRange(min=1), default=None, help="only N steps, evenly spread over the (selected) recording")
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True, help="worker processes checking steps in parallel (each loads every kernel module itself: worth it when steps, not kernel loading, dominate)")
+@click.option("--jobs", "-j", "jobs_spec", default="auto", show_default=True, help="worker processes checking steps in parallel, or auto: one per 50 steps, per 2 cores, at most 8 per GPU (each worker loads every kernel module itself)")
 @click.option("--devices", "devices_spec", default=None, help="GPUs for the workers, e.g. 0,1 (default: every visible GPU)")
+@click.option("--in-process", is_flag=True, help="check in this process, even on a GPU (where a worker process is the default: a crashing kernel then takes down only its worker)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), help="also write the findings as JSON (attndbg.check/1; - for stdout)")
 @handles_bad_input
 def check(
@@ -408,8 +409,9 @@ def check(
     cuda_graph: bool,
     steps_spec: str | None,
     sample: int | None,
-    jobs: int,
+    jobs_spec: str,
     devices_spec: str | None,
+    in_process: bool,
     json_path: str | None,
 ) -> None:
     """Run the detectors on a step or a recording directory and explain what they find.
@@ -438,6 +440,9 @@ def check(
         raise BadInput("--cuda-graph needs a CUDA GPU, and this machine has none")
     selection = _step_selection(steps_spec, sample)
     devices = _devices(devices_spec)
+    jobs = _jobs(jobs_spec)
+    if in_process and jobs not in (None, 1):
+        raise BadInput(f"--in-process checks in one process: it cannot take --jobs {jobs}")
     _check_outputs(json=json_path)
     options = CheckOptions(backends=names, cuda_graph=cuda_graph)
     console = _console(stderr=json_path == "-")
@@ -448,7 +453,7 @@ def check(
         raise BadInput(f"{target}: no steps to check" + (" in the selection (--steps/--sample)" if steps_spec or sample else ""))
     reports = []
     with CheckProgress(console, total=len(paths), enabled=len(paths) > 1) as progress:
-        for report in check_steps(target, classes, options, progress.advance, selection=selection, jobs=jobs, devices=devices):
+        for report in check_steps(target, classes, options, progress.advance, selection=selection, jobs=1 if in_process else jobs, devices=devices, isolate=False if in_process else None):
             reports.append(report)
             single_error = len(paths) == 1 and report.bad_input  # raised as bad input below
             if (report.findings or report.error or len(paths) == 1) and not single_error:
@@ -477,6 +482,19 @@ def _step_selection(steps_spec: str | None, sample: int | None) -> Any:
         except OptionError as e:
             raise BadInput(str(e)) from None
     return StepSelection(start=start, stop=stop, sample=sample)
+
+
+def _jobs(spec: str) -> int | None:
+    """--jobs N (N >= 1) or auto (None)."""
+    if spec.strip().lower() == "auto":
+        return None
+    try:
+        jobs = int(spec)
+    except ValueError:
+        raise BadInput(f"--jobs: expected a number of worker processes or auto, got {spec!r}") from None
+    if jobs < 1:
+        raise BadInput(f"--jobs: expected at least 1, got {jobs}")
+    return jobs
 
 
 def _devices(spec: str | None) -> tuple[int, ...] | None:

@@ -1,14 +1,16 @@
 """Backend names -> adapters: the built-in ones, plus third parties through an entry point.
 
 A third-party package registers `[project.entry-points."attndbg.backends"] NAME = "pkg.mod:Class"`;
-the class follows `attndbg.backends.base.Backend`.
+the class follows `attndbg.backends.base.Backend`. An adapter still in development, not packaged,
+can be named in the environment instead: `ATTNDBG_BACKENDS="NAME=pkg.mod:Class,..."` (check's
+worker processes inherit it).
 """
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
-
 import importlib
+import os
+from importlib.metadata import entry_points
 
 from attndbg.backends.base import Backend
 from attndbg.backends.reference import ReferenceBackend
@@ -25,9 +27,24 @@ _LAZY = {
 }
 
 
+ENVIRONMENT_VARIABLE = "ATTNDBG_BACKENDS"
+
+
+def _from_environment() -> dict[str, str]:
+    """NAME -> "pkg.mod:Class" from ATTNDBG_BACKENDS; a malformed entry raises naming it."""
+    named = {}
+    for entry in filter(None, (e.strip() for e in os.environ.get(ENVIRONMENT_VARIABLE, "").split(","))):
+        name, _, target = entry.partition("=")
+        if not name.strip() or ":" not in target:
+            raise KeyError(f"{ENVIRONMENT_VARIABLE}: expected NAME=pkg.module:Class, got {entry!r}")
+        named[name.strip()] = target.strip()
+    return named
+
+
 def backend_names() -> list[str]:
     names = list(BUILTIN)
     names += sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name not in names)
+    names += [name for name in _from_environment() if name not in names]
     return names
 
 
@@ -42,6 +59,10 @@ def create(name: str, *, triton_options: TritonOptions | None = None) -> Backend
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
             return ep.load()()
+    target = _from_environment().get(name)
+    if target is not None:
+        module, _, cls = target.partition(":")
+        return getattr(importlib.import_module(module), cls)()
     raise KeyError(name)
 
 

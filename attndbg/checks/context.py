@@ -21,6 +21,8 @@ class CheckOptions:
     backends: tuple[str, ...] | None = None  # None: every backend that can run here
     cuda_graph: bool = False  # also replay under CUDA graphs where a GPU is present
     layer: int | None = None
+    # Backends left out of this step (a check worker re-checks a step without the one that crashed).
+    exclude: tuple[str, ...] = ()
 
 
 @dataclass
@@ -42,7 +44,7 @@ class CheckContext:
             names = self.options.backends or tuple(registry.backend_names())
             usable = []
             for name in names:
-                if name == "reference":
+                if name == "reference" or name in self.options.exclude:
                     continue
                 backend = registry.create(name)
                 if backend.unavailable_reason() is None and backend.unsupported_reason(self.trace) is None:

@@ -12,6 +12,9 @@ class FindingClass(enum.Enum):
     FILL_VALUE = "fill-value"
     TREE_MASK = "tree-mask"
     SPLIT_MERGE = "split-merge"
+    # Not a detector: the check engine's own report of a kernel library that crashed on a step
+    # (its worker died, or poisoned its CUDA context); the step is checked again without it.
+    BACKEND_CRASH = "backend-crash"
 
 
 @dataclass(frozen=True)

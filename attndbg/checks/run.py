@@ -12,6 +12,7 @@ result is the same for every number of jobs.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from attndbg import machine
 from attndbg.checks.context import CheckContext, CheckOptions
 from attndbg.checks.findings import Finding, FindingClass
 from attndbg.trace import io
@@ -143,21 +145,31 @@ def check_steps(
     progress: Callable[[StepReport], None] | None = None,
     *,
     selection: StepSelection = StepSelection(),
-    jobs: int = 1,
+    jobs: int | None = 1,
     devices: tuple[int, ...] | None = None,
+    isolate: bool | None = None,
 ) -> Iterator[StepReport]:
     """Check the steps of `target` (a .pt file or a recording directory) in recording order.
 
-    `jobs` > 1 spreads steps over worker processes (on `devices`, round robin, when given); the
-    reports, and the findings of the recording detectors, are identical to `jobs=1`'s.
+    `jobs` > 1 spreads steps over worker processes (on `devices`, round robin, when given); None
+    picks a number from the machine and the recording (`auto_jobs`). The reports, and the findings
+    of the recording detectors, are identical for every number of jobs. `isolate` runs even one
+    job in a worker process, a crash boundary for the kernel libraries (workers.py); None: on a
+    GPU machine, where an illegal memory access would poison this process's CUDA context.
     """
     paths = select_paths(target, selection)
     modules = detector_modules(only)
     states = {kind: module.RecordingState() for kind, module in modules.items() if hasattr(module, "RecordingState")}
-    if jobs > 1:
+    if jobs is None:
+        jobs = auto_jobs(len(paths), devices)
+        if jobs > 1:
+            sys.stderr.write(f"attndbg: checking {len(paths)} steps in {jobs} worker processes (--jobs auto; --jobs 1 for one)\n")
+    if isolate is None:
+        isolate = machine.cuda_available()
+    if jobs > 1 or isolate:
         from attndbg.checks.workers import check_in_workers
 
-        first = first_of_each_shape(paths)
+        first = first_of_each_shape(paths) if jobs > 1 else []
         if len(first) > 1:
             sys.stderr.write(f"attndbg: checking one step of each of {len(first)} kernel shapes first, in parallel (kernels compile on first use)\n")
         results: Iterator[StepResult] = check_in_workers(paths, only, options, jobs=jobs, devices=devices, first=first)
@@ -176,6 +188,20 @@ def check_steps(
 
 # Steps looked at to find the kernel shapes of a recording (loading them costs milliseconds each).
 SHAPE_SAMPLE = 32
+# --jobs auto. Each worker loads every kernel module itself (seconds, more with FlashInfer), so a
+# worker is worth it only with enough steps to spread: one per this many steps. At most this many
+# workers per GPU: on an H100, 8 workers checked 1,000 decode steps in 50 s against 77 ms a step
+# in one process (bench/results/check_scale_h100.md); beyond that they wait on one another.
+STEPS_PER_WORKER = 50
+WORKERS_PER_GPU = 8
+
+
+def auto_jobs(steps: int, devices: tuple[int, ...] | None) -> int:
+    """Worker processes for `steps` steps: two host cores each (a worker's Python and the kernel
+    launches it waits on), at most WORKERS_PER_GPU per GPU, one per STEPS_PER_WORKER steps."""
+    cores = max(1, (os.cpu_count() or 1) // 2)
+    per_device = WORKERS_PER_GPU * max(1, len(devices or ()))
+    return max(1, min(cores, per_device, steps // STEPS_PER_WORKER))
 
 
 def kernel_shape(trace: Trace) -> tuple:

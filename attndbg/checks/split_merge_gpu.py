@@ -14,6 +14,7 @@ from attndbg.backends.base import AttentionResult, KernelError
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding
 from attndbg.checks.split_merge_base import KIND, _location, merge_path
+from attndbg.replay import activity
 from attndbg.replay.runner import ReplayOptions, RunStatus
 from attndbg.trace.schema import DTYPES, ForwardMode
 
@@ -40,7 +41,8 @@ def cascade_vs_single_pass(ctx: CheckContext) -> list[Finding]:
     for path in ("cascade", "paged"):
         backend = FlashInferBackend(FlashInferOptions(extend_path=path))
         try:
-            result = backend.run(trace, data.on("cuda"), backend.derive_plan(trace))
+            with activity.launching(backend.name, f"extend_path={path}"):
+                result = backend.run(trace, data.on("cuda"), backend.derive_plan(trace))
         except KernelError as e:
             runs[path] = str(e)
             continue

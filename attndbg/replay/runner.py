@@ -21,6 +21,7 @@ from attndbg.backends.base import AttentionInputs, AttentionResult, Backend, Ker
 from attndbg.backends.triton import TritonOptions
 from attndbg.compare.tolerance import Comparison
 from attndbg.profiling import phase, step_label
+from attndbg.replay import activity
 from attndbg.replay import graph as graph_replay
 from attndbg.replay.step_data import StepData
 from attndbg.replay.plan_guard import out_of_bounds, real_requests_only
@@ -162,9 +163,9 @@ def _announce_first_use(backend: Backend, trace: Trace) -> None:
     sys.stderr.flush()
 
 
-def _execute(backend: Backend, ctx: _Context, inputs: AttentionInputs, plan: Plan) -> tuple[AttentionResult, float]:
+def _execute(backend: Backend, ctx: _Context, inputs: AttentionInputs, plan: Plan, variant: str) -> tuple[AttentionResult, float]:
     start = time.perf_counter()
-    with phase("run", f"{ctx.label} backend={backend.name}"):
+    with phase("run", f"{ctx.label} backend={backend.name}"), activity.launching(backend.name, variant):
         result = backend.run(ctx.trace, inputs, plan)
         if inputs.q.is_cuda:
             torch.cuda.synchronize()
@@ -174,10 +175,10 @@ def _execute(backend: Backend, ctx: _Context, inputs: AttentionInputs, plan: Pla
 
 def _eager(backend, ctx, inputs, plan, description, variant, repeat) -> BackendRun:
     try:
-        result, seconds = _execute(backend, ctx, inputs, plan)
+        result, seconds = _execute(backend, ctx, inputs, plan, variant)
         problems = []
         for run in range(2, repeat + 1):
-            again, _ = _execute(backend, ctx, inputs, plan)
+            again, _ = _execute(backend, ctx, inputs, plan, variant)
             if not (torch.equal(again.output, result.output) and torch.equal(again.lse, result.lse)):
                 differing = int((again.output != result.output).sum() + (again.lse != result.lse).sum())
                 problems.append(f"run {run} differs from run 1 in {differing} elements (not deterministic)")
@@ -222,7 +223,7 @@ def _graph(backend: Backend, ctx: _Context, inputs: AttentionInputs, description
     if options.graph_capture and not capture:
         return BackendRun(backend.name, RunStatus.UNAVAILABLE, description, variant, reason="CUDA graphs need a CUDA GPU and a backend running on it")
     try:
-        with phase("capture+replay", f"{ctx.label} backend={backend.name} capture_bs={capture_bs}"):
+        with phase("capture+replay", f"{ctx.label} backend={backend.name} capture_bs={capture_bs}"), activity.launching(backend.name, variant):
             start = time.perf_counter()
             outcome = graph_replay.graph_replay(
                 backend, trace, inputs, padding=Padding(capture_bs=capture_bs, fill_value=fill), capture=capture, seed=trace.seed

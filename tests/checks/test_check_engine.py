@@ -16,7 +16,7 @@ from attndbg.checks.run import StepSelection, check_steps, parse_only, select_pa
 from attndbg.checks.workers import check_in_workers
 from attndbg.cli import main
 from attndbg.trace import io, mutate
-from tests.checks.crashing_worker import check_or_segfault
+from tests.checks.crashing_worker import check_or_segfault, check_with_a_crashing_backend
 from tests.factories import make_trace
 
 SMALL = ("heads=2:1", "head_dim=32")
@@ -85,6 +85,42 @@ def test_a_worker_that_dies_loses_only_its_step(tmp_path: Path) -> None:
     assert dead.error is not None and "SIGSEGV" in dead.error and not dead.checked
     assert all(r.report.checked for i, r in enumerate(results) if i != 2)
     assert results[1].report.findings and results[5].report.findings  # the replacement worker went on
+
+
+def test_a_backend_that_crashes_is_a_finding_and_the_step_is_checked_without_it(tmp_path: Path) -> None:
+    """A worker killed inside a backend's launch: the step gets a backend-crash finding naming the
+    backend, variant and signal, and is checked again in a fresh worker without that backend."""
+    from attndbg.checks.findings import FindingClass
+
+    rec = _recording(tmp_path / "rec")
+    paths = select_paths(rec)
+    crash = paths[1].with_name("kernelcrash.pt")  # the step with the injected tree-mask mistake
+    shutil.copy(paths[1], crash)
+    paths[1] = crash
+    results = list(check_in_workers(paths, METADATA, CheckOptions(backends=("reference",)), jobs=2, devices=None, check=check_with_a_crashing_backend))
+    assert [r.report.path for r in results] == [str(p) for p in paths]
+    report = results[1].report
+    assert report.checked and report.step == 11
+    crashed = report.findings[0]
+    assert crashed.kind is FindingClass.BACKEND_CRASH and crashed.location.step == 11
+    assert crashed.data["backend"] == "crashy" and crashed.data["variant"] == "eager"
+    assert "crashy crashed on this step (eager)" in crashed.evidence and "SIGSEGV" in crashed.evidence
+    # The step's own finding is still found by the re-check, and no other step saw a crash.
+    assert any(f.kind is FindingClass.TREE_MASK for f in report.findings[1:])
+    assert all(f.kind is not FindingClass.BACKEND_CRASH for i, r in enumerate(results) if i != 1 for f in r.report.findings)
+    assert all(r.report.checked for r in results)
+
+
+def test_jobs_auto_spreads_only_long_recordings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from attndbg.checks import run
+
+    monkeypatch.setattr(run.os, "cpu_count", lambda: 16)
+    assert run.auto_jobs(10, (0,)) == 1  # worker start-up would cost more than it saves
+    assert run.auto_jobs(1000, (0,)) == 8  # 8 cores' worth, 8 per GPU
+    assert run.auto_jobs(1000, (0, 1)) == 8  # still two cores a worker
+    assert run.auto_jobs(120, None) == 2
+    monkeypatch.setattr(run.os, "cpu_count", lambda: 2)
+    assert run.auto_jobs(1000, None) == 1  # a 2-core machine checks in one process
 
 
 def test_steps_and_sample_select_by_step_number(tmp_path: Path) -> None:
