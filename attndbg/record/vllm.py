@@ -20,7 +20,10 @@ capture that calls `build`, pass straight through):
 - `build_for_cudagraph_capture` is not a step: it is counted as skipped and not recorded;
 - `build` and `build_for_drafting` take a step number, and when sampled, start asynchronous host
   copies of the common metadata and of the built metadata's tensors (`session.snapshot`), then
-  hand the copies to the writer thread, which builds and writes the Trace;
+  hand the copies to the writer thread, which builds and writes the Trace: the engine-neutral
+  batch, and as evidence the `CommonAttentionMetadata` verbatim (`plan.tensors["common.*"]`, the
+  fields and their trimming in `vllm_fields`) beside the builder's output under its own names.
+  Wrong values never stop recording (the converter records them; the detectors judge them);
 - anything that raises inside the hook disables recording with one log line (`session.guard`);
   the engine's metadata is returned unchanged either way.
 
@@ -46,7 +49,8 @@ from torch import Tensor
 from attndbg.record import vllm_model, vllm_tensors
 from attndbg.record.build import source
 from attndbg.record.session import RecordingSession, current_session
-from attndbg.record.vllm_convert import HostCommon, Speculation, convert_common, device_fields, parents_from_tree_bias
+from attndbg.record.vllm_convert import Speculation, convert_common, host_from_parts, parents_from_tree_bias
+from attndbg.record.vllm_fields import COMMON_PREFIX, common_parts
 from attndbg.record.vllm_plan import Scalar, plan_from_parts, plan_parts
 from attndbg.trace.schema import LayerTensors, LseBase, Model, Trace
 
@@ -202,15 +206,18 @@ def _record(session: RecordingSession, builder: Any, kind: str, args: tuple[Any,
         call_scalars = {"draft_index": int(_arg(args, kwargs, "draft_index", 1, 0))}
     block_size = int(builder.kv_cache_spec.block_size)
     plan_tensors, plan_scalars = plan_parts(metadata, block_size=block_size, max_seq_len=int(cm.max_seq_len))
+    common_tensors, common_scalars = common_parts(cm, block_size)
+    pool = vllm_model.kv_cache_size(builder)
     static = _Static(
         model=vllm_model.model_from_builder(builder),
         backend=vllm_model.backend_name(type(builder)),
         device=torch.device(getattr(builder, "device", "cpu")),
         tp_rank=vllm_model.tp_rank(),
-        kv_cache_size=vllm_model.kv_cache_size(builder),
+        kv_cache_size=pool,
         speculation=vllm_model.speculation(builder),
         scalars={
             **plan_scalars,
+            **{COMMON_PREFIX + k: v for k, v in common_scalars.items()},
             "vllm.call": kind,
             "vllm.builder": type(builder).__name__,
             "vllm.metadata": type(metadata).__name__,
@@ -218,10 +225,12 @@ def _record(session: RecordingSession, builder: Any, kind: str, args: tuple[Any,
             "vllm.num_actual_tokens": int(cm.num_actual_tokens),
             "vllm.max_query_len": int(cm.max_query_len),
             "vllm.max_seq_len": int(cm.max_seq_len),
+            **({"vllm.num_gpu_blocks": pool // block_size} if pool else {}),
             **{f"vllm.{k}": v for k, v in call_scalars.items()},
         },
     )
-    tensors: dict[str, Tensor | None] = {f"cm.{k}": v for k, v in device_fields(cm, block_size).items()}
+    # The engine's CommonAttentionMetadata, verbatim (vllm_fields), and what the builder built.
+    tensors: dict[str, Tensor | None] = {f"cm.{k}": v for k, v in common_tensors.items()}
     tensors.update({f"plan.{k}": v for k, v in plan_tensors.items()})
     copy = session.snapshot(tensors)
     if copy is None:
@@ -245,8 +254,16 @@ def trace_from_host(
 ) -> Trace:
     """Writer thread: host copies of one step (and of its recorded layers) -> Trace (validated
     when written)."""
-    common = HostCommon(**{k.removeprefix("cm."): v for k, v in host.items() if k.startswith("cm.")})
-    plan = plan_from_parts(static.backend, {k.removeprefix("plan."): v for k, v in host.items() if k.startswith("plan.")}, static.scalars)
+    common_host = {k.removeprefix("cm."): v for k, v in host.items() if k.startswith("cm.")}
+    common = host_from_parts(common_host)
+    plan = plan_from_parts(
+        static.backend,
+        {
+            **{k.removeprefix("plan."): v for k, v in host.items() if k.startswith("plan.")},
+            **{COMMON_PREFIX + k: v for k, v in common_host.items()},
+        },
+        static.scalars,
+    )
     bias = plan.tensors.get("tree_attn_bias")
     tree = parents_from_tree_bias(bias) if bias is not None and bias.dim() == 2 and bias.shape[0] > 1 else None
     converted = convert_common(

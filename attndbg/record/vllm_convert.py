@@ -11,8 +11,12 @@ vLLM's vocabulary (engines.md B1, B5), translated here and nowhere else:
 
 Older vLLM ("classic", 0.11) builds the metadata with the unpadded `num_reqs`: padding lives in
 the persistent buffers' tails and is invisible here. vLLM 0.33 builds FULL-CUDA-graph steps with
-`num_reqs_padded` / `num_tokens_padded`, so padded rows (seq_len 0, query_len 0) and padded tokens
-(slot -1) show, real rows first. Such a step is recorded as a graph replay with fill value 0.
+`num_reqs_padded` / `num_tokens_padded`, so padded rows and padded tokens show, real rows first.
+A padded row is a trailing row that owns no query token (every scheduled request has one),
+whatever seq_len it holds: vLLM writes 0, a stale capture buffer may hold 1 (Triton's
+`build_for_cudagraph_capture` fills 1). Such a step is recorded as a graph replay (the Graph
+section: every row's seq_len, every token's slot and position, verbatim) with vLLM's fill value 0,
+and the Batch holds the real rows only.
 
 Speculative verify: vLLM's draft tokens are ordinary query tokens (seq_lens count them) and a
 linear chain attends causally, so any batch with drafts is a correct causal EXTEND/MIXED batch.
@@ -35,10 +39,12 @@ import torch
 from torch import Tensor
 
 from attndbg.record.build import batch_from_rows, mode_from_lengths
-from attndbg.trace.schema import Batch, ForwardMode, Graph, MaskLayout, Spec
+from attndbg.record.vllm_fields import common_parts
+from attndbg.trace.schema import Batch, ForwardMode, Graph, MaskLayout, Spec, indptr
 
 VLLM_FILL_VALUE = 0  # seq_len of padded rows (engines.md B5)
 PADDED_SLOT = -1  # slot_mapping of padded tokens: vLLM skips their KV write
+NULL_BLOCK = 0  # vLLM's NULL_BLOCK_ID: block 0 is never handed to a request
 CHAIN_TOPK = 1
 
 
@@ -69,34 +75,6 @@ class Converted:
     graph: Graph | None
 
 
-def device_fields(cm: Any, block_size: int | None = None) -> dict[str, Tensor | None]:
-    """The tensors of `cm` to copy to the host, sliced to what the step uses (views: no sync).
-
-    With `block_size`, the block table is cut to the columns `max_seq_len` can reach (an upper
-    bound in vLLM 0.33, the exact maximum before): a [max_num_reqs, max_model_len / block_size]
-    table would be megabytes per step.
-    """
-    num_reqs, tokens = int(cm.num_reqs), int(cm.num_actual_tokens)
-    table = cm.block_table_tensor[:num_reqs]
-    if block_size:
-        table = table[:, : used_block_columns(cm.max_seq_len, block_size, table.shape[1])]
-    positions = getattr(cm, "positions", None)
-    prefilling = getattr(cm, "is_prefilling", None)
-    return {
-        "query_start_loc": cm.query_start_loc[: num_reqs + 1],
-        "seq_lens": cm.seq_lens[:num_reqs],
-        "block_table_tensor": table,
-        "slot_mapping": cm.slot_mapping[:tokens],
-        "positions": positions[:tokens] if positions is not None else None,
-        "is_prefilling": prefilling[:num_reqs] if prefilling is not None else None,
-    }
-
-
-def used_block_columns(max_seq_len: int, block_size: int, width: int) -> int:
-    """Block-table columns a step can read: ceil(max_seq_len / block_size), at most the width."""
-    return min(-(-int(max_seq_len) // int(block_size)), int(width))
-
-
 def host_common(cm: Any, block_size: int | None = None) -> HostCommon:
     """A `HostCommon` from a real `CommonAttentionMetadata` (or one already on the host).
 
@@ -105,34 +83,69 @@ def host_common(cm: Any, block_size: int | None = None) -> HostCommon:
     """
     if isinstance(cm, HostCommon):
         return cm
-    fields = device_fields(cm, block_size)
-    return HostCommon(**{k: (v.detach().cpu().clone() if v is not None else None) for k, v in fields.items()})
+    tensors, _ = common_parts(cm, int(block_size or 1))
+    return host_from_parts({k: v.detach().cpu().clone() for k, v in tensors.items()})
+
+
+def host_from_parts(tensors: dict[str, Tensor | None]) -> HostCommon:
+    """The `HostCommon` of `common_parts`' tensors (host copies); KeyError only when vLLM handed in
+    no query_start_loc / seq_lens / block table / slot_mapping at all (unreadable metadata)."""
+    return HostCommon(
+        query_start_loc=_required(tensors, "query_start_loc"),
+        seq_lens=_required(tensors, "seq_lens"),
+        block_table_tensor=_required(tensors, "block_table_tensor"),
+        slot_mapping=_required(tensors, "slot_mapping"),
+        positions=tensors.get("positions"),
+        is_prefilling=tensors.get("is_prefilling"),
+    )
+
+
+def _required(tensors: dict[str, Tensor | None], name: str) -> Tensor:
+    value = tensors.get(name)
+    if value is None:
+        raise KeyError(f"CommonAttentionMetadata.{name} is missing: the metadata cannot be read")
+    return value
 
 
 def _i64(t: Tensor) -> Tensor:
     return t.detach().to("cpu", torch.int64).reshape(-1)
 
 
-def real_rows(seq_lens: Tensor, query_lens: Tensor) -> int:
-    """Rows before vLLM's CUDA-graph padding: a padded row has seq_len 0 and query_len 0, and
-    padded rows only trail (real requests always have >= 1 token)."""
-    pad = (seq_lens == 0) & (query_lens == 0)
-    n = int(seq_lens.numel())
-    while n > 0 and bool(pad[n - 1]):
-        n -= 1
-    if bool(pad[:n].any()):
-        b = int(torch.nonzero(pad[:n])[0, 0])
-        raise ValueError(f"seq_lens[{b}] = 0 with no query tokens before real row {n - 1}: vLLM pads only after the real rows")
-    return n
+def _offsets(qsl: Tensor, rows: int) -> Tensor:
+    """query_start_loc with exactly rows + 1 entries: cut, or extended with its last value (a
+    recorded length mismatch is the invariants detector's finding, not a reason to stop)."""
+    if qsl.numel() >= rows + 1:
+        return qsl[: rows + 1]
+    last = qsl[-1:] if qsl.numel() else torch.zeros(1, dtype=torch.int64)
+    return torch.cat([qsl, last.expand(rows + 1 - qsl.numel())])
 
 
-def row_slots(block_row: Tensor, kv_len: int, block_size: int) -> Tensor:
-    """Slot of each of a request's columns 0..kv_len-1: block_table[b, col // bs] * bs + col % bs."""
+def real_rows(query_lens: Tensor) -> int:
+    """Rows before vLLM's CUDA-graph padding: padded rows trail and own no query token (their
+    query_start_loc entries repeat the last one), whatever seq_len the runner left in them; every
+    scheduled request has at least one token. A negative length (a decreasing padded tail) is
+    padding too: the invariants detector reports the decrease."""
+    real = torch.nonzero(query_lens > 0).flatten()
+    return int(real[-1]) + 1 if real.numel() else 0
+
+
+def row_slots(block_row: Tensor, kv_len: int, block_size: int, num_blocks: int | None = None) -> Tensor:
+    """Slot of each of a request's columns 0..kv_len-1: block_table[b, col // bs] * bs + col % bs.
+
+    An entry no pool has (negative, e.g. -1, or past `num_blocks`) and columns past the row's end
+    are read as the null block 0 here, so that the trace stays loadable: the engine's table is kept
+    verbatim beside the batch and the invariants detector names the entry.
+    """
     cols = torch.arange(kv_len, dtype=torch.int64)
-    blocks_needed = -(-kv_len // block_size)
-    if blocks_needed > block_row.numel():
-        raise ValueError(f"a request of {kv_len} KV columns needs {blocks_needed} blocks, the block table row has {block_row.numel()}")
-    return block_row[cols // block_size] * block_size + cols % block_size
+    index = cols // block_size
+    blocks = torch.zeros(kv_len, dtype=torch.int64)
+    inside = index < block_row.numel()
+    blocks[inside] = block_row[index[inside]]
+    bad = blocks < 0
+    if num_blocks is not None:
+        bad |= blocks >= num_blocks
+    blocks[bad] = NULL_BLOCK
+    return blocks * block_size + cols % block_size
 
 
 def chain_parents(num_tokens: int) -> Tensor:
@@ -176,30 +189,37 @@ def convert_common(
 ) -> Converted:
     """Batch (+ chain/tree Spec for an all-verify step, + Graph when vLLM padded the step).
 
-    `kv_cache_size`: slots in the engine's pool (num_blocks * block_size) when known; the pool
-    must at least hold every block the step references, so a smaller or missing value is raised
-    to that lower bound.
+    Never raises on values: whatever the engine built is recorded (a wrong plan is evidence).
+    The Batch is what attention must compute, derived from the lengths and the block table: its
+    `out_cache_loc` is each new token's slot by the block table, its `seq_lens_raw` and
+    `positions` are the engine's own. Where the engine's values cannot be a batch (a seq_len
+    below its query length, a block id no pool has) the Batch takes the nearest loadable value
+    and the engine's tensors, kept verbatim in the plan, carry the evidence for the detectors.
+
+    `kv_cache_size`: slots in the engine's pool (num_blocks * block_size) when known; without it
+    the pool is taken as large as the blocks the step references.
     """
     host = host_common(cm, block_size)
-    qsl, seq = _i64(host.query_start_loc), _i64(host.seq_lens)
+    seq = _i64(host.seq_lens)
     rows = int(seq.numel())
-    if qsl.numel() != rows + 1:
-        raise ValueError(f"query_start_loc has {qsl.numel()} entries for {rows} seq_lens, expected {rows + 1}")
+    qsl = _offsets(_i64(host.query_start_loc), rows)
     query_lens = qsl[1:] - qsl[:-1]
-    n = real_rows(seq, query_lens)
-    tokens = int(qsl[n])
-    extend, kv = query_lens[:n], seq[:n]
+    n = real_rows(query_lens)
+    extend = query_lens[:n].clamp(min=0)
+    table = _i64(host.block_table_tensor).reshape(host.block_table_tensor.shape[0], -1) if host.block_table_tensor.dim() else torch.zeros(0, 0, dtype=torch.int64)
+    positions_all = _i64(host.positions) if host.positions is not None else None
+    kv = _kv_lens(seq[:n], extend, qsl[:n], positions_all, table.shape[1] * block_size)
     prefix = kv - extend
-    if bool((prefix < 0).any()):
-        b = int(torch.nonzero(prefix < 0)[0, 0])
-        raise ValueError(f"seq_lens[{b}] = {int(kv[b])} < query length {int(extend[b])}: vLLM's seq_lens include the step's tokens")
-    table = _i64(host.block_table_tensor).reshape(host.block_table_tensor.shape)
-    slot_rows = [row_slots(table[b], int(kv[b]), block_size) for b in range(n)]
-    slot_mapping = _i64(host.slot_mapping)
-    if slot_mapping.numel() < tokens:
-        raise ValueError(f"slot_mapping has {slot_mapping.numel()} entries, the real requests have {tokens} tokens")
+    pool_blocks = int(kv_cache_size) // block_size if kv_cache_size else None
+    empty = torch.zeros(0, dtype=torch.int64)
+    slot_rows = [row_slots(table[b] if b < table.shape[0] else empty, int(kv[b]), block_size, pool_blocks) for b in range(n)]
+    tokens = int(extend.sum())
+    token_index = torch.arange(tokens, dtype=torch.int64) - torch.repeat_interleave(indptr(extend)[:-1], extend)
+    # Where each batch token sits in the engine's flat per-token tensors.
+    engine_token = torch.repeat_interleave(qsl[:n], extend) + token_index
     token_prefix = torch.repeat_interleave(prefix, extend)
-    token_index = torch.arange(tokens, dtype=torch.int64) - torch.repeat_interleave(qsl[:n], extend)
+    out_cache_loc = torch.cat([row[p:] for row, p in zip(slot_rows, prefix.tolist())]) if n else empty
+    slot_mapping = _i64(host.slot_mapping)
     prefilling = host.is_prefilling[:n].detach().cpu().bool() if host.is_prefilling is not None else None
 
     spec = None
@@ -217,30 +237,31 @@ def convert_common(
             mask_layout=MaskLayout.QLEN_ONLY,
         )
         mode = ForwardMode.TARGET_VERIFY
-        depth = _depths(spec.parents[0])
-        derived_positions = token_prefix + depth.repeat(n)
+        derived_positions = token_prefix + _depths(spec.parents[0]).repeat(n)
     else:
         mode = mode_from_lengths(extend, prefix)
         derived_positions = token_prefix + token_index
-    positions_all = _i64(host.positions) if host.positions is not None else None
-    positions = positions_all[:tokens] if positions_all is not None else derived_positions
+    positions = _gather(positions_all, engine_token, derived_positions)
 
-    lower_bound = _referenced_slots(table[:n], kv, block_size)
+    used = torch.cat(slot_rows) if slot_rows else empty
+    referenced = int(used.max()) // block_size + 1 if used.numel() else 1  # at least the null block
     batch = batch_from_rows(
         forward_mode=mode,
         prefix_lens=prefix,
         extend_lens=extend,
         rows=slot_rows,
-        out_cache_loc=slot_mapping[:tokens],
+        out_cache_loc=out_cache_loc,
         positions=positions,
-        seq_lens_raw=kv,
-        kv_cache_size=max(int(kv_cache_size or 0), lower_bound),
+        seq_lens_raw=seq[:n],
+        kv_cache_size=max(int(kv_cache_size or 0), referenced * block_size),
     )
     graph = None
     if rows > n or slot_mapping.numel() > tokens:
         graph = Graph(
             is_graph_replay=True,
             capture_bs=rows,
+            # vLLM's runners reset padded seq_lens to 0 every step (engines.md B5); what a padded
+            # row really holds is in padded_seq_lens, and fill-value judges it against this.
             fill_value=VLLM_FILL_VALUE,
             padded_seq_lens=seq,
             # vLLM has no request pool: a request's KV row is its block-table row, so the padded
@@ -249,9 +270,31 @@ def convert_common(
             padded_out_cache_loc=slot_mapping,
             padded_positions=positions_all
             if positions_all is not None
-            else torch.cat([positions, torch.zeros(slot_mapping.numel() - tokens, dtype=torch.int64)]),
+            else torch.cat([positions, torch.zeros(max(slot_mapping.numel() - tokens, 0), dtype=torch.int64)]),
         )
     return Converted(batch=batch, spec=spec, graph=graph)
+
+
+def _kv_lens(seq: Tensor, extend: Tensor, starts: Tensor, positions: Tensor | None, row_capacity: int) -> Tensor:
+    """Each request's KV length: its seq_len, unless that cannot hold its own query tokens (the
+    engine's mistake, reported by invariants as seq-lens): then the length its last token's
+    position implies (what the kernel should have read), within what its block-table row holds."""
+    kv = seq.clone()
+    for b in torch.nonzero(seq < extend).flatten().tolist():
+        last = int(starts[b] + extend[b] - 1)
+        implied = int(positions[last]) + 1 if positions is not None and 0 <= last < positions.numel() else 0
+        kv[b] = max(int(extend[b]), min(implied, row_capacity))
+    return kv
+
+
+def _gather(values: Tensor | None, index: Tensor, fallback: Tensor) -> Tensor:
+    """values[index] where the engine's tensor has the entry, else the fallback's value."""
+    if values is None:
+        return fallback
+    inside = (index >= 0) & (index < values.numel())
+    out = fallback.clone()
+    out[inside] = values[index[inside]]
+    return out
 
 
 def batch_from_common_metadata(cm: Any, block_size: int, kv_cache_size: int | None = None) -> Batch:
@@ -270,13 +313,3 @@ def _depths(parents: Tensor) -> Tensor:
     for i in range(1, parents.numel()):
         depth[i] = depth[int(parents[i])] + 1
     return depth
-
-
-def _referenced_slots(table: Tensor, kv: Tensor, block_size: int) -> int:
-    """Slots a pool needs to hold every block the real requests use (at least the null block)."""
-    top = 0
-    for b in range(int(kv.numel())):
-        blocks = -(-int(kv[b]) // block_size)
-        if blocks:
-            top = max(top, int(table[b, :blocks].max()))
-    return (top + 1) * block_size

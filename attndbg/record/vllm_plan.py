@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
@@ -34,25 +35,34 @@ Scalar = int | float | bool | str
 
 def _fields(obj: Any) -> list[tuple[str, Any]]:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [(f.name, getattr(obj, f.name, None)) for f in dataclasses.fields(obj)]
+        # Private fields are caches of the public ones (CommonAttentionMetadata._num_computed_tokens_cache).
+        return [(f.name, getattr(obj, f.name, None)) for f in dataclasses.fields(obj) if not f.name.startswith("_")]
     return [(k, v) for k, v in vars(obj).items() if not k.startswith("_")] if hasattr(obj, "__dict__") else []
 
 
-def plan_parts(metadata: Any, *, block_size: int | None = None, max_seq_len: int | None = None) -> tuple[dict[str, Tensor], dict[str, Scalar]]:
-    """(tensors to copy, scalars) of built metadata; tensors are the engine's own (views, no copy)."""
+def plan_parts(metadata: Any, *, block_size: int | None = None, max_seq_len: int | None = None, pointers: bool = True) -> tuple[dict[str, Tensor], dict[str, Scalar]]:
+    """(tensors to copy, scalars) of built metadata; tensors are the engine's own (views, no copy).
+    `pointers=False` leaves out the `NAME_data_ptr` scalars."""
     tensors: dict[str, Tensor] = {}
     scalars: dict[str, Scalar] = {}
-    _collect(metadata, "", 0, tensors, scalars, block_size, max_seq_len)
+    _collect(metadata, "", 0, tensors, scalars, _Cut(block_size, max_seq_len, pointers))
     return tensors, scalars
 
 
-def _collect(obj: Any, prefix: str, depth: int, tensors: dict[str, Tensor], scalars: dict[str, Scalar], block_size: int | None, max_seq_len: int | None) -> None:
+@dataclass(frozen=True)
+class _Cut:
+    block_size: int | None
+    max_seq_len: int | None
+    pointers: bool
+
+
+def _collect(obj: Any, prefix: str, depth: int, tensors: dict[str, Tensor], scalars: dict[str, Scalar], cut: _Cut) -> None:
     for name, value in _fields(obj):
         key = prefix + name
         if value is None:
             continue
         if isinstance(value, Tensor):
-            _tensor(key, value, tensors, scalars, block_size, max_seq_len)
+            _tensor(key, value, tensors, scalars, cut)
         elif isinstance(value, enum.Enum):
             scalars[key] = value.name
         elif isinstance(value, (bool, int, float, str)):
@@ -60,17 +70,18 @@ def _collect(obj: Any, prefix: str, depth: int, tensors: dict[str, Tensor], scal
         elif isinstance(value, (tuple, list)) and value and all(isinstance(v, (bool, int, float)) for v in value):
             scalars[key] = str(tuple(value))  # e.g. window_size=(-1, -1)
         elif dataclasses.is_dataclass(value) and not isinstance(value, type) and depth < MAX_DEPTH:
-            _collect(value, key + ".", depth + 1, tensors, scalars, block_size, max_seq_len)
+            _collect(value, key + ".", depth + 1, tensors, scalars, cut)
 
 
-def _tensor(key: str, value: Tensor, tensors: dict[str, Tensor], scalars: dict[str, Scalar], block_size: int | None, max_seq_len: int | None) -> None:
-    scalars[f"{key}_data_ptr"] = int(value.data_ptr())
+def _tensor(key: str, value: Tensor, tensors: dict[str, Tensor], scalars: dict[str, Scalar], cut: _Cut) -> None:
+    if cut.pointers:
+        scalars[f"{key}_data_ptr"] = int(value.data_ptr())
     if value.is_floating_point() or value.is_complex():
         if value.numel() > SMALL_FLOAT_TENSOR:
             scalars[f"{key}_shape"] = f"{list(value.shape)} {str(value.dtype).replace('torch.', '')}"
             return
-    elif "block_table" in key and value.dim() == 2 and block_size and max_seq_len:
-        value = value[:, : -(-int(max_seq_len) // int(block_size))]
+    elif "block_table" in key and value.dim() == 2 and cut.block_size and cut.max_seq_len:
+        value = value[:, : -(-int(cut.max_seq_len) // int(cut.block_size))]
     tensors[key] = value
 
 

@@ -105,11 +105,12 @@ def test_graph_padded_decode(tmp_path: Path) -> None:
     assert lists(graph.padded_req_pool_indices) == [0, 1, 0, 0]
 
 
-def test_padding_before_a_real_row_is_refused() -> None:
+def test_a_row_without_tokens_before_a_real_row_is_recorded() -> None:
+    # Padding before a real row is the engine's mistake (vLLM pads only after): recorded, not refused.
     layout = make_layout([20, 33], [1, 1], blocks=[[7, 3], [5, 1, 9]])
     cm = layout.cm.replace(seq_lens=torch.tensor([0, 33], dtype=torch.int32), query_start_loc=torch.tensor([0, 0, 1], dtype=torch.int32))
-    with pytest.raises(ValueError, match="pads only after the real rows"):
-        batch_from_common_metadata(cm, BLOCK_SIZE)
+    batch = batch_from_common_metadata(cm, BLOCK_SIZE)
+    assert lists(batch.kv_lens) == [0, 33] and lists(batch.extend_lens) == [0, 1] and lists(batch.out_cache_loc) == [144]
 
 
 def test_pool_size_is_at_least_what_the_step_references() -> None:
