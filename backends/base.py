@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
+from attndbg.backends.plan_view import PlanView
 from attndbg.trace.schema import Plan, Trace
 
 
@@ -45,6 +46,11 @@ class AttentionInputs:
 
 class KernelError(RuntimeError):
     """The kernel library raised while planning or running; the message is its first line."""
+
+
+class KernelUnsupported(KernelError):
+    """The library cannot build or run this configuration (a JIT compile that fails for a head_dim,
+    a plan for another implementation): reported as unsupported with this reason, not as an error."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,15 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
         """Run the real kernels with `plan`; output in q's dtype, LSE natural log."""
+
+    def plan_view(self, trace: Trace, plan: Plan) -> PlanView | None:
+        """What `plan` (in this backend's layout, possibly recorded by an engine) makes the kernels
+        read: every index tensor with its bound, in checking order. Raises PlanViewError when the
+        plan lacks a field or holds one that cannot be an index.
+
+        None: this backend declares no plan view, so a recorded plan for it cannot be guarded and
+        is never launched."""
+        return None
 
     def graph_unsupported_reason(self, trace: Trace) -> str | None:
         """None when this trace's mode can be replayed under a CUDA graph by this backend."""

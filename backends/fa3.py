@@ -35,7 +35,8 @@ from attndbg.backends.base import (
     Padding,
     coerce_option,
 )
-from attndbg.backends.flashinfer import LN2, WORKSPACE_BYTES, FlashInferGraphState
+from attndbg.backends import plan_view as pv
+from attndbg.backends.flashinfer import LN2, WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error
 from attndbg.trace import tree
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace, indptr
 
@@ -276,6 +277,32 @@ class FA3Backend(Backend):
         )
         return Plan(backend=self.name, tensors=tensors, scalars=scalars)
 
+    def plan_view(self, trace: Trace, plan: Plan) -> pv.PlanView:
+        """SGLang's FlashAttentionBackend metadata as `FA3Call`s read it: per call a page table whose
+        row b is read up to ceil(cache_seqlens[b] / page) pages, cu_seqlens_q over query rows; the
+        two-call tree verify adds the expand_ call (page size 1: its table holds slot ids).
+        cu_seqlens_k is recorded but not read by a paged call, so it is not bounded here."""
+        pv.require(plan, "window_left", "verify_path")
+        calls = ("", "expand_") if plan.scalars["verify_path"] == "two-call" else ("",)
+        requests, kv = 0, None
+        bounds: list[pv.Bound] = []
+        for prefix in calls:
+            pv.require(plan, *(f"{prefix}{name}" for name in ("max_seqlen_q", "max_seqlen_k", "causal")))
+            ps = pv.page_size(plan, f"{prefix}page_size")
+            rows, call_bounds, call_kv = pv.page_table_bounds(
+                plan,
+                table=f"{prefix}page_table",
+                lens=f"{prefix}cache_seqlens",
+                cu_seqlens_q=f"{prefix}cu_seqlens_q",
+                tokens=trace.batch.num_tokens,
+                kv_cache_size=trace.batch.kv_cache_size,
+                page_size=ps,
+            )
+            bounds += call_bounds
+            if not prefix:
+                requests, kv = rows, call_kv
+        return pv.PlanView(requests, tuple(bounds), kv)
+
     # -- run ------------------------------------------------------------------------------------
 
     def run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
@@ -289,6 +316,8 @@ class FA3Backend(Backend):
                 return main
             expand = self._call(impl, "expand", trace, inputs, FA3Call.from_plan(plan, "expand_"))
         except KERNEL_ERRORS as e:
+            if compile_failure(e) is not None:  # FlashInfer's fa3 kernels are JIT-compiled too
+                raise library_error(e, trace.model, library=impl.value) from e
             first = (str(e).strip().splitlines() or [""])[0]
             raise KernelError(f"{impl.value}: {type(e).__name__}: {first[:300]}") from e
         # A request with an empty prefix contributes nothing to the merge, whatever LSE the

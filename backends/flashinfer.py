@@ -40,9 +40,11 @@ from attndbg.backends.base import (
     GraphCapacity,
     GraphState,
     KernelError,
+    KernelUnsupported,
     Padding,
     coerce_option,
 )
+from attndbg.backends import plan_view as pv
 from attndbg.trace import tree
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Model, Plan, Trace, indptr
 
@@ -116,6 +118,34 @@ def _flashinfer():
 def _kernel_error(e: BaseException) -> KernelError:
     first = (str(e).strip().splitlines() or [""])[0]
     return KernelError(f"{type(e).__name__}: {first[:300]}")
+
+
+# How a failed JIT build reads. FlashInfer compiles each kernel variant on first use; its run_ninja
+# (flashinfer/jit/cpp_ext.py) raises RuntimeError("Ninja build failed. Ninja output:\n<log>") from
+# the CalledProcessError. Versions that built through torch.utils.cpp_extension raised
+# "Error building extension '<name>'".
+JIT_FAILURE_PREFIXES = ("Ninja build failed", "Error building extension")
+REASON_CHARS = 200
+
+
+def compile_failure(e: BaseException) -> str | None:
+    """When `e` is a failed JIT build: its first line, and the compiler's first error line from the
+    build log when there is one (the first line alone says only that ninja failed). Else None."""
+    lines = str(e).strip().splitlines()
+    if not isinstance(e, RuntimeError) or not lines or not lines[0].startswith(JIT_FAILURE_PREFIXES):
+        return None
+    error = next((line.strip() for line in lines[1:] if "error" in line.lower()), None)
+    return lines[0][:REASON_CHARS] + (f"; {error[:REASON_CHARS]}" if error else "")
+
+
+def library_error(e: BaseException, model: Model, library: str = "FlashInfer") -> KernelError:
+    """A library exception as a KernelError; a kernel that does not compile for this model is
+    KernelUnsupported (a configuration the library lacks, like a head_dim it has no template for)."""
+    reason = compile_failure(e)
+    if reason is None:
+        return _kernel_error(e)
+    dims = str(model.head_dim) if model.head_dim == model.v_head_dim else f"{model.head_dim}/{model.v_head_dim}"
+    return KernelUnsupported(f"{library} does not compile head_dim {dims} ({reason})")
 
 
 # Exceptions FlashInfer raises for problems it detects (C++ checks arrive as RuntimeError/ValueError).
@@ -320,6 +350,52 @@ class FlashInferBackend(Backend):
         # Only the cascade's prefix pass is non-causal (every new token sees the whole prefix).
         return Plan(backend=self.name, tensors=tensors, scalars=self._scalars(trace, path, causal=path is not PlanPath.CASCADE))
 
+    def plan_view(self, trace: Trace, plan: Plan) -> pv.PlanView:
+        """SGLang's FlashInferAttnBackend plan as the wrappers read it, by `path`.
+
+        Paged KV (decode, paged, the cascade's prefix pass): kv_indptr over kv_indices (page ids),
+        kv_last_page_len in [0, page] (FlashInfer reads (pages - 1) * page + last tokens), the plan's
+        page size that of the cache (the cache is handed over as pages of the model's size).
+        Queries: qo_indptr over query rows (ragged: over this step's K/V rows too). A custom mask:
+        per request a [q_len, kv_len] block, one after the other."""
+        try:
+            path = PlanPath(plan.scalars.get("path"))
+        except ValueError:
+            raise pv.PlanViewError(f"plan scalar path = {plan.scalars.get('path')!r}, expected one of {', '.join(p.value for p in PlanPath)}", field="scalars.path") from None
+        pv.require(plan, "window_left", "logits_soft_cap", *({PlanPath.DECODE: ("use_tensor_cores",), PlanPath.PAGED: ("causal",), PlanPath.CASCADE: ("causal",)}.get(path, ())))
+        tokens = trace.batch.num_tokens
+        if path is PlanPath.RAGGED:
+            qo_indptr = pv.index(plan, "qo_indptr")
+            return pv.PlanView(pv.requests_of(qo_indptr, "qo_indptr"), (pv.query_offsets("qo_indptr", qo_indptr, tokens),))
+        ps = pv.page_size(plan)
+        kv_indptr = pv.index(plan, "kv_indptr")
+        kv_indices = pv.index(plan, "kv_indices")
+        last = pv.index(plan, "kv_last_page_len")
+        requests = pv.requests_of(kv_indptr, "kv_indptr")
+        bounds: list[pv.Bound] = [
+            pv.Equals("scalars.page_size", ps, trace.model.page_size, "the KV cache is handed to FlashInfer in pages of the model's page_size"),
+            pv.Equals("kv_last_page_len.numel()", last.numel(), requests, "one entry per request of kv_indptr"),
+            pv.offsets_into("kv_indptr", kv_indptr, "kv_indices", kv_indices.numel()),
+            pv.Entries("kv_indices", kv_indices, pv.used_prefix(kv_indices, kv_indptr), 0, trace.batch.kv_cache_size // ps, f"pages of the KV cache ({trace.batch.kv_cache_size} slots / page {ps})"),
+            pv.Entries("kv_last_page_len", last, None, 0, ps + 1, f"tokens of a last page (page_size {ps})"),
+        ]
+        pages = pv.counts(kv_indptr)
+        lens = torch.where(pages > 0, (pages - 1) * ps + last[:requests].clamp(0, ps) if last.numel() >= requests else pages * ps, 0)
+        qo_indptr = None if path is PlanPath.DECODE else pv.index(plan, "qo_indptr")
+        if qo_indptr is not None:
+            bounds += [
+                pv.Equals("qo_indptr.numel()", qo_indptr.numel(), requests + 1, "one offset per request of kv_indptr, plus one"),
+                pv.query_offsets("qo_indptr", qo_indptr, tokens),
+            ]
+            if "custom_mask" in plan.tensors:
+                # FlashInfer's plan() ignores any recorded mask_indptr: it computes the blocks'
+                # offsets as cumsum(q_len * kv_len) (prefill.py, _compute_page_mask_indptr) and
+                # packs the mask segment by segment, so the blocks must fit in custom_mask.
+                sizes = pv.counts(qo_indptr)[:requests] * lens[: max(qo_indptr.numel() - 1, 0)]
+                starts = torch.nn.functional.pad(sizes.cumsum(0), (1, 0))[:-1]
+                bounds.append(pv.Extents(None, starts, sizes, plan.tensors["custom_mask"].numel(), "q_len x kv_len mask block", "custom_mask"))
+        return pv.PlanView(pv.covered(offsets=(kv_indptr, qo_indptr), rows=(last,)), tuple(bounds), pv.csr_kv(kv_indices, kv_indptr, lens, ps))
+
     # -- run ----------------------------------------------------------------------------------
 
     def _workspace(self) -> Tensor:
@@ -346,7 +422,7 @@ class FlashInferBackend(Backend):
             else:
                 out, lse = self._cascade(fi, trace, plan, inputs)
         except _LIBRARY_ERRORS as e:
-            raise _kernel_error(e) from e
+            raise library_error(e, trace.model) from e
         return AttentionResult(output=out, lse=lse * LN2)
 
     def _ragged(self, fi, trace: Trace, plan: Plan, inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
@@ -506,7 +582,7 @@ class _FlashInferGraphState(FlashInferGraphState):
             planner = _plan_decode if self.decode else _plan_paged
             planner(self.wrapper, self.model, plan, q_dtype=q_dtype, kv_dtype=kv_dtype)
         except _LIBRARY_ERRORS as e:
-            raise _kernel_error(e) from e
+            raise library_error(e, self.model) from e
 
     def forward(self, inputs: AttentionInputs) -> AttentionResult:
         tokens = inputs.q.shape[0]

@@ -35,12 +35,14 @@ from attndbg.backends.base import (
     GraphCapacity,
     GraphState,
     KernelError,
+    KernelUnsupported,
     Padding,
     coerce_option,
 )
+from attndbg.backends import plan_view as pv
 from attndbg.backends.fa3 import KERNEL_ERRORS, build_page_table, is_chain, padded_requests
-from attndbg.backends.flashinfer import LN2, WORKSPACE_BYTES, FlashInferGraphState
-from attndbg.backends.triton import TritonBackend
+from attndbg.backends.flashinfer import LN2, WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error
+from attndbg.backends.triton import TritonBackend, triton_plan_view
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace, indptr
 
 # FlashMLA reads the cache in 64-token blocks (SGLang's flashmla_backend PAGE_SIZE).
@@ -185,12 +187,54 @@ class MLABackend(Backend):
             scalars={"impl": impl.value, "page_size": page_size, "causal": causal},
         )
 
+    def plan_view(self, trace: Trace, plan: Plan) -> pv.PlanView:
+        """By the plan's own `impl`: triton is the triton backend's layout (slot ids); flashinfer is
+        FlashInfer MLA's CSR (kv_indices are page ids, kv_len_arr[b] tokens of request b's pages,
+        qo_indptr over query rows); flashmla a block_table of 64-token blocks with cache_seqlens."""
+        try:
+            impl = MLAImpl(plan.scalars.get("impl"))
+        except ValueError:
+            raise pv.PlanViewError(f"plan scalar impl = {plan.scalars.get('impl')!r}, expected one of triton, flashinfer, flashmla", field="scalars.impl") from None
+        if impl is MLAImpl.TRITON:
+            return triton_plan_view(trace, plan)
+        batch = trace.batch
+        if impl is MLAImpl.FLASHMLA:
+            pv.require(plan, "causal", "q_len")
+            # flash_mla_with_kvcache reads the cache as 64-token blocks whatever the plan says.
+            ps = pv.page_size(plan)
+            rows, bounds, kv = pv.page_table_bounds(
+                plan, table="block_table", lens="cache_seqlens", cu_seqlens_q=None, tokens=batch.num_tokens, kv_cache_size=batch.kv_cache_size, page_size=FLASHMLA_PAGE_SIZE
+            )
+            head = [pv.Equals("scalars.page_size", ps, FLASHMLA_PAGE_SIZE, "FlashMLA reads the cache in 64-token blocks")]
+            return pv.PlanView(rows, tuple(head + bounds), kv)
+        pv.require(plan, "causal")
+        ps = pv.page_size(plan)
+        qo_indptr = pv.index(plan, "qo_indptr")
+        kv_indptr = pv.index(plan, "kv_indptr")
+        kv_indices = pv.index(plan, "kv_indices")
+        kv_len_arr = pv.index(plan, "kv_len_arr")
+        requests = pv.requests_of(kv_indptr, "kv_indptr")
+        pages = pv.counts(kv_indptr)
+        holds = (pages[: kv_len_arr.numel()] * ps + 1) if kv_len_arr.numel() <= requests else kv_len_arr.new_ones(kv_len_arr.shape)
+        bounds: list[pv.Bound] = [
+            pv.Equals("qo_indptr.numel()", qo_indptr.numel(), requests + 1, "one offset per request of kv_indptr, plus one"),
+            pv.Equals("kv_len_arr.numel()", kv_len_arr.numel(), requests, "one length per request of kv_indptr"),
+            pv.query_offsets("qo_indptr", qo_indptr, batch.num_tokens),
+            pv.offsets_into("kv_indptr", kv_indptr, "kv_indices", kv_indices.numel()),
+            pv.Entries("kv_indices", kv_indices, pv.used_prefix(kv_indices, kv_indptr), 0, batch.kv_cache_size // ps, f"pages of the KV cache ({batch.kv_cache_size} slots / page {ps})"),
+            pv.Entries("kv_len_arr", kv_len_arr, None, 0, holds, f"tokens the request's kv_indptr pages hold (page_size {ps})"),
+        ]
+        lens = kv_len_arr[:requests].clamp(min=0) if kv_len_arr.numel() >= requests else pages * ps
+        return pv.PlanView(pv.covered(offsets=(kv_indptr, qo_indptr), rows=(kv_len_arr,)), tuple(bounds), pv.csr_kv(kv_indices, kv_indptr, lens, ps))
+
     # -- run ------------------------------------------------------------------------------------
 
     def run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
         impl = self.impl()
         if plan.scalars.get("impl") != impl.value:
-            raise ValueError(f"plan for impl={plan.scalars.get('impl')!r} given to the mla backend running impl={impl.value!r}")
+            # A recorded plan of another implementation (FlashMLA's block table on a machine that runs
+            # FlashInfer MLA): its layout is not this kernel's.
+            raise KernelUnsupported(f"the plan is for mla impl={plan.scalars.get('impl')!r}; this machine runs impl={impl.value!r}")
         if impl is MLAImpl.TRITON:
             return self._triton.run(trace, inputs, _as_triton_plan(plan))
         try:
@@ -198,6 +242,8 @@ class MLABackend(Backend):
                 return _flashmla_run(trace, inputs, plan)
             return self._flashinfer_run(trace, inputs, plan)
         except KERNEL_ERRORS as e:
+            if compile_failure(e) is not None:  # FlashInfer's MLA kernels are JIT-compiled
+                raise library_error(e, trace.model, library=impl.value) from e
             first = (str(e).strip().splitlines() or [""])[0]
             raise KernelError(f"{impl.value}: {type(e).__name__}: {first[:300]}") from e
 

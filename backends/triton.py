@@ -23,6 +23,7 @@ from attndbg.backends.base import (
     KernelError,
     Padding,
 )
+from attndbg.backends import plan_view as pv
 from attndbg.trace import tree
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace, indptr
 
@@ -218,6 +219,9 @@ class TritonBackend(Backend):
         tensors["kv_indices"] = torch.cat(rows).to(torch.int64)
         return Plan(backend=self.name, tensors=tensors, scalars=scalars)
 
+    def plan_view(self, trace: Trace, plan: Plan) -> pv.PlanView:
+        return triton_plan_view(trace, plan)
+
     # -- run ----------------------------------------------------------------------------------
 
     def run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
@@ -247,6 +251,53 @@ class TritonBackend(Backend):
 
     def graph_state(self, trace: Trace, capacity: GraphCapacity) -> GraphState:
         return _TritonGraphState(trace, capacity, self.options)
+
+
+def triton_plan_view(trace: Trace, plan: Plan) -> pv.PlanView:
+    """SGLang's Triton ForwardMetadata as `_launch` hands it to the kernels.
+
+    kv_indptr/kv_indices over slot ids, both kernels. Decode (a plan with num_kv_splits): one query
+    row per request, and split counts in [1, max_kv_splits] (stage 1 writes one partial per split
+    into scratch sized by max_kv_splits). Extend: qo_indptr over query rows (and this step's K/V
+    rows); a custom mask holds, per request, a row-major [q_len, kv_len + q_len] block at
+    mask_indptr[b] (extend.py reads all of it, the prefix columns unless skipped too).
+    """
+    kv_indptr = pv.index(plan, "kv_indptr")
+    kv_indices = pv.index(plan, "kv_indices")
+    requests = pv.requests_of(kv_indptr, "kv_indptr")
+    covered = [requests]
+    bounds: list[pv.Bound] = [
+        pv.offsets_into("kv_indptr", kv_indptr, "kv_indices", kv_indices.numel()),
+        pv.Entries("kv_indices", kv_indices, pv.used_prefix(kv_indices, kv_indptr), 0, trace.batch.kv_cache_size, "slots of the KV cache"),
+    ]
+    kv_lens = pv.counts(kv_indptr)
+    if "num_kv_splits" in plan.tensors:
+        splits = pv.index(plan, "num_kv_splits")
+        top = pv.scalar(plan, "max_kv_splits")
+        covered.append(splits.numel())
+        bounds += [
+            pv.Equals("num_kv_splits.numel()", splits.numel(), requests, "one split count per request of kv_indptr"),
+            pv.Entries("num_kv_splits", splits, None, 1, top + 1, f"split counts the stage-1 scratch holds (max_kv_splits {top})"),
+        ]
+    else:
+        pv.require(plan, "is_causal", "max_extend_len", "skip_prefix_custom_mask", "sliding_window")
+        qo_indptr = pv.index(plan, "qo_indptr")
+        covered.append(qo_indptr.numel() - 1)
+        bounds += [
+            pv.Equals("qo_indptr.numel()", qo_indptr.numel(), requests + 1, "one offset per request of kv_indptr, plus one"),
+            pv.query_offsets("qo_indptr", qo_indptr, trace.batch.num_tokens),
+        ]
+        if "custom_mask" in plan.tensors:
+            mask_len = plan.tensors["custom_mask"].numel()
+            mask_indptr = pv.index(plan, "mask_indptr")  # the kernel reads a mask only with its offsets
+            q_lens = pv.counts(qo_indptr)[:requests]
+            covered.append(mask_indptr.numel() - 1)
+            bounds += [
+                pv.Equals("mask_indptr.numel()", mask_indptr.numel(), requests + 1, "one offset per request of kv_indptr, plus one"),
+                pv.offsets_into("mask_indptr", mask_indptr, "custom_mask", mask_len),
+                pv.Extents("mask_indptr", mask_indptr[:requests], q_lens * (kv_lens[: q_lens.numel()] + q_lens), mask_len, "q_len x (kv_len + q_len) mask block", "custom_mask"),
+            ]
+    return pv.PlanView(max(covered), tuple(bounds), pv.csr_kv(kv_indices, kv_indptr, kv_lens, 1))
 
 
 def _split_scratch(model, tokens: int, max_kv_splits: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:

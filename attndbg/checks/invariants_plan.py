@@ -11,6 +11,7 @@ from attndbg.checks.findings import Finding
 from attndbg.checks.invariants_base import _finding, _first
 from attndbg.checks.invariants_indptr import _indptr_ends, _indptr_shape, _is_indptr
 from attndbg.checks.plan_kv import _coverage, _kv_view, _KvView, _needed_start
+from attndbg.replay.plan_guard import real_requests_only, refusal
 from attndbg.trace.schema import ForwardMode, Plan, Trace
 
 
@@ -34,7 +35,36 @@ def _expected_dims(name: str) -> int | None:
     return 1 if any(w in name for w in _INDEX_WORDS) else None
 
 
+CAUSE_UNSAFE = (
+    "a kernel given this plan reads past one of its tensors or outside the KV cache (an illegal memory access, "
+    "or arbitrary device memory): replay does not launch it"
+)
+# Verify-step mask fields are tree-mask's to explain (this module's docstring: division of labour).
+_TREE_MASK_FIELDS = ("custom_mask", "mask_indptr", "expand_")
+
+
 def _check_plan(trace: Trace, plan: Plan, out: list[Finding]) -> None:
+    _check_fields(trace, plan, out)
+    _check_launchable(trace, plan, out)
+
+
+def _check_launchable(trace: Trace, plan: Plan, out: list[Finding]) -> None:
+    """A plan the replay guard refuses is a finding, unless a finding above already names its field:
+    what the guard refuses is never launched, so nothing else would report it. Refusals naming no
+    field are not: a plan of no attndbg backend (vLLM's own) is never replayed, one of a backend
+    without a plan view is refused at replay with that reason, and one covering more requests than
+    the step is plan-batch-size."""
+    found = refusal(trace, real_requests_only(trace, plan))
+    if found is None or found.field is None:
+        return
+    if any((f.location.field or "").startswith(f"plan.{found.field}") for f in out):
+        return
+    if trace.is_tree_verify and found.field.startswith(_TREE_MASK_FIELDS):
+        return
+    out.append(_finding(trace, "plan-unsafe", field=f"plan.{found.field}", evidence=found.message, cause=CAUSE_UNSAFE))
+
+
+def _check_fields(trace: Trace, plan: Plan, out: list[Finding]) -> None:
     tensors: dict[str, Tensor] = {}
     for name, value in plan.tensors.items():
         if any(w in name for w in _INDEX_WORDS) and (value.is_floating_point() or value.is_complex() or value.dtype is torch.bool):

@@ -1,20 +1,28 @@
-"""Before a *recorded* plan reaches a kernel: would it read outside the KV cache or the step's rows?
+"""Before a *recorded* plan reaches a kernel: would it read outside the KV cache, the step's rows,
+or one of its own tensors?
 
-A wrong engine plan is what users bring us to find, but handing a kernel indices past the end of
-the cache turns a finding into an illegal memory access that kills the process (and on a GPU the
-CUDA context). This is the minimal bounds check that keeps replay alive; the invariants detector
-explains the rest.
+A wrong engine plan is what users bring us to find, but handing a kernel indices past an
+allocation turns a finding into an illegal memory access that kills the process (and on a GPU the
+CUDA context), or a read of arbitrary device memory. The guard knows no backend: each backend's
+plan view (attndbg/backends/plan_view.py) lists what its kernels read and the bound of each; the
+guard checks them in order and names the first bad element. A plan it cannot view is refused too:
+never launched unchecked. The invariants and tree-mask detectors explain what is wrong.
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
+import torch
+from torch import Tensor
+
+from attndbg.backends import registry
+from attndbg.backends.base import Backend
+from attndbg.backends.plan_view import Bound, Entries, Equals, Extents, Offsets, PlanViewError
 from attndbg.trace.schema import Plan, Trace
 
 # Per-request offsets by name, and the flat tensor each one indexes (None: query rows).
 _INDPTRS = {"qo_indptr": None, "kv_indptr": "kv_indices", "mask_indptr": "custom_mask", "cu_seqlens_q": None, "cu_seqlens_k": None}
-_QUERY_INDPTRS = ("qo_indptr", "cu_seqlens_q")
 
 
 def _request_count(plan: Plan) -> int | None:
@@ -49,34 +57,104 @@ def real_requests_only(trace: Trace, plan: Plan) -> Plan:
     return Plan(backend=plan.backend, tensors=tensors, scalars=dict(plan.scalars))
 
 
-def out_of_bounds(trace: Trace, plan: Plan) -> str | None:
-    """None when the plan's indptrs are well formed, cover no more requests and query rows than the
-    step has, and the indices they cover are inside the cache."""
-    n, bs, tokens = _request_count(plan), trace.batch.batch_size, trace.batch.num_tokens
-    if n is not None and n > bs:
-        padded = trace.graph is not None and trace.graph.is_graph_replay and n == trace.graph.capture_bs
-        return f"recorded plan covers {n} requests, the step has {bs}" + (" (it is padded to the graph's capture size)" if padded else "")
-    for name in _QUERY_INDPTRS:
-        values = plan.tensors.get(name)
-        if values is not None and values.numel() and int(values[-1]) > tokens:
-            return f"recorded plan {name}[-1] = {int(values[-1])} reads query rows past the step's {tokens}"
-    for name, values in plan.tensors.items():
-        if not name.endswith("indptr") or values.numel() == 0:
-            continue
-        values = values.to(torch.int64)
-        if int(values[0]) != 0 or bool((values[1:] < values[:-1]).any()):
-            return f"recorded plan {name} does not start at 0 or decreases: {values[:8].tolist()}"
-        target = name.replace("indptr", "indices")
-        if target in plan.tensors and int(values[-1]) > plan.tensors[target].numel():
-            return f"recorded plan {name}[-1] = {int(values[-1])} exceeds {target}'s length {plan.tensors[target].numel()}"
-    indices = plan.tensors.get("kv_indices")
-    indptr = plan.tensors.get("kv_indptr")
-    if indices is not None and indptr is not None and indptr.numel():
-        # Page ids when the backend pages its indices (FlashInfer with page_size > 1), else slots.
-        limit = trace.batch.kv_cache_size // int(plan.scalars.get("page_size", 1))
-        used = indices[: int(indptr[-1])].to(torch.int64)
-        bad = torch.nonzero((used < 0) | (used >= limit)).flatten()
-        if bad.numel():
-            i = int(bad[0])
-            return f"recorded plan kv_indices[{i}] = {int(used[i])} is outside the KV cache [0, {limit})"
+@dataclass(frozen=True)
+class Refusal:
+    """Why a plan is not launched: the message, and the plan field it names first (None: no field)."""
+
+    message: str
+    field: str | None  # a plan tensor's name or "scalars.<name>"
+
+
+def out_of_bounds(trace: Trace, plan: Plan, backend: Backend | None = None) -> str | None:
+    """None when `plan` is safe to launch on this step: it covers no more requests than the step
+    has and every bound of its backend's plan view holds. Else why not, naming the tensor and its
+    first bad element. `backend`: the one that would run it (default: the one `plan.backend` names)."""
+    found = refusal(trace, plan, backend)
+    return None if found is None else found.message
+
+
+def refusal(trace: Trace, plan: Plan, backend: Backend | None = None) -> Refusal | None:
+    """`out_of_bounds` with the field it names, for detectors that report refusals as findings."""
+    if backend is None:
+        try:
+            backend = registry.create(plan.backend)
+        except KeyError:
+            return Refusal(f"recorded plan cannot be guarded: no backend is named {plan.backend[:80]!r}", None)
+    try:
+        view = backend.plan_view(trace, plan)
+    except PlanViewError as e:
+        return Refusal(f"recorded plan cannot be guarded: {e}", e.field or None)
+    if view is None:
+        return Refusal(f"recorded plan cannot be guarded: the {backend.name} backend declares no plan view", None)
+    bs = trace.batch.batch_size
+    if view.requests > bs:
+        padded = trace.graph is not None and trace.graph.is_graph_replay and view.requests == trace.graph.capture_bs
+        message = f"recorded plan covers {view.requests} requests, the step has {bs}" + (" (it is padded to the graph's capture size)" if padded else "")
+        return Refusal(message, None)
+    for bound in view.bounds:
+        problem = violation(bound)
+        if problem:
+            return Refusal(f"recorded plan {problem}", _field_of(bound))
     return None
+
+
+def _field_of(bound: Bound) -> str:
+    """The plan tensor a bound judges ('kv_last_page_len' of 'kv_last_page_len.numel()'), or
+    'scalars.<name>'."""
+    if isinstance(bound, Extents):
+        return bound.field or bound.target
+    return bound.field if bound.field.startswith("scalars.") else bound.field.split(".")[0]
+
+
+def violation(bound: Bound) -> str | None:
+    """The first element of `bound` that breaks it, as '<tensor>[<index>] = <value> ...', or None."""
+    if isinstance(bound, Equals):
+        return None if bound.found == bound.expected else f"{bound.field} = {bound.found}, expected {bound.expected} ({bound.why})"
+    if isinstance(bound, Offsets):
+        return _offsets_violation(bound)
+    if isinstance(bound, Entries):
+        return _entries_violation(bound)
+    return _extents_violation(bound)
+
+
+def _offsets_violation(bound: Offsets) -> str | None:
+    values, name = bound.values, bound.field
+    if values.numel() == 0:
+        return None
+    if int(values[0]) != 0:
+        return f"{name}[0] = {int(values[0])}: offsets must start at 0"
+    i = _first(values[1:] < values[:-1])
+    if i >= 0:
+        return f"{name}[{i + 1}] = {int(values[i + 1])} < {name}[{i}] = {int(values[i])}: offsets must not decrease"
+    i = _first(values > bound.limit)
+    if i >= 0:
+        return f"{name}[{i}] = {int(values[i])} {bound.past}"
+    return None
+
+
+def _entries_violation(bound: Entries) -> str | None:
+    values = bound.values
+    high = bound.high if isinstance(bound.high, Tensor) else torch.full_like(values, bound.high)
+    bad = (values < bound.low) | (values >= high)
+    if bound.used is not None:
+        bad &= bound.used
+    if not bool(bad.any()):
+        return None
+    at = tuple(int(i) for i in torch.nonzero(bad)[0])
+    where = ", ".join(map(str, at))
+    return f"{bound.field}[{where}] = {int(values[at])} is outside [{bound.low}, {int(high[at])}): {bound.meaning}"
+
+
+def _extents_violation(bound: Extents) -> str | None:
+    n = min(bound.starts.numel(), bound.sizes.numel())
+    ends = bound.starts[:n] + bound.sizes[:n]
+    b = _first((ends > bound.limit) | (bound.starts[:n] < 0))
+    if b < 0:
+        return None
+    start, size = int(bound.starts[b]), int(bound.sizes[b])
+    where = f"{bound.field}[{b}] = {start}" if bound.field else f"request {b}'s block starts at {start}"
+    return f"{where}: request {b}'s {bound.block} of {size} elements ends at {start + size}, past {bound.target}'s length {bound.limit}"
+
+
+def _first(mask: Tensor) -> int:
+    return int(torch.nonzero(mask)[0]) if bool(mask.any()) else -1

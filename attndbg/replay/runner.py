@@ -17,7 +17,7 @@ import torch
 
 from attndbg import machine
 from attndbg.backends import registry
-from attndbg.backends.base import AttentionInputs, AttentionResult, Backend, KernelError, Padding
+from attndbg.backends.base import AttentionInputs, AttentionResult, Backend, KernelError, KernelUnsupported, Padding
 from attndbg.backends.triton import TritonOptions
 from attndbg.compare.tolerance import Comparison
 from attndbg.profiling import phase, step_label
@@ -183,6 +183,8 @@ def _eager(backend, ctx, inputs, plan, description, variant, repeat) -> BackendR
                 differing = int((again.output != result.output).sum() + (again.lse != result.lse).sum())
                 problems.append(f"run {run} differs from run 1 in {differing} elements (not deterministic)")
                 break
+    except KernelUnsupported as e:  # the library cannot build or run this configuration: not a failure
+        return BackendRun(backend.name, RunStatus.UNSUPPORTED, description, variant=variant, reason=str(e), plan=plan)
     except KernelError as e:
         return BackendRun(backend.name, RunStatus.ERROR, description, variant=variant, reason=str(e), plan=plan)
     comparison = ctx.compare(result)
@@ -203,7 +205,7 @@ def _recorded(backend: Backend, ctx: _Context, inputs: AttentionInputs, descript
     real = real_requests_only(ctx.trace, plan)
     if real is not plan:
         description += f" (the real {ctx.trace.batch.batch_size} requests of a plan padded to capture_bs={ctx.trace.graph.capture_bs})"
-    guard = out_of_bounds(ctx.trace, real)
+    guard = out_of_bounds(ctx.trace, real, backend)
     if guard:
         return BackendRun(backend.name, RunStatus.ERROR, description, variant, reason=guard + " (not launched)", plan=plan)
     return _eager(backend, ctx, inputs, real, description, variant, 1)
@@ -229,6 +231,8 @@ def _graph(backend: Backend, ctx: _Context, inputs: AttentionInputs, description
                 backend, trace, inputs, padding=Padding(capture_bs=capture_bs, fill_value=fill), capture=capture, seed=trace.seed
             )
             seconds = time.perf_counter() - start
+    except KernelUnsupported as e:
+        return BackendRun(backend.name, RunStatus.UNSUPPORTED, description, variant, reason=str(e))
     except KernelError as e:
         return BackendRun(backend.name, RunStatus.ERROR, description, variant, reason=str(e))
     comparison = ctx.compare(outcome.result)

@@ -1,0 +1,70 @@
+"""A configuration the library cannot build or run is reported as unsupported with its reason,
+not as an error row (issue 15, point 5).
+
+FlashInfer is not installed on this CPU machine, so its JIT failure is tested as a classification
+of the exception its builder raises (the text below is what flashinfer/jit/cpp_ext.py's run_ninja
+raises: RuntimeError("Ninja build failed. Ninja output:\\n" + the build log)); the real compile of
+head_dim 13 runs in tests/gpu/test_plan_guard_gpu.py. The runner's handling is tested through a real
+path: an mla plan recorded for another implementation than the one this machine runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from attndbg.backends.base import KernelError, KernelUnsupported
+from attndbg.backends.flashinfer import compile_failure, library_error
+from attndbg.backends.mla import MLABackend, MLAOptions
+from attndbg.replay.runner import PlanSource, ReplayOptions, RunStatus, replay
+from tests.factories import make_trace
+
+NVCC_ERROR = (
+    "/flashinfer/include/flashinfer/attention/decode.cuh(712): error: static assertion failed with "
+    '"head_dim must be a multiple of the vector size"'
+)
+NINJA_LOG = "\n".join(
+    [
+        "[1/3] /usr/local/cuda/bin/nvcc --generate-dependencies-with-compile ... -c batch_decode.cu",
+        "FAILED: batch_decode.cuda.o",
+        NVCC_ERROR,
+        "1 error detected in the compilation of \"batch_decode.cu\".",
+        "ninja: build stopped: subcommand failed.",
+    ]
+)
+
+
+def test_a_failed_jit_build_is_unsupported_with_the_librarys_reason() -> None:
+    model = make_trace("decode-mha", "head_dim=13", "kv_lens=5,9", "heads=4:4").model
+    error = library_error(RuntimeError("Ninja build failed. Ninja output:\n" + NINJA_LOG), model)
+    assert isinstance(error, KernelUnsupported)
+    assert str(error) == f"FlashInfer does not compile head_dim 13 (Ninja build failed. Ninja output:; {NVCC_ERROR})"
+    older = library_error(RuntimeError("Error building extension 'batch_decode_head_dim_13'"), model)
+    assert isinstance(older, KernelUnsupported) and str(older).endswith("(Error building extension 'batch_decode_head_dim_13')")
+
+
+@pytest.mark.parametrize(
+    "raised",
+    [
+        RuntimeError("CUDA error: an illegal memory access was encountered"),
+        RuntimeError("Invalid configuration : NUM_MMA_Q=1 NUM_MMA_D_QK=1"),
+        ValueError("Ninja build failed"),  # not what the builder raises: not a build failure
+    ],
+)
+def test_other_library_errors_stay_errors(raised: Exception) -> None:
+    model = make_trace("decode-mha", "kv_lens=5,9").model
+    error = library_error(raised, model)
+    assert compile_failure(raised) is None
+    assert type(error) is KernelError and str(error) == f"{type(raised).__name__}: {str(raised).splitlines()[0]}"
+
+
+def test_the_runner_reports_unsupported_kernels_as_unsupported() -> None:
+    trace = make_trace("mla-decode", "heads=2", "kv_lens=3,70", "page_size=64")
+    running = MLABackend().impl().value
+    if running == "flashmla":
+        pytest.skip("this machine runs FlashMLA itself")
+    recorded = MLABackend(MLAOptions(impl="flashmla")).derive_plan(trace)
+    run = replay(replace(trace, plan=recorded), "t", ["mla"], ReplayOptions(plan=PlanSource.RECORDED)).runs[0]
+    assert run.status is RunStatus.UNSUPPORTED, (run.status, run.reason)
+    assert run.reason == f"the plan is for mla impl='flashmla'; this machine runs impl={running!r}"

@@ -1,0 +1,48 @@
+"""invariants reports a recorded plan the replay guard refuses when no other finding explains it:
+such a plan is never launched, so without this finding `check` would say nothing about it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from attndbg.backends.fa3 import FA3Backend
+from attndbg.backends.flashinfer import FlashInferBackend
+from attndbg.checks import invariants
+from attndbg.checks.context import CheckContext
+from tests.factories import make_trace
+
+SMALL = ("heads=2:1", "head_dim=32")
+
+
+def _findings(trace):
+    return [(f.check, f.location.field, f.evidence) for f in invariants.detect(CheckContext(trace=trace, path="t.pt"))]
+
+
+def test_unguardable_and_unsafe_plans_are_findings() -> None:
+    trace = make_trace("decode-paged", *SMALL)
+    fa3 = FA3Backend().derive_plan(trace)
+    assert _findings(replace(trace, plan=fa3)) == []
+    no_table = replace(fa3, tensors={k: v for k, v in fa3.tensors.items() if k != "page_table"})
+    assert _findings(replace(trace, plan=no_table)) == [
+        ("plan-unsafe", "plan.page_table", "recorded plan cannot be guarded: plan has no page_table")
+    ]
+    flashinfer = FlashInferBackend().derive_plan(trace)
+    assert _findings(replace(trace, plan=flashinfer)) == []
+    doubled = replace(flashinfer, scalars={**flashinfer.scalars, "page_size": 32})
+    unsafe = [f for f in _findings(replace(trace, plan=doubled)) if f[0] == "plan-unsafe"]
+    assert unsafe == [
+        (
+            "plan-unsafe",
+            "plan.scalars.page_size",
+            "recorded plan scalars.page_size = 32, expected 16 (the KV cache is handed to FlashInfer in pages of the model's page_size)",
+        )
+    ]
+
+
+def test_a_refusal_another_finding_explains_is_not_repeated() -> None:
+    trace = make_trace("decode-paged", *SMALL)
+    plan = FA3Backend().derive_plan(trace)
+    table = plan.tensors["page_table"].clone()
+    table[0, 0] = 10**9
+    found = _findings(replace(trace, plan=replace(plan, tensors={**plan.tensors, "page_table": table})))
+    assert [(check, field) for check, field, _ in found] == [("index-outside-cache", "plan.page_table[0, 0]")]
