@@ -135,10 +135,15 @@ def require(plan: Plan, *names: str) -> None:
             raise PlanViewError(f"plan has no scalar {name}", field=f"scalars.{name}")
 
 
+# Larger page sizes are not pages but hostile numbers: bounds computed from them (columns x page)
+# must stay inside int64.
+MAX_PAGE_SIZE = 2**31
+
+
 def page_size(plan: Plan, name: str = "page_size") -> int:
     ps = scalar(plan, name)
-    if ps < 1:
-        raise PlanViewError(f"plan scalar {name} = {ps}, expected a page size >= 1", field=f"scalars.{name}")
+    if not 1 <= ps <= MAX_PAGE_SIZE:
+        raise PlanViewError(f"plan scalar {name} = {ps}, expected a page size in [1, {MAX_PAGE_SIZE}]", field=f"scalars.{name}")
     return ps
 
 

@@ -132,9 +132,13 @@ def _offsets_violation(bound: Offsets) -> str | None:
     return None
 
 
+# A bound from a hostile scalar (max_kv_splits = 2**63 - 1, plus one) must not overflow int64.
+INT64_MAX = 2**63 - 1
+
+
 def _entries_violation(bound: Entries) -> str | None:
     values = bound.values
-    high = bound.high if isinstance(bound.high, Tensor) else torch.full_like(values, bound.high)
+    high = bound.high if isinstance(bound.high, Tensor) else torch.full_like(values, min(bound.high, INT64_MAX))
     bad = (values < bound.low) | (values >= high)
     if bound.used is not None:
         bad &= bound.used

@@ -269,3 +269,16 @@ def test_replay_cli_reports_a_refused_plan_without_a_traceback(tmp_path) -> None
     assert result.exit_code == 1, result.output
     assert f"recorded plan mask_indptr[1] = {start}: request 1's" in " ".join(result.output.split())
     assert "Traceback" not in result.output and not isinstance(result.exception, Exception)
+
+
+def test_hostile_scalars_are_refused_without_overflow() -> None:
+    backend = FA3Backend()
+    trace, plan = _planned(backend, "decode-paged", *SMALL)
+    huge = replace(plan, scalars={**plan.scalars, "page_size": 2**62})
+    assert out_of_bounds(trace, huge, backend) == f"recorded plan cannot be guarded: plan scalar page_size = {2**62}, expected a page size in [1, {2**31}]"
+    triton = TritonBackend()
+    trace, plan = _planned(triton, "decode-mha", "kv_lens=3,20", *SMALL)
+    unbounded = _set(replace(plan, scalars={**plan.scalars, "max_kv_splits": 2**63 - 1}), "num_kv_splits", 0, 0)
+    assert out_of_bounds(trace, unbounded, triton) == (
+        f"recorded plan num_kv_splits[0] = 0 is outside [1, {2**63 - 1}): split counts the stage-1 scratch holds (max_kv_splits {2**63 - 1})"
+    )
