@@ -129,23 +129,45 @@ def real_rows(query_lens: Tensor) -> int:
     return int(real[-1]) + 1 if real.numel() else 0
 
 
-def row_slots(block_row: Tensor, kv_len: int, block_size: int, num_blocks: int | None = None) -> Tensor:
-    """Slot of each of a request's columns 0..kv_len-1: block_table[b, col // bs] * bs + col % bs.
-
-    An entry no pool has (negative, e.g. -1, or past `num_blocks`) and columns past the row's end
-    are read as the null block 0 here, so that the trace stays loadable: the engine's table is kept
-    verbatim beside the batch and the invariants detector names the entry.
-    """
+def row_slots(block_row: Tensor, kv_len: int, block_size: int) -> Tensor:
+    """Slot of each of a request's columns 0..kv_len-1: block_table[b, col // bs] * bs + col % bs."""
     cols = torch.arange(kv_len, dtype=torch.int64)
-    index = cols // block_size
-    blocks = torch.zeros(kv_len, dtype=torch.int64)
-    inside = index < block_row.numel()
-    blocks[inside] = block_row[index[inside]]
-    bad = blocks < 0
-    if num_blocks is not None:
-        bad |= blocks >= num_blocks
-    blocks[bad] = NULL_BLOCK
-    return blocks * block_size + cols % block_size
+    return block_row[cols // block_size] * block_size + cols % block_size
+
+
+def readable_rows(table: Tensor, kv: Tensor, block_size: int, num_blocks: int | None) -> list[Tensor]:
+    """Each real request's block ids for its kv columns, every one a block the batch can hold.
+
+    An entry no pool has (negative, e.g. -1; past `num_blocks`; past the row's end), and the null
+    block, get a spare block of their own just past the pool, so that the trace stays loadable and no other request's
+    KV, nor the null block padded rows read, aliases it. The engine's table is kept verbatim beside
+    the batch and the invariants detector names the entry.
+    """
+    rows = []
+    for b in range(int(kv.numel())):
+        need = -(-int(kv[b]) // block_size)
+        row = torch.full((need,), -1, dtype=torch.int64)
+        if b < table.shape[0]:
+            have = min(need, int(table.shape[1]))
+            row[:have] = table[b, :have]
+        rows.append(row)
+
+    def outside(ids: Tensor) -> Tensor:
+        # The null block is never a live request's: vLLM fills it into padded rows (and, with a
+        # sliding window, into columns no query sees, where any block will do).
+        bad = (ids < 0) | (ids == NULL_BLOCK)
+        return bad | (ids >= num_blocks) if num_blocks is not None else bad
+
+    read = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+    valid = read[~outside(read)]
+    # Spares start past the pool, or, with no pool size known, past every valid id the step reads.
+    spare = num_blocks if num_blocks is not None else int(valid.max()) + 1 if valid.numel() else NULL_BLOCK + 1
+    for row in rows:
+        bad = outside(row)
+        count = int(bad.sum())
+        row[bad] = torch.arange(spare, spare + count, dtype=torch.int64)
+        spare += count
+    return rows
 
 
 def chain_parents(num_tokens: int) -> Tensor:
@@ -212,7 +234,7 @@ def convert_common(
     prefix = kv - extend
     pool_blocks = int(kv_cache_size) // block_size if kv_cache_size else None
     empty = torch.zeros(0, dtype=torch.int64)
-    slot_rows = [row_slots(table[b] if b < table.shape[0] else empty, int(kv[b]), block_size, pool_blocks) for b in range(n)]
+    slot_rows = [row_slots(row, int(k), block_size) for row, k in zip(readable_rows(table, kv, block_size, pool_blocks), kv.tolist())]
     tokens = int(extend.sum())
     token_index = torch.arange(tokens, dtype=torch.int64) - torch.repeat_interleave(indptr(extend)[:-1], extend)
     # Where each batch token sits in the engine's flat per-token tensors.
