@@ -25,8 +25,12 @@ The batch is the ground truth (validated on load); what the engine *recorded* is
     kv-index           each request's indices equal its req_to_token row (slots, or page ids
                        row[::page] // page): the first wrong column, expected and found
     num-kv-splits      in [1, max_kv_splits], one per request
+    window-kv          SGLang's sliding-window list (window_kv_indptr / _indices / _offsets) against
+                       the batch's rows and the window (invariants_window)
     mask-length        a selective step's custom_mask is as long as mask_indptr[-1]
     plan-pointer-moved (recording) plan tensors keep their data pointers across graph replays
+    vLLM's CommonAttentionMetadata (query_start_loc, seq_lens, block table, slot_mapping, host
+                       mirrors), kept verbatim as `common.*` plan tensors: invariants_vllm.py
 
 Vocabulary, by `plan.backend` (and the `impl` scalar of `mla` plans): `triton` (SGLang's Triton
 ForwardMetadata: kv_indptr/kv_indices over slot ids; extend and verify cover the prefix only),
@@ -57,6 +61,8 @@ from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding, FindingClass, Location
 from attndbg.checks.invariants_batch import _check_positions, _check_seq_lens, expected_positions, expected_seq_lens
 from attndbg.checks.invariants_plan import CAUSE_GARBAGE, CAUSE_SHIFTED, CAUSE_STALE_ROW, CAUSE_WRONG_ROW, _check_plan
+from attndbg.checks.invariants_window import check_window_list
+from attndbg.checks.invariants_vllm import check_vllm
 from attndbg.checks.plan_kv import kv_coverage
 from attndbg.trace.schema import Trace
 
@@ -99,6 +105,8 @@ def check_trace(trace: Trace) -> list[Finding]:
     _check_seq_lens(trace, out)
     if trace.plan is not None:
         _check_plan(trace, trace.plan, out)
+        check_window_list(trace, out)
+    check_vllm(trace, out)
     return out
 
 
