@@ -8,7 +8,6 @@ them back from the recording directory.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,45 +15,11 @@ import pytest
 import torch
 
 from attndbg.record import vllm as adapter
-from attndbg.record.options import RecordOptions
-from attndbg.record.session import RecordingSession, end_session, start_session
-from attndbg.trace import io
+from attndbg.record.session import RecordingSession, end_session
 from attndbg.trace.schema import ForwardMode
-from tests.record.engines import import_engine
-from tests.record import vllm_env
+from tests.record.vllm_builder_env import HEAD_DIM, KV_HEADS, LAYERS, Q_HEADS, kv_cache_interface, new_builder, triton_attn, written
+from tests.record.vllm_builder_env import session, vllm_config  # noqa: F401  (fixtures)
 from tests.record.vllm_env import BLOCK_SIZE, AttentionMetadataBuilder, make_layout, usable
-
-triton_attn = import_engine("vllm.v1.attention.backends.triton_attn")
-import_engine("vllm.config")  # the builder tests need a real VllmConfig
-kv_cache_interface = import_engine("vllm.v1.kv_cache_interface")
-
-Q_HEADS, KV_HEADS, HEAD_DIM = 4, 2, 32
-LAYERS = ["model.layers.0.self_attn.attn"]
-
-
-@pytest.fixture(scope="module")
-def vllm_config(tmp_path_factory: pytest.TempPathFactory):
-    return vllm_env.tiny_vllm_config(tmp_path_factory.mktemp("tiny-llama"), q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
-
-
-def new_builder(vllm_config):
-    spec = kv_cache_interface.FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32)
-    return triton_attn.TritonAttentionMetadataBuilder(spec, LAYERS, vllm_config, torch.device("cpu"))
-
-
-@pytest.fixture
-def session(tmp_path: Path) -> Iterator[RecordingSession]:
-    started = start_session(RecordOptions(out_dir=str(tmp_path / "rec")))
-    adapter.install()
-    yield started
-    end_session()
-
-
-def written(session: RecordingSession) -> list:
-    session.flush()
-    if not (session.out_dir / io.MANIFEST).exists():
-        return []
-    return [io.load(session.out_dir / e.file) for e in io.read_manifest(session.out_dir)]
 
 
 def test_build_is_recorded_and_returns_the_engines_metadata(session: RecordingSession, vllm_config, tmp_path: Path) -> None:

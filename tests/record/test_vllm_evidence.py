@@ -1,0 +1,178 @@
+"""The vLLM recorder keeps the evidence (issue 14): a mistake planted in vLLM's own
+CommonAttentionMetadata is recorded through the installed hook on vLLM's real
+TritonAttentionMetadataBuilder, never refused, and `check` names it with its class and location;
+the same step without the mistake (CUDA-graph padded steps included) has no finding at all.
+
+Mistakes are planted with vLLM's own `CommonAttentionMetadata.replace`, in both the device tensor
+and its host mirror where the runner writes both (it fills the host buffer and copies it over).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from attndbg.checks.context import CheckOptions
+from attndbg.checks.findings import FindingClass
+from attndbg.checks.run import DETECTORS, check_steps
+from attndbg.record.session import RecordingSession
+from attndbg.record.vllm_fields import ENGINE_FIELDS, FIELDS_BY_NAME, Trim
+from attndbg.trace.schema import ForwardMode, Trace
+from tests.record.vllm_builder_env import new_builder, written
+from tests.record.vllm_builder_env import session, vllm_config  # noqa: F401  (fixtures)
+from tests.record.vllm_env import BLOCK_SIZE, NUM_BLOCKS, CommonAttentionMetadata, make_layout
+
+# Two decodes padded to a FULL-graph capture size of 4 (vLLM 0.33: padded rows seq_len 0,
+# query_len 0, NULL_BLOCK_ID rows; padded tokens slot -1). Request 0: blocks 7, 3 (slots
+# 112..127, 48..51, new token at column 19 -> 51); request 1: blocks 5, 1, 9 (new token at 32 -> 144).
+PADDED = {"seq_lens": [20, 33], "query_lens": [1, 1], "blocks": [[7, 3], [5, 1, 9]], "pad_reqs": 2, "pad_tokens": 2}
+MIXED = {"seq_lens": [30, 17, 25], "query_lens": [1, 1, 6], "seed": 11}
+OUTSIDE_POOL = NUM_BLOCKS + 28  # a block id the 12-block pool does not have
+NO_KERNELS = ("reference",)  # CheckOptions.backends: the reference is never a kernel under test
+
+
+@pytest.fixture
+def pool_config(vllm_config):
+    """The engine process's config after profiling: cache_config.num_gpu_blocks is the pool."""
+    vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    yield vllm_config
+    vllm_config.cache_config.num_gpu_blocks = None
+
+
+def record(session: RecordingSession, config: Any, cm: CommonAttentionMetadata) -> Trace:
+    new_builder(config).build(0, cm)
+    [trace] = written(session)
+    assert session.stats.stopped_reason is None  # recorded, not refused
+    return trace
+
+
+def findings_of(session: RecordingSession, kinds: list[FindingClass], backends: tuple[str, ...] = ("triton",)) -> list[tuple[str, str, int | None, str | None]]:
+    reports = check_steps(str(session.out_dir), kinds, CheckOptions(backends=backends))
+    found = [f for report in reports for f in report.findings]
+    return [(f.kind.value, f.check, f.location.request, f.location.field) for f in found]
+
+
+def qsl(values: list[int]) -> dict[str, torch.Tensor]:
+    t = torch.tensor(values, dtype=torch.int32)
+    return {"query_start_loc": t, "query_start_loc_cpu": t.clone()}
+
+
+def seq_lens(values: list[int]) -> dict[str, torch.Tensor]:
+    t = torch.tensor(values, dtype=torch.int32)
+    return {"seq_lens": t, "seq_lens_cpu_upper_bound": t.clone()}
+
+
+def table_entry(cm: CommonAttentionMetadata, row: int, col: int, value: int) -> dict[str, torch.Tensor]:
+    table = cm.block_table_tensor.clone()
+    table[row, col] = value
+    return {"block_table_tensor": table}
+
+
+def slot(cm: CommonAttentionMetadata, token: int, value: int) -> dict[str, torch.Tensor]:
+    slots = cm.slot_mapping.clone()
+    slots[token] = value
+    return {"slot_mapping": slots}
+
+
+Plant = Callable[[CommonAttentionMetadata], dict[str, torch.Tensor]]
+MISTAKES: list[tuple[str, dict[str, Any], Plant, tuple[str, str, int, str]]] = [
+    # The padded tail zeroed instead of repeating query_start_loc[2] = 2.
+    ("query-start-loc-tail-decreases", PADDED, lambda cm: qsl([0, 1, 2, 0, 0]), ("invariants", "indptr-decreases", 2, "plan.common.query_start_loc[3]")),
+    # Padded rows left at 1 (Triton's build_for_cudagraph_capture fills 1) instead of vLLM's 0.
+    ("padded-row-seq-len-1", PADDED, lambda cm: seq_lens([20, 33, 1, 1]), ("fill-value", "padded-seq-len-stale", 2, "graph.padded_seq_lens[2]")),
+    # The padding fill (0) written from row 1 on: a live request gets seq_len 0.
+    ("padded-seq-len-0-over-a-live-row", PADDED, lambda cm: seq_lens([20, 0, 0, 0]), ("invariants", "seq-lens", 1, "batch.seq_lens_raw[1]")),
+    ("block-table-minus-1", PADDED, lambda cm: table_entry(cm, 1, 1, -1), ("invariants", "index-outside-cache", 1, "plan.common.block_table_tensor[1, 1]")),
+    ("block-past-the-pool", MIXED, lambda cm: table_entry(cm, 2, 0, OUTSIDE_POOL), ("invariants", "index-outside-cache", 2, "plan.common.block_table_tensor[2, 0]")),
+    ("null-block-in-a-live-row", PADDED, lambda cm: table_entry(cm, 0, 1, 0), ("invariants", "null-block-read", 0, "plan.common.block_table_tensor[0, 1]")),
+    # Request 1's token written to request 0's slot 51; request 0's token never written (-1).
+    ("slot-mapping-of-another-request", PADDED, lambda cm: slot(cm, 1, 51), ("invariants", "slot-mapping", 1, "plan.common.slot_mapping[1]")),
+    ("slot-mapping-skips-a-live-token", MIXED, lambda cm: slot(cm, 4, -1), ("invariants", "slot-mapping", 2, "plan.common.slot_mapping[4]")),
+    ("query-start-loc-host-mirror-stale", MIXED, lambda cm: {"query_start_loc_cpu": torch.tensor([0, 1, 2, 7], dtype=torch.int32)}, ("invariants", "host-mirror", 3, "plan.common.query_start_loc_cpu[3]")),
+]
+
+
+@pytest.mark.parametrize(("name", "layout", "plant", "expected"), MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_a_planted_mistake_is_recorded_and_named(
+    session: RecordingSession, pool_config, name: str, layout: dict[str, Any], plant: Plant, expected: tuple[str, str, int, str]
+) -> None:
+    cm = make_layout(**layout).cm
+    trace = record(session, pool_config, cm.replace(**plant(cm)))
+    assert trace.plan.scalars["vllm.num_gpu_blocks"] == NUM_BLOCKS
+    # The metadata detectors alone: no kernel runs (the clean steps below run them all, with Triton).
+    assert findings_of(session, [FindingClass.INVARIANT, FindingClass.FILL_VALUE], backends=NO_KERNELS) == [expected]
+
+
+def test_the_finding_names_the_first_bad_element(session: RecordingSession, pool_config) -> None:
+    cm = make_layout(**PADDED).cm
+    record(session, pool_config, cm.replace(**slot(cm, 1, 51)))
+    [report] = list(check_steps(str(session.out_dir), [FindingClass.INVARIANT], CheckOptions(backends=NO_KERNELS)))
+    [finding] = report.findings
+    location = finding.location
+    assert (location.step, location.request, location.row, location.column) == (0, 1, 1, 32)
+    assert (finding.data["expected"], finding.data["found"]) == (144, 51)
+    assert "= 51" in finding.evidence and "= 144" in finding.evidence and "request 0's KV column 19" in finding.cause
+
+
+def test_a_padded_row_with_seq_len_1_is_padding_not_a_request(session: RecordingSession, pool_config) -> None:
+    cm = make_layout(**PADDED).cm
+    trace = record(session, pool_config, cm.replace(**seq_lens([20, 33, 1, 1])))
+    assert trace.batch.forward_mode is ForwardMode.DECODE and trace.batch.batch_size == 2
+    graph = trace.graph
+    assert (graph.capture_bs, graph.fill_value) == (4, 0)
+    assert graph.padded_seq_lens.tolist() == [20, 33, 1, 1]  # as the engine left them
+    assert graph.padded_out_cache_loc.tolist() == [51, 144, -1, -1]
+
+
+def test_a_decreasing_tail_is_recorded_verbatim(session: RecordingSession, pool_config) -> None:
+    cm = make_layout(**PADDED).cm
+    trace = record(session, pool_config, cm.replace(**qsl([0, 1, 2, 0, 0])))
+    assert trace.plan.tensors["common.query_start_loc"].tolist() == [0, 1, 2, 0, 0]
+    assert trace.plan.tensors["query_start_loc"].tolist() == [0, 1, 2, 0, 0]  # the builder passed it on
+    assert trace.batch.batch_size == 2 and trace.batch.out_cache_loc.tolist() == [51, 144]
+
+
+CLEAN = [
+    ("decode", {"seq_lens": [20, 33], "query_lens": [1, 1], "blocks": [[7, 3], [5, 1, 9]]}),
+    ("decode-graph-padded", PADDED),
+    # Tokens padded past query_start_loc[-1] with no padded row (the V1 runner's uniform decode).
+    ("decode-tokens-padded", {**PADDED, "pad_reqs": 0}),
+    ("mixed", MIXED),
+    ("mixed-graph-padded", {**MIXED, "pad_reqs": 1, "pad_tokens": 3}),
+    ("prefill-after-prefix", {"seq_lens": [40, 9], "query_lens": [7, 9], "seed": 4}),
+]
+
+
+@pytest.mark.parametrize(("name", "layout"), CLEAN, ids=[c[0] for c in CLEAN])
+def test_the_same_steps_without_the_mistake_are_clean(session: RecordingSession, pool_config, name: str, layout: dict[str, Any]) -> None:
+    trace = record(session, pool_config, make_layout(**layout).cm)
+    padded = layout.get("pad_reqs", 0) or layout.get("pad_tokens", 0)
+    assert (trace.graph is not None) == bool(padded)
+    assert findings_of(session, list(DETECTORS)) == []
+
+
+def test_every_field_of_vllms_common_metadata_is_in_the_table_or_not_a_tensor() -> None:
+    """A field vLLM adds shows up here: the table must say how it is recorded and who reads it."""
+    names = {f.name for f in dataclasses.fields(CommonAttentionMetadata) if not f.name.startswith("_")}
+    table = {f.name for f in ENGINE_FIELDS}
+    scalars_or_host = {"num_reqs", "num_actual_tokens", "max_query_len", "max_seq_len", "causal", "num_logits_indices", "max_logits_per_req"}
+    not_tensors = {"encoder_seq_lens_cpu", "req_idx", "mm_req_doc_ranges"}  # numpy / dict: not recorded
+    assert names - table - scalars_or_host - not_tensors == set()
+    assert FIELDS_BY_NAME["block_table_tensor"].trim is Trim.TABLE
+
+
+def test_recorded_common_metadata_is_verbatim_but_for_its_trim(session: RecordingSession, pool_config) -> None:
+    layout = make_layout(**PADDED)
+    trace = record(session, pool_config, layout.cm)
+    plan, cm = trace.plan, layout.cm
+    for name in ("query_start_loc", "query_start_loc_cpu", "seq_lens", "slot_mapping", "positions", "is_prefilling", "seq_lens_cpu_upper_bound"):
+        assert torch.equal(plan.tensors[f"common.{name}"], getattr(cm, name)), name
+    # Columns past ceil(max_seq_len 33 / 16) = 3 are never read.
+    assert torch.equal(plan.tensors["common.block_table_tensor"], cm.block_table_tensor[:, :3])
+    assert (plan.scalars["common.num_reqs"], plan.scalars["common.num_actual_tokens"], plan.scalars["common.max_seq_len"]) == (4, 4, 33)
+    assert not any(k.startswith("common.") and k.endswith("_data_ptr") for k in plan.scalars)
