@@ -37,12 +37,12 @@ from torch import Tensor
 from attndbg.record import sglang_layers
 from attndbg.record.build import package_version, source
 from attndbg.record.session import RecordingSession, capturing, current_session
-from attndbg.record.sglang_batch import BatchInfo, UnsupportedStep, batch_from_host, capture_batch, trace_mode
+from attndbg.record.sglang_batch import BatchInfo, UnsupportedStep, batch_from_host, capture_batch, engine_mode_name, trace_mode
 from attndbg.record.sglang_graph import PADDED_OUT_CACHE_LOC, GraphInfo, capture_graph_from_runner, capture_graph_from_view, graph_from_host
 from attndbg.record.sglang_model import kv_cache_size, model_from_backend
-from attndbg.record.sglang_plan import PlanCapture, capture_plan, plan_from_host
+from attndbg.record.sglang_plan import PlanCapture, capture_plan, is_verify_mask, plan_from_host
 from attndbg.record.sglang_spec import SpecInfo, algorithm_name, capture_spec, spec_from_host
-from attndbg.trace.schema import AttentionKind, ForwardMode, Model, Source, Trace
+from attndbg.trace.schema import AttentionKind, EngineBuffer, ForwardMode, Model, Source, Trace
 
 MARK = "__attndbg_hook__"  # set on every wrapper, so installing twice wraps nothing twice
 BACKEND_NAMES = {  # class name -> the trace's backend name (fill-value rules and replay use these)
@@ -75,14 +75,25 @@ class _Step:
         def part(prefix: str) -> dict[str, Tensor | None]:
             return {k[len(prefix) :]: v for k, v in host.items() if k.startswith(prefix)}
 
+        batch = batch_from_host(self.batch, part("batch."), kv_cache_size=self.kv_cache_size)
+        buffers: dict[str, EngineBuffer] = {}
+        spec = plan = None
+        if self.spec is not None:
+            spec, mask_buffer = spec_from_host(self.spec, part("spec."), batch.prefix_lens)
+            if mask_buffer is not None:
+                buffers["spec.custom_mask"] = mask_buffer
+        if self.plan is not None:
+            plan, plan_buffers = plan_from_host(self.plan, part("plan."))
+            buffers.update(plan_buffers)
         return Trace(
             source=self.source,
             model=self.model,
-            batch=batch_from_host(self.batch, part("batch."), kv_cache_size=self.kv_cache_size),
+            batch=batch,
             seed=self.source.step,
-            spec=spec_from_host(self.spec, part("spec.")) if self.spec is not None else None,
+            spec=spec,
             graph=graph_from_host(self.graph, part("graph.")) if self.graph is not None else None,
-            plan=plan_from_host(self.plan, part("plan.")) if self.plan is not None else None,
+            plan=plan,
+            buffers=buffers,
         )
 
 
@@ -156,24 +167,25 @@ def record_step(session: RecordingSession, backend: Any, fb: Any, *, raw_bs: int
     binfo, btensors = capture_batch(fb, req_to_token, raw_bs=raw_bs)
     tensors: dict[str, Tensor | None] = {f"batch.{k}": v for k, v in btensors.items()}
     sinfo = None
+    spec_info = getattr(fb, "spec_info", None)
     if mode is ForwardMode.TARGET_VERIFY:
-        prefix_sum = getattr(fb.spec_info, "seq_lens_sum", None)
-        if not isinstance(prefix_sum, int):  # the spec input's host sum is the verify prefix sum
-            prefix_sum = int(fb.seq_lens_sum)
-            if graph is not None and raw_bs is not None:  # an SGL-new view's sum includes the padding
-                prefix_sum -= (graph[0].capture_bs - raw_bs) * graph[0].fill_value
         layout = _mask_mode(backend)
-        sinfo, stensors = capture_spec(fb.spec_info, batch_size=binfo.batch_size, prefix_sum=prefix_sum, algorithm=algorithm_name(fb), layout=layout)
+        capacity = is_verify_mask(backend, spec_info.custom_mask)
+        sinfo, stensors = capture_spec(
+            spec_info, batch_size=binfo.batch_size, prefix_sum=_host_prefix_sum(fb, binfo.batch_size), algorithm=algorithm_name(fb), layout=layout, capacity=capacity
+        )
         tensors.update({f"spec.{k}": v for k, v in stensors.items()})
-    plan = capture_plan(backend, graph_bs=graph[0].capture_bs if graph else None, verify=mode is ForwardMode.TARGET_VERIFY, spec_info=getattr(fb, "spec_info", None))
+    graph_bs = graph[0].capture_bs if graph else None
+    verify = mode is ForwardMode.TARGET_VERIFY
+    sized = _sized_for_step(fb, mode) and graph is None
+    plan = capture_plan(backend, graph_bs=graph_bs, verify=verify, spec_info=spec_info, sized=sized)
     if plan is None:
         for child in getattr(backend, "attn_backend_list", None) or []:
-            plan = capture_plan(child, graph_bs=graph[0].capture_bs if graph else None, verify=mode is ForwardMode.TARGET_VERIFY, spec_info=getattr(fb, "spec_info", None))
+            plan = capture_plan(child, graph_bs=graph_bs, verify=verify, spec_info=spec_info, sized=sized)
             if plan is not None:
                 break
     if plan is not None:
-        if isinstance(getattr(fb, "seq_lens_sum", None), int):
-            plan.scalars["seq_lens_sum"] = int(fb.seq_lens_sum) if graph is None or raw_bs is not None else _padded_sum(fb, graph[0])
+        plan.scalars.update(_engine_sums(backend, fb, graph, raw_bs))
         tensors.update({f"plan.{k}": v for k, v in plan.tensors.items()})
     if graph is not None:
         tensors.update({f"graph.{k}": v for k, v in graph[1].items()})
@@ -224,9 +236,53 @@ def _num_tokens(fb: Any, binfo: BatchInfo) -> int | None:
     return None
 
 
-def _padded_sum(fb: Any, graph: GraphInfo) -> int:
-    """What classic SGLang hands the backend at replay: seq_lens_sum + padded requests x fill."""
-    return int(fb.seq_lens_sum) + (graph.capture_bs - graph.raw_bs) * graph.fill_value
+REPLAY_SEQ_LENS_SUM = "_attndbg_replay_seq_lens_sum"  # what classic SGLang's runner passed the backend at replay
+
+
+def _engine_sums(backend: Any, fb: Any, graph: tuple[GraphInfo, dict[str, Tensor]] | None, raw_bs: int | None) -> dict[str, int]:
+    """The engine's own host sums, as the backend received them (detectors check them against
+    seq_lens; real bugs get them wrong, so they are never recomputed here):
+    `seq_lens_sum` (eager: the ForwardBatch's; SGL-new replay: the view's, padding included;
+    classic replay: the value the runner passed to init_forward_metadata_replay_cuda_graph), and
+    a verify step's `spec_seq_lens_sum` (EagleVerifyInput.seq_lens_sum, which sizes its FULL mask)."""
+    sums: dict[str, int] = {}
+    if graph is not None and raw_bs is None:
+        value = getattr(backend, REPLAY_SEQ_LENS_SUM, None)  # classic replay
+    else:
+        value = getattr(fb, "seq_lens_sum", None)
+    if isinstance(value, int) and not isinstance(value, bool):
+        sums["seq_lens_sum"] = int(value)
+    spec_sum = getattr(getattr(fb, "spec_info", None), "seq_lens_sum", None)
+    if engine_mode_name(fb) == "TARGET_VERIFY" and isinstance(spec_sum, int) and not isinstance(spec_sum, bool):
+        sums["spec_seq_lens_sum"] = int(spec_sum)
+    return sums
+
+
+def _host_prefix_sum(fb: Any, batch_size: int) -> int | None:
+    """The real requests' verify prefix lengths summed on the host, without a device sync: from
+    seq_lens_cpu when the engine keeps it (our own sum, so an engine's wrong seq_lens_sum does not
+    cut the evidence), else the spec input's or the batch's seq_lens_sum, else None."""
+    seq_lens_cpu = getattr(fb, "seq_lens_cpu", None)
+    if isinstance(seq_lens_cpu, Tensor) and not seq_lens_cpu.is_cuda:
+        return int(seq_lens_cpu[:batch_size].sum())
+    for value in (getattr(fb.spec_info, "seq_lens_sum", None), getattr(fb, "seq_lens_sum", None)):
+        if isinstance(value, int) and not isinstance(value, bool) and not hasattr(fb, "num_padding"):
+            return int(value)  # (an SGL-new replay view's sum includes the padded requests)
+    return None
+
+
+def _sized_for_step(fb: Any, mode: ForwardMode) -> bool:
+    """Whether SGLang's Triton backend sized this eager step's kv_indices from a host sum (decode
+    and verify: `torch.empty(seq_lens_sum)`; extend: sum(extend_prefix_lens_cpu)); without one it
+    over-allocates by design (`bs * max_context_len`), and a draft decode takes the spec input's."""
+    if mode is ForwardMode.DECODE and getattr(getattr(fb, "spec_info", None), "kv_indices", None) is not None:
+        return False
+    if mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        value = getattr(fb, "seq_lens_sum", None)
+        return isinstance(value, int) and not isinstance(value, bool)
+    if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
+        return getattr(fb, "extend_prefix_lens_cpu", None) is not None
+    return False
 
 
 def _mask_mode(backend: Any) -> Any:
@@ -315,6 +371,23 @@ def _wrap_replay_prepare(original: Callable) -> Callable:
 
     setattr(replay_prepare, MARK, True)
     return replay_prepare
+
+
+def _wrap_replay_metadata(original: Callable) -> Callable:
+    """SGL-classic `init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens,
+    seq_lens_sum, ...)`: keeps the seq_lens_sum the runner passed (the engine's own, padding
+    included or not), which `replay_prepare`'s hook records once the call returned."""
+
+    @functools.wraps(original)
+    def init_forward_metadata_replay_cuda_graph(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        value = kwargs.get("seq_lens_sum", args[3] if len(args) > 3 else None)
+        with contextlib.suppress(AttributeError):  # a backend with __slots__ keeps nothing
+            setattr(self, REPLAY_SEQ_LENS_SUM, value)
+        return result
+
+    setattr(init_forward_metadata_replay_cuda_graph, MARK, True)
+    return init_forward_metadata_replay_cuda_graph
 
 
 def _wrap_view_builder(original: Callable) -> Callable:
@@ -406,6 +479,7 @@ def instrument_backend_class(cls: type) -> None:
     """Wrap the metadata entry points and the attention call a backend class defines (idempotent)."""
     _patch(cls, "init_forward_metadata", _wrap_eager)
     _patch(cls, "init_forward_metadata_out_graph", _wrap_out_graph)
+    _patch(cls, "init_forward_metadata_replay_cuda_graph", _wrap_replay_metadata)  # SGL-classic
     _patch(cls, "forward", _wrap_forward)
 
 

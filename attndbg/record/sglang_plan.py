@@ -4,7 +4,7 @@ Readers dispatch on the metadata's fields, not on class names (SGLang renames an
 backends between versions):
 
   Triton      ForwardMetadata: kv_indptr, kv_indices, num_kv_splits | qo_indptr, custom_mask,
-              mask_indptr, max_extend_len                 -> our `triton` plan names (identical)
+              mask_indptr, max_extend_len; window_kv_* -> our `triton` plan names (identical)
   FA3         FlashAttentionMetadata: cache_seqlens_int32, cu_seqlens_q/k, page_table, max_seq_len_q/k
               -> `fa3` names (cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table, max_seqlen_q/k)
   FlashMLA    FlashMLADecodeMetadata: block_kv_indices, num_splits -> `mla` (impl flashmla): block_table
@@ -17,8 +17,19 @@ the captured buffers in place and keep the capture-time object, which may descri
 size). The Triton reader therefore reads the graph buffers themselves (`kv_indptr[:bs+1]`,
 `cuda_graph_kv_indices`, `cuda_graph_num_kv_splits[:bs]`, ...) when it is told the padded bs.
 
-Capture never syncs: tensors are sliced views; cutting index buffers to their used length (the
-end of their indptr) happens on the host in `plan_from_host`.
+Sliding-window layers (SGLang's Triton SWA path) read their own list: `window_kv_indptr`,
+`window_kv_indices`, `window_kv_offsets` (each request's first window column: where its mask rows
+start) and, for decode, `window_num_kv_splits`; they are recorded under those names when built.
+
+What is recorded of an index or mask buffer depends on how the engine sized it (`Trace.buffers`):
+- sized for this step from a host sum (Triton's eager `kv_indices = torch.empty(seq_lens_sum)`,
+  `window_kv_indices = torch.empty(window_kv_indptr[-1])`, a mask `build_tree_kernel_efficient`
+  allocated): recorded whole, so a length that disagrees with its indptr is evidence;
+- a capacity buffer (CUDA-graph buffers, SGL-new's VerifyMask, an allocation that over-sizes by
+  design when the host sum is unknown): cut on the host at the end of its indptr, the elements the
+  kernel reads; the rest no kernel of this step reads, and can be hundreds of MB.
+
+Capture never syncs: tensors are sliced views; the cut happens on the host in `plan_from_host`.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from typing import Any
 
 from torch import Tensor
 
-from attndbg.trace.schema import Plan
+from attndbg.trace.schema import EngineBuffer, Plan
 
 Scalars = dict[str, int | float | bool | str]
 
@@ -40,8 +51,10 @@ class PlanCapture:
     backend: str
     tensors: dict[str, Tensor | None]
     scalars: Scalars = field(default_factory=dict)
-    # tensor name -> the indptr whose last entry is its used length (cut on the host)
+    # tensor name -> the indptr whose last entry is the number of elements the kernel reads
     trim: dict[str, str] = field(default_factory=dict)
+    # tensors of `trim` that are capacity buffers (cut at their indptr's end); the others are whole
+    capacity: set[str] = field(default_factory=set)
 
 
 def _has(obj: Any, *names: str) -> bool:
@@ -72,30 +85,63 @@ def _max_kv_splits(backend: Any, md: Any) -> int:
     return int(md.attn_logits.shape[2])  # [bs, heads, max_kv_splits, v_head_dim]
 
 
-def _triton_eager(backend: Any, md: Any) -> PlanCapture:
+def _window_eager(md: Any, tensors: dict[str, Tensor | None], trim: dict[str, str]) -> None:
+    """The SWA layers' list, when the backend built one (sliding_window_size > 0)."""
+    if getattr(md, "window_kv_indices", None) is None or getattr(md, "window_kv_indptr", None) is None:
+        return
+    tensors["window_kv_indptr"] = md.window_kv_indptr
+    tensors["window_kv_indices"] = md.window_kv_indices
+    trim["window_kv_indices"] = "window_kv_indptr"
+    for name in ("window_kv_offsets", "window_num_kv_splits"):
+        if getattr(md, name, None) is not None:
+            tensors[name] = getattr(md, name)
+
+
+def is_verify_mask(backend: Any, mask: Tensor | None) -> bool:
+    """`mask` is the backend's VerifyMask buffer (SGL-new hands that very tensor to spec_info)."""
+    verify_mask = getattr(backend, "verify_mask", None)
+    buffer = getattr(verify_mask, "buffer", None)
+    return mask is not None and isinstance(buffer, Tensor) and buffer.numel() > 0 and mask.data_ptr() == buffer.data_ptr()
+
+
+def _triton_eager(backend: Any, md: Any, sized: bool) -> PlanCapture:
+    """`sized`: the engine sized kv_indices from a host sum for this step (seq_lens_sum,
+    extend_prefix_lens_cpu); else it over-allocates by design and the buffer is a capacity one."""
+    capacity = set() if sized else {"kv_indices"}
     if md.num_kv_splits is not None:
-        return PlanCapture(
-            "triton",
-            {"kv_indptr": md.kv_indptr, "kv_indices": md.kv_indices, "num_kv_splits": md.num_kv_splits},
-            {"max_kv_splits": _max_kv_splits(backend, md)},
-            trim={"kv_indices": "kv_indptr"},
-        )
+        tensors = {"kv_indptr": md.kv_indptr, "kv_indices": md.kv_indices, "num_kv_splits": md.num_kv_splits}
+        trim = {"kv_indices": "kv_indptr"}
+        _window_eager(md, tensors, trim)
+        return PlanCapture("triton", tensors, {"max_kv_splits": _max_kv_splits(backend, md)}, trim, capacity)
     tensors = {"qo_indptr": md.qo_indptr, "kv_indptr": md.kv_indptr, "kv_indices": md.kv_indices}
     trim = {"kv_indices": "kv_indptr"}
     if md.custom_mask is not None:
         tensors["custom_mask"] = md.custom_mask
         tensors["mask_indptr"] = md.mask_indptr
         trim["custom_mask"] = "mask_indptr"
-    return PlanCapture("triton", tensors, _triton_extend_scalars(backend, md.max_extend_len), trim)
+        if is_verify_mask(backend, md.custom_mask):
+            capacity.add("custom_mask")
+    _window_eager(md, tensors, trim)
+    return PlanCapture("triton", tensors, _triton_extend_scalars(backend, md.max_extend_len), trim, capacity)
 
 
 def _triton_graph(backend: Any, bs: int, verify: bool, spec_info: Any) -> PlanCapture:
     """The Triton backend's CUDA-graph buffers after a replay refill, for padded batch size bs."""
     tensors: dict[str, Tensor | None] = {"kv_indptr": backend.kv_indptr[: bs + 1], "kv_indices": backend.cuda_graph_kv_indices}
     trim = {"kv_indices": "kv_indptr"}
+    window = isinstance(getattr(backend, "sliding_window_size", None), int) and backend.sliding_window_size > 0
+    if window and getattr(backend, "cuda_graph_window_kv_indices", None) is not None:
+        tensors["window_kv_indptr"] = backend.window_kv_indptr[: bs + 1]
+        tensors["window_kv_indices"] = backend.cuda_graph_window_kv_indices
+        trim["window_kv_indices"] = "window_kv_indptr"
+        offsets = getattr(backend, "cuda_graph_window_kv_offsets", None)
+        if verify and offsets is not None:
+            tensors["window_kv_offsets"] = offsets[:bs]
     if not verify:
         tensors["num_kv_splits"] = backend.cuda_graph_num_kv_splits[:bs]
-        return PlanCapture("triton", tensors, {"max_kv_splits": int(backend.max_kv_splits)}, trim)
+        if "window_kv_indptr" in tensors and getattr(backend, "cuda_graph_window_num_kv_splits", None) is not None:
+            tensors["window_num_kv_splits"] = backend.cuda_graph_window_num_kv_splits[:bs]
+        return PlanCapture("triton", tensors, {"max_kv_splits": int(backend.max_kv_splits)}, trim, set(trim))
     tensors["qo_indptr"] = backend.qo_indptr[: bs + 1]
     if spec_info is not None and getattr(spec_info, "custom_mask", None) is not None:
         verify_mask = getattr(backend, "verify_mask", None)  # SGL-new: VerifyMask(buffer, ...)
@@ -107,7 +153,7 @@ def _triton_graph(backend: Any, bs: int, verify: bool, spec_info: Any) -> PlanCa
     from attndbg.record.sglang_batch import draft_token_num
 
     n = draft_token_num(spec_info) if spec_info is not None else int(backend.num_draft_tokens)
-    return PlanCapture("triton", tensors, _triton_extend_scalars(backend, n), trim)
+    return PlanCapture("triton", tensors, _triton_extend_scalars(backend, n), trim, set(trim))
 
 
 def _fa3(md: Any) -> PlanCapture:
@@ -152,15 +198,17 @@ def _flashinfer(md: Any) -> PlanCapture:
         path = "ragged" if md.extend_no_prefix else "cascade"
     else:
         path = "paged"
+    # SGLang allocates FlashInfer's kv_indices with slack (paged_kernel_lens_sum + 256): capacity.
     trim = {"kv_indices": "kv_indptr"} if "kv_indptr" in tensors else {}
-    return PlanCapture("flashinfer", tensors, {"path": path, "page_size": 1, "num_wrappers": len(wrappers)}, trim)
+    return PlanCapture("flashinfer", tensors, {"path": path, "page_size": 1, "num_wrappers": len(wrappers)}, trim, set(trim))
 
 
-def capture_plan(backend: Any, *, graph_bs: int | None = None, verify: bool = False, spec_info: Any = None) -> PlanCapture | None:
+def capture_plan(backend: Any, *, graph_bs: int | None = None, verify: bool = False, spec_info: Any = None, sized: bool = False) -> PlanCapture | None:
     """The live backend's plan as device views; None when its metadata is of no known kind.
 
     `graph_bs`: the padded batch size of a CUDA-graph replay (read graph buffers where the backend
-    keeps them); None for an eager step.
+    keeps them); None for an eager step. `sized`: the engine sized this step's index buffers from
+    a host sum (see the module docstring); unknown is False, and the buffers are cut as capacity.
     """
     if graph_bs is not None and _has(backend, "cuda_graph_kv_indices", "kv_indptr", "max_kv_splits"):
         return _triton_graph(backend, graph_bs, verify, spec_info)
@@ -168,7 +216,7 @@ def capture_plan(backend: Any, *, graph_bs: int | None = None, verify: bool = Fa
     if md is None:
         return None
     if _has(md, "kv_indptr", "kv_indices", "num_kv_splits", "max_extend_len"):
-        return _triton_eager(backend, md)
+        return _triton_eager(backend, md, sized)
     if _has(md, "cache_seqlens_int32", "cu_seqlens_q", "page_table"):
         return _fa3(md)
     if _has(md, "block_kv_indices", "num_splits"):
@@ -178,19 +226,25 @@ def capture_plan(backend: Any, *, graph_bs: int | None = None, verify: bool = Fa
     return None
 
 
-def plan_from_host(capture: PlanCapture, host: dict[str, Tensor | None]) -> Plan:
-    """Cut index buffers to their used length and drop empty entries; the rest as recorded."""
+def plan_from_host(capture: PlanCapture, host: dict[str, Tensor | None]) -> tuple[Plan, dict[str, EngineBuffer]]:
+    """The Plan (capacity buffers cut at their indptr's end, the rest as recorded, empty entries
+    dropped) and, per buffer with an indptr, the engine buffer behind it (`Trace.buffers`)."""
     tensors = {k: v for k, v in host.items() if v is not None}
+    buffers = {}
     for name, indptr_name in capture.trim.items():
-        if name in tensors and indptr_name in tensors and tensors[indptr_name].numel():
-            tensors[name] = tensors[name][: int(tensors[indptr_name][-1])]
-    return Plan(backend=capture.backend, tensors=tensors, scalars=dict(capture.scalars))
+        if name not in tensors or indptr_name not in tensors or not tensors[indptr_name].numel():
+            continue
+        length, read = tensors[name].numel(), int(tensors[indptr_name][-1])
+        if name in capture.capacity:
+            tensors[name] = tensors[name][: max(min(read, length), 0)]
+        buffers[f"plan.{name}"] = EngineBuffer(length=length, read=read, capacity=name in capture.capacity)
+    return Plan(backend=capture.backend, tensors=tensors, scalars=dict(capture.scalars)), buffers
 
 
-def plan_from_backend(backend: Any, *, graph_bs: int | None = None, verify: bool = False, spec_info: Any = None) -> Plan | None:
+def plan_from_backend(backend: Any, *, graph_bs: int | None = None, verify: bool = False, spec_info: Any = None, sized: bool = False) -> Plan | None:
     """The plan `backend` holds now (host copies), or None for metadata of no known kind."""
-    capture = capture_plan(backend, graph_bs=graph_bs, verify=verify, spec_info=spec_info)
+    capture = capture_plan(backend, graph_bs=graph_bs, verify=verify, spec_info=spec_info, sized=sized)
     if capture is None:
         return None
     host = {k: None if v is None else v.detach().cpu() for k, v in capture.tensors.items()}
-    return plan_from_host(capture, host)
+    return plan_from_host(capture, host)[0]

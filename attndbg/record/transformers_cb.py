@@ -10,6 +10,18 @@ Two hooks, both on public extension points of transformers >= 5.2x:
   record the tensors of the layers `--layers` names (under a CUDA graph they run only at capture,
   so graph-replayed steps are recorded as metadata only).
 
+Engine fields the detectors use (`TRANSFORMERS_FIELDS` below, as data; issue 14):
+
+| engine field | source | trace | read by |
+|---|---|---|---|
+| cu_seq_lens_q | batch_data, [:num_requests+1] | batch.extend_lens | every detector |
+| cu_seq_lens_k["full_attention"] | batch_data, [:num_requests+1] | batch.kv_lens, seq_lens_raw | invariants: seq-lens |
+| read_index / write_index | batch_data, per allocator, [:true_read/write_size] | batch.slot_ids / out_cache_loc | replay; fill-value |
+| position_ids | batch_data | batch.positions | invariants: positions |
+| q, k, v, output (--layers) | the attention function's arguments | tensors | replay, split-merge |
+| padded tails (q/kv padding intervals, CUDA graphs) | batch_data past the true sizes | not recorded | fill-value would: transformers' padded rows carry no seq_lens / fill value of their own (they are padded token counts, not padded requests), so there is no graph section to fill |
+| seq_lens_sum, plan (indptr, masks, window lists) | none: the engine builds none | not recorded | invariants / tree-mask on SGLang and vLLM only |
+
 Cache indices: transformers addresses a token as a row of a per-layer "shifted" token view in which
 block `b` starts at row `b * block_physical_stride` and holds `page_size` tokens. We store dense
 slot ids, `slot = (index // stride) * page_size + index % stride`, so `Model.page_size` means what
@@ -31,6 +43,17 @@ from attndbg.record.session import RecordingSession, capturing, current_session
 from attndbg.trace.schema import AttentionKind, LayerTensors, LseBase, Model, Trace
 
 ENGINE = "transformers"
+# (engine field, where it lands in the trace; "" = not recorded) for the fields the detectors read:
+# the module docstring's table, checked against a recorded step by tests/record/test_transformers_live.py.
+TRANSFORMERS_FIELDS: tuple[tuple[str, str], ...] = (
+    ("cu_seq_lens_q", "batch.extend_lens"),
+    ("cu_seq_lens_k", "batch.kv_lens"),
+    ("read_index", "batch.slot_ids"),
+    ("write_index", "batch.out_cache_loc"),
+    ("position_ids", "batch.positions"),
+    ("padded tails", ""),
+    ("seq_lens_sum", ""),
+)
 FULL_ATTENTION = "full_attention"
 WRAPPED_ATTENTION = ("sdpa", "paged|eager")
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}

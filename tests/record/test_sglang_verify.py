@@ -117,7 +117,7 @@ def test_verify_full_mask_from_a_graph_buffer_is_cut() -> None:
     mask = full_mask()
     buffer = torch.ones(mask.numel() + 100, dtype=torch.bool)
     buffer[: mask.numel()] = mask
-    spec = spec_from_verify_input(verify_input(buffer), torch.tensor(PREFIX), MaskLayout.FULL)
+    spec = spec_from_verify_input(verify_input(buffer), torch.tensor(PREFIX), MaskLayout.FULL, capacity=True)
     assert torch.equal(spec.custom_mask, mask)
 
 

@@ -132,3 +132,16 @@ def test_a_failing_hook_stops_recording_and_the_engine_goes_on(tmp_path: Path, m
     assert len(calls) == 1 and not session.enabled  # disabled at the first failure, never retried
     assert stats is not None and stats.written == 0 and "allocator layout changed" in (stats.stopped_reason or "")
     assert capsys.readouterr().err.count("recording stopped") == 1
+
+
+def test_every_field_the_table_says_is_recorded_is_in_each_step(recording) -> None:
+    """TRANSFORMERS_FIELDS (the adapter's table of engine fields the detectors read) against the steps."""
+    _, out = recording
+    recorded = [(engine, where) for engine, where in transformers_cb.TRANSFORMERS_FIELDS if where]
+    assert recorded and all(where.startswith("batch.") for _, where in recorded)
+    for entry in io.read_manifest(out):
+        trace = io.load(out / entry.file)
+        for engine, where in recorded:
+            value = getattr(trace.batch, where.removeprefix("batch."))
+            assert value.numel() > 0, (entry.file, engine, where)
+        assert trace.plan is None and trace.graph is None  # the table's "not recorded" rows: the engine builds neither
