@@ -110,34 +110,45 @@ def _check_seq_lens(trace: Trace, out: list[Finding]) -> None:
                 found=int(found[b]),
             )
         )
-    plan = trace.plan
-    value = plan.scalars.get("seq_lens_sum") if plan is not None else None
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+    _check_sums(trace, expected, out)
+
+
+def _check_sums(trace: Trace, expected: Tensor, out: list[Finding]) -> None:
+    """The engine's host sums (plan scalars, as the backend received them) against sum(seq_lens):
+    `seq_lens_sum` (with graph padding, + pad x fill_value; the raw sum alone under padding is
+    fill-value's finding) and a verify step's `spec_seq_lens_sum` (EagleVerifyInput's own, over
+    the real requests: it sizes SGLang's FULL tree mask)."""
+    batch, plan = trace.batch, trace.plan
+    if plan is None:
         return
-    want = int(expected.sum())
-    accepted = {want}
-    graph = trace.graph
-    if graph is not None and graph.is_graph_replay and graph.capture_bs > batch.batch_size:
-        padded = want + (graph.capture_bs - batch.batch_size) * graph.fill_value
-        accepted = {padded, want}  # `want` alone under padding is fill-value's finding
-        want = padded
-    if int(value) in accepted:
-        return
-    bs = batch.batch_size
-    if batch.forward_mode is ForwardMode.DECODE and int(value) == want - bs:
-        cause = "seq_lens_sum was computed before the decode step's seq_lens += 1"
-    elif trace.is_tree_verify and int(value) == want + bs * trace.spec.draft_token_num:
-        cause = "seq_lens_sum counts the draft tokens, which SGLang's verify seq_lens exclude"
-    else:
-        cause = "seq_lens_sum was not updated with this batch's seq_lens (a stale host-side sum)"
-    out.append(
-        _finding(
-            trace,
-            "seq-lens-sum",
-            field="plan.scalars.seq_lens_sum",
-            evidence=f"plan.scalars.seq_lens_sum = {int(value)}, expected sum(seq_lens) = {want}",
-            cause=cause,
-            expected=want,
-            found=int(value),
+    for name in ("seq_lens_sum", "spec_seq_lens_sum"):
+        value = plan.scalars.get(name)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        want = int(expected.sum())
+        accepted = {want}
+        graph = trace.graph
+        if name == "seq_lens_sum" and graph is not None and graph.is_graph_replay and graph.capture_bs > batch.batch_size:
+            padded = want + (graph.capture_bs - batch.batch_size) * graph.fill_value
+            accepted = {padded, want}  # `want` alone under padding is fill-value's finding
+            want = padded
+        if int(value) in accepted:
+            continue
+        bs = batch.batch_size
+        if batch.forward_mode is ForwardMode.DECODE and int(value) == want - bs:
+            cause = f"{name} was computed before the decode step's seq_lens += 1"
+        elif trace.is_tree_verify and int(value) == want + bs * trace.spec.draft_token_num:
+            cause = f"{name} counts the draft tokens, which SGLang's verify seq_lens exclude"
+        else:
+            cause = f"{name} was not updated with this batch's seq_lens (a stale host-side sum); buffers sized from it (kv_indices, the FULL tree mask) are too long or too short"
+        out.append(
+            _finding(
+                trace,
+                "seq-lens-sum",
+                field=f"plan.scalars.{name}",
+                evidence=f"plan.scalars.{name} = {int(value)}, expected sum(seq_lens) = {want}",
+                cause=cause,
+                expected=want,
+                found=int(value),
+            )
         )
-    )

@@ -52,6 +52,19 @@ def _indptr_shape(trace: Trace, name: str, values: Tensor, out: list[Finding]) -
     return True
 
 
+def _end_cause(trace: Trace, target: str, length: int) -> str:
+    """Why a buffer and its offsets disagree; SGLang's Triton backend allocates an eager step's
+    kv_indices `torch.empty(seq_lens_sum)`, recorded whole (`Trace.buffers`), so a wrong host sum shows here."""
+    buffer = trace.buffers.get(f"plan.{target}")
+    sized = buffer is not None and not buffer.capacity
+    total = trace.plan.scalars.get("seq_lens_sum")
+    if sized and isinstance(total, int) and not isinstance(total, bool) and total == length:
+        return f"the engine sized plan.{target} from its seq_lens_sum = {total}, which disagrees with the lengths its offsets sum (a stale or wrong host-side seq_lens_sum)"
+    if sized:
+        return f"the engine sized plan.{target} for this step from other lengths than the ones its offsets were built from"
+    return "the offsets and the buffer they index were built for different batches, or the buffer was recorded untrimmed"
+
+
 def _indptr_ends(trace: Trace, tensors: dict[str, Tensor], sane: set[str], out: list[Finding]) -> None:
     pairs = []
     for name in sane:
@@ -72,7 +85,7 @@ def _indptr_ends(trace: Trace, tensors: dict[str, Tensor], sane: set[str], out: 
                 evidence=f"plan.{indptr}[-1] = {end} but plan.{target} has {length} elements ("
                 + ("the kernel reads past its end" if end > length else f"{length - end} trailing entries no request owns")
                 + ")",
-                cause="the offsets and the buffer they index were built for different batches, or the buffer was recorded untrimmed",
+                cause=_end_cause(trace, target, length),
                 expected=length,
                 found=end,
             )

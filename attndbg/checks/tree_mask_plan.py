@@ -131,18 +131,28 @@ def _mask_view(trace: Trace, vocabulary: str, coverage, out: list[Finding]) -> P
         )
         return None
     end = int(indptr[-1])
+    buffer = trace.buffers.get("plan.custom_mask")
+    if buffer is not None and buffer.capacity and mask.numel() > end:
+        mask = mask[:end]  # a buffer allocated once at a fixed size: the kernel reads its first `end` elements
     if mask.numel() != end:
         short = mask.numel() < end
+        tail = _as_bool(mask[end:])
+        stale = int((~tail).sum())  # SGLang fills a FULL mask with True before writing the tree
         out.append(
             _finding(
                 trace,
                 "mask-length",
-                field="plan.custom_mask",
-                evidence=f"plan.custom_mask has {mask.numel()} elements but mask_indptr[-1] = {end} ({'short' if short else 'long'} by {abs(end - mask.numel())})",
+                field=f"plan.custom_mask[{min(end, mask.numel())}]",
+                evidence=f"plan.custom_mask has {mask.numel()} elements but mask_indptr[-1] = {end} ({'short' if short else 'long'} by {abs(end - mask.numel())})"
+                + ("" if short else f"; plan.custom_mask[{end}:] " + (f"holds {stale} False element(s)" if stale else "is all True")),
                 cause=(
                     "the mask was built for fewer KV columns than the plan's requests have; the kernel reads past the buffer (FlashInfer #3176)"
                     if short
-                    else "the mask buffer is longer than its offsets: built for other lengths, or recorded untrimmed"
+                    else (
+                        "a stale tail: the engine sized the mask for this step but it holds an earlier, larger step's tree rows past its offsets (a reused buffer, not refilled)"
+                        if stale
+                        else "the mask buffer is longer than its offsets: sized from other lengths (a wrong seq_lens_sum) than the ones mask_indptr was built from"
+                    )
                 ),
                 expected=end,
                 found=mask.numel(),
@@ -150,9 +160,11 @@ def _mask_view(trace: Trace, vocabulary: str, coverage, out: list[Finding]) -> P
         )
         if short:
             return None
+        mask = mask[:end]
     bits = _as_bool(mask)
     window = _kernel_window(trace, "sliding_window" if vocabulary == "triton" else "window_left")
     offsets = plan.tensors.get("window_kv_offsets")
+    window_starts = _window_list_starts(trace) if vocabulary == "triton" else None
     skip_prefix = vocabulary == "triton" and bool(plan.scalars.get("skip_prefix_custom_mask", True))
     blocks = {}
     for b in range(batch.batch_size):
@@ -160,6 +172,10 @@ def _mask_view(trace: Trace, vocabulary: str, coverage, out: list[Finding]) -> P
             continue
         prefix = int(batch.prefix_lens[b])
         start, _ = coverage[b]
+        if window_starts is not None:
+            if window_starts[b] is None:
+                continue  # a malformed window list: invariants' window-kv names it
+            start = window_starts[b]
         block = bits[int(indptr[b]) : int(indptr[b + 1])].reshape(n, widths[b])
         if vocabulary == "triton":
             offset = int(offsets[b]) if offsets is not None and b < offsets.numel() else 0
@@ -177,14 +193,31 @@ def _mask_view(trace: Trace, vocabulary: str, coverage, out: list[Finding]) -> P
     return PlanVisibility("mask", blocks)
 
 
+def _window_list_starts(trace: Trace) -> list[int | None] | None:
+    """Per real request, the first prefix column of SGLang's window list (`window_kv_indptr` /
+    `window_kv_indices`), which a sliding-window layer's Triton kernel reads instead of kv_indices;
+    None when the plan has no window list or the layer has no window (then kv_indices are read)."""
+    plan, batch = trace.plan, trace.batch
+    indptr = plan.tensors.get("window_kv_indptr")
+    if trace.model.sliding_window < 0 or indptr is None or "window_kv_indices" not in plan.tensors or indptr.dim() != 1:
+        return None
+    indptr = indptr.to(torch.int64)
+    if indptr.numel() < batch.batch_size + 1:
+        return [None] * batch.batch_size
+    lens = indptr.diff()[: batch.batch_size]
+    # Verify and extend lists hold the tail of the prefix: SGLang's window_kv_start_idx = prefix - len.
+    return [int(p) - int(n) if 0 <= int(n) <= int(p) else None for p, n in zip(batch.prefix_lens, lens)]
+
+
 def _offset_finding(trace: Trace, b: int, offset: int, start: int, present: bool) -> Finding:
+    listed = "window_kv_indices" if "window_kv_indptr" in trace.plan.tensors and trace.model.sliding_window >= 0 else "kv_indices"
     return _finding(
         trace,
         "window-offset",
         request=b,
         field=f"plan.window_kv_offsets[{b}]" if present else "plan.window_kv_offsets",
         evidence=(
-            f"plan.kv_indices hold request {b}'s prefix from column {start} (the sliding window's), but "
+            f"plan.{listed} hold request {b}'s prefix from column {start} (the sliding window's), but "
             + (f"plan.window_kv_offsets[{b}] = {offset}" if present else "the plan has no window_kv_offsets")
             + f": the kernel reads the mask {abs(start - offset)} column(s) off"
         ),

@@ -61,23 +61,32 @@ def _check_spec(trace: Trace, out: list[Finding]) -> None:
         )
         return
     sizes = _layout_sizes(trace)
-    if mask.numel() != sizes[layout]:
+    need = sizes[layout]
+    buffer = trace.buffers.get(field)
+    if buffer is not None and buffer.capacity and mask.numel() > need:
+        # A buffer allocated once at a fixed size (VerifyMask): past this step's mask lies what no
+        # kernel of this step reads through it (the plan's mask_indptr says what is read).
+        mask = mask[:need]
+    if mask.numel() != need:
         other = [lay.value for lay, size in sizes.items() if lay is not layout and size == mask.numel()]
+        long = mask.numel() > need
         if other:
             cause = f"the mask has the size of layout {other[0]} but is tagged {layout.value}: the engine's TreeMaskMode and the recorded tag disagree"
-        elif mask.numel() < sizes[layout]:
+        elif not long:
             cause = "the mask was built for fewer KV columns than the requests have (FlashInfer #3176: a kernel reading it runs past the buffer)"
         else:
-            cause = "the mask is longer than this batch needs: built for other lengths, or a graph buffer recorded untrimmed"
+            cause = _long_mask_cause(trace, mask, need, packed)
         rule = {MaskLayout.FULL: "Σ n·(prefix+n)", MaskLayout.QLEN_ONLY: "bs·n·n", MaskLayout.QLEN_ONLY_BITPACKED: "bs·n words"}[layout]
         out.append(
             _finding(
                 trace,
                 "mask-length",
-                field=field,
-                evidence=f"{field} has {mask.numel()} elements, layout {layout.value} needs {rule} = {sizes[layout]} ({'short' if mask.numel() < sizes[layout] else 'long'} by {abs(mask.numel() - sizes[layout])})",
+                # The first element that is not this step's: past the mask, or the first one missing.
+                field=f"{field}[{min(need, mask.numel())}]",
+                evidence=f"{field} has {mask.numel()} elements, layout {layout.value} needs {rule} = {need} ({'long' if long else 'short'} by {abs(mask.numel() - need)})"
+                + (f"; {field}[{need}:] {_tail_summary(mask[need:], packed)}" if long else ""),
                 cause=cause,
-                expected=sizes[layout],
+                expected=need,
                 found=mask.numel(),
             )
         )
@@ -89,6 +98,39 @@ def _check_spec(trace: Trace, out: list[Finding]) -> None:
         _compare_spec_packed(trace, words, _word_bits(mask.dtype), out)
     else:
         _compare_spec_bool(trace, _as_bool(mask), layout, out)
+
+
+def _stale_elements(tail: Tensor, packed: bool) -> int:
+    """Elements of a mask's tail that SGLang's own fill would not leave there: build_tree fills a
+    bool mask with True (prefix columns) and bit-packed words with 0 before writing the tree."""
+    return int((tail != 0).sum()) if packed else int((tail == 0).sum())
+
+
+def _tail_summary(tail: Tensor, packed: bool) -> str:
+    stale = _stale_elements(tail, packed)
+    fill = "0" if packed else "True"
+    return f"holds {stale} element(s) other than the fill value {fill}" if stale else f"is all the fill value {fill}"
+
+
+def _long_mask_cause(trace: Trace, mask: Tensor, need: int, packed: bool) -> str:
+    """Why an engine-sized mask is longer than the step: an earlier step's tree left in its tail, or
+    a size computed from a wrong seq_lens_sum (SGLang sizes FULL masks seq_lens_sum·n + bs·n²)."""
+    if _stale_elements(mask[need:], packed):
+        return (
+            "a stale tail: the mask buffer was sized for an earlier, larger step and reused without being re-sized or refilled, "
+            "so its tail still holds that step's tree rows (a kernel or a layout check that takes the buffer's length reads them)"
+        )
+    n, bs = trace.spec.draft_token_num, trace.batch.batch_size
+    extra = (mask.numel() - bs * n * n) // n if (mask.numel() - bs * n * n) % n == 0 else None
+    sums = {k: v for k, v in (trace.plan.scalars.items() if trace.plan is not None else ()) if k in ("seq_lens_sum", "spec_seq_lens_sum")}
+    named = [f"{k} = {v}" for k, v in sums.items() if v == extra]
+    return (
+        f"the mask was sized for more KV columns than the requests have: from a prefix sum of {extra} instead of sum(seq_lens) = {int(trace.batch.prefix_lens.sum())}"
+        + (f" (the engine's {', '.join(named)})" if named else "")
+        + "; SGLang sizes a FULL mask seq_lens_sum·n + bs·n², so a stale or wrong seq_lens_sum makes it too long"
+        if extra is not None and trace.spec.mask_layout is MaskLayout.FULL
+        else "the mask is longer than this batch needs: built for other lengths (another step's batch size or draft_token_num)"
+    )
 
 
 def _expected_words(trace: Trace) -> Tensor:
