@@ -37,6 +37,7 @@ last. Without `--layers` nothing is held and `forward` is not wrapped.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import threading
 from collections.abc import Callable
@@ -273,6 +274,12 @@ def trace_from_host(
         speculation=static.speculation,
         tree_parents=tree,
     )
+    if layers and not vllm_tensors.table_holds(converted.batch, common.block_table_tensor, static.model.page_size):
+        # The engine's table points outside its pool or at the null block (the invariants
+        # detector names the entry): no recorded row holds that KV, so the step is metadata only.
+        note = {"vllm.layers_dropped": "the batch reads blocks the engine's block table does not hold"}
+        plan = dataclasses.replace(plan, scalars={**plan.scalars, **note})
+        layers = ()
     tensors: dict[int, LayerTensors] = {
         layer: vllm_tensors.layer_tensors(
             host,

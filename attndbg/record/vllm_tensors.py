@@ -251,6 +251,14 @@ def _before(impl: Any, pending: _Pending, query: Tensor, key: Tensor | None, val
     }
 
 
+def table_holds(batch: Batch, block_table: Tensor, block_size: int) -> bool:
+    """Whether every block the batch reads is in the step's block table (the layers gathered
+    only those). Not so when the engine's table holds ids no pool has: the batch then reads spare
+    blocks (vllm_convert.readable_rows) whose contents the engine never had."""
+    blocks = torch.unique(torch.div(batch.slot_ids, block_size, rounding_mode="floor"))
+    return bool(torch.isin(blocks, block_table.reshape(-1).to(torch.int64)).all())
+
+
 def layer_tensors(host: dict[str, Tensor | None], layer: int, *, batch: Batch, block_table: Tensor, block_size: int, lse_base: LseBase) -> LayerTensors:
     """Writer thread: one layer's host copies -> LayerTensors over exactly the slots `batch` reads.
 

@@ -287,6 +287,29 @@ def test_without_key_and_value_the_new_kv_is_read_from_the_cache(layers_session:
     assert torch.equal(trace.tensors[1].k_new, k_new) and torch.equal(trace.tensors[1].v_new, v_new)
 
 
+def test_a_block_table_outside_the_pool_keeps_the_step_as_metadata_and_recording_goes_on(layers_session: RecordingSession, vllm_config) -> None:
+    # Request 1's second block is -1 in vLLM's own table: no cache row holds what the batch reads
+    # there, so that step has no layer tensors; the next, correct step has them.
+    impl = _stand_in_impl()
+    builder = new_builder(vllm_config, [layer_name(1)])
+    g = torch.Generator().manual_seed(5)
+    for broken in (True, False):
+        layout = make_layout([20, 33], [1, 1], blocks=[[7, 3], [5, 1, 9]])
+        cm = layout.cm
+        if broken:
+            table = cm.block_table_tensor.clone()
+            table[1, 1] = -1
+            cm = cm.replace(block_table_tensor=table)
+        metadata = builder.build(0, cm)
+        q = torch.randn(2, Q_HEADS, HEAD_DIM, generator=g)
+        impl.forward(AttentionLayerStub(layer_name(1)), q, q[:, :2], q[:, :2], new_kv_cache(g), metadata, torch.zeros(2, Q_HEADS, HEAD_DIM))
+    first, second = written(layers_session)
+    assert layers_session.stats.stopped_reason is None
+    assert first.tensors == {} and "vllm.layers_dropped" in first.plan.scalars
+    assert first.plan.tensors["common.block_table_tensor"][1, 1] == -1
+    assert sorted(second.tensors) == [1] and "vllm.layers_dropped" not in second.plan.scalars
+
+
 def test_a_forward_of_unrecorded_metadata_or_unparsable_name_copies_nothing(layers_session: RecordingSession, vllm_config) -> None:
     impl = _stand_in_impl()
     builder = new_builder(vllm_config, [layer_name(1)])
