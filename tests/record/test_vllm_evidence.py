@@ -23,7 +23,7 @@ from attndbg.checks.run import DETECTORS, check_steps
 from attndbg.record.session import RecordingSession
 from attndbg.record.vllm_fields import ENGINE_FIELDS, FIELDS_BY_NAME, Trim
 from attndbg.trace.schema import ForwardMode, Trace
-from tests.record.vllm_builder_env import new_builder, written
+from tests.record.vllm_builder_env import HEAD_DIM, KV_HEADS, LAYERS, kv_cache_interface, new_builder, triton_attn, written
 from tests.record.vllm_builder_env import session, vllm_config  # noqa: F401  (fixtures)
 from tests.record.vllm_env import BLOCK_SIZE, NUM_BLOCKS, CommonAttentionMetadata, make_layout
 
@@ -154,6 +154,27 @@ def test_the_same_steps_without_the_mistake_are_clean(session: RecordingSession,
     padded = layout.get("pad_reqs", 0) or layout.get("pad_tokens", 0)
     assert (trace.graph is not None) == bool(padded)
     assert findings_of(session, list(DETECTORS)) == []
+
+
+WINDOW = 16  # vLLM's sliding_window: a query sees itself and the 15 keys before it
+# Request 0 (40 columns, new token at 39) sees columns 24..39: vLLM's worker nulls block 0 (columns
+# 0..15), wholly below the window; block 1 (16..31) is still read.
+WINDOWED = {"seq_lens": [40, 20], "query_lens": [1, 1], "blocks": [[0, 4, 6], [2, 8]]}
+
+
+@pytest.mark.parametrize(("name", "plant", "expected"), [("clean", None, []), ("null-block-in-the-window", 1, [("invariants", "null-block-read", 0, "plan.common.block_table_tensor[0, 1]")])])
+def test_sliding_window_null_blocks_before_the_window_are_not_read(
+    session: RecordingSession, pool_config, name: str, plant: int | None, expected: list[tuple[str, str, int, str]]
+) -> None:
+    spec = kv_cache_interface.SlidingWindowSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32, sliding_window=WINDOW)
+    builder = triton_attn.TritonAttentionMetadataBuilder(spec, LAYERS, pool_config, torch.device("cpu"))
+    cm = make_layout(**WINDOWED).cm
+    if plant is not None:
+        cm = cm.replace(**table_entry(cm, 0, plant, 0))
+    builder.build(0, cm)
+    [trace] = written(session)
+    assert trace.model.sliding_window == WINDOW - 1
+    assert findings_of(session, list(DETECTORS) if plant is None else [FindingClass.INVARIANT], backends=("triton",) if plant is None else NO_KERNELS) == expected
 
 
 def test_every_field_of_vllms_common_metadata_is_in_the_table_or_not_a_tensor() -> None:
