@@ -197,6 +197,7 @@ def show(trace: str, json_path: str | None) -> None:
 @click.option("--cuda-graph", is_flag=True, help="also replay inside a real CUDA graph, padded as engines pad")
 @click.option("--capture-bs", type=click.IntRange(min=1), default=None, help="graph capture batch size (with --cuda-graph; default: next SGLang size above the batch)")
 @click.option("--fill-value", type=click.IntRange(min=0), default=None, help="seq_len of padded rows (with --cuda-graph; default: each backend's own)")
+@click.option("--max-memory", "max_memory_spec", default=None, metavar="SIZE", help="refuse (exit 2) a step whose data would need more than SIZE, e.g. 8G or 512M (default: what the device has free)")
 @handles_bad_input
 def replay(
     trace: str,
@@ -210,6 +211,7 @@ def replay(
     cuda_graph: bool,
     capture_bs: int | None,
     fill_value: int | None,
+    max_memory_spec: str | None,
 ) -> None:
     """Replay a step (or every step of a folder) through real kernels and compare each backend
     with a float64 reference.
@@ -223,6 +225,7 @@ def replay(
       attndbg replay rec --backend all --json - | jq .verdict
     """
     names = _backend_names(backend_spec)
+    max_memory = _max_memory(max_memory_spec)
     _check_outputs(json=json_path, save=save_path)
     if not cuda_graph:
         for flag, value in (("--capture-bs", capture_bs), ("--fill-value", fill_value)):
@@ -250,6 +253,7 @@ def replay(
         cuda_graph=cuda_graph,
         capture_bs=capture_bs,
         fill_value=fill_value,
+        max_memory=max_memory,
     )
     named = () if backend_spec.strip() == "all" else tuple(names)
     console = _console(stderr=json_path == "-")
@@ -400,6 +404,7 @@ def _diff_saved(console: Console, a: str, b: str, pairs: tuple[str, ...]) -> tup
 @click.option("--jobs", "-j", "jobs_spec", default="auto", show_default=True, help="worker processes checking steps in parallel, or auto: one per 50 steps, per 2 cores, at most 8 per GPU (each worker loads every kernel module itself)")
 @click.option("--devices", "devices_spec", default=None, help="GPUs for the workers, e.g. 0,1 (default: every visible GPU)")
 @click.option("--in-process", is_flag=True, help="check in this process, even on a GPU (where a worker process is the default: a crashing kernel then takes down only its worker)")
+@click.option("--max-memory", "max_memory_spec", default=None, metavar="SIZE", help="do not check a step (one file: exit 2) whose data would need more than SIZE, e.g. 8G or 512M (default: what the device has free)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), help="also write the findings as JSON (attndbg.check/1; - for stdout)")
 @handles_bad_input
 def check(
@@ -413,6 +418,7 @@ def check(
     devices_spec: str | None,
     in_process: bool,
     json_path: str | None,
+    max_memory_spec: str | None,
 ) -> None:
     """Run the detectors on a step or a recording directory and explain what they find.
 
@@ -439,12 +445,13 @@ def check(
     if cuda_graph and not machine.cuda_available():
         raise BadInput("--cuda-graph needs a CUDA GPU, and this machine has none")
     selection = _step_selection(steps_spec, sample)
+    max_memory = _max_memory(max_memory_spec)
     devices = _devices(devices_spec)
     jobs = _jobs(jobs_spec)
     if in_process and jobs not in (None, 1):
         raise BadInput(f"--in-process checks in one process: it cannot take --jobs {jobs}")
     _check_outputs(json=json_path)
-    options = CheckOptions(backends=names, cuda_graph=cuda_graph)
+    options = CheckOptions(backends=names, cuda_graph=cuda_graph, max_memory=max_memory)
     console = _console(stderr=json_path == "-")
     if not Path(target).is_dir():
         io.load(target)  # one file: unreadable is bad input (exit 2); in a recording it is one step's error
@@ -482,6 +489,18 @@ def _step_selection(steps_spec: str | None, sample: int | None) -> Any:
         except OptionError as e:
             raise BadInput(str(e)) from None
     return StepSelection(start=start, stop=stop, sample=sample)
+
+
+def _max_memory(spec: str | None) -> int | None:
+    """--max-memory 8G -> bytes; None: bounded by what the device has free."""
+    from attndbg.record.options import OptionError, parse_size
+
+    if spec is None:
+        return None
+    try:
+        return parse_size(spec, "--max-memory")
+    except OptionError as e:
+        raise BadInput(str(e)) from None
 
 
 def _jobs(spec: str) -> int | None:

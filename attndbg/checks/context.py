@@ -23,6 +23,7 @@ class CheckOptions:
     layer: int | None = None
     # Backends left out of this step (a check worker re-checks a step without the one that crashed).
     exclude: tuple[str, ...] = ()
+    max_memory: int | None = None  # --max-memory: a step whose data needs more is not checked (default: the device's free memory)
 
 
 @dataclass
@@ -59,7 +60,7 @@ class CheckContext:
     def data(self, layer: int | None = None) -> StepData:
         """The step's inputs (recorded tensors of `layer`, else seeded) and references, built once."""
         if layer not in self._data:
-            self._data[layer] = StepData(self.trace, layer=layer)
+            self._data[layer] = StepData(self.trace, layer=layer, max_memory=self.options.max_memory, cuda_graph=self.options.cuda_graph)
         return self._data[layer]
 
     def replay(self, options: ReplayOptions | None = None, backends: tuple[str, ...] | None = None, *, trace: Trace | None = None) -> ReplayResult:

@@ -82,8 +82,8 @@ def parse_layers(text: str | None) -> tuple[int, ...]:
     return layers
 
 
-def parse_size(text: str) -> int:
-    """'500M', '2G', '123456' -> bytes."""
+def parse_size(text: str, option: str = "--max-size") -> int:
+    """'500M', '2G', '123456' -> bytes; `option` names the flag in the error."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     t = text.strip().upper().removesuffix("B")
     try:
@@ -91,8 +91,8 @@ def parse_size(text: str) -> int:
             value = int(float(t[:-1]) * units[t[-1]])
         else:
             value = int(t)
-    except ValueError:
-        raise OptionError(f"--max-size: expected bytes like 500M or 2G, got {text!r}") from None
+    except (ValueError, OverflowError):  # OverflowError: 'infG'
+        raise OptionError(f"{option}: expected bytes like 500M or 2G, got {text!r}") from None
     if value <= 0:
-        raise OptionError(f"--max-size: must be positive, got {text!r}")
+        raise OptionError(f"{option}: must be positive, got {text!r}")
     return value

@@ -10,10 +10,13 @@ this step's K/V writes (engines write before attending).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from attndbg.backends.base import AttentionInputs
+from attndbg.backends.reference import GROUP_BYTES
 from attndbg.trace.errors import TraceError
 from attndbg.trace.schema import DTYPES, AttentionKind, Trace
 
@@ -28,16 +31,67 @@ def slots_read(trace: Trace) -> Tensor:
     return slots[(slots >= 0) & (slots < batch.kv_cache_size)]
 
 
-def input_bytes(trace: Trace) -> int:
-    """What `build_inputs` allocates: the KV pool in its dtype, and the float32 draws for the slots
-    read and the step's tokens."""
-    m, b = trace.model, trace.batch
+def pool_bytes(trace: Trace) -> int:
+    """The KV pool `build_inputs` allocates: kv_cache_size slots of K (and V, but for MLA) in the KV dtype."""
+    m = trace.model
     dv = 0 if m.attention is AttentionKind.MLA else m.v_head_dim
     kv_item = torch.empty((), dtype=DTYPES[m.kv_dtype]).element_size()
-    pool = b.kv_cache_size * m.num_kv_heads * (m.head_dim + dv) * kv_item
+    return trace.batch.kv_cache_size * m.num_kv_heads * (m.head_dim + dv) * kv_item
+
+
+def draw_bytes(trace: Trace) -> int:
+    """The float32 draws `build_inputs` makes: the KV rows read, and the step's q and new K/V."""
+    m, b = trace.model, trace.batch
+    dv = 0 if m.attention is AttentionKind.MLA else m.v_head_dim
     rows = int(b.slot_ids.numel() + b.out_cache_loc.numel()) + m.page_size
-    draws = 4 * (rows * m.num_kv_heads * (m.head_dim + dv) + b.num_tokens * (m.num_qo_heads * m.head_dim + m.num_kv_heads * (m.head_dim + dv)))
-    return pool + draws
+    return 4 * (rows * m.num_kv_heads * (m.head_dim + dv) + b.num_tokens * (m.num_qo_heads * m.head_dim + m.num_kv_heads * (m.head_dim + dv)))
+
+
+def reference_bytes(trace: Trace, device: torch.device) -> int:
+    """What the references hold on `device`: the float64 output and LSE and their low-precision twin
+    (counted at float64), and the padded work of one group at a time, which backends/reference.py
+    keeps under GROUP_BYTES unless a single query row of the longest request needs more."""
+    m, b = trace.model, trace.batch
+    results = 2 * b.num_tokens * m.num_qo_heads * (m.v_head_dim + 1) * 8
+    if b.batch_size == 0:
+        return results
+    kv_max, rows_max = int(b.kv_lens.max()), int(b.extend_lens.max())
+
+    def work(rows: int) -> int:  # float64 K and V gathered for kv_max keys, and ~4 copies of the scores
+        return kv_max * m.num_kv_heads * (m.head_dim + m.v_head_dim) * 8 + 4 * m.num_qo_heads * rows * kv_max * 8
+
+    budget = GROUP_BYTES.get(device.type, GROUP_BYTES["cpu"])
+    return results + max(work(1), min(budget, b.batch_size * work(rows_max)))
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What replaying one step allocates for its data on one device, by part."""
+
+    pool: int  # the KV pool (batch.kv_cache_size)
+    draws: int  # the step's queries, new K/V and the KV rows it reads (batch.extend_lens, batch.kv_lens)
+    reference: int  # the float64 reference's results and working group (batch.kv_lens)
+    graph: int  # --cuda-graph: the graph harness's own copy of the KV pool (batch.kv_cache_size)
+
+    @property
+    def total(self) -> int:
+        return self.pool + self.draws + self.reference + self.graph
+
+
+def footprint(trace: Trace, device: torch.device, *, cuda_graph: bool = False) -> Footprint:
+    pool = pool_bytes(trace)
+    # The graph harness (replay/graph.py) clones the cache it writes into; MLA's V is a view of K.
+    return Footprint(pool=pool, draws=draw_bytes(trace), reference=reference_bytes(trace, device), graph=pool if cuda_graph else 0)
+
+
+def _driving_field(trace: Trace, need: Footprint) -> tuple[str, str]:
+    """The batch field behind the largest part of `need` (what makes this step big), and its value."""
+    b = trace.batch
+    if need.pool + need.graph >= max(need.draws, need.reference):
+        return "batch.kv_cache_size", f"{b.kv_cache_size} slots"
+    if need.draws >= need.reference:
+        return "batch.extend_lens", f"{b.num_tokens} query tokens"
+    return "batch.kv_lens", f"longest KV row {int(b.kv_lens.max())}"
 
 
 def available_bytes(device: torch.device) -> int:
@@ -54,22 +108,51 @@ def available_bytes(device: torch.device) -> int:
     return 1 << 62  # unknown: do not refuse
 
 
-def check_fits(trace: Trace, device: torch.device) -> None:
-    """Refuse, before allocating, a step whose data could not fit: a TraceError naming the field."""
-    need, free = input_bytes(trace), available_bytes(device)
-    if need > free:
-        raise TraceError(
-            "batch.kv_cache_size",
-            f"= {trace.batch.kv_cache_size} slots: replaying this step needs {need / 2**30:.1f} GiB on {device.type} "
-            f"(the KV pool and the step's data), {free / 2**30:.1f} GiB are free; not replayed",
-        )
+def check_fits(trace: Trace, device: torch.device, *, max_bytes: int | None = None, cuda_graph: bool = False) -> None:
+    """Refuse, before allocating, a step whose data could not fit in what `device` has free, or in
+    `max_bytes` (--max-memory) when that is less: a TraceError naming the field that drives the size."""
+    need, free = footprint(trace, device, cuda_graph=cuda_graph), available_bytes(device)
+    if max_bytes is not None and max_bytes < free:
+        limit, whose = max_bytes, f"--max-memory {human_bytes(max_bytes)}"
+    else:
+        limit, whose = free, f"{human_bytes(free)} free on {device.type}"
+    if need.total <= limit:
+        return
+    parts = [f"KV pool {human_bytes(need.pool)}", f"step data {human_bytes(need.draws)}", f"float64 reference {human_bytes(need.reference)}"]
+    if need.graph:
+        parts.append(f"CUDA-graph copy of the pool {human_bytes(need.graph)}")
+    field, value = _driving_field(trace, need)
+    raise TraceError(
+        field,
+        f"= {value}: replaying this step needs {human_bytes(need.total)} on {device.type} ({', '.join(parts)}), "
+        f"more than {whose}; not replayed",
+    )
 
 
-def build_inputs(trace: Trace, *, layer: int | None = None, device: str | torch.device = "cpu") -> AttentionInputs:
+def human_bytes(n: int) -> str:
+    """1536 -> '1.5 KiB'; whole bytes below 1 KiB."""
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB"):
+        value /= 1024
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+    return f"{value / 1024:.1f} TiB"
+
+
+def build_inputs(
+    trace: Trace,
+    *,
+    layer: int | None = None,
+    device: str | torch.device = "cpu",
+    max_memory: int | None = None,  # --max-memory: refuse a step needing more (default: what `device` has free)
+    cuda_graph: bool = False,  # the step will also be replayed in a CUDA graph (counted in its footprint)
+) -> AttentionInputs:
     """Inputs for one layer on `device` (recorded tensors of `layer` when the trace has them)."""
     model, batch = trace.model, trace.batch
     device = torch.device(device)
-    check_fits(trace, device)
+    check_fits(trace, device, max_bytes=max_memory, cuda_graph=cuda_graph)
     q_dtype, kv_dtype = DTYPES[model.q_dtype], DTYPES[model.kv_dtype]
     g = torch.Generator(device=device).manual_seed(trace.seed)
     n, t = batch.kv_cache_size, batch.num_tokens

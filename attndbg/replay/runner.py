@@ -82,6 +82,7 @@ class ReplayOptions:
     capture_bs: int | None = None  # default: the next SGLang capture size above the batch
     fill_value: int | None = None  # default: each backend's own fill value
     graph_capture: bool = True  # False: the graph sequence runs eagerly (CPU tests)
+    max_memory: int | None = None  # --max-memory: refuse a step whose data needs more (default: the device's free memory)
 
 
 class _Context:
@@ -91,7 +92,7 @@ class _Context:
         self.trace = trace
         self.options = options
         self.label = step_label(trace)
-        self.data = data if data is not None and data.layer == options.layer else StepData(trace, layer=options.layer)
+        self.data = data if data is not None and data.layer == options.layer else StepData(trace, layer=options.layer, max_memory=options.max_memory, cuda_graph=options.cuda_graph)
 
     def compare(self, result: AttentionResult) -> Comparison:
         return self.data.compare(result)

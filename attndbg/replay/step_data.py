@@ -28,10 +28,12 @@ def default_device() -> str:
 
 
 class StepData:
-    def __init__(self, trace: Trace, *, layer: int | None = None, device: str | None = None):
+    def __init__(self, trace: Trace, *, layer: int | None = None, device: str | None = None, max_memory: int | None = None, cuda_graph: bool = False):
         self.trace = trace
         self.layer = layer
         self.device = device or default_device()
+        # The memory bound its data is checked against before allocating (data.check_fits).
+        self.max_memory, self.cuda_graph = max_memory, cuda_graph
         self.label = step_label(trace)
         self._inputs: dict[str, AttentionInputs] = {}
         self._reference: AttentionResult | None = None
@@ -51,7 +53,7 @@ class StepData:
         if kind not in self._inputs:
             if not self._inputs:
                 with phase("data", self.label):
-                    self._inputs[torch.device(self.device).type] = build_inputs(self.trace, layer=self.layer, device=self.device)
+                    self._inputs[torch.device(self.device).type] = build_inputs(self.trace, layer=self.layer, device=self.device, max_memory=self.max_memory, cuda_graph=self.cuda_graph)
             if kind not in self._inputs:
                 self._inputs[kind] = to_device(self.inputs, device)
         return self._inputs[kind]
