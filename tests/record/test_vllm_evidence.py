@@ -17,15 +17,18 @@ from typing import Any
 import pytest
 import torch
 
-from attndbg.checks.context import CheckOptions
+from attndbg.checks import invariants
+from attndbg.checks.context import CheckContext, CheckOptions
 from attndbg.checks.findings import FindingClass
 from attndbg.checks.run import DETECTORS, check_steps
 from attndbg.record.session import RecordingSession
+from attndbg.record.vllm_convert import convert_common
 from attndbg.record.vllm_fields import ENGINE_FIELDS, FIELDS_BY_NAME, Trim
+from attndbg.record.vllm_plan import plan_from_metadata
 from attndbg.trace.schema import ForwardMode, Trace
 from tests.record.vllm_builder_env import HEAD_DIM, KV_HEADS, LAYERS, kv_cache_interface, new_builder, triton_attn, written
 from tests.record.vllm_builder_env import session, vllm_config  # noqa: F401  (fixtures)
-from tests.record.vllm_env import BLOCK_SIZE, NUM_BLOCKS, CommonAttentionMetadata, make_layout
+from tests.record.vllm_env import BLOCK_SIZE, NUM_BLOCKS, CommonAttentionMetadata, make_layout, trace_of
 
 # Two decodes padded to a FULL-graph capture size of 4 (vLLM 0.33: padded rows seq_len 0,
 # query_len 0, NULL_BLOCK_ID rows; padded tokens slot -1). Request 0: blocks 7, 3 (slots
@@ -197,3 +200,16 @@ def test_recorded_common_metadata_is_verbatim_but_for_its_trim(session: Recordin
     assert torch.equal(plan.tensors["common.block_table_tensor"], cm.block_table_tensor[:, :3])
     assert (plan.scalars["common.num_reqs"], plan.scalars["common.num_actual_tokens"], plan.scalars["common.max_seq_len"]) == (4, 4, 33)
     assert not any(k.startswith("common.") and k.endswith("_data_ptr") for k in plan.scalars)
+
+
+def test_a_recording_without_the_evidence_is_checked_on_the_builders_own_fields(vllm_config) -> None:
+    """Recordings made before `common.*` was kept: TritonAttentionMetadata passes query_start_loc
+    and the block table on under its own names, and those are checked instead."""
+    cm = make_layout(**PADDED).cm
+    cm = cm.replace(**qsl([0, 1, 2, 0, 0]), **table_entry(cm, 1, 1, -1))
+    metadata = new_builder(vllm_config).build(0, cm)
+    plan = plan_from_metadata(metadata, backend="TRITON_ATTN", block_size=BLOCK_SIZE, max_seq_len=int(cm.max_seq_len))
+    assert not any(name.startswith("common.") for name in plan.tensors)
+    trace = trace_of(convert_common(cm, block_size=BLOCK_SIZE), plan=plan)
+    found = [(f.check, f.location.request, f.location.field) for f in invariants.detect(CheckContext(trace=trace, path="old.pt"))]
+    assert found == [("indptr-decreases", 2, "plan.query_start_loc[3]"), ("index-outside-cache", 1, "plan.block_table[1, 1]")]
