@@ -7,7 +7,8 @@ The rules every engine hook follows through this class:
 - nothing is copied while a CUDA graph is being captured (a copy there would be baked into the
   graph and a host wait would break the capture): `snapshot` refuses, the step is skipped;
 - a hook that fails logs one line and recording stops; the engine goes on (`guard`);
-- files are written atomically and the directory stops growing at `max_bytes`;
+- files are written atomically and the directory stops growing at `max_bytes`; a write the OS
+  refuses (a full disk, a quota) stops recording with one line naming the directory and the errno;
 - the engine never waits on the writer: when the queue is full, the step is dropped and counted;
 - validating and saving run in a child process (`writer_process`), so that Python work does not
   hold the engine process's GIL; the writer thread here only builds and packs each step.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import os
 import queue
 import sys
@@ -95,7 +97,7 @@ class RecordingSession:
         self.out_dir = Path(options.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.stats = Stats()
-        self._log = log or (lambda message: print(f"attndbg record: {message}", file=sys.stderr, flush=True))
+        self._log = log or _log_line
         self._enabled = True
         self._steps = 0
         self._lock = threading.Lock()
@@ -157,7 +159,9 @@ class RecordingSession:
         if self._enabled:
             self._enabled = False
             self.stats.stopped_reason = reason
-            self._log(f"recording stopped, the engine goes on ({reason})")
+            # stderr may be a file on the disk that just filled: the line is lost, never raised.
+            with contextlib.suppress(OSError):
+                self._log(f"recording stopped, the engine goes on ({reason})")
 
     # -- writer -----------------------------------------------------------------------------------
 
@@ -181,11 +185,15 @@ class RecordingSession:
             return
         rank = trace.source.tp_rank
         name = f"{self.options.file_prefix}step_{trace.source.step:06d}{f'_tp{rank}' if rank else ''}.pt"
-        if self._process is not None:
-            self._written(name, self._process.write(name, to_dict(trace)))
-        else:
-            path = append_to_recording(self.out_dir, trace, name)
-            self._written(name, path.stat().st_size)
+        try:
+            if self._process is not None:
+                size = self._process.write(name, to_dict(trace))
+            else:
+                size = append_to_recording(self.out_dir, trace, name).stat().st_size
+        except OSError as e:  # a full disk (ENOSPC), a quota, a read-only mount: stop, say where and why
+            self.disable(f"cannot write {name} to {self.out_dir}: {os_reason(e)}")
+            return
+        self._written(name, size)
 
     def _written(self, name: str, size: int) -> None:
         self.stats.written += 1
@@ -216,18 +224,38 @@ class RecordingSession:
             self._process.close()
 
 
+def os_reason(e: OSError) -> str:
+    """'ENOSPC: No space left on device' (the errno's name, so a log search finds it)."""
+    name = errno.errorcode.get(e.errno or 0)
+    text = e.strerror or str(e)
+    return f"{name}: {text}" if name else text
+
+
+def _log_line(message: str) -> None:
+    print(f"attndbg record: {message}", file=sys.stderr, flush=True)
+
+
 _SESSION: RecordingSession | None = None
 _SESSION_LOCK = threading.Lock()
+_SESSION_FAILED = False  # the directory could not be set up: not retried on every hook call
 
 
 def current_session() -> RecordingSession | None:
-    """The process-wide session, created on first use from the environment (or None)."""
-    global _SESSION
+    """The process-wide session, created on first use from the environment (or None).
+
+    Called from the engine's own thread: a directory that cannot be created or read (a full disk,
+    a read-only mount) is one log line and no recording, never an exception in the engine."""
+    global _SESSION, _SESSION_FAILED
     with _SESSION_LOCK:
-        if _SESSION is None:
+        if _SESSION is None and not _SESSION_FAILED:
             options = RecordOptions.from_env()
             if options is not None:
-                _SESSION = RecordingSession(options)
+                try:
+                    _SESSION = RecordingSession(options)
+                except OSError as e:
+                    _SESSION_FAILED = True
+                    with contextlib.suppress(OSError):
+                        _log_line(f"recording not started, the engine goes on (cannot write to {options.out_dir}: {os_reason(e)})")
         return _SESSION
 
 
@@ -243,9 +271,9 @@ def start_session(options: RecordOptions) -> RecordingSession:
 
 
 def end_session() -> Stats | None:
-    global _SESSION
+    global _SESSION, _SESSION_FAILED
     with _SESSION_LOCK:
-        session, _SESSION = _SESSION, None
+        session, _SESSION, _SESSION_FAILED = _SESSION, None, False
     os.environ.pop("ATTNDBG_RECORD", None)
     if session is None:
         return None

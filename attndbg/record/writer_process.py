@@ -28,6 +28,7 @@ from attndbg.record.options import ENV_VAR
 
 _HEADER = struct.Struct("<Q")
 _TENSOR = "__attndbg_tensor__"
+_OS_ERROR = "oserror"  # answer status: writing failed in the OS ("oserror <errno> <strerror>")
 
 
 def pack(obj: Any) -> Any:
@@ -77,15 +78,22 @@ class ProcessWriter:
         )
 
     def write(self, name: str, data: dict[str, Any]) -> int:
-        """Write one step; returns its file size. Raises when the child refused it or is gone."""
+        """Write one step; returns its file size. Raises OSError when the child could not write to
+        the directory (a full disk), RuntimeError when it refused the step or is gone."""
         assert self._process.stdin is not None and self._process.stdout is not None
         payload = pickle.dumps((name, pack(data)), protocol=5)
-        self._process.stdin.write(_HEADER.pack(len(payload)) + payload)
-        self._process.stdin.flush()
+        try:
+            self._process.stdin.write(_HEADER.pack(len(payload)) + payload)
+            self._process.stdin.flush()
+        except OSError:  # a broken pipe: the child is gone; this is not the directory's error
+            raise RuntimeError(f"the writer process exited (exit code {self._process.poll()})") from None
         answer = self._process.stdout.readline().decode("utf-8", "replace").rstrip("\n")
         if not answer:
             raise RuntimeError(f"the writer process exited (exit code {self._process.poll()})")
         status, _, rest = answer.partition(" ")
+        if status == _OS_ERROR:
+            code, _, strerror = rest.partition(" ")
+            raise OSError(int(code), strerror)
         if status != "ok":
             raise RuntimeError(rest)
         return int(rest.rpartition(" ")[2])
@@ -114,6 +122,8 @@ def _serve(out_dir: Path) -> None:
             name, packed = _PlainUnpickler(io.BytesIO(payload)).load()
             path = append_to_recording(out_dir, from_dict(unpack(packed)), name)
             answer = f"ok {name} {path.stat().st_size}"
+        except OSError as e:  # the directory's (ENOSPC, EDQUOT, EROFS, ...): the parent says so, naming it
+            answer = f"{_OS_ERROR} {e.errno or 0} {e.strerror or e}"
         except Exception as e:  # noqa: BLE001 - reported to the parent, which stops recording
             answer = f"error writing a step: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         sys.stdout.write(answer + "\n")
