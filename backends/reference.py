@@ -44,6 +44,7 @@ def attention(
     compute_dtype: torch.dtype = torch.float64,
     *,
     columns: Tensor | None = None,  # [bs, 2] int64: per request, only KV columns [start, end) (a partial state)
+    tables: list[GroupTables] | None = None,  # filled on the first call, reused by the next (same trace, inputs and columns)
 ) -> AttentionResult:
     """Masked softmax attention for the whole batch.
 
@@ -54,14 +55,25 @@ def attention(
     With `columns`, each request attends only to its columns in [start, end): the partial state a
     split-KV kernel computes for that split (output normalised over those keys, their LSE); a row
     that sees none of them has output 0 and LSE -inf.
+
+    `tables`: the gather and mask tables of every group, built by the first call that gets an empty
+    list and reused by later calls on the same step (the float64 and the low-precision reference
+    read the same rows and columns; building the tables is most of their host time).
     """
     model, batch = trace.model, trace.batch
     device = inputs.q.device
     out = torch.zeros(batch.num_tokens, model.num_qo_heads, model.v_head_dim, dtype=compute_dtype, device=device)
     lse = torch.full((batch.num_tokens, model.num_qo_heads), float("-inf"), dtype=torch.float64, device=device)
     budget = GROUP_BYTES.get(device.type, GROUP_BYTES["cpu"])
-    for group in _groups(trace, compute_dtype, budget):
-        _attend_group(trace, inputs, group, compute_dtype, columns, out, lse)
+    if tables is None or not tables:
+        # Sized for float64 whatever the dtype: both references then share one grouping.
+        built = [_group_tables(trace, group, columns, device) for group in _groups(trace, torch.float64, budget)]
+        if tables is not None:
+            tables.extend(built)
+    else:
+        built = tables
+    for group in built:
+        _attend_group(trace, inputs, group, compute_dtype, out, lse)
     return AttentionResult(output=out, lse=lse)
 
 
@@ -115,30 +127,45 @@ def _group_masks(trace: Trace, group: list[_Unit], kv_max: int, rows_max: int, c
     return mask
 
 
-def _attend_group(
-    trace: Trace,
-    inputs: AttentionInputs,
-    group: list[_Unit],
-    compute_dtype: torch.dtype,
-    columns: Tensor | None,
-    out: Tensor,
-    lse: Tensor,
-) -> None:
-    model, batch = trace.model, trace.batch
-    device = inputs.q.device
-    low = compute_dtype != torch.float64
-    hkv, group_size = model.num_kv_heads, model.gqa_group
+@dataclass(frozen=True)
+class GroupTables:
+    """One group's gather tables on the device: padded slots and rows (padding points at slot 0 /
+    row 0 and is masked out), which padded columns each padded row sees, and which rows are real."""
+
+    slots: Tensor  # [B, kv_max] int64
+    rows: Tensor  # [B, rows_max] int64
+    mask: Tensor  # [B, rows_max, kv_max] bool
+    real: Tensor  # [B, rows_max] bool
+
+
+def _group_tables(trace: Trace, group: list[_Unit], columns: Tensor | None, device: torch.device) -> GroupTables:
+    batch = trace.batch
     n, kv_max = len(group), max(u.kv for u in group)
     rows_max = max(u.row1 - u.row0 for u in group)
-
-    # Padded slot and row tables: padding points at slot 0 / row 0 and is masked out.
     slots = torch.zeros(n, kv_max, dtype=torch.int64)
     rows = torch.zeros(n, rows_max, dtype=torch.int64)
+    real = torch.zeros(n, rows_max, dtype=torch.bool)
     for i, u in enumerate(group):
         slots[i, : u.kv] = batch.request_slots(u.b)
         rows[i, : u.row1 - u.row0] = torch.arange(u.row0, u.row1)
-    slots, rows = slots.to(device), rows.to(device)
-    mask = _group_masks(trace, group, kv_max, rows_max, columns).to(device)
+        real[i, : u.row1 - u.row0] = True
+    mask = _group_masks(trace, group, kv_max, rows_max, columns)
+    return GroupTables(slots=slots.to(device), rows=rows.to(device), mask=mask.to(device), real=real.to(device))
+
+
+def _attend_group(
+    trace: Trace,
+    inputs: AttentionInputs,
+    tables: GroupTables,
+    compute_dtype: torch.dtype,
+    out: Tensor,
+    lse: Tensor,
+) -> None:
+    model = trace.model
+    low = compute_dtype != torch.float64
+    hkv, group_size = model.num_kv_heads, model.gqa_group
+    slots, rows, mask, real = tables.slots, tables.rows, tables.mask, tables.real
+    (n, rows_max), kv_max = rows.shape, slots.shape[1]
 
     # GQA without copying K/V per query head: query heads of one KV head become extra rows.
     k = inputs.k_cache[slots].to(compute_dtype).permute(0, 2, 1, 3)  # [B, Hkv, kv, Dk]
@@ -157,10 +184,6 @@ def _attend_group(
     o = o.view(n, hkv, group_size, rows_max, -1).permute(0, 3, 1, 2, 4).reshape(n, rows_max, model.num_qo_heads, -1)
     m = torch.logsumexp(scores.to(torch.float64), dim=-1)  # [B, Hkv, g*e]
     m = m.view(n, hkv, group_size, rows_max).permute(0, 3, 1, 2).reshape(n, rows_max, model.num_qo_heads)
-    real = torch.zeros(n, rows_max, dtype=torch.bool)
-    for i, u in enumerate(group):
-        real[i, : u.row1 - u.row0] = True
-    real = real.to(device)
     out.index_copy_(0, rows[real], o[real])
     lse.index_copy_(0, rows[real], m[real])
 

@@ -64,6 +64,80 @@ def output_tolerance(reference_output: Tensor, lowp_output: Tensor, dtype: torch
     return ERROR_FACTOR * (lowp - ref).abs().amax(-1) + floor * ref.abs().amax(-1).clamp_min(1.0)
 
 
+@dataclass(frozen=True)
+class ReferenceBasis:
+    """What every comparison of one step against its reference shares, computed once: the float64
+    reference, its magnitudes and both tolerances (a check compares a dozen runs per step)."""
+
+    ref: Tensor  # [T, Hq, Dv] float64
+    ref_lse: Tensor  # [T, Hq] float64
+    tol: Tensor  # [T, Hq] output tolerance
+    lse_tol: Tensor  # [T, Hq]
+    magnitude: Tensor  # [T, Hq] largest |reference| of the row/head
+    ref_finite: Tensor  # [T, Hq, Dv] bool
+    ref_lse_finite: Tensor
+    ref_lse_empty: Tensor  # [T, Hq] bool: the row sees no key (LSE -inf)
+    qo_indptr: Tensor  # [bs+1], CPU
+
+    @classmethod
+    def of(
+        cls, *, reference_output: Tensor, reference_lse: Tensor, lowp_output: Tensor, lowp_lse: Tensor, dtype: torch.dtype, qo_indptr: Tensor
+    ) -> ReferenceBasis:
+        ref = reference_output.detach().cpu().to(torch.float64)
+        ref_lse = reference_lse.detach().cpu().to(torch.float64)
+        lowp = lowp_output.detach().cpu().to(torch.float64)
+        lowp_lse = lowp_lse.detach().cpu().to(torch.float64)
+        lse_floor = LSE_FLOOR.get(dtype, LSE_FLOOR[torch.bfloat16])
+        lse_tol = ERROR_FACTOR * torch.where(torch.isfinite(lowp_lse), (lowp_lse - ref_lse).abs(), torch.zeros_like(ref_lse)) + lse_floor
+        return cls(
+            ref=ref,
+            ref_lse=ref_lse,
+            tol=output_tolerance(ref, lowp, dtype),
+            lse_tol=lse_tol,
+            magnitude=ref.abs().amax(-1),
+            ref_finite=torch.isfinite(ref),
+            ref_lse_finite=torch.isfinite(ref_lse),
+            ref_lse_empty=torch.isneginf(ref_lse),
+            qo_indptr=qo_indptr.cpu(),
+        )
+
+    def compare(self, output: Tensor, lse: Tensor) -> Comparison:
+        """One run's output [T, Hq, Dv] and natural-log LSE [T, Hq] against the reference."""
+        out = output.detach().to("cpu", torch.float64)
+        lse = lse.detach().to("cpu", torch.float64)
+        err = (out - self.ref).abs().amax(-1)  # [T, Hq]
+        # Rows that see no key have LSE -inf in the reference; they match when the backend agrees.
+        lse_err = (lse - self.ref_lse).abs().masked_fill_(self.ref_lse_empty & torch.isneginf(lse), 0.0)
+        nonfinite_out = ~torch.isfinite(out) & self.ref_finite
+        nonfinite_lse = ~torch.isfinite(lse) & self.ref_lse_finite
+        out_bad = nonfinite_out.any(-1)
+        nonfinite = int(nonfinite_out.sum() + nonfinite_lse.sum()) if bool(out_bad.any() or nonfinite_lse.any()) else 0
+
+        ratio = torch.nan_to_num(err / self.tol, nan=float("inf")).masked_fill_(out_bad, float("inf"))
+        lse_ratio = torch.nan_to_num(lse_err / self.lse_tol, nan=float("inf")).masked_fill_(nonfinite_lse, float("inf"))
+        head_fails = (ratio > 1) | (lse_ratio > 1)
+        worst = None
+        if err.numel():
+            combined = torch.maximum(ratio, lse_ratio)
+            flat = int(torch.argmax(combined))
+            row, head = divmod(flat, combined.shape[1])
+            request = int(torch.searchsorted(self.qo_indptr, torch.tensor(row), right=True)) - 1
+            worst = Location(request=request, row=row, head=head)
+        finite_err = torch.nan_to_num(err, nan=float("inf"))
+        return Comparison(
+            max_abs=float(finite_err.max()) if err.numel() else 0.0,
+            max_rel=float((finite_err / self.magnitude.clamp_min(1e-30)).max()) if err.numel() else 0.0,
+            max_lse_abs=float(torch.nan_to_num(lse_err, nan=float("inf")).max()) if lse_err.numel() else 0.0,
+            worst=worst,
+            failing_rows=int(head_fails.any(-1).sum()),
+            total_rows=int(err.shape[0]),
+            failing_heads=int(head_fails.sum()),
+            nonfinite=nonfinite,
+            row_errors=ratio,
+            lse_errors=lse_ratio,
+        )
+
+
 def compare(
     *,
     output: Tensor,  # [T, Hq, Dv]
@@ -75,59 +149,15 @@ def compare(
     dtype: torch.dtype,
     qo_indptr: Tensor,  # [bs+1]
 ) -> Comparison:
-    out = output.detach().to("cpu", torch.float64)
-    lse = lse.detach().to("cpu", torch.float64)
-    ref = reference_output.detach().cpu().to(torch.float64)
-    ref_lse = reference_lse.detach().cpu().to(torch.float64)
-    lowp = lowp_output.detach().cpu().to(torch.float64)
-    lowp_lse = lowp_lse.detach().cpu().to(torch.float64)
-    lse_floor = LSE_FLOOR.get(dtype, LSE_FLOOR[torch.bfloat16])
-
-    err = (out - ref).abs().amax(-1)  # [T, Hq]
-    magnitude = ref.abs().amax(-1)
-    tol = output_tolerance(ref, lowp, dtype)
-    scale = magnitude.clamp_min(1e-30)
-    # Rows that see no key have LSE -inf in the reference; they match when the backend agrees.
-    lse_both_empty = torch.isneginf(ref_lse) & torch.isneginf(lse)
-    lse_err = torch.where(lse_both_empty, torch.zeros_like(lse), (lse - ref_lse).abs())
-    lse_tol = ERROR_FACTOR * torch.where(torch.isfinite(lowp_lse), (lowp_lse - ref_lse).abs(), torch.zeros_like(lse)) + lse_floor
-
-    nonfinite_out = ~torch.isfinite(out) & torch.isfinite(ref)
-    nonfinite_lse = ~torch.isfinite(lse) & torch.isfinite(ref_lse)
-    nonfinite = int(nonfinite_out.sum() + nonfinite_lse.sum())
-
-    ratio = torch.nan_to_num(err / tol, nan=float("inf"))
-    lse_ratio = torch.nan_to_num(lse_err / lse_tol, nan=float("inf"))
-    ratio = torch.where(nonfinite_out.any(-1), torch.full_like(ratio, float("inf")), ratio)
-    lse_ratio = torch.where(nonfinite_lse, torch.full_like(lse_ratio, float("inf")), lse_ratio)
-    head_fails = (ratio > 1) | (lse_ratio > 1)
-    worst = None
-    if err.numel():
-        combined = torch.maximum(ratio, lse_ratio)
-        flat = int(torch.argmax(combined))
-        row, head = divmod(flat, combined.shape[1])
-        request = int(torch.searchsorted(qo_indptr.cpu(), torch.tensor(row), right=True)) - 1
-        worst = Location(request=request, row=row, head=head)
-    finite_err = torch.nan_to_num(err, nan=float("inf"))
-    return Comparison(
-        max_abs=float(finite_err.max()) if err.numel() else 0.0,
-        max_rel=float((finite_err / scale).max()) if err.numel() else 0.0,
-        max_lse_abs=float(torch.nan_to_num(lse_err, nan=float("inf")).max()) if lse_err.numel() else 0.0,
-        worst=worst,
-        failing_rows=int(head_fails.any(-1).sum()),
-        total_rows=int(err.shape[0]),
-        failing_heads=int(head_fails.sum()),
-        nonfinite=nonfinite,
-        row_errors=ratio,
-        lse_errors=lse_ratio,
+    basis = ReferenceBasis.of(
+        reference_output=reference_output, reference_lse=reference_lse, lowp_output=lowp_output, lowp_lse=lowp_lse, dtype=dtype, qo_indptr=qo_indptr
     )
+    return basis.compare(output, lse)
 
 
-def compare_to_reference(trace: Trace, result: AttentionResult, reference: AttentionResult, lowp: AttentionResult) -> Comparison:
-    """`compare` for one step: `reference` in float64, `lowp` the same math in the trace's dtype."""
-    return compare(
-        output=result.output,
-        lse=result.lse,
+def reference_basis(trace: Trace, reference: AttentionResult, lowp: AttentionResult) -> ReferenceBasis:
+    """The comparison basis of one step: `reference` in float64, `lowp` the same math in the trace's dtype."""
+    return ReferenceBasis.of(
         reference_output=reference.output,
         reference_lse=reference.lse,
         lowp_output=lowp.output,
@@ -135,3 +165,8 @@ def compare_to_reference(trace: Trace, result: AttentionResult, reference: Atten
         dtype=DTYPES[trace.model.q_dtype],
         qo_indptr=trace.batch.qo_indptr,
     )
+
+
+def compare_to_reference(trace: Trace, result: AttentionResult, reference: AttentionResult, lowp: AttentionResult) -> Comparison:
+    """`compare` for one step: `reference` in float64, `lowp` the same math in the trace's dtype."""
+    return reference_basis(trace, reference, lowp).compare(result.output, result.lse)

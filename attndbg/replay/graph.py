@@ -42,12 +42,25 @@ def default_capture_bs(trace: Trace) -> int:
     return sizes[i] if i < len(sizes) else trace.batch.batch_size + 1
 
 
+# The last trace's decoy: every backend's padded replay of one step uses the same one.
+_last_decoy: tuple[Trace, Trace] | None = None
+
+
 def decoy(trace: Trace) -> Trace:
     """A different batch of the same shape class: about half of each request's cached KV dropped.
 
     Replayed into the graph first, so anything the real replay reads but does not rewrite (stale
     indices, masks, split counts) holds the decoy's values instead of zeros.
     """
+    global _last_decoy
+    if _last_decoy is not None and _last_decoy[0] is trace:
+        return _last_decoy[1]
+    made = _make_decoy(trace)
+    _last_decoy = (trace, made)
+    return made
+
+
+def _make_decoy(trace: Trace) -> Trace:
     b = trace.batch
     page = trace.model.page_size
     rows, kv, prefix, cols = [], [], [], []

@@ -16,7 +16,7 @@ from torch import Tensor
 from attndbg import machine
 from attndbg.backends import reference
 from attndbg.backends.base import AttentionInputs, AttentionResult
-from attndbg.compare.tolerance import Comparison, compare_to_reference, output_tolerance
+from attndbg.compare.tolerance import Comparison, ReferenceBasis, reference_basis
 from attndbg.profiling import phase, step_label
 from attndbg.replay.data import build_inputs, to_device
 from attndbg.trace.schema import DTYPES, Trace
@@ -38,6 +38,9 @@ class StepData:
         self._inputs: dict[str, AttentionInputs] = {}
         self._reference: AttentionResult | None = None
         self._lowp: AttentionResult | None = None
+        self._basis: ReferenceBasis | None = None
+        # The reference's gather/mask tables, shared by the float64 and the low-precision reference.
+        self._tables: list[reference.GroupTables] = []
         # Eager runs of derived plans, by (backend, its options, repeat): the runner's memo, so the
         # variants of a step (graph fills, split counts) do not rerun the same eager launch.
         self.eager_runs: dict[tuple, Any] = {}
@@ -63,7 +66,7 @@ class StepData:
         """float64, on the CPU (comparisons happen there)."""
         if self._reference is None:
             with phase("reference", self.label):
-                self._reference = _cpu(reference.attention(self.trace, self.inputs, torch.float64))
+                self._reference = _cpu(reference.attention(self.trace, self.inputs, torch.float64, tables=self._tables))
         return self._reference
 
     @property
@@ -71,16 +74,23 @@ class StepData:
         """The same math in the run's dtype, on the CPU: it sizes the tolerance."""
         if self._lowp is None:
             with phase("reference", self.label):
-                self._lowp = _cpu(reference.attention(self.trace, self.inputs, DTYPES[self.trace.model.q_dtype]))
+                self._lowp = _cpu(reference.attention(self.trace, self.inputs, DTYPES[self.trace.model.q_dtype], tables=self._tables))
         return self._lowp
+
+    @property
+    def basis(self) -> ReferenceBasis:
+        """The reference and its tolerances as every comparison of this step reads them."""
+        if self._basis is None:
+            self._basis = reference_basis(self.trace, self.reference, self.lowp)
+        return self._basis
 
     def compare(self, result: AttentionResult) -> Comparison:
         with phase("compare", self.label):
-            return compare_to_reference(self.trace, result, self.reference, self.lowp)
+            return self.basis.compare(result.output, result.lse)
 
     def output_tolerance(self) -> Tensor:
         """[T, Hq] float64: the absolute output error each row/head may have (tolerance.py's model)."""
-        return output_tolerance(self.reference.output, self.lowp.output, DTYPES[self.trace.model.q_dtype])
+        return self.basis.tol
 
     def partial(self, columns: Tensor) -> AttentionResult:
         """float64 partial states: request b over its KV columns [columns[b,0], columns[b,1]) only."""
