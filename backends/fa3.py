@@ -280,12 +280,19 @@ class FA3Backend(Backend):
     def plan_view(self, trace: Trace, plan: Plan) -> pv.PlanView:
         """SGLang's FlashAttentionBackend metadata as `FA3Call`s read it: per call a page table whose
         row b is read up to ceil(cache_seqlens[b] / page) pages, cu_seqlens_q over query rows; the
-        two-call tree verify adds the expand_ call (page size 1: its table holds slot ids).
-        cu_seqlens_k is recorded but not read by a paged call, so it is not bounded here."""
+        two-call tree verify adds the expand_ call (page size 1: its table holds slot ids; one row
+        per draft token), and its torch merge reads every query row of both calls, so each call's
+        cu_seqlens_q must end at the step's token count. cu_seqlens_k is recorded but not read by
+        a paged call, so it is not bounded here."""
         pv.require(plan, "window_left", "verify_path")
-        calls = ("", "expand_") if plan.scalars["verify_path"] == "two-call" else ("",)
+        two_call = plan.scalars["verify_path"] == "two-call"
+        calls = ("", "expand_") if two_call else ("",)
+        tokens = trace.batch.num_tokens
         requests, kv = 0, None
         bounds: list[pv.Bound] = []
+        layout = [_call_layout("", 1)]
+        if two_call and trace.spec is not None:
+            layout.append(_call_layout("expand_", trace.spec.draft_token_num))
         for prefix in calls:
             pv.require(plan, *(f"{prefix}{name}" for name in ("max_seqlen_q", "max_seqlen_k", "causal")))
             ps = pv.page_size(plan, f"{prefix}page_size")
@@ -294,14 +301,18 @@ class FA3Backend(Backend):
                 table=f"{prefix}page_table",
                 lens=f"{prefix}cache_seqlens",
                 cu_seqlens_q=f"{prefix}cu_seqlens_q",
-                tokens=trace.batch.num_tokens,
+                tokens=tokens,
                 kv_cache_size=trace.batch.kv_cache_size,
                 page_size=ps,
             )
             bounds += call_bounds
+            cu = pv.index(plan, f"{prefix}cu_seqlens_q")
+            if two_call and cu.numel():
+                # Short of the step's rows, the merge's masks no longer match the outputs' shape.
+                bounds.append(pv.Equals(f"{prefix}cu_seqlens_q[-1]", int(cu[-1]), tokens, "the two-call merge reads every query row of the step from both calls"))
             if not prefix:
                 requests, kv = rows, call_kv
-        return pv.PlanView(requests, tuple(bounds), kv)
+        return pv.PlanView(requests, tuple(bounds), kv, layout=tuple(layout))
 
     # -- run ------------------------------------------------------------------------------------
 
@@ -459,6 +470,15 @@ class _FlashInferFA3Graph(FlashInferGraphState):
 
 
 # -- translation helpers ----------------------------------------------------------------------
+
+
+def _call_layout(prefix: str, per_request: int) -> pv.RequestRows:
+    """One FA3Call's per-request tensors: `per_request` rows per request (the expand_ call: one per draft token)."""
+    return pv.RequestRows(
+        per_request,
+        rows=(f"{prefix}page_table", f"{prefix}cache_seqlens"),
+        offsets=((f"{prefix}cu_seqlens_q", None), (f"{prefix}cu_seqlens_k", None)),
+    )
 
 
 def flashinfer_paged_kv(page_table: Tensor, cache_seqlens: Tensor, page_size: int) -> tuple[Tensor, Tensor, Tensor]:

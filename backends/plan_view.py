@@ -92,6 +92,18 @@ class RequestKV:
 
 
 @dataclass(frozen=True)
+class RequestRows:
+    """Plan tensors laid out request by request, `per_request` entries each (a two-call verify's
+    expand_ call has one per draft token), so the first b requests are the first b * per_request
+    rows of each of `rows`, and the first b * per_request + 1 entries of each of `offsets` (an
+    indptr over those rows, with the flat tensor it indexes, which keeps what the kept offsets reach)."""
+
+    per_request: int
+    rows: tuple[str, ...]  # e.g. ("page_table", "cache_seqlens")
+    offsets: tuple[tuple[str, str | None], ...] = ()  # (indptr, the flat tensor it indexes; None: query rows)
+
+
+@dataclass(frozen=True)
 class PlanView:
     """A plan as its kernel will read it. Bounds are in checking order: sizes and offsets first,
     so the first violation reported is the cause, not a consequence."""
@@ -99,6 +111,9 @@ class PlanView:
     requests: int  # the most requests any of its per-request tensors describes (query rows: the Offsets)
     bounds: tuple[Bound, ...]
     kv: RequestKV | None = None  # None where not cheap to give
+    # Which tensors are per request, and how: what keeps a graph-padded plan's real requests
+    # (plan_guard.real_requests_only). None: the guard's table of the usual indptr names.
+    layout: tuple[RequestRows, ...] | None = None
 
 
 # -- reading an untrusted plan ------------------------------------------------------------------

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from attndbg.backends import registry
 from attndbg.backends.base import Backend
-from attndbg.backends.plan_view import Bound, Entries, Equals, Extents, Offsets, PlanViewError
+from attndbg.backends.plan_view import Bound, Entries, Equals, Extents, Offsets, PlanView, PlanViewError, RequestRows
 from attndbg.trace.schema import Plan, Trace
 
 # Per-request offsets by name, and the flat tensor each one indexes (None: query rows).
@@ -30,31 +30,57 @@ def _request_count(plan: Plan) -> int | None:
     return max(counts) if counts else None
 
 
-def real_requests_only(trace: Trace, plan: Plan) -> Plan:
+def real_requests_only(trace: Trace, plan: Plan, backend: Backend | None = None) -> Plan:
     """The real requests' part of a plan recorded at a CUDA-graph replay.
 
     Such a plan covers the graph's capture_bs requests, padding included (SGLang builds it that
     way). Replayed eagerly on the step's real batch, its padded requests would read query rows that
     do not exist: keep the first batch_size requests of every per-request tensor, and of each flat
-    tensor the part those requests index. Any other plan is returned as it is.
+    tensor the part those requests index. Which tensors are per request, and with how many rows
+    each, is the backend plan view's `layout` (fa3's two-call expand_ tables have one row per draft
+    token); without one, the usual indptr names and every tensor with a row per request. Any other
+    plan is returned as it is (the guard then judges it whole).
     """
     graph, bs = trace.graph, trace.batch.batch_size
-    n = _request_count(plan)
-    if graph is None or not graph.is_graph_replay or n is None or n <= bs or n != graph.capture_bs:
+    if graph is None or not graph.is_graph_replay or bs >= graph.capture_bs:
+        return plan
+    view = _view(trace, plan, backend)
+    layout = view.layout if view is not None else None
+    n = view.requests if layout is not None else _request_count(plan)
+    if n != graph.capture_bs:
         return plan
     tensors = dict(plan.tensors)
-    flat = {target for target in _INDPTRS.values() if target}
-    for name, target in _INDPTRS.items():
-        values = plan.tensors.get(name)
-        if values is None or values.numel() != n + 1:
-            continue
-        tensors[name] = values[: bs + 1]
-        if target in plan.tensors:
-            tensors[target] = plan.tensors[target][: int(values[bs])]
-    for name, values in plan.tensors.items():
-        if name not in _INDPTRS and name not in flat and values.dim() >= 1 and values.shape[0] == n:
-            tensors[name] = values[:bs]  # one entry (or row) per request: num_kv_splits, page_table, ...
+    for group in layout if layout is not None else _usual_layout(plan, n):
+        keep, whole = bs * group.per_request, n * group.per_request
+        for name in group.rows:
+            values = plan.tensors.get(name)
+            if values is not None and values.dim() >= 1 and values.shape[0] == whole:
+                tensors[name] = values[:keep]
+        for name, target in group.offsets:
+            values = plan.tensors.get(name)
+            if values is None or values.dim() != 1 or values.numel() != whole + 1:
+                continue
+            tensors[name] = values[: keep + 1]
+            if target is not None and target in plan.tensors:
+                tensors[target] = plan.tensors[target][: max(0, int(values[keep]))]
     return Plan(backend=plan.backend, tensors=tensors, scalars=dict(plan.scalars))
+
+
+def _view(trace: Trace, plan: Plan, backend: Backend | None) -> PlanView | None:
+    """The plan's view, or None where there is none (`refusal` then says why)."""
+    try:
+        backend = backend or registry.create(plan.backend)
+        return backend.plan_view(trace, plan)
+    except (KeyError, PlanViewError):
+        return None
+
+
+def _usual_layout(plan: Plan, n: int) -> tuple[RequestRows, ...]:
+    """Without a backend's layout: the usual indptrs, and every other tensor with one row per request
+    (num_kv_splits, page_table, ...) but the flat tensors those indptrs index."""
+    flat = {target for target in _INDPTRS.values() if target}
+    rows = tuple(name for name, values in plan.tensors.items() if name not in _INDPTRS and name not in flat and values.dim() >= 1 and values.shape[0] == n)
+    return (RequestRows(1, rows, tuple(_INDPTRS.items())),)
 
 
 @dataclass(frozen=True)
@@ -99,11 +125,11 @@ def refusal(trace: Trace, plan: Plan, backend: Backend | None = None) -> Refusal
 
 
 def _field_of(bound: Bound) -> str:
-    """The plan tensor a bound judges ('kv_last_page_len' of 'kv_last_page_len.numel()'), or
-    'scalars.<name>'."""
+    """The plan tensor a bound judges ('kv_last_page_len' of 'kv_last_page_len.numel()',
+    'cu_seqlens_q' of 'cu_seqlens_q[-1]'), or 'scalars.<name>'."""
     if isinstance(bound, Extents):
         return bound.field or bound.target
-    return bound.field if bound.field.startswith("scalars.") else bound.field.split(".")[0]
+    return bound.field if bound.field.startswith("scalars.") else bound.field.split(".")[0].split("[")[0]
 
 
 def violation(bound: Bound) -> str | None:
