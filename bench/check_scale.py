@@ -10,10 +10,11 @@ subprocess and reports, each as its own row:
 
   cold       a fresh process on a small sample with empty kernel caches (FlashInfer/Triton JIT)
   warm       the whole recording, caches filled (the number the issue targets: <= 60 s / 1000 steps)
-  graph      the same with --cuda-graph (target <= 150 s)
+  default    the whole recording with the default --jobs (auto: workers by cores, GPUs and steps)
+  graph      the same with --cuda-graph (target <= 150 s); graph1: with --jobs 1
   jobs N     the same with --jobs N (one GPU)
-  long       a recording of `--long` steps (hard links to the first recording's files), for memory
-             flatness: peak host RSS and peak GPU memory must not grow with the length
+  long       the default command on the recording and on one of `--long` steps (hard links to the
+             first recording's files), for memory flatness: peaks must not grow with the length
 
 Peak host RSS is the largest of the check process and its workers (getrusage of the children);
 GPU memory is sampled from nvidia-smi every 0.1 s while the command runs. Results go to
@@ -223,15 +224,15 @@ def main() -> int:
         jobs = max(jobs_list)
         record(f"jobs {jobs} devices {args.devices}", [str(rec), *base, "--jobs", str(jobs), "--devices", args.devices], args.steps)
     if "graph" in runs:
+        record("graph, default jobs", [str(rec), *base, "--cuda-graph"], args.steps)
+    if "graph1" in runs:
         record("graph, jobs 1", [str(rec), *base, "--cuda-graph", "--jobs", "1"], args.steps)
-        if jobs_list:
-            record(f"graph jobs {max(jobs_list)}", [str(rec), *base, "--cuda-graph", "--jobs", str(max(jobs_list))], args.steps)
     if "long" in runs:
+        # The command as a user runs it (default --jobs) on both lengths: peaks must not grow.
         long_rec = work / f"rec{args.long}"
         lengthen(rec, long_rec, args.long)
-        jobs = max(jobs_list) if jobs_list else 1
-        record(f"length {args.steps}", [str(rec), *base, "--jobs", str(jobs)], args.steps)
-        record(f"length {args.long}", [str(long_rec), *base, "--jobs", str(jobs)], args.long)
+        record(f"length {args.steps}", [str(rec), *base], args.steps)
+        record(f"length {args.long}", [str(long_rec), *base], args.long)
     same = None
     warm_json = work / "warm.json"
     for jobs in jobs_list:
