@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
+from attndbg.backends.plan_layout import PlanLayout
 from attndbg.backends.plan_view import PlanView
 from attndbg.trace.schema import Plan, Trace
 
@@ -157,6 +158,14 @@ class Backend(abc.ABC):
 
         None: this backend declares no plan view, so a recorded plan for it cannot be guarded and
         is never launched."""
+        return None
+
+    def plan_layout(self, trace: Trace, plan: Plan) -> PlanLayout | None:
+        """How the detectors read `plan` (in this backend's layout): each request's KV ids and
+        length, the columns they cover, the encoding of a verify step's visibility. Lenient where
+        plan_view is strict: a plan missing a field still has a layout.
+
+        None: this backend declares no layout, so the plan detectors cannot read its plans."""
         return None
 
     def graph_unsupported_reason(self, trace: Trace) -> str | None:

@@ -35,6 +35,7 @@ from attndbg.backends.base import (
     Padding,
     coerce_option,
 )
+from attndbg.backends import plan_layout as pl
 from attndbg.backends import plan_view as pv
 from attndbg.backends.flashinfer import LN2, WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error
 from attndbg.trace import tree
@@ -313,6 +314,23 @@ class FA3Backend(Backend):
             if not prefix:
                 requests, kv = rows, call_kv
         return pv.PlanView(requests, tuple(bounds), kv, layout=tuple(layout))
+
+    def plan_layout(self, trace: Trace, plan: Plan) -> pl.PlanLayout:
+        """A page table row per request read up to cache_seqlens; the two-call tree verify's first
+        call lists the prefix only and its expand_ call, per draft token, the draft slots it sees."""
+        two_call = plan.scalars.get("verify_path") == VerifyPath.TWO_CALL.value
+        return pl.PlanLayout(
+            kv=pl.KvIds.TABLE,
+            ids="page_table",
+            count="cache_seqlens",
+            length="cache_seqlens",
+            length_field="cache_seqlens",
+            page_size=None,
+            ends=(pl.KvEnd.PREFIX,) if two_call and trace.is_tree_verify else (pl.KvEnd.KV,),
+            mask=pl.MaskReading.EXPAND_CALL if two_call else pl.MaskReading.CAUSAL,
+            window="window_left",
+            expand=pl.ExpandTables("expand_page_table", "expand_cache_seqlens", "expand_cu_seqlens_k"),
+        )
 
     # -- run ------------------------------------------------------------------------------------
 

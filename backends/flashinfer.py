@@ -44,6 +44,7 @@ from attndbg.backends.base import (
     Padding,
     coerce_option,
 )
+from attndbg.backends import plan_layout as pl
 from attndbg.backends import plan_view as pv
 from attndbg.trace import tree
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Model, Plan, Trace, indptr
@@ -395,6 +396,27 @@ class FlashInferBackend(Backend):
                 starts = torch.nn.functional.pad(sizes.cumsum(0), (1, 0))[:-1]
                 bounds.append(pv.Extents(None, starts, sizes, plan.tensors["custom_mask"].numel(), "q_len x kv_len mask block", "custom_mask"))
         return pv.PlanView(pv.covered(offsets=(kv_indptr, qo_indptr), rows=(last,)), tuple(bounds), pv.csr_kv(kv_indices, kv_indptr, lens, ps))
+
+    def plan_layout(self, trace: Trace, plan: Plan) -> pl.PlanLayout:
+        """Page ids over kv_indptr, a request's tokens (pages - 1) * page + kv_last_page_len. An
+        extend lists by `path`: paged the whole row, ragged and cascade the prefix (the new tokens
+        go through the ragged wrapper), an unknown path either; a verify step the whole row, with
+        a mask block per request over exactly the KV it lists (plan() sizes blocks q_len x kv_len)."""
+        ends = (pl.KvEnd.KV,)
+        if not trace.is_tree_verify:
+            path = str(plan.scalars.get("path"))
+            ends = {PlanPath.PAGED.value: (pl.KvEnd.KV,), PlanPath.RAGGED.value: (pl.KvEnd.PREFIX,), PlanPath.CASCADE.value: (pl.KvEnd.PREFIX,)}.get(path, (pl.KvEnd.KV, pl.KvEnd.PREFIX))
+        return pl.PlanLayout(
+            kv=pl.KvIds.PAGES_LAST_PAGE_LEN,
+            ids="kv_indices",
+            count="kv_indptr",
+            length="kv_last_page_len",
+            length_field="kv_indptr/kv_last_page_len",
+            page_size=None,
+            ends=ends,
+            mask=pl.MaskReading.COVERED_BLOCKS if "custom_mask" in plan.tensors else pl.MaskReading.CAUSAL,
+            window="window_left",
+        )
 
     # -- run ----------------------------------------------------------------------------------
 

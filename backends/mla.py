@@ -39,10 +39,11 @@ from attndbg.backends.base import (
     Padding,
     coerce_option,
 )
+from attndbg.backends import plan_layout as pl
 from attndbg.backends import plan_view as pv
 from attndbg.backends.fa3 import KERNEL_ERRORS, build_page_table, is_chain, padded_requests
 from attndbg.backends.flashinfer import LN2, WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error
-from attndbg.backends.triton import TritonBackend, triton_plan_view
+from attndbg.backends.triton import TritonBackend, triton_plan_layout, triton_plan_view
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace, indptr
 
 # FlashMLA reads the cache in 64-token blocks (SGLang's flashmla_backend PAGE_SIZE).
@@ -226,6 +227,24 @@ class MLABackend(Backend):
         ]
         lens = kv_len_arr[:requests].clamp(min=0) if kv_len_arr.numel() >= requests else pages * ps
         return pv.PlanView(pv.covered(offsets=(kv_indptr, qo_indptr), rows=(kv_len_arr,)), tuple(bounds), pv.csr_kv(kv_indices, kv_indptr, lens, ps))
+
+    def plan_layout(self, trace: Trace, plan: Plan) -> pl.PlanLayout | None:
+        """By the plan's own `impl`: triton's layout; FlashInfer MLA's page ids over kv_indptr with
+        kv_len_arr tokens each; FlashMLA's block_table rows read up to cache_seqlens. Both of the
+        latter read whole rows and run verify steps causal, with no mask (SGLang: topk 1 only).
+        None for an unknown impl."""
+        impl = plan.scalars.get("impl")
+        if impl == MLAImpl.TRITON.value:
+            return triton_plan_layout(plan)
+        if impl == MLAImpl.FLASHINFER.value:
+            kv, ids, count, length = pl.KvIds.PAGES_LENGTHS, "kv_indices", "kv_indptr", "kv_len_arr"
+        elif impl == MLAImpl.FLASHMLA.value:
+            kv, ids, count, length = pl.KvIds.TABLE, "block_table", "cache_seqlens", "cache_seqlens"
+        else:
+            return None
+        return pl.PlanLayout(
+            kv=kv, ids=ids, count=count, length=length, length_field=length, page_size=None, ends=(pl.KvEnd.KV,), mask=pl.MaskReading.CAUSAL, window="window_left"
+        )
 
     # -- run ------------------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from importlib.metadata import entry_points
 from attndbg.backends.base import Backend
 from attndbg.backends.reference import ReferenceBackend
 from attndbg.backends.triton import TritonBackend, TritonOptions
+from attndbg.trace.schema import Plan
 
 ENTRY_POINT_GROUP = "attndbg.backends"
 BUILTIN = ("reference", "triton", "flashinfer", "fa3", "mla")
@@ -64,6 +65,15 @@ def create(name: str, *, triton_options: TritonOptions | None = None) -> Backend
         module, _, cls = target.partition(":")
         return getattr(importlib.import_module(module), cls)()
     raise KeyError(name)
+
+
+def adapter_of(plan: Plan) -> Backend | None:
+    """The adapter whose layout `plan` is in (the one `plan.backend` names), or None when no
+    adapter has that name (an engine's own backend, e.g. vLLM's)."""
+    try:
+        return create(plan.backend)
+    except KeyError:
+        return None
 
 
 def resolve(spec: str) -> list[str]:

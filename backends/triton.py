@@ -23,6 +23,7 @@ from attndbg.backends.base import (
     KernelError,
     Padding,
 )
+from attndbg.backends import plan_layout as pl
 from attndbg.backends import plan_view as pv
 from attndbg.trace import tree
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace, indptr
@@ -222,6 +223,9 @@ class TritonBackend(Backend):
     def plan_view(self, trace: Trace, plan: Plan) -> pv.PlanView:
         return triton_plan_view(trace, plan)
 
+    def plan_layout(self, trace: Trace, plan: Plan) -> pl.PlanLayout:
+        return triton_plan_layout(plan)
+
     # -- run ----------------------------------------------------------------------------------
 
     def run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
@@ -251,6 +255,27 @@ class TritonBackend(Backend):
 
     def graph_state(self, trace: Trace, capacity: GraphCapacity) -> GraphState:
         return _TritonGraphState(trace, capacity, self.options)
+
+
+def triton_plan_layout(plan: Plan) -> pl.PlanLayout:
+    """SGLang's Triton ForwardMetadata: slot ids, so a request's length is its count of ids; extend
+    and verify list the prefix only (extend.py takes this step's K/V rows separately); a verify
+    mask is the FULL [n, prefix + n] block per request, read from the first listed column by
+    `window_kv_offsets` and, unless `skip_prefix_custom_mask` is false, only over the draft
+    columns. Sliding-window layers read SGLang's window list instead of kv_indices."""
+    return pl.PlanLayout(
+        kv=pl.KvIds.SLOTS,
+        ids="kv_indices",
+        count="kv_indptr",
+        length=None,
+        length_field="kv_indptr",
+        page_size=1,
+        ends=(pl.KvEnd.PREFIX,),
+        mask=pl.MaskReading.FULL_BLOCKS if "custom_mask" in plan.tensors else pl.MaskReading.CAUSAL,
+        window="sliding_window",
+        window_list=pl.WindowList("window_kv_indptr", "window_kv_indices", "window_kv_offsets"),
+        skip_prefix="skip_prefix_custom_mask",
+    )
 
 
 def triton_plan_view(trace: Trace, plan: Plan) -> pv.PlanView:

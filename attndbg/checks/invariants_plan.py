@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attndbg.backends.plan_layout import KvEnd, expected_dims, is_index
 from attndbg.checks.findings import Finding
 from attndbg.checks.invariants_base import _finding, _first
 from attndbg.checks.invariants_indptr import _indptr_ends, _indptr_shape, _is_indptr
@@ -22,17 +23,6 @@ CAUSE_GARBAGE = (
     "the engine read a req_to_token entry that was never written (garbage from a torch.empty pool, SGLang #1469) "
     "or read past the row's used length"
 )
-
-
-_INDEX_WORDS = ("indptr", "indices", "cu_seqlens", "page_table", "block_table", "cache_seqlens", "kv_len", "last_page_len", "num_kv_splits")
-
-
-def _expected_dims(name: str) -> int | None:
-    """The rank of an index field this detector reads: tables have a row per request, the other
-    index fields are flat; fields it does not read as indices are not judged (None)."""
-    if any(w in name for w in ("page_table", "block_table", "block_kv_indices")):
-        return 2
-    return 1 if any(w in name for w in _INDEX_WORDS) else None
 
 
 CAUSE_UNSAFE = (
@@ -67,7 +57,7 @@ def _check_launchable(trace: Trace, plan: Plan, out: list[Finding]) -> None:
 def _check_fields(trace: Trace, plan: Plan, out: list[Finding]) -> None:
     tensors: dict[str, Tensor] = {}
     for name, value in plan.tensors.items():
-        if any(w in name for w in _INDEX_WORDS) and (value.is_floating_point() or value.is_complex() or value.dtype is torch.bool):
+        if is_index(name) and (value.is_floating_point() or value.is_complex() or value.dtype is torch.bool):
             out.append(
                 _finding(
                     trace,
@@ -78,7 +68,7 @@ def _check_fields(trace: Trace, plan: Plan, out: list[Finding]) -> None:
                 )
             )
             continue
-        dims = _expected_dims(name)
+        dims = expected_dims(name)
         if dims is not None and value.dim() != dims:
             out.append(
                 _finding(
@@ -90,7 +80,7 @@ def _check_fields(trace: Trace, plan: Plan, out: list[Finding]) -> None:
                 )
             )
             continue
-        tensors[name] = value.to(torch.int64) if any(w in name for w in _INDEX_WORDS) else value
+        tensors[name] = value.to(torch.int64) if is_index(name) else value
     sane = {name for name in tensors if not _is_indptr(name) or _indptr_shape(trace, name, tensors[name], out)}
     _indptr_ends(trace, tensors, sane, out)
     view = _kv_view(trace, plan, tensors, sane, out)
@@ -156,7 +146,7 @@ def _check_requests(trace: Trace, view: _KvView, skip: set[int], out: list[Findi
         if b in skip:
             continue
         seg = view.segments[b]
-        ends = {k: {"prefix": int(batch.prefix_lens[b]), "kv": int(batch.kv_lens[b])}[k] for k in view.ends}
+        ends = {k: {KvEnd.PREFIX: int(batch.prefix_lens[b]), KvEnd.KV: int(batch.kv_lens[b])}[k] for k in view.ends}
         span = _coverage(trace, view, b)
         if span is None:
             length = seg.length if seg.length is not None else seg.units.numel() * ps
@@ -209,14 +199,14 @@ def _index_cause(b: int, found: Tensor, rows: list[Tensor], start: int, end: int
     return CAUSE_STALE_ROW.format(b=b)
 
 
-def _length_finding(trace: Trace, view: _KvView, b: int, found: int, ends: dict[str, int], needed: int) -> Finding:
+def _length_finding(trace: Trace, view: _KvView, b: int, found: int, ends: dict[KvEnd, int], needed: int) -> Finding:
     batch = trace.batch
     window = trace.model.sliding_window
     main = next(iter(ends.values()))
     if window >= 0 and needed > 0:
         expected_text = " or ".join(f"between {e - needed} and {e}" for e in ends.values()) + f" (sliding window {window})"
     else:
-        expected_text = " or ".join(f"{k} = {e}" for k, e in ends.items())
+        expected_text = " or ".join(f"{k.value} = {e}" for k, e in ends.items())
     n = trace.spec.draft_token_num if trace.spec is not None else 0
     if trace.is_tree_verify and found == main - n:
         cause = "the draft tokens were not added: SGLang's verify seq_lens exclude them and the backend must add draft_token_num"

@@ -1,6 +1,6 @@
-"""The per-backend KV view of a recorded plan: the slot or page ids each request's kernel reads, in
-the vocabulary of `plan.backend` (triton, flashinfer, flashinfer-mla, page-table), and the columns
-of the request's KV row they cover (`kv_coverage`, used by invariants and tree-mask).
+"""The per-request KV view of a recorded plan: the slot or page ids each request's kernel reads,
+read by the layout its backend declares (`Backend.plan_layout`, backends/plan_layout.py), and the
+columns of the request's KV row they cover (`kv_coverage`, used by invariants and tree-mask).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from attndbg.backends import registry
+from attndbg.backends.plan_layout import KvEnd, KvIds, PlanLayout
 from attndbg.checks.findings import Finding
 from attndbg.checks.invariants_base import _finding
 from attndbg.checks.invariants_indptr import _indptr_shape, _is_indptr
@@ -30,10 +32,10 @@ class _Segment:
 
 @dataclass
 class _KvView:
-    vocabulary: str  # "triton" | "flashinfer" | "flashinfer-mla" | "page-table"
+    layout: PlanLayout
     page_size: int  # 1 for slot ids
     segments: list[_Segment]
-    ends: tuple[str, ...]  # where each request's covered columns end: "prefix" and/or "kv"
+    ends: tuple[KvEnd, ...]  # where each request's covered columns end
     count_field: str
     length_field: str
 
@@ -42,47 +44,33 @@ class _KvView:
         return len(self.segments)
 
 
-def _vocabulary(plan: Plan) -> str | None:
-    impl = plan.scalars.get("impl")
-    if plan.backend == "triton" or (plan.backend == "mla" and impl == "triton"):
-        return "triton"
-    if plan.backend == "flashinfer":
-        return "flashinfer"
-    if plan.backend == "mla" and impl == "flashinfer":
-        return "flashinfer-mla"
-    if plan.backend == "fa3" or (plan.backend == "mla" and impl == "flashmla"):
-        return "page-table"
-    return None
+def plan_layout(trace: Trace, plan: Plan) -> PlanLayout | None:
+    """The layout the plan's backend declares; None when no adapter has its name or it declares none."""
+    adapter = registry.adapter_of(plan)
+    return adapter.plan_layout(trace, plan) if adapter is not None else None
 
 
-def _ends(trace: Trace, plan: Plan, vocabulary: str) -> tuple[str, ...]:
+def _ends(trace: Trace, layout: PlanLayout) -> tuple[KvEnd, ...]:
     batch = trace.batch
     if batch.forward_mode is ForwardMode.DECODE or batch.selective:
-        return ("kv",)
-    if vocabulary == "triton":
-        return ("prefix",)
-    if vocabulary == "flashinfer" and not trace.is_tree_verify:
-        path = plan.scalars.get("path")
-        return {"paged": ("kv",), "ragged": ("prefix",), "cascade": ("prefix",)}.get(str(path), ("kv", "prefix"))
-    if vocabulary == "page-table" and trace.is_tree_verify and plan.scalars.get("verify_path") == "two-call":
-        return ("prefix",)
-    return ("kv",)
+        return (KvEnd.KV,)
+    return layout.ends
 
 
 def _kv_view(trace: Trace, plan: Plan, t: dict[str, Tensor], sane: set[str], out: list[Finding]) -> _KvView | None:
-    vocabulary = _vocabulary(plan)
-    if vocabulary is None:
+    layout = plan_layout(trace, plan)
+    if layout is None:
         return None
-    ends = _ends(trace, plan, vocabulary)
-    if vocabulary == "page-table":
-        table_name = "block_table" if "block_table" in t else "page_table"
-        if table_name not in t or "cache_seqlens" not in t or t[table_name].dim() != 2:
+    ends = _ends(trace, layout)
+    ps = layout.page_size_of(plan, trace.model.page_size)
+    if layout.kv is KvIds.TABLE:
+        table_name, lens_name = layout.ids, layout.count
+        if table_name not in t or lens_name not in t or t[table_name].dim() != 2:
             return None
-        table, lens = t[table_name], t["cache_seqlens"]
-        ps = int(plan.scalars.get("page_size", trace.model.page_size))
+        table, lens = t[table_name], t[lens_name]
         if table.shape[0] != lens.numel():
             out.append(
-                _finding(trace, "plan-batch-size", field=f"plan.{table_name}", evidence=f"plan.{table_name} has {table.shape[0]} rows, cache_seqlens has {lens.numel()} requests", cause="the page table and the lengths were built for different batches")
+                _finding(trace, "plan-batch-size", field=f"plan.{table_name}", evidence=f"plan.{table_name} has {table.shape[0]} rows, {lens_name} has {lens.numel()} requests", cause="the page table and the lengths were built for different batches")
             )
             return None
         segments = []
@@ -94,30 +82,29 @@ def _kv_view(trace: Trace, plan: Plan, t: dict[str, Tensor], sane: set[str], out
                         trace,
                         "kv-length",
                         request=b,
-                        field=f"plan.cache_seqlens[{b}]",
-                        evidence=f"plan.cache_seqlens[{b}] = {int(lens[b])} needs {pages} pages, plan.{table_name} has {table.shape[1]} columns",
-                        cause="cache_seqlens is longer than the page table row built for this request (lengths and table from different steps)",
+                        field=f"plan.{lens_name}[{b}]",
+                        evidence=f"plan.{lens_name}[{b}] = {int(lens[b])} needs {pages} pages, plan.{table_name} has {table.shape[1]} columns",
+                        cause=f"{lens_name} is longer than the page table row built for this request (lengths and table from different steps)",
                     )
                 )
                 return None
             segments.append(_Segment(table[b, :pages], int(lens[b]), f"plan.{table_name}", 0, row=b))
-        return _KvView(vocabulary, ps, segments, ends, "cache_seqlens", "cache_seqlens")
-    if "kv_indptr" not in sane or "kv_indices" not in t:
+        return _KvView(layout, ps, segments, ends, lens_name, layout.length_field)
+    if layout.count not in sane or layout.ids not in t:
         return None
-    indptr, indices = t["kv_indptr"], t["kv_indices"]
+    indptr, indices = t[layout.count], t[layout.ids]
     if int(indptr[-1]) > indices.numel():
         return None  # indptr-end already says it; segments would run off the buffer
-    ps = 1 if vocabulary == "triton" else int(plan.scalars.get("page_size", trace.model.page_size))
-    last = t.get("kv_last_page_len") if vocabulary == "flashinfer" else None
-    kv_len_arr = t.get("kv_len_arr") if vocabulary == "flashinfer-mla" else None
+    last = t.get(layout.length) if layout.kv is KvIds.PAGES_LAST_PAGE_LEN and layout.length else None
+    lengths = t.get(layout.length) if layout.kv is KvIds.PAGES_LENGTHS and layout.length else None
     segments = []
     for b in range(indptr.numel() - 1):
         lo, hi = int(indptr[b]), int(indptr[b + 1])
         count = hi - lo
-        if vocabulary == "triton":
+        if layout.kv is KvIds.SLOTS:
             length = count
-        elif kv_len_arr is not None and b < kv_len_arr.numel():
-            length = int(kv_len_arr[b])
+        elif lengths is not None and b < lengths.numel():
+            length = int(lengths[b])
         elif last is not None and b < last.numel():
             page_len = int(last[b])
             if count and not 1 <= page_len <= ps:
@@ -126,9 +113,9 @@ def _kv_view(trace: Trace, plan: Plan, t: dict[str, Tensor], sane: set[str], out
                         trace,
                         "kv-last-page-len",
                         request=b,
-                        field=f"plan.kv_last_page_len[{b}]",
-                        evidence=f"plan.kv_last_page_len[{b}] = {page_len}, expected a value in [1, {ps}] (page_size {ps})",
-                        cause="kv_last_page_len was computed as seq_len % page_size without mapping 0 to a full page, or from a stale length",
+                        field=f"plan.{layout.length}[{b}]",
+                        evidence=f"plan.{layout.length}[{b}] = {page_len}, expected a value in [1, {ps}] (page_size {ps})",
+                        cause=f"{layout.length} was computed as seq_len % page_size without mapping 0 to a full page, or from a stale length",
                         found=page_len,
                     )
                 )
@@ -136,15 +123,14 @@ def _kv_view(trace: Trace, plan: Plan, t: dict[str, Tensor], sane: set[str], out
             length = (count - 1) * ps + page_len if count else 0
         else:
             length = None
-        segments.append(_Segment(indices[lo:hi], length, "plan.kv_indices", lo))
-    length_field = {"triton": "kv_indptr", "flashinfer": "kv_indptr/kv_last_page_len", "flashinfer-mla": "kv_len_arr"}[vocabulary]
-    return _KvView(vocabulary, ps, segments, ends, "kv_indptr", length_field)
+        segments.append(_Segment(indices[lo:hi], length, f"plan.{layout.ids}", lo))
+    return _KvView(layout, ps, segments, ends, layout.count, layout.length_field)
 
 
 def kv_coverage(trace: Trace) -> list[tuple[int, int] | None] | None:
     """Per real request, the columns [start, end) of its KV row that the recorded plan reads, by
     this module's rules; None per request whose plan length fits no rule, and None overall when
-    the plan is absent, of an unknown vocabulary, or malformed (the checks above say how)."""
+    the plan is absent, of a backend that declares no layout, or malformed (the checks above say how)."""
     plan = trace.plan
     if plan is None:
         return None
@@ -160,12 +146,12 @@ def kv_coverage(trace: Trace) -> list[tuple[int, int] | None] | None:
 def _coverage(trace: Trace, view: _KvView, b: int) -> tuple[int, int] | None:
     """(start, end) of request b's columns that the plan covers, or None when its length fits no rule.
 
-    The covered columns end at the prefix or at the whole row (by vocabulary and mode); with a
+    The covered columns end at the prefix or at the whole row (by the layout and mode); with a
     sliding window they may start later, page-aligned, but no later than the first column a query
     of the request can see."""
     batch = trace.batch
     seg = view.segments[b]
-    ends = {"prefix": int(batch.prefix_lens[b]), "kv": int(batch.kv_lens[b])}
+    ends = {KvEnd.PREFIX: int(batch.prefix_lens[b]), KvEnd.KV: int(batch.kv_lens[b])}
     length = seg.length if seg.length is not None else seg.units.numel() * view.page_size
     for kind in view.ends:
         start = ends[kind] - length

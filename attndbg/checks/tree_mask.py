@@ -59,9 +59,10 @@ from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding, FindingClass, Location
 from attndbg.checks.tree_mask_base import _finding
 from attndbg.checks.tree_mask_outputs import MAX_COLUMNS_SHOWN, MAX_ROWS_SHOWN, _output_findings
+from attndbg.checks.plan_kv import plan_layout
 from attndbg.checks.tree_mask_plan import PlanVisibility, plan_view
 from attndbg.checks.tree_mask_spec import _check_spec
-from attndbg.trace.schema import Trace
+from attndbg.trace.schema import Plan, Trace
 
 # Names the detector has always exported from this module (its parts live in the modules above).
 __all__ = [
@@ -102,13 +103,19 @@ def mask_findings(trace: Trace) -> list[Finding]:
         _check_stale_plan(trace, out)
         return out
     _check_spec(trace, out)
-    if trace.plan is not None and _flat_vectors(trace.plan):
+    if trace.plan is not None and _flat_vectors(trace, trace.plan):
         plan_view(trace, out)  # (a plan field of the wrong rank is the invariants detector's plan-shape)
     return out
 
 
-def _flat_vectors(plan) -> bool:
-    return all(t.dim() == 1 for name, t in plan.tensors.items() if name in ("custom_mask", "mask_indptr", "qo_indptr", "kv_indptr", "kv_indices"))
+# Verify-step fields every mask-carrying layout reads flat, beside the layout's own index vectors.
+_MASK_VECTORS = ("custom_mask", "mask_indptr", "qo_indptr")
+
+
+def _flat_vectors(trace: Trace, plan: Plan) -> bool:
+    layout = plan_layout(trace, plan)
+    names = _MASK_VECTORS + (layout.vectors() if layout is not None and layout.csr else ())
+    return all(t.dim() == 1 for name, t in plan.tensors.items() if name in names)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""tree-mask on the recorded plan, judged by what its kernel will see: the plan's mask (triton,
-flashinfer), fa3's two-call expand tables or a plain causal plan, turned into a PlanVisibility and
-compared with the true visibility (mask-indptr, mask-length, window-ignored, window-offset,
+"""tree-mask on the recorded plan, judged by what its kernel will see, read by the layout its
+backend declares (backends/plan_layout.py MaskReading): a mask of FULL or covered-KV blocks, a
+two-call verify's expand tables or a plain causal plan, turned into a PlanVisibility and compared
+with the true visibility (mask-indptr, mask-length, window-ignored, window-offset,
 plan-mask-missing, mask-prefix-hidden, mask-mismatch).
 """
 
@@ -12,7 +13,8 @@ import torch
 from torch import Tensor
 
 from attndbg.checks.findings import Finding
-from attndbg.checks.plan_kv import kv_coverage
+from attndbg.backends.plan_layout import ExpandTables, MaskReading, PlanLayout, WindowList
+from attndbg.checks.plan_kv import kv_coverage, plan_layout
 from attndbg.checks.tree_mask_base import _as_bool, _describe_column, _finding, _mismatch_cause, _tree_block
 from attndbg.trace.schema import Trace
 from attndbg.trace.visibility import visibility
@@ -26,14 +28,8 @@ class PlanVisibility:
     blocks: dict[int, Tensor]  # request -> [n, prefix + n] bool (requests the plan leaves unclear are absent)
 
 
-def _vocabulary(trace: Trace) -> str | None:
-    plan = trace.plan
-    impl = plan.scalars.get("impl")
-    if plan.backend == "triton" or (plan.backend == "mla" and impl == "triton"):
-        return "triton"
-    if plan.backend in ("flashinfer", "fa3", "mla"):
-        return plan.backend
-    return None
+def _layout(trace: Trace) -> PlanLayout | None:
+    return plan_layout(trace, trace.plan)
 
 
 def _kernel_window(trace: Trace, name: str) -> int:
@@ -50,23 +46,21 @@ def _index_window(prefix: int, n: int, width: int, window: int) -> Tensor:
 
 def plan_view(trace: Trace, out: list[Finding] | None = None) -> PlanVisibility | None:
     """The recorded plan's effective visibility; structural findings go to `out` and, with them,
-    visibility comparisons against the truth. None when the plan's vocabulary is unknown or its KV
-    structure is malformed (invariants reports that)."""
+    visibility comparisons against the truth. None when the plan's backend declares no layout or
+    its KV structure is malformed (invariants reports that)."""
     out = out if out is not None else []
-    vocabulary = _vocabulary(trace)
+    layout = _layout(trace)
     coverage = kv_coverage(trace)
-    if vocabulary is None or coverage is None:
+    if layout is None or coverage is None:
         return None
-    plan = trace.plan
-    if vocabulary in ("triton", "flashinfer") and "custom_mask" in plan.tensors:
-        view = _mask_view(trace, vocabulary, coverage, out)
-    elif vocabulary == "fa3" and plan.scalars.get("verify_path") == "two-call":
-        view = _expand_view(trace, coverage, out)
+    if layout.mask in (MaskReading.FULL_BLOCKS, MaskReading.COVERED_BLOCKS):
+        view = _mask_view(trace, layout, coverage, out)
+    elif layout.mask is MaskReading.EXPAND_CALL and layout.expand is not None:
+        view = _expand_view(trace, layout.expand, coverage, out)
     else:
-        window = _kernel_window(trace, "window_left" if vocabulary != "triton" else "sliding_window")
-        view = _causal_view(trace, coverage, window)
+        view = _causal_view(trace, coverage, _kernel_window(trace, layout.window))
     if view is not None:
-        _compare_plan(trace, view, out)
+        _compare_plan(trace, layout, view, out)
     return view
 
 
@@ -83,7 +77,7 @@ def _causal_view(trace: Trace, coverage, window: int) -> PlanVisibility:
     return PlanVisibility("causal", blocks)
 
 
-def _mask_view(trace: Trace, vocabulary: str, coverage, out: list[Finding]) -> PlanVisibility | None:
+def _mask_view(trace: Trace, layout: PlanLayout, coverage, out: list[Finding]) -> PlanVisibility | None:
     plan, batch = trace.plan, trace.batch
     n = trace.spec.draft_token_num
     mask = plan.tensors["custom_mask"]
@@ -97,8 +91,8 @@ def _mask_view(trace: Trace, vocabulary: str, coverage, out: list[Finding]) -> P
     widths = []
     for b in range(batch.batch_size):
         prefix = int(batch.prefix_lens[b])
-        if vocabulary == "flashinfer" and coverage[b] is not None:
-            widths.append(coverage[b][1] - coverage[b][0])  # FlashInfer's block spans the KV it is given
+        if layout.mask is MaskReading.COVERED_BLOCKS and coverage[b] is not None:
+            widths.append(coverage[b][1] - coverage[b][0])  # the block spans the KV the plan lists
         else:
             widths.append(prefix + n)
     sizes = indptr.diff()[: batch.batch_size]
@@ -162,10 +156,12 @@ def _mask_view(trace: Trace, vocabulary: str, coverage, out: list[Finding]) -> P
             return None
         mask = mask[:end]
     bits = _as_bool(mask)
-    window = _kernel_window(trace, "sliding_window" if vocabulary == "triton" else "window_left")
-    offsets = plan.tensors.get("window_kv_offsets")
-    window_starts = _window_list_starts(trace) if vocabulary == "triton" else None
-    skip_prefix = vocabulary == "triton" and bool(plan.scalars.get("skip_prefix_custom_mask", True))
+    window = _kernel_window(trace, layout.window)
+    full = layout.mask is MaskReading.FULL_BLOCKS
+    windows = layout.window_list if full else None
+    offsets = plan.tensors.get(windows.offsets) if windows is not None else None
+    window_starts = _window_list_starts(trace, windows) if windows is not None else None
+    skip_prefix = full and layout.skip_prefix is not None and bool(plan.scalars.get(layout.skip_prefix, True))
     blocks = {}
     for b in range(batch.batch_size):
         if coverage[b] is None:
@@ -177,10 +173,10 @@ def _mask_view(trace: Trace, vocabulary: str, coverage, out: list[Finding]) -> P
                 continue  # a malformed window list: invariants' window-kv names it
             start = window_starts[b]
         block = bits[int(indptr[b]) : int(indptr[b + 1])].reshape(n, widths[b])
-        if vocabulary == "triton":
+        if full:
             offset = int(offsets[b]) if offsets is not None and b < offsets.numel() else 0
             if offset != start:
-                out.append(_offset_finding(trace, b, offset, start, offsets is not None))
+                out.append(_offset_finding(trace, layout, b, offset, start, offsets is not None))
                 continue
             seen = block.clone()
             if skip_prefix:
@@ -193,13 +189,14 @@ def _mask_view(trace: Trace, vocabulary: str, coverage, out: list[Finding]) -> P
     return PlanVisibility("mask", blocks)
 
 
-def _window_list_starts(trace: Trace) -> list[int | None] | None:
-    """Per real request, the first prefix column of SGLang's window list (`window_kv_indptr` /
-    `window_kv_indices`), which a sliding-window layer's Triton kernel reads instead of kv_indices;
-    None when the plan has no window list or the layer has no window (then kv_indices are read)."""
+def _window_list_starts(trace: Trace, windows: WindowList) -> list[int | None] | None:
+    """Per real request, the first prefix column of the plan's window list (SGLang's
+    `window_kv_indptr` / `window_kv_indices`), which a sliding-window layer's kernel reads instead
+    of the plan's ids; None when the plan has no window list or the layer has no window (then the
+    plan's ids are read)."""
     plan, batch = trace.plan, trace.batch
-    indptr = plan.tensors.get("window_kv_indptr")
-    if trace.model.sliding_window < 0 or indptr is None or "window_kv_indices" not in plan.tensors or indptr.dim() != 1:
+    indptr = plan.tensors.get(windows.indptr)
+    if trace.model.sliding_window < 0 or indptr is None or windows.indices not in plan.tensors or indptr.dim() != 1:
         return None
     indptr = indptr.to(torch.int64)
     if indptr.numel() < batch.batch_size + 1:
@@ -209,16 +206,18 @@ def _window_list_starts(trace: Trace) -> list[int | None] | None:
     return [int(p) - int(n) if 0 <= int(n) <= int(p) else None for p, n in zip(batch.prefix_lens, lens)]
 
 
-def _offset_finding(trace: Trace, b: int, offset: int, start: int, present: bool) -> Finding:
-    listed = "window_kv_indices" if "window_kv_indptr" in trace.plan.tensors and trace.model.sliding_window >= 0 else "kv_indices"
+def _offset_finding(trace: Trace, layout: PlanLayout, b: int, offset: int, start: int, present: bool) -> Finding:
+    windows = layout.window_list
+    assert windows is not None  # FULL_BLOCKS offsets are read only through a window list
+    listed = windows.indices if windows.indptr in trace.plan.tensors and trace.model.sliding_window >= 0 else layout.ids
     return _finding(
         trace,
         "window-offset",
         request=b,
-        field=f"plan.window_kv_offsets[{b}]" if present else "plan.window_kv_offsets",
+        field=f"plan.{windows.offsets}[{b}]" if present else f"plan.{windows.offsets}",
         evidence=(
             f"plan.{listed} hold request {b}'s prefix from column {start} (the sliding window's), but "
-            + (f"plan.window_kv_offsets[{b}] = {offset}" if present else "the plan has no window_kv_offsets")
+            + (f"plan.{windows.offsets}[{b}] = {offset}" if present else f"the plan has no {windows.offsets}")
             + f": the kernel reads the mask {abs(start - offset)} column(s) off"
         ),
         cause="the mask is indexed as if the plan held the whole prefix: the sliding window's KV offset (SGLang's window_kv_offsets) is missing or wrong",
@@ -227,21 +226,21 @@ def _offset_finding(trace: Trace, b: int, offset: int, start: int, present: bool
     )
 
 
-def _expand_view(trace: Trace, coverage, out: list[Finding]) -> PlanVisibility | None:
-    """fa3 two-call: call 1 covers the prefix, call 2 row b*n+i covers the draft slots it lists."""
+def _expand_view(trace: Trace, expand: ExpandTables, coverage, out: list[Finding]) -> PlanVisibility | None:
+    """Two-call verify: call 1 covers the prefix, call 2 row b*n+i covers the draft slots it lists."""
     plan, batch = trace.plan, trace.batch
     n = trace.spec.draft_token_num
-    table, lens = plan.tensors.get("expand_page_table"), plan.tensors.get("expand_cache_seqlens")
+    table, lens = plan.tensors.get(expand.table), plan.tensors.get(expand.lengths)
     if table is None or lens is None or table.dim() != 2:
-        out.append(_finding(trace, "plan-mask-missing", field="plan.expand_page_table", evidence="a two-call verify plan without expand_page_table / expand_cache_seqlens", cause="the second (draft-block) call of the two-call verify was not planned"))
+        out.append(_finding(trace, "plan-mask-missing", field=f"plan.{expand.table}", evidence=f"a two-call verify plan without {expand.table} / {expand.lengths}", cause="the second (draft-block) call of the two-call verify was not planned"))
         return None
     if table.shape[0] < batch.batch_size * n or lens.numel() < batch.batch_size * n:
         out.append(
             _finding(
                 trace,
                 "mask-length",
-                field="plan.expand_page_table",
-                evidence=f"plan.expand_page_table has {table.shape[0]} rows and expand_cache_seqlens {lens.numel()}, expected one per draft token = {batch.batch_size * n}",
+                field=f"plan.{expand.table}",
+                evidence=f"plan.{expand.table} has {table.shape[0]} rows and {expand.lengths} {lens.numel()}, expected one per draft token = {batch.batch_size * n}",
                 cause="the draft-block call was planned for another batch or draft_token_num",
             )
         )
@@ -262,7 +261,7 @@ def _expand_view(trace: Trace, coverage, out: list[Finding]) -> PlanVisibility |
     return PlanVisibility("expand", blocks)
 
 
-def _compare_plan(trace: Trace, view: PlanVisibility, out: list[Finding]) -> None:
+def _compare_plan(trace: Trace, layout: PlanLayout, view: PlanVisibility, out: list[Finding]) -> None:
     """One finding per check id at its first (request, row, column), against the true visibility."""
     batch = trace.batch
     plan = trace.plan
@@ -276,15 +275,15 @@ def _compare_plan(trace: Trace, view: PlanVisibility, out: list[Finding]) -> Non
         # so a difference is always in what the plan's kernel will do with what it reads.
         for r, c in torch.nonzero(seen != truth).tolist():
             found = bool(seen[r, c])
-            check = _classify(trace, view, b, r, c, found, bool(unwindowed[r, c]))
+            check = _classify(trace, layout, view, b, r, c, found, bool(unwindowed[r, c]))
             counts[check] = counts.get(check, 0) + 1
             first.setdefault(check, (b, r, c, found))
     for check, (b, r, c, found) in first.items():
         prefix = int(batch.prefix_lens[b])
         row = int(batch.qo_indptr[b]) + r
-        field = _plan_field(trace, view, b, r, c)
+        field = _plan_field(trace, layout, view, b, r, c)
         if check == "window-offset":
-            field = "plan.scalars." + ("sliding_window" if _vocabulary(trace) == "triton" else "window_left")
+            field = "plan.scalars." + layout.window
         if check == "window-ignored":
             cause = "the kernel's window is off (window_left = -1), so the mask must fold the sliding window in by position, and it was built without it"
         elif check == "window-offset":
@@ -316,13 +315,13 @@ def _compare_plan(trace: Trace, view: PlanVisibility, out: list[Finding]) -> Non
         )
 
 
-def _classify(trace: Trace, view: PlanVisibility, b: int, r: int, c: int, found: bool, tree_allows: bool) -> str:
+def _classify(trace: Trace, layout: PlanLayout, view: PlanVisibility, b: int, r: int, c: int, found: bool, tree_allows: bool) -> str:
     prefix = int(trace.batch.prefix_lens[b])
     window = trace.model.sliding_window
     if found and c < prefix and tree_allows and window >= 0:
         return "window-ignored"
     if not found and view.kind != "expand" and window >= 0:
-        kernel_window = _kernel_window(trace, "sliding_window" if _vocabulary(trace) == "triton" else "window_left")
+        kernel_window = _kernel_window(trace, layout.window)
         if not bool(_index_window(prefix, trace.spec.draft_token_num, prefix + trace.spec.draft_token_num, kernel_window)[r, c]):
             return "window-offset"
     if view.kind == "causal":
@@ -332,7 +331,7 @@ def _classify(trace: Trace, view: PlanVisibility, b: int, r: int, c: int, found:
     return "mask-mismatch"
 
 
-def _plan_field(trace: Trace, view: PlanVisibility, b: int, r: int, c: int) -> str:
+def _plan_field(trace: Trace, layout: PlanLayout, view: PlanVisibility, b: int, r: int, c: int) -> str:
     plan = trace.plan
     n = trace.spec.draft_token_num
     if view.kind == "mask":
@@ -340,6 +339,6 @@ def _plan_field(trace: Trace, view: PlanVisibility, b: int, r: int, c: int) -> s
         width = int(indptr[b + 1] - indptr[b]) // n
         shift = int(trace.batch.prefix_lens[b]) + n - width  # flashinfer blocks start at the covered KV
         return f"plan.custom_mask[{int(indptr[b]) + r * width + c - shift}]"
-    if view.kind == "expand":
-        return f"plan.expand_page_table[{b * n + r}]"
+    if view.kind == "expand" and layout.expand is not None:
+        return f"plan.{layout.expand.table}[{b * n + r}]"
     return "plan.scalars.causal" if "causal" in plan.scalars else "plan.custom_mask"
