@@ -1,10 +1,13 @@
 """split-merge on the engine's recorded tensors: output and LSE against the reference, LSE base
-confusion (log2 e / ln 2), FA2's +inf empty marker, NaN rows of requests with empty splits, and a
-merge mis-weighted by one partial's LSE.
+confusion (log2 e / ln 2), FA2's +inf empty marker, NaN rows of requests with empty splits, and
+finite wrong outputs attributed by reproduction (attndbg/diagnose): the mistake models whose
+float64 output equals the engine's are named with their parameters (a merge of the prefix and
+new-token partials with one LSE in the wrong base keeps its own check, merge-lse-base-confusion).
 
 An engine output that fails the reference on a path without any merge is still reported (as
 `recorded-output-mismatch` / `-nonfinite`): the recorded tensors are the engine's own result, and a
-user must never get a clean report for a step whose output is wrong.
+user must never get a clean report for a step whose output is wrong. When no model reproduces it,
+the finding says so and names the models tried: no guessing.
 """
 
 from __future__ import annotations
@@ -14,14 +17,15 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from attndbg.backends import reference
 from attndbg.backends.base import AttentionInputs, AttentionResult
-from attndbg.backends.triton import DEFAULT_MAX_KV_SPLITS
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding, Location
 from attndbg.checks.split_merge_base import KIND, LN2, LOG2E, _request_of, empty_splits, merge_path, split_length
-from attndbg.compare.tolerance import ERROR_FACTOR, LSE_FLOOR, compare_to_reference, output_tolerance
-from attndbg.trace.schema import DTYPES, ForwardMode, LseBase, Trace
+from attndbg.compare.tolerance import ERROR_FACTOR, LSE_FLOOR, compare_to_reference
+from attndbg.diagnose import Reproduction, applicable, diagnose
+from attndbg.diagnose.split_models import PrefixMergeLseBase, engine_splits
+from attndbg.replay.step_data import StepData
+from attndbg.trace.schema import DTYPES, ForwardMode, LseBase
 
 
 _NO_MERGE_CAUSE = (
@@ -50,25 +54,14 @@ def recorded_tensors(ctx: CheckContext) -> list[Finding]:
         truth = _Truth(data.on("cpu"), data.reference, data.lowp)
         skip_rows = torch.zeros(trace.batch.num_tokens, dtype=torch.bool)
         if recorded.output is not None:
-            out_findings, skip_rows = _output_findings(ctx, layer=layer, output=recorded.output, truth=truth)
+            out_findings, skip_rows = _output_findings(ctx, layer=layer, output=recorded.output, truth=truth, data=data)
             findings += out_findings
         if recorded.lse is not None:
             findings += _lse_findings(ctx, layer=layer, lse=recorded.lse, base=recorded.lse_base, truth=truth, skip_rows=skip_rows)
     return findings
 
 
-def engine_splits(trace: Trace) -> tuple[list[int], list[int], str]:
-    """Per request: KV length and num_kv_splits the engine's split kernel used, and the source."""
-    plan, bs = trace.plan, trace.batch.batch_size
-    if plan is not None and "num_kv_splits" in plan.tensors and "kv_indptr" in plan.tensors:
-        lengths = plan.tensors["kv_indptr"].to(torch.int64).diff()[:bs].tolist()
-        return lengths, plan.tensors["num_kv_splits"][:bs].tolist(), "the recorded plan's num_kv_splits"
-    window = trace.model.sliding_window
-    lengths = [min(int(n), window + 1) if window >= 0 else int(n) for n in trace.batch.kv_lens]
-    return lengths, [DEFAULT_MAX_KV_SPLITS] * bs, f"no recorded split plan: SGLang's graph default of {DEFAULT_MAX_KV_SPLITS}"
-
-
-def _output_findings(ctx: CheckContext, *, layer: int, output: Tensor, truth: _Truth) -> tuple[list[Finding], Tensor]:
+def _output_findings(ctx: CheckContext, *, layer: int, output: Tensor, truth: _Truth, data: StepData) -> tuple[list[Finding], Tensor]:
     trace = ctx.trace
     cmp = compare_to_reference(trace, AttentionResult(output, truth.ref.lse), truth.ref, truth.lowp)
     nonfinite_rows = (~torch.isfinite(output.double())).flatten(1).any(1) & torch.isfinite(truth.ref.output).flatten(1).all(1)
@@ -114,80 +107,60 @@ def _output_findings(ctx: CheckContext, *, layer: int, output: Tensor, truth: _T
             )
     failing = (cmp.row_errors > 1).any(1) & ~nonfinite_rows
     if bool(failing.any()):
-        confusion = _merge_confusion(trace, output=output, truth=truth, rows=~nonfinite_rows)
         rows = torch.nonzero(failing).flatten().tolist()
         worst_row = rows[int(torch.argmax(cmp.row_errors[failing].amax(1)))]
         spot = replace(where, request=_request_of(trace, worst_row), row=worst_row)
-        if confusion is not None:
-            part, factor = confusion
-            ratio = "log2 e" if factor == LOG2E else "ln 2"
-            reading = "a base-2 LSE read as natural log" if factor == LOG2E else "a natural-log LSE read as base 2"
-            findings.append(
-                Finding(
-                    KIND,
-                    "merge-lse-base-confusion",
-                    spot,
-                    f"the engine's output fails the reference in {len(rows)} rows (max abs {cmp.max_abs:.3e}) but matches, "
-                    f"within tolerance, the merge of the prefix and new-token partials with the {part} partial's LSE x {ratio}",
-                    f"The {part} partial's LSE entered the merge as {reading} (FlashInfer writes base-2 LSEs, merge code "
-                    "expected natural log: FlashInfer #2113, SGLang #40903), mis-weighting the two parts.",
-                    data={"part": part, "factor": factor, "rows": rows[:32]},
-                )
-            )
-        else:
-            requests = sorted({_request_of(trace, r) for r in rows})
-            findings.append(
-                Finding(
-                    KIND,
-                    "recorded-output-mismatch",
-                    spot,
-                    f"the engine's output fails the reference in {len(rows)} rows of requests {requests} (max abs {cmp.max_abs:.3e}, worst {cmp.worst})",
-                    f"This step's path merges partial states ({path}); no single LSE rescaling explains the error." if path else _NO_MERGE_CAUSE,
-                    data={"rows": rows[:32], "requests": requests, "max_abs": cmp.max_abs},
-                )
-            )
+        findings.append(_mismatch(ctx, data, output=output, judged=~nonfinite_rows, rows=rows, spot=spot, max_abs=cmp.max_abs, worst=str(cmp.worst)))
     return findings, nonfinite_rows
 
 
-def _merge(o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor) -> Tensor:
-    m = torch.maximum(lse_a, lse_b)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
-    return (w_a[..., None] * o_a + w_b[..., None] * o_b) / (w_a + w_b).clamp_min(1e-300)[..., None]
+def _mismatch(ctx: CheckContext, data: StepData, *, output: Tensor, judged: Tensor, rows: list[int], spot: Location, max_abs: float, worst: str) -> Finding:
+    """The engine's output fails the reference on finite rows: attributed to the mistake models that
+    reproduce it (attndbg/diagnose), or said to be reproduced by none."""
+    trace = ctx.trace
+    path = merge_path(trace)
+    found = diagnose(data, output, rows=judged)
+    requests = sorted({_request_of(trace, r) for r in rows})
+    data_out = {"rows": rows[:32], "requests": requests, "max_abs": max_abs, "reproductions": [r.to_json() for r in found]}
+    merged = _prefix_merge_base(found, rows)
+    if merged is not None:
+        part, factor = merged.params[0]["part"], merged.params[0]["factor"]
+        ratio = "log2 e" if factor == LOG2E else "ln 2"
+        reading = "a base-2 LSE read as natural log" if factor == LOG2E else "a natural-log LSE read as base 2"
+        return Finding(
+            KIND,
+            "merge-lse-base-confusion",
+            spot,
+            f"the engine's output fails the reference in {len(rows)} rows (max abs {max_abs:.3e}) but matches, "
+            f"within tolerance, the merge of the prefix and new-token partials with the {part} partial's LSE x {ratio}",
+            f"The {part} partial's LSE entered the merge as {reading} (FlashInfer writes base-2 LSEs, merge code "
+            "expected natural log: FlashInfer #2113, SGLang #40903), mis-weighting the two parts.",
+            data={**data_out, "part": part, "factor": factor},
+        )
+    evidence = f"the engine's output fails the reference in {len(rows)} rows of requests {requests} (max abs {max_abs:.3e}, worst {worst})"
+    if found:
+        explained = {r for rep in found for r in rep.rows}
+        reproduced = "; ".join(f"the engine's output equals {rep.describe()}" for rep in found[:3])
+        rest = f" ({len(rows) - len(explained & set(rows))} failing rows not reproduced)" if not set(rows) <= explained else ""
+        return Finding(KIND, "recorded-output-mismatch", spot, f"{evidence}; reproduced: {reproduced}{rest}", found[0].cause, data=data_out)
+    tried = [m.name for m in applicable(trace)]
+    cause = f"This step's path merges partial states ({path}); none of the known merge or metadata mistakes reproduces the error." if path else _NO_MERGE_CAUSE
+    data_out["models_tried"] = tried
+    return Finding(
+        KIND,
+        "recorded-output-mismatch",
+        spot,
+        f"{evidence}; no known mistake model reproduces it (tried: {', '.join(tried) or 'none applies to this step'})",
+        cause,
+        data=data_out,
+    )
 
 
-def _merge_confusion(trace: Trace, *, output: Tensor, truth: _Truth, rows: Tensor) -> tuple[str, float] | None:
-    """('prefix'|'new-token', factor) when rescaling that partial's LSE by the factor before the
-    merge reproduces the engine's output on every one of `rows` (called where the correct merge
-    does not)."""
-    batch = trace.batch
-    if batch.forward_mode is ForwardMode.DECODE or batch.selective:
-        return None
-    cached = [b for b in range(batch.batch_size) if int(batch.prefix_lens[b]) > 0 and int(batch.extend_lens[b]) > 0]
-    if not cached:
-        return None
-    ref = truth.ref.output.double()
-    tol = output_tolerance(ref, truth.lowp.output, DTYPES[trace.model.q_dtype])
-    # Each request's prefix partial (columns before its prefix) and new-token partial, float64,
-    # from the reference's own partial states.
-    zeros, prefix, kv = torch.zeros_like(batch.prefix_lens), batch.prefix_lens, batch.kv_lens
-    prefix_part = reference.attention(trace, truth.inputs, torch.float64, columns=torch.stack([zeros, prefix], 1))
-    new_part = reference.attention(trace, truth.inputs, torch.float64, columns=torch.stack([prefix, kv], 1))
-    p = (prefix_part.output.cpu(), prefix_part.lse.cpu(), new_part.output.cpu(), new_part.lse.cpu())
-    qo = batch.qo_indptr
-    out = output.double()
-    for part, index in (("prefix", 1), ("new-token", 3)):
-        for factor in (LOG2E, LN2):
-            candidate = ref.clone()
-            scaled = list(p)
-            scaled[index] = p[index] * factor
-            merged = _merge(*scaled)
-            for b in cached:
-                candidate[int(qo[b]) : int(qo[b + 1])] = merged[int(qo[b]) : int(qo[b + 1])]
-            err = torch.nan_to_num((out - candidate).abs().amax(-1), nan=float("inf"))
-            if bool((err <= tol)[rows].all()):
-                return part, factor
-    return None
+def _prefix_merge_base(found: list[Reproduction], rows: list[int]) -> Reproduction | None:
+    """The one prefix-merge LSE-base reproduction that explains every failing row alone (the
+    detector's named merge-lse-base-confusion finding), if that is what was found."""
+    hits = [r for r in found if r.mechanism == PrefixMergeLseBase.name and set(rows) <= set(r.rows)]
+    return hits[0] if hits else None
 
 
 def _lse_findings(ctx: CheckContext, *, layer: int, lse: Tensor, base: LseBase, truth: _Truth, skip_rows: Tensor) -> list[Finding]:

@@ -1,0 +1,123 @@
+"""What every mistake model shares: the contract, its candidate outputs, and the float64 partial
+states and merge they are built from.
+
+A mistake model is our own float64 math of one named engine mistake, computed from the step's own
+data (StepData): the output the buggy engine would have produced. It never calls a kernel: a match
+with the engine's output is then exact up to the engine's rounding, and the model names the
+mechanism, not a symptom.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from attndbg.backends import reference
+from attndbg.replay.step_data import StepData
+from attndbg.trace.schema import Trace
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One request's rows as the engine would have produced them under one instance of a mistake."""
+
+    request: int
+    output: Tensor  # [extend_len, Hq, Dv] float64
+    summary: str  # the mistake, the same for every request it hits: "a split-KV merge that read ..."
+    detail: str  # this request's parameters in words: "splits 5-7 of 8"
+    params: dict[str, Any] = field(default_factory=dict)  # the same, machine-readable (JSON)
+
+
+class MistakeModel(abc.ABC):
+    """One known mechanism. `applies` is its precondition on the step; `candidates` yields, for the
+    requests asked about, every parameter choice of the mistake that changes their output."""
+
+    name: ClassVar[str]  # stable id, e.g. "split-lse-base"
+    cause: ClassVar[str]  # one sentence: what the engine did wrong, and the public issue it resembles
+
+    @abc.abstractmethod
+    def applies(self, trace: Trace) -> bool:
+        """Whether the step has what the mistake needs (its path merges splits, it verifies a tree, ...)."""
+
+    @abc.abstractmethod
+    def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
+        """Candidate outputs for `requests` (the requests whose rows fail the reference)."""
+
+
+def merge(outputs: Tensor, lses: Tensor) -> Tensor:
+    """Normalised partial states [K, ..., Dv] with their LSEs [K, ...] merged as a split-KV stage 2
+    does: weights exp(lse - max over the states), so a state with LSE -inf weighs 0 and its output,
+    whatever it holds, is ignored. The LSEs are taken as natural log: a model that reproduces a base
+    confusion rescales them before calling this."""
+    top = lses.amax(0)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weights = torch.exp(lses - top)
+    weighted = torch.where(weights[..., None] > 0, weights[..., None] * outputs, torch.zeros_like(outputs))
+    return weighted.sum(0) / weights.sum(0).clamp_min(1e-300)[..., None]
+
+
+class PartialStates:
+    """float64 partial states of single requests over ranges of their KV columns, and whole-batch
+    attention under a changed batch, both from the reference (StepData.partial and
+    reference.attention on the step's own inputs), memoised: models share the splits they ask for.
+
+    `of` batches its requests: one reference pass computes one range for every request at once.
+    """
+
+    def __init__(self, data: StepData):
+        self.data = data
+        self.trace = data.trace
+        self._ranges: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
+        self._batches: dict[Any, Tensor] = {}
+
+    def rows(self, b: int) -> slice:
+        qo = self.trace.batch.qo_indptr
+        return slice(int(qo[b]), int(qo[b + 1]))
+
+    def of(self, wanted: Iterable[tuple[int, int, int]]) -> dict[tuple[int, int, int], tuple[Tensor, Tensor]]:
+        """(b, start, end) -> request b's output [e, Hq, Dv] and LSE [e, Hq] over columns [start, end)."""
+        wanted = list(dict.fromkeys(wanted))
+        missing: dict[int, list[tuple[int, int]]] = {}
+        for b, start, end in wanted:
+            if (b, start, end) not in self._ranges:
+                missing.setdefault(b, []).append((start, end))
+        while missing:
+            columns = torch.zeros(self.trace.batch.batch_size, 2, dtype=torch.int64)
+            taken = {b: ranges.pop() for b, ranges in missing.items()}
+            for b, (start, end) in taken.items():
+                columns[b] = torch.tensor([start, end])
+            part = self.data.partial(columns)
+            for b, (start, end) in taken.items():
+                self._ranges[(b, start, end)] = (part.output[self.rows(b)].double(), part.lse[self.rows(b)].double())
+            missing = {b: ranges for b, ranges in missing.items() if ranges}
+        return {key: self._ranges[key] for key in wanted}
+
+    def under(self, key: Any, trace: Trace) -> Tensor:
+        """[T, Hq, Dv] float64: the whole batch's attention as a kernel told `trace` (the step's batch
+        with the mistake applied: another request's slots, shifted query columns, a chain for a
+        tree) computes it over the step's own q and KV cache. `key` names the variant for the memo."""
+        if key not in self._batches:
+            result = reference.attention(trace, self.data.inputs, torch.float64)
+            self._batches[key] = result.output.cpu()
+        return self._batches[key]
+
+
+def with_batch(trace: Trace, **fields: Any) -> Trace:
+    """The step with some batch fields replaced: what a kernel given the wrong metadata sees."""
+    return replace(trace, batch=replace(trace.batch, **fields))
+
+
+def spans(indices: list[int]) -> str:
+    """[5, 6, 7, 9] -> "5-7, 9"."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)

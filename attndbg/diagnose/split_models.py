@@ -1,0 +1,217 @@
+"""Mistakes of merging partial states: LSEs read in the wrong base, and empty splits merged from
+whatever their scratch slots held (zeros, or a larger earlier split count's partials).
+
+Split-KV decode follows SGLang's Triton rule (our kernels' too): request b's KV is cut into
+num_kv_splits[b] splits of cdiv(cdiv(len, s), 32) * 32 tokens; stage 1 writes each non-empty
+split's normalised partial and natural-log LSE into a scratch slot and writes nothing for an empty
+one; stage 2 merges the non-empty slots by their LSEs. Each partial here is the reference's own
+partial state over the split's columns (StepData.partial), so the only thing a model changes is
+the merge's mistake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from attndbg.backends.triton import DEFAULT_MAX_KV_SPLITS
+from attndbg.checks.split_merge_base import LN2, LOG2E, merge_path, split_length
+from attndbg.diagnose.base import Candidate, MistakeModel, PartialStates, merge, spans
+from attndbg.trace.schema import ForwardMode, Trace
+
+# A larger earlier split count is searched up to this many splits (SGLang's graph buffers hold 8 by
+# default, our split-count sweep forces 16) or twice the request's own count.
+STALE_MAX_SPLITS = 16
+
+_READINGS = {
+    LOG2E: ("base-2 LSEs read as natural log", "log2 e"),
+    LN2: ("natural-log LSEs read as base 2", "ln 2"),
+}
+
+
+def engine_splits(trace: Trace) -> tuple[list[int], list[int], str]:
+    """Per request: KV length and num_kv_splits the engine's split kernel used, and the source."""
+    plan, bs = trace.plan, trace.batch.batch_size
+    if plan is not None and "num_kv_splits" in plan.tensors and "kv_indptr" in plan.tensors:
+        lengths = plan.tensors["kv_indptr"].to(torch.int64).diff()[:bs].tolist()
+        return lengths, plan.tensors["num_kv_splits"][:bs].tolist(), "the recorded plan's num_kv_splits"
+    window = trace.model.sliding_window
+    lengths = [min(int(n), window + 1) if window >= 0 else int(n) for n in trace.batch.kv_lens]
+    return lengths, [DEFAULT_MAX_KV_SPLITS] * bs, f"no recorded split plan: SGLang's graph default of {DEFAULT_MAX_KV_SPLITS}"
+
+
+def split_columns(trace: Trace, b: int, length: int, splits: int) -> list[tuple[int, int] | None]:
+    """Request b's KV columns [start, end) of each of `splits` splits (None: empty). The split kernel
+    reads the last `length` columns of the row (a sliding-window layer reads only its window)."""
+    first = max(0, int(trace.batch.kv_lens[b]) - length)
+    per_split = split_length(length, splits)
+    return [
+        (first + s * per_split, first + min((s + 1) * per_split, length)) if per_split and s * per_split < length else None
+        for s in range(splits)
+    ]
+
+
+def _splits(indices: list[int]) -> str:
+    return f"split{'s' if len(indices) > 1 else ''} {spans(indices)}"
+
+
+class _Splits:
+    """The engine's splits of the requests asked about, with their partial states."""
+
+    def __init__(self, states: PartialStates, requests: list[int]):
+        self.trace = states.trace
+        self.lengths, self.counts, self.source = engine_splits(self.trace)
+        self.states = states
+        self.requests = [b for b in requests if b < len(self.counts) and int(self.counts[b]) > 0]
+
+    def columns(self, b: int, splits: int | None = None) -> list[tuple[int, int] | None]:
+        return split_columns(self.trace, b, int(self.lengths[b]), int(self.counts[b]) if splits is None else splits)
+
+    def partly_empty(self) -> Iterator[tuple[int, list[tuple[int, int] | None], list[int]]]:
+        """(b, its splits' columns, its empty splits) for the requests with empty and non-empty splits."""
+        for b in self.requests:
+            slots = self.columns(b)
+            empty = [s for s, c in enumerate(slots) if c is None]
+            if empty and len(empty) < len(slots):
+                yield b, slots, empty
+
+    def stack(self, b: int, slots: list[tuple[int, int] | None]) -> tuple[Tensor, Tensor]:
+        """The states of `slots` ([start, end) partials; None: a slot holding zeros with LSE 0) as
+        [K, e, Hq, Dv] outputs and [K, e, Hq] LSEs."""
+        got = self.states.of((b, *cols) for cols in slots if cols is not None)
+        rows = self.states.rows(b)
+        e, hq, dv = rows.stop - rows.start, self.trace.model.num_qo_heads, self.trace.model.v_head_dim
+        zero = (torch.zeros(e, hq, dv, dtype=torch.float64), torch.zeros(e, hq, dtype=torch.float64))
+        picked = [got[(b, *cols)] if cols is not None else zero for cols in slots]
+        return torch.stack([o for o, _ in picked]), torch.stack([lse for _, lse in picked])
+
+
+class _SplitDecodeModel(MistakeModel):
+    """Precondition of every split-KV decode mistake: a decode step whose path merges KV splits."""
+
+    def applies(self, trace: Trace) -> bool:
+        return trace.batch.forward_mode is ForwardMode.DECODE and merge_path(trace) is not None
+
+
+class SplitLseBase(_SplitDecodeModel):
+    """Split-KV decode whose merge weighed every split by its LSE in the wrong base."""
+
+    name = "split-lse-base"
+    cause = (
+        "The merge of the KV splits weighed each split by its LSE in the wrong base (FlashInfer writes "
+        "base-2 LSEs, Triton and FA3 natural log: FlashInfer #2113, SGLang #40903), mis-weighting the splits."
+    )
+
+    def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
+        splits = _Splits(states, requests)
+        for b in splits.requests:
+            used = [c for c in splits.columns(b) if c is not None]
+            if len(used) < 2:
+                continue  # one split is its own merge: no weight to get wrong
+            outputs, lses = splits.stack(b, used)
+            for factor, (reading, ratio) in _READINGS.items():
+                yield Candidate(
+                    request=b,
+                    output=merge(outputs, lses * factor),
+                    summary=f"a split-KV merge that weighed the splits by {reading} (each LSE x {ratio})",
+                    detail=f"request {b}, {len(used)} splits of kv {splits.lengths[b]}",
+                    params={"factor": factor, "splits": len(used), "num_kv_splits": int(splits.counts[b])},
+                )
+
+
+class EmptySplitsZeros(_SplitDecodeModel):
+    """Split-KV decode whose merge did not skip the splits past the request's KV, and whose scratch
+    slots for them held zeros (a zeroed or freshly allocated buffer): output 0, LSE 0."""
+
+    name = "empty-splits-zeros"
+    cause = (
+        "The merge did not skip the splits past the request's KV (stage 1 writes nothing for them), and their "
+        "scratch slots held zeros, merged as partial states of output 0 and LSE 0 (FlashInfer #4051's empty states)."
+    )
+
+    def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
+        splits = _Splits(states, requests)
+        for b, slots, empty in splits.partly_empty():
+            yield Candidate(
+                request=b,
+                output=merge(*splits.stack(b, slots)),
+                summary="a split-KV merge that read its empty splits' uninitialised partials as zeros with LSE 0",
+                detail=f"request {b}, {_splits(empty)} of {len(slots)}, kv {splits.lengths[b]}",
+                params={"empty_splits": empty, "num_kv_splits": len(slots)},
+            )
+
+
+class EmptySplitsStale(_SplitDecodeModel):
+    """Split-KV decode whose merge did not skip the splits past the request's KV, and whose scratch
+    slots for them still held the partials a launch with a larger split count wrote over the same
+    KV (slots that launch left empty too hold zeros, LSE 0)."""
+
+    name = "empty-splits-stale"
+    cause = (
+        "The merge did not skip the splits past the request's KV, and their scratch slots still held the partial "
+        "states of an earlier launch with more splits (scratch shared across launches, as SGLang's CUDA-graph "
+        "buffers are), so keys were counted twice."
+    )
+
+    def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
+        splits = _Splits(states, requests)
+        for b, now, empty in splits.partly_empty():
+            # Earlier split counts that leave the same stale slots are one candidate, named by their range.
+            earlier: dict[tuple, list[int]] = {}
+            for count in range(len(now) + 1, max(STALE_MAX_SPLITS, 2 * len(now)) + 1):
+                old = splits.columns(b, count)
+                slots = tuple(now[s] if now[s] is not None else old[s] for s in range(len(now)))
+                if any(old[s] is not None for s in empty):
+                    earlier.setdefault(slots, []).append(count)
+            for slots, counts in earlier.items():
+                stale = [s for s in empty if slots[s] is not None]
+                yield Candidate(
+                    request=b,
+                    output=merge(*splits.stack(b, list(slots))),
+                    summary="a split-KV merge that read its empty splits' stale partials, left by an earlier launch with more splits over the same KV",
+                    detail=f"request {b}, {_splits(stale)} of {len(now)} holding a {spans(counts)}-split launch's, kv {splits.lengths[b]}",
+                    params={"stale_splits": stale, "num_kv_splits": len(now), "earlier_num_kv_splits": counts},
+                )
+
+
+class PrefixMergeLseBase(MistakeModel):
+    """A step that merges each request's prefix partial with its new tokens' partial (FlashInfer's
+    cascade, FA3's two-call verify, vLLM's cascade) with one part's LSE in the wrong base.
+
+    Tried on every extend, mixed or verify step with a cached prefix, whatever merge_path says: the
+    recording backend may run such a merge where we do not know its path by name."""
+
+    name = "prefix-merge-lse-base"
+    cause = (
+        "One partial's LSE entered the merge of the prefix and new-token partials in the wrong base (FlashInfer "
+        "writes base-2 LSEs, merge code expected natural log: FlashInfer #2113, SGLang #40903), mis-weighting the two parts."
+    )
+
+    def applies(self, trace: Trace) -> bool:
+        batch = trace.batch
+        if batch.forward_mode is ForwardMode.DECODE or batch.selective:
+            return False
+        return bool(((batch.prefix_lens > 0) & (batch.extend_lens > 0)).any())
+
+    def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
+        batch = states.trace.batch
+        for b in requests:
+            prefix, kv = int(batch.prefix_lens[b]), int(batch.kv_lens[b])
+            if prefix == 0 or int(batch.extend_lens[b]) == 0:
+                continue
+            got = states.of([(b, 0, prefix), (b, prefix, kv)])
+            outputs = torch.stack([got[(b, 0, prefix)][0], got[(b, prefix, kv)][0]])
+            lses = torch.stack([got[(b, 0, prefix)][1], got[(b, prefix, kv)][1]])
+            for index, part in enumerate(("prefix", "new-token")):
+                for factor, (reading, ratio) in _READINGS.items():
+                    scale = torch.ones(2, 1, 1, dtype=torch.float64)
+                    scale[index] = factor
+                    yield Candidate(
+                        request=b,
+                        output=merge(outputs, lses * scale),
+                        summary=f"the merge of the prefix and new-token partials with the {part} partial's LSE x {ratio} ({reading.replace('LSEs', 'LSE')})",
+                        detail=f"request {b}, prefix {prefix}, {kv - prefix} new",
+                        params={"part": part, "factor": factor},
+                    )
