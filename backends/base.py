@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import enum
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from torch import Tensor
@@ -76,6 +77,17 @@ class Padding:
 
 
 @dataclass(frozen=True)
+class FillRequirement:
+    """What a backend's kernels need of the requests a CUDA graph pads (fill-value judges recorded
+    padding by it)."""
+
+    min_seq_len: int  # the smallest padded seq_len its kernels take
+    why: str  # the reason, with its source
+    # Where its verify plan reads padded positions: why stale ones there hurt (None: they do not).
+    stale_positions: str | None = None
+
+
+@dataclass(frozen=True)
 class GraphCapacity:
     """Sizes the static buffers of a captured graph must hold, for every batch replayed into it."""
 
@@ -118,6 +130,14 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     # The seq_len an engine gives padded requests for this backend (SGLang: 1 for every GPU backend).
     cuda_graph_fill_value: ClassVar[int] = 1
+    # What its kernels need of padded requests (None: it declares nothing; fill-value then judges
+    # by cuda_graph_fill_value).
+    fill_requirement: ClassVar[FillRequirement | None] = None
+    # The engine backends whose kernels this adapter reproduces, by the name a trace's
+    # `source.backend` carries (SGLang's attention backend names, vLLM's
+    # AttentionBackend.get_name()), each with its own requirement where it differs from
+    # `fill_requirement` (None: the adapter's). Names no adapter answers to: engine_names.py.
+    engine_names: ClassVar[Mapping[str, FillRequirement | None]] = {}
 
     @abc.abstractmethod
     def unavailable_reason(self) -> str | None:
@@ -166,6 +186,13 @@ class Backend(abc.ABC):
         plan_view is strict: a plan missing a field still has a layout.
 
         None: this backend declares no layout, so the plan detectors cannot read its plans."""
+        return None
+
+    @classmethod
+    def merge_path(cls, trace: Trace) -> str | None:
+        """Beyond split-KV decode (every engine backend that splits long rows): the merge of partial
+        attention states the engine backends this adapter reproduces run for `trace`'s step, named
+        for a reader; None when the step's path merges nothing."""
         return None
 
     def graph_unsupported_reason(self, trace: Trace) -> str | None:

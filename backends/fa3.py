@@ -29,6 +29,7 @@ from attndbg.backends.base import (
     AttentionInputs,
     AttentionResult,
     Backend,
+    FillRequirement,
     GraphCapacity,
     GraphState,
     KernelError,
@@ -80,6 +81,10 @@ def select_impl() -> Impl | None:
     return None
 
 
+# The name SGLang's FlashAttention backend carries in a trace's source.backend (the recorder's).
+SGLANG_NAME = "fa3"
+
+
 class VerifyPath(enum.Enum):
     AUTO = "auto"  # chain: one causal call; tree (topk > 1): two calls merged (SGLang's FA3 backend)
     TWO_CALL = "two-call"  # every verify step through the two calls, chains too
@@ -124,6 +129,9 @@ class FA3Call:
 
 class FA3Backend(Backend):
     name = "fa3"
+    fill_requirement = FillRequirement(0, "FlashAttention takes cache_seqlens = 0 (vLLM pads with 0); SGLang fills 1")
+    # SGLang's FlashAttention backend (the recorder names it fa3) and vLLM's (engines.md B3).
+    engine_names = {SGLANG_NAME: None, "FLASH_ATTN": None}
 
     def __init__(self, options: FA3Options | None = None):
         self.options = options or FA3Options()
@@ -314,6 +322,13 @@ class FA3Backend(Backend):
             if not prefix:
                 requests, kv = rows, call_kv
         return pv.PlanView(requests, tuple(bounds), kv, layout=tuple(layout))
+
+    @classmethod
+    def merge_path(cls, trace: Trace) -> str | None:
+        # SGLang's FA3 backend verifies a tree (topk > 1) in two calls merged (engines.md A4.4).
+        if trace.source.backend == SGLANG_NAME and trace.is_tree_verify and trace.spec.topk > 1:
+            return "FA3 two-call verify (prefix and draft partials merged with merge_state_v2)"
+        return None
 
     def plan_layout(self, trace: Trace, plan: Plan) -> pl.PlanLayout:
         """A page table row per request read up to cache_seqlens; the two-call tree verify's first

@@ -37,6 +37,7 @@ from attndbg.backends.base import (
     AttentionInputs,
     AttentionResult,
     Backend,
+    FillRequirement,
     GraphCapacity,
     GraphState,
     KernelError,
@@ -76,6 +77,10 @@ class ExtendPath(enum.Enum):
     PAGED = "paged"
     RAGGED = "ragged"
     CASCADE = "cascade"
+
+
+# The name SGLang's FlashInfer backend carries in a trace's source.backend.
+SGLANG_NAME = "flashinfer"
 
 
 class PlanPath(enum.Enum):
@@ -155,6 +160,17 @@ _LIBRARY_ERRORS = (RuntimeError, ValueError, NotImplementedError)
 
 class FlashInferBackend(Backend):
     name = "flashinfer"
+    fill_requirement = FillRequirement(
+        1,
+        "FlashInfer's decode kernels need seq_len >= 1 in every row: seq_len 0 gave illegal memory accesses "
+        "(SGLang #1469) and NaN padded rows (FlashInfer #2883, vLLM #38436), so SGLang fills 1 (#1779)",
+        stale_positions=(
+            "The runner left stale positions in padded verify tokens; FlashInfer's verify plan reads them and hit an "
+            "illegal memory access (SGLang #24361, why the newer runner zeroes positions)."
+        ),
+    )
+    # SGLang's and vLLM's FlashInfer backends (vLLM pads with seq_len 0: its #38436 above).
+    engine_names = {SGLANG_NAME: None, "FLASHINFER": None}
 
     def __init__(self, options: FlashInferOptions | None = None):
         self.options = options or FlashInferOptions()
@@ -396,6 +412,18 @@ class FlashInferBackend(Backend):
                 starts = torch.nn.functional.pad(sizes.cumsum(0), (1, 0))[:-1]
                 bounds.append(pv.Extents(None, starts, sizes, plan.tensors["custom_mask"].numel(), "q_len x kv_len mask block", "custom_mask"))
         return pv.PlanView(pv.covered(offsets=(kv_indptr, qo_indptr), rows=(last,)), tuple(bounds), pv.csr_kv(kv_indices, kv_indptr, lens, ps))
+
+    @classmethod
+    def merge_path(cls, trace: Trace) -> str | None:
+        # SGLang's FlashInfer backend runs a cached extend as ragged new tokens + paged prefix
+        # (vLLM's runs one paged prefill).
+        if trace.source.backend != SGLANG_NAME:
+            return None
+        batch = trace.batch
+        cached = bool((batch.prefix_lens > 0).any())
+        if batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and cached and not batch.selective:
+            return "FlashInfer cascade (ragged new tokens + paged prefix merged with merge_state)"
+        return None
 
     def plan_layout(self, trace: Trace, plan: Plan) -> pl.PlanLayout:
         """Page ids over kv_indptr, a request's tokens (pages - 1) * page + kv_last_page_len. An

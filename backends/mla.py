@@ -32,6 +32,7 @@ from attndbg.backends.base import (
     AttentionInputs,
     AttentionResult,
     Backend,
+    FillRequirement,
     GraphCapacity,
     GraphState,
     KernelError,
@@ -76,6 +77,13 @@ def _flashinfer_backend_name() -> str:
 
 class MLABackend(Backend):
     name = "mla"
+    fill_requirement = FillRequirement(1, "FlashInfer MLA and FlashMLA need seq_len >= 1 (SGLang fills 1)")
+    # Our own name (synth traces), and SGLang's FlashInfer MLA and FlashMLA backends.
+    engine_names = {
+        "mla": None,
+        "flashinfer_mla": FillRequirement(1, "FlashInfer's MLA decode needs seq_len >= 1 (SGLang fills 1)"),
+        "flashmla": FillRequirement(1, "FlashMLA's tile scheduler needs seq_len >= 1 (SGLang fills 1)"),
+    }
 
     def __init__(self, options: MLAOptions | None = None):
         self.options = options or MLAOptions()

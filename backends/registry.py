@@ -50,20 +50,28 @@ def backend_names() -> list[str]:
 
 
 def create(name: str, *, triton_options: TritonOptions | None = None) -> Backend:
-    if name == "reference":
-        return ReferenceBackend()
     if name == "triton":
         return TritonBackend(triton_options)
+    return adapter_class(name)()
+
+
+def adapter_class(name: str) -> type[Backend]:
+    """The class of the adapter named `name`, without creating one (its capabilities are class
+    attributes); KeyError when no adapter has that name."""
+    if name == "reference":
+        return ReferenceBackend
+    if name == "triton":
+        return TritonBackend
     if name in _LAZY:
         module, cls = _LAZY[name]
-        return getattr(importlib.import_module(module), cls)()
+        return getattr(importlib.import_module(module), cls)
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
-            return ep.load()()
+            return ep.load()
     target = _from_environment().get(name)
     if target is not None:
         module, _, cls = target.partition(":")
-        return getattr(importlib.import_module(module), cls)()
+        return getattr(importlib.import_module(module), cls)
     raise KeyError(name)
 
 

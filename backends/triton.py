@@ -18,6 +18,7 @@ from attndbg.backends.base import (
     AttentionInputs,
     AttentionResult,
     Backend,
+    FillRequirement,
     GraphCapacity,
     GraphState,
     KernelError,
@@ -86,6 +87,12 @@ def _triton_errors() -> tuple[type[BaseException], ...]:
 
 class TritonBackend(Backend):
     name = "triton"
+    fill_requirement = FillRequirement(
+        1,
+        "SGLang's Triton stage 2 divides by the merged exp-sum, which is 0 for a row with no KV (0/0 = NaN), "
+        "so SGLang's Triton backend fills 1",
+    )
+    engine_names = {"triton": None}  # SGLang's Triton backend
 
     def __init__(self, options: TritonOptions | None = None):
         self.options = options or TritonOptions()

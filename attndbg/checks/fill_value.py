@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from attndbg import machine
-from attndbg.backends import registry
+from attndbg.backends import engine_names, registry
+from attndbg.backends.base import FillRequirement
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding, FindingClass, Location
 from attndbg.replay import graph as graph_replay
@@ -52,45 +53,14 @@ IMPLAUSIBLE_POOL_ROWS = 1 << 20
 INDPTR_NAMES = ("kv_indptr", "qo_indptr", "cu_seqlens_q", "cu_seqlens_k", "mask_indptr")
 
 
-@dataclass(frozen=True)
-class FillRequirement:
-    min_seq_len: int  # the smallest padded seq_len the backend's kernels take
-    why: str
-
-
-# Per engine backend name (trace.source.backend). Sources: ../shared/reference/engines.md A4.0
-# (get_cuda_graph_seq_len_fill_value per SGLang backend) and bugs.md.
-FILL_REQUIREMENTS: dict[str, FillRequirement] = {
-    "flashinfer": FillRequirement(
-        1,
-        "FlashInfer's decode kernels need seq_len >= 1 in every row: seq_len 0 gave illegal memory accesses "
-        "(SGLang #1469) and NaN padded rows (FlashInfer #2883, vLLM #38436), so SGLang fills 1 (#1779)",
-    ),
-    "flashinfer_mla": FillRequirement(1, "FlashInfer's MLA decode needs seq_len >= 1 (SGLang fills 1)"),
-    "mla": FillRequirement(1, "FlashInfer MLA and FlashMLA need seq_len >= 1 (SGLang fills 1)"),
-    "flashmla": FillRequirement(1, "FlashMLA's tile scheduler needs seq_len >= 1 (SGLang fills 1)"),
-    "triton": FillRequirement(
-        1,
-        "SGLang's Triton stage 2 divides by the merged exp-sum, which is 0 for a row with no KV (0/0 = NaN), "
-        "so SGLang's Triton backend fills 1",
-    ),
-    "fa3": FillRequirement(0, "FlashAttention takes cache_seqlens = 0 (vLLM pads with 0); SGLang fills 1"),
-    "ascend": FillRequirement(0, "SGLang's Ascend backend declares fill value 0"),
-}
-
-
 def requirement(backend: str) -> FillRequirement | None:
-    """What `backend` needs of padded rows: the table, else a registered adapter's fill value."""
-    if backend in FILL_REQUIREMENTS:
-        return FILL_REQUIREMENTS[backend]
-    if backend in registry.backend_names():
-        fill = registry.create(backend).cuda_graph_fill_value
-        return FillRequirement(fill, f"the {backend} adapter pads with seq_len {fill}")
-    return None
+    """What the engine backend `backend` (trace.source.backend) needs of padded rows: the capability
+    its adapter declares, or backends/engine_names.py's table for one without an adapter."""
+    return engine_names.fill_requirement(backend)
 
 
 def requirements_summary() -> str:
-    return ", ".join(f"{name} >= {r.min_seq_len}" for name, r in FILL_REQUIREMENTS.items())
+    return ", ".join(f"{name} >= {r.min_seq_len}" for name, r in engine_names.fill_requirements().items())
 
 
 def detect(ctx: CheckContext) -> list[Finding]:
@@ -339,12 +309,10 @@ def _padded_positions(trace: Trace) -> list[Finding]:
     if not bad.numel():
         return []
     i = int(bad[0])
-    verify_on_flashinfer = batch.forward_mode is ForwardMode.TARGET_VERIFY and trace.source.backend == "flashinfer"
-    if verify_on_flashinfer:
-        cause = (
-            "The runner left stale positions in padded verify tokens; FlashInfer's verify plan reads them and hit an "
-            "illegal memory access (SGLang #24361, why the newer runner zeroes positions)."
-        )
+    need = requirement(trace.source.backend)
+    read_by_verify_plan = batch.forward_mode is ForwardMode.TARGET_VERIFY and need is not None and need.stale_positions is not None
+    if read_by_verify_plan:
+        cause = need.stale_positions
     else:
         cause = (
             "The classic SGLang runner leaves padded positions stale: harmless for this attention step (only the padded "
@@ -357,7 +325,7 @@ def _padded_positions(trace: Trace) -> list[Finding]:
             f"{bad.numel()} padded tokens have non-zero positions (first: graph.padded_positions[{tokens + i}] = {int(tail[i])}); "
             "SGLang's newer runner zeroes them",
             cause,
-            severity=HIGH if verify_on_flashinfer else LOW,
+            severity=HIGH if read_by_verify_plan else LOW,
             request=batch.batch_size + i // per_req,
             row=tokens + i,
             field=f"graph.padded_positions[{tokens + i}]",

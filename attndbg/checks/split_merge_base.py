@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from attndbg.backends import engine_names
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import FindingClass, Location
 from attndbg.trace.schema import ForwardMode, Trace
@@ -35,24 +36,16 @@ def empty_splits(length: int, splits: int) -> int:
     return splits - (-(-length // per_split) if per_split else 0) if splits > 0 else 0
 
 
-# Attention implementations that compute each row in one pass, whatever its length: PyTorch's own
-# (transformers' `sdpa`, `eager`, `paged|sdpa`, `paged|eager`, `flex_attention`).
-UNSPLIT_ATTENTION = ("sdpa", "eager", "flex")
-
-
 def merge_path(trace: Trace) -> str | None:
-    """The merge of partial states in the path the recording backend runs for this step, if any."""
-    batch, backend = trace.batch, trace.source.backend
-    if any(name in backend.lower() for name in UNSPLIT_ATTENTION):
+    """The merge of partial states in the path the recording backend runs for this step, if any:
+    split-KV decode, else what the adapter reproducing that backend declares (Backend.merge_path)."""
+    backend = trace.source.backend
+    if engine_names.merges_nothing(backend):
         return None  # one softmax over the whole row: nothing is merged
-    if batch.forward_mode is ForwardMode.DECODE:
+    if trace.batch.forward_mode is ForwardMode.DECODE:
         return "split-KV decode (partial states of KV splits merged by their LSEs)"
-    cached = bool((batch.prefix_lens > 0).any())
-    if batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and backend == "flashinfer" and cached and not batch.selective:
-        return "FlashInfer cascade (ragged new tokens + paged prefix merged with merge_state)"
-    if trace.is_tree_verify and backend == "fa3" and trace.spec.topk > 1:
-        return "FA3 two-call verify (prefix and draft partials merged with merge_state_v2)"
-    return None
+    adapter = engine_names.adapter_for(backend)
+    return adapter.merge_path(trace) if adapter is not None else None
 
 
 def _location(ctx: CheckContext, worst=None, **extra) -> Location:

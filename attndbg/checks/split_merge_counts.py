@@ -10,6 +10,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+# This detector studies num_kv_splits, which our Triton split-KV kernels take as an option: it
+# drives them by their class, the one backend whose splits it can set.
 from attndbg.backends.triton import DEFAULT_MAX_KV_SPLITS, TritonBackend, TritonOptions
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding
@@ -42,7 +44,7 @@ def split_configs(trace: Trace) -> tuple[list[SplitConfig], list[int]]:
     candidates = [SplitConfig(f"num_kv_splits={k}", (k,) * bs, forced=k) for k in FORCED_SPLITS]
     candidates.append(SplitConfig("SGLang's heuristic (the engine's)", tuple(heuristic.tensors["num_kv_splits"].tolist())))
     plan = trace.plan
-    if plan is not None and plan.backend == "triton" and "num_kv_splits" in plan.tensors:
+    if plan is not None and plan.backend == TritonBackend.name and "num_kv_splits" in plan.tensors:
         recorded = plan.tensors["num_kv_splits"][:bs].tolist()
         if len(recorded) == bs and min(recorded) >= 1:
             candidates.append(SplitConfig("the recorded plan's num_kv_splits", tuple(recorded)))
@@ -64,7 +66,7 @@ def split_counts(ctx: CheckContext) -> list[Finding]:
     fails too, the reference says nothing about the merge, and a configuration is reported only
     where its output moves away from the single-split output beyond the reference tolerance."""
     trace = ctx.trace
-    if trace.batch.forward_mode is not ForwardMode.DECODE or "triton" not in ctx.backends():
+    if trace.batch.forward_mode is not ForwardMode.DECODE or TritonBackend.name not in ctx.backends():
         return []
     configs, lengths = split_configs(trace)
     results = [_run_config(ctx, c) for c in configs]
@@ -128,7 +130,7 @@ def _run_triton(ctx: CheckContext, config: SplitConfig) -> runner.BackendRun | s
     trace = ctx.trace
     if config.forced is not None:
         opts = TritonOptions(num_kv_splits=config.forced, max_kv_splits=max(DEFAULT_MAX_KV_SPLITS, config.forced))
-        result = ctx.replay(ReplayOptions(layer=ctx.options.layer, triton=opts), ("triton",))
+        result = ctx.replay(ReplayOptions(layer=ctx.options.layer, triton=opts), (TritonBackend.name,))
     else:
         # A per-request vector: planted in the plan derived from the batch, run as a recorded plan.
         plan = TritonBackend(TritonOptions()).derive_plan(trace)
@@ -138,7 +140,7 @@ def _run_triton(ctx: CheckContext, config: SplitConfig) -> runner.BackendRun | s
             scalars={**plan.scalars, "max_kv_splits": max(DEFAULT_MAX_KV_SPLITS, *config.splits)},
         )
         options = ReplayOptions(layer=ctx.options.layer, plan=PlanSource.RECORDED)
-        result = ctx.replay(options, ("triton",), trace=replace(trace, plan=plan))
+        result = ctx.replay(options, (TritonBackend.name,), trace=replace(trace, plan=plan))
     run = result.runs[0] if result.runs else None
     if run is None or run.status in (RunStatus.UNSUPPORTED, RunStatus.UNAVAILABLE):
         return None

@@ -11,6 +11,8 @@ import torch
 
 from attndbg import machine
 from attndbg.backends.base import AttentionResult, KernelError
+# FlashInfer's cascade is what this module runs (its module imports FlashInfer only when a kernel runs).
+from attndbg.backends.flashinfer import FlashInferBackend
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding
 from attndbg.checks.split_merge_base import KIND, _location, merge_path
@@ -20,7 +22,7 @@ from attndbg.trace.schema import DTYPES, ForwardMode
 
 
 def _flashinfer_ready(ctx: CheckContext) -> bool:
-    return "flashinfer" in ctx.backends()
+    return FlashInferBackend.name in ctx.backends()
 
 
 def cascade_vs_single_pass(ctx: CheckContext) -> list[Finding]:

@@ -9,6 +9,7 @@ import functools
 import torch
 
 from attndbg import machine
+from attndbg.backends.triton import TritonBackend
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding
 from attndbg.checks.split_merge_base import KIND, SPLIT_TILE, _location, empty_splits
@@ -77,7 +78,7 @@ def stage2_probe(dv: int) -> dict[str, str | None]:
 
 def empty_split_merge(ctx: CheckContext) -> list[Finding]:
     trace = ctx.trace
-    if trace.batch.forward_mode is not ForwardMode.DECODE or "triton" not in ctx.backends():
+    if trace.batch.forward_mode is not ForwardMode.DECODE or TritonBackend.name not in ctx.backends():
         return []
     configs, lengths = split_configs(trace)
     short = [(b, c) for c in configs for b, n in enumerate(lengths) if empty_splits(n, c.splits[b]) > 0]

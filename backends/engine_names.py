@@ -1,0 +1,78 @@
+"""Engine attention backends by the name a trace's `source.backend` carries: the adapter that
+reproduces each (adapters declare the names they answer to, `Backend.engine_names`), and what the
+kernels of the ones no adapter reproduces need of padded rows. The one place the detectors learn
+anything about an engine's backend from its name.
+"""
+
+from __future__ import annotations
+
+from attndbg.backends import registry
+from attndbg.backends.base import Backend, FillRequirement
+
+# Engine backends no adapter here reproduces. Sources: ../shared/reference/engines.md A4.0
+# (get_cuda_graph_seq_len_fill_value per SGLang backend), B2 and "padding semantics" (vLLM).
+UNADAPTED: dict[str, FillRequirement] = {
+    "ascend": FillRequirement(0, "SGLang's Ascend backend declares fill value 0"),
+    # vLLM pads requests with seq_len 0 and query_len 0; its unified Triton attention launches
+    # work per query block, so a padded request (no query tokens) is read by no program.
+    "TRITON_ATTN": FillRequirement(0, "vLLM's unified Triton attention reads nothing of a request without query tokens (vLLM pads with seq_len 0)"),
+}
+
+
+# Attention implementations that compute each row in one pass, whatever its length: PyTorch's own
+# (transformers' `sdpa`, `eager`, `paged|sdpa`, `paged|eager`, `flex_attention`), by a word of the name.
+UNSPLIT_ATTENTION = ("sdpa", "eager", "flex")
+
+
+def merges_nothing(engine_backend: str) -> bool:
+    """Whether `engine_backend` computes every row in one softmax (no partial states to merge)."""
+    return any(word in engine_backend.lower() for word in UNSPLIT_ATTENTION)
+
+
+def adapters() -> list[type[Backend]]:
+    """Every registered adapter's class, built-in ones first. One that cannot be imported (a
+    third-party adapter whose package is broken or missing) answers to no name: `attndbg
+    backends` is where it is reported."""
+    classes = []
+    for name in registry.backend_names():
+        try:
+            classes.append(registry.adapter_class(name))
+        except (ImportError, AttributeError):
+            continue
+    return classes
+
+
+def adapter_for(engine_backend: str) -> type[Backend] | None:
+    """The adapter that reproduces the engine backend named `engine_backend`, if any."""
+    return next((cls for cls in adapters() if engine_backend in cls.engine_names), None)
+
+
+def fill_requirement(engine_backend: str) -> FillRequirement | None:
+    """What the kernels of `engine_backend` need of padded requests: its adapter's declaration,
+    else this module's table, else (an adapter that declares none, under its own name) the
+    seq_len it pads with; None when nothing is known of it."""
+    cls = adapter_for(engine_backend)
+    if cls is not None:
+        own = cls.engine_names[engine_backend] or cls.fill_requirement
+        if own is not None:
+            return own
+    if engine_backend in UNADAPTED:
+        return UNADAPTED[engine_backend]
+    try:
+        cls = cls or registry.adapter_class(engine_backend)
+    except (KeyError, ImportError, AttributeError):
+        return None
+    return FillRequirement(cls.cuda_graph_fill_value, f"the {engine_backend} adapter pads with seq_len {cls.cuda_graph_fill_value}")
+
+
+def fill_requirements() -> dict[str, FillRequirement]:
+    """Every engine backend name with a declared requirement: adapters' first, then the table."""
+    known: dict[str, FillRequirement] = {}
+    for cls in adapters():
+        for name, own in cls.engine_names.items():
+            need = own or cls.fill_requirement
+            if need is not None:
+                known.setdefault(name, need)
+    for name, need in UNADAPTED.items():
+        known.setdefault(name, need)
+    return known
