@@ -17,3 +17,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _terminal_width_of_a_pipe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Commands' output as piped (160 columns): a COLUMNS=80 inherited from the machine running
+    the tests (the GPU machine sets one) would wrap verdict lines the tests read."""
+    monkeypatch.delenv("COLUMNS", raising=False)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from attndbg import machine
 from attndbg.replay.data import check_fits, footprint
 from attndbg.trace import io
 from attndbg.trace.errors import TraceError
@@ -53,7 +54,8 @@ def test_replay_and_check_of_one_file_over_max_memory_exit_2_with_the_numbers(tm
     path = str(io.save(big, tmp_path / "big.pt"))
     assert invoke("replay", path, "--backend", "reference").exit_code == 0  # fits what the machine has
     assert invoke("replay", path, "--backend", "reference", "--max-memory", "64M").exit_code == 0
-    needles = ("big.pt: batch.kv_cache_size: = 65536 slots", "needs 8.0 MiB on cpu (KV pool 8.0 MiB", "more than --max-memory 1.0 MiB; not replayed")
+    device = "cuda" if machine.cuda_available() else "cpu"  # where the step's data would live
+    needles = ("big.pt: batch.kv_cache_size: = 65536 slots", f"needs 8.0 MiB on {device} (KV pool 8.0 MiB", "more than --max-memory 1.0 MiB; not replayed")
     one_line_error(invoke("replay", path, "--backend", "reference", "--max-memory", "1M"), *needles)
     one_line_error(invoke("check", path, "--only", "split-merge", "--backend", "triton", "--max-memory", "1M"), *needles)
     one_line_error(invoke("replay", path, "--max-memory", "lots"), "--max-memory: expected bytes like 500M or 2G, got 'lots'")
