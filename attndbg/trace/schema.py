@@ -37,7 +37,7 @@ class ForwardMode(enum.Enum):
 
 class AttentionKind(enum.Enum):
     MHA = "mha"  # includes GQA / MQA
-    MLA = "mla"  # DeepSeek absorbed MLA: keys = [latent | rope], values = latent
+    MLA = "mla"  # not a backend name: DeepSeek absorbed MLA: keys = [latent | rope], values = latent
 
 
 class MaskLayout(enum.Enum):

@@ -52,7 +52,7 @@ def _lengths(spec: SynthSpec) -> tuple[list[int], list[int]]:
 
 
 def _model(spec: SynthSpec) -> Model:
-    if spec.attention == "mla":
+    if spec.attention == AttentionKind.MLA.value:
         heads = int(spec.heads.split(":")[0])  # parse_spec checked the head counts
         head_dim = spec.kv_lora_rank + spec.rope_dim
         return Model(
@@ -192,7 +192,7 @@ def build(spec: SynthSpec) -> Trace:
     source = Source(
         engine="synth",
         engine_version=attndbg.__version__,
-        backend="triton",
+        backend="triton",  # names a backend: a synth step is what SGLang's Triton backend records (the trace layer imports no adapter)
         device="any",
         tp_rank=0,
         step=0,

@@ -42,12 +42,15 @@ from dataclasses import dataclass, fields, replace
 # The dtype names a spec accepts (trace.schema.Q_DTYPES and the KV dtypes, spelled without torch).
 Q_DTYPE_NAMES = ("float16", "bfloat16", "float32")
 KV_DTYPE_NAMES = Q_DTYPE_NAMES + ("float8_e4m3fn", "float8_e5m2")
+# The attention kinds (trace.schema.AttentionKind's values, spelled without torch).
+MHA = "mha"
+MLA = "mla"  # not a backend name: the attention kind
 
 
 @dataclass(frozen=True)
 class SynthSpec:
     mode: str = "decode"
-    attention: str = "mha"
+    attention: str = MHA
     heads: str = "32:8"
     head_dim: int = 128
     v_head_dim: int = 0  # 0 = same as head_dim
@@ -85,7 +88,7 @@ PRESETS: dict[str, dict[str, str]] = {
     "mixed": {"mode": "mixed", "heads": "16:4", "prefix_lens": "48,0,90,33", "extend_lens": "40,25,1,1"},
     "verify": {"mode": "verify", "heads": "16:4", "prefix_lens": "20,75,130", "topk": "4", "steps": "3", "draft_tokens": "8"},
     "verify-chain": {"mode": "verify", "heads": "16:4", "prefix_lens": "31,64", "topk": "1", "steps": "4", "draft_tokens": "5"},
-    "mla-decode": {"mode": "decode", "attention": "mla", "heads": "16", "kv_lens": "1,40,300"},
+    "mla-decode": {"mode": "decode", "attention": MLA, "heads": "16", "kv_lens": "1,40,300"},
     "window": {"mode": "extend", "heads": "16:4", "prefix_lens": "100,10", "extend_lens": "30,50", "window": "31"},
     "window-decode": {"mode": "decode", "heads": "16:4", "kv_lens": "10,100,300", "window": "63"},
     "softcap": {"mode": "decode", "heads": "16:8", "kv_lens": "7,150,400", "logit_cap": "30.0"},
@@ -99,7 +102,7 @@ _EXPECTED = {tuple: "comma-separated integers, e.g. 1,33,20000", int: "an intege
 # Keys with a closed set of values (checked here, so the error names the key the user typed).
 _CHOICES = {
     "mode": ("decode", "extend", "mixed", "verify", "selective"),
-    "attention": ("mha", "mla"),
+    "attention": (MHA, MLA),
     "dtype": Q_DTYPE_NAMES,
     "kv_dtype": KV_DTYPE_NAMES,
     "mask_layout": ("full", "qlen_only", "qlen_only_bitpacked"),
@@ -181,11 +184,11 @@ def _check_heads(spec: SynthSpec) -> None:
     try:
         counts = [int(p) for p in parts]
     except ValueError:
-        expected = "the query head count, e.g. 16" if spec.attention == "mla" else "Q:KV, e.g. 32:8"
+        expected = "the query head count, e.g. 16" if spec.attention == MLA else "Q:KV, e.g. 32:8"
         raise SpecError(f"heads={spec.heads!r}: expected {expected}") from None
     if min(counts) < 1 or len(counts) > 2:
         raise SpecError(f"heads={spec.heads!r}: expected Q:KV head counts >= 1, e.g. 32:8")
-    if spec.attention == "mha" and (len(counts) != 2 or counts[0] % counts[1]):
+    if spec.attention == MHA and (len(counts) != 2 or counts[0] % counts[1]):
         raise SpecError(f"heads={spec.heads!r}: expected Q:KV with Q a multiple of KV (grouped-query attention), e.g. 32:8")
 
 
@@ -200,10 +203,10 @@ _USED_BY = {
     "draft_tokens": ("mode", ("verify",)),
     "mask_layout": ("mode", ("verify",)),
     "select": ("mode", ("selective",)),
-    "kv_lora_rank": ("attention", ("mla",)),
-    "rope_dim": ("attention", ("mla",)),
-    "head_dim": ("attention", ("mha",)),
-    "v_head_dim": ("attention", ("mha",)),
+    "kv_lora_rank": ("attention", (MLA,)),
+    "rope_dim": ("attention", (MLA,)),
+    "head_dim": ("attention", (MHA,)),
+    "v_head_dim": ("attention", (MHA,)),
 }
 
 

@@ -12,6 +12,9 @@ from dataclasses import replace
 
 import torch
 
+# zero-fill is a mistake of SGLang's FlashInfer backend: the step is relabelled as its.
+from attndbg.backends.flashinfer import SGLANG_NAME as SGLANG_FLASHINFER
+from attndbg.backends.flashinfer import FlashInferBackend
 from attndbg.trace.schema import Graph, Plan, Trace
 
 # What an uninitialised int32 buffer (torch.empty; SGLang's classic req_pool_indices is int32)
@@ -43,8 +46,8 @@ def zero_fill(trace: Trace) -> Trace:
     bs = trace.batch.batch_size
     seq_lens = graph.padded_seq_lens.clone()
     seq_lens[bs:] = 0
-    source = replace(trace.source, backend="flashinfer")
-    plan = trace.plan if trace.plan is not None and trace.plan.backend == "flashinfer" else None
+    source = replace(trace.source, backend=SGLANG_FLASHINFER)
+    plan = trace.plan if trace.plan is not None and trace.plan.backend == FlashInferBackend.name else None
     return replace(trace, source=source, plan=plan, graph=replace(graph, fill_value=0, padded_seq_lens=seq_lens))
 
 

@@ -4,17 +4,19 @@ Each function takes a trace (with a recorded plan where the mistake lives in the
 a copy carrying one realistic mistake; the batch ground truth is never touched. Where the mistake
 lands (request, column) is chosen from a generator seeded with the trace's seed, or given by
 keyword for tests. A mistake that does not apply to the trace raises ValueError saying why.
-Plan tensors are changed by name; this layer knows nothing of backends.
+Plan tensors are found through the layout their backend declares (backends/plan_layout.py), so
+no backend is named here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
+from attndbg.backends import registry
 from attndbg.trace import tree
 from attndbg.trace.schema import ForwardMode, Plan, Trace
 
@@ -38,12 +40,34 @@ def _with_tensors(trace: Trace, **tensors: Tensor) -> Trace:
     return replace(trace, plan=Plan(backend=plan.backend, tensors={**plan.tensors, **tensors}, scalars=dict(plan.scalars)))
 
 
-def _segments(plan: Plan) -> tuple[str, list[tuple[int, int]]] | None:
-    """(indices name, [lo, hi) per request) of a CSR plan (kv_indptr/kv_indices), else None."""
-    if "kv_indptr" not in plan.tensors or "kv_indices" not in plan.tensors:
-        return None
-    indptr = plan.tensors["kv_indptr"].to(torch.int64).tolist()
-    return "kv_indices", [(indptr[b], indptr[b + 1]) for b in range(len(indptr) - 1)]
+@dataclass(frozen=True)
+class _KvLists:
+    """Where a plan lists each real request's KV ids, by its layout."""
+
+    name: str  # the tensor of ids
+    page_size: int  # tokens per id
+    counts: list[int]  # ids per real request
+    spans: list[tuple[int, int]] | None  # a CSR list: [lo, hi) per request of `name`; None: table rows
+
+
+def _kv_lists(trace: Trace, plan: Plan, *, default_page_size: int) -> _KvLists:
+    """The plan's KV ids per request, as its backend's layout lists them (`default_page_size`
+    where the plan has no page_size scalar and the layout fixes none)."""
+    adapter = registry.adapter_of(plan)
+    layout = adapter.plan_layout(trace, plan) if adapter is not None else None
+    if layout is None:
+        raise ValueError(f"the {plan.backend} plan's backend declares no plan layout: where its KV ids are is unknown")
+    ps = layout.page_size_of(plan, default_page_size)
+    bs = trace.batch.batch_size
+    if layout.csr:
+        if layout.count not in plan.tensors or layout.ids not in plan.tensors:
+            raise ValueError(f"the {plan.backend} plan has no {layout.count} / {layout.ids}")
+        indptr = plan.tensors[layout.count].to(torch.int64).tolist()
+        spans = [(indptr[b], indptr[b + 1]) for b in range(len(indptr) - 1)]
+        return _KvLists(layout.ids, ps, [hi - lo for lo, hi in spans[:bs]], spans)
+    if layout.ids not in plan.tensors or layout.length is None or layout.length not in plan.tensors:
+        raise ValueError(f"the {plan.backend} plan has no {layout.ids} / {layout.length}")
+    return _KvLists(layout.ids, ps, [-(-int(n) // ps) for n in plan.tensors[layout.length][:bs]], None)
 
 
 def decreasing_indptr(trace: Trace, *, request: int | None = None) -> Trace:
@@ -81,18 +105,12 @@ def wrong_req_row(trace: Trace, *, request: int | None = None, source: int | Non
     bs = batch.batch_size
     if bs < 2:
         raise ValueError("wrong-req-row needs at least two requests")
-    ps = int(plan.scalars.get("page_size", 1))  # triton plans hold slot ids and no page_size
-    csr = _segments(plan)
-    if csr is not None:
-        name, spans = csr
-        counts = [hi - lo for lo, hi in spans[:bs]]
+    kv = _kv_lists(trace, plan, default_page_size=1)
+    name, ps, counts, spans = kv.name, kv.page_size, kv.counts, kv.spans
+    if spans is not None:
         current = [plan.tensors[name][lo:hi].to(torch.int64) for lo, hi in spans[:bs]]
-    elif "page_table" in plan.tensors and "cache_seqlens" in plan.tensors:
-        name = "page_table"
-        counts = [-(-int(n) // ps) for n in plan.tensors["cache_seqlens"][:bs]]
-        current = [plan.tensors[name][b, : counts[b]].to(torch.int64) for b in range(bs)]
     else:
-        raise ValueError(f"the {plan.backend} plan has no kv_indices or page_table to corrupt")
+        current = [plan.tensors[name][b, : counts[b]].to(torch.int64) for b in range(bs)]
 
     def row_of(c: int, count: int) -> Tensor:
         units = batch.request_slots(c)[::ps] // ps
@@ -111,7 +129,7 @@ def wrong_req_row(trace: Trace, *, request: int | None = None, source: int | Non
         raise ValueError(f"wrong-req-row: request {source}'s row does not differ from request {request}'s indices")
     wrong = row_of(source, counts[request])
     tensor = plan.tensors[name].clone()
-    if csr is not None:
+    if spans is not None:
         lo, hi = spans[request]
         tensor[lo:hi] = wrong.to(tensor.dtype)
     else:
@@ -126,19 +144,10 @@ def index_outside_cache(trace: Trace, *, request: int | None = None, column: int
     """
     plan = _need_plan(trace, "index-outside-cache")
     bs = trace.batch.batch_size
-    csr = _segments(plan)
-    paged = plan.backend != "triton" and not (plan.backend == "mla" and plan.scalars.get("impl") == "triton")
-    ps = int(plan.scalars.get("page_size", trace.model.page_size)) if paged else 1
+    kv = _kv_lists(trace, plan, default_page_size=trace.model.page_size)
+    name, ps, counts, spans = kv.name, kv.page_size, kv.counts, kv.spans
     limit = trace.batch.kv_cache_size // ps
     g = _rng(trace, 3)
-    if csr is not None:
-        name, spans = csr
-        counts = [hi - lo for lo, hi in spans[:bs]]
-    elif "page_table" in plan.tensors and "cache_seqlens" in plan.tensors:
-        name = "page_table"
-        counts = [-(-int(n) // ps) for n in plan.tensors["cache_seqlens"][:bs]]
-    else:
-        raise ValueError(f"the {plan.backend} plan has no kv_indices or page_table")
     if request is None:
         candidates = [b for b in range(bs) if counts[b] > 0]
         if not candidates:
@@ -150,7 +159,7 @@ def index_outside_cache(trace: Trace, *, request: int | None = None, column: int
         raise ValueError(f"request {request} has {counts[request]} indices, column {column} is not one")
     garbage = limit + 1 + int(torch.randint(1 << 20, (1,), generator=g))
     tensor = plan.tensors[name].clone()
-    if csr is not None:
+    if spans is not None:
         tensor[spans[request][0] + column] = garbage
     else:
         tensor[request, column] = garbage

@@ -17,6 +17,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+# cascade-lse-base-2 is a mistake of SGLang's FlashInfer backend: the step is relabelled as its.
+from attndbg.backends.flashinfer import SGLANG_NAME as SGLANG_FLASHINFER
+from attndbg.backends.flashinfer import FlashInferBackend
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, LayerTensors, LseBase, Trace
 from attndbg.trace.visibility import visibility
 
@@ -218,8 +221,8 @@ def cascade_lse_base_2(trace: Trace) -> Trace:
         o_p, lse_p = _attend(trace, step, b, cols < prefix)
         o_s, lse_s = _attend(trace, step, b, cols >= prefix)
         output[int(qo[b]) : int(qo[b + 1])] = _merge(o_p, lse_p * LOG2E, o_s, lse_s)[0]
-    source = replace(trace.source, backend="flashinfer")
-    plan = trace.plan if trace.plan is not None and trace.plan.backend == "flashinfer" else None
+    source = replace(trace.source, backend=SGLANG_FLASHINFER)
+    plan = trace.plan if trace.plan is not None and trace.plan.backend == FlashInferBackend.name else None
     return replace(_recorded(trace, step, output, None, LseBase.E), source=source, plan=plan)
 
 

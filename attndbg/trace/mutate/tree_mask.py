@@ -1,8 +1,8 @@
 """Mistakes in speculative tree masks that the tree-mask detector finds.
 
 A wrong tree mask lives in what the engine recorded: `spec.custom_mask` (in its layout) and the
-plan's `custom_mask` / `mask_indptr` (FULL layout, triton and flashinfer vocabularies) or, for the
-fa3 two-call verify, its `expand_*` tables. Where the engine builds one mask and hands it to the
+plan's `custom_mask` / `mask_indptr` (FULL layout) or, for a two-call verify, the expand tables its
+backend's layout names (backends/plan_layout.py). Where the engine builds one mask and hands it to the
 backend, a mistake in building it reaches both, so both are changed. Placement (request, row,
 column) comes from a generator seeded with the trace's seed, or by keyword for tests. A mistake
 that does not apply raises ValueError saying what the trace needs.
@@ -16,6 +16,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from attndbg.backends import registry
+from attndbg.backends.plan_layout import ExpandTables
 from attndbg.trace import tree
 from attndbg.trace.schema import ForwardMode, MaskLayout, Plan, Spec, Trace
 
@@ -98,28 +100,37 @@ def sibling_visible(trace: Trace, *, request: int | None = None, row: int | None
         mask = trace.plan.tensors["custom_mask"].clone()
         mask[start + row * width + width - n + column] = True
         tensors["custom_mask"] = mask
-    elif trace.plan is not None and "expand_page_table" in trace.plan.tensors:
-        tensors.update(_expand_add(trace, request, row, column))
+    elif (expand := _expand_tables(trace)) is not None:
+        tensors.update(_expand_add(trace, expand, request, row, column))
     if spec_mask is None and not tensors:
         raise ValueError("sibling-visible: the trace records no tree mask (neither spec.custom_mask nor a plan mask)")
     return _with(trace, spec_mask=spec_mask, tensors=tensors)
 
 
-def _expand_add(trace: Trace, b: int, row: int, column: int) -> dict[str, Tensor]:
-    """fa3 two-call: list draft token `column`'s slot among row's visible slots."""
+def _expand_tables(trace: Trace) -> ExpandTables | None:
+    """The plan's two-call verify tables, where its backend's layout has them and the plan holds them."""
+    plan = trace.plan
+    adapter = registry.adapter_of(plan) if plan is not None else None
+    layout = adapter.plan_layout(trace, plan) if adapter is not None else None
+    expand = layout.expand if layout is not None else None
+    return expand if expand is not None and expand.table in plan.tensors else None
+
+
+def _expand_add(trace: Trace, expand: ExpandTables, b: int, row: int, column: int) -> dict[str, Tensor]:
+    """Two-call verify: list draft token `column`'s slot among row's visible slots."""
     plan = trace.plan
     n = trace.spec.draft_token_num
     r = b * n + row
-    table = plan.tensors["expand_page_table"].clone()
-    lens = plan.tensors["expand_cache_seqlens"].clone()
+    table = plan.tensors[expand.table].clone()
+    lens = plan.tensors[expand.lengths].clone()
     prefix = int(trace.batch.prefix_lens[b])
     slot = int(trace.batch.request_slots(b)[prefix + column])
     k = int(lens[r])
     at = int(torch.nonzero(table[r] == slot)[0])
     table[r, k], table[r, at] = table[r, at].clone(), table[r, k].clone()
     lens[r] = k + 1
-    cu = torch.nn.functional.pad(torch.cumsum(lens.to(torch.int64), 0), (1, 0)).to(plan.tensors["expand_cu_seqlens_k"].dtype)
-    return {"expand_page_table": table, "expand_cache_seqlens": lens, "expand_cu_seqlens_k": cu}
+    cu = torch.nn.functional.pad(torch.cumsum(lens.to(torch.int64), 0), (1, 0)).to(plan.tensors[expand.cu_seqlens_k].dtype)
+    return {expand.table: table, expand.lengths: lens, expand.cu_seqlens_k: cu}
 
 
 def bit_order(trace: Trace) -> Trace:
