@@ -103,6 +103,12 @@ class RequestRows:
     offsets: tuple[tuple[str, str | None], ...] = ()  # (indptr, the flat tensor it indexes; None: query rows)
 
 
+# Per-request offsets by name and the flat tensor each one indexes (None: query rows), as SGLang's
+# and FlashAttention's plans name them: what keeps a padded plan's real requests when its view
+# declares no `layout`.
+USUAL_OFFSETS: dict[str, str | None] = {"qo_indptr": None, "kv_indptr": "kv_indices", "mask_indptr": "custom_mask", "cu_seqlens_q": None, "cu_seqlens_k": None}
+
+
 @dataclass(frozen=True)
 class PlanView:
     """A plan as its kernel will read it. Bounds are in checking order: sizes and offsets first,
@@ -112,7 +118,7 @@ class PlanView:
     bounds: tuple[Bound, ...]
     kv: RequestKV | None = None  # None where not cheap to give
     # Which tensors are per request, and how: what keeps a graph-padded plan's real requests
-    # (plan_guard.real_requests_only). None: the guard's table of the usual indptr names.
+    # (plan_guard.real_requests_only). None: USUAL_OFFSETS and every tensor with a row per request.
     layout: tuple[RequestRows, ...] | None = None
 
 

@@ -18,11 +18,10 @@ from torch import Tensor
 
 from attndbg.backends import registry
 from attndbg.backends.base import Backend
-from attndbg.backends.plan_view import Bound, Entries, Equals, Extents, Offsets, PlanView, PlanViewError, RequestRows
+from attndbg.backends.plan_view import USUAL_OFFSETS, Bound, Entries, Equals, Extents, Offsets, PlanView, PlanViewError, RequestRows
 from attndbg.trace.schema import Plan, Trace
 
-# Per-request offsets by name, and the flat tensor each one indexes (None: query rows).
-_INDPTRS = {"qo_indptr": None, "kv_indptr": "kv_indices", "mask_indptr": "custom_mask", "cu_seqlens_q": None, "cu_seqlens_k": None}
+_INDPTRS = USUAL_OFFSETS
 
 
 def _request_count(plan: Plan) -> int | None:
@@ -77,7 +76,7 @@ def _view(trace: Trace, plan: Plan, backend: Backend | None) -> PlanView | None:
 
 def _usual_layout(plan: Plan, n: int) -> tuple[RequestRows, ...]:
     """Without a backend's layout: the usual indptrs, and every other tensor with one row per request
-    (num_kv_splits, page_table, ...) but the flat tensors those indptrs index."""
+    (split counts, page tables, ...) but the flat tensors those indptrs index."""
     flat = {target for target in _INDPTRS.values() if target}
     rows = tuple(name for name, values in plan.tensors.items() if name not in _INDPTRS and name not in flat and values.dim() >= 1 and values.shape[0] == n)
     return (RequestRows(1, rows, tuple(_INDPTRS.items())),)
