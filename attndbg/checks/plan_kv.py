@@ -12,6 +12,7 @@ from torch import Tensor
 
 from attndbg.backends import registry
 from attndbg.backends.plan_layout import KvEnd, KvIds, PlanLayout
+from attndbg.backends.plan_view import PlanViewError
 from attndbg.checks.findings import Finding
 from attndbg.checks.invariants_base import _finding
 from attndbg.checks.invariants_indptr import _indptr_shape, _is_indptr
@@ -48,6 +49,28 @@ def plan_layout(trace: Trace, plan: Plan) -> PlanLayout | None:
     """The layout the plan's backend declares; None when no adapter has its name or it declares none."""
     adapter = registry.adapter_of(plan)
     return adapter.plan_layout(trace, plan) if adapter is not None else None
+
+
+def unread_reason(trace: Trace) -> str | None:
+    """Why the plan detectors cannot read this step's recorded plan as its kernel would (no adapter
+    has the plan's backend name, or the adapter declares no plan view or no layout for it); None
+    when they can, or the step recorded no plan. A plan view that refuses the plan is not this:
+    the refusal is a finding."""
+    plan = trace.plan
+    if plan is None:
+        return None
+    adapter = registry.adapter_of(plan)
+    if adapter is None:
+        return "no adapter here"
+    try:
+        view = adapter.plan_view(trace, plan)
+    except PlanViewError:
+        view = True  # it has a view, and this plan breaks it: invariants says how
+    if view is None:
+        return f"the {adapter.name} adapter declares no plan view"
+    if adapter.plan_layout(trace, plan) is None:
+        return f"the {adapter.name} adapter declares no plan layout for it"
+    return None
 
 
 def _ends(trace: Trace, layout: PlanLayout) -> tuple[KvEnd, ...]:

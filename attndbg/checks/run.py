@@ -24,6 +24,7 @@ from typing import Any
 from attndbg import machine
 from attndbg.checks.context import CheckContext, CheckOptions
 from attndbg.checks.findings import Finding, FindingClass
+from attndbg.checks.plan_kv import unread_reason
 from attndbg.trace import io
 from attndbg.trace.schema import Trace
 from attndbg.trace.validate import TraceError
@@ -59,6 +60,8 @@ class StepReport:
     seconds: float = 0.0
     backends: tuple[str, ...] = ()  # kernel backends the detectors ran on this step
     bad_input: bool = False  # the error is the step's (unreadable, cannot fit here), not a detector's or a worker's
+    # The plan detectors ran but could not read the recorded plan: "<plan.backend>: <why>" (the verdict names it).
+    plan_unread: str | None = None
 
     @property
     def checked(self) -> bool:
@@ -134,8 +137,21 @@ def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions)
         error="; ".join(failures) or None,
         seconds=time.perf_counter() - start,
         backends=ctx.backends_consulted(),
+        plan_unread=_plan_unread(trace, modules),
     )
     return StepResult(report, {k: d for k, d in digests.items() if d is not None})
+
+
+# Detectors that judge the recorded plan through its backend's plan view and layout.
+PLAN_DETECTORS = (FindingClass.INVARIANT, FindingClass.TREE_MASK)
+
+
+def _plan_unread(trace: Trace, modules: dict[FindingClass, ModuleType]) -> str | None:
+    """A plan detector ran and read less than the recorded plan: what the verdict says about it."""
+    if not any(kind in modules for kind in PLAN_DETECTORS):
+        return None
+    why = unread_reason(trace)
+    return None if why is None else f"{trace.plan.backend[:80]}: {why}"
 
 
 def check_steps(

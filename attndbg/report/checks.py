@@ -59,6 +59,8 @@ class CheckVerdict:
     backends_ran: dict[str, int]  # backend -> steps it ran on
     backends_skipped: dict[str, str]  # backend -> why it ran on no step
     findings: int = 0
+    # "<plan backend>: <why>" -> steps whose recorded plan the plan detectors could not read
+    plans_unread: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -80,6 +82,10 @@ def check_verdict(reports: list[StepReport], detectors: list[FindingClass], name
     parts.append(f"detectors: {', '.join(d.value for d in detectors)}")
     parts.append(f"kernels compared with the float64 reference: {kernels}" if kernels else "no kernel ran (metadata and recorded tensors only)")
     parts += [f"{name} {why}" for name, why in skipped.items()]
+    # Not a finding (nothing is wrong in the step) and not incomplete (nothing asked for failed to
+    # run), but the plan detectors checked less than the plan: said, never silent.
+    unread = Counter(r.plan_unread for r in checked if r.plan_unread)
+    parts += [f"recorded plan not read by the plan detectors on {n} step{'s' if n != 1 else ''} ({what})" for what, n in sorted(unread.items())]
     parts.append(f"{findings} finding{'s' if findings != 1 else ''}")
     unchecked = len(steps) - len(checked)
     return CheckVerdict(
@@ -91,6 +97,7 @@ def check_verdict(reports: list[StepReport], detectors: list[FindingClass], name
         backends_ran=dict(sorted(ran.items())),
         backends_skipped=skipped,
         findings=findings,
+        plans_unread=dict(sorted(unread.items())),
     )
 
 
@@ -119,6 +126,7 @@ def checks_to_json(reports: list[StepReport], verdict: CheckVerdict | None = Non
             "detectors": verdict.detectors,
             "compared": verdict.backends_ran,
             "skipped": verdict.backends_skipped,
+            "plans_unread": verdict.plans_unread,
         }
     return data
 
