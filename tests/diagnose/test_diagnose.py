@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from attndbg import machine
 from attndbg.backends import registry
 from attndbg.backends.base import AttentionInputs
 from attndbg.checks import split_merge
@@ -53,8 +54,12 @@ def recorded(*spec: str, splits: list[int] | None = None) -> Trace:
     return replace(trace, tensors={0: replace(trace.tensors[0], lse=None)})
 
 
-def inputs_of(trace: Trace) -> AttentionInputs:
-    return StepData(trace, layer=0, device="cpu").inputs
+# Where our Triton kernels run: compiled on a GPU machine (they need its tensors), else interpreted.
+KERNEL_DEVICE = "cuda" if machine.cuda_available() else "cpu"
+
+
+def inputs_of(trace: Trace, device: str = KERNEL_DEVICE) -> AttentionInputs:
+    return StepData(trace, layer=0, device=device).inputs
 
 
 def engine_said(trace: Trace, output: Tensor) -> Trace:
@@ -86,18 +91,19 @@ def split_engine(trace: Trace, *, stage2, scratch_lse_scale: float = 1.0, earlie
     stage 1 with `earlier_splits` for every request, when given), then `stage2`."""
     plan, model = trace.plan, trace.model
     inputs = inputs_of(trace)
+    device = inputs.q.device
     bs, top = trace.batch.batch_size, 8
-    logits = torch.zeros(bs, model.num_qo_heads, top, model.v_head_dim)
-    lse = torch.zeros(bs, model.num_qo_heads, top)
-    kv_indptr, kv_indices = plan.tensors["kv_indptr"].to(torch.int32), plan.tensors["kv_indices"]
-    counts = plan.tensors["num_kv_splits"].to(torch.int32)
+    logits = torch.zeros(bs, model.num_qo_heads, top, model.v_head_dim, device=device)
+    lse = torch.zeros(bs, model.num_qo_heads, top, device=device)
+    kv_indptr, kv_indices = plan.tensors["kv_indptr"].to(device, torch.int32), plan.tensors["kv_indices"].to(device)
+    counts = plan.tensors["num_kv_splits"].to(device, torch.int32)
     common = dict(q=inputs.q, k_buffer=inputs.k_cache, v_buffer=inputs.v_cache, kv_indptr=kv_indptr, kv_indices=kv_indices, attn_logits=logits, attn_lse=lse, max_kv_splits=top, sm_scale=model.sm_scale)
     if earlier_splits is not None:
         decode_kernels.decode_stage1(**common, num_kv_splits=torch.full_like(counts, earlier_splits))
     decode_kernels.decode_stage1(**common, num_kv_splits=counts)
-    out = torch.empty(bs, model.num_qo_heads, model.v_head_dim, dtype=inputs.q.dtype)
-    stage2(attn_logits=logits, attn_lse=lse * scratch_lse_scale, o=out, lse=torch.empty(bs, model.num_qo_heads), kv_indptr=kv_indptr, num_kv_splits=counts, max_kv_splits=top)
-    return out
+    out = torch.empty(bs, model.num_qo_heads, model.v_head_dim, dtype=inputs.q.dtype, device=device)
+    stage2(attn_logits=logits, attn_lse=lse * scratch_lse_scale, o=out, lse=torch.empty(bs, model.num_qo_heads, device=device), kv_indptr=kv_indptr, num_kv_splits=counts, max_kv_splits=top)
+    return out.cpu()
 
 
 def test_split_lse_in_base_2_read_as_natural() -> None:
@@ -145,7 +151,7 @@ def test_prefix_partial_lse_in_base_2() -> None:
 def triton_on(trace: Trace, told: Trace) -> Tensor:
     """Our Triton kernels run on the step's data with the batch `told` (the engine's wrong metadata)."""
     backend = registry.create("triton")
-    return backend.run(told, inputs_of(trace), backend.derive_plan(told)).output
+    return backend.run(told, inputs_of(trace), backend.derive_plan(told)).output.cpu()
 
 
 def with_rows(trace: Trace, rows: dict[int, Tensor], query_shift: dict[int, int] | None = None) -> Trace:
@@ -195,7 +201,7 @@ def masked_engine(trace: Trace, sees) -> Tensor:
     """A float64 engine of this test: request b's query row r attends to the columns c of its KV row
     where sees(b, r, c) holds (written here, independently of the reference and of the models)."""
     model, batch = trace.model, trace.batch
-    inputs = inputs_of(trace)
+    inputs = inputs_of(trace, "cpu")
     out = torch.zeros(batch.num_tokens, model.num_qo_heads, model.v_head_dim, dtype=torch.float64)
     for b in range(batch.batch_size):
         start, n, kv = int(batch.qo_indptr[b]), int(batch.extend_lens[b]), int(batch.kv_lens[b])
