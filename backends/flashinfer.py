@@ -115,6 +115,32 @@ def sglang_uses_tensor_cores(kv_dtype: str, num_qo_heads: int, num_kv_heads: int
     return False
 
 
+# FlashInfer releases whose batch decode is wrong at head dims that are not powers of two, measured
+# on an H100 by bench/flashinfer_head_dims.py (bench/results/flashinfer_head_dims_h100.txt, bs 2,
+# 4:4 heads, bf16, page 1, against float64): the CUDA-core path returns wrong outputs at 40, 72, 80,
+# 96, 104, 112, 160 and 192 (max abs 0.3-1.3); the tensor-core path ends in an illegal memory access
+# at 80, 96, 104, 112 and 160, is refused at 40 and wrong at 72; only 192 on tensor cores is right.
+# No error is raised at plan(). Not run: a wrong answer is not a finding about the step, and an
+# illegal memory access would poison the process.
+DECODE_HEAD_DIM_DEFECT_RELEASES = ("0.7.2",)
+DECODE_HEAD_DIMS_RIGHT_ON_TENSOR_CORES = (192,)
+
+
+def decode_head_dim_defect(head_dim: int, tensor_cores: bool) -> str | None:
+    """The known library defect a decode at `head_dim` would hit with the installed FlashInfer, if any."""
+    if head_dim & (head_dim - 1) == 0 or (tensor_cores and head_dim in DECODE_HEAD_DIMS_RIGHT_ON_TENSOR_CORES):
+        return None
+    version = str(getattr(_flashinfer(), "__version__", "")) if machine.module_available("flashinfer") else ""
+    if not version.startswith(DECODE_HEAD_DIM_DEFECT_RELEASES):
+        return None  # a release we have not measured: run it (check's workers contain a crash)
+    path = "tensor-core path: illegal memory access or wrong outputs" if tensor_cores else "CUDA-core path: wrong outputs, max abs 0.3-1.0"
+    return (
+        f"known FlashInfer {version} defect: batch decode at head_dim {head_dim} (not a power of two) is wrong "
+        f"({path}; measured, bench/results/flashinfer_head_dims_h100.txt); standalone reproduction: "
+        f"python bench/flashinfer_head_dims.py --one {head_dim}{' --tensor-cores' if tensor_cores else ''}"
+    )
+
+
 def _flashinfer():
     import flashinfer
 
@@ -221,6 +247,10 @@ class FlashInferBackend(Backend):
             )
         if mode is ForwardMode.DECODE and model.head_dim != model.v_head_dim:
             return f"FlashInfer's decode wrapper takes one head_dim for q/k and v; this trace has {model.head_dim} and {model.v_head_dim}"
+        if mode is ForwardMode.DECODE:
+            defect = decode_head_dim_defect(model.head_dim, self.use_tensor_cores(trace))
+            if defect:
+                return defect
         if mode in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND) and not trace.is_tree_verify:
             return self._extend_path_problem(trace)
         return None

@@ -68,3 +68,28 @@ def test_the_runner_reports_unsupported_kernels_as_unsupported() -> None:
     run = replay(replace(trace, plan=recorded), "t", ["mla"], ReplayOptions(plan=PlanSource.RECORDED)).runs[0]
     assert run.status is RunStatus.UNSUPPORTED, (run.status, run.reason)
     assert run.reason == f"the plan is for mla impl='flashmla'; this machine runs impl={running!r}"
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "tensor_cores", "defect"),
+    [(80, False, True), (80, True, True), (96, False, True), (192, False, True), (192, True, False), (128, False, False), (64, True, False)],
+)
+def test_flashinfer_decode_head_dim_defect_is_declared_for_the_measured_release(
+    monkeypatch: pytest.MonkeyPatch, head_dim: int, tensor_cores: bool, defect: bool
+) -> None:
+    """The release measured by bench/flashinfer_head_dims.py decodes non-power-of-two head dims
+    wrongly (or faults): declared as a known library defect with the reproduction command; powers of
+    two, 192 on tensor cores, and releases not measured are run."""
+    import types
+
+    from attndbg.backends import flashinfer
+
+    monkeypatch.setattr(flashinfer.machine, "module_available", lambda name: True)
+    monkeypatch.setattr(flashinfer, "_flashinfer", lambda: types.SimpleNamespace(__version__="0.7.2.post1"))
+    reason = flashinfer.decode_head_dim_defect(head_dim, tensor_cores)
+    assert (reason is not None) == defect
+    if defect:
+        assert reason.startswith(f"known FlashInfer 0.7.2.post1 defect: batch decode at head_dim {head_dim}")
+        assert f"python bench/flashinfer_head_dims.py --one {head_dim}" in reason
+    monkeypatch.setattr(flashinfer, "_flashinfer", lambda: types.SimpleNamespace(__version__="0.8.0"))
+    assert flashinfer.decode_head_dim_defect(head_dim, tensor_cores) is None

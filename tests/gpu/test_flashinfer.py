@@ -332,3 +332,16 @@ def test_graph_state_refuses_an_unpadded_plan():
     state = backend.graph_state(trace, capacity)
     with pytest.raises(ValueError, match="capture_bs=8"):
         state.load_plan(backend.derive_plan(trace))
+
+
+def test_decode_at_head_dim_80_is_a_declared_defect_not_a_failure_or_a_fault() -> None:
+    """FlashInfer 0.7.2's decode at head_dim 80 is wrong on CUDA cores and faults on tensor cores
+    (bench/results/flashinfer_head_dims_h100.txt): replay reports it unsupported with that reason."""
+    from attndbg.backends.flashinfer import decode_head_dim_defect
+
+    trace = spec_trace("decode-mha", "kv_lens=37,91", "heads=4:4", "head_dim=80", "page_size=1")
+    if decode_head_dim_defect(80, False) is None:
+        pytest.skip("the installed FlashInfer is not a release measured with this defect")
+    result = replay(trace, "t.pt", ["flashinfer"])
+    [run] = result.runs
+    assert run.status is RunStatus.UNSUPPORTED and run.reason.startswith("known FlashInfer"), run.reason
