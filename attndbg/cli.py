@@ -68,6 +68,24 @@ def _backend_names(spec: str) -> list[str]:
     return names
 
 
+BACKEND_OPTION_HELP = "NAME.FIELD=VALUE, repeatable: a field of that backend's options, e.g. fa3.verify_path=two-call, flashinfer.extend_path=paged, mla.impl=flashmla, triton.num_kv_splits=1"
+
+
+def _backend_options(specs: tuple[str, ...], num_kv_splits: int | None = None) -> Any:
+    """--backend-option NAME.FIELD=VALUE... (and --num-kv-splits N, the same as
+    triton.num_kv_splits=N) -> BackendOptions; what each backend takes is its options dataclass."""
+    from attndbg.backends import options as backend_options
+
+    if num_kv_splits is not None:
+        if any(spec.strip().startswith("triton.num_kv_splits=") for spec in specs):
+            raise BadInput("--num-kv-splits and --backend-option triton.num_kv_splits set the same thing: give one")
+        specs = (*specs, f"triton.num_kv_splits={num_kv_splits}")
+    try:
+        return backend_options.parse(specs)
+    except backend_options.OptionError as e:
+        raise BadInput(str(e)) from None
+
+
 def _write_json(path: str, data: Any) -> None:
     """Write `data` to `path`, or to stdout when `path` is "-"."""
     text = json.dumps(data, indent=2) + "\n"
@@ -191,7 +209,8 @@ def show(trace: str, json_path: str | None) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), help="also write the results as JSON (attndbg.replay/1; - for stdout)")
 @click.option("--save", "save_path", type=click.Path(dir_okay=False), help="keep outputs for `attndbg diff`")
 @click.option("--layer", type=int, default=None, help="use this recorded layer's tensors (default: the first recorded layer, else seeded data)")
-@click.option("--num-kv-splits", type=click.IntRange(min=1), default=None, help="force split-KV count (triton, decode steps)")
+@click.option("--num-kv-splits", type=click.IntRange(min=1), default=None, help="force split-KV count (triton, decode steps); the same as --backend-option triton.num_kv_splits=N")
+@click.option("--backend-option", "backend_option_specs", multiple=True, metavar="NAME.FIELD=VALUE", help=BACKEND_OPTION_HELP)
 @click.option("--plan", "plan_source", type=click.Choice(["derived", "recorded", "both"]), default="derived", show_default=True, help="run the plan derived from the batch, the one the engine recorded, or both")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help="eager runs per backend; any bit difference between them fails")
 @click.option("--cuda-graph", is_flag=True, help="also replay inside a real CUDA graph, padded as engines pad")
@@ -206,6 +225,7 @@ def replay(
     save_path: str | None,
     layer: int | None,
     num_kv_splits: int | None,
+    backend_option_specs: tuple[str, ...],
     plan_source: str,
     repeat: int,
     cuda_graph: bool,
@@ -223,8 +243,10 @@ def replay(
     Examples:
       attndbg replay traces/decode_gqa.pt --backend triton,reference --json out.json
       attndbg replay rec --backend all --json - | jq .verdict
+      attndbg replay traces/verify_tree.pt --backend fa3 --backend-option fa3.verify_path=two-call
     """
     names = _backend_names(backend_spec)
+    backend_options = _backend_options(backend_option_specs, num_kv_splits)
     max_memory = _max_memory(max_memory_spec)
     _check_outputs(json=json_path, save=save_path)
     if not cuda_graph:
@@ -240,14 +262,12 @@ def replay(
     if cuda_graph and not machine.cuda_available():
         raise BadInput("--cuda-graph needs a CUDA GPU, and this machine has none")
 
-    from attndbg.backends.triton import TritonOptions
     from attndbg.replay.runner import PlanSource, ReplayOptions, replay as run_replay
     from attndbg.report.progress import StepProgress
     from attndbg.report.replay import StepReport, overall, render_replay, replay_to_json, step_to_json, verdict_line
 
-    max_splits = max(num_kv_splits or 0, TritonOptions().max_kv_splits)
     options = ReplayOptions(
-        triton=TritonOptions(num_kv_splits=num_kv_splits, max_kv_splits=max_splits),
+        backend_options=backend_options,
         plan=PlanSource(plan_source),
         repeat=repeat,
         cuda_graph=cuda_graph,
@@ -262,7 +282,7 @@ def replay(
         for number, path in enumerate(paths, start=1):
             loaded = io.load(path)
             step_layer, notes = _data_layer(loaded, layer, str(path), single=len(paths) == 1)
-            notes += _ignored_options(loaded, names, num_kv_splits)
+            notes += _ignored_options(loaded, names, backend_options, num_kv_splits_flag=num_kv_splits is not None)
             progress.show(f"{number}/{len(paths)} {path}: {', '.join(names)}")
             result = run_replay(loaded, str(path), names, replace(options, layer=step_layer))
             step = StepReport(result=result, layer=step_layer, repeat=repeat, named=named, notes=tuple(notes))
@@ -294,16 +314,21 @@ def _data_layer(trace: Any, layer: int | None, path: str, *, single: bool) -> tu
     return None, [f"--layer {layer}: this step {has}; replayed with seeded data"]
 
 
-def _ignored_options(trace: Any, names: list[str], num_kv_splits: int | None) -> list[str]:
+def _ignored_options(trace: Any, names: list[str], backend_options: Any, *, num_kv_splits_flag: bool) -> list[str]:
     """Options given that cannot change this step's result, said rather than silently ignored."""
     from attndbg.trace.schema import ForwardMode
 
     notes = []
-    if num_kv_splits is not None:
-        if "triton" not in names:
+    for name, _ in backend_options.chosen:
+        if name in names:
+            continue
+        if name == "triton" and num_kv_splits_flag:
             notes.append("--num-kv-splits sets the triton backend's split count; triton is not among the backends run")
-        elif trace.batch.forward_mode is not ForwardMode.DECODE:
-            notes.append(f"--num-kv-splits: only decode steps split the KV; this {trace.batch.forward_mode.value} step has no splits")
+        else:
+            notes.append(f"--backend-option {name}.*: sets the {name} backend's options; {name} is not among the backends run")
+    triton = backend_options.of("triton")
+    if triton is not None and triton.num_kv_splits is not None and "triton" in names and trace.batch.forward_mode is not ForwardMode.DECODE:
+        notes.append(f"--num-kv-splits: only decode steps split the KV; this {trace.batch.forward_mode.value} step has no splits")
     return notes
 
 
@@ -405,6 +430,7 @@ def _diff_saved(console: Console, a: str, b: str, pairs: tuple[str, ...]) -> tup
 @click.option("--devices", "devices_spec", default=None, help="GPUs for the workers, e.g. 0,1 (default: every visible GPU)")
 @click.option("--in-process", is_flag=True, help="check in this process, even on a GPU (where a worker process is the default: a crashing kernel then takes down only its worker)")
 @click.option("--max-memory", "max_memory_spec", default=None, metavar="SIZE", help="do not check a step (one file: exit 2) whose data would need more than SIZE, e.g. 8G or 512M (default: what the device has free)")
+@click.option("--backend-option", "backend_option_specs", multiple=True, metavar="NAME.FIELD=VALUE", help=BACKEND_OPTION_HELP)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), help="also write the findings as JSON (attndbg.check/1; - for stdout)")
 @handles_bad_input
 def check(
@@ -419,6 +445,7 @@ def check(
     in_process: bool,
     json_path: str | None,
     max_memory_spec: str | None,
+    backend_option_specs: tuple[str, ...],
 ) -> None:
     """Run the detectors on a step or a recording directory and explain what they find.
 
@@ -442,6 +469,7 @@ def check(
     except ValueError as e:
         raise BadInput(f"--only: {e}") from None
     names = tuple(_backend_names(backend_spec)) if backend_spec else None
+    backend_options = _backend_options(backend_option_specs)
     if cuda_graph and not machine.cuda_available():
         raise BadInput("--cuda-graph needs a CUDA GPU, and this machine has none")
     selection = _step_selection(steps_spec, sample)
@@ -451,7 +479,7 @@ def check(
     if in_process and jobs not in (None, 1):
         raise BadInput(f"--in-process checks in one process: it cannot take --jobs {jobs}")
     _check_outputs(json=json_path)
-    options = CheckOptions(backends=names, cuda_graph=cuda_graph, max_memory=max_memory)
+    options = CheckOptions(backends=names, cuda_graph=cuda_graph, max_memory=max_memory, backend_options=backend_options)
     console = _console(stderr=json_path == "-")
     if not Path(target).is_dir():
         io.load(target)  # one file: unreadable is bad input (exit 2); in a recording it is one step's error
@@ -469,7 +497,7 @@ def check(
         raise BadInput(f"{target}: {reports[0].error}")  # one file that cannot be checked here is bad input
     if len(paths) > 1:
         console.print(render_summary(reports))
-    verdict = check_verdict(reports, classes, names)
+    verdict = check_verdict(reports, classes, names, backend_options)
     console.print(verdict.line)
     if json_path:
         _write_json(json_path, checks_to_json(reports, verdict))

@@ -138,6 +138,10 @@ class Backend(abc.ABC):
     # AttentionBackend.get_name()), each with its own requirement where it differs from
     # `fill_requirement` (None: the adapter's). Names no adapter answers to: engine_names.py.
     engine_names: ClassVar[Mapping[str, FillRequirement | None]] = {}
+    # Its options: a frozen dataclass the constructor takes as its one argument (None: it takes
+    # none). `--backend-option NAME.FIELD=VALUE` sets its fields, parsed from their types
+    # (backends/options.py), so what a user may choose is declared here and nowhere else.
+    options_class: ClassVar[type | None] = None
 
     @abc.abstractmethod
     def unavailable_reason(self) -> str | None:

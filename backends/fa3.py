@@ -129,6 +129,7 @@ class FA3Call:
 
 class FA3Backend(Backend):
     name = "fa3"
+    options_class = FA3Options
     fill_requirement = FillRequirement(0, "FlashAttention takes cache_seqlens = 0 (vLLM pads with 0); SGLang fills 1")
     # SGLang's FlashAttention backend (the recorder names it fa3) and vLLM's (engines.md B3).
     engine_names = {SGLANG_NAME: None, "FLASH_ATTN": None}

@@ -186,6 +186,7 @@ _LIBRARY_ERRORS = (RuntimeError, ValueError, NotImplementedError)
 
 class FlashInferBackend(Backend):
     name = "flashinfer"
+    options_class = FlashInferOptions
     fill_requirement = FillRequirement(
         1,
         "FlashInfer's decode kernels need seq_len >= 1 in every row: seq_len 0 gave illegal memory accesses "

@@ -77,6 +77,7 @@ def _flashinfer_backend_name() -> str:
 
 class MLABackend(Backend):
     name = "mla"
+    options_class = MLAOptions
     fill_requirement = FillRequirement(1, "FlashInfer MLA and FlashMLA need seq_len >= 1 (SGLang fills 1)")
     # Our own name (synth traces), and SGLang's FlashInfer MLA and FlashMLA backends.
     engine_names = {

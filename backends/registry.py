@@ -11,11 +11,15 @@ from __future__ import annotations
 import importlib
 import os
 from importlib.metadata import entry_points
+from typing import TYPE_CHECKING
 
 from attndbg.backends.base import Backend
 from attndbg.backends.reference import ReferenceBackend
-from attndbg.backends.triton import TritonBackend, TritonOptions
+from attndbg.backends.triton import TritonBackend
 from attndbg.trace.schema import Plan
+
+if TYPE_CHECKING:
+    from attndbg.backends.options import BackendOptions
 
 ENTRY_POINT_GROUP = "attndbg.backends"
 BUILTIN = ("reference", "triton", "flashinfer", "fa3", "mla")
@@ -49,10 +53,11 @@ def backend_names() -> list[str]:
     return names
 
 
-def create(name: str, *, triton_options: TritonOptions | None = None) -> Backend:
-    if name == "triton":
-        return TritonBackend(triton_options)
-    return adapter_class(name)()
+def create(name: str, *, options: BackendOptions | None = None) -> Backend:
+    """The adapter named `name`, given its entry of `options` (its defaults when it has none)."""
+    cls = adapter_class(name)
+    chosen = options.of(name) if options is not None else None
+    return cls(chosen) if chosen is not None else cls()
 
 
 def adapter_class(name: str) -> type[Backend]:

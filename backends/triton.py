@@ -41,6 +41,12 @@ class TritonOptions:
     num_kv_splits: int | None = None  # force this many splits for every request (else the heuristic)
     max_kv_splits: int = DEFAULT_MAX_KV_SPLITS
 
+    def __post_init__(self) -> None:
+        for field in ("num_kv_splits", "max_kv_splits"):
+            value = getattr(self, field)
+            if value is not None and value < 1:
+                raise ValueError(f"{field}={value}: a split count is at least 1")
+
 
 def sglang_num_kv_splits(
     seq_lens: list[int], *, num_qo_heads: int, num_kv_heads: int, max_kv_splits: int, core_count: int
@@ -87,6 +93,7 @@ def _triton_errors() -> tuple[type[BaseException], ...]:
 
 class TritonBackend(Backend):
     name = "triton"
+    options_class = TritonOptions
     fill_requirement = FillRequirement(
         1,
         "SGLang's Triton stage 2 divides by the merged exp-sum, which is 0 for a row with no KV (0/0 = NaN), "

@@ -8,9 +8,10 @@ of the step, whatever its options, reads the same inputs and is judged against t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from attndbg.backends import registry
+from attndbg.backends.options import BackendOptions
 from attndbg.replay.runner import ReplayOptions, ReplayResult, replay
 from attndbg.replay.step_data import StepData
 from attndbg.trace.schema import Trace
@@ -24,6 +25,9 @@ class CheckOptions:
     # Backends left out of this step (a check worker re-checks a step without the one that crashed).
     exclude: tuple[str, ...] = ()
     max_memory: int | None = None  # --max-memory: a step whose data needs more is not checked (default: the device's free memory)
+    # --backend-option: each backend's options, in every replay of the step (a detector that
+    # forces one backend's options, as split-merge forces Triton's split count, keeps its own).
+    backend_options: BackendOptions = BackendOptions()
 
 
 @dataclass
@@ -47,7 +51,7 @@ class CheckContext:
             for name in names:
                 if name == "reference" or name in self.options.exclude:
                     continue
-                backend = registry.create(name)
+                backend = registry.create(name, options=self.options.backend_options)
                 if backend.unavailable_reason() is None and backend.unsupported_reason(self.trace) is None:
                     usable.append(name)
             self._backends = tuple(usable)
@@ -67,6 +71,7 @@ class CheckContext:
         """Replay the step (or `trace`, the same batch with another plan) with the step's shared data.
         Replays of the step itself are memoized per (options, backends)."""
         options = options or ReplayOptions(layer=self.options.layer)
+        options = replace(options, backend_options=self.options.backend_options.overridden_by(options.backend_options))
         names = backends if backends is not None else self.backends()
         if trace is not None:
             return replay(trace, self.path, list(names), options, data=self.data(options.layer))

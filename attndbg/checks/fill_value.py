@@ -365,7 +365,7 @@ def padded_replays(ctx: CheckContext) -> list[Finding]:
     capture_bs = graph.capture_bs if recorded else graph_replay.default_capture_bs(trace)
     findings = []
     for name in ctx.backends():
-        backend = registry.create(name)
+        backend = registry.create(name, options=ctx.options.backend_options)
         if backend.graph_unsupported_reason(trace) is not None:
             continue
         runs = []

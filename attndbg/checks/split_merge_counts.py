@@ -12,6 +12,7 @@ from torch import Tensor
 
 # This detector studies num_kv_splits, which our Triton split-KV kernels take as an option: it
 # drives them by their class, the one backend whose splits it can set.
+from attndbg.backends.options import BackendOptions
 from attndbg.backends.triton import DEFAULT_MAX_KV_SPLITS, TritonBackend, TritonOptions
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding
@@ -130,7 +131,8 @@ def _run_triton(ctx: CheckContext, config: SplitConfig) -> runner.BackendRun | s
     trace = ctx.trace
     if config.forced is not None:
         opts = TritonOptions(num_kv_splits=config.forced, max_kv_splits=max(DEFAULT_MAX_KV_SPLITS, config.forced))
-        result = ctx.replay(ReplayOptions(layer=ctx.options.layer, triton=opts), (TritonBackend.name,))
+        forced = BackendOptions(((TritonBackend.name, opts),))
+        result = ctx.replay(ReplayOptions(layer=ctx.options.layer, backend_options=forced), (TritonBackend.name,))
     else:
         # A per-request vector: planted in the plan derived from the batch, run as a recorded plan.
         plan = TritonBackend(TritonOptions()).derive_plan(trace)

@@ -18,7 +18,7 @@ import torch
 from attndbg import machine
 from attndbg.backends import registry
 from attndbg.backends.base import AttentionInputs, AttentionResult, Backend, KernelError, KernelUnsupported, Padding
-from attndbg.backends.triton import TritonOptions
+from attndbg.backends.options import BackendOptions
 from attndbg.compare.tolerance import Comparison
 from attndbg.profiling import phase, step_label
 from attndbg.replay import activity
@@ -75,7 +75,7 @@ class ReplayResult:
 @dataclass(frozen=True)
 class ReplayOptions:
     layer: int | None = None  # recorded layer whose tensors to use
-    triton: TritonOptions = TritonOptions()
+    backend_options: BackendOptions = BackendOptions()  # each backend's options (--backend-option); absent: its defaults
     plan: PlanSource = PlanSource.DERIVED
     repeat: int = 1  # eager runs per backend; all must be bitwise identical
     cuda_graph: bool = False
@@ -112,7 +112,7 @@ def replay(
     runs: list[BackendRun] = []
     try:
         for name in backend_names:
-            backend = registry.create(name, triton_options=options.triton)
+            backend = registry.create(name, options=options.backend_options)
             with phase(f"backend/{name}", ctx.label):
                 runs.extend(_runs_of(backend, ctx))
     except TraceError as e:  # the step cannot be replayed here (its data does not fit)
@@ -133,7 +133,7 @@ def _runs_of(backend: Backend, ctx: _Context) -> list[BackendRun]:
     runs = []
     if ctx.options.plan is not PlanSource.RECORDED:
         # The eager run of the derived plan is the same for every variant of the step: run once.
-        key = (backend.name, ctx.options.triton, ctx.options.repeat)
+        key = (backend.name, ctx.options.backend_options.of(backend.name), ctx.options.repeat)
         if key not in ctx.data.eager_runs:
             with phase("plan", ctx.label):
                 plan = backend.derive_plan(ctx.trace)

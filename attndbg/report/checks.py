@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, Group, RenderableType
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -15,6 +15,9 @@ from rich.text import Text
 
 from attndbg.checks.findings import FindingClass
 from attndbg.checks.run import StepReport
+
+if TYPE_CHECKING:
+    from attndbg.backends.options import BackendOptions
 
 SCHEMA = "attndbg.check/1"
 
@@ -64,7 +67,7 @@ class CheckVerdict:
     notes: list[str] = field(default_factory=list)
 
 
-def check_verdict(reports: list[StepReport], detectors: list[FindingClass], named: tuple[str, ...] | None) -> CheckVerdict:
+def check_verdict(reports: list[StepReport], detectors: list[FindingClass], named: tuple[str, ...] | None, backend_options: BackendOptions | None = None) -> CheckVerdict:
     from attndbg.backends import registry
 
     steps = [r for r in reports if r.mode != "recording"]
@@ -74,7 +77,7 @@ def check_verdict(reports: list[StepReport], detectors: list[FindingClass], name
     for name in named or ():
         if name == "reference" or ran.get(name):
             continue
-        reason = registry.create(name).unavailable_reason()
+        reason = registry.create(name, options=backend_options).unavailable_reason()
         skipped[name] = f"unavailable: {reason}" if reason else "ran on no step (unsupported by every step, or no detector needed it)"
     findings = sum(len(r.findings) for r in reports)
     kernels = ", ".join(f"{name} ({count} step{'s' if count != 1 else ''})" for name, count in sorted(ran.items()))

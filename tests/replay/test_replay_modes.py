@@ -133,9 +133,11 @@ def test_forced_split_counts_agree() -> None:
 
 
 def replace_options(splits: int):
+    from attndbg.backends.options import BackendOptions
     from attndbg.replay.runner import ReplayOptions
 
-    return ReplayOptions(triton=TritonOptions(num_kv_splits=splits, max_kv_splits=max(8, splits)))
+    triton = TritonOptions(num_kv_splits=splits, max_kv_splits=max(8, splits))
+    return ReplayOptions(backend_options=BackendOptions((("triton", triton),)))
 
 
 def test_kernel_device_matches_mode() -> None:
