@@ -9,6 +9,7 @@ worker processes inherit it).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
@@ -44,6 +45,24 @@ def _from_environment() -> dict[str, str]:
             raise KeyError(f"{ENVIRONMENT_VARIABLE}: expected NAME=pkg.module:Class, got {entry!r}")
         named[name.strip()] = target.strip()
     return named
+
+
+def environment_problem() -> str | None:
+    """What is wrong with ATTNDBG_BACKENDS, if anything: a malformed entry or a module that does
+    not exist (checked without importing it), so a command can refuse it in one line up front."""
+    try:
+        named = _from_environment()
+    except KeyError as e:
+        return str(e.args[0])
+    for name, target in named.items():
+        module = target.partition(":")[0]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return f"{ENVIRONMENT_VARIABLE}: backend {name!r} names module {module!r}, which cannot be found"
+    return None
 
 
 def backend_names() -> list[str]:
