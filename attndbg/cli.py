@@ -136,9 +136,9 @@ def main() -> None:
     Example:
       attndbg synth verify -o verify.pt && attndbg replay verify.pt --backend triton
     """
-    from attndbg.backends import registry
+    from attndbg.backends import environment
 
-    problem = registry.environment_problem()  # the environment is input too: one line, never a traceback
+    problem = environment.problem()  # the environment is input too: one line, never a traceback
     if problem:
         click.echo(f"error: {problem}", err=True)
         sys.exit(EXIT_BAD_INPUT)

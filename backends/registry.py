@@ -9,11 +9,10 @@ worker processes inherit it).
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import os
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
+from attndbg.backends import environment
 from attndbg.backends.base import Backend
 from attndbg.backends.reference import ReferenceBackend
 from attndbg.backends.triton import TritonBackend
@@ -33,42 +32,13 @@ _LAZY = {
 }
 
 
-ENVIRONMENT_VARIABLE = "ATTNDBG_BACKENDS"
-
-
-def _from_environment() -> dict[str, str]:
-    """NAME -> "pkg.mod:Class" from ATTNDBG_BACKENDS; a malformed entry raises naming it."""
-    named = {}
-    for entry in filter(None, (e.strip() for e in os.environ.get(ENVIRONMENT_VARIABLE, "").split(","))):
-        name, _, target = entry.partition("=")
-        if not name.strip() or ":" not in target:
-            raise KeyError(f"{ENVIRONMENT_VARIABLE}: expected NAME=pkg.module:Class, got {entry!r}")
-        named[name.strip()] = target.strip()
-    return named
-
-
-def environment_problem() -> str | None:
-    """What is wrong with ATTNDBG_BACKENDS, if anything: a malformed entry or a module that does
-    not exist (checked without importing it), so a command can refuse it in one line up front."""
-    try:
-        named = _from_environment()
-    except KeyError as e:
-        return str(e.args[0])
-    for name, target in named.items():
-        module = target.partition(":")[0]
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            return f"{ENVIRONMENT_VARIABLE}: backend {name!r} names module {module!r}, which cannot be found"
-    return None
+ENVIRONMENT_VARIABLE = environment.VARIABLE
 
 
 def backend_names() -> list[str]:
     names = list(BUILTIN)
     names += sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name not in names)
-    names += [name for name in _from_environment() if name not in names]
+    names += [name for name in environment.named_adapters() if name not in names]
     return names
 
 
@@ -92,7 +62,7 @@ def adapter_class(name: str) -> type[Backend]:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
             return ep.load()
-    target = _from_environment().get(name)
+    target = environment.named_adapters().get(name)
     if target is not None:
         module, _, cls = target.partition(":")
         return getattr(importlib.import_module(module), cls)
