@@ -52,7 +52,10 @@ def launching(backend: str, variant: str) -> Iterator[None]:
             sys.stderr.flush()
             os._exit(POISONED_EXIT)
         raise
-    sink("")
+    finally:
+        # Out of the launch, however it ended (an error the runner reports is not a crash): a worker
+        # that dies later must not be blamed on this backend.
+        sink("")
 
 
 def parse(text: str) -> tuple[str, str, str] | None:
