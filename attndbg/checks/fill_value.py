@@ -139,17 +139,6 @@ def _padded_seq_lens(trace: Trace) -> list[Finding]:
     return findings
 
 
-def _owner(trace: Trace, slot: int) -> tuple[int, int] | None:
-    """(request, column) whose KV row holds `slot`, if any request of the batch does."""
-    batch = trace.batch
-    hits = torch.nonzero(batch.slot_ids == slot).flatten()
-    if not hits.numel():
-        return None
-    i = int(hits[0])
-    b = int(torch.searchsorted(batch.slot_indptr, torch.tensor(i), right=True)) - 1
-    return b, i - int(batch.slot_indptr[b])
-
-
 def _padded_out_cache_loc(trace: Trace) -> list[Finding]:
     graph, batch = trace.graph, trace.batch
     tokens = batch.num_tokens
@@ -160,7 +149,7 @@ def _padded_out_cache_loc(trace: Trace) -> list[Finding]:
         return []
     i = int(bad[0])
     row, slot = tokens + i, int(tail[i])
-    owner = _owner(trace, slot)
+    owner = batch.slot_owner(slot)
     where = f"request {owner[0]}'s column {owner[1]}, live KV of this batch" if owner else "a slot no request of this batch reads"
     return [
         _finding(

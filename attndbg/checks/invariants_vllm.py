@@ -369,7 +369,7 @@ def _slot_finding(trace: Trace, c: _Common, *, b: int, t: int, col: int, engine:
         cause = "the slot is outside the KV pool: the write lands outside the cache"
     elif position != col and 0 <= position // page < table.shape[1] and found == int(table[b, position // page]) * page + position % page:
         cause = f"slot_mapping was computed from the token's position {position} instead of its KV column {col}"
-    elif (owner := _owner(trace, found, b)) is not None:
+    elif (owner := trace.batch.slot_owner(found, other_than=b)) is not None:
         cause = f"the slot is request {owner[0]}'s KV column {owner[1]}: this token overwrites another request's cache (slot_mapping computed from another request's block-table row, or rows out of order)"
     else:
         cause = "slot_mapping was not computed from this step's block table (a stale buffer from an earlier step)"
@@ -385,15 +385,3 @@ def _slot_finding(trace: Trace, c: _Common, *, b: int, t: int, col: int, engine:
         expected=expected,
         found=found,
     )
-
-
-def _owner(trace: Trace, slot: int, b: int) -> tuple[int, int] | None:
-    """(request, column) of another request of the batch whose KV row holds `slot`."""
-    batch = trace.batch
-    for r in range(batch.batch_size):
-        if r == b:
-            continue
-        hits = torch.nonzero(batch.request_slots(r) == slot).flatten()
-        if hits.numel():
-            return r, int(hits[0])
-    return None

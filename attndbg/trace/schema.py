@@ -145,6 +145,19 @@ class Batch:
     def request_slots(self, b: int) -> Tensor:
         return self._request_rows[b]
 
+    def slot_owner(self, slot: int, *, other_than: int | None = None) -> tuple[int, int] | None:
+        """(request, column) of the first request, in batch order, whose KV row holds `slot`
+        (leaving out request `other_than`); None when no such request reads it."""
+        hits = torch.nonzero(self.slot_ids == slot).flatten()
+        owners = torch.searchsorted(self.slot_indptr, hits, right=True) - 1
+        if other_than is not None:
+            keep = owners != other_than
+            hits, owners = hits[keep], owners[keep]
+        if not hits.numel():
+            return None
+        b = int(owners[0])
+        return b, int(hits[0]) - int(self.slot_indptr[b])
+
     @functools.cached_property
     def _request_rows(self) -> list[Tensor]:
         # One split for every request's row (views): replay, plans and the reference ask per request
