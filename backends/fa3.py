@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attndbg import machine
+from attndbg import machine, numerics
 from attndbg.backends.base import (
     AttentionInputs,
     AttentionResult,
@@ -38,7 +38,7 @@ from attndbg.backends.base import (
 )
 from attndbg.backends import plan_layout as pl
 from attndbg.backends import plan_view as pv
-from attndbg.backends.flashinfer import LN2, WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error
+from attndbg.backends.flashinfer import WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error
 from attndbg.trace import tree
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace, indptr
 
@@ -388,7 +388,7 @@ class FA3Backend(Backend):
                 self._wrappers[key] = wrapper
             _flashinfer_plan(wrapper, model, call)
             out, lse2 = wrapper.run(inputs.q, (k_cache, v_cache), return_lse=True)
-            return AttentionResult(output=out, lse=lse2 * LN2)  # FlashInfer's LSE is base 2
+            return AttentionResult(output=out, lse=lse2 * numerics.LN2)  # FlashInfer's LSE is base 2
         # UNTESTED here (no such library on our GPU machine): written from each library's
         # documented signature. LSE comes back natural-log, [Hq, total_q].
         page_table, cache_seqlens, cu_seqlens_q = (t.to(device) for t in (call.page_table, call.cache_seqlens, call.cu_seqlens_q))
@@ -553,18 +553,12 @@ def _flashinfer_plan(wrapper, model, call: FA3Call) -> None:
 
 
 def merge_states(a: AttentionResult, b: AttentionResult, *, dtype: torch.dtype) -> AttentionResult:
-    """Exact merge of two partial attentions over disjoint keys (natural-log LSEs), in float32.
-
-    A side with LSE -inf (no keys) has weight 0 and its output, whatever it holds, is ignored."""
-    lse_a, lse_b = a.lse.float(), b.lse.float()
-    m = torch.maximum(lse_a, lse_b)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)  # [T, H]
-    total = w_a + w_b
-    part_a = torch.where(w_a[..., None] > 0, w_a[..., None] * a.output.float(), 0.0)
-    part_b = torch.where(w_b[..., None] > 0, w_b[..., None] * b.output.float(), 0.0)
-    out = (part_a + part_b) / total[..., None]
-    return AttentionResult(output=out.to(dtype), lse=m + torch.log(total))
+    """Exact merge of two partial attentions over disjoint keys (natural-log LSEs), in float32,
+    by numerics.merge_states (a side with LSE -inf has weight 0, whatever its output holds)."""
+    output, lse = numerics.merge_states(
+        torch.stack([a.output.float(), b.output.float()]), torch.stack([a.lse.float(), b.lse.float()])
+    )
+    return AttentionResult(output=output.to(dtype), lse=lse)
 
 
 def padded_requests(trace: Trace, padding: Padding | None) -> tuple[list[Tensor], list[int]]:

@@ -26,13 +26,12 @@ imported only when a kernel runs, so this module imports on a machine without it
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from attndbg import machine
+from attndbg import machine, numerics
 from attndbg.backends.base import (
     AttentionInputs,
     AttentionResult,
@@ -50,7 +49,6 @@ from attndbg.backends import plan_view as pv
 from attndbg.trace import tree
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Model, Plan, Trace, indptr
 
-LN2 = math.log(2.0)
 # FlashInfer's recommended float workspace (split-KV partial outputs); zeroed before first use.
 WORKSPACE_BYTES = 128 * 1024 * 1024
 INSTALL_HINT = "flashinfer is not installed (pip install 'attndbg[flashinfer]')"
@@ -509,7 +507,7 @@ class FlashInferBackend(Backend):
                 out, lse = self._cascade(fi, trace, plan, inputs)
         except _LIBRARY_ERRORS as e:
             raise library_error(e, trace.model) from e
-        return AttentionResult(output=out, lse=lse * LN2)
+        return AttentionResult(output=out, lse=lse * numerics.LN2)
 
     def _ragged(self, fi, trace: Trace, plan: Plan, inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
         """This step's tokens against themselves, causal; SGLang's ragged wrapper (backend auto)."""
@@ -583,7 +581,7 @@ class FlashInferGraphState(GraphState):
 
     def result(self, tokens: int) -> AttentionResult:
         """After the wrapper wrote `out`/`lse_base2[:tokens]`: the result, LSE in natural log."""
-        torch.mul(self.lse_base2[:tokens], LN2, out=self.lse[:tokens])
+        torch.mul(self.lse_base2[:tokens], numerics.LN2, out=self.lse[:tokens])
         return AttentionResult(output=self.out[:tokens], lse=self.lse[:tokens])
 
     def poison_scratch(self) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attndbg import machine
+from attndbg import machine, numerics
 from attndbg.backends.base import (
     AttentionInputs,
     AttentionResult,
@@ -43,7 +43,7 @@ from attndbg.backends.base import (
 from attndbg.backends import plan_layout as pl
 from attndbg.backends import plan_view as pv
 from attndbg.backends.fa3 import KERNEL_ERRORS, build_page_table, is_chain, padded_requests
-from attndbg.backends.flashinfer import LN2, WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error
+from attndbg.backends.flashinfer import WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error
 from attndbg.backends.triton import TritonBackend, triton_plan_layout, triton_plan_view
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace, indptr
 
@@ -287,7 +287,7 @@ class MLABackend(Backend):
         out = torch.empty(tokens, model.num_qo_heads, model.kv_lora_rank, dtype=inputs.q.dtype, device=inputs.q.device)
         lse2 = torch.empty(tokens, model.num_qo_heads, dtype=torch.float32, device=inputs.q.device)
         _flashinfer_run(self._wrapper, model, inputs, int(plan.scalars["page_size"]), out=out, lse=lse2)
-        return AttentionResult(output=out, lse=lse2 * LN2)  # FlashInfer's LSE is base 2
+        return AttentionResult(output=out, lse=lse2 * numerics.LN2)  # FlashInfer's LSE is base 2
 
     # -- CUDA graphs ----------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from attndbg import numerics
 from attndbg.backends import reference
 from attndbg.replay.step_data import StepData
 from attndbg.trace.schema import Trace
@@ -51,14 +52,9 @@ class MistakeModel(abc.ABC):
 
 def merge(outputs: Tensor, lses: Tensor) -> Tensor:
     """Normalised partial states [K, ..., Dv] with their LSEs [K, ...] merged as a split-KV stage 2
-    does: weights exp(lse - max over the states), so a state with LSE -inf weighs 0 and its output,
-    whatever it holds, is ignored. The LSEs are taken as natural log: a model that reproduces a base
-    confusion rescales them before calling this."""
-    top = lses.amax(0)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    weights = torch.exp(lses - top)
-    weighted = torch.where(weights[..., None] > 0, weights[..., None] * outputs, torch.zeros_like(outputs))
-    return weighted.sum(0) / weights.sum(0).clamp_min(1e-300)[..., None]
+    does (numerics.merge_states: a state with LSE -inf weighs 0, its output ignored). The LSEs are
+    taken as natural log: a model that reproduces a base confusion rescales them before calling this."""
+    return numerics.merge_states(outputs, lses)[0]
 
 
 class PartialStates:

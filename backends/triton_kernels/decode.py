@@ -25,9 +25,7 @@ import triton
 import triton.language as tl
 
 from .common import HeadDims, _check, attend_tile, dot_flags, interpreted, load_kv_tile
-
-# Split lengths are rounded up to a multiple of this many tokens (SGLang's value).
-MIN_BLOCK_KV = 32
+from .split_rule import MIN_BLOCK_KV
 # tl.dot needs at least 16 rows: query heads of one kv head are padded up to this.
 MIN_BLOCK_H = 16
 
