@@ -17,14 +17,12 @@ from typing import Any
 import pytest
 import torch
 
-from attndbg.checks import invariants
-from attndbg.checks.context import CheckContext, CheckOptions
-from attndbg.checks.findings import FindingClass
-from attndbg.checks.run import DETECTORS, check_steps
+from attndbg.checks.run import CheckOptions, FindingClass, check_steps, parse_only
 from attndbg.record.session import RecordingSession
 from attndbg.record.vllm_convert import convert_common
 from attndbg.record.vllm_fields import ENGINE_FIELDS, FIELDS_BY_NAME, Trim
 from attndbg.record.vllm_plan import plan_from_metadata
+from attndbg.trace import io
 from attndbg.trace.schema import ForwardMode, Trace
 from tests.record.vllm_builder_env import HEAD_DIM, KV_HEADS, LAYERS, kv_cache_interface, new_builder, triton_attn, written
 from tests.record.vllm_builder_env import session, vllm_config  # noqa: F401  (fixtures)
@@ -156,7 +154,7 @@ def test_the_same_steps_without_the_mistake_are_clean(session: RecordingSession,
     trace = record(session, pool_config, make_layout(**layout).cm)
     padded = layout.get("pad_reqs", 0) or layout.get("pad_tokens", 0)
     assert (trace.graph is not None) == bool(padded)
-    assert findings_of(session, list(DETECTORS)) == []
+    assert findings_of(session, parse_only(None)) == []
 
 
 WINDOW = 16  # vLLM's sliding_window: a query sees itself and the 15 keys before it
@@ -177,7 +175,7 @@ def test_sliding_window_null_blocks_before_the_window_are_not_read(
     builder.build(0, cm)
     [trace] = written(session)
     assert trace.model.sliding_window == WINDOW - 1
-    assert findings_of(session, list(DETECTORS) if plant is None else [FindingClass.INVARIANT], backends=("triton",) if plant is None else NO_KERNELS) == expected
+    assert findings_of(session, parse_only(None) if plant is None else [FindingClass.INVARIANT], backends=("triton",) if plant is None else NO_KERNELS) == expected
 
 
 def test_every_field_of_vllms_common_metadata_is_in_the_table_or_not_a_tensor() -> None:
@@ -202,7 +200,7 @@ def test_recorded_common_metadata_is_verbatim_but_for_its_trim(session: Recordin
     assert not any(k.startswith("common.") and k.endswith("_data_ptr") for k in plan.scalars)
 
 
-def test_a_recording_without_the_evidence_is_checked_on_the_builders_own_fields(vllm_config) -> None:
+def test_a_recording_without_the_evidence_is_checked_on_the_builders_own_fields(vllm_config, tmp_path: Path) -> None:
     """Recordings made before `common.*` was kept: TritonAttentionMetadata passes query_start_loc
     and the block table on under its own names, and those are checked instead."""
     cm = make_layout(**PADDED).cm
@@ -211,5 +209,7 @@ def test_a_recording_without_the_evidence_is_checked_on_the_builders_own_fields(
     plan = plan_from_metadata(metadata, backend="TRITON_ATTN", block_size=BLOCK_SIZE, max_seq_len=int(cm.max_seq_len))
     assert not any(name.startswith("common.") for name in plan.tensors)
     trace = trace_of(convert_common(cm, block_size=BLOCK_SIZE), plan=plan)
-    found = [(f.check, f.location.request, f.location.field) for f in invariants.detect(CheckContext(trace=trace, path="old.pt"))]
+    path = io.save(trace, tmp_path / "old.pt")
+    reports = check_steps(str(path), [FindingClass.INVARIANT], CheckOptions(backends=NO_KERNELS))
+    found = [(f.check, f.location.request, f.location.field) for report in reports for f in report.findings]
     assert found == [("indptr-decreases", 2, "plan.query_start_loc[3]"), ("index-outside-cache", 1, "plan.block_table[1, 1]")]

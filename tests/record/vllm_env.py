@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from attndbg.checks.context import CheckOptions
-from attndbg.checks.run import DETECTORS, check_steps
+from attndbg.checks.run import check_steps, parse_only
 from attndbg.record.build import source
 from attndbg.record.vllm_convert import Converted
 from attndbg.replay.runner import RunStatus, replay
@@ -155,7 +155,7 @@ def usable(trace: Trace, path: Path) -> Trace:
     result = replay(loaded, str(path), ["reference", "triton"])
     for run in result.runs:
         assert run.status is RunStatus.PASSED, (run.name, run.variant, run.reason, run.comparison)
-    findings = [f for report in check_steps(str(path), list(DETECTORS), CheckOptions(backends=("triton",))) for f in report.findings]
+    findings = [f for report in check_steps(str(path), parse_only(None), CheckOptions(backends=("triton",))) for f in report.findings]
     assert findings == [], [(f.kind.value, f.check, f.evidence) for f in findings]
     return loaded
 
