@@ -137,8 +137,10 @@ def main() -> None:
       attndbg synth verify -o verify.pt && attndbg replay verify.pt --backend triton
     """
     from attndbg.backends import environment
+    from attndbg.detectors import registry as detectors
 
-    problem = environment.problem()  # the environment is input too: one line, never a traceback
+    # The environment is input too: one line, never a traceback.
+    problem = environment.problem() or detectors.ENVIRONMENT.problem()
     if problem:
         click.echo(f"error: {problem}", err=True)
         sys.exit(EXIT_BAD_INPUT)
@@ -148,7 +150,7 @@ def main() -> None:
 @click.argument("spec", nargs=-1)
 @click.option("-o", "--output", "output", type=click.Path(dir_okay=False), help="trace file to write")
 @click.option("--list", "list_presets", is_flag=True, help="list presets, spec keys and injectable mistakes")
-@click.option("--inject", "inject_kind", default=None, help="carry a realistic mistake of one class (see --list)")
+@click.option("--inject", "inject_kind", default=None, metavar="KIND:MISTAKE", help="carry a realistic mistake a detector finds, e.g. tree-mask:bit-order (see --list)")
 @handles_bad_input
 def synth(spec: tuple[str, ...], output: str | None, list_presets: bool, inject_kind: str | None) -> None:
     """Build a trace from a spec: a preset, then key=value overrides.
@@ -157,15 +159,20 @@ def synth(spec: tuple[str, ...], output: str | None, list_presets: bool, inject_
     Example:
       attndbg synth decode-gqa kv_lens=1,33,2000 page_size=16 -o decode.pt
     """
-    from attndbg.trace import mutate, synth_spec
+    from attndbg.detectors import registry as detectors
+    from attndbg.trace import synth_spec
 
     if list_presets:
-        # Read from torch-free modules: listing is instant.
+        # Read from torch-free modules and the injections' source: listing is instant.
         click.echo(synth_spec.__doc__)
         for name, values in synth_spec.PRESETS.items():
             click.echo(f"  {name:16s} " + " ".join(f"{k}={v}" for k, v in values.items()))
         click.echo("\nInjectable mistakes (--inject KIND):")
-        for kind, doc in sorted(mutate.catalog().items()):
+        try:
+            catalog = detectors.injection_catalog()
+        except detectors.LoadError as e:
+            raise BadInput(str(e)) from None
+        for kind, doc in sorted(catalog.items()):
             click.echo(f"  {kind:32s} {doc}")
         return
     if not output:
@@ -178,9 +185,11 @@ def synth(spec: tuple[str, ...], output: str | None, list_presets: bool, inject_
         click.echo(f"note: {note}", err=True)
     if inject_kind:
         try:
-            trace = mutate.inject(trace, inject_kind)
+            trace = detectors.inject(trace, inject_kind)
         except KeyError:
             raise BadInput(f"--inject: unknown mistake {inject_kind!r}; see attndbg synth --list") from None
+        except detectors.LoadError as e:
+            raise BadInput(f"--inject {inject_kind}: {e}") from None
         except ValueError as e:
             raise BadInput(f"--inject {inject_kind}: {e}") from None
     io.save(trace, output)
@@ -425,9 +434,27 @@ def _diff_saved(console: Console, a: str, b: str, pairs: tuple[str, ...]) -> tup
     return replay_diff_to_json(result), result.differs
 
 
-@main.command()
+class _CheckCommand(click.Command):
+    """`check --help` lists the detectors of the registry (built-in and third-party), read when the
+    help is shown: the registry can grow after this module is imported."""
+
+    def format_epilog(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from attndbg.detectors import registry as detectors
+
+        rows = []
+        for name in detectors.names():
+            try:
+                rows.append((name, detectors.load(name).summary))
+            except detectors.LoadError as e:
+                rows.append((name, f"cannot be loaded: {e}"))
+        with formatter.section("Detectors (--only KIND,...)"):
+            formatter.write_dl(rows)
+        super().format_epilog(ctx, formatter)
+
+
+@main.command(cls=_CheckCommand)
 @click.argument("target", type=click.Path())
-@click.option("--only", default=None, help="detectors to run: invariants,fill-value,tree-mask,split-merge (default: all)")
+@click.option("--only", default=None, metavar="KIND[,KIND...]", help="detectors to run, by kind (listed below; default: all)")
 @click.option("--backend", "backend_spec", default=None, help="kernel backends the detectors may use (default: all that run here)")
 @click.option("--cuda-graph", is_flag=True, help="detectors also replay under CUDA graphs (GPU)")
 @click.option("--steps", "steps_spec", default=None, help="only steps A <= step < B of a recording (A:B, A:, :B)")
@@ -466,14 +493,18 @@ def check(
     """
     from attndbg import machine
     from attndbg.checks.context import CheckOptions
-    from attndbg.checks.run import check_steps, parse_only, select_paths
+    from attndbg.checks.run import check_steps, detectors_of, parse_only, select_paths
+    from attndbg.detectors.registry import LoadError
     from attndbg.report.checks import CheckProgress, check_verdict, checks_to_json, render_step, render_summary
     from attndbg.trace import io
 
     try:
         classes = parse_only(only)
+        detectors_of(classes)  # one that cannot be loaded is bad input, before any step runs
     except ValueError as e:
         raise BadInput(f"--only: {e}") from None
+    except LoadError as e:
+        raise BadInput(str(e)) from None
     names = tuple(_backend_names(backend_spec)) if backend_spec else None
     backend_options = _backend_options(backend_option_specs)
     if cuda_graph and not machine.cuda_available():

@@ -195,13 +195,14 @@ def test_recorded_plan_of_another_backend_is_reported(tmp_path: Path) -> None:
 
 def test_check_a_recording_directory(tmp_path: Path) -> None:
     """A directory is checked step by step; only the step carrying a mistake has findings."""
-    from attndbg.trace import io, mutate
+    from attndbg.detectors import registry as detectors
+    from attndbg.trace import io
     from tests.factories import make_trace
 
     small = ("heads=2:1", "head_dim=32")
     steps = [
         make_trace("decode-mha", "kv_lens=3,20", *small, plan=True),
-        mutate.inject(make_trace("verify", "prefix_lens=4,7", *small, plan=True), "tree-mask:sibling-visible"),
+        detectors.inject(make_trace("verify", "prefix_lens=4,7", *small, plan=True), "tree-mask:sibling-visible"),
         make_trace("extend-prefix", "prefix_lens=0,9", "extend_lens=5,3", *small, plan=True),
     ]
     for step, trace in enumerate(steps):

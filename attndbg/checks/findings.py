@@ -2,19 +2,62 @@
 
 from __future__ import annotations
 
-import enum
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
-class FindingClass(enum.Enum):
-    INVARIANT = "invariants"
-    FILL_VALUE = "fill-value"
-    TREE_MASK = "tree-mask"
-    SPLIT_MERGE = "split-merge"
-    # Not a detector: the check engine's own report of a kernel library that crashed on a step
-    # (its worker died, or poisoned its CUDA context); the step is checked again without it.
-    BACKEND_CRASH = "backend-crash"
+class FindingClass:
+    """The class of a finding: the kind of the detector that reports it ("tree-mask"), or the check
+    engine's own "backend-crash".
+
+    An open set, unlike an enum: a third-party detector brings its own kind (`FindingClass("toy")`).
+    One object per value, so classes compare with `is` like enum members, also after pickling
+    through a check worker; `.value` is the string the reports and `--json` print.
+    """
+
+    __slots__ = ("value",)
+    value: str
+    _interned: ClassVar[dict[str, FindingClass]] = {}
+    # A kind is a word of the command line (`--only`, `--inject KIND:MISTAKE`) and of JSON.
+    _SPELLING: ClassVar[re.Pattern[str]] = re.compile(r"[a-z][a-z0-9]*(-[a-z0-9]+)*")
+
+    INVARIANT: ClassVar[FindingClass]
+    FILL_VALUE: ClassVar[FindingClass]
+    TREE_MASK: ClassVar[FindingClass]
+    SPLIT_MERGE: ClassVar[FindingClass]
+    BACKEND_CRASH: ClassVar[FindingClass]
+
+    def __new__(cls, value: str) -> FindingClass:
+        existing = cls._interned.get(value)
+        if existing is not None:
+            return existing
+        if not isinstance(value, str) or not cls._SPELLING.fullmatch(value):
+            raise ValueError(f"a finding class is lower-case words joined by hyphens, such as 'tree-mask'; got {value!r}")
+        made = super().__new__(cls)
+        object.__setattr__(made, "value", value)
+        return cls._interned.setdefault(value, made)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("FindingClass is immutable")
+
+    def __reduce__(self) -> tuple[type[FindingClass], tuple[str]]:
+        return FindingClass, (self.value,)  # unpickled to the one object of its value
+
+    def __repr__(self) -> str:
+        return f"FindingClass({self.value!r})"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+FindingClass.INVARIANT = FindingClass("invariants")
+FindingClass.FILL_VALUE = FindingClass("fill-value")
+FindingClass.TREE_MASK = FindingClass("tree-mask")
+FindingClass.SPLIT_MERGE = FindingClass("split-merge")
+# Not a detector: the check engine's own report of a kernel library that crashed on a step
+# (its worker died, or poisoned its CUDA context); the step is checked again without it.
+FindingClass.BACKEND_CRASH = FindingClass("backend-crash")
 
 
 @dataclass(frozen=True)
@@ -67,3 +110,17 @@ class Finding:
             "cause": self.cause,
             "data": self.data,
         }
+
+
+# Keywords of `finding()` that say where; every other keyword is data.
+_PLACE = ("layer", "request", "row", "column", "head", "field")
+
+
+def finding(kind: FindingClass, check: str, *, step: int, evidence: str, cause: str, trace: str = "", **details: Any) -> Finding:
+    """The finding every detector builds: `kind` (the detector's), `check` (its stable id), at `step`.
+
+    Keywords named like a Location field (layer, request, row, column, head, field) place it in
+    the step; the others, in the order given, are its machine-readable data for `--json`.
+    """
+    where = {name: details.pop(name) for name in _PLACE if name in details}
+    return Finding(kind, check, Location(step=step, **where), evidence, cause, trace=trace, data=details)

@@ -1,52 +1,45 @@
 """Run the detectors over a step or a recording: `attndbg check`.
 
-Each detector module exposes `detect(ctx: CheckContext) -> list[Finding]`. Detectors that look
-across steps (stale masks, pointer stability) also expose `recording_digest(ctx)` (the little they
-keep of a step: small and picklable) and a `RecordingState` whose `observe(digest)` sees the digests
-in recording order. A recording is checked as a stream: one step's context lives only while that
-step is checked, so memory does not grow with the recording's length. With `jobs > 1` steps are
-checked by worker processes (`workers.py`); reports come back in recording order either way, so the
-result is the same for every number of jobs.
+The detectors are those of attndbg/detectors/registry.py, each a `Detector` (detectors/base.py):
+`detect(ctx)` judges one step. Detectors that look across steps (stale masks, pointer stability)
+also give a `recording_digest(ctx)` (the little they keep of a step: small and picklable) and a
+`recording_state()` whose `observe(digest)` sees the digests in recording order. A recording is
+checked as a stream: one step's context lives only while that step is checked, so memory does not
+grow with the recording's length. With `jobs > 1` steps are checked by worker processes
+(`workers.py`); reports come back in recording order either way, so the result is the same for
+every number of jobs.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from attndbg import machine
 from attndbg.checks.context import CheckContext, CheckOptions
 from attndbg.checks.findings import Finding, FindingClass
-from attndbg.checks.plan_kv import unread_reason
+from attndbg.detectors import registry
+from attndbg.detectors.base import Detector
 from attndbg.trace import io
 from attndbg.trace.schema import Trace
 from attndbg.trace.validate import TraceError
 
-DETECTORS: dict[FindingClass, str] = {
-    FindingClass.INVARIANT: "attndbg.checks.invariants",
-    FindingClass.FILL_VALUE: "attndbg.checks.fill_value",
-    FindingClass.TREE_MASK: "attndbg.checks.tree_mask",
-    FindingClass.SPLIT_MERGE: "attndbg.checks.split_merge",
-}
-
-
 def parse_only(spec: str | None) -> list[FindingClass]:
-    """'fill-value,tree-mask' -> classes; ValueError naming the first unknown one."""
+    """`--only`: 'fill-value,tree-mask' -> kinds (None: every detector of the registry); ValueError
+    naming the first unknown one and the choices."""
+    known = registry.names()
     if not spec:
-        return list(DETECTORS)
+        return [FindingClass(name) for name in known]
     out = []
     for name in (s.strip() for s in spec.split(",") if s.strip()):
-        try:
-            out.append(FindingClass(name))
-        except ValueError:
-            raise ValueError(f"unknown detector {name!r}; detectors: {', '.join(c.value for c in DETECTORS)}") from None
+        if name not in known:
+            raise ValueError(f"unknown detector {name!r}; detectors: {', '.join(known)}")
+        out.append(FindingClass(name))
     return out
 
 
@@ -105,14 +98,14 @@ def select_paths(target: str | Path, selection: StepSelection = StepSelection())
     return paths
 
 
-def detector_modules(only: list[FindingClass]) -> dict[FindingClass, ModuleType]:
-    return {kind: importlib.import_module(DETECTORS[kind]) for kind in only}
+def detectors_of(only: list[FindingClass]) -> dict[FindingClass, Detector]:
+    return {kind: registry.load(kind) for kind in only}
 
 
 def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions) -> StepResult:
     """Load and check one step; an unreadable step is a report with its error, never an exception."""
     start = time.perf_counter()
-    modules = detector_modules(only)
+    detectors = detectors_of(only)
     try:
         trace = io.load(path)
     except TraceError as e:
@@ -120,15 +113,15 @@ def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions)
     ctx = CheckContext(trace=trace, path=str(path), options=options)
     findings: list[Finding] = []
     failures: list[str] = []
-    for kind, module in modules.items():
+    for kind, detector in detectors.items():
         try:
-            findings.extend(module.detect(ctx))
+            findings.extend(detector.run(ctx))
         except TraceError as e:  # valid, but cannot be replayed here (e.g. its KV pool does not fit)
             return StepResult(StepReport(str(path), trace.source.step, trace.batch.forward_mode.value, [], error=f"{e.field}: {e.message}", bad_input=True))
         except Exception as e:  # noqa: BLE001 - a detector that cannot read this step must not end the check
             first = (str(e).strip().splitlines() or [""])[0][:200]
             failures.append(f"the {kind.value} detector failed on this step ({type(e).__name__}: {first})")
-    digests = {kind: module.recording_digest(ctx) for kind, module in modules.items() if hasattr(module, "recording_digest")}
+    digests = {kind: detector.digest(ctx) for kind, detector in detectors.items()}
     report = StepReport(
         str(path),
         trace.source.step,
@@ -137,20 +130,14 @@ def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions)
         error="; ".join(failures) or None,
         seconds=time.perf_counter() - start,
         backends=ctx.backends_consulted(),
-        plan_unread=_plan_unread(trace, modules),
+        plan_unread=_plan_unread(trace, detectors),
     )
     return StepResult(report, {k: d for k, d in digests.items() if d is not None})
 
 
-# Detectors that judge the recorded plan through its backend's plan view and layout.
-PLAN_DETECTORS = (FindingClass.INVARIANT, FindingClass.TREE_MASK)
-
-
-def _plan_unread(trace: Trace, modules: dict[FindingClass, ModuleType]) -> str | None:
+def _plan_unread(trace: Trace, detectors: dict[FindingClass, Detector]) -> str | None:
     """A plan detector ran and read less than the recorded plan: what the verdict says about it."""
-    if not any(kind in modules for kind in PLAN_DETECTORS):
-        return None
-    why = unread_reason(trace)
+    why = next((why for detector in detectors.values() if (why := detector.unread(trace)) is not None), None)
     return None if why is None else f"{trace.plan.backend[:80]}: {why}"
 
 
@@ -174,8 +161,7 @@ def check_steps(
     GPU machine, where an illegal memory access would poison this process's CUDA context.
     """
     paths = select_paths(target, selection)
-    modules = detector_modules(only)
-    states = {kind: module.RecordingState() for kind, module in modules.items() if hasattr(module, "RecordingState")}
+    states = {kind: state for kind, detector in detectors_of(only).items() if (state := detector.new_state()) is not None}
     if jobs is None:
         jobs = auto_jobs(len(paths), devices)
         if jobs > 1:

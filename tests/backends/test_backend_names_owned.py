@@ -1,7 +1,8 @@
 """What the code knows about a backend lives in backends/: no backend name is written as a string in
-attndbg/checks, attndbg/trace or attndbg/replay (issue 12). A line may keep one only with a comment
-saying why ("names a backend: ..." or "not a backend name: ..."); the test reads string tokens, so
-names in comments and docstring prose are free, but a whole string equal to a name is not."""
+attndbg/checks, attndbg/detectors, attndbg/trace or attndbg/replay (issue 12). A line may keep one
+only with a comment saying why ("names a backend: ..." or "not a backend name: ..."); the test reads
+string tokens, so names in comments and docstring prose are free, but a whole string equal to a name
+is not."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from attndbg.backends import engine_names, registry
 
-PACKAGES = ("attndbg/checks", "attndbg/trace", "attndbg/replay")
+PACKAGES = ("attndbg/checks", "attndbg/detectors", "attndbg/trace", "attndbg/replay")
 ROOT = Path(__file__).resolve().parents[2]
 JUSTIFIED = ("names a backend:", "not a backend name:")
 

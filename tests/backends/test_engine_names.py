@@ -10,7 +10,7 @@ from attndbg.backends.fa3 import FA3Backend
 from attndbg.backends.flashinfer import FlashInferBackend
 from attndbg.backends.mla import MLABackend
 from attndbg.backends.triton import TritonBackend
-from attndbg.checks import fill_value
+from attndbg.detectors.fill_value import detect as fill_value
 from tests.checks.test_fill_value import decode, on, with_graph
 
 

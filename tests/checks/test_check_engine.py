@@ -15,7 +15,8 @@ from attndbg.checks.context import CheckOptions
 from attndbg.checks.run import StepSelection, check_steps, parse_only, select_paths
 from attndbg.checks.workers import check_in_workers
 from attndbg.cli import main
-from attndbg.trace import io, mutate
+from attndbg.detectors import registry as detectors
+from attndbg.trace import io
 from tests.checks.crashing_worker import check_or_segfault, check_with_a_crashing_backend
 from tests.factories import make_trace
 
@@ -31,11 +32,11 @@ def _recording(directory: Path) -> Path:
     stale = replace(other_tree, spec=replace(other_tree.spec, custom_mask=verify.spec.custom_mask))
     steps = [
         make_trace("decode-mha", "kv_lens=3,20", *SMALL, plan=True),
-        mutate.inject(make_trace("verify", "prefix_lens=4,7", *SMALL, plan=True), "tree-mask:sibling-visible"),
+        detectors.inject(make_trace("verify", "prefix_lens=4,7", *SMALL, plan=True), "tree-mask:sibling-visible"),
         make_trace("extend-prefix", "prefix_lens=0,9", "extend_lens=5,3", *SMALL, plan=True),
         verify,
         stale,
-        mutate.inject(make_trace("decode-mha", "kv_lens=3,20,7", *SMALL, plan=True), "invariants:decreasing-indptr"),
+        detectors.inject(make_trace("decode-mha", "kv_lens=3,20,7", *SMALL, plan=True), "invariants:decreasing-indptr"),
     ]
     for step, trace in enumerate(steps):
         io.append_to_recording(directory, replace(trace, source=replace(trace.source, step=10 + step)))
@@ -217,7 +218,7 @@ def test_findings_name_the_row_within_the_request(tmp_path: Path) -> None:
 def test_a_torch_attention_engine_is_not_said_to_merge_splits() -> None:
     """transformers' sdpa/eager attention computes each row in one pass: a wrong decode output there
     is not explained by a split-KV merge."""
-    from attndbg.checks.split_merge_base import merge_path
+    from attndbg.detectors.split_merge.base import merge_path
 
     trace = make_trace("decode-mha", *SMALL)
     assert merge_path(trace) is not None  # synth records SGLang's Triton backend: split-KV decode

@@ -9,11 +9,12 @@ import torch
 
 from attndbg.backends import registry
 from attndbg.backends.base import Padding
-from attndbg.checks import invariants
+from attndbg.detectors.invariants import detect as invariants
+from attndbg.detectors.invariants import plan_kv
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import FindingClass
 from attndbg.trace import synth, tree
-from attndbg.trace.mutate import invariants as inject
+from attndbg.detectors.invariants import injections as inject
 from attndbg.trace.schema import Plan, Trace, to_dict
 from attndbg.trace.validate import from_dict
 
@@ -400,4 +401,4 @@ def _entry_counts(trace: Trace) -> list[int]:
 
 
 def _covered_start(trace: Trace, b: int) -> int:
-    return invariants.kv_coverage(trace)[b][0]
+    return plan_kv.kv_coverage(trace)[b][0]

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 
 from attndbg.backends.mla import MLABackend, MLAOptions
-from attndbg.checks import invariants
-from attndbg.trace.mutate.invariants import index_outside_cache, wrong_req_row
+from attndbg.detectors.invariants import detect as invariants
+from attndbg.detectors.invariants.injections import index_outside_cache, wrong_req_row
 from tests.factories import make_trace
 
 

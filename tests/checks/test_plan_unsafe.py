@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from attndbg.backends.fa3 import FA3Backend
 from attndbg.backends.flashinfer import FlashInferBackend
-from attndbg.checks import invariants
+from attndbg.detectors.invariants import detect as invariants
 from attndbg.checks.context import CheckContext
 from tests.factories import make_trace
 

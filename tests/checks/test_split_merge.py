@@ -16,11 +16,12 @@ import torch
 
 from attndbg import machine
 from attndbg.backends.base import AttentionResult
-from attndbg.checks import split_merge
+from attndbg.detectors.split_merge import base, counts, gpu, recorded, stage2
+from attndbg.detectors.split_merge import detect as split_merge
 from attndbg.checks.context import CheckContext, CheckOptions
 from attndbg.checks.findings import FindingClass
 from attndbg.trace import synth
-from attndbg.trace.mutate import split_merge as mutate
+from attndbg.detectors.split_merge import injections as mutate
 from attndbg.trace.schema import LseBase, to_dict
 from attndbg.trace.validate import from_dict
 from tests.checks.shapes import SMALL, SWEEP_SHAPES
@@ -55,9 +56,9 @@ def only(findings, check: str):
 
 @pytest.fixture(autouse=True)
 def fresh_probe():
-    split_merge.stage2_probe.cache_clear()
+    stage2.stage2_probe.cache_clear()
     yield
-    split_merge.stage2_probe.cache_clear()
+    stage2.stage2_probe.cache_clear()
 
 
 # -- broken merges (torch doubles of stage 2) ------------------------------------------------
@@ -76,7 +77,7 @@ def torch_stage2(*, skip_empty: bool = True, exp=torch.exp, keep: int | None = N
         for b in range(o.shape[0]):
             n = int(kv_indptr[b + 1] - kv_indptr[b])
             s = min(int(num_kv_splits[b]), max_kv_splits)
-            per = split_merge.split_length(n, s)
+            per = base.split_length(n, s)
             states = [i for i in range(s) if not skip_empty or (per and i * per < n)]
             if skip_neg_inf:
                 states = [i for i in range(s) if not bool(torch.isneginf(attn_lse[b, 0, i]))]
@@ -118,11 +119,11 @@ def test_broken_merge_is_found_by_split_count(monkeypatch: pytest.MonkeyPatch, b
         assert h.location.row == b and h.location.head is not None
         assert f"kv {lengths[b]}" in h.evidence and "(1 split passes)" in h.evidence
         if bug == "merges-empty-splits":
-            assert split_merge.empty_splits(lengths[b], h.data["splits"][b]) > 0 and "#4051" in h.cause
+            assert base.empty_splits(lengths[b], h.data["splits"][b]) > 0 and "#4051" in h.cause
         else:
             assert "merged wrongly" in h.cause
     if bug == "first-two-splits-only":
-        assert "num_kv_splits=2" not in labels and f"num_kv_splits={split_merge.MAX_KV_SPLITS} (max)" in labels
+        assert "num_kv_splits=2" not in labels and f"num_kv_splits={counts.MAX_KV_SPLITS} (max)" in labels
     if bug == "merges-empty-splits":
         probe = only(findings, "empty-split-merge")[0]
         assert probe.data["case"] == "empty splits marked -inf"
@@ -130,18 +131,18 @@ def test_broken_merge_is_found_by_split_count(monkeypatch: pytest.MonkeyPatch, b
 
 def test_vllm_v2_partitions_are_one_more_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
     trace = make_trace("decode-long", *SMALL, "kv_lens=1,1100", plan=True)
-    configs, lengths = split_merge.split_configs(trace)
+    configs, lengths = counts.split_configs(trace)
     v2 = [c for c in configs if c.vllm_v2]
     assert len(v2) == 1 and v2[0].splits == (1, 3) and lengths == [1, 1100]
     # Our kernels split 1100 tokens into 3 x cdiv(367, 32) * 32 = 384-token splits, not 512.
-    assert split_merge.split_length(1100, 3) == 384 and split_merge.split_length(1000, 2) == 512
+    assert base.split_length(1100, 3) == 384 and base.split_length(1000, 2) == 512
     monkeypatch.setattr(decode_kernels, "decode_stage2", torch_stage2(keep=2))
     labels = [f.evidence.split(":")[0] for f in only(detect(trace), "split-count-fails-reference")]
     assert any(label.startswith("vLLM PagedAttention v2") for label in labels)
 
 
 def test_short_requests_dedupe_v2_into_one_split() -> None:
-    configs, _ = split_merge.split_configs(make_trace(*DECODES["gqa"], plan=True))
+    configs, _ = counts.split_configs(make_trace(*DECODES["gqa"], plan=True))
     assert not any(c.vllm_v2 for c in configs)  # every request <= 512 tokens: v2 == 1 split
     assert [c.splits for c in configs][:2] == [(1, 1), (2, 2)] and (16, 16) in [c.splits for c in configs]
 
@@ -151,8 +152,8 @@ def test_short_requests_dedupe_v2_into_one_split() -> None:
 
 @pytest.mark.parametrize("dv", [32, 64])
 def test_our_stage2_skips_empty_states(dv: int) -> None:
-    assert split_merge.stage2_probe(dv) == {
-        split_merge.CONTROL: None,
+    assert stage2.stage2_probe(dv) == {
+        stage2.CONTROL: None,
         "empty splits marked -inf": None,
         "empty splits marked +inf (FA2's convention)": None,
         "every split empty (no KV)": None,
@@ -168,7 +169,7 @@ def test_our_stage2_skips_empty_states(dv: int) -> None:
 )
 def test_probe_names_the_broken_case(monkeypatch: pytest.MonkeyPatch, bug: dict, broken: set) -> None:
     monkeypatch.setattr(decode_kernels, "decode_stage2", torch_stage2(**bug))
-    cases = split_merge.stage2_probe(64)
+    cases = stage2.stage2_probe(64)
     assert {case for case, problem in cases.items() if problem} == broken
 
 
@@ -188,9 +189,9 @@ def test_every_split_empty_is_reached_only_through_zero_fill_padding(monkeypatch
     # 512-token requests fill the splits of every configuration: the probe's empty-split cases are
     # broken but unreachable, and only a padded row with seq_len 0 reaches "every split empty".
     eager = make_trace("decode-gqa", *SMALL, "kv_lens=512,512", plan=True)
-    assert split_merge.empty_split_merge(CheckContext(trace=eager, path="t")) == []
+    assert stage2.empty_split_merge(CheckContext(trace=eager, path="t")) == []
     padded = make_trace("decode-gqa", *SMALL, "kv_lens=512,512", "capture_bs=4", "fill_value=0", plan=True)
-    findings = split_merge.empty_split_merge(CheckContext(trace=padded, path="t"))
+    findings = stage2.empty_split_merge(CheckContext(trace=padded, path="t"))
     assert [f.data["case"] for f in findings] == ["every split empty (no KV)"]
     assert findings[0].location.request == 2 and "padded or empty request" in findings[0].evidence
 
@@ -227,19 +228,19 @@ def test_natural_lse_read_as_base_2_and_correct_labels(step: str) -> None:
 
 
 def recorded_only(trace):
-    return split_merge.recorded_tensors(CheckContext(trace=trace, path="t"))
+    return recorded.recorded_tensors(CheckContext(trace=trace, path="t"))
 
 
 def test_fa2_plus_inf_marks_an_empty_row() -> None:
     trace = make_trace(*RECORDED["decode"], plan=True)
     ref = torch.tensor([[1.5, -float("inf")], [2.0, 3.0]], dtype=torch.float64)
-    truth = split_merge._Truth(inputs=None, ref=AttentionResult(torch.zeros(2, 2, 1), ref), lowp=AttentionResult(torch.zeros(2, 2, 1), ref))
+    truth = recorded._Truth(inputs=None, ref=AttentionResult(torch.zeros(2, 2, 1), ref), lowp=AttentionResult(torch.zeros(2, 2, 1), ref))
     ctx = CheckContext(trace=trace, path="t")
     keep = torch.zeros(2, dtype=torch.bool)
     fa2 = torch.tensor([[1.5, float("inf")], [2.0, 3.0]])
-    assert split_merge._lse_findings(ctx, layer=0, lse=fa2, base=LseBase.E, truth=truth, skip_rows=keep) == []
+    assert recorded._lse_findings(ctx, layer=0, lse=fa2, base=LseBase.E, truth=truth, skip_rows=keep) == []
     finite_for_empty = torch.tensor([[1.5, 0.25], [2.0, 3.0]])
-    f = only(split_merge._lse_findings(ctx, layer=0, lse=finite_for_empty, base=LseBase.E, truth=truth, skip_rows=keep), "recorded-lse-mismatch")[0]
+    f = only(recorded._lse_findings(ctx, layer=0, lse=finite_for_empty, base=LseBase.E, truth=truth, skip_rows=keep), "recorded-lse-mismatch")[0]
     assert (f.location.row, f.location.head) == (0, 1)
 
 
@@ -259,8 +260,8 @@ def test_noisy_lse_and_output_are_mismatches_not_base_confusion() -> None:
 @pytest.mark.parametrize("with_plan", [True, False])
 def test_nan_rows_of_requests_with_empty_splits(spec, with_plan: bool) -> None:
     trace = from_dict(to_dict(mutate.nan_empty_split(make_trace(*spec, plan=with_plan))))
-    lengths, splits, _ = split_merge.engine_splits(trace)
-    victims = [b for b, (n, s) in enumerate(zip(lengths, splits)) if split_merge.empty_splits(n, s)]
+    lengths, splits, _ = recorded.engine_splits(trace)
+    victims = [b for b, (n, s) in enumerate(zip(lengths, splits)) if base.empty_splits(n, s)]
     f = only(recorded_only(trace), "empty-split-nan")[0]
     assert f.location.request == victims[0] and f.location.row == victims[0]
     assert f.data["requests"] == victims and "#4051" in f.cause
@@ -343,7 +344,7 @@ def test_injections_refuse_steps_they_do_not_apply_to(kind: str, spec) -> None:
 @pytest.mark.gpu
 def test_gpu_cascade_matches_a_single_pass_with_an_empty_prefix() -> None:
     trace = make_trace("extend-prefix", "prefix_lens=0,40,129", plan=True)  # request 0: empty prefix
-    assert split_merge.cascade_vs_single_pass(CheckContext(trace=trace, path="t")) == []
+    assert gpu.cascade_vs_single_pass(CheckContext(trace=trace, path="t")) == []
 
 
 @pytest.mark.gpu
@@ -363,7 +364,7 @@ def test_gpu_broken_cascade_merge_is_found(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr(fi_backend.FlashInferBackend, "_cascade", cascade_with_natural_code)
     trace = make_trace("extend-prefix", "prefix_lens=0,3072", "extend_lens=5,64", plan=True)
-    f = only(split_merge.cascade_vs_single_pass(CheckContext(trace=trace, path="t")), "cascade-vs-single-pass")[0]
+    f = only(gpu.cascade_vs_single_pass(CheckContext(trace=trace, path="t")), "cascade-vs-single-pass")[0]
     assert f.location.request == 1
 
 
@@ -371,7 +372,7 @@ def test_gpu_broken_cascade_merge_is_found(monkeypatch: pytest.MonkeyPatch) -> N
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_flashinfer_merge_state_on_empty_states(dtype) -> None:
     pytest.importorskip("flashinfer")
-    cases = split_merge.merge_state_probe(dtype)
+    cases = gpu.merge_state_probe(dtype)
     assert cases["state + empty state (-inf)"] is None, cases
     # Recorded, not asserted: whether this FlashInfer merges two empty states without NaN (#4051) and
     # what it makes of FA2's +inf marker; the detector reports them only where a trace reaches them.
@@ -391,7 +392,7 @@ def test_gpu_merge_launched_off_the_capture_stream_is_found(monkeypatch: pytest.
 
     monkeypatch.setattr(decode_kernels, "decode_stage2", stage2_outside_the_graph)
     trace = make_trace("decode-gqa", "kv_lens=40,90,200", plan=True)
-    findings = split_merge.merge_in_capture(CheckContext(trace=trace, path="t", options=CheckOptions(backends=("triton",), cuda_graph=True)))
+    findings = gpu.merge_in_capture(CheckContext(trace=trace, path="t", options=CheckOptions(backends=("triton",), cuda_graph=True)))
     assert only(findings, "merge-off-capture-stream")[0].data["backend"] == "triton"
 
 

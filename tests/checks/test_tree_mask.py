@@ -14,13 +14,13 @@ from attndbg.backends import registry
 from attndbg.backends.base import Padding
 from attndbg.trace.visibility import visibility
 from attndbg.backends.triton import TritonBackend
-from attndbg.checks import tree_mask
+from attndbg.detectors.tree_mask import detect as tree_mask
 from attndbg.checks.context import CheckContext, CheckOptions
 from attndbg.checks.findings import FindingClass
 from attndbg.cli import main
 from attndbg.replay.runner import PlanSource
 from attndbg.trace import synth, tree
-from attndbg.trace.mutate import tree_mask as inject
+from attndbg.detectors.tree_mask import injections as inject
 from attndbg.trace.schema import MaskLayout, Plan, Trace, to_dict
 from attndbg.trace.validate import from_dict
 

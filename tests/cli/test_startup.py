@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from attndbg.trace import mutate
+from attndbg.detectors import registry as detectors
 
 
 @pytest.mark.parametrize("args", [["--version"], ["--help"], ["synth", "--list"], ["replay", "--help"]])
@@ -27,8 +27,8 @@ def test_no_torch_import(args: list[str]) -> None:
 
 def test_listed_mistakes_are_the_injections() -> None:
     """synth --list reads the catalog from source; it must name exactly what --inject runs."""
-    runnable = {kind: (func.__doc__ or "").strip().splitlines()[0] for kind, func in mutate.injections().items()}
-    assert mutate.catalog() == runnable
+    runnable = {kind: (func.__doc__ or "").strip().splitlines()[0] for kind, func in detectors.injections().items()}
+    assert detectors.injection_catalog() == runnable
 
 
 def test_spec_dtype_names_match_the_schema() -> None:

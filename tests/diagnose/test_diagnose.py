@@ -20,11 +20,11 @@ from torch import Tensor
 from attndbg import machine
 from attndbg.backends import registry
 from attndbg.backends.base import AttentionInputs
-from attndbg.checks import split_merge
+from attndbg.detectors.split_merge.recorded import recorded_tensors
 from attndbg.checks.context import CheckContext
 from attndbg.diagnose import MODELS, diagnose
 from attndbg.replay.step_data import StepData
-from attndbg.trace.mutate import split_merge as mutate
+from attndbg.detectors.split_merge import injections as mutate
 from attndbg.trace.schema import Trace
 from attndbg.trace.visibility import visibility
 from tests.checks.shapes import SMALL
@@ -67,7 +67,7 @@ def engine_said(trace: Trace, output: Tensor) -> Trace:
 
 
 def mismatch(trace: Trace):
-    findings = split_merge.recorded_tensors(CheckContext(trace=trace, path="t"))
+    findings = recorded_tensors(CheckContext(trace=trace, path="t"))
     assert [f.check for f in findings] == ["recorded-output-mismatch"], [(f.check, f.evidence) for f in findings]
     return findings[0]
 
@@ -138,7 +138,7 @@ def test_empty_splits_holding_a_larger_earlier_split_count() -> None:
 
 def test_prefix_partial_lse_in_base_2() -> None:
     trace = mutate.cascade_lse_base_2(make_trace(*EXTEND, plan=True))
-    findings = split_merge.recorded_tensors(CheckContext(trace=trace, path="t"))
+    findings = recorded_tensors(CheckContext(trace=trace, path="t"))
     assert [f.check for f in findings] == ["merge-lse-base-confusion"]
     reps = findings[0].data["reproductions"]
     assert {r["mechanism"] for r in reps} == {"prefix-merge-lse-base"}
@@ -256,7 +256,7 @@ def test_verify_window_applied_by_index() -> None:
 @pytest.mark.parametrize("spec", [DECODE, EXTEND, VERIFY, WINDOW_VERIFY])
 def test_correct_engine_output_is_not_attributed(spec) -> None:
     trace = recorded(*spec, splits=SPLITS if spec is DECODE else None)
-    assert split_merge.recorded_tensors(CheckContext(trace=trace, path="t")) == []
+    assert recorded_tensors(CheckContext(trace=trace, path="t")) == []
     data = StepData(trace, layer=0, device="cpu")
     assert diagnose(data, trace.tensors[0].output) == []
 

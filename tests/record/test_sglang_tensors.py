@@ -28,7 +28,7 @@ runner_module = env.load_model_runner()
 forward_context = import_engine("sglang.srt.model_executor.forward_context")
 
 from attndbg.checks.context import CheckContext, CheckOptions  # noqa: E402
-from attndbg.checks.split_merge_recorded import recorded_tensors  # noqa: E402
+from attndbg.detectors.split_merge.recorded import recorded_tensors  # noqa: E402
 from attndbg.record import session as session_module  # noqa: E402
 from attndbg.record import sglang as adapter  # noqa: E402
 from attndbg.record import sglang_layers  # noqa: E402

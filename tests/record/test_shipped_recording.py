@@ -7,7 +7,7 @@ from pathlib import Path
 
 from attndbg.checks.context import CheckContext, CheckOptions
 from attndbg.checks.run import check_steps, parse_only
-from attndbg.checks.split_merge_recorded import recorded_tensors
+from attndbg.detectors.split_merge.recorded import recorded_tensors
 from attndbg.trace import io
 from tests.record.corruptions import foreign_first_key
 

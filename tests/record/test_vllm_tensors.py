@@ -31,7 +31,7 @@ kv_cache_interface = import_engine("vllm.v1.kv_cache_interface")
 
 from attndbg.checks.context import CheckContext, CheckOptions  # noqa: E402
 from attndbg.checks.run import check_steps, parse_only  # noqa: E402
-from attndbg.checks.split_merge_recorded import recorded_tensors  # noqa: E402
+from attndbg.detectors.split_merge.recorded import recorded_tensors  # noqa: E402
 from attndbg.record import vllm as adapter  # noqa: E402
 from attndbg.record import vllm_tensors  # noqa: E402
 from attndbg.record.options import RecordOptions  # noqa: E402

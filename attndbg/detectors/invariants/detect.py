@@ -59,30 +59,11 @@ from dataclasses import dataclass
 
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding, FindingClass, Location
-from attndbg.checks.invariants_batch import _check_positions, _check_seq_lens, expected_positions, expected_seq_lens
-from attndbg.checks.invariants_plan import CAUSE_GARBAGE, CAUSE_SHIFTED, CAUSE_STALE_ROW, CAUSE_WRONG_ROW, _check_plan
-from attndbg.checks.invariants_window import check_window_list
-from attndbg.checks.invariants_vllm import check_vllm
-from attndbg.checks.plan_kv import kv_coverage
+from attndbg.detectors.invariants.batch import _check_positions, _check_seq_lens
+from attndbg.detectors.invariants.plan import _check_plan
+from attndbg.detectors.invariants.window import check_window_list
+from attndbg.detectors.invariants.vllm import check_vllm
 from attndbg.trace.schema import Trace
-
-# Names the detector has always exported from this module (its parts live in the modules above).
-__all__ = [
-    "CAUSE_GARBAGE",
-    "CAUSE_POINTER",
-    "CAUSE_SHIFTED",
-    "CAUSE_STALE_ROW",
-    "CAUSE_WRONG_ROW",
-    "POINTER_SUFFIX",
-    "check_trace",
-    "detect",
-    "detect_recording",
-    "recording_digest",
-    "RecordingState",
-    "expected_positions",
-    "expected_seq_lens",
-    "kv_coverage",
-]
 
 
 POINTER_SUFFIX = "_data_ptr"

@@ -16,8 +16,8 @@ from attndbg.backends.options import BackendOptions
 from attndbg.backends.triton import DEFAULT_MAX_KV_SPLITS, TritonBackend, TritonOptions
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding
-from attndbg.checks.split_merge_base import KIND, SPLIT_TILE, _location, _request_of, empty_splits
-from attndbg.checks.split_merge_vllm import V2_PARTITION_TOKENS, _vllm_v2_available, _vllm_v2_run
+from attndbg.detectors.split_merge.base import KIND, SPLIT_TILE, _location, _request_of, empty_splits
+from attndbg.detectors.split_merge.vllm import V2_PARTITION_TOKENS, _vllm_v2_available, _vllm_v2_run
 from attndbg.compare.tolerance import Comparison
 from attndbg.replay import runner
 from attndbg.replay.runner import PlanSource, ReplayOptions, RunStatus

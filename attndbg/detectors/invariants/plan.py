@@ -9,9 +9,9 @@ from torch import Tensor
 
 from attndbg.backends.plan_layout import KvEnd, expected_dims, is_index
 from attndbg.checks.findings import Finding
-from attndbg.checks.invariants_base import _finding, _first
-from attndbg.checks.invariants_indptr import _indptr_ends, _indptr_shape, _is_indptr
-from attndbg.checks.plan_kv import _coverage, _kv_view, _KvView, _needed_start
+from attndbg.detectors.invariants.base import _finding, _first
+from attndbg.detectors.invariants.indptr import _indptr_ends, _indptr_shape, _is_indptr
+from attndbg.detectors.invariants.plan_kv import _coverage, _kv_view, _KvView, _needed_start
 from attndbg.replay.plan_guard import real_requests_only, refusal
 from attndbg.trace.schema import ForwardMode, Plan, Trace
 

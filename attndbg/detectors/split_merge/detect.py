@@ -34,44 +34,10 @@ from __future__ import annotations
 
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding
-from attndbg.checks.split_merge_base import KIND, LN2, LOG2E, SPLIT_TILE, empty_splits, merge_path, split_length
-from attndbg.checks.split_merge_counts import FORCED_SPLITS, MAX_KV_SPLITS, SplitConfig, split_configs, split_counts
-from attndbg.checks.split_merge_gpu import cascade_vs_single_pass, flashinfer_merge_state, merge_in_capture, merge_state_probe
-from attndbg.checks.split_merge_recorded import _lse_findings, _Truth, engine_splits, recorded_tensors
-from attndbg.checks.split_merge_stage2 import CONTROL, PROBE_LEN, PROBE_SPLITS, empty_split_merge, stage2_probe
-from attndbg.checks.split_merge_vllm import V2_BLOCK_SIZE, V2_PARTITION_TOKENS
-
-# Names the detector has always exported from this module (its parts live in the modules above).
-__all__ = [
-    "CONTROL",
-    "FORCED_SPLITS",
-    "KIND",
-    "LN2",
-    "LOG2E",
-    "MAX_KV_SPLITS",
-    "PROBE_LEN",
-    "PROBE_SPLITS",
-    "SPLIT_TILE",
-    "SplitConfig",
-    "V2_BLOCK_SIZE",
-    "V2_PARTITION_TOKENS",
-    "_Truth",
-    "_lse_findings",
-    "cascade_vs_single_pass",
-    "detect",
-    "empty_split_merge",
-    "empty_splits",
-    "engine_splits",
-    "flashinfer_merge_state",
-    "merge_in_capture",
-    "merge_path",
-    "merge_state_probe",
-    "recorded_tensors",
-    "split_configs",
-    "split_counts",
-    "split_length",
-    "stage2_probe",
-]
+from attndbg.detectors.split_merge.counts import split_counts
+from attndbg.detectors.split_merge.gpu import cascade_vs_single_pass, flashinfer_merge_state, merge_in_capture
+from attndbg.detectors.split_merge.recorded import recorded_tensors
+from attndbg.detectors.split_merge.stage2 import empty_split_merge
 
 
 def detect(ctx: CheckContext) -> list[Finding]:

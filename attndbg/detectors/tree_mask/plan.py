@@ -14,8 +14,8 @@ from torch import Tensor
 
 from attndbg.checks.findings import Finding
 from attndbg.backends.plan_layout import ExpandTables, MaskReading, PlanLayout, WindowList
-from attndbg.checks.plan_kv import kv_coverage, plan_layout
-from attndbg.checks.tree_mask_base import _as_bool, _describe_column, _finding, _mismatch_cause, _tree_block
+from attndbg.detectors.invariants.plan_kv import kv_coverage, plan_layout
+from attndbg.detectors.tree_mask.base import _as_bool, _describe_column, _finding, _mismatch_cause, _tree_block
 from attndbg.trace.schema import Trace
 from attndbg.trace.visibility import visibility
 

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from attndbg.checks.findings import Finding
-from attndbg.checks.tree_mask_base import _as_bool, _describe_column, _finding, _mismatch_cause, _tree_block
+from attndbg.detectors.tree_mask.base import _as_bool, _describe_column, _finding, _mismatch_cause, _tree_block
 from attndbg.trace import tree
 from attndbg.trace.schema import MaskLayout, Trace
 from attndbg.trace.visibility import visibility

@@ -9,8 +9,8 @@ import torch
 
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding
-from attndbg.checks.tree_mask_base import _finding
-from attndbg.checks.tree_mask_plan import PlanVisibility, plan_view
+from attndbg.detectors.tree_mask.base import _finding
+from attndbg.detectors.tree_mask.plan import PlanVisibility, plan_view
 from attndbg.replay.runner import BackendRun, PlanSource, ReplayOptions, RunStatus
 from attndbg.trace.schema import Trace
 from attndbg.trace.visibility import visibility

@@ -15,7 +15,7 @@ from attndbg.backends.base import AttentionResult, KernelError
 from attndbg.backends.flashinfer import FlashInferBackend
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding
-from attndbg.checks.split_merge_base import KIND, _location, merge_path
+from attndbg.detectors.split_merge.base import KIND, _location, merge_path
 from attndbg.replay import activity
 from attndbg.replay.runner import ReplayOptions, RunStatus
 from attndbg.trace.schema import DTYPES, ForwardMode

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from attndbg.checks.findings import Finding
-from attndbg.checks.invariants_base import _finding, _first
+from attndbg.detectors.invariants.base import _finding, _first
 from attndbg.trace.schema import Trace
 
 COMMON = "common."

@@ -22,8 +22,8 @@ from torch import Tensor
 
 from attndbg.backends.plan_layout import WindowList
 from attndbg.checks.findings import Finding
-from attndbg.checks.invariants_base import _finding, _first
-from attndbg.checks.plan_kv import plan_layout
+from attndbg.detectors.invariants.base import _finding, _first
+from attndbg.detectors.invariants.plan_kv import plan_layout
 from attndbg.trace.schema import ForwardMode, Trace
 
 CAUSE_LENGTH = "the window list was built from other lengths than the batch's (seq_lens where the prefix is meant, or a stale length)"

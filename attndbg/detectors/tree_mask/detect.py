@@ -57,25 +57,12 @@ from torch import Tensor
 
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding, FindingClass, Location
-from attndbg.checks.tree_mask_base import _finding
-from attndbg.checks.tree_mask_outputs import MAX_COLUMNS_SHOWN, MAX_ROWS_SHOWN, _output_findings
-from attndbg.checks.plan_kv import plan_layout
-from attndbg.checks.tree_mask_plan import PlanVisibility, plan_view
-from attndbg.checks.tree_mask_spec import _check_spec
+from attndbg.detectors.tree_mask.base import _finding
+from attndbg.detectors.tree_mask.outputs import _output_findings
+from attndbg.detectors.invariants.plan_kv import plan_layout
+from attndbg.detectors.tree_mask.plan import plan_view
+from attndbg.detectors.tree_mask.spec import _check_spec
 from attndbg.trace.schema import Plan, Trace
-
-# Names the detector has always exported from this module (its parts live in the modules above).
-__all__ = [
-    "MAX_COLUMNS_SHOWN",
-    "MAX_ROWS_SHOWN",
-    "PlanVisibility",
-    "detect",
-    "detect_recording",
-    "recording_digest",
-    "RecordingState",
-    "mask_findings",
-    "plan_view",
-]
 
 
 def detect(ctx: CheckContext) -> list[Finding]:

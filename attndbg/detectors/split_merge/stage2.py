@@ -12,8 +12,8 @@ from attndbg import machine
 from attndbg.backends.triton import TritonBackend
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding
-from attndbg.checks.split_merge_base import KIND, SPLIT_TILE, _location, empty_splits
-from attndbg.checks.split_merge_counts import split_configs
+from attndbg.detectors.split_merge.base import KIND, SPLIT_TILE, _location, empty_splits
+from attndbg.detectors.split_merge.counts import split_configs
 from attndbg.trace.schema import ForwardMode
 
 

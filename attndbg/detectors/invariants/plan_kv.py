@@ -14,8 +14,8 @@ from attndbg.backends import registry
 from attndbg.backends.plan_layout import KvEnd, KvIds, PlanLayout
 from attndbg.backends.plan_view import PlanViewError
 from attndbg.checks.findings import Finding
-from attndbg.checks.invariants_base import _finding
-from attndbg.checks.invariants_indptr import _indptr_shape, _is_indptr
+from attndbg.detectors.invariants.base import _finding
+from attndbg.detectors.invariants.indptr import _indptr_shape, _is_indptr
 from attndbg.trace.schema import ForwardMode, Plan, Trace
 
 

@@ -1,0 +1,91 @@
+"""The detector contract: what one detector package exports, as one `Detector` object.
+
+A detector package (`attndbg/detectors/tree_mask/`, or a third party's) exports `DETECTOR`: its
+kind, a one-line summary, how it judges a step, optionally how it judges a recording, and the
+mistakes `attndbg synth --inject` can plant for it. Its hooks may be given as "pkg.module:attr"
+strings, imported on first use, so that listing detectors (`--help`, `synth --list`) never imports
+what they run (torch, the kernels). This module imports neither.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from attndbg.checks.findings import Finding, FindingClass
+
+if TYPE_CHECKING:
+    from attndbg.checks.context import CheckContext
+    from attndbg.trace.schema import Trace
+
+Injection = Callable[["Trace"], "Trace"]
+
+
+class RecordingState(Protocol):
+    """What a recording-level detector keeps across steps: it sees each step's digest (the value its
+    `recording_digest` returned, never None) in recording order, and returns the findings that
+    step's digest completes."""
+
+    def observe(self, digest: Any) -> list[Finding]: ...
+
+
+def load_target(target: str) -> Any:
+    """The object "pkg.module:attr" names, imported now."""
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _hook(value: Any) -> Any:
+    return load_target(value) if isinstance(value, str) else value
+
+
+@dataclass(frozen=True)
+class Detector:
+    kind: FindingClass  # what `--only`, `--inject KIND:...`, the reports and JSON call it
+    summary: str  # one line: what it judges, for the help texts and README's table
+    # (ctx) -> findings of the step; a function or "pkg.module:attr".
+    detect: Callable[[CheckContext], list[Finding]] | str
+    # Mistakes `synth --inject KIND:MISTAKE` plants, keyed "KIND:MISTAKE", each function documented
+    # (first line: the listing) with the real bug it imitates: a mapping, or the name of a module
+    # holding it as INJECTIONS (read from its source for listing, imported only to inject).
+    injections: Mapping[str, Injection] | str = field(default_factory=dict)
+    # Recording-level checks (across steps), run as a stream: `recording_digest(ctx)` keeps the
+    # little it needs of a step (small and picklable: it comes back from a check worker; None:
+    # nothing), and one `recording_state()` per check sees the digests in recording order.
+    recording_digest: Callable[[CheckContext], Any] | str | None = None
+    recording_state: Callable[[], RecordingState] | str | None = None
+    # For detectors that judge the recorded plan through its backend's plan view: why they could
+    # not read this step's plan (the check's verdict names it), None when they could.
+    plan_unread: Callable[[Trace], str | None] | str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, FindingClass):
+            raise TypeError(f"Detector.kind must be a FindingClass, got {self.kind!r}")
+        if not self.summary.strip() or "\n" in self.summary:
+            raise ValueError(f"detector {self.kind.value}: the summary is one non-empty line")
+        if (self.recording_digest is None) != (self.recording_state is None):
+            raise ValueError(f"detector {self.kind.value}: recording_digest and recording_state go together")
+
+    @property
+    def name(self) -> str:
+        return self.kind.value
+
+    def run(self, ctx: CheckContext) -> list[Finding]:
+        return _hook(self.detect)(ctx)
+
+    def digest(self, ctx: CheckContext) -> Any:
+        return _hook(self.recording_digest)(ctx) if self.recording_digest is not None else None
+
+    def new_state(self) -> RecordingState | None:
+        return _hook(self.recording_state)() if self.recording_state is not None else None
+
+    def unread(self, trace: Trace) -> str | None:
+        return _hook(self.plan_unread)(trace) if self.plan_unread is not None else None
+
+    def injection_table(self) -> Mapping[str, Injection]:
+        """Its injections, imported."""
+        if isinstance(self.injections, str):
+            return importlib.import_module(self.injections).INJECTIONS
+        return self.injections

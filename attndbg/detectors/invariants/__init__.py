@@ -1,0 +1,14 @@
+"""invariants: the batch's bookkeeping and the recorded plan, checked against the batch (detect.py)."""
+
+from attndbg.checks.findings import FindingClass
+from attndbg.detectors.base import Detector
+
+DETECTOR = Detector(
+    kind=FindingClass.INVARIANT,
+    summary="the engine's positions and seq_lens, and the recorded plan's indptrs, KV ids and lengths, split counts and window lists, against the batch; plan pointers that move between graph replays",
+    detect="attndbg.detectors.invariants.detect:detect",
+    injections="attndbg.detectors.invariants.injections",
+    recording_digest="attndbg.detectors.invariants.detect:recording_digest",
+    recording_state="attndbg.detectors.invariants.detect:RecordingState",
+    plan_unread="attndbg.detectors.invariants.plan_kv:unread_reason",
+)

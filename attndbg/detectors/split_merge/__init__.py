@@ -1,0 +1,11 @@
+"""split-merge: partial attention states (KV splits, cascade parts) and their merge (detect.py)."""
+
+from attndbg.checks.findings import FindingClass
+from attndbg.detectors.base import Detector
+
+DETECTOR = Detector(
+    kind=FindingClass.SPLIT_MERGE,
+    summary="partial states and their merge: decode through every split count, empty splits, the engine's recorded output and LSE (base confusion, NaN rows), cascade and graph merges",
+    detect="attndbg.detectors.split_merge.detect:detect",
+    injections="attndbg.detectors.split_merge.injections",
+)

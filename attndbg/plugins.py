@@ -1,0 +1,46 @@
+"""Plugins named in an environment variable, "NAME=pkg.module:attr,...": ATTNDBG_BACKENDS and
+ATTNDBG_DETECTORS read the same way.
+
+Free of torch, and nothing is imported to validate a value, so that every command, `--help`
+included, can refuse a malformed one in one line before it starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PluginVariable:
+    variable: str  # "ATTNDBG_DETECTORS"
+    noun: str  # what a NAME is, for messages: "detector"
+    form: str  # the expected form, for messages: "KIND=pkg.module:attr"
+
+    def named(self) -> dict[str, str]:
+        """NAME -> "pkg.module:attr"; a malformed entry raises KeyError naming it."""
+        named = {}
+        for entry in filter(None, (e.strip() for e in os.environ.get(self.variable, "").split(","))):
+            name, _, target = entry.partition("=")
+            if not name.strip() or ":" not in target:
+                raise KeyError(f"{self.variable}: expected {self.form}, got {entry!r}")
+            named[name.strip()] = target.strip()
+        return named
+
+    def problem(self) -> str | None:
+        """What is wrong with the variable, if anything: a malformed entry or a module that cannot be
+        found (looked up without importing it)."""
+        try:
+            named = self.named()
+        except KeyError as e:
+            return str(e.args[0])
+        for name, target in named.items():
+            module = target.partition(":")[0]
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                return f"{self.variable}: {self.noun} {name!r} names module {module!r}, which cannot be found"
+        return None
