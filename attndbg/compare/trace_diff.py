@@ -1,11 +1,17 @@
-"""Structural diff of two traces: which fields of source, model, batch, spec, graph, plan and the
-recorded layer tensors differ, and for tensors exactly where.
+"""Structural diff of two traces: which fields of source, model, batch, spec, graph, plan, the engine
+buffers behind them and the recorded layer tensors differ, and for tensors exactly where.
 
 Every compared field gets a `FieldDiff`, equal ones included, so a report can say "model: 13
 fields equal" as well as list the differences. Tensors are compared element by element; the first
 differing element is named with both values and, where the trace defines what a flat index means
 (slot ids, per-token arrays, tree masks), with the request/row/column it belongs to. NaN equals NaN
 here: this is a diff of two recordings, not a numerical check.
+
+`Trace.buffers` (the engine buffer behind a recorded mask or index tensor) is its own section,
+`buffers.<field>`: the buffer's real `length`, the `read` extent of the step's kernel, the
+`capacity` flag, and its `contents` (the recorded head of the buffer, the tensor at `<field>`),
+whose first differing element is named like the field's own and placed before or past what the
+kernel reads: two runs whose masks differ only in a stale tail read nothing different.
 """
 
 from __future__ import annotations
@@ -72,7 +78,8 @@ class TraceDiff:
         return tuple(f for f in self.fields if f.field.split(".", 1)[0] == name)
 
 
-SECTIONS = ("source", "model", "seed", "batch", "spec", "graph", "plan", "tensors")
+SECTIONS = ("source", "model", "seed", "batch", "spec", "graph", "plan", "buffers", "tensors")
+CONTENTS = "contents"  # buffers.<field>.contents: the recorded head of the engine's buffer
 
 
 def diff_traces(a: Trace, b: Trace) -> TraceDiff:
@@ -84,6 +91,8 @@ def diff_traces(a: Trace, b: Trace) -> TraceDiff:
     out += _compare_dataclass("batch", a.batch, b.batch, locate)
     for name in ("spec", "graph", "plan"):
         out += _compare_optional(name, getattr(a, name), getattr(b, name), locate)
+    for name in _union(a.buffers, b.buffers):
+        out += _compare_buffer(name, a, b, locate)
     for layer in sorted(set(a.tensors) | set(b.tensors)):
         out += _compare_optional(f"tensors.{layer}", a.tensors.get(layer), b.tensors.get(layer), locate)
     return TraceDiff(fields=tuple(out))
@@ -101,6 +110,25 @@ def _compare_optional(name: str, a: Any, b: Any, locate: "_Locator") -> list[Fie
     if isinstance(a, Tensor) and isinstance(b, Tensor):
         return [_compare_tensor(name, a, b, locate)]
     return [_compare_value(name, a, b)]
+
+
+def buffer_tensor(trace: Trace, field: str) -> Tensor | None:
+    """The recorded tensor a `Trace.buffers` key describes: "spec.custom_mask" or "plan.<name>"."""
+    section, _, name = field.partition(".")
+    if section == "spec" and trace.spec is not None:
+        return getattr(trace.spec, name, None)
+    if section == "plan" and trace.plan is not None:
+        return trace.plan.tensors.get(name)
+    return None
+
+
+def _compare_buffer(field: str, a: Trace, b: Trace, locate: "_Locator") -> list[FieldDiff]:
+    """buffers.<field>: length, read, capacity, then the contents (only when both sides have it)."""
+    name = f"buffers.{field}"
+    out = _compare_optional(name, a.buffers.get(field), b.buffers.get(field), locate)
+    if field in a.buffers and field in b.buffers:
+        out += _compare_optional(f"{name}.{CONTENTS}", buffer_tensor(a, field), buffer_tensor(b, field), locate)
+    return out
 
 
 def _compare_dataclass(name: str, a: Any, b: Any, locate: "_Locator") -> list[FieldDiff]:
@@ -196,6 +224,8 @@ class _Locator:
         self.trace = trace
 
     def __call__(self, name: str, k: int) -> str:
+        if name.startswith("buffers.") and name.endswith(f".{CONTENTS}"):
+            return self._buffer(name.removeprefix("buffers.").removesuffix(f".{CONTENTS}"), k)
         batch = self.trace.batch
         if name == "batch.slot_ids":
             return self._segment(batch.slot_indptr, k, "request", "column")
@@ -214,6 +244,17 @@ class _Locator:
             if indptr is not None and indptr.dim() == 1 and indptr.numel() > 1:
                 return self._segment(indptr.to(torch.int64), k, f"{indptr_name} segment", "entry")
         return ""
+
+    def _buffer(self, field: str, k: int) -> str:
+        """Where element k of an engine buffer sits: as the recorded field names it, and whether the
+        step's kernel reads it (trace a's read extent)."""
+        section, _, rest = field.partition(".")
+        where = self("plan.tensors." + rest if section == "plan" else field, k)
+        read = self.trace.buffers[field].read
+        if read < 0:
+            return where
+        extent = f"read by the kernel (read {read})" if k < read else f"past what the kernel reads (read {read})"
+        return f"{where}; {extent}" if where else extent
 
     @staticmethod
     def _segment(indptr: Tensor, k: int, outer: str, inner: str) -> str:

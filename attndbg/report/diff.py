@@ -110,7 +110,7 @@ def _field_cells(f: FieldDiff) -> tuple[str, str, str]:
     if f.status is FieldStatus.DTYPE and f.count == 0:
         return f.a_meta, f.b_meta, "dtypes differ; values equal"
     first = f"first at {_at(f)}: {_show(f.a)} vs {_show(f.b)}"
-    if isinstance(f.a, int) and isinstance(f.b, int) and not isinstance(f.a, bool) and f.field == "spec.custom_mask":
+    if isinstance(f.a, int) and isinstance(f.b, int) and not isinstance(f.a, bool) and f.field in ("spec.custom_mask", "buffers.spec.custom_mask.contents"):
         flipped = [j for j in range(max(f.a, f.b).bit_length()) if (f.a ^ f.b) >> j & 1]
         first += f" (bits {flipped} differ)"
     counted = f"{f.count} of {f.numel} elements differ"

@@ -11,8 +11,8 @@ from rich.console import Console
 
 from attndbg.compare.trace_diff import FieldStatus, TraceDiff, diff_traces
 from attndbg.report.diff import render_trace_diff, trace_diff_to_json
-from attndbg.trace import tree
-from attndbg.trace.schema import Graph, LayerTensors, LseBase, MaskLayout, Plan, Trace
+from attndbg.trace import io, tree
+from attndbg.trace.schema import EngineBuffer, Graph, LayerTensors, LseBase, MaskLayout, Plan, Trace
 from attndbg.trace.synth import build, parse_spec
 
 
@@ -269,3 +269,96 @@ def test_render_and_json_name_the_field_and_both_values() -> None:
 @pytest.mark.parametrize("preset", ["mla-decode", "decode-paged", "selective", "mixed"])
 def test_presets_diff_clean_against_themselves(preset: str) -> None:
     assert diff_traces(build(parse_spec([preset])), build(parse_spec([preset]))).identical
+
+
+# -- engine buffers (Trace.buffers) -------------------------------------------------------------------
+
+TAIL = 4  # kv_indices entries past kv_indptr[-1]: the engine sized the buffer from a larger seq_lens_sum
+
+
+def _with_buffer(trace: Trace, *, tail: list[int], capacity: bool = False, length: int | None = None) -> Trace:
+    """The decode plan's kv_indices as the engine's buffer: the step's entries, then `tail` entries no
+    kernel of the step reads (garbage torch.empty left, or an earlier step's ids)."""
+    indices = trace.plan.tensors["kv_indices"]
+    read = indices.numel()
+    recorded = torch.cat([indices, torch.tensor(tail, dtype=indices.dtype)])
+    plan = dataclasses.replace(trace.plan, tensors={**trace.plan.tensors, "kv_indices": recorded})
+    buffer = EngineBuffer(length=length if length is not None else recorded.numel(), read=read, capacity=capacity)
+    return dataclasses.replace(trace, plan=plan, buffers={"plan.kv_indices": buffer})
+
+
+def test_identical_buffers_are_a_section_of_equal_fields() -> None:
+    a = _with_buffer(_decode(), tail=[7] * TAIL)
+    d = diff_traces(a, _with_buffer(_decode(), tail=[7] * TAIL))
+    assert d.identical
+    assert [f.field for f in d.section("buffers")] == [f"buffers.plan.kv_indices.{name}" for name in ("length", "read", "capacity", "contents")]
+
+
+def test_a_stale_tail_is_named_past_what_the_kernel_reads() -> None:
+    a = _with_buffer(_decode(), tail=[7] * TAIL)
+    b = _with_buffer(_decode(), tail=[7, 9, 7, 7])
+    read = a.buffers["plan.kv_indices"].read
+    by_field = {f.field: f for f in diff_traces(a, b).differences}
+    assert set(by_field) == {"plan.tensors.kv_indices", "buffers.plan.kv_indices.contents"}
+    f = by_field["buffers.plan.kv_indices.contents"]
+    assert (f.status, f.index, f.a, f.b, f.count) == (FieldStatus.ELEMENTS, (read + 1,), 7, 9, 1)
+    assert f.where == f"past what the kernel reads (read {read})"
+
+
+def test_a_difference_the_kernel_reads_is_named_by_its_segment() -> None:
+    a = _with_buffer(_decode(), tail=[7] * TAIL)
+    indices = a.plan.tensors["kv_indices"].clone()
+    k = int(a.plan.tensors["kv_indptr"][1]) + 5
+    indices[k] += 1
+    b = dataclasses.replace(a, plan=dataclasses.replace(a.plan, tensors={**a.plan.tensors, "kv_indices": indices}))
+    f = next(f for f in diff_traces(a, b).differences if f.field == "buffers.plan.kv_indices.contents")
+    assert f.index == (k,) and f.where == f"kv_indptr segment 1, entry 5; read by the kernel (read {a.buffers['plan.kv_indices'].read})"
+
+
+def test_length_read_and_capacity_differences() -> None:
+    a = _with_buffer(_decode(), tail=[7] * TAIL)
+    b = _with_buffer(_decode(), tail=[7] * TAIL, capacity=True, length=4096)  # a graph buffer, cut after the tail
+    by_field = {f.field: f for f in diff_traces(a, b).differences}
+    assert set(by_field) == {"buffers.plan.kv_indices.length", "buffers.plan.kv_indices.capacity"}
+    assert (by_field["buffers.plan.kv_indices.length"].a, by_field["buffers.plan.kv_indices.length"].b) == (a.buffers["plan.kv_indices"].length, 4096)
+    assert (by_field["buffers.plan.kv_indices.capacity"].a, by_field["buffers.plan.kv_indices.capacity"].b) == (False, True)
+    shorter = _with_buffer(_decode(), tail=[7])
+    f = next(f for f in diff_traces(a, shorter).differences if f.field == "buffers.plan.kv_indices.contents")
+    assert f.status is FieldStatus.SHAPE and f.a is None and f.numel == shorter.plan.tensors["kv_indices"].numel()
+
+
+def test_a_buffer_on_one_side_only() -> None:
+    a = _with_buffer(_decode(), tail=[7] * TAIL)
+    b = dataclasses.replace(a, buffers={})  # recorded before buffers were kept
+    f = next(f for f in diff_traces(a, b).differences if f.field.startswith("buffers."))
+    assert (f.field, f.status) == ("buffers.plan.kv_indices", FieldStatus.ONLY_A)
+    assert not [f for f in diff_traces(a, b).fields if f.field.endswith(".contents")]
+
+
+def test_render_and_json_of_a_buffer_difference() -> None:
+    a = _with_buffer(_decode(), tail=[7] * TAIL)
+    d = diff_traces(a, _with_buffer(_decode(), tail=[7, 9, 7, 7]))
+    text = _render(render_trace_diff(d))
+    read = a.buffers["plan.kv_indices"].read
+    assert "buffers.plan.kv_indices.contents" in text and f"past what the kernel reads (read {read})" in text
+    assert "buffers: 1 of 4 differ" in text
+    data = json.loads(json.dumps(trace_diff_to_json(d), allow_nan=False))
+    [entry] = [e for e in data["differences"] if e["field"] == "buffers.plan.kv_indices.contents"]
+    assert (entry["index"], entry["a"], entry["b"]) == ([read + 1], 7, 9)
+
+
+def test_recordings_whose_steps_differ_only_in_a_buffer_tail(tmp_path) -> None:
+    from attndbg.compare.recording_diff import diff_recordings
+    from attndbg.report.diff import recording_diff_to_json, render_recording_diff
+
+    for name, tail in (("a", [7] * TAIL), ("b", [7, 7, 9, 7])):
+        (tmp_path / name).mkdir()
+        io.save(_decode(), tmp_path / name / "step_000000.pt")
+        io.save(_with_buffer(_decode(), tail=tail), tmp_path / name / "step_000001.pt")
+    d = diff_recordings(tmp_path / "a", tmp_path / "b")
+    assert d.first_difference.index == 1
+    assert [f.field for f in d.first_difference.diff.differences] == ["plan.tensors.kv_indices", "buffers.plan.kv_indices.contents"]
+    text = _render(render_recording_diff(d))
+    assert "1 of 2 steps differ; first at #1" in text and "plan.tensors.kv_indices" in text
+    data = recording_diff_to_json(d)
+    assert data["first_difference"] == 1 and data["steps"][1]["diff"]["differences"][1]["where"].startswith("past what the kernel reads")
