@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from attndbg.checks.context import CheckOptions
-from attndbg.checks.findings import Finding, FindingClass, Location
+from attndbg.checks.findings import Finding, FindingClass, finding
 from attndbg.checks.run import StepReport, StepResult, check_one
 from attndbg.replay import activity
 
@@ -202,16 +202,19 @@ def check_in_workers(
 def _crash_finding(path: Path, launch: tuple[str, str, str], death: str) -> Finding:
     backend, variant, error = launch
     how = f"{death}: {error}" if error else death
-    return Finding(
+    return finding(
         FindingClass.BACKEND_CRASH,
         "backend-crashed",
-        Location(step=-1),  # the step number is known once the step is read again
-        f"{backend} crashed on this step ({variant}): the worker running it {how}",
-        f"The {backend} kernels crashed on this step's inputs and plan; the step's other backends and detectors were "
+        step=-1,  # the step number is known once the step is read again
+        evidence=f"{backend} crashed on this step ({variant}): the worker running it {how}",
+        cause=f"The {backend} kernels crashed on this step's inputs and plan; the step's other backends and detectors were "
         f"checked again without {backend} in a fresh worker. Replay it alone (`attndbg replay {path} --backend {backend}`) "
         "to reproduce; run it under compute-sanitizer to find the faulting access.",
         trace=str(path),
-        data={"backend": backend, "variant": variant, "death": death, "error": error},
+        backend=backend,
+        variant=variant,
+        death=death,
+        error=error,
     )
 
 

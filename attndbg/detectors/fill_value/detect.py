@@ -35,7 +35,7 @@ from attndbg import machine
 from attndbg.backends import engine_names, registry
 from attndbg.backends.base import FillRequirement
 from attndbg.checks.context import CheckContext
-from attndbg.checks.findings import Finding, FindingClass, Location
+from attndbg.checks.findings import Finding, FindingClass, finding
 from attndbg.replay import graph as graph_replay
 from attndbg.replay.runner import BackendRun, ReplayOptions, RunStatus
 from attndbg.trace.schema import ForwardMode, Trace
@@ -88,11 +88,11 @@ def recorded_padding(trace: Trace) -> list[Finding]:
     )
 
 
-def _finding(trace: Trace, check: str, evidence: str, cause: str, *, severity: str = HIGH, **where) -> Finding:
-    data = where.pop("data", {})
+def _graded(trace: Trace, check: str, evidence: str, cause: str, *, severity: str = HIGH, data: dict | None = None, **where) -> Finding:
+    """A fill-value finding: its severity is its data's first entry, and a low one says so in its cause."""
     if severity == LOW:
         cause = "Low severity: " + cause[0].lower() + cause[1:]
-    return Finding(KIND, check, Location(step=trace.source.step, **where), evidence, cause, data={"severity": severity, **data})
+    return finding(KIND, check, step=trace.source.step, evidence=evidence, cause=cause, **where, severity=severity, **(data or {}))
 
 
 def _padded_seq_lens(trace: Trace) -> list[Finding]:
@@ -106,7 +106,7 @@ def _padded_seq_lens(trace: Trace) -> list[Finding]:
         if bad:
             row, value = bad[0]
             findings.append(
-                _finding(
+                _graded(
                     trace,
                     "padded-seq-len-unsupported",
                     f"{len(bad)} of {len(padded)} padded requests have seq_len < {need.min_seq_len} "
@@ -123,7 +123,7 @@ def _padded_seq_lens(trace: Trace) -> list[Finding]:
     if stale:
         row, value = stale[0]
         findings.append(
-            _finding(
+            _graded(
                 trace,
                 "padded-seq-len-stale",
                 f"{len(stale)} padded requests hold a seq_len other than the fill value {graph.fill_value} "
@@ -152,7 +152,7 @@ def _padded_out_cache_loc(trace: Trace) -> list[Finding]:
     owner = batch.slot_owner(slot)
     where = f"request {owner[0]}'s column {owner[1]}, live KV of this batch" if owner else "a slot no request of this batch reads"
     return [
-        _finding(
+        _graded(
             trace,
             "padded-kv-write",
             f"{bad.numel()} padded tokens write K/V outside the dummy slot (first: graph.padded_out_cache_loc[{row}] = {slot}, "
@@ -179,7 +179,7 @@ def _seq_lens_sum(trace: Trace) -> list[Finding]:
     pad = graph.capture_bs - batch.batch_size
     if recorded == raw:
         return [
-            _finding(
+            _graded(
                 trace,
                 "seq-lens-sum-ignores-padding",
                 f"plan.seq_lens_sum = {recorded} = the {batch.batch_size} real requests' sum, but the padded batch's "
@@ -191,7 +191,7 @@ def _seq_lens_sum(trace: Trace) -> list[Finding]:
             )
         ]
     return [
-        _finding(
+        _graded(
             trace,
             "seq-lens-sum-mismatch",
             f"plan.seq_lens_sum = {recorded}, but the padded batch's seq_lens sum to {padded} (real requests alone: {raw})",
@@ -217,7 +217,7 @@ def _padded_indptrs(trace: Trace) -> list[Finding]:
             continue
         i = bs + 1 + int(drops[0])
         findings.append(
-            _finding(
+            _graded(
                 trace,
                 "padded-indptr-decreases",
                 f"plan.{name}[{i}] = {int(values[i])} < plan.{name}[{i - 1}] = {int(values[i - 1])} "
@@ -254,7 +254,7 @@ def _padded_req_pool_indices(trace: Trace) -> list[Finding]:
     if out:
         r, index, reads = out[0]
         findings.append(
-            _finding(
+            _graded(
                 trace,
                 "padded-req-pool-index-out-of-pool",
                 f"{len(out)} padded requests carry a request-pool row outside any pool (first: "
@@ -270,7 +270,7 @@ def _padded_req_pool_indices(trace: Trace) -> list[Finding]:
     if stale:
         r, index, reads = stale[0]
         findings.append(
-            _finding(
+            _graded(
                 trace,
                 "stale-padded-req-pool-index",
                 f"{len(stale)} padded requests point at request-pool rows no live request of this batch holds (first: "
@@ -308,7 +308,7 @@ def _padded_positions(trace: Trace) -> list[Finding]:
             "rows' rotary embedding uses them), but a verify plan that reads positions crashed on them (SGLang #24361)."
         )
     return [
-        _finding(
+        _graded(
             trace,
             "stale-padded-positions",
             f"{bad.numel()} padded tokens have non-zero positions (first: graph.padded_positions[{tokens + i}] = {int(tail[i])}); "
@@ -395,7 +395,7 @@ def _replay_findings(trace: Trace, *, name: str, capture_bs: int, runs: list[_Pa
         data = {"backend": name, "capture_bs": capture_bs, "fill_value": p.fill}
         if run.status is RunStatus.ERROR:
             findings.append(
-                _finding(
+                _graded(
                     trace,
                     "padded-replay-error",
                     f"{label}: {run.reason}",
@@ -409,7 +409,7 @@ def _replay_findings(trace: Trace, *, name: str, capture_bs: int, runs: list[_Pa
         outcome = run.graph
         if outcome is not None and outcome.padded_nonfinite:
             findings.append(
-                _finding(
+                _graded(
                     trace,
                     "padded-rows-nonfinite",
                     f"{label}: {outcome.padded_nonfinite} NaN/Inf values in the padded rows' output/LSE",
@@ -422,7 +422,7 @@ def _replay_findings(trace: Trace, *, name: str, capture_bs: int, runs: list[_Pa
         if outcome is not None and outcome.stray_kv_slots:
             slots = ", ".join(map(str, outcome.stray_kv_slots))
             findings.append(
-                _finding(
+                _graded(
                     trace,
                     "padded-kv-write",
                     f"{label}: the replay changed KV slots [{slots}], which no token of the step writes",
@@ -437,7 +437,7 @@ def _replay_findings(trace: Trace, *, name: str, capture_bs: int, runs: list[_Pa
             worst = cmp.worst
             others = f"; at padded seq_len {', '.join(map(str, passing))} the same rows pass" if passing else ""
             findings.append(
-                _finding(
+                _graded(
                     trace,
                     "padding-leaks-into-real-rows",
                     f"{label}: {cmp.failing_rows}/{cmp.total_rows} real rows fail the reference (max abs {cmp.max_abs:.3e}, "

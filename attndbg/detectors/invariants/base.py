@@ -1,17 +1,13 @@
-"""Shared helpers of the invariants detector: its Finding constructor and two small tensor lookups."""
+"""Shared by the invariants detector's modules: its finding class and two small tensor lookups."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from attndbg.checks.findings import Finding, FindingClass, Location
-from attndbg.trace.schema import Trace
+from attndbg.checks.findings import FindingClass
 
-
-def _finding(trace: Trace, check: str, *, evidence: str, cause: str, request=None, row=None, column=None, field=None, trace_path: str = "", **data) -> Finding:
-    location = Location(step=trace.source.step, request=request, row=row, column=column, field=field)
-    return Finding(FindingClass.INVARIANT, check, location, evidence, cause, trace=trace_path, data=data)
+KIND = FindingClass.INVARIANT
 
 
 def _request_of(qo_indptr: Tensor, t: int) -> int:

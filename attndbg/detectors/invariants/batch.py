@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attndbg.checks.findings import Finding
-from attndbg.detectors.invariants.base import _finding, _first, _request_of
+from attndbg.checks.findings import Finding, finding
+from attndbg.detectors.invariants.base import KIND, _first, _request_of
 from attndbg.trace import tree
 from attndbg.trace.schema import ForwardMode, Trace
 
@@ -56,9 +56,10 @@ def _check_positions(trace: Trace, out: list[Finding]) -> None:
             cause = "the engine's positions were not computed from this batch's lengths (a stale buffer or rows out of order)"
     count = int((found != expected).sum())
     out.append(
-        _finding(
-            trace,
+        finding(
+            KIND,
             "positions",
+            step=trace.source.step,
             request=b,
             row=t,
             field=f"batch.positions[{t}]",
@@ -99,9 +100,10 @@ def _check_seq_lens(trace: Trace, out: list[Finding]) -> None:
         else:
             cause = "the engine's seq_lens buffer holds another step's or another request's lengths"
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "seq-lens",
+                step=trace.source.step,
                 request=b,
                 field=f"batch.seq_lens_raw[{b}]",
                 evidence=f"batch.seq_lens_raw[{b}] = {int(found[b])}, expected {int(expected[b])} ({rule})",
@@ -142,9 +144,10 @@ def _check_sums(trace: Trace, expected: Tensor, out: list[Finding]) -> None:
         else:
             cause = f"{name} was not updated with this batch's seq_lens (a stale host-side sum); buffers sized from it (kv_indices, the FULL tree mask) are too long or too short"
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "seq-lens-sum",
+                step=trace.source.step,
                 field=f"plan.scalars.{name}",
                 evidence=f"plan.scalars.{name} = {int(value)}, expected sum(seq_lens) = {want}",
                 cause=cause,

@@ -58,7 +58,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attndbg.checks.context import CheckContext
-from attndbg.checks.findings import Finding, FindingClass, Location
+from attndbg.checks.findings import Finding, finding
+from attndbg.detectors.invariants.base import KIND
 from attndbg.detectors.invariants.batch import _check_positions, _check_seq_lens
 from attndbg.detectors.invariants.plan import _check_plan
 from attndbg.detectors.invariants.window import check_window_list
@@ -134,15 +135,19 @@ class RecordingState:
                 continue
             self.reported.add(key)
             out.append(
-                Finding(
-                    FindingClass.INVARIANT,
+                finding(
+                    KIND,
                     "plan-pointer-moved",
-                    Location(step=now.step, field=f"plan.{name}"),
-                    f"plan.{name} is at {value:#x} in step {now.step} but was at {seen[1]:#x} in step {seen[0]}, "
+                    step=now.step,
+                    field=f"plan.{name}",
+                    evidence=f"plan.{name} is at {value:#x} in step {now.step} but was at {seen[1]:#x} in step {seen[0]}, "
                     f"both replays of {now.description}",
-                    CAUSE_POINTER,
+                    cause=CAUSE_POINTER,
                     trace=now.path,
-                    data={"name": name, "expected": seen[1], "found": value, "first_step": seen[0]},
+                    name=name,
+                    expected=seen[1],
+                    found=value,
+                    first_step=seen[0],
                 )
             )
         return out

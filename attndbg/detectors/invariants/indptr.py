@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attndbg.checks.findings import Finding
-from attndbg.detectors.invariants.base import _finding, _first
+from attndbg.checks.findings import Finding, finding
+from attndbg.detectors.invariants.base import KIND, _first
 from attndbg.trace.schema import Trace
 
 
@@ -19,13 +19,14 @@ def _is_indptr(name: str) -> bool:
 def _indptr_shape(trace: Trace, name: str, values: Tensor, out: list[Finding]) -> bool:
     field = f"plan.{name}"
     if values.dim() != 1 or values.numel() == 0:
-        out.append(_finding(trace, "indptr-start", field=field, evidence=f"{field} has shape {list(values.shape)}, expected [requests + 1]", cause="the engine recorded an empty or misshapen offsets tensor"))
+        out.append(finding(KIND, "indptr-start", step=trace.source.step, field=field, evidence=f"{field} has shape {list(values.shape)}, expected [requests + 1]", cause="the engine recorded an empty or misshapen offsets tensor"))
         return False
     if int(values[0]) != 0:
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "indptr-start",
+                step=trace.source.step,
                 field=f"{field}[0]",
                 evidence=f"{field}[0] = {int(values[0])}, an indptr starts at 0",
                 cause="the offsets were sliced from a larger buffer at the wrong start, or written without the leading 0",
@@ -37,9 +38,10 @@ def _indptr_shape(trace: Trace, name: str, values: Tensor, out: list[Finding]) -
     i = _first(values[1:] < values[:-1]) + 1
     if i > 0:
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "indptr-decreases",
+                step=trace.source.step,
                 request=i - 1,
                 field=f"{field}[{i}]",
                 evidence=f"{field}[{i}] = {int(values[i])} < {field}[{i - 1}] = {int(values[i - 1])}: an indptr never decreases",
@@ -78,9 +80,10 @@ def _indptr_ends(trace: Trace, tensors: dict[str, Tensor], sane: set[str], out: 
             continue
         check = "mask-length" if target == "custom_mask" else "indptr-end"
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 check,
+                step=trace.source.step,
                 field=f"plan.{indptr}[-1]",
                 evidence=f"plan.{indptr}[-1] = {end} but plan.{target} has {length} elements ("
                 + ("the kernel reads past its end" if end > length else f"{length - end} trailing entries no request owns")
@@ -102,9 +105,10 @@ def _indptr_ends(trace: Trace, tensors: dict[str, Tensor], sane: set[str], out: 
         i = _first(found[: expected.numel()] != expected[: found.numel()]) if found.numel() and expected.numel() else -1
         where = f"[{i}]" if i >= 0 else ""
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "cu-seqlens-k",
+                step=trace.source.step,
                 field=f"plan.{cu}{where}",
                 evidence=(
                     f"plan.{cu}{where} = {int(found[i])}, expected cumsum({lens}) = {int(expected[i])}"

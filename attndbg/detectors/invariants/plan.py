@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 
 from attndbg.backends.plan_layout import KvEnd, expected_dims, is_index
-from attndbg.checks.findings import Finding
-from attndbg.detectors.invariants.base import _finding, _first
+from attndbg.checks.findings import Finding, finding
+from attndbg.detectors.invariants.base import KIND, _first
 from attndbg.detectors.invariants.indptr import _indptr_ends, _indptr_shape, _is_indptr
 from attndbg.detectors.invariants.plan_kv import _coverage, _kv_view, _KvView, _needed_start
 from attndbg.replay.plan_guard import real_requests_only, refusal
@@ -51,7 +51,7 @@ def _check_launchable(trace: Trace, plan: Plan, out: list[Finding]) -> None:
         return
     if trace.is_tree_verify and found.field.startswith(_TREE_MASK_FIELDS):
         return
-    out.append(_finding(trace, "plan-unsafe", field=f"plan.{found.field}", evidence=found.message, cause=CAUSE_UNSAFE))
+    out.append(finding(KIND, "plan-unsafe", step=trace.source.step, field=f"plan.{found.field}", evidence=found.message, cause=CAUSE_UNSAFE))
 
 
 def _check_fields(trace: Trace, plan: Plan, out: list[Finding]) -> None:
@@ -59,9 +59,10 @@ def _check_fields(trace: Trace, plan: Plan, out: list[Finding]) -> None:
     for name, value in plan.tensors.items():
         if is_index(name) and (value.is_floating_point() or value.is_complex() or value.dtype is torch.bool):
             out.append(
-                _finding(
-                    trace,
+                finding(
+                    KIND,
                     "plan-dtype",
+                    step=trace.source.step,
                     field=f"plan.{name}",
                     evidence=f"plan.{name} has dtype {str(value.dtype).replace('torch.', '')}, expected an integer index type",
                     cause="the engine passed a float or bool tensor where the kernel takes indices",
@@ -71,9 +72,10 @@ def _check_fields(trace: Trace, plan: Plan, out: list[Finding]) -> None:
         dims = expected_dims(name)
         if dims is not None and value.dim() != dims:
             out.append(
-                _finding(
-                    trace,
+                finding(
+                    KIND,
                     "plan-shape",
+                    step=trace.source.step,
                     field=f"plan.{name}",
                     evidence=f"plan.{name} has shape {list(value.shape)}, expected {dims} dimension(s)",
                     cause="the engine passed a tensor of the wrong rank where the kernel takes this plan field",
@@ -91,9 +93,10 @@ def _check_fields(trace: Trace, plan: Plan, out: list[Finding]) -> None:
     allowed = {bs} | ({graph.capture_bs} if graph is not None and graph.is_graph_replay else set())
     if view.requests not in allowed:
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "plan-batch-size",
+                step=trace.source.step,
                 field=f"plan.{view.count_field}",
                 evidence=f"plan.{view.count_field} describes {view.requests} requests, the batch has {bs}"
                 + (f" (graph capture_bs {graph.capture_bs})" if graph is not None and graph.is_graph_replay else ""),
@@ -122,9 +125,10 @@ def _check_in_cache(trace: Trace, view: _KvView, out: list[Finding]) -> set[int]
         column = (span[0] if span else 0) + j * view.page_size
         where = f"KV column {column}" if span or padded else f"entry {j}"
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "index-outside-cache",
+                step=trace.source.step,
                 request=b,
                 column=column if span or padded else None,
                 field=seg.name(j),
@@ -164,9 +168,10 @@ def _check_requests(trace: Trace, view: _KvView, skip: set[int], out: list[Findi
         count = int((found != expected).sum())
         unit = "slot" if ps == 1 else "page"
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "kv-index",
+                step=trace.source.step,
                 request=b,
                 column=start + j * ps,
                 field=seg.name(j),
@@ -220,9 +225,10 @@ def _length_finding(trace: Trace, view: _KvView, b: int, found: int, ends: dict[
         cause = "the length belongs to another request (lengths in the wrong order, or a wrong req_pool_indices entry)"
     else:
         cause = "the plan's lengths were not computed from this batch's seq_lens (a stale or partially updated buffer)"
-    return _finding(
-        trace,
+    return finding(
+        KIND,
         "kv-length",
+        step=trace.source.step,
         request=b,
         field=f"plan.{view.length_field}",
         evidence=f"the plan gives request {b} {found} KV columns ({view.length_field}), expected {expected_text}",
@@ -239,7 +245,7 @@ def _check_qo(trace: Trace, t: dict[str, Tensor], sane: set[str], requests: int,
             continue
         values = t[name]
         if values.numel() != requests + 1:
-            out.append(_finding(trace, "qo-lens", field=f"plan.{name}", evidence=f"plan.{name} has {values.numel()} entries, expected {requests + 1}", cause="the query offsets were built for another batch size"))
+            out.append(finding(KIND, "qo-lens", step=trace.source.step, field=f"plan.{name}", evidence=f"plan.{name} has {values.numel()} entries, expected {requests + 1}", cause="the query offsets were built for another batch size"))
             continue
         lens = values.diff()[: batch.batch_size]
         b = _first(lens != batch.extend_lens)
@@ -250,9 +256,10 @@ def _check_qo(trace: Trace, t: dict[str, Tensor], sane: set[str], requests: int,
         else:
             cause = "the query offsets were computed from stale extend lengths (or prefix lengths taken as extend lengths)"
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "qo-lens",
+                step=trace.source.step,
                 request=b,
                 field=f"plan.{name}[{b + 1}]",
                 evidence=f"plan.{name} gives request {b} {int(lens[b])} query tokens ({name}[{b + 1}] - {name}[{b}]), the batch has extend_lens[{b}] = {int(batch.extend_lens[b])}",
@@ -268,7 +275,7 @@ def _check_splits(trace: Trace, plan: Plan, t: dict[str, Tensor], requests: int,
     if splits is None:
         return
     if splits.numel() != requests:
-        out.append(_finding(trace, "num-kv-splits", field="plan.num_kv_splits", evidence=f"plan.num_kv_splits has {splits.numel()} entries for {requests} requests", cause="the split counts were sized for another batch"))
+        out.append(finding(KIND, "num-kv-splits", step=trace.source.step, field="plan.num_kv_splits", evidence=f"plan.num_kv_splits has {splits.numel()} entries for {requests} requests", cause="the split counts were sized for another batch"))
         return
     top = plan.scalars.get("max_kv_splits")
     top = int(top) if isinstance(top, int) and not isinstance(top, bool) else None
@@ -282,9 +289,10 @@ def _check_splits(trace: Trace, plan: Plan, t: dict[str, Tensor], requests: int,
     else:
         cause = "the stage-1 scratch holds max_kv_splits partials per request; more splits write past it"
     out.append(
-        _finding(
-            trace,
+        finding(
+            KIND,
             "num-kv-splits",
+            step=trace.source.step,
             request=b,
             field=f"plan.num_kv_splits[{b}]",
             evidence=f"plan.num_kv_splits[{b}] = {value}, expected a value in [1, {top if top is not None else 'max_kv_splits'}]",

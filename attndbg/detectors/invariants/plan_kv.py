@@ -13,8 +13,8 @@ from torch import Tensor
 from attndbg.backends import registry
 from attndbg.backends.plan_layout import KvEnd, KvIds, PlanLayout
 from attndbg.backends.plan_view import PlanViewError
-from attndbg.checks.findings import Finding
-from attndbg.detectors.invariants.base import _finding
+from attndbg.checks.findings import Finding, finding
+from attndbg.detectors.invariants.base import KIND
 from attndbg.detectors.invariants.indptr import _indptr_shape, _is_indptr
 from attndbg.trace.schema import ForwardMode, Plan, Trace
 
@@ -93,7 +93,7 @@ def _kv_view(trace: Trace, plan: Plan, t: dict[str, Tensor], sane: set[str], out
         table, lens = t[table_name], t[lens_name]
         if table.shape[0] != lens.numel():
             out.append(
-                _finding(trace, "plan-batch-size", field=f"plan.{table_name}", evidence=f"plan.{table_name} has {table.shape[0]} rows, {lens_name} has {lens.numel()} requests", cause="the page table and the lengths were built for different batches")
+                finding(KIND, "plan-batch-size", step=trace.source.step, field=f"plan.{table_name}", evidence=f"plan.{table_name} has {table.shape[0]} rows, {lens_name} has {lens.numel()} requests", cause="the page table and the lengths were built for different batches")
             )
             return None
         segments = []
@@ -101,9 +101,10 @@ def _kv_view(trace: Trace, plan: Plan, t: dict[str, Tensor], sane: set[str], out
             pages = max(-(-int(lens[b]) // ps), 0)
             if pages > table.shape[1]:
                 out.append(
-                    _finding(
-                        trace,
+                    finding(
+                        KIND,
                         "kv-length",
+                        step=trace.source.step,
                         request=b,
                         field=f"plan.{lens_name}[{b}]",
                         evidence=f"plan.{lens_name}[{b}] = {int(lens[b])} needs {pages} pages, plan.{table_name} has {table.shape[1]} columns",
@@ -132,9 +133,10 @@ def _kv_view(trace: Trace, plan: Plan, t: dict[str, Tensor], sane: set[str], out
             page_len = int(last[b])
             if count and not 1 <= page_len <= ps:
                 out.append(
-                    _finding(
-                        trace,
+                    finding(
+                        KIND,
                         "kv-last-page-len",
+                        step=trace.source.step,
                         request=b,
                         field=f"plan.{layout.length}[{b}]",
                         evidence=f"plan.{layout.length}[{b}] = {page_len}, expected a value in [1, {ps}] (page_size {ps})",

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attndbg.checks.findings import Finding
-from attndbg.detectors.invariants.base import _finding, _first
+from attndbg.checks.findings import Finding, finding
+from attndbg.detectors.invariants.base import KIND, _first
 from attndbg.trace.schema import Trace
 
 COMMON = "common."
@@ -113,9 +113,10 @@ def _query_start_loc(trace: Trace, c: _Common, out: list[Finding]) -> None:
     qsl, name, rows, bs = c.qsl, c.qsl_name, c.seq.numel(), trace.batch.batch_size
     if qsl.numel() != rows + 1:
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "query-start-loc-shape",
+                step=trace.source.step,
                 field=name,
                 evidence=f"{name} has {qsl.numel()} entries for {rows} seq_lens, expected {rows + 1}",
                 cause="query_start_loc and seq_lens were sliced to different batch sizes (num_reqs vs num_reqs_padded)",
@@ -127,9 +128,10 @@ def _query_start_loc(trace: Trace, c: _Common, out: list[Finding]) -> None:
         return
     if int(qsl[0]) != 0:
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "indptr-start",
+                step=trace.source.step,
                 field=f"{name}[0]",
                 evidence=f"{name}[0] = {int(qsl[0])}, query_start_loc starts at 0",
                 cause="query_start_loc was sliced from the persistent buffer at the wrong offset",
@@ -141,9 +143,10 @@ def _query_start_loc(trace: Trace, c: _Common, out: list[Finding]) -> None:
     if i > 0:
         padded = i - 1 >= bs
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "indptr-decreases",
+                step=trace.source.step,
                 request=i - 1,
                 field=f"{name}[{i}]",
                 evidence=f"{name}[{i}] = {int(qsl[i])} < {name}[{i - 1}] = {int(qsl[i - 1])} "
@@ -163,9 +166,10 @@ def _query_start_loc(trace: Trace, c: _Common, out: list[Finding]) -> None:
     if tokens is not None and end > tokens:
         at = int(torch.nonzero(qsl == end)[0])
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "indptr-end",
+                step=trace.source.step,
                 request=max(at - 1, 0),
                 field=f"{name}[{at}]",
                 evidence=f"{name}[{at}] = {end} but the step has {tokens} tokens (num_actual_tokens): the kernel reads query rows that do not exist",
@@ -178,9 +182,10 @@ def _query_start_loc(trace: Trace, c: _Common, out: list[Finding]) -> None:
     b = _first(lens == 0)
     if b >= 0:
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "vllm-empty-request",
+                step=trace.source.step,
                 request=b,
                 field=f"{name}[{b + 1}]",
                 evidence=f"row {b} has no query tokens ({name}[{b}] = {name}[{b + 1}] = {int(qsl[b])}) but row {bs - 1} after it is a real request",
@@ -211,9 +216,10 @@ def _host_mirrors(trace: Trace, c: _Common, out: list[Finding]) -> None:
         if i < 0:
             continue
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "host-mirror",
+                step=trace.source.step,
                 request=i,
                 field=f"plan.{COMMON}{mirror}[{i}]",
                 evidence=f"plan.{COMMON}{mirror}[{i}] = {int(host[i])}, expected {rule} {device_name}[{i}] = {int(device[i])}",
@@ -239,9 +245,10 @@ def _max_seq_len(trace: Trace, c: _Common, out: list[Finding]) -> None:
     if b < 0:
         return
     out.append(
-        _finding(
-            trace,
+        finding(
+            KIND,
             "seq-lens-max",
+            step=trace.source.step,
             request=b,
             field=f"{c.seq_name}[{b}]",
             evidence=f"{c.seq_name}[{b}] = {int(c.seq[b])} > max_seq_len = {bound}",
@@ -277,9 +284,10 @@ def _block_table(trace: Trace, c: _Common, out: list[Finding]) -> None:
         width = int(table.shape[1]) if b < table.shape[0] else 0
         if stop > width and (bound is None or int(c.seq[b]) <= bound):
             out.append(
-                _finding(
-                    trace,
+                finding(
+                    KIND,
                     "block-table-short",
+                    step=trace.source.step,
                     request=b,
                     field=f"{name}[{b}]",
                     evidence=f"row {b} reads {stop} blocks (seq_len {int(c.seq[b])}, block size {page}) but {name} has {width} columns for it",
@@ -299,9 +307,10 @@ def _block_table(trace: Trace, c: _Common, out: list[Finding]) -> None:
         value = int(table[b, col])
         where = f"request {b}" if b < real else f"padded row {b} (seq_len {int(c.seq[b])})"
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "index-outside-cache",
+                step=trace.source.step,
                 request=b,
                 column=col * page,
                 field=f"{name}[{b}, {col}]",
@@ -320,9 +329,10 @@ def _block_table(trace: Trace, c: _Common, out: list[Finding]) -> None:
     if null:
         b, col = null[0]
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "null-block-read",
+                step=trace.source.step,
                 request=b,
                 column=col * page,
                 field=f"{name}[{b}, {col}]",
@@ -373,9 +383,10 @@ def _slot_finding(trace: Trace, c: _Common, *, b: int, t: int, col: int, engine:
         cause = f"the slot is request {owner[0]}'s KV column {owner[1]}: this token overwrites another request's cache (slot_mapping computed from another request's block-table row, or rows out of order)"
     else:
         cause = "slot_mapping was not computed from this step's block table (a stale buffer from an earlier step)"
-    return _finding(
-        trace,
+    return finding(
+        KIND,
         "slot-mapping",
+        step=trace.source.step,
         request=b,
         row=t,
         column=col,

@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from attndbg.backends.plan_layout import WindowList
-from attndbg.checks.findings import Finding
-from attndbg.detectors.invariants.base import _finding, _first
+from attndbg.checks.findings import Finding, finding
+from attndbg.detectors.invariants.base import KIND, _first
 from attndbg.detectors.invariants.plan_kv import plan_layout
 from attndbg.trace.schema import ForwardMode, Trace
 
@@ -75,7 +75,7 @@ def check_window_list(trace: Trace, out: list[Finding]) -> None:
 
 
 def _wrong(trace: Trace, b: int, field: str, evidence: str, cause: str, expected: int, found: int, column: int | None = None) -> Finding:
-    return _finding(trace, "window-kv", request=b, column=column, field=field, evidence=evidence, cause=cause, expected=expected, found=found)
+    return finding(KIND, "window-kv", step=trace.source.step, request=b, column=column, field=field, evidence=evidence, cause=cause, expected=expected, found=found)
 
 
 def _check_indices(trace: Trace, windows: WindowList, indptr: Tensor, indices: Tensor, starts: Tensor, base: Tensor, out: list[Finding]) -> None:

@@ -1,5 +1,5 @@
-"""Shared helpers of the tree-mask detector: its Finding constructor, a request's true tree block,
-and the sentence that explains a wrong mask element.
+"""Shared by the tree-mask detector's modules: its finding class, a request's true tree block, and
+the sentence that explains a wrong mask element.
 """
 
 from __future__ import annotations
@@ -7,14 +7,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attndbg.checks.findings import Finding, FindingClass, Location
+from attndbg.checks.findings import FindingClass
 from attndbg.trace import tree
 from attndbg.trace.schema import Trace
 
-
-def _finding(trace: Trace, check: str, *, evidence: str, cause: str, request=None, row=None, column=None, head=None, field=None, trace_path: str = "", **data) -> Finding:
-    location = Location(step=trace.source.step, request=request, row=row, column=column, head=head, field=field)
-    return Finding(FindingClass.TREE_MASK, check, location, evidence, cause, trace=trace_path, data=data)
+KIND = FindingClass.TREE_MASK
 
 
 def _as_bool(mask: Tensor) -> Tensor:

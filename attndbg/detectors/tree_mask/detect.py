@@ -56,8 +56,8 @@ import torch
 from torch import Tensor
 
 from attndbg.checks.context import CheckContext
-from attndbg.checks.findings import Finding, FindingClass, Location
-from attndbg.detectors.tree_mask.base import _finding
+from attndbg.checks.findings import Finding, finding
+from attndbg.detectors.tree_mask.base import KIND
 from attndbg.detectors.tree_mask.outputs import _output_findings
 from attndbg.detectors.invariants.plan_kv import plan_layout
 from attndbg.detectors.tree_mask.plan import plan_view
@@ -149,14 +149,15 @@ class RecordingState:
             if not torch.equal(mask, before):
                 continue
             out.append(
-                Finding(
-                    FindingClass.TREE_MASK,
+                finding(
+                    KIND,
                     "stale-mask",
-                    Location(step=now.step, field=field),
-                    f"{field} of step {now.step} equals step {prev.step}'s ({mask.numel()} elements), but the draft trees (or prefix lengths) of the two steps differ",
-                    "the engine reused the previous verify step's mask buffer without rebuilding it for this step's tree",
+                    step=now.step,
+                    field=field,
+                    evidence=f"{field} of step {now.step} equals step {prev.step}'s ({mask.numel()} elements), but the draft trees (or prefix lengths) of the two steps differ",
+                    cause="the engine reused the previous verify step's mask buffer without rebuilding it for this step's tree",
                     trace=now.path,
-                    data={"previous_step": prev.step},
+                    previous_step=prev.step,
                 )
             )
         return out
@@ -189,9 +190,10 @@ def _check_stale_plan(trace: Trace, out: list[Finding]) -> None:
         return
     extra = " and mask_indptr" if "mask_indptr" in plan.tensors else ""
     out.append(
-        _finding(
-            trace,
+        finding(
+            KIND,
             "stale-mask",
+            step=trace.source.step,
             field="plan.custom_mask",
             evidence=f"this {trace.batch.forward_mode.value} step has no draft tree, but its {plan.backend} plan carries a custom_mask of {mask.numel()} elements{extra}",
             cause="a wrapper planned with a custom mask for a verify step kept it when re-planned for causal attention (FlashInfer #1028): the kernel applies the old tree mask",

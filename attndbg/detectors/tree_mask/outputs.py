@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from attndbg.checks.context import CheckContext
-from attndbg.checks.findings import Finding
-from attndbg.detectors.tree_mask.base import _finding
+from attndbg.checks.findings import Finding, finding
+from attndbg.detectors.tree_mask.base import KIND
 from attndbg.detectors.tree_mask.plan import PlanVisibility, plan_view
 from attndbg.replay.runner import BackendRun, PlanSource, ReplayOptions, RunStatus
 from attndbg.trace.schema import Trace
@@ -46,9 +46,10 @@ def _report_run(trace: Trace, run: BackendRun, view: PlanVisibility | None, chec
         if recorded and run.reason and run.reason.endswith("(not launched)"):
             return  # an out-of-cache plan: invariants explains it
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 check,
+                step=trace.source.step,
                 evidence=f"{run.name} ({run.variant}) raised on this verify step: {run.reason}",
                 cause="the kernel rejected the verify plan" + (" the engine recorded" if recorded else " derived from the draft tree"),
                 backend=run.name,
@@ -91,9 +92,10 @@ def _report_run(trace: Trace, run: BackendRun, view: PlanVisibility | None, chec
     else:
         cause = "the failing rows' masks are right: the recorded plan's indices, offsets or lengths make them wrong (see the invariants findings)"
     out.append(
-        _finding(
-            trace,
+        finding(
+            KIND,
             check,
+            step=trace.source.step,
             request=b0,
             row=t0,
             column=columns_of_first[0][0] if columns_of_first else None,

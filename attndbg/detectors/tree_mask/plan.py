@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attndbg.checks.findings import Finding
+from attndbg.checks.findings import Finding, finding
 from attndbg.backends.plan_layout import ExpandTables, MaskReading, PlanLayout, WindowList
 from attndbg.detectors.invariants.plan_kv import kv_coverage, plan_layout
-from attndbg.detectors.tree_mask.base import _as_bool, _describe_column, _finding, _mismatch_cause, _tree_block
+from attndbg.detectors.tree_mask.base import KIND, _as_bool, _describe_column, _mismatch_cause, _tree_block
 from attndbg.trace.schema import Trace
 from attndbg.trace.visibility import visibility
 
@@ -83,7 +83,7 @@ def _mask_view(trace: Trace, layout: PlanLayout, coverage, out: list[Finding]) -
     mask = plan.tensors["custom_mask"]
     indptr = plan.tensors.get("mask_indptr")
     if indptr is None:
-        out.append(_finding(trace, "mask-indptr", field="plan.mask_indptr", evidence="the plan carries custom_mask but no mask_indptr", cause="the kernel cannot find each request's block: mask_indptr was not passed with the mask"))
+        out.append(finding(KIND, "mask-indptr", step=trace.source.step, field="plan.mask_indptr", evidence="the plan carries custom_mask but no mask_indptr", cause="the kernel cannot find each request's block: mask_indptr was not passed with the mask"))
         return None
     indptr = indptr.to(torch.int64)
     if indptr.numel() < batch.batch_size + 1 or int(indptr[0]) != 0 or bool((indptr.diff() < 0).any()):
@@ -110,9 +110,10 @@ def _mask_view(trace: Trace, layout: PlanLayout, coverage, out: list[Finding]) -
         else:
             cause = "mask_indptr is not cumsum(n * (prefix + n)): computed from another batch's lengths"
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "mask-indptr",
+                step=trace.source.step,
                 request=b,
                 field=f"plan.mask_indptr[{b + 1}]",
                 evidence=f"plan.mask_indptr gives request {b} a block of {found} elements (mask_indptr[{b + 1}] - mask_indptr[{b}]), expected "
@@ -133,9 +134,10 @@ def _mask_view(trace: Trace, layout: PlanLayout, coverage, out: list[Finding]) -
         tail = _as_bool(mask[end:])
         stale = int((~tail).sum())  # SGLang fills a FULL mask with True before writing the tree
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "mask-length",
+                step=trace.source.step,
                 field=f"plan.custom_mask[{min(end, mask.numel())}]",
                 evidence=f"plan.custom_mask has {mask.numel()} elements but mask_indptr[-1] = {end} ({'short' if short else 'long'} by {abs(end - mask.numel())})"
                 + ("" if short else f"; plan.custom_mask[{end}:] " + (f"holds {stale} False element(s)" if stale else "is all True")),
@@ -210,9 +212,10 @@ def _offset_finding(trace: Trace, layout: PlanLayout, b: int, offset: int, start
     windows = layout.window_list
     assert windows is not None  # FULL_BLOCKS offsets are read only through a window list
     listed = windows.indices if windows.indptr in trace.plan.tensors and trace.model.sliding_window >= 0 else layout.ids
-    return _finding(
-        trace,
+    return finding(
+        KIND,
         "window-offset",
+        step=trace.source.step,
         request=b,
         field=f"plan.{windows.offsets}[{b}]" if present else f"plan.{windows.offsets}",
         evidence=(
@@ -232,13 +235,14 @@ def _expand_view(trace: Trace, expand: ExpandTables, coverage, out: list[Finding
     n = trace.spec.draft_token_num
     table, lens = plan.tensors.get(expand.table), plan.tensors.get(expand.lengths)
     if table is None or lens is None or table.dim() != 2:
-        out.append(_finding(trace, "plan-mask-missing", field=f"plan.{expand.table}", evidence=f"a two-call verify plan without {expand.table} / {expand.lengths}", cause="the second (draft-block) call of the two-call verify was not planned"))
+        out.append(finding(KIND, "plan-mask-missing", step=trace.source.step, field=f"plan.{expand.table}", evidence=f"a two-call verify plan without {expand.table} / {expand.lengths}", cause="the second (draft-block) call of the two-call verify was not planned"))
         return None
     if table.shape[0] < batch.batch_size * n or lens.numel() < batch.batch_size * n:
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "mask-length",
+                step=trace.source.step,
                 field=f"plan.{expand.table}",
                 evidence=f"plan.{expand.table} has {table.shape[0]} rows and {expand.lengths} {lens.numel()}, expected one per draft token = {batch.batch_size * n}",
                 cause="the draft-block call was planned for another batch or draft_token_num",
@@ -296,9 +300,10 @@ def _compare_plan(trace: Trace, layout: PlanLayout, view: PlanVisibility, out: l
             found_draft = view.blocks[b][:, prefix:] if view.kind != "causal" else None
             cause = _mismatch_cause(trace, b, r, c, found, found_draft)
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 check,
+                step=trace.source.step,
                 request=b,
                 row=row,
                 column=c,

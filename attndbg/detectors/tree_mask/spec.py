@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attndbg.checks.findings import Finding
-from attndbg.detectors.tree_mask.base import _as_bool, _describe_column, _finding, _mismatch_cause, _tree_block
+from attndbg.checks.findings import Finding, finding
+from attndbg.detectors.tree_mask.base import KIND, _as_bool, _describe_column, _mismatch_cause, _tree_block
 from attndbg.trace import tree
 from attndbg.trace.schema import MaskLayout, Trace
 from attndbg.trace.visibility import visibility
@@ -39,9 +39,10 @@ def _check_spec(trace: Trace, out: list[Finding]) -> None:
     packed = layout is MaskLayout.QLEN_ONLY_BITPACKED
     if mask.is_floating_point() or mask.is_complex() or (packed and mask.dtype is torch.bool):
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "mask-layout",
+                step=trace.source.step,
                 field=field,
                 evidence=f"{field} has dtype {str(mask.dtype).replace('torch.', '')}, layout {layout.value} expects "
                 + ("one integer word per row" if packed else "bool (or 0/1 integers)"),
@@ -51,9 +52,10 @@ def _check_spec(trace: Trace, out: list[Finding]) -> None:
         return
     if not packed and mask.dtype is not torch.bool and bool(((mask != 0) & (mask != 1)).any()):
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "mask-layout",
+                step=trace.source.step,
                 field=field,
                 evidence=f"{field} holds values up to {int(mask.max())} under layout {layout.value}, which is one 0/1 element per (row, column)",
                 cause="the mask was recorded bit-packed (FlashInfer's packbits, or QLEN_ONLY_BITPACKING words) but tagged as a bool layout",
@@ -78,9 +80,10 @@ def _check_spec(trace: Trace, out: list[Finding]) -> None:
             cause = _long_mask_cause(trace, mask, need, packed)
         rule = {MaskLayout.FULL: "Σ n·(prefix+n)", MaskLayout.QLEN_ONLY: "bs·n·n", MaskLayout.QLEN_ONLY_BITPACKED: "bs·n words"}[layout]
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "mask-length",
+                step=trace.source.step,
                 # The first element that is not this step's: past the mask, or the first one missing.
                 field=f"{field}[{min(need, mask.numel())}]",
                 evidence=f"{field} has {mask.numel()} elements, layout {layout.value} needs {rule} = {need} ({'long' if long else 'short'} by {abs(mask.numel() - need)})"
@@ -156,9 +159,10 @@ def _check_bit_order(trace: Trace, words: Tensor, stored_bits: int, out: list[Fi
         t = int(torch.nonzero(words != expected)[0])
         b, r = divmod(t, n)
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "mask-bit-order",
+                step=trace.source.step,
                 request=b,
                 row=int(trace.batch.qo_indptr[b]) + r,
                 field=f"spec.custom_mask[{t}]",
@@ -186,9 +190,10 @@ def _compare_spec_packed(trace: Trace, words: Tensor, stored_bits: int, out: lis
         b, r = divmod(t, n)
         k = n + int(torch.nonzero(bits[t, n:])[0])
         out.append(
-            _finding(
-                trace,
+            finding(
+                KIND,
                 "mask-mismatch",
+                step=trace.source.step,
                 request=b,
                 row=int(trace.batch.qo_indptr[b]) + r,
                 field=f"spec.custom_mask[{t}]",
@@ -238,9 +243,10 @@ def _compare_spec_bool(trace: Trace, mask: Tensor, layout: MaskLayout, out: list
     else:
         cause = _mismatch_cause(trace, b, r, c, found_value, blocks[b][:, prefix:])
     out.append(
-        _finding(
-            trace,
+        finding(
+            KIND,
             check,
+            step=trace.source.step,
             request=b,
             row=int(trace.batch.qo_indptr[b]) + r,
             column=c,
@@ -265,9 +271,10 @@ def _compare_draft_blocks(trace: Trace, found: Tensor, field: str, element, out:
     prefix = int(trace.batch.prefix_lens[b])
     value = bool(found[b, r, j])
     out.append(
-        _finding(
-            trace,
+        finding(
+            KIND,
             "mask-mismatch",
+            step=trace.source.step,
             request=b,
             row=int(trace.batch.qo_indptr[b]) + r,
             column=prefix + j,
