@@ -40,7 +40,7 @@ from attndbg.record.session import RecordingSession, capturing, current_session
 from attndbg.record.sglang_batch import BatchInfo, UnsupportedStep, batch_from_host, capture_batch, engine_mode_name, trace_mode
 from attndbg.record.sglang_graph import PADDED_OUT_CACHE_LOC, GraphInfo, capture_graph_from_runner, capture_graph_from_view, graph_from_host
 from attndbg.record.sglang_model import kv_cache_size, model_from_backend
-from attndbg.record.sglang_plan import PlanCapture, capture_plan, is_verify_mask, plan_from_host
+from attndbg.record.sglang_plan import PlanCapture, capture_plan, cut_on_device, is_verify_mask, plan_from_host
 from attndbg.record.sglang_spec import SpecInfo, algorithm_name, capture_spec, spec_from_host
 from attndbg.trace.schema import AttentionKind, EngineBuffer, ForwardMode, Model, Source, Trace
 
@@ -185,6 +185,8 @@ def record_step(session: RecordingSession, backend: Any, fb: Any, *, raw_bs: int
             if plan is not None:
                 break
     if plan is not None:
+        if graph is not None and plan.backend == "triton":  # the reads below are SGLang Triton's buffers'
+            cut_on_device(plan, _graph_reads(graph[0], mode, binfo.tokens_per_req))
         plan.scalars.update(_engine_sums(backend, fb, graph, raw_bs))
         tensors.update({f"plan.{k}": v for k, v in plan.tensors.items()})
     if graph is not None:
@@ -234,6 +236,20 @@ def _num_tokens(fb: Any, binfo: BatchInfo) -> int | None:
     if isinstance(extend, Tensor) and not extend.is_cuda:
         return int(extend[: binfo.batch_size].sum())
     return None
+
+
+def _graph_reads(info: GraphInfo, mode: ForwardMode, draft_tokens: int) -> dict[str, int]:
+    """What a graph replay's Triton kernels read of the capacity buffers, from the padded seq_lens'
+    host mirror (SGLang fills kv_indptr and mask_indptr from the same seq_lens on the device):
+    decode and verify read sum(seq_lens) KV ids (verify: the prefixes), verify sum(n * (seq_len + n))
+    mask elements. Nothing without a host mirror: the buffers are then copied whole and cut on the host."""
+    seq = info.host_seq_lens
+    if seq is None or mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
+        return {}
+    reads = {"kv_indices": sum(seq)}
+    if mode is ForwardMode.TARGET_VERIFY:
+        reads["custom_mask"] = sum(draft_tokens * (s + draft_tokens) for s in seq)
+    return reads
 
 
 REPLAY_SEQ_LENS_SUM = "_attndbg_replay_seq_lens_sum"  # what classic SGLang's runner passed the backend at replay

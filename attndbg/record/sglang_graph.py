@@ -25,13 +25,22 @@ class GraphInfo:
     capture_bs: int
     raw_bs: int
     fill_value: int
+    # the padded seq_lens' host mirror (the runner's seq_lens_cpu[:bs]), None when the engine keeps
+    # none: what the graph's kernels read is known from it without a device sync
+    host_seq_lens: tuple[int, ...] | None = None
+
+
+def _host_rows(seq_lens_cpu: Any, bs: int) -> tuple[int, ...] | None:
+    if isinstance(seq_lens_cpu, Tensor) and seq_lens_cpu.device.type == "cpu" and seq_lens_cpu.numel() >= bs:
+        return tuple(int(v) for v in seq_lens_cpu[:bs].tolist())
+    return None
 
 
 def capture_graph_from_runner(runner: Any) -> tuple[GraphInfo, dict[str, Tensor]]:
     """Classic CudaGraphRunner after `replay_prepare`: its padded static buffers."""
     bs, raw_bs = int(runner.bs), int(runner.raw_bs)
     tokens = bs * int(getattr(runner, "num_tokens_per_bs", 1))
-    info = GraphInfo(capture_bs=bs, raw_bs=raw_bs, fill_value=int(runner.seq_len_fill_value))
+    info = GraphInfo(capture_bs=bs, raw_bs=raw_bs, fill_value=int(runner.seq_len_fill_value), host_seq_lens=_host_rows(getattr(runner, "seq_lens_cpu", None), bs))
     return info, {
         "padded_seq_lens": runner.seq_lens[:bs],
         "padded_req_pool_indices": runner.req_pool_indices[:bs],
@@ -48,7 +57,7 @@ def capture_graph_from_view(view: Any, *, fill_value: int, tokens_per_req: int) 
     out_cache_loc = getattr(view, PADDED_OUT_CACHE_LOC, None)
     if out_cache_loc is None:
         raise ValueError("the replay view carries no padded out_cache_loc (build_replay_fb_view was not wrapped)")
-    info = GraphInfo(capture_bs=bs, raw_bs=raw_bs, fill_value=fill_value)
+    info = GraphInfo(capture_bs=bs, raw_bs=raw_bs, fill_value=fill_value, host_seq_lens=_host_rows(getattr(view, "seq_lens_cpu", None), bs))
     return info, {
         "padded_seq_lens": view.seq_lens[:bs],
         "padded_req_pool_indices": view.req_pool_indices[:bs],

@@ -26,10 +26,14 @@ What is recorded of an index or mask buffer depends on how the engine sized it (
   `window_kv_indices = torch.empty(window_kv_indptr[-1])`, a mask `build_tree_kernel_efficient`
   allocated): recorded whole, so a length that disagrees with its indptr is evidence;
 - a capacity buffer (CUDA-graph buffers, SGL-new's VerifyMask, an allocation that over-sizes by
-  design when the host sum is unknown): cut on the host at the end of its indptr, the elements the
-  kernel reads; the rest no kernel of this step reads, and can be hundreds of MB.
+  design when the host sum is unknown): cut at the end of its indptr, the elements the kernel
+  reads; the rest no kernel of this step reads, and can be hundreds of MB.
 
-Capture never syncs: tensors are sliced views; the cut happens on the host in `plan_from_host`.
+Capture never syncs: the indptr's last entry is on the device, so the exact cut happens on the host
+in `plan_from_host`. A graph buffer is first cut on the device (`cut_on_device`) at what the step's
+padded seq_lens, known on the host, make its kernel read, so that only that part is copied: the
+same elements the host cut keeps, unless the engine's device indptr reads past its own host
+seq_lens (then the indptr, recorded whole, is judged by invariants, and `read` says how far it goes).
 """
 
 from __future__ import annotations
@@ -55,6 +59,19 @@ class PlanCapture:
     trim: dict[str, str] = field(default_factory=dict)
     # tensors of `trim` that are capacity buffers (cut at their indptr's end); the others are whole
     capacity: set[str] = field(default_factory=set)
+    # the engine buffer's real length, for a tensor already cut on the device (`cut_on_device`)
+    length: dict[str, int] = field(default_factory=dict)
+
+
+def cut_on_device(capture: PlanCapture, reads: dict[str, int]) -> None:
+    """Slice each capacity buffer of `capture` to `reads[name]` elements (what the step's kernel
+    reads, from host facts) before it is copied, remembering the buffer's real length."""
+    for name, read in reads.items():
+        tensor = capture.tensors.get(name)
+        if name not in capture.capacity or tensor is None or not 0 <= read < tensor.numel():
+            continue
+        capture.length.setdefault(name, tensor.numel())
+        capture.tensors[name] = tensor[:read]
 
 
 def _has(obj: Any, *names: str) -> bool:
@@ -234,7 +251,7 @@ def plan_from_host(capture: PlanCapture, host: dict[str, Tensor | None]) -> tupl
     for name, indptr_name in capture.trim.items():
         if name not in tensors or indptr_name not in tensors or not tensors[indptr_name].numel():
             continue
-        length, read = tensors[name].numel(), int(tensors[indptr_name][-1])
+        length, read = capture.length.get(name, tensors[name].numel()), int(tensors[indptr_name][-1])
         if name in capture.capacity:
             tensors[name] = tensors[name][: max(min(read, length), 0)]
         buffers[f"plan.{name}"] = EngineBuffer(length=length, read=read, capacity=name in capture.capacity)

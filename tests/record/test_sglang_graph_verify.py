@@ -11,6 +11,7 @@ The real body calls Triton kernels and a KV index translator (GPU), hence the st
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -21,6 +22,7 @@ from tests.record.engines import import_engine
 from tests.record.test_sglang_evidence import N, NEED, PARENTS, PREFIX, VERIFY_ROWS, this_steps_mask, verify_batch
 from tests.record.test_sglang_hooks import make_backend, manifest, session  # noqa: F401 - `session` is a fixture
 from attndbg.trace import io, tree
+from attndbg.trace.schema import EngineBuffer
 
 runner_module = import_engine("sglang.srt.model_executor.runner.decode_cuda_graph_runner")
 VerifyMask = import_engine("sglang.srt.layers.attention.verify_mask").VerifyMask
@@ -167,3 +169,40 @@ def test_graph_padded_verify_with_mask_indptr_over_the_prefix_only(session) -> N
     backend = graph_backend(prefix_only)
     path = replay(session, backend, verify_batch(in_buffer(backend)))
     assert findings(path, only="tree-mask,invariants", backend="reference") == {("tree-mask", "mask-indptr", "plan.mask_indptr[1]")}
+
+
+def test_capacity_buffers_are_cut_on_the_device_and_the_trace_is_unchanged(session, tmp_path, monkeypatch) -> None:  # noqa: F811
+    """The graph buffers are sliced to what the padded seq_lens make the kernels read before the host
+    copy; the step written is byte for byte the one written when the whole buffer was copied and cut
+    on the host (the recorder before the device cut)."""
+    from attndbg.record import sglang as adapter
+    from attndbg.record import session as session_module
+    from attndbg.record.options import RecordOptions
+
+    layer = env.layer(heads=4, kv_heads=2, head_dim=16)  # noqa: F841
+    copied: list[dict[str, int]] = []
+    real_copy = session_module.HostCopy
+
+    def spy(tensors):
+        copied.append({k: v.numel() for k, v in tensors.items() if v is not None})
+        return real_copy(tensors)
+
+    monkeypatch.setattr(session_module, "HostCopy", spy)
+
+    def step_bytes(rec) -> bytes:
+        backend = graph_backend()
+        path = replay(rec, backend, verify_batch(in_buffer(backend)))
+        rec.flush()
+        return Path(path).read_bytes()
+
+    cut = step_bytes(session)
+    session_module.end_session()
+    with monkeypatch.context() as m:
+        m.setattr(adapter, "cut_on_device", lambda plan, reads: None)  # the recorder before: whole copies
+        whole = step_bytes(session_module.start_session(RecordOptions(out_dir=str(tmp_path / "whole"))))
+    assert cut == whole
+    kv_read = sum(PREFIX) + (CAPTURE_BS - RAW_BS) * FILL
+    assert copied[0]["plan.kv_indices"] == kv_read and copied[0]["plan.custom_mask"] == PADDED_NEED
+    assert copied[1]["plan.kv_indices"] == CAPTURE_BS * MAX_CONTEXT and copied[1]["plan.custom_mask"] == CAPTURE_BS * N * (MAX_CONTEXT + N)
+    trace = io.load(next(iter(sorted((tmp_path / "whole").glob("*.pt")))))
+    assert trace.buffers["plan.kv_indices"] == EngineBuffer(length=CAPTURE_BS * MAX_CONTEXT, read=kv_read, capacity=True)
