@@ -724,23 +724,17 @@ def bench(trace: str, backend_spec: str, samples: int, json_path: str | None) ->
 
 
 @main.command()
+@click.option("--capabilities", "show_capabilities", is_flag=True, help="also what each backend declares it can run")
 @handles_bad_input
-def backends() -> None:
+def backends(show_capabilities: bool) -> None:
     """List the backends and whether each can run here (and exactly why not).
 
     \b
     Example:
-      attndbg backends
+      attndbg backends --capabilities
     """
-    from rich.table import Table
-
     from attndbg.backends import registry
+    from attndbg.report.backends import backend_status, render_backends
 
-    table = Table(title="attndbg backends")
-    for column in ("backend", "available", "what runs / why not"):
-        table.add_column(column)
-    for name in registry.backend_names():
-        backend = registry.create(name)
-        reason = backend.unavailable_reason()
-        table.add_row(name, "no" if reason else "yes", reason or backend.describe())
-    _console().print(table)
+    statuses = [backend_status(name, registry.create(name)) for name in registry.backend_names()]
+    _console().print(render_backends(statuses, capabilities=show_capabilities))

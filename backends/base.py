@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from torch import Tensor
 
+from attndbg.backends.capabilities import Capabilities
 from attndbg.backends.plan_layout import PlanLayout
 from attndbg.backends.plan_view import PlanView
 from attndbg.trace.schema import Plan, Trace
@@ -160,8 +161,18 @@ class Backend(abc.ABC):
         return None
 
     @abc.abstractmethod
+    def capabilities(self) -> Capabilities:
+        """What its kernels can run, as data (for its options and this machine's implementation)."""
+
+    def configuration_reason(self, trace: Trace) -> str | None:
+        """What the capabilities cannot say: a library defect at one shape, an option that picks a
+        path this step cannot take. None: nothing."""
+        return None
+
     def unsupported_reason(self, trace: Trace) -> str | None:
-        """None when this trace's features are supported, else exactly which one is not."""
+        """None when this trace's features are supported, else exactly which one is not: the first
+        gap in the declared capabilities, then the adapter's configuration_reason."""
+        return self.capabilities().gap(trace) or self.configuration_reason(trace)
 
     @abc.abstractmethod
     def derive_plan(self, trace: Trace, padding: Padding | None = None) -> Plan:
@@ -200,8 +211,16 @@ class Backend(abc.ABC):
         return None
 
     def graph_unsupported_reason(self, trace: Trace) -> str | None:
-        """None when this trace's mode can be replayed under a CUDA graph by this backend."""
-        return f"{self.name} has no CUDA-graph support yet"
+        """None when this trace's step can be replayed under a CUDA graph by this backend: derived
+        from the capabilities' graph_modes, then graph_configuration_reason."""
+        capabilities = self.capabilities()
+        if not capabilities.graph_modes:
+            return f"{self.name} has no CUDA-graph support yet"
+        return self.unsupported_reason(trace) or capabilities.graph_gap(trace) or self.graph_configuration_reason(trace)
+
+    def graph_configuration_reason(self, trace: Trace) -> str | None:
+        """Beyond the capabilities: why this step is not captured by this backend (None: it is)."""
+        return None
 
     def graph_state(self, trace: Trace, capacity: GraphCapacity) -> GraphState:
         """Allocate static buffers for graphs of `trace`'s model and mode at `capacity`."""

@@ -37,10 +37,12 @@ from attndbg.backends.base import (
     coerce_option,
 )
 from attndbg.backends import plan_layout as pl
+from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, MHA_ALL_MODES, Capabilities, HeadDims
 from attndbg.backends import plan_view as pv
 from attndbg.backends.flashinfer import WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error
 from attndbg.trace import tree
-from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace, indptr
+from attndbg.trace.tree import is_chain
+from attndbg.trace.schema import DTYPES, ForwardMode, LseBase, Plan, Trace, indptr
 
 # FlashInfer's SM90 prefill kernels are instantiated for these (head_dim_qk, head_dim_vo) pairs
 # (flashinfer/utils.py, is_fa3_prefill_head_dim_supported).
@@ -188,27 +190,32 @@ class FA3Backend(Backend):
 
     # -- what this backend can take -----------------------------------------------------------
 
-    def unsupported_reason(self, trace: Trace) -> str | None:
-        model, batch = trace.model, trace.batch
-        if model.attention is AttentionKind.MLA:
-            return "an MLA model: use the mla backend (FlashInfer MLA, FlashMLA or our Triton MLA decode)"
-        if batch.forward_mode is ForwardMode.IDLE:
-            return "an IDLE step has no attention to run"
-        if model.q_dtype not in ("float16", "bfloat16") or model.kv_dtype != model.q_dtype:
-            return f"q {model.q_dtype} / KV {model.kv_dtype}: the fa3 adapter runs fp16 or bf16 with q and KV of one dtype"
-        if batch.selective:
-            return (
-                "selective recompute attends by column (a custom mask), and FA3 masks are causal or "
-                "sliding-window only"
-            )
-        if trace.is_tree_verify:
-            if model.sliding_window >= 0:
-                return "target verify with a sliding window is not supported by the fa3 adapter (SGLang uses a separate swa_spec_metadata path)"
-            if self._verify_path(trace) is VerifyPath.MASK:
-                return self._mask_reason(trace)
+    def capabilities(self) -> Capabilities:
         # Rows of whole pages and a pool of whole pages are guaranteed by trace validation.
-        if select_impl() is Impl.FLASHINFER and (model.head_dim, model.v_head_dim) not in FLASHINFER_FA3_HEAD_DIMS:
-            return f"head dims {model.head_dim}/{model.v_head_dim}: FlashInfer's SM90 kernels take {sorted(FLASHINFER_FA3_HEAD_DIMS)}"
+        on_flashinfer = select_impl() is Impl.FLASHINFER
+        return Capabilities(
+            kernels="FlashAttention-3 kernels",
+            other_attention="use the mla backend (FlashInfer MLA, FlashMLA or our Triton MLA decode)",
+            modes=MHA_ALL_MODES,
+            graph_modes=ENGINE_GRAPH_MODES,
+            kv_dtype_is_q_dtype=True,
+            head_dims=HeadDims(
+                pairs=frozenset(FLASHINFER_FA3_HEAD_DIMS) if on_flashinfer else frozenset(),
+                why="FlashInfer's SM90 kernels are instantiated for these only" if on_flashinfer else "",
+            ),
+            tree_mask=True,  # SGLang's two-call path (verify_path='mask' is refused by configuration_reason)
+            sliding_window=True,
+            soft_cap=True,
+            lse_base=LseBase.TWO if on_flashinfer else LseBase.E,
+            why={
+                "column_mask": "FA3 masks are causal or sliding-window only",
+                "window_in_tree_verify": "SGLang uses a separate swa_spec_metadata path",
+            },
+        )
+
+    def configuration_reason(self, trace: Trace) -> str | None:
+        if trace.is_tree_verify and self._verify_path(trace) is VerifyPath.MASK:
+            return self._mask_reason(trace)
         return None
 
     def _verify_path(self, trace: Trace) -> VerifyPath:
@@ -439,20 +446,12 @@ class FA3Backend(Backend):
 
     # -- CUDA graphs ----------------------------------------------------------------------------
 
-    def graph_unsupported_reason(self, trace: Trace) -> str | None:
-        reason = self.unsupported_reason(trace)
-        if reason:
-            return reason
+    def graph_configuration_reason(self, trace: Trace) -> str | None:
         if select_impl() is not Impl.FLASHINFER:
             return "fa3 CUDA-graph replay is wired for FlashInfer's fa3 wrapper (use_cuda_graph=True) only"
-        mode = trace.batch.forward_mode
-        if mode is ForwardMode.DECODE:
-            return None
-        if trace.is_tree_verify and self._verify_path(trace) is not VerifyPath.TWO_CALL:
-            return None
-        if trace.is_tree_verify:
+        if trace.is_tree_verify and self._verify_path(trace) is VerifyPath.TWO_CALL:
             return "the two-call tree-verify path (two wrappers and a torch merge) is not captured; replay it eagerly"
-        return f"engines capture only decode and verify steps in CUDA graphs, not {mode.value}"
+        return None
 
     def graph_state(self, trace: Trace, capacity: GraphCapacity) -> GraphState:
         reason = self.graph_unsupported_reason(trace)
@@ -614,9 +613,3 @@ def build_page_table(rows: list[Tensor], page_size: int) -> Tensor:
     for b, p in enumerate(pages):
         table[b, : p.numel()] = p.to(torch.int32)
     return table
-
-
-def is_chain(parents: Tensor) -> bool:
-    """[bs, n] parents: every draft token's parent is the one before it, so the tree mask is plain causal."""
-    n = parents.shape[1]
-    return bool((parents == torch.arange(-1, n - 1)).all())

@@ -44,10 +44,11 @@ from attndbg.backends.base import (
     Padding,
     coerce_option,
 )
+from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, HALF_DTYPES, MHA_ALL_MODES, Capabilities, HeadDims
 from attndbg.backends import plan_layout as pl
 from attndbg.backends import plan_view as pv
 from attndbg.trace import tree
-from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Model, Plan, Trace, indptr
+from attndbg.trace.schema import DTYPES, ForwardMode, LseBase, Model, Plan, Trace, indptr
 
 # FlashInfer's recommended float workspace (split-KV partial outputs); zeroed before first use.
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -234,27 +235,31 @@ class FlashInferBackend(Backend):
             "merged with merge_state / paged prefill); verify and selective: paged prefill with a custom mask"
         )
 
-    def unsupported_reason(self, trace: Trace) -> str | None:
-        model, batch = trace.model, trace.batch
-        mode = batch.forward_mode
-        if model.attention is AttentionKind.MLA:
-            return "MLA traces: use the mla backend (FlashInfer's MLA wrapper), not the MHA wrappers"
-        if mode is ForwardMode.IDLE:
-            return "an IDLE step has no attention to run"
-        if model.q_dtype not in ("float16", "bfloat16"):
-            return f"FlashInfer's kernels take fp16 or bf16 queries; this trace's are {model.q_dtype}"
-        if mode is not ForwardMode.DECODE and min(model.head_dim, model.v_head_dim) < 32:
-            # Measured on the H200 at head_dim 16: "Invalid configuration : NUM_MMA_Q=1 NUM_MMA_D_QK=1 ...".
-            return (
-                f"FlashInfer's prefill kernels tile head_dim in 16-wide MMAs and need at least two "
-                f"(head_dim >= 32); this trace's is {model.head_dim}/{model.v_head_dim}"
-            )
-        if mode is ForwardMode.DECODE and model.head_dim != model.v_head_dim:
-            return f"FlashInfer's decode wrapper takes one head_dim for q/k and v; this trace has {model.head_dim} and {model.v_head_dim}"
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            kernels="FlashInfer's MHA kernels",
+            other_attention="use the mla backend (FlashInfer's MLA wrapper), not the MHA wrappers",
+            modes=MHA_ALL_MODES,
+            graph_modes=ENGINE_GRAPH_MODES,
+            kv_dtypes=HALF_DTYPES | frozenset(FP8_DTYPES),
+            head_dims=HeadDims(
+                min_outside_decode=32,
+                one_in_decode=True,
+                # Measured on the H200 at head_dim 16: "Invalid configuration : NUM_MMA_Q=1 NUM_MMA_D_QK=1 ...".
+                why="the prefill kernels tile head_dim in 16-wide MMAs and need at least two",
+            ),
+            tree_mask=True,
+            column_mask=True,
+            sliding_window=True,
+            window_in_tree_verify=True,
+            soft_cap=True,
+            lse_base=LseBase.TWO,
+        )
+
+    def configuration_reason(self, trace: Trace) -> str | None:
+        model, mode = trace.model, trace.batch.forward_mode
         if mode is ForwardMode.DECODE:
-            defect = decode_head_dim_defect(model.head_dim, self.use_tensor_cores(trace))
-            if defect:
-                return defect
+            return decode_head_dim_defect(model.head_dim, self.use_tensor_cores(trace))
         if mode in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND) and not trace.is_tree_verify:
             return self._extend_path_problem(trace)
         return None
@@ -546,9 +551,7 @@ class FlashInferBackend(Backend):
 
     # -- CUDA graphs ----------------------------------------------------------------------------
 
-    def graph_unsupported_reason(self, trace: Trace) -> str | None:
-        if not (trace.batch.forward_mode is ForwardMode.DECODE or trace.is_tree_verify):
-            return f"engines capture only decode and verify steps in CUDA graphs, not {trace.batch.forward_mode.value}"
+    def graph_configuration_reason(self, trace: Trace) -> str | None:
         if trace.model.v_head_dim not in MERGE_HEAD_DIMS:
             # Measured on the H200: the graph replay fails with "Unsupported head_dim: 32".
             return (

@@ -22,7 +22,7 @@ take the concatenated 576-wide tensors. No MLA kernel here has a custom mask: tr
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -41,16 +41,19 @@ from attndbg.backends.base import (
     coerce_option,
 )
 from attndbg.backends import plan_layout as pl
+from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, Capabilities, LatentDims
 from attndbg.backends import plan_view as pv
-from attndbg.backends.fa3 import KERNEL_ERRORS, build_page_table, is_chain, padded_requests
+from attndbg.backends.fa3 import KERNEL_ERRORS, build_page_table, padded_requests
 from attndbg.backends.flashinfer import WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error
 from attndbg.backends.triton import TritonBackend, triton_plan_layout, triton_plan_view
-from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace, indptr
+from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, LseBase, Plan, Trace, indptr
 
 # FlashMLA reads the cache in 64-token blocks (SGLang's flashmla_backend PAGE_SIZE).
 FLASHMLA_PAGE_SIZE = 64
 # FlashInfer's MLA kernels: FA3 (Hopper) on SM90, FA2 from SM80 (mla/_batch_mla/_fa_common.py).
 SM80, SM90 = (8, 0), (9, 0)
+# SGLang's MLA backends run verify causally (a chain), so they support topk = 1 only.
+_CAUSAL_VERIFY = "SGLang's MLA backends run verify causally, so they support topk = 1 only"
 _FLASHINFER_MODES = (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND, ForwardMode.TARGET_VERIFY)
 
 
@@ -129,42 +132,44 @@ class MLABackend(Backend):
 
     # -- what this backend can take -----------------------------------------------------------
 
-    def unsupported_reason(self, trace: Trace) -> str | None:
-        model, batch = trace.model, trace.batch
-        if model.attention is not AttentionKind.MLA:
-            return f"not an MLA model (attention={model.attention.value}): use the fa3, flashinfer or triton backend"
-        if batch.forward_mode is ForwardMode.IDLE:
-            return "an IDLE step has no attention to run"
-        if batch.selective:
-            return "selective recompute attends by column (a custom mask), and no MLA kernel here takes one"
+    def capabilities(self) -> Capabilities:
         impl = self.impl()
+        only_mla = {
+            "attention": frozenset({AttentionKind.MLA}),
+            "other_attention": "use the fa3, flashinfer or triton backend",
+            "column_mask": False,
+        }
         if impl is MLAImpl.TRITON:
-            return self._triton.unsupported_reason(trace)
-        what = "FlashInfer MLA" if impl is MLAImpl.FLASHINFER else "FlashMLA"
-        if trace.is_tree_verify and not is_chain(trace.spec.parents):
-            return (
-                f"tree verify (topk={trace.spec.topk}) needs a custom mask, and {what} has no custom mask "
-                "(SGLang's MLA backends run verify causally, so they support topk = 1 only)"
-            )
-        if model.q_dtype not in ("float16", "bfloat16") or model.kv_dtype != model.q_dtype:
-            return f"q {model.q_dtype} / KV {model.kv_dtype}: {what} is wired for fp16 or bf16 q and KV of one dtype (fp8 KV needs scales)"
-        if model.logit_cap > 0:
-            return f"{what} has no logit soft-cap"
-        if model.sliding_window >= 0:
-            return f"{what} has no sliding window"
+            return replace(self._triton.capabilities(), **only_mla)
+        one_dtype = "fp8 KV needs scales, not wired"
         if impl is MLAImpl.FLASHINFER:
-            if model.kv_lora_rank % 128 or model.qk_rope_head_dim % 64:
-                return f"kv_lora_rank {model.kv_lora_rank} / rope {model.qk_rope_head_dim}: FlashInfer MLA needs multiples of 128 / 64"
-            if batch.forward_mode not in _FLASHINFER_MODES:
-                return f"{batch.forward_mode.value} is not an MLA mode FlashInfer runs"
-        else:
-            if (model.kv_lora_rank, model.qk_rope_head_dim) != (512, 64):
-                return "FlashMLA takes kv_lora_rank 512 and rope 64 only"
-            if model.page_size != FLASHMLA_PAGE_SIZE:
-                return f"FlashMLA reads {FLASHMLA_PAGE_SIZE}-token blocks; this trace has page_size {model.page_size}"
-            if batch.forward_mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
-                return f"FlashMLA runs decode and verify; SGLang runs MLA {batch.forward_mode.value} through FlashInfer MLA (use impl=flashinfer)"
-        return None  # whole pages in rows and pool are guaranteed by trace validation
+            return Capabilities(
+                kernels="FlashInfer's MLA kernels",
+                modes={AttentionKind.MLA: frozenset(_FLASHINFER_MODES)},
+                graph_modes=ENGINE_GRAPH_MODES,
+                kv_dtype_is_q_dtype=True,
+                latent_dims=LatentDims(multiples=(128, 64)),
+                lse_base=LseBase.TWO,
+                why={"tree_mask": _CAUSAL_VERIFY, "kv_dtype_is_q_dtype": one_dtype},
+                **only_mla,
+            )
+        return Capabilities(
+            kernels="FlashMLA's kernels",
+            modes={AttentionKind.MLA: frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY})},
+            graph_modes=ENGINE_GRAPH_MODES,
+            kv_dtype_is_q_dtype=True,
+            latent_dims=LatentDims(pairs=frozenset({(512, 64)})),
+            page_sizes=frozenset({FLASHMLA_PAGE_SIZE}),
+            why={
+                "modes": "SGLang runs MLA extend through FlashInfer MLA (use impl=flashinfer)",
+                "tree_mask": _CAUSAL_VERIFY,
+                "kv_dtype_is_q_dtype": one_dtype,
+            },
+            **only_mla,
+        )
+
+    def configuration_reason(self, trace: Trace) -> str | None:
+        return self._triton.configuration_reason(trace) if self.impl() is MLAImpl.TRITON else None
 
     # -- plan -----------------------------------------------------------------------------------
 
@@ -291,19 +296,10 @@ class MLABackend(Backend):
 
     # -- CUDA graphs ----------------------------------------------------------------------------
 
-    def graph_unsupported_reason(self, trace: Trace) -> str | None:
-        reason = self.unsupported_reason(trace)
-        if reason:
-            return reason
-        impl = self.impl()
-        mode = trace.batch.forward_mode
-        if impl is MLAImpl.FLASHMLA:
+    def graph_configuration_reason(self, trace: Trace) -> str | None:
+        if self.impl() is MLAImpl.FLASHMLA:
             return "CUDA-graph replay is not wired for the (untested) FlashMLA adapter"
-        if impl is MLAImpl.TRITON:
-            return self._triton.graph_unsupported_reason(trace)
-        if mode is ForwardMode.DECODE or trace.is_tree_verify:
-            return None
-        return f"engines capture only decode and verify steps in CUDA graphs, not {mode.value}"
+        return self._triton.graph_configuration_reason(trace) if self.impl() is MLAImpl.TRITON else None
 
     def graph_state(self, trace: Trace, capacity: GraphCapacity) -> GraphState:
         reason = self.graph_unsupported_reason(trace)

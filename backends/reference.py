@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 
 from attndbg.backends.base import AttentionInputs, AttentionResult, Backend
-from attndbg.trace.schema import Plan, Trace
+from attndbg.backends.capabilities import Capabilities
+from attndbg.trace.schema import DTYPES, Q_DTYPES, AttentionKind, ForwardMode, Plan, Trace
 from attndbg.trace.visibility import visibility
 
 # Bytes of padded work (gathered K/V in the compute dtype plus scores and their softmax) one group
@@ -200,8 +201,20 @@ class ReferenceBackend(Backend):
     def device(self) -> str:
         return "cpu"
 
-    def unsupported_reason(self, trace: Trace) -> str | None:
-        return None
+    def capabilities(self) -> Capabilities:
+        # Everything a valid trace can hold (IDLE included: zero rows); no CUDA graph.
+        return Capabilities(
+            kernels="the float64 reference",
+            attention=frozenset(AttentionKind),
+            modes={kind: frozenset(ForwardMode) for kind in AttentionKind},
+            q_dtypes=frozenset(Q_DTYPES),
+            kv_dtypes=frozenset(DTYPES),
+            tree_mask=True,
+            column_mask=True,
+            sliding_window=True,
+            window_in_tree_verify=True,
+            soft_cap=True,
+        )
 
     def derive_plan(self, trace: Trace) -> Plan:
         return Plan(backend=self.name, tensors={}, scalars={})

@@ -24,10 +24,11 @@ from attndbg.backends.base import (
     KernelError,
     Padding,
 )
+from attndbg.backends.capabilities import ALL_MODES, ENGINE_GRAPH_MODES, Capabilities
 from attndbg.backends import plan_layout as pl
 from attndbg.backends import plan_view as pv
 from attndbg.trace import tree
-from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace, indptr
+from attndbg.trace.schema import DTYPES, Q_DTYPES, AttentionKind, ForwardMode, Plan, Trace, indptr
 
 # SGLang's default `--triton-attention-num-kv-splits`.
 DEFAULT_MAX_KV_SPLITS = 8
@@ -130,17 +131,23 @@ class TritonBackend(Backend):
         info = machine.gpu_info()
         return f"our Triton kernels, triton {triton.__version__}, compiled for {info.arch if info else 'cuda'}"
 
-    def unsupported_reason(self, trace: Trace) -> str | None:
-        model, batch = trace.model, trace.batch
-        if model.kv_dtype.startswith("float8"):
-            return "fp8 KV cache is not supported by our Triton kernels yet"
-        if model.attention is AttentionKind.MLA and batch.forward_mode is not ForwardMode.DECODE:
-            return f"MLA {batch.forward_mode.value} is not implemented in our Triton kernels (MLA decode only)"
-        if trace.is_tree_verify and model.sliding_window >= 0:
-            return "tree verify with a sliding window needs SGLang's window_kv_offsets, not implemented"
-        if batch.forward_mode is ForwardMode.IDLE:
-            return "an IDLE step has no attention to run"
-        return None
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            kernels="our Triton kernels",
+            attention=frozenset(AttentionKind),
+            modes={AttentionKind.MHA: ALL_MODES, AttentionKind.MLA: frozenset({ForwardMode.DECODE})},
+            graph_modes=ENGINE_GRAPH_MODES,
+            q_dtypes=frozenset(Q_DTYPES),
+            kv_dtypes=frozenset(Q_DTYPES),
+            tree_mask=True,
+            column_mask=True,
+            sliding_window=True,
+            soft_cap=True,
+            why={
+                "kv_dtypes": "fp8 KV is not implemented yet",
+                "window_in_tree_verify": "needs SGLang's window_kv_offsets, not implemented",
+            },
+        )
 
     # -- plan ---------------------------------------------------------------------------------
 
@@ -261,11 +268,6 @@ class TritonBackend(Backend):
         return AttentionResult(output=out, lse=lse)
 
     # -- CUDA graphs ----------------------------------------------------------------------------
-
-    def graph_unsupported_reason(self, trace: Trace) -> str | None:
-        if trace.batch.forward_mode is ForwardMode.DECODE or trace.is_tree_verify:
-            return None
-        return f"engines capture only decode and verify steps in CUDA graphs, not {trace.batch.forward_mode.value}"
 
     def graph_state(self, trace: Trace, capacity: GraphCapacity) -> GraphState:
         return _TritonGraphState(trace, capacity, self.options)

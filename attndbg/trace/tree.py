@@ -62,6 +62,12 @@ def ancestor_matrix(parents: Tensor) -> Tensor:
     return visible
 
 
+def is_chain(parents: Tensor) -> bool:
+    """[bs, n] parents: every draft token's parent is the one before it, so the tree mask is plain causal."""
+    n = parents.shape[1]
+    return bool((parents == torch.arange(-1, n - 1)).all())
+
+
 def depths(parents: Tensor) -> Tensor:
     """[n] int64 depth of each draft token (root 0)."""
     out = torch.zeros(parents.numel(), dtype=torch.int64)

@@ -165,7 +165,7 @@ def test_unsupported_reasons_say_what_and_why() -> None:
     assert "custom mask" in masked and "two-call" in masked
     assert "sliding window" in fa.unsupported_reason(make_trace("verify", "window=20"))
     mla_tree = make_trace("mla-decode", "mode=verify", "prefix_lens=10,20", "topk=2", "steps=2", "draft_tokens=4")
-    assert "FlashInfer MLA has no custom mask" in mla_backend.unsupported_reason(mla_tree)
+    assert "FlashInfer's MLA kernels take no custom mask" in mla_backend.unsupported_reason(mla_tree)
     mla_chain = make_trace("mla-decode", "mode=verify", "prefix_lens=10,20", "topk=1", "steps=3", "draft_tokens=4")
     assert mla_backend.unsupported_reason(mla_chain) is None
     assert "decode only" in MLABackend(MLAOptions("triton")).unsupported_reason(mla_chain)

@@ -67,7 +67,7 @@ def test_flashinfer_causal_q_len_above_one(words, page_size, record_property):
 @pytest.mark.parametrize(
     ("impl", "words", "expected"),
     [
-        ("flashinfer", ("mode=verify", "prefix_lens=10,20", "topk=2", "steps=2", "draft_tokens=4"), "FlashInfer MLA has no custom mask"),
+        ("flashinfer", ("mode=verify", "prefix_lens=10,20", "topk=2", "steps=2", "draft_tokens=4"), "FlashInfer's MLA kernels take no custom mask"),
         ("triton", ("mode=extend", "prefix_lens=3,4", "extend_lens=2,5"), "MLA decode only"),
         ("flashinfer", ("logit_cap=30",), "no logit soft-cap"),
     ],
