@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from attndbg.backends.triton import DEFAULT_MAX_KV_SPLITS
-from attndbg.detectors.split_merge.base import LN2, LOG2E, merge_path, split_length
+from attndbg.detectors.split_merge.base import merge_path
+from attndbg.numerics import LN2, LOG2E, split_length
 from attndbg.diagnose.base import Candidate, MistakeModel, PartialStates, merge, spans
 from attndbg.trace.schema import ForwardMode, Trace
 

@@ -1,11 +1,8 @@
-"""Shared vocabulary of the split-merge detector: the kernels' split rule (split_length,
-empty_splits), which path of a step merges partial states (merge_path), and the location and
-reference-comparison helpers.
+"""Shared vocabulary of the split-merge detector: which path of a step merges partial states
+(merge_path), and the location helpers. The split rule and LSE bases are attndbg.numerics'.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -14,26 +11,7 @@ from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import FindingClass, Location
 from attndbg.trace.schema import ForwardMode, Trace
 
-
 KIND = FindingClass.SPLIT_MERGE
-LN2 = math.log(2.0)
-LOG2E = 1.0 / LN2
-# SGLang's and our kernels' split tile (MIN_BLOCK_KV in backends/triton_kernels/decode.py).
-SPLIT_TILE = 32
-
-
-def split_length(length: int, splits: int) -> int:
-    """Tokens per split, the kernels' rule: cdiv(cdiv(length, splits), 32) * 32."""
-    if splits <= 0:
-        return 0
-    chunk = -(-length // splits)
-    return -(-chunk // SPLIT_TILE) * SPLIT_TILE
-
-
-def empty_splits(length: int, splits: int) -> int:
-    """Splits of a request that get no KV under that rule."""
-    per_split = split_length(length, splits)
-    return splits - (-(-length // per_split) if per_split else 0) if splits > 0 else 0
 
 
 def merge_path(trace: Trace) -> str | None:

@@ -16,7 +16,8 @@ from attndbg.backends.options import BackendOptions
 from attndbg.backends.triton import DEFAULT_MAX_KV_SPLITS, TritonBackend, TritonOptions
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding
-from attndbg.detectors.split_merge.base import KIND, SPLIT_TILE, _location, _request_of, empty_splits
+from attndbg.detectors.split_merge.base import KIND, _location, _request_of
+from attndbg.numerics import MIN_BLOCK_KV, empty_splits
 from attndbg.detectors.split_merge.vllm import V2_PARTITION_TOKENS, _vllm_v2_available, _vllm_v2_run
 from attndbg.compare.tolerance import Comparison
 from attndbg.replay import runner
@@ -167,7 +168,7 @@ def _split_finding(ctx: CheckContext, *, config: SplitConfig, run, base, lengths
         evidence += f"; against 1 split: max abs {float(diff.max()):.3e} at row {row} head {head} (1 split passes)"
     if cmp.nonfinite and empty:
         cause = (
-            f"Request {b} has {empty} empty splits (kv {n} < {SPLIT_TILE} x {s} splits): merging empty states "
+            f"Request {b} has {empty} empty splits (kv {n} < {MIN_BLOCK_KV} x {s} splits): merging empty states "
             "(-inf LSE) computes exp(-inf - -inf) = NaN instead of skipping them (FlashInfer #4051)."
         )
     else:

@@ -1,16 +1,14 @@
 """split-merge mistakes: engine tensors whose LSE or merged output went wrong the way real merges do.
 
 The engine's tensors of one layer (`Trace.tensors`) are what these mutate. When the trace has none,
-layer 0's are made here: q, K/V rows and this step's K/V drawn from the trace's seed, and the
-output/LSE a correct engine would record, computed in float64 with plain torch from the trace's
-own batch (causal by query column; the draft tree's ancestors for verify; sliding window and
-soft-cap as the model says). The trace layer knows nothing of backends, so this small reference
-lives here rather than being imported from the replay layer.
+layer 0's are made here: q, K/V rows and this step's K/V drawn from the trace's seed. The output
+and LSE a correct engine would record, and the partial states a wrong merge combines, come from
+the float64 reference (backends/reference.py) over those tensors; merges and the split rule are
+attndbg.numerics'.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -20,15 +18,13 @@ from torch import Tensor
 # cascade-lse-base-2 is a mistake of SGLang's FlashInfer backend: the step is relabelled as its.
 from attndbg.backends.flashinfer import SGLANG_NAME as SGLANG_FLASHINFER
 from attndbg.backends.flashinfer import FlashInferBackend
+from attndbg.backends import reference
+from attndbg.backends.base import AttentionInputs
+from attndbg.numerics import LN2, LOG2E, empty_splits, merge_states
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, LayerTensors, LseBase, Trace
-from attndbg.trace.visibility import visibility
 
-LN2 = math.log(2.0)
-LOG2E = 1.0 / LN2
 LAYER = 0
-# SGLang's split tile (MIN_BLOCK_KV) and default --triton-attention-num-kv-splits, which its CUDA
-# graph buffer holds for every request.
-SPLIT_TILE = 32
+# SGLang's default --triton-attention-num-kv-splits, which its CUDA graph buffer holds for every request.
 DEFAULT_KV_SPLITS = 8
 # Seed offset for the drawn tensors, so they differ from replay's own draws of the same seed.
 SEED_SALT = 0x5EED
@@ -80,48 +76,12 @@ def _layer(trace: Trace) -> _Step:
     return _Step(tensors=recorded, k=k, v=v, q=recorded.q.double())
 
 
-def _attend(trace: Trace, step: _Step, b: int, columns: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Request b's output [e, Hq, Dv] and natural-log LSE [e, Hq] in float64, over the visible
-    columns (restricted to `columns`, a [kv_len] bool, when given). No visible key: 0 and -inf."""
-    model, batch = trace.model, trace.batch
-    qo = batch.qo_indptr
-    rows = slice(int(qo[b]), int(qo[b + 1]))
-    slots = batch.request_slots(b)
-    group = model.gqa_group
-    q = step.q[rows]
-    k = step.k[slots].repeat_interleave(group, dim=1)
-    v = step.v[slots].repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * model.sm_scale
-    if model.logit_cap > 0:
-        scores = model.logit_cap * torch.tanh(scores / model.logit_cap)
-    visible = visibility(trace, b)
-    if columns is not None:
-        visible &= columns[None, :]
-    scores = scores.masked_fill(~visible[None], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [Hq, e]
-    probs = torch.nan_to_num(torch.exp(scores - lse[..., None]), nan=0.0)
-    return torch.einsum("hqk,khd->qhd", probs, v), lse.T
-
-
-def _merge(o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
-    """Two normalised partial states merged by their natural-log LSEs (empty = -inf, skipped)."""
-    m = torch.maximum(lse_a, lse_b)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
-    total = w_a + w_b
-    out = (w_a[..., None] * o_a + w_b[..., None] * o_b) / total.clamp_min(1e-300)[..., None]
-    return out, m + torch.log(total)
-
-
-def _reference(trace: Trace, step: _Step) -> tuple[Tensor, Tensor]:
-    model, batch = trace.model, trace.batch
-    out = torch.zeros(batch.num_tokens, model.num_qo_heads, model.v_head_dim, dtype=torch.float64)
-    lse = torch.full((batch.num_tokens, model.num_qo_heads), float("-inf"), dtype=torch.float64)
-    qo = batch.qo_indptr
-    for b in range(batch.batch_size):
-        if int(batch.extend_lens[b]):
-            out[int(qo[b]) : int(qo[b + 1])], lse[int(qo[b]) : int(qo[b + 1])] = _attend(trace, step, b)
-    return out, lse
+def _reference(trace: Trace, step: _Step, columns: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The float64 reference output [T, Hq, Dv] and natural-log LSE [T, Hq] on the step's tensors;
+    with `columns` ([bs, 2]: per request, KV columns [start, end) only) the partial states."""
+    inputs = AttentionInputs(q=step.q, k_new=step.k[trace.batch.out_cache_loc], v_new=step.v[trace.batch.out_cache_loc], k_cache=step.k, v_cache=step.v)
+    result = reference.attention(trace, inputs, torch.float64, columns=columns)
+    return result.output, result.lse
 
 
 def _recorded(trace: Trace, step: _Step, output: Tensor, lse: Tensor | None, base: LseBase) -> Trace:
@@ -160,16 +120,6 @@ def _split_counts(trace: Trace) -> tuple[list[int], list[int], str]:
     window = trace.model.sliding_window
     lengths = [min(int(n), window + 1) if window >= 0 else int(n) for n in batch.kv_lens]
     return lengths, [DEFAULT_KV_SPLITS] * bs, f"SGLang's graph default num_kv_splits = {DEFAULT_KV_SPLITS}"
-
-
-def empty_splits(length: int, splits: int) -> int:
-    """How many of `splits` splits get no KV: SGLang splits a request into cdiv(cdiv(len, s), 32)*32 tokens."""
-    if splits <= 0:
-        return 0
-    chunk = -(-length // splits)
-    per_split = -(-chunk // SPLIT_TILE) * SPLIT_TILE
-    used = -(-length // per_split) if per_split else 0
-    return splits - used
 
 
 def nan_empty_split(trace: Trace) -> Trace:
@@ -212,15 +162,14 @@ def cascade_lse_base_2(trace: Trace) -> Trace:
         raise ValueError("split-merge:cascade-lse-base-2: sliding-window layers run FlashInfer's paged path, not the cascade")
     step = _layer(trace)
     output, _ = _reference(trace, step)
+    prefix = batch.prefix_lens.to(torch.int64)
+    o_p, lse_p = _reference(trace, step, torch.stack([torch.zeros_like(prefix), prefix], dim=1))
+    o_s, lse_s = _reference(trace, step, torch.stack([prefix, batch.kv_lens.to(torch.int64)], dim=1))
+    merged, _ = merge_states(torch.stack([o_p, o_s]), torch.stack([lse_p * LOG2E, lse_s]))
     qo = batch.qo_indptr
     for b in range(batch.batch_size):
-        prefix, kv = int(batch.prefix_lens[b]), int(batch.kv_lens[b])
-        if prefix == 0 or int(batch.extend_lens[b]) == 0:
-            continue
-        cols = torch.arange(kv)
-        o_p, lse_p = _attend(trace, step, b, cols < prefix)
-        o_s, lse_s = _attend(trace, step, b, cols >= prefix)
-        output[int(qo[b]) : int(qo[b + 1])] = _merge(o_p, lse_p * LOG2E, o_s, lse_s)[0]
+        if int(batch.prefix_lens[b]) and int(batch.extend_lens[b]):
+            output[int(qo[b]) : int(qo[b + 1])] = merged[int(qo[b]) : int(qo[b + 1])]
     source = replace(trace.source, backend=SGLANG_FLASHINFER)
     plan = trace.plan if trace.plan is not None and trace.plan.backend == FlashInferBackend.name else None
     return replace(_recorded(trace, step, output, None, LseBase.E), source=source, plan=plan)

@@ -12,7 +12,8 @@ from attndbg import machine
 from attndbg.backends.triton import TritonBackend
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding
-from attndbg.detectors.split_merge.base import KIND, SPLIT_TILE, _location, empty_splits
+from attndbg.detectors.split_merge.base import KIND, _location
+from attndbg.numerics import MIN_BLOCK_KV, empty_splits
 from attndbg.detectors.split_merge.counts import split_configs
 from attndbg.trace.schema import ForwardMode
 
@@ -47,7 +48,7 @@ def stage2_probe(dv: int) -> dict[str, str | None]:
     lse[0, :, used:] = float("-inf")
     lse[1, :, used:] = float("inf")
     logits[2], lse[2] = float("nan"), float("-inf")
-    lengths = [PROBE_LEN, PROBE_LEN, 0, 2 * SPLIT_TILE]
+    lengths = [PROBE_LEN, PROBE_LEN, 0, 2 * MIN_BLOCK_KV]
     splits = [PROBE_SPLITS, PROBE_SPLITS, 2, 2]
     o = torch.full((4, 1, dv), float("nan"), device=device)
     out_lse = torch.full((4, 1), float("nan"), device=device)
