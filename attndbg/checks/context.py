@@ -38,6 +38,8 @@ class CheckContext:
     _replays: dict[ReplayOptions, ReplayResult] = field(default_factory=dict)
     _backends: tuple[str, ...] | None = None
     _data: dict[int | None, StepData] = field(default_factory=dict)
+    # Kernel backends whose runs were compared with the reference on this step, in order of first run.
+    _compared: dict[str, None] = field(default_factory=dict)
 
     @property
     def step(self) -> int:
@@ -58,8 +60,15 @@ class CheckContext:
         return self._backends
 
     def backends_consulted(self) -> tuple[str, ...]:
-        """The kernel backends the detectors used on this step (none if no detector asked)."""
-        return self._backends or ()
+        """The kernel backends whose kernels ran on this step and were compared with the reference
+        (a backend a detector only considered, or whose every run was refused, is not one)."""
+        return tuple(self._compared)
+
+    def _note_compared(self, result: ReplayResult) -> ReplayResult:
+        for run in result.runs:
+            if run.comparison is not None and run.name != "reference":
+                self._compared.setdefault(run.name)
+        return result
 
     def data(self, layer: int | None = None) -> StepData:
         """The step's inputs (recorded tensors of `layer`, else seeded) and references, built once."""
@@ -74,8 +83,8 @@ class CheckContext:
         options = replace(options, backend_options=self.options.backend_options.overridden_by(options.backend_options))
         names = backends if backends is not None else self.backends()
         if trace is not None:
-            return replay(trace, self.path, list(names), options, data=self.data(options.layer))
+            return self._note_compared(replay(trace, self.path, list(names), options, data=self.data(options.layer)))
         key = (options, names)
         if key not in self._replays:
-            self._replays[key] = replay(self.trace, self.path, list(names), options, data=self.data(options.layer))
+            self._replays[key] = self._note_compared(replay(self.trace, self.path, list(names), options, data=self.data(options.layer)))
         return self._replays[key]

@@ -105,7 +105,7 @@ def wrong_req_row(trace: Trace, *, request: int | None = None, source: int | Non
     bs = batch.batch_size
     if bs < 2:
         raise ValueError("wrong-req-row needs at least two requests")
-    kv = _kv_lists(trace, plan, default_page_size=1)
+    kv = _kv_lists(trace, plan, default_page_size=trace.model.page_size)
     name, ps, counts, spans = kv.name, kv.page_size, kv.counts, kv.spans
     if spans is not None:
         current = [plan.tensors[name][lo:hi].to(torch.int64) for lo, hi in spans[:bs]]
