@@ -37,12 +37,13 @@ from attndbg.backends.base import (
     coerce_option,
 )
 from attndbg.backends import plan_layout as pl
+from attndbg.backends.tables import build_page_table, padded_requests
 from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, MHA_ALL_MODES, Capabilities, HeadDims
 from attndbg.backends import plan_view as pv
 from attndbg.backends.flashinfer import WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error
 from attndbg.trace import tree
 from attndbg.trace.tree import is_chain
-from attndbg.trace.schema import DTYPES, ForwardMode, LseBase, Plan, Trace, indptr
+from attndbg.trace.schema import DTYPES, LseBase, Plan, Trace, indptr
 
 # FlashInfer's SM90 prefill kernels are instantiated for these (head_dim_qk, head_dim_vo) pairs
 # (flashinfer/utils.py, is_fa3_prefill_head_dim_supported).
@@ -560,31 +561,6 @@ def merge_states(a: AttentionResult, b: AttentionResult, *, dtype: torch.dtype) 
     return AttentionResult(output=output.to(dtype), lse=lse)
 
 
-def padded_requests(trace: Trace, padding: Padding | None) -> tuple[list[Tensor], list[int]]:
-    """Each request's KV row (slot ids) and query length; with `padding`, then the padded requests.
-
-    Padded requests are SGLang's graph-runner padding: `fill_value` KV columns at the dummy slot,
-    plus, for verify, their n draft tokens, whose K/V go to the dummy slot too (SGLang verify
-    seq_lens exclude the drafts; the backend adds n).
-    """
-    batch = trace.batch
-    rows = [batch.request_slots(b) for b in range(batch.batch_size)]
-    q_lens = batch.extend_lens.tolist()
-    if padding is None:
-        return rows, q_lens
-    mode = batch.forward_mode
-    if mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
-        raise ValueError(f"only decode and verify steps are padded for CUDA graphs, not {mode.value}")
-    pad = padding.capture_bs - batch.batch_size
-    if pad < 0:
-        raise ValueError(f"capture_bs {padding.capture_bs} is smaller than the batch ({batch.batch_size} requests)")
-    tokens = 1 if mode is ForwardMode.DECODE else trace.spec.draft_token_num
-    kv = padding.fill_value + (0 if mode is ForwardMode.DECODE else tokens)
-    rows += [torch.full((kv,), padding.dummy_slot, dtype=torch.int64)] * pad
-    q_lens += [tokens] * pad
-    return rows, q_lens
-
-
 def _call_tensors(rows: list[Tensor], q_lens: list[int], page_size: int) -> dict[str, Tensor]:
     lens = torch.tensor([r.numel() for r in rows], dtype=torch.int32)
     return {
@@ -602,14 +578,3 @@ def _call_scalars(rows: list[Tensor], q_lens: list[int], *, causal: bool, page_s
         "causal": causal,
         "page_size": page_size,
     }
-
-
-def build_page_table(rows: list[Tensor], page_size: int) -> Tensor:
-    """[bs, max_pages] int32: the page id of every page of each request's KV row (SGLang:
-    `req_to_token[:, ::page_size] // page_size`). Columns past a request's pages hold 0, the
-    dummy page, as a zeroed req_to_token row does."""
-    pages = [r[::page_size] // page_size for r in rows]
-    table = torch.zeros(len(rows), max([1] + [p.numel() for p in pages]), dtype=torch.int32)
-    for b, p in enumerate(pages):
-        table[b, : p.numel()] = p.to(torch.int32)
-    return table

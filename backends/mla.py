@@ -43,7 +43,8 @@ from attndbg.backends.base import (
 from attndbg.backends import plan_layout as pl
 from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, Capabilities, LatentDims
 from attndbg.backends import plan_view as pv
-from attndbg.backends.fa3 import KERNEL_ERRORS, build_page_table, padded_requests
+from attndbg.backends.fa3 import KERNEL_ERRORS
+from attndbg.backends.tables import build_page_table, padded_requests
 from attndbg.backends.flashinfer import WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error
 from attndbg.backends.triton import TritonBackend, triton_plan_layout, triton_plan_view
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, LseBase, Plan, Trace, indptr

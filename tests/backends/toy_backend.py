@@ -22,7 +22,7 @@ from attndbg.backends import plan_layout as pl
 from attndbg.backends import plan_view as pv
 from attndbg.backends.base import AttentionInputs, AttentionResult, Backend, FillRequirement, Padding
 from attndbg.backends.capabilities import Capabilities
-from attndbg.backends.fa3 import build_page_table, padded_requests
+from attndbg.backends.tables import build_page_table, padded_requests
 from attndbg.backends.triton import TritonBackend
 from attndbg.trace.schema import Q_DTYPES, AttentionKind, ForwardMode, Plan, Trace, indptr
 
