@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from attndbg.record import transformers_cb  # noqa: E402
+from attndbg.record.transformers import adapter as transformers_cb  # noqa: E402
 from attndbg.record.options import RecordOptions  # noqa: E402
 from attndbg.record.session import end_session, start_session  # noqa: E402
 from attndbg.trace import io  # noqa: E402

@@ -21,7 +21,7 @@ from types import ModuleType
 
 # module whose import triggers an adapter -> "package.module:function" that installs it
 TRIGGERS: dict[str, tuple[str, str]] = {
-    "transformers.generation.continuous_batching.model_runner": ("transformers", "attndbg.record.transformers_cb:install"),
+    "transformers.generation.continuous_batching.model_runner": ("transformers", "attndbg.record.transformers:install"),
     "sglang.srt.model_executor.model_runner": ("sglang", "attndbg.record.sglang:install"),
     "vllm.v1.worker.gpu_model_runner": ("vllm", "attndbg.record.vllm:install"),
 }

@@ -16,7 +16,7 @@ import torch
 from attndbg.checks.context import CheckOptions
 from attndbg.checks.run import check_steps, parse_only
 from attndbg.record.build import source
-from attndbg.record.sglang_model import model_from_layer
+from attndbg.record.sglang.model import model_from_layer
 from attndbg.replay.runner import PlanSource, ReplayOptions, RunStatus, replay
 from attndbg.trace import io
 from attndbg.trace.schema import Batch, Graph, Plan, Spec, Trace

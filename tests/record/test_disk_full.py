@@ -117,7 +117,7 @@ def test_a_live_engine_generates_the_same_tokens_when_recording_stops(
     """transformers' continuous batching, recorded by its adapter with the writer child: the disk
     fills at the first step (or the first step reaches --max-size); the generation is unchanged."""
     import_engine("transformers.generation.continuous_batching")
-    from attndbg.record import transformers_cb
+    from attndbg.record.transformers import adapter as transformers_cb
     from tests.record import transformers_generate as live
 
     model = live.tiny_llama()

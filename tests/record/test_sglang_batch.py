@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.record import sglang_env as env  # skips this file without SGLang
-from attndbg.record.sglang_batch import batch_from_forward_batch
-from attndbg.record.sglang_plan import plan_from_backend
+from attndbg.record.sglang.batch import batch_from_forward_batch
+from attndbg.record.sglang.plan import plan_from_backend
 from attndbg.trace.schema import ForwardMode
 from tests.record.sglang_steps import (
     assert_checks_clean,
@@ -163,7 +163,7 @@ def test_inconsistent_lengths_are_a_clear_error() -> None:
 
 
 def test_idle_steps_are_not_recorded() -> None:
-    from attndbg.record.sglang_batch import UnsupportedStep
+    from attndbg.record.sglang.batch import UnsupportedStep
 
     pool = env.req_pool(ROWS)
     fb = env.ForwardBatch(

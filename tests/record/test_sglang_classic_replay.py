@@ -8,7 +8,7 @@ does not exist (`importlib.util.find_spec` gives None; no `class CudaGraphRunner
 package; the decode runner is `runner.decode_cuda_graph_runner.DecodeCudaGraphRunner`, whose replays
 go through `init_forward_metadata_out_graph`, tested in test_sglang_evidence). `install()` therefore
 patches no runner here; `Runner` below is a stand-in written after SGLang 0.5.3's `replay_prepare`
-(engines.md A5), wrapped with the adapter's own `_patch(..., "replay_prepare", ...)` as `install()`
+(engines.md A5), wrapped with the toolkit's `hooks.patch(..., "replay_prepare", ...)` as `install()`
 wraps the real class. The backend is a subclass of the real TritonAttnBackend: its classic
 `init_forward_metadata_replay_cuda_graph` is wrapped by the installed hooks (`__init_subclass__`).
 """
@@ -25,7 +25,8 @@ from tests.record import sglang_env as env  # skips this file without SGLang
 from tests.record.check_cli import findings
 from tests.record.sglang_steps import decode_batch
 from tests.record.test_sglang_hooks import ROWS, make_backend, manifest, session  # noqa: F401 - `session` is a fixture
-from attndbg.record import sglang as adapter
+from attndbg.record import hooks
+from attndbg.record.sglang import adapter
 from attndbg.trace import io
 
 I64, I32 = env.I64, env.I32
@@ -88,13 +89,13 @@ def test_the_installed_sglang_has_no_classic_runner() -> None:
 @pytest.mark.parametrize("pass_raw_sum", [False, True], ids=["padded-sum", "raw-sum"])
 def test_classic_replay_keeps_the_seq_lens_sum_the_runner_passed(session, pass_raw_sum: bool) -> None:  # noqa: F811
     layer = env.layer(heads=4, kv_heads=2, head_dim=16)  # noqa: F841 - the model's layer, alive while recording
-    assert getattr(ClassicTriton.__dict__["init_forward_metadata_replay_cuda_graph"], adapter.MARK)
+    assert getattr(ClassicTriton.__dict__["init_forward_metadata_replay_cuda_graph"], hooks.MARK)
     backend = make_backend(ClassicTriton)
     backend.kv_indptr = torch.zeros(CAPTURE_BS + 1, dtype=I32)
     backend.cuda_graph_kv_indices = torch.full((64,), 99, dtype=I64)
     backend.cuda_graph_num_kv_splits = torch.full((CAPTURE_BS,), 8, dtype=I32)
     runner = Runner(backend, pass_raw_sum=pass_raw_sum)
-    assert adapter._patch(Runner, "replay_prepare", adapter._wrap_replay_prepare) or getattr(Runner.__dict__["replay_prepare"], adapter.MARK)
+    assert hooks.patch(Runner, "replay_prepare", adapter._wrap_replay_prepare) or getattr(Runner.__dict__["replay_prepare"], hooks.MARK)
     runner.replay_prepare(decode_batch())  # seq_lens [5, 9] in the bs-4 graph
     [entry] = manifest(session)
     assert entry["graph"] and entry["batch_size"] == 2

@@ -327,7 +327,7 @@ def test_decode_window_list(session, planted: bool) -> None:  # noqa: F811
 def test_every_plan_field_the_table_says_is_recorded_is(session) -> None:  # noqa: F811
     """SGLANG_FIELDS against a windowed eager decode and verify step: every Triton plan tensor and
     scalar the table places in the trace is there."""
-    from attndbg.record.sglang_fields import SGLANG_FIELDS
+    from attndbg.record.sglang.fields import SGLANG_FIELDS
 
     layer = env.sgl.radix_attention.RadixAttention(4, 16, 0.25, 2, 0, sliding_window_size=WINDOW)  # noqa: F841
     mask = tree.full_mask(torch.tensor(CHAIN["parents"]), torch.tensor(CHAIN["prefix"]))

@@ -13,10 +13,10 @@ import torch
 
 from tests.record import sglang_env as env  # skips this file without SGLang
 from tests.record.engines import import_engine
-from attndbg.record.sglang import _wrap_view_builder
-from attndbg.record.sglang_batch import batch_from_forward_batch
-from attndbg.record.sglang_graph import capture_graph_from_view, graph_from_host, graph_from_replay
-from attndbg.record.sglang_plan import plan_from_backend
+from attndbg.record.sglang.adapter import _wrap_view_builder
+from attndbg.record.sglang.batch import batch_from_forward_batch
+from attndbg.record.sglang.graph import capture_graph_from_view, graph_from_host, graph_from_replay
+from attndbg.record.sglang.plan import plan_from_backend
 from attndbg.trace.schema import Plan
 from tests.record.sglang_steps import assert_checks_clean, assert_replays_clean, decode_batch, decode_metadata, make_trace, saved_and_loaded, triton_backend
 

@@ -175,7 +175,7 @@ def test_capacity_buffers_are_cut_on_the_device_and_the_trace_is_unchanged(sessi
     """The graph buffers are sliced to what the padded seq_lens make the kernels read before the host
     copy; the step written is byte for byte the one written when the whole buffer was copied and cut
     on the host (the recorder before the device cut)."""
-    from attndbg.record import sglang as adapter
+    from attndbg.record.sglang import adapter
     from attndbg.record import session as session_module
     from attndbg.record.options import RecordOptions
 

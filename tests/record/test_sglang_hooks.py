@@ -17,7 +17,8 @@ import torch
 
 from tests.record import sglang_env as env  # skips this file without SGLang
 from tests.record.engines import import_engine
-from attndbg.record import sglang as adapter
+from attndbg.record import hooks
+from attndbg.record.sglang import adapter
 from attndbg.record.options import RecordOptions
 from attndbg.record.session import end_session, start_session
 from attndbg.trace import io
@@ -61,10 +62,10 @@ def manifest(session) -> list[dict]:
 
 
 def test_hooks_wrap_the_real_classes(session) -> None:
-    assert getattr(env.TritonAttnBackend.__dict__["init_forward_metadata"], adapter.MARK)
-    assert getattr(env.TritonAttnBackend.__dict__["init_forward_metadata_out_graph"], adapter.MARK)
-    assert getattr(env.RadixAttention.__dict__["__init__"], adapter.MARK)
-    assert getattr(runner_module.build_replay_fb_view, adapter.MARK)
+    assert getattr(env.TritonAttnBackend.__dict__["init_forward_metadata"], hooks.MARK)
+    assert getattr(env.TritonAttnBackend.__dict__["init_forward_metadata_out_graph"], hooks.MARK)
+    assert getattr(env.RadixAttention.__dict__["__init__"], hooks.MARK)
+    assert getattr(runner_module.build_replay_fb_view, hooks.MARK)
 
 
 def test_eager_step_is_recorded(session) -> None:
@@ -75,7 +76,7 @@ def test_eager_step_is_recorded(session) -> None:
             self.forward_metadata = decode_metadata([0, 5, 14], ROWS[1] + ROWS[5], [2, 3])
             return "planned"
 
-    assert getattr(Backend.__dict__["init_forward_metadata"], adapter.MARK)
+    assert getattr(Backend.__dict__["init_forward_metadata"], hooks.MARK)
     backend = make_backend(Backend)
     assert backend.init_forward_metadata(decode_batch()) == "planned"
     entries = manifest(session)

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from tests.record import sglang_env as env  # skips this file without SGLang
-from attndbg.record.sglang_plan import plan_from_backend
+from attndbg.record.sglang.plan import plan_from_backend
 
 I32 = env.I32
 

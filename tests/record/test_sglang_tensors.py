@@ -29,9 +29,10 @@ forward_context = import_engine("sglang.srt.model_executor.forward_context")
 
 from attndbg.checks.context import CheckContext, CheckOptions  # noqa: E402
 from attndbg.detectors.split_merge.recorded import recorded_tensors  # noqa: E402
+from attndbg.record import hooks  # noqa: E402
 from attndbg.record import session as session_module  # noqa: E402
-from attndbg.record import sglang as adapter  # noqa: E402
-from attndbg.record import sglang_layers  # noqa: E402
+from attndbg.record.sglang import adapter  # noqa: E402
+from attndbg.record.sglang import layers as sglang_layers  # noqa: E402
 from attndbg.record.options import RecordOptions  # noqa: E402
 from attndbg.record.session import end_session, start_session  # noqa: E402
 from attndbg.trace import io  # noqa: E402
@@ -170,7 +171,7 @@ def record(tmp_path, monkeypatch):
         end_session()
         session = start_session(RecordOptions(out_dir=str(tmp_path / "rec"), writer="thread", **options))
         adapter.install()
-        adapter._patch(runner_module.ModelRunner, "forward", adapter._wrap_model_forward)  # install() wraps it when SGLang imported it first
+        hooks.patch(runner_module.ModelRunner, "forward", adapter._wrap_model_forward)  # install() wraps it when SGLang imported it first
         return session, Engine(monkeypatch)
 
     yield start
@@ -198,8 +199,8 @@ def count_snapshots(session, monkeypatch) -> list[dict]:
 
 def test_requested_layers_are_recorded_exactly(record) -> None:
     session, engine = record(layers=(0, 2))
-    assert getattr(env.sgl.base_attn_backend.AttentionBackend.__dict__["forward"], adapter.MARK)
-    assert getattr(runner_module.ModelRunner.__dict__["forward"], adapter.MARK)
+    assert getattr(env.sgl.base_attn_backend.AttentionBackend.__dict__["forward"], hooks.MARK)
+    assert getattr(runner_module.ModelRunner.__dict__["forward"], hooks.MARK)
     recorded = []
     for fb in (extend_batch(), decode_batch()):
         before = engine.step(fb)

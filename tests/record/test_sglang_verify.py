@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from tests.record import sglang_env as env  # skips this file without SGLang
-from attndbg.record.sglang_batch import batch_from_forward_batch
-from attndbg.record.sglang_plan import plan_from_backend
-from attndbg.record.sglang_spec import parents_from_links, spec_from_verify_input
+from attndbg.record.sglang.batch import batch_from_forward_batch
+from attndbg.record.sglang.plan import plan_from_backend
+from attndbg.record.sglang.spec import parents_from_links, spec_from_verify_input
 from attndbg.trace import tree
 from attndbg.trace.schema import ForwardMode, MaskLayout
 from tests.record.sglang_steps import assert_checks_clean, assert_replays_clean, extend_metadata, make_trace, saved_and_loaded, triton_backend

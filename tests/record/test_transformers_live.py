@@ -23,7 +23,7 @@ import_engine("transformers.generation.continuous_batching")
 from attndbg.checks.context import CheckContext, CheckOptions  # noqa: E402
 from attndbg.checks.run import check_steps, parse_only  # noqa: E402
 from attndbg.detectors.split_merge.recorded import recorded_tensors  # noqa: E402
-from attndbg.record import transformers_cb  # noqa: E402
+from attndbg.record.transformers import adapter as transformers_cb  # noqa: E402
 from attndbg.record.options import RecordOptions  # noqa: E402
 from attndbg.record.session import end_session, start_session  # noqa: E402
 from attndbg.replay.runner import ReplayOptions, replay  # noqa: E402

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from attndbg.record import vllm as adapter
+from attndbg.record import hooks
+from attndbg.record.vllm import adapter
 from attndbg.record.session import RecordingSession, end_session
 from attndbg.trace.schema import ForwardMode
 from tests.record.vllm_builder_env import HEAD_DIM, KV_HEADS, LAYERS, Q_HEADS, kv_cache_interface, new_builder, triton_attn, written
@@ -98,7 +99,7 @@ def test_install_is_idempotent_and_wraps_later_subclasses(session: RecordingSess
     adapter.install()
     adapter.register()
     build = triton_attn.TritonAttentionMetadataBuilder.build
-    assert getattr(build, adapter.WRAPPED) and not getattr(build.__wrapped__, adapter.WRAPPED, False)
+    assert getattr(build, hooks.MARK) and not getattr(build.__wrapped__, hooks.MARK, False)
 
     @dataclass
     class LateMetadata:
@@ -116,7 +117,7 @@ def test_install_is_idempotent_and_wraps_later_subclasses(session: RecordingSess
             cm = common_attn_metadata
             return LateMetadata(cm.seq_lens, cm.slot_mapping, cm.num_actual_tokens)
 
-    assert getattr(LateBuilder.build, adapter.WRAPPED)
+    assert getattr(LateBuilder.build, hooks.MARK)
     spec = kv_cache_interface.FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.bfloat16)
     layout = make_layout([24, 9], [4, 9], seed=4)
     LateBuilder(spec, LAYERS, None, torch.device("cpu")).build(0, layout.cm)

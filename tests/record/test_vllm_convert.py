@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attndbg.record.vllm_convert import Speculation, batch_from_common_metadata, convert_common, parents_from_tree_bias
+from attndbg.record.vllm.convert import Speculation, batch_from_common_metadata, convert_common, parents_from_tree_bias
 from attndbg.trace.schema import ForwardMode, Trace
 from tests.record.vllm_env import BLOCK_SIZE, NUM_BLOCKS, STALE_POSITION, Layout, make_layout, trace_of, usable
 

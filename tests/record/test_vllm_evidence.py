@@ -19,9 +19,9 @@ import torch
 
 from attndbg.checks.run import CheckOptions, FindingClass, check_steps, parse_only
 from attndbg.record.session import RecordingSession
-from attndbg.record.vllm_convert import convert_common
-from attndbg.record.vllm_fields import ENGINE_FIELDS, FIELDS_BY_NAME, Trim
-from attndbg.record.vllm_plan import plan_from_metadata
+from attndbg.record.vllm.convert import convert_common
+from attndbg.record.vllm.fields import ENGINE_FIELDS, FIELDS_BY_NAME, Trim
+from attndbg.record.vllm.plan import plan_from_metadata
 from attndbg.trace import io
 from attndbg.trace.schema import ForwardMode, Trace
 from tests.record.vllm_builder_env import HEAD_DIM, KV_HEADS, LAYERS, kv_cache_interface, new_builder, triton_attn, written

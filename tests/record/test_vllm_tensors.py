@@ -32,8 +32,9 @@ kv_cache_interface = import_engine("vllm.v1.kv_cache_interface")
 from attndbg.checks.context import CheckContext, CheckOptions  # noqa: E402
 from attndbg.checks.run import check_steps, parse_only  # noqa: E402
 from attndbg.detectors.split_merge.recorded import recorded_tensors  # noqa: E402
-from attndbg.record import vllm as adapter  # noqa: E402
-from attndbg.record import vllm_tensors  # noqa: E402
+from attndbg.record import hooks  # noqa: E402
+from attndbg.record.vllm import adapter  # noqa: E402
+from attndbg.record.vllm import tensors as vllm_tensors  # noqa: E402
 from attndbg.record.options import RecordOptions  # noqa: E402
 from attndbg.record.session import RecordingSession, end_session, start_session  # noqa: E402
 from attndbg.trace import io  # noqa: E402
@@ -247,8 +248,8 @@ def _step(builder, impl, layout, name: str, g: torch.Generator) -> dict[str, tor
 
 def test_a_backend_defined_later_is_wrapped_and_only_requested_layers_copied(layers_session: RecordingSession, vllm_config) -> None:
     impl = _stand_in_impl()
-    assert getattr(type(impl).forward, vllm_tensors.WRAPPED)
-    assert getattr(triton_attn.TritonAttentionImpl.forward, vllm_tensors.WRAPPED)
+    assert getattr(type(impl).forward, hooks.MARK)
+    assert getattr(triton_attn.TritonAttentionImpl.forward, hooks.MARK)
     names = [layer_name(0), layer_name(1)]
     builder = new_builder(vllm_config, names)
     g = torch.Generator().manual_seed(3)

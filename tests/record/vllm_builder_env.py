@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attndbg.record import vllm as adapter
+from attndbg.record.vllm import adapter
 from attndbg.record.options import RecordOptions
 from attndbg.record.session import RecordingSession, end_session, start_session
 from attndbg.trace import io

@@ -17,7 +17,7 @@ import torch
 from attndbg.checks.context import CheckOptions
 from attndbg.checks.run import check_steps, parse_only
 from attndbg.record.build import source
-from attndbg.record.vllm_convert import Converted
+from attndbg.record.vllm.convert import Converted
 from attndbg.replay.runner import RunStatus, replay
 from attndbg.trace import io
 from attndbg.trace.schema import AttentionKind, Model, Plan, Trace

@@ -58,8 +58,8 @@ def main(out: Path) -> None:
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     from attndbg.record import session as session_module
-    from attndbg.record import vllm as adapter
-    from attndbg.record import vllm_tensors
+    from attndbg.record.vllm import adapter
+    from attndbg.record.vllm import tensors as vllm_tensors
     from attndbg.record.options import RecordOptions
     from attndbg.record.session import end_session, start_session
     from tests.record.vllm_env import AttentionLayerStub, layer_name, make_layout, new_kv_cache, tiny_vllm_config, write_new_kv

@@ -6,7 +6,7 @@ the recorder takes its trimming rules from it, so the table cannot drift from wh
 *verbatim* under `plan.tensors["common.<field>"]` / `plan.scalars["common.<field>"]`, beside the
 engine-neutral batch built from it, cut only of bytes no kernel launched over this metadata can
 read (the `Trim` of each field says which and why). The builder's own output is recorded beside
-it under its own names (`vllm_plan`).
+it under its own names (`plan`).
 
 | engine field | source | recorded as | read by |
 |---|---|---|---|
@@ -37,7 +37,7 @@ from typing import Any
 
 from torch import Tensor
 
-from attndbg.record.vllm_plan import Scalar, plan_parts
+from attndbg.record.vllm.plan import Scalar, plan_parts
 
 COMMON_PREFIX = "common."  # plan names of the CommonAttentionMetadata evidence
 

@@ -10,7 +10,7 @@ Hook points (engines.md A6), each found by feature, not by SGLang version:
 - `RadixAttention.__init__`: remembers the layers, whose shape and numerics the Model records;
 - SGL-new `build_replay_fb_view`: attaches the padded out_cache_loc buffer to the view;
 - with `--layers`: `forward(q, k, v, layer, forward_batch, ...)` on every AttentionBackend subclass
-  that defines it (per-layer tensors of eager steps, `sglang_layers`), and `ModelRunner.forward`,
+  that defines it (per-layer tensors of eager steps, `layers`), and `ModelRunner.forward`,
   at whose end a step with layers is submitted.
 
 Every hook runs the engine's own code first and unchanged, then records inside `session.guard`
@@ -34,17 +34,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attndbg.record import sglang_layers
+from attndbg.record.sglang import layers as sglang_layers
+from attndbg.record import hooks
 from attndbg.record.build import package_version, source
 from attndbg.record.session import RecordingSession, capturing, current_session
-from attndbg.record.sglang_batch import BatchInfo, UnsupportedStep, batch_from_host, capture_batch, engine_mode_name, trace_mode
-from attndbg.record.sglang_graph import PADDED_OUT_CACHE_LOC, GraphInfo, capture_graph_from_runner, capture_graph_from_view, graph_from_host
-from attndbg.record.sglang_model import kv_cache_size, model_from_backend
-from attndbg.record.sglang_plan import PlanCapture, capture_plan, cut_on_device, is_verify_mask, plan_from_host
-from attndbg.record.sglang_spec import SpecInfo, algorithm_name, capture_spec, spec_from_host
+from attndbg.record.sglang.batch import BatchInfo, UnsupportedStep, batch_from_host, capture_batch, engine_mode_name, trace_mode
+from attndbg.record.sglang.graph import PADDED_OUT_CACHE_LOC, GraphInfo, capture_graph_from_runner, capture_graph_from_view, graph_from_host
+from attndbg.record.sglang.model import kv_cache_size, model_from_backend
+from attndbg.record.sglang.plan import PlanCapture, capture_plan, cut_on_device, is_verify_mask, plan_from_host
+from attndbg.record.sglang.spec import SpecInfo, algorithm_name, capture_spec, spec_from_host
 from attndbg.trace.schema import AttentionKind, EngineBuffer, ForwardMode, Model, Source, Trace
 
-MARK = "__attndbg_hook__"  # set on every wrapper, so installing twice wraps nothing twice
 BACKEND_NAMES = {  # class name -> the trace's backend name (fill-value rules and replay use these)
     "TritonAttnBackend": "triton",
     "FlashInferAttnBackend": "flashinfer",
@@ -151,7 +151,7 @@ def record_step(session: RecordingSession, backend: Any, fb: Any, *, raw_bs: int
     """Snapshot one step and queue it for the writer; False when the step is not recorded.
 
     With `--layers`, an eager step is not queued here but held until its layers ran
-    (`sglang_layers`); a step still held from an earlier forward is queued first."""
+    (`layers`); a step still held from an earlier forward is queued first."""
     sglang_layers.flush()
     step = session.next_step()
     if not session.wants(step):
@@ -303,7 +303,7 @@ def _sized_for_step(fb: Any, mode: ForwardMode) -> bool:
 
 def _mask_mode(backend: Any) -> Any:
     """The backend's TreeMaskMode when it says (SGL-new VerifyMask.mode), else None (by size)."""
-    from attndbg.record.sglang_spec import TREE_MASK_MODES
+    from attndbg.record.sglang.spec import TREE_MASK_MODES
 
     verify_mask = getattr(backend, "verify_mask", None)
     mode = getattr(verify_mask, "mode", None)
@@ -342,7 +342,6 @@ def _wrap_eager(original: Callable) -> Callable:
                 record_step(session, self, forward_batch)
         return result
 
-    setattr(init_forward_metadata, MARK, True)
     return init_forward_metadata
 
 
@@ -359,7 +358,6 @@ def _wrap_out_graph(original: Callable) -> Callable:
                 _record_view(session, self, forward_batch)
         return result
 
-    setattr(init_forward_metadata_out_graph, MARK, True)
     return init_forward_metadata_out_graph
 
 
@@ -385,7 +383,6 @@ def _wrap_replay_prepare(original: Callable) -> Callable:
                 record_step(session, self.model_runner.attn_backend, forward_batch, graph=graph)
         return result
 
-    setattr(replay_prepare, MARK, True)
     return replay_prepare
 
 
@@ -402,7 +399,6 @@ def _wrap_replay_metadata(original: Callable) -> Callable:
             setattr(self, REPLAY_SEQ_LENS_SUM, value)
         return result
 
-    setattr(init_forward_metadata_replay_cuda_graph, MARK, True)
     return init_forward_metadata_replay_cuda_graph
 
 
@@ -415,7 +411,6 @@ def _wrap_view_builder(original: Callable) -> Callable:
             setattr(view, PADDED_OUT_CACHE_LOC, out_cache_loc[:num_tokens])
         return view
 
-    setattr(build_replay_fb_view, MARK, True)
     return build_replay_fb_view
 
 
@@ -441,7 +436,6 @@ def _wrap_forward(original: Callable) -> Callable:
                 sglang_layers.capture_output(step, captured[0], captured[1], result, bound["layer"])
         return result
 
-    setattr(forward, MARK, True)
     return forward
 
 
@@ -459,7 +453,6 @@ def _wrap_model_forward(original: Callable) -> Callable:
         sglang_layers.flush()
         return result
 
-    setattr(forward, MARK, True)
     return forward
 
 
@@ -469,7 +462,7 @@ def _instrument_model_runner() -> None:
     module = sys.modules.get("sglang.srt.model_executor.model_runner")
     runner = getattr(module, "ModelRunner", None)
     if runner is not None:
-        _patch(runner, "forward", _wrap_model_forward)
+        hooks.patch(runner, "forward", _wrap_model_forward)
 
 
 def _wrap_layer_init(original: Callable) -> Callable:
@@ -478,49 +471,15 @@ def _wrap_layer_init(original: Callable) -> Callable:
         original(self, *args, **kwargs)
         _layers.append(weakref.ref(self))
 
-    setattr(__init__, MARK, True)
     return __init__
-
-
-def _patch(owner: Any, name: str, wrap: Callable[[Callable], Callable]) -> bool:
-    """Wrap `owner.name` where owner defines it itself (inherited ones are wrapped on the parent)."""
-    current = owner.__dict__.get(name)
-    if current is None or getattr(current, MARK, False) or not callable(current):
-        return False
-    setattr(owner, name, wrap(current))
-    return True
 
 
 def instrument_backend_class(cls: type) -> None:
     """Wrap the metadata entry points and the attention call a backend class defines (idempotent)."""
-    _patch(cls, "init_forward_metadata", _wrap_eager)
-    _patch(cls, "init_forward_metadata_out_graph", _wrap_out_graph)
-    _patch(cls, "init_forward_metadata_replay_cuda_graph", _wrap_replay_metadata)  # SGL-classic
-    _patch(cls, "forward", _wrap_forward)
-
-
-def _subclasses(cls: type) -> Iterator[type]:
-    for sub in cls.__subclasses__():
-        yield sub
-        yield from _subclasses(sub)
-
-
-def _instrument_future_subclasses(base: type) -> None:
-    """Backends are imported lazily (attention_registry): wrap each class when it is defined."""
-    previous = base.__dict__.get("__init_subclass__")
-    previous_function = getattr(previous, "__func__", None)
-    if previous_function is not None and getattr(previous_function, MARK, False):
-        return
-
-    def __init_subclass__(cls: type, **kwargs: Any) -> None:
-        if previous_function is not None:
-            previous_function(cls, **kwargs)
-        else:
-            super(base, cls).__init_subclass__(**kwargs)
-        instrument_backend_class(cls)
-
-    setattr(__init_subclass__, MARK, True)
-    base.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[method-assign]
+    hooks.patch(cls, "init_forward_metadata", _wrap_eager)
+    hooks.patch(cls, "init_forward_metadata_out_graph", _wrap_out_graph)
+    hooks.patch(cls, "init_forward_metadata_replay_cuda_graph", _wrap_replay_metadata)  # SGL-classic
+    hooks.patch(cls, "forward", _wrap_forward)
 
 
 def install() -> None:
@@ -532,21 +491,21 @@ def install() -> None:
     from sglang.srt.layers.radix_attention import RadixAttention
 
     _installed = True
-    _patch(RadixAttention, "__init__", _wrap_layer_init)
+    hooks.patch(RadixAttention, "__init__", _wrap_layer_init)
     instrument_backend_class(AttentionBackend)
-    for cls in _subclasses(AttentionBackend):
+    for cls in hooks.subclasses(AttentionBackend):
         instrument_backend_class(cls)
-    _instrument_future_subclasses(AttentionBackend)
+    hooks.on_subclass(AttentionBackend, instrument_backend_class)
     _instrument_model_runner()
     with contextlib.suppress(ImportError):  # SGL-classic only
         from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 
-        _patch(CudaGraphRunner, "replay_prepare", _wrap_replay_prepare)
+        hooks.patch(CudaGraphRunner, "replay_prepare", _wrap_replay_prepare)
     with contextlib.suppress(ImportError):  # SGL-new only
         from sglang.srt.model_executor.runner import decode_cuda_graph_runner as runner
 
-        if not getattr(runner.build_replay_fb_view, MARK, False):
-            runner.build_replay_fb_view = _wrap_view_builder(runner.build_replay_fb_view)
+        if not hooks.is_hooked(runner.build_replay_fb_view):
+            runner.build_replay_fb_view = hooks.mark(_wrap_view_builder(runner.build_replay_fb_view))
 
 
 def register() -> None:

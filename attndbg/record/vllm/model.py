@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from attndbg.record.vllm_convert import Speculation
+from attndbg.record.vllm.convert import Speculation
 from attndbg.trace.schema import DTYPES, Q_DTYPES, AttentionKind, Model
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}

@@ -119,7 +119,7 @@ def capture_spec(
     none); it cuts a `capacity` buffer to this step's layout length before the copy. A mask the engine
     sized for this step is taken whole (module docstring).
     """
-    from attndbg.record.sglang_batch import draft_token_num
+    from attndbg.record.sglang.batch import draft_token_num
 
     n = draft_token_num(spec_info)
     mask = spec_info.custom_mask

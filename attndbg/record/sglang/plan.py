@@ -167,7 +167,7 @@ def _triton_graph(backend: Any, bs: int, verify: bool, spec_info: Any) -> PlanCa
             tensors["custom_mask"] = buffer
             tensors["mask_indptr"] = backend.mask_indptr[: bs + 1]
             trim["custom_mask"] = "mask_indptr"
-    from attndbg.record.sglang_batch import draft_token_num
+    from attndbg.record.sglang.batch import draft_token_num
 
     n = draft_token_num(spec_info) if spec_info is not None else int(backend.num_draft_tokens)
     return PlanCapture("triton", tensors, _triton_extend_scalars(backend, n), trim, set(trim))

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from attndbg.record.build import batch_from_rows, mode_from_lengths
-from attndbg.record.vllm_fields import common_parts
+from attndbg.record.vllm.fields import common_parts
 from attndbg.trace.schema import Batch, ForwardMode, Graph, MaskLayout, Spec, indptr
 
 VLLM_FILL_VALUE = 0  # seq_len of padded rows (engines.md B5)

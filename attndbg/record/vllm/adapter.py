@@ -9,11 +9,9 @@ Why `build()` (engines.md B6): every runner (V1 and V2) turns each step's
 `CommonAttentionMetadata` into per-backend metadata there, outside any CUDA graph, for target and
 draft models alike; it sees both the engine-neutral batch and what the backend built.
 
-Which classes: every `AttentionMetadataBuilder` subclass. Those defined when `install()` runs are
-found by walking `__subclasses__()`; those defined later (backends are imported lazily, when a
-model picks them) are wrapped by an `__init_subclass__` installed on the base class, which runs
-the moment the subclass statement executes. Patching the base class's `build` alone would not
-do: it is abstract and every subclass overrides it.
+Which classes: every `AttentionMetadataBuilder` subclass, now and defined later (backends are
+imported lazily, when a model picks them), placed by the shared toolkit (`record/hooks.py`).
+Patching the base class's `build` alone would not do: it is abstract and every subclass overrides it.
 
 Per call (the outermost wrapped call on this thread; nested ones, such as `super().build()` or a
 capture that calls `build`, pass straight through):
@@ -22,14 +20,14 @@ capture that calls `build`, pass straight through):
   copies of the common metadata and of the built metadata's tensors (`session.snapshot`), then
   hand the copies to the writer thread, which builds and writes the Trace: the engine-neutral
   batch, and as evidence the `CommonAttentionMetadata` verbatim (`plan.tensors["common.*"]`, the
-  fields and their trimming in `vllm_fields`) beside the builder's output under its own names.
+  fields and their trimming in `fields`) beside the builder's output under its own names.
   Wrong values never stop recording (the converter records them; the detectors judge them);
 - anything that raises inside the hook disables recording with one log line (`session.guard`);
   the engine's metadata is returned unchanged either way.
 
 With `--layers`, `install()` also wraps `AttentionImpl.forward` on every impl class (the same way:
 existing subclasses now, later ones through `__init_subclass__`), and a recorded step is held
-until its layers ran instead of being submitted at once: see `vllm_tensors` for when it is
+until its layers ran instead of being submitted at once: see `tensors` for when it is
 written and what is copied. Each outermost build call first submits the step its builder built
 last. Without `--layers` nothing is held and `forward` is not wrapped.
 """
@@ -47,15 +45,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attndbg.record import vllm_model, vllm_tensors
+from attndbg.record.vllm import model as vllm_model
+from attndbg.record.vllm import tensors as vllm_tensors
+from attndbg.record import hooks
 from attndbg.record.build import source
 from attndbg.record.session import RecordingSession, current_session
-from attndbg.record.vllm_convert import Speculation, convert_common, host_from_parts, parents_from_tree_bias
-from attndbg.record.vllm_fields import COMMON_PREFIX, common_parts
-from attndbg.record.vllm_plan import Scalar, plan_from_parts, plan_parts
+from attndbg.record.vllm.convert import Speculation, convert_common, host_from_parts, parents_from_tree_bias
+from attndbg.record.vllm.fields import COMMON_PREFIX, common_parts
+from attndbg.record.vllm.plan import Scalar, plan_from_parts, plan_parts
 from attndbg.trace.schema import LayerTensors, LseBase, Model, Trace
 
-WRAPPED = "__attndbg_wrapped__"
 METHODS = ("build", "build_for_cudagraph_capture", "build_for_drafting")
 CAPTURE = "build_for_cudagraph_capture"
 # Where the base class lives: vLLM 0.33 (`backend.py`), then older v1 releases (`backends/utils.py`).
@@ -105,13 +104,13 @@ def install() -> None:
         return
     base = base_class()
     with _install_lock:
-        _patch_init_subclass(base, wrap_class)
-        for cls in [base, *_subclasses(base)]:
+        hooks.on_subclass(base, wrap_class)
+        for cls in [base, *hooks.subclasses(base)]:
             wrap_class(cls)
         if session.options.layers:
             impl_base = vllm_tensors.impl_base_class()
-            _patch_init_subclass(impl_base, wrap_impl_class)
-            for cls in [impl_base, *_subclasses(impl_base)]:
+            hooks.on_subclass(impl_base, wrap_impl_class)
+            for cls in [impl_base, *hooks.subclasses(impl_base)]:
                 wrap_impl_class(cls)
             if not _atexit_registered:
                 # Registered after the session's own close (atexit runs last-in first-out), so
@@ -120,48 +119,15 @@ def install() -> None:
                 _atexit_registered = True
 
 
-def _subclasses(cls: type) -> list[type]:
-    seen: list[type] = []
-    stack = list(cls.__subclasses__())
-    while stack:
-        sub = stack.pop()
-        if sub not in seen:
-            seen.append(sub)
-            stack.extend(sub.__subclasses__())
-    return seen
-
-
-def _patch_init_subclass(base: type, wrap: Callable[[type], None]) -> None:
-    if base.__dict__.get("_attndbg_init_subclass", False):
-        return
-    own = base.__dict__.get("__init_subclass__")
-
-    def __init_subclass__(cls: type, **kwargs: Any) -> None:
-        if own is not None:
-            own.__func__(cls, **kwargs)
-        else:
-            super(base, cls).__init_subclass__(**kwargs)
-        wrap(cls)
-
-    base.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]
-    base._attndbg_init_subclass = True  # type: ignore[attr-defined]
-
-
 def wrap_class(cls: type) -> None:
     """Wrap the build methods `cls` defines itself (inherited ones are wrapped where defined)."""
     for name in METHODS:
-        fn = cls.__dict__.get(name)
-        if fn is None or not callable(fn) or getattr(fn, WRAPPED, False) or getattr(fn, "__isabstractmethod__", False):
-            continue
-        setattr(cls, name, _wrap(fn, name))
+        hooks.patch(cls, name, functools.partial(_wrap, kind=name))
 
 
 def wrap_impl_class(cls: type) -> None:
     """Wrap the `forward` an AttentionImpl class defines itself (not the abstract one)."""
-    fn = cls.__dict__.get("forward")
-    if fn is None or not callable(fn) or getattr(fn, WRAPPED, False) or getattr(fn, "__isabstractmethod__", False):
-        return
-    cls.forward = vllm_tensors.wrap_forward(fn)  # type: ignore[attr-defined]
+    hooks.patch(cls, "forward", vllm_tensors.wrap_forward)
 
 
 def _wrap(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
@@ -182,7 +148,6 @@ def _wrap(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
                 _record(session, self, kind, args, kwargs, result)
         return result
 
-    setattr(wrapper, WRAPPED, True)
     return wrapper
 
 
@@ -230,7 +195,7 @@ def _record(session: RecordingSession, builder: Any, kind: str, args: tuple[Any,
             **{f"vllm.{k}": v for k, v in call_scalars.items()},
         },
     )
-    # The engine's CommonAttentionMetadata, verbatim (vllm_fields), and what the builder built.
+    # The engine's CommonAttentionMetadata, verbatim (fields), and what the builder built.
     tensors: dict[str, Tensor | None] = {f"cm.{k}": v for k, v in common_tensors.items()}
     tensors.update({f"plan.{k}": v for k, v in plan_tensors.items()})
     copy = session.snapshot(tensors)

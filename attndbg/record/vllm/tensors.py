@@ -54,7 +54,6 @@ from attndbg.record import session as session_module
 from attndbg.record.session import Build, HostCopy, RecordingSession
 from attndbg.trace.schema import Batch, LayerTensors, LseBase
 
-WRAPPED = "__attndbg_wrapped__"
 # Where AttentionImpl lives: vLLM 0.33 (`backend.py`), then older v1 releases.
 IMPL_MODULES = ("vllm.v1.attention.backend", "vllm.attention.backends.abstract")
 # Impls whose [B, H, N, C] cache view is not H = KV heads, C = K | V (b12x puts K/V on dim 1).
@@ -222,7 +221,6 @@ def wrap_forward(fn: Callable[..., Any]) -> Callable[..., Any]:
                     pending.lse_bases[index] = LseBase.E if getattr(self, "lse_base_on_e", True) else LseBase.TWO
         return result
 
-    setattr(forward, WRAPPED, True)
     return forward
 
 
@@ -254,7 +252,7 @@ def _before(impl: Any, pending: _Pending, query: Tensor, key: Tensor | None, val
 def table_holds(batch: Batch, block_table: Tensor, block_size: int) -> bool:
     """Whether every block the batch reads is in the step's block table (the layers gathered
     only those). Not so when the engine's table holds ids no pool has: the batch then reads spare
-    blocks (vllm_convert.readable_rows) whose contents the engine never had."""
+    blocks (convert.readable_rows) whose contents the engine never had."""
     blocks = torch.unique(torch.div(batch.slot_ids, block_size, rounding_mode="floor"))
     return bool(torch.isin(blocks, block_table.reshape(-1).to(torch.int64)).all())
 
