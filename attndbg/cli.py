@@ -350,7 +350,7 @@ def _ignored_options(trace: Any, names: list[str], backend_options: Any, *, num_
 def _save_replay(path: str, trace_file: str, result: Any) -> None:
     import hashlib
 
-    from attndbg.replay.saved import REFERENCE, save_replay
+    from attndbg.compare.saved import REFERENCE, save_replay
 
     outputs = {REFERENCE: (result.reference.output, result.reference.lse)}
     for r in result.runs:
@@ -379,7 +379,7 @@ def diff(a: str, b: str, json_path: str | None, pairs: tuple[str, ...]) -> None:
       attndbg diff rec_a rec_b
       attndbg diff run_a.replay run_b.replay --pair triton:triton
     """
-    from attndbg.replay.saved import is_saved_replay
+    from attndbg.compare.saved import is_saved_replay
 
     _check_outputs(json=json_path)
     console = _console(stderr=json_path == "-")
@@ -415,7 +415,7 @@ def diff(a: str, b: str, json_path: str | None, pairs: tuple[str, ...]) -> None:
 def _diff_saved(console: Console, a: str, b: str, pairs: tuple[str, ...]) -> tuple[dict[str, Any], bool]:
     """Two saved replays: refuse pairs naming absent backends and replays of different traces."""
     from attndbg.compare.replay_diff import diff_replays, different_traces
-    from attndbg.replay.saved import load_replay
+    from attndbg.compare.saved import load_replay
     from attndbg.report.diff import render_replay_diff, replay_diff_to_json
 
     ra, rb = load_replay(a), load_replay(b)

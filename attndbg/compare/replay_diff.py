@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attndbg.replay.saved import REFERENCE, SavedReplay
+from attndbg.compare.saved import REFERENCE, SavedReplay
 
 
 class PairStatus(enum.Enum):

@@ -1,1 +1,7 @@
+"""The runner: rebuild a step's data and plans, run the real kernels, compare with the reference.
 
+It sits above `attndbg.compare` (formats and result types: `Comparison`, the saved-replay file)
+and below everything that judges or renders its results (checks, detectors, report, cli); see
+`attndbg/compare/__init__.py` for the whole stack. Nothing in `attndbg.compare` imports this
+package.
+"""

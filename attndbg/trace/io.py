@@ -26,7 +26,7 @@ from attndbg.trace.schema import Trace, to_dict
 from attndbg.trace.validate import TraceError, from_dict
 
 MANIFEST = "manifest.jsonl"
-SAVED_REPLAY_FORMAT = "attndbg.replay"  # replay.saved.FORMAT_NAME: told apart here without importing it
+SAVED_REPLAY_FORMAT = "attndbg.replay"  # compare.saved.FORMAT_NAME: told apart here without importing it
 
 # What torch.load raises on a file that is not a (safe) torch archive: random bytes, truncation,
 # a pickle with code in it (UnpicklingError from the weights_only unpickler), a zip without data.

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attndbg.replay.saved import REFERENCE, save_replay
+from attndbg.compare.saved import REFERENCE, save_replay
 from attndbg.trace import io
 from tests.cli.helpers import invoke, one_line_error
 from tests.factories import make_trace, write_trace

@@ -10,7 +10,7 @@ import torch
 from rich.console import Console
 
 from attndbg.compare.replay_diff import PairStatus, diff_replays
-from attndbg.replay.saved import REFERENCE, BackendResult, SavedReplay, load_replay, save_replay
+from attndbg.compare.saved import REFERENCE, BackendResult, SavedReplay, load_replay, save_replay
 from attndbg.report.diff import render_replay_diff, replay_diff_to_json
 from attndbg.trace.synth import build, parse_spec
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attndbg.replay.saved import (
+from attndbg.compare.saved import (
     FORMAT_NAME,
     FORMAT_VERSION,
     REFERENCE,
