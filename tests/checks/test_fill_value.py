@@ -150,6 +150,26 @@ def test_padded_indptr_that_decreases(name: str, drop_at: int) -> None:
     assert f"plan.{name}[{i}] = 0 < plan.{name}[{i - 1}] = {int(good[i - 1])}" in f.evidence
 
 
+def test_padded_offsets_are_read_from_the_plan_view_with_their_stride() -> None:
+    """An offsets tensor only the adapter's plan view names (fa3's two-call expand_cu_seqlens_q, one
+    entry per draft token) is checked too, and its padded entries are attributed per request."""
+    from attndbg.backends.base import Padding
+    from attndbg.backends.fa3 import FA3Backend, FA3Options
+
+    trace = make_trace("verify", "capture_bs=5", "fill_value=1")
+    plan = FA3Backend(FA3Options(verify_path="two-call")).derive_plan(trace, Padding(5, 1))
+    trace = replace(trace, plan=plan, source=replace(trace.source, backend=FA3Backend.name))
+    assert fill_value.recorded_padding(trace) == []
+    bs, n = trace.batch.batch_size, trace.spec.draft_token_num
+    stale = plan.tensors["expand_cu_seqlens_q"].clone()
+    stale[bs * n + 1 :] = 0  # the padded requests' draft rows keep the buffer's zeros
+    planted = replace(trace, plan=replace(plan, tensors={**plan.tensors, "expand_cu_seqlens_q": stale}))
+    f = only(fill_value.recorded_padding(planted), "padded-indptr-decreases")
+    i = bs * n + 1
+    assert (f.location.field, f.location.request) == (f"plan.expand_cu_seqlens_q[{i}]", bs)
+    assert f"entry of padded request {bs}; the real requests end at expand_cu_seqlens_q[{bs * n}] = {bs * n}" in f.evidence
+
+
 @pytest.mark.parametrize(
     "row_value,seq_len,check,severity",
     [

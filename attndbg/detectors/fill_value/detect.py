@@ -34,10 +34,12 @@ import torch
 from attndbg import machine
 from attndbg.backends import engine_names, registry
 from attndbg.backends.base import FillRequirement
+from attndbg.backends.plan_view import Offsets, PlanViewError
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding, FindingClass, finding
 from attndbg.replay import graph as graph_replay
 from attndbg.replay.runner import BackendRun, ReplayOptions, RunStatus
+from attndbg.replay.variants import Eager, Graph
 from attndbg.trace.schema import ForwardMode, Trace
 
 KIND = FindingClass.FILL_VALUE
@@ -49,8 +51,6 @@ DUMMY_SLOTS = (0, -1)
 # most; a req_to_token of 2^20 rows x 4096 int32 columns is 16 GiB): a padded row id at or above
 # this is garbage, wherever the pool ends.
 IMPLAUSIBLE_POOL_ROWS = 1 << 20
-# Plan tensors that are per-request offsets over the (possibly padded) batch.
-INDPTR_NAMES = ("kv_indptr", "qo_indptr", "cu_seqlens_q", "cu_seqlens_k", "mask_indptr")
 
 
 def requirement(backend: str) -> FillRequirement | None:
@@ -202,32 +202,58 @@ def _seq_lens_sum(trace: Trace) -> list[Finding]:
     ]
 
 
+# Per-request offsets by the names SGLang's and FlashAttention's plans give them, checked whether or
+# not the consuming kernel reads them (an engine may hand a stale one to another kernel of the step).
+USUAL_INDPTRS = ("kv_indptr", "qo_indptr", "cu_seqlens_q", "cu_seqlens_k", "mask_indptr")
+
+
+def _offsets_of(trace: Trace) -> dict[str, int]:
+    """The plan tensors that are per-request offsets (indptrs) over the possibly padded batch, each
+    with its entries per request (a two-call verify's expand_ tables have one per draft token): the
+    usual names, then every other Offsets its adapter's plan view declares (a third-party layout
+    names its own; a plan it cannot view is plan-unsafe's)."""
+    adapter = registry.adapter_of(trace.plan)
+    try:
+        view = adapter.plan_view(trace, trace.plan) if adapter is not None else None
+    except PlanViewError:
+        view = None
+    offsets = dict.fromkeys(USUAL_INDPTRS, 1)
+    if view is not None:
+        stride = {name: rows.per_request for rows in view.layout or () for name, _ in rows.offsets}
+        for bound in view.bounds:
+            if isinstance(bound, Offsets):
+                offsets.setdefault(bound.field, stride.get(bound.field, 1))
+    return offsets
+
+
 def _padded_indptrs(trace: Trace) -> list[Finding]:
     plan, bs = trace.plan, trace.batch.batch_size
     if plan is None:
         return []
     findings = []
-    for name in INDPTR_NAMES:
+    for name, per_request in _offsets_of(trace).items():
         values = plan.tensors.get(name)
-        if values is None or values.numel() <= bs + 1:
+        real = bs * per_request  # entries [0, real] are the real requests'
+        if values is None or values.numel() <= real + 1:
             continue  # the plan covers only the real requests: nothing padded was recorded
         values = values.to(torch.int64)
-        drops = torch.nonzero(values[bs + 1 :] < values[bs:-1]).flatten()
+        drops = torch.nonzero(values[real + 1 :] < values[real:-1]).flatten()
         if not drops.numel():
             continue
-        i = bs + 1 + int(drops[0])
+        i = real + 1 + int(drops[0])
+        request = (i - 1) // per_request
         findings.append(
             _graded(
                 trace,
                 "padded-indptr-decreases",
                 f"plan.{name}[{i}] = {int(values[i])} < plan.{name}[{i - 1}] = {int(values[i - 1])} "
-                f"(entry of padded request {i - 1}; the real requests end at {name}[{bs}] = {int(values[bs])})",
+                f"(entry of padded request {request}; the real requests end at {name}[{real}] = {int(values[real])})",
                 f"The padded entries of {name} were left at the static buffer's initial or stale values instead of "
                 "continuing the cumulative sum (each padded request adds its fill_value columns): a kernel reading them "
                 "gets a negative length for a padded request.",
-                request=i - 1,
+                request=request,
                 field=f"plan.{name}[{i}]",
-                data={"name": name, "values": values.tolist()[: 2 * (bs + 2)]},
+                data={"name": name, "values": values.tolist()[: 2 * (real + 2)]},
             )
         )
     return findings
@@ -369,8 +395,8 @@ def padded_replays(ctx: CheckContext) -> list[Finding]:
                 fill_value=fill,
             )
             result = ctx.replay(options, (name,))
-            eager = next((r for r in result.runs if r.variant == "eager"), None)
-            graphed = next((r for r in result.runs if r.variant.startswith("graph")), None)
+            eager = next((r for r in result.runs if isinstance(r.variant, Eager)), None)
+            graphed = next((r for r in result.runs if isinstance(r.variant, Graph)), None)
             runs.append(_Padded(fill, eager, graphed))
         findings += _replay_findings(trace, name=name, capture_bs=capture_bs, runs=runs, recorded=recorded)
     return findings
