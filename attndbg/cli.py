@@ -351,11 +351,12 @@ def _save_replay(path: str, trace_file: str, result: Any) -> None:
     import hashlib
 
     from attndbg.compare.saved import REFERENCE, save_replay
+    from attndbg.replay.variants import Eager
 
     outputs = {REFERENCE: (result.reference.output, result.reference.lse)}
     for r in result.runs:
         if r.result is not None:
-            key = r.name if r.variant == "eager" else f"{r.name}[{r.variant}]"
+            key = r.name if isinstance(r.variant, Eager) else f"{r.name}[{r.variant.label}]"
             outputs[key] = (r.result.output, r.result.lse)
     digest = hashlib.sha256(Path(trace_file).read_bytes()).hexdigest()
     save_replay(path, trace_file=trace_file, qo_indptr=result.trace.batch.qo_indptr, results=outputs, trace_digest=digest)

@@ -49,7 +49,7 @@ def main() -> int:
             row = run_to_json(run, StepReport(result=result, layer=None)) | {"mode": name}
             rows.append(row)
             print(
-                f"{name:22s} {run.name:10s} {run.variant:18s} {run.status.value:11s} "
+                f"{name:22s} {run.name:10s} {run.variant.label:18s} {run.status.value:11s} "
                 f"abs={row.get('max_abs', float('nan')):.3e} rel={row.get('max_rel', float('nan')):.3e} "
                 f"lse={row.get('max_lse_abs', float('nan')):.3e} fail={row.get('failing_rows', '-')}/{row.get('total_rows', '-')} "
                 f"t={row.get('seconds', 0) * 1e3:.1f}ms {run.reason or ''} {'; '.join(run.problems)}",

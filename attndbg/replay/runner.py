@@ -1,9 +1,9 @@
 """Replay: data, plans, kernels (eager, recorded plan, CUDA graph), and every comparison.
 
-Each backend yields one row per variant it ran:
-  eager            the plan derived from the batch, run once (or --repeat times, checked bitwise)
-  recorded plan    the plan the engine recorded in the trace, when it was built by this backend
-  graph            the derived plan padded to a capture size and replayed in a real CUDA graph
+Each backend yields one row per variant it ran (`variants`: typed, with the labels shown here):
+  Eager            the plan derived from the batch, run once (or --repeat times, checked bitwise)
+  Recorded         the plan the engine recorded in the trace, when it was built by this backend
+  Graph            the derived plan padded to a capture size and replayed in a real CUDA graph
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from attndbg.profiling import phase, step_label
 from attndbg.replay import activity
 from attndbg.replay import graph as graph_replay
 from attndbg.replay.step_data import StepData
-from attndbg.replay.plan_guard import out_of_bounds, real_requests_only
+from attndbg.replay.plan_guard import Refusal, real_requests_only, refusal
+from attndbg.replay.variants import EAGER, RECORDED, Graph, Variant
 from attndbg.trace.errors import TraceError
 from attndbg.trace.schema import Plan, Trace
 
@@ -48,8 +49,8 @@ class BackendRun:
     name: str
     status: RunStatus
     description: str
-    variant: str = "eager"  # "eager", "recorded plan", "graph bs=N fill=V"
-    reason: str | None = None  # why it did not run, or what failed besides the numbers
+    variant: Variant = EAGER
+    reason: str | None = None  # why it did not run, or what failed besides the numbers, for people
     comparison: Comparison | None = None
     result: AttentionResult | None = None  # CPU copies
     plan: Plan | None = None
@@ -57,6 +58,9 @@ class BackendRun:
     problems: list[str] = field(default_factory=list)  # failures beyond tolerance (bits, padding, KV writes), for people
     graph: graph_replay.GraphOutcome | None = None  # the same facts as data, for detectors (graph variant only)
     repeat_identical: bool | None = None  # --repeat N > 1: were all N eager runs bitwise identical
+    # The plan guard refused the recorded plan before launch (status ERROR; `reason` ends
+    # "(not launched)" for people): the same fact as data, so detectors need not read the reason.
+    refused: Refusal | None = None
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,7 @@ def _runs_of(backend: Backend, ctx: _Context) -> list[BackendRun]:
         if key not in ctx.data.eager_runs:
             with phase("plan", ctx.label):
                 plan = backend.derive_plan(ctx.trace)
-            ctx.data.eager_runs[key] = _eager(backend, ctx, inputs, plan, description, "eager", ctx.options.repeat)
+            ctx.data.eager_runs[key] = _eager(backend, ctx, inputs, plan, description, EAGER, ctx.options.repeat)
         runs.append(ctx.data.eager_runs[key])
     if ctx.options.plan is not PlanSource.DERIVED:
         runs.append(_recorded(backend, ctx, inputs, description))
@@ -164,9 +168,9 @@ def _announce_first_use(backend: Backend, trace: Trace) -> None:
     sys.stderr.flush()
 
 
-def _execute(backend: Backend, ctx: _Context, inputs: AttentionInputs, plan: Plan, variant: str) -> tuple[AttentionResult, float]:
+def _execute(backend: Backend, ctx: _Context, inputs: AttentionInputs, plan: Plan, variant: Variant) -> tuple[AttentionResult, float]:
     start = time.perf_counter()
-    with phase("run", f"{ctx.label} backend={backend.name}"), activity.launching(backend.name, variant):
+    with phase("run", f"{ctx.label} backend={backend.name}"), activity.launching(backend.name, variant.label):
         result = backend.run(ctx.trace, inputs, plan)
         if inputs.q.is_cuda:
             torch.cuda.synchronize()
@@ -174,7 +178,7 @@ def _execute(backend: Backend, ctx: _Context, inputs: AttentionInputs, plan: Pla
     return AttentionResult(output=result.output.cpu(), lse=result.lse.cpu()), seconds
 
 
-def _eager(backend, ctx, inputs, plan, description, variant, repeat) -> BackendRun:
+def _eager(backend: Backend, ctx: _Context, inputs: AttentionInputs, plan: Plan, description: str, variant: Variant, repeat: int) -> BackendRun:
     try:
         result, seconds = _execute(backend, ctx, inputs, plan, variant)
         problems = []
@@ -197,7 +201,7 @@ def _eager(backend, ctx, inputs, plan, description, variant, repeat) -> BackendR
 
 
 def _recorded(backend: Backend, ctx: _Context, inputs: AttentionInputs, description: str) -> BackendRun:
-    variant = "recorded plan"
+    variant = RECORDED
     plan = ctx.trace.plan
     if plan is None:
         return BackendRun(backend.name, RunStatus.UNSUPPORTED, description, variant, reason="the trace has no recorded plan")
@@ -206,9 +210,9 @@ def _recorded(backend: Backend, ctx: _Context, inputs: AttentionInputs, descript
     real = real_requests_only(ctx.trace, plan)
     if real is not plan:
         description += f" (the real {ctx.trace.batch.batch_size} requests of a plan padded to capture_bs={ctx.trace.graph.capture_bs})"
-    guard = out_of_bounds(ctx.trace, real, backend)
-    if guard:
-        return BackendRun(backend.name, RunStatus.ERROR, description, variant, reason=guard + " (not launched)", plan=plan)
+    refused = refusal(ctx.trace, real, backend)
+    if refused is not None:
+        return BackendRun(backend.name, RunStatus.ERROR, description, variant, reason=refused.message + " (not launched)", plan=plan, refused=refused)
     return _eager(backend, ctx, inputs, real, description, variant, 1)
 
 
@@ -216,7 +220,7 @@ def _graph(backend: Backend, ctx: _Context, inputs: AttentionInputs, description
     trace, options = ctx.trace, ctx.options
     fill = backend.cuda_graph_fill_value if options.fill_value is None else options.fill_value
     capture_bs = options.capture_bs or graph_replay.default_capture_bs(trace)
-    variant = f"graph bs={capture_bs} fill={fill}"
+    variant = Graph(capture_bs=capture_bs, fill=fill)
     reason = backend.graph_unsupported_reason(trace)
     if reason:
         return BackendRun(backend.name, RunStatus.UNSUPPORTED, description, variant, reason=reason)
@@ -226,7 +230,7 @@ def _graph(backend: Backend, ctx: _Context, inputs: AttentionInputs, description
     if options.graph_capture and not capture:
         return BackendRun(backend.name, RunStatus.UNAVAILABLE, description, variant, reason="CUDA graphs need a CUDA GPU and a backend running on it")
     try:
-        with phase("capture+replay", f"{ctx.label} backend={backend.name} capture_bs={capture_bs}"), activity.launching(backend.name, variant):
+        with phase("capture+replay", f"{ctx.label} backend={backend.name} capture_bs={capture_bs}"), activity.launching(backend.name, variant.label):
             start = time.perf_counter()
             outcome = graph_replay.graph_replay(
                 backend, trace, inputs, padding=Padding(capture_bs=capture_bs, fill_value=fill), capture=capture, seed=trace.seed

@@ -19,6 +19,7 @@ from rich.text import Text
 
 from attndbg.compare.tolerance import Location
 from attndbg.replay.runner import BackendRun, ReplayResult, RunStatus
+from attndbg.replay.variants import Eager, parse_variant, run_name
 
 SCHEMA = "attndbg.replay/1"
 
@@ -88,11 +89,11 @@ def overall(steps: Sequence[dict[str, Any]]) -> Verdict:
 
 
 def _run_name(run: BackendRun) -> str:
-    return run.name if run.variant == "eager" else f"{run.name} {run.variant}"
+    return run_name(run.name, run.variant)
 
 
 def _json_run_name(run: dict[str, Any]) -> str:
-    return run["backend"] if run["variant"] == "eager" else f"{run['backend']} {run['variant']}"
+    return run_name(run["backend"], parse_variant(run["variant"]))
 
 
 def _repeat_identical(run: BackendRun) -> bool:
@@ -169,7 +170,7 @@ def _notes(step: StepReport) -> list[Text]:
         for problem in run.problems:
             lines.append(Text(f"{_run_name(run)}: {problem}", style="bold red"))
     if step.repeat > 1:
-        same = [r.name for r in step.ran if r.variant == "eager" and r.result is not None and _repeat_identical(r)]
+        same = [r.name for r in step.ran if isinstance(r.variant, Eager) and r.result is not None and _repeat_identical(r)]
         if same:
             lines.append(Text(f"--repeat {step.repeat}: {', '.join(same)} bitwise identical over {step.repeat} runs", style="green"))
     for run in step.skipped:
@@ -220,7 +221,7 @@ def verdict_line(steps: Sequence[dict[str, Any]]) -> Text:
 def run_to_json(run: BackendRun, step: StepReport) -> dict[str, Any]:
     out: dict[str, Any] = {
         "backend": run.name,
-        "variant": run.variant,
+        "variant": run.variant.label,
         "status": run.status.value,
         "description": run.description,
         "reason": run.reason,
@@ -243,7 +244,7 @@ def run_to_json(run: BackendRun, step: StepReport) -> dict[str, Any]:
             nonfinite=c.nonfinite,
             seconds=run.seconds,
         )
-    if step.repeat > 1 and run.variant == "eager" and run.result is not None:
+    if step.repeat > 1 and isinstance(run.variant, Eager) and run.result is not None:
         out["repeat"] = {"runs": step.repeat, "bitwise_identical": _repeat_identical(run)}
     return out
 
@@ -260,7 +261,7 @@ def step_to_json(step: StepReport) -> dict[str, Any]:
         "verdict": step.verdict.value,
         "passed": step.verdict is Verdict.PASSED,
         "compared": [_run_name(r) for r in step.ran],
-        "skipped": [{"backend": r.name, "variant": r.variant, "status": r.status.value, "reason": r.reason} for r in step.skipped],
+        "skipped": [{"backend": r.name, "variant": r.variant.label, "status": r.status.value, "reason": r.reason} for r in step.skipped],
         "notes": list(step.notes),
         "backends": [run_to_json(r, step) for r in step.result.runs],
     }

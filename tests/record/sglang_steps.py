@@ -18,6 +18,7 @@ from attndbg.checks.run import check_steps, parse_only
 from attndbg.record.build import source
 from attndbg.record.sglang.model import model_from_layer
 from attndbg.replay.runner import PlanSource, ReplayOptions, RunStatus, replay
+from attndbg.replay.variants import Recorded
 from attndbg.trace import io
 from attndbg.trace.schema import Batch, Graph, Plan, Spec, Trace
 from tests.record import sglang_env as env
@@ -86,11 +87,11 @@ def saved_and_loaded(trace: Trace, tmp_path: Path) -> tuple[Trace, Path]:
 def assert_replays_clean(trace: Trace, path: Path, *, expect_recorded: bool = True) -> None:
     source = PlanSource.BOTH if expect_recorded else PlanSource.DERIVED
     result = replay(trace, str(path), ["reference", "triton"], ReplayOptions(plan=source))
-    variants = {(run.name, run.variant): run for run in result.runs}
+    variants = {(run.name, run.variant.label): run for run in result.runs}
     if expect_recorded:
         assert ("triton", "recorded plan") in variants, list(variants)
     for run in result.runs:
-        if run.name == "reference" and run.variant == "recorded plan":
+        if run.name == "reference" and isinstance(run.variant, Recorded):
             continue  # the plan was built by the engine's triton backend, not the reference's
         assert run.status is RunStatus.PASSED, (run.name, run.variant, run.reason, run.comparison)
 

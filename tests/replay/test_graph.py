@@ -15,6 +15,7 @@ from attndbg.backends.base import Padding
 from attndbg.machine import cuda_available
 from attndbg.replay.graph import decoy, default_capture_bs
 from attndbg.replay.runner import ReplayOptions, RunStatus, replay
+from attndbg.replay.variants import Graph
 from attndbg.trace.validate import from_dict
 from attndbg.trace.schema import to_dict
 from tests.factories import make_trace
@@ -24,7 +25,7 @@ CAPTURE = [pytest.param(False, id="no-capture"), pytest.param(True, id="cuda-gra
 
 def _graph_run(trace, capture: bool, **kw):
     options = ReplayOptions(cuda_graph=True, graph_capture=capture, **kw)
-    runs = [r for r in replay(trace, "t", ["triton"], options).runs if r.variant.startswith("graph")]
+    runs = [r for r in replay(trace, "t", ["triton"], options).runs if isinstance(r.variant, Graph)]
     assert len(runs) == 1
     return runs[0]
 
@@ -40,7 +41,7 @@ def test_graph_replay_passes(spec, capture: bool) -> None:
 @pytest.mark.parametrize("fill", [0, 1, 3])
 def test_fill_values_and_capture_sizes(fill: int, capture: bool) -> None:
     run = _graph_run(make_trace("decode-gqa", "kv_lens=5,70,300"), capture, fill_value=fill, capture_bs=12)
-    assert run.variant == f"graph bs=12 fill={fill}"
+    assert run.variant == Graph(capture_bs=12, fill=fill) and run.variant.label == f"graph bs=12 fill={fill}"
     assert run.status is RunStatus.PASSED, (run.problems, run.comparison)
 
 

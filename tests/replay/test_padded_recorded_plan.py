@@ -62,4 +62,5 @@ def test_plans_reading_past_the_step_are_not_launched() -> None:
     assert "reads query rows past the step's" in out_of_bounds(trace, past)
     run = replay(replace(trace, plan=past), "t", ["triton"], ReplayOptions(plan=PlanSource.RECORDED)).runs[0]
     assert run.status is RunStatus.ERROR and run.reason.endswith("(not launched)")
+    assert run.refused is not None and run.reason == run.refused.message + " (not launched)"
     assert out_of_bounds(trace, plan) is None

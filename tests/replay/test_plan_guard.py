@@ -117,8 +117,10 @@ def test_a_refused_triton_plan_is_never_launched_and_the_clean_one_replays(monke
     refused = replay(hostile, "t", ["triton"], options).runs[0]
     assert refused.status is RunStatus.ERROR and refused.reason.startswith("recorded plan mask_indptr[1] = ")
     assert refused.reason.endswith("(not launched)") and launched == []
+    assert refused.refused is not None and refused.reason == refused.refused.message + " (not launched)"
     clean = replay(trace, "t", ["triton"], options).runs[0]
     assert clean.status is RunStatus.PASSED, (clean.reason, clean.comparison)
+    assert clean.refused is None
     assert len(launched) == 1
 
 
@@ -235,6 +237,7 @@ def test_mla_triton_plan_is_refused_unlaunched_and_the_clean_one_replays() -> No
     options = ReplayOptions(plan=PlanSource.RECORDED)
     refused = replay(hostile, "t", ["mla"], options).runs[0]
     assert refused.status is RunStatus.ERROR and refused.reason.endswith("(not launched)")
+    assert refused.refused is not None and refused.refused.field == "kv_indices"
     clean = replay(trace, "t", ["mla"], options).runs[0]
     assert clean.status is RunStatus.PASSED, (clean.reason, clean.comparison)
 

@@ -18,6 +18,7 @@ from attndbg.checks.findings import Finding
 from attndbg.detectors.split_merge.base import KIND, _location, merge_path
 from attndbg.replay import activity
 from attndbg.replay.runner import ReplayOptions, RunStatus
+from attndbg.replay.variants import Graph
 from attndbg.trace.schema import DTYPES, ForwardMode
 
 
@@ -132,7 +133,7 @@ def merge_in_capture(ctx: CheckContext) -> list[Finding]:
     options = ReplayOptions(layer=ctx.options.layer, cuda_graph=True, graph_capture=True)
     findings = []
     for run in ctx.replay(options).runs:
-        if not run.variant.startswith("graph") or run.status is not RunStatus.FAILED:
+        if not isinstance(run.variant, Graph) or run.status is not RunStatus.FAILED:
             continue
         if run.graph is None or run.graph.eager_bitwise_equal:
             continue
@@ -142,7 +143,7 @@ def merge_in_capture(ctx: CheckContext) -> list[Finding]:
                 KIND,
                 "merge-off-capture-stream",
                 _location(ctx, run.comparison.worst if run.comparison else None),
-                f"{run.name} {run.variant}: {stale[0]}",
+                f"{run.name} {run.variant.label}: {stale[0]}",
                 f"The graph's output differs from the same plan and buffers run eagerly on a path with a merge ({merge_path(trace)}): "
                 "a kernel of it (typically the merge) ran outside the captured stream, so replays return its stale result (SGLang #5404).",
                 data={"backend": run.name},

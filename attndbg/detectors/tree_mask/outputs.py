@@ -12,6 +12,7 @@ from attndbg.checks.findings import Finding, finding
 from attndbg.detectors.tree_mask.base import KIND
 from attndbg.detectors.tree_mask.plan import PlanVisibility, plan_view
 from attndbg.replay.runner import BackendRun, PlanSource, ReplayOptions, RunStatus
+from attndbg.replay.variants import Eager, Recorded
 from attndbg.trace.schema import Trace
 from attndbg.trace.visibility import visibility
 
@@ -28,14 +29,14 @@ def _output_findings(ctx: CheckContext, *, run_recorded: bool) -> list[Finding]:
     if not backends:
         return out
     for run in ctx.replay().runs:
-        if run.variant == "eager":
+        if isinstance(run.variant, Eager):
             _report_run(trace, run, None, "verify-output", out)
     plan = trace.plan
     if run_recorded and plan is not None and plan.backend in backends:
         view = plan_view(trace)
         recorded = ctx.replay(ReplayOptions(layer=ctx.options.layer, plan=PlanSource.RECORDED))
         for run in recorded.runs:
-            if run.variant == "recorded plan":
+            if isinstance(run.variant, Recorded):
                 _report_run(trace, run, view, "recorded-verify-output", out)
     return out
 
@@ -43,17 +44,17 @@ def _output_findings(ctx: CheckContext, *, run_recorded: bool) -> list[Finding]:
 def _report_run(trace: Trace, run: BackendRun, view: PlanVisibility | None, check: str, out: list[Finding]) -> None:
     recorded = check == "recorded-verify-output"
     if run.status is RunStatus.ERROR:
-        if recorded and run.reason and run.reason.endswith("(not launched)"):
+        if recorded and run.refused is not None:
             return  # an out-of-cache plan: invariants explains it
         out.append(
             finding(
                 KIND,
                 check,
                 step=trace.source.step,
-                evidence=f"{run.name} ({run.variant}) raised on this verify step: {run.reason}",
+                evidence=f"{run.name} ({run.variant.label}) raised on this verify step: {run.reason}",
                 cause="the kernel rejected the verify plan" + (" the engine recorded" if recorded else " derived from the draft tree"),
                 backend=run.name,
-                variant=run.variant,
+                variant=run.variant.label,
             )
         )
         return
@@ -100,10 +101,10 @@ def _report_run(trace: Trace, run: BackendRun, view: PlanVisibility | None, chec
             row=t0,
             column=columns_of_first[0][0] if columns_of_first else None,
             head=head,
-            evidence=f"{run.name} ({run.variant}): {len(failing)} of {batch.num_tokens} rows fail against the reference; " + "; ".join(parts),
+            evidence=f"{run.name} ({run.variant.label}): {len(failing)} of {batch.num_tokens} rows fail against the reference; " + "; ".join(parts),
             cause=cause,
             backend=run.name,
-            variant=run.variant,
+            variant=run.variant.label,
             failing_rows=failing[:32],
             columns=[c for c, _ in columns_of_first] if columns_of_first else [],
         )
