@@ -22,13 +22,14 @@ if TYPE_CHECKING:
     from attndbg.backends.options import BackendOptions
 
 ENTRY_POINT_GROUP = "attndbg.backends"
-BUILTIN = ("reference", "triton", "flashinfer", "fa3", "mla")
+BUILTIN = ("reference", "triton", "flashinfer", "fa3", "mla", "vllm_paged")
 # Adapters of optional libraries: module and class, imported only when asked for. Their modules
 # import nothing heavy at import time; each says why it cannot run when its library is missing.
 _LAZY = {
     "flashinfer": ("attndbg.backends.flashinfer", "FlashInferBackend"),
     "fa3": ("attndbg.backends.fa3", "FA3Backend"),
     "mla": ("attndbg.backends.mla", "MLABackend"),
+    "vllm_paged": ("attndbg.backends.vllm_paged", "VllmPagedBackend"),
 }
 
 

@@ -1,6 +1,7 @@
 """split-merge, split counts: decode steps through our Triton split-KV kernels with num_kv_splits
 forced to 1, 2, SGLang's heuristic, the recorded plan's and the maximum, plus vLLM PagedAttention
-v2's scheme, each against the float64 reference and the single-split run.
+v2's scheme (its own kernel through the runner's `vllm_paged` backend where it runs, else its
+partition counts on our kernels), each against the float64 reference and the single-split run.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding
 from attndbg.detectors.split_merge.base import KIND, _location, _request_of
 from attndbg.numerics import MIN_BLOCK_KV, empty_splits
-from attndbg.detectors.split_merge.vllm import V2_PARTITION_TOKENS, _vllm_v2_available, _vllm_v2_run
+from attndbg.backends.vllm_paged import PARTITION_TOKENS as V2_PARTITION_TOKENS
+from attndbg.detectors.split_merge.vllm import _vllm_v2_available, _vllm_v2_run
 from attndbg.compare.tolerance import Comparison
 from attndbg.replay import runner
 from attndbg.replay.runner import PlanSource, ReplayOptions, RunStatus
