@@ -28,7 +28,8 @@ from attndbg.backends.capabilities import ALL_MODES, ENGINE_GRAPH_MODES, Capabil
 from attndbg.backends import plan_layout as pl
 from attndbg.backends import plan_view as pv
 from attndbg.trace import tree
-from attndbg.trace.schema import DTYPES, Q_DTYPES, AttentionKind, ForwardMode, Plan, Trace, indptr
+from attndbg.trace.mask_geometry import MaskGeometry
+from attndbg.trace.schema import DTYPES, Q_DTYPES, AttentionKind, ForwardMode, MaskLayout, Plan, Trace, indptr
 
 # SGLang's default `--triton-attention-num-kv-splits`.
 DEFAULT_MAX_KV_SPLITS = 8
@@ -220,7 +221,7 @@ class TritonBackend(Backend):
                 extend_block = torch.zeros(seen.shape[0], seen.shape[0], dtype=torch.bool)
                 masks.append(torch.cat([seen, extend_block], 1).flatten())
             tensors["custom_mask"] = torch.cat(masks)
-            tensors["mask_indptr"] = indptr(batch.extend_lens * (prefix_lens + batch.extend_lens))
+            tensors["mask_indptr"] = MaskGeometry.full(rows=batch.extend_lens, prefix_lens=prefix_lens).indptr
             scalars["sliding_window"] = -1  # folded into the mask: kernel columns are shifted here
             scalars["skip_prefix_custom_mask"] = False
         else:
@@ -236,7 +237,7 @@ class TritonBackend(Backend):
                 parents = torch.cat([parents, chain])
             prefix_lens = torch.tensor([r.numel() for r in rows], dtype=torch.int64)
             tensors["custom_mask"] = tree.full_mask(parents, prefix_lens)
-            tensors["mask_indptr"] = tree.full_mask_indptr(n, prefix_lens)
+            tensors["mask_indptr"] = MaskGeometry.verify(MaskLayout.FULL, draft_token_num=n, prefix_lens=prefix_lens).indptr
         tensors["kv_indptr"] = indptr(torch.tensor([r.numel() for r in rows])).to(torch.int32)
         tensors["kv_indices"] = torch.cat(rows).to(torch.int64)
         return Plan(backend=self.name, tensors=tensors, scalars=scalars)

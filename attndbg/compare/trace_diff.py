@@ -23,7 +23,7 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
-from attndbg.trace import tree
+from attndbg.trace.mask_geometry import MaskGeometry
 from attndbg.trace.schema import MaskLayout, Trace
 
 Value = Union[int, float, bool, str, tuple, None]  # a JSON-ready scalar, or a shape as a tuple
@@ -265,19 +265,14 @@ class _Locator:
 
     def _mask(self, k: int) -> str:
         spec, prefix = self.trace.spec, self.trace.batch.prefix_lens
-        n = spec.draft_token_num
+        where = MaskGeometry.of_spec(spec, prefix).locate(k)
+        if where is None:
+            return ""
+        b, row, col = where
+        draft = col - int(prefix[b])
         if spec.mask_layout is MaskLayout.FULL:
-            indptr = tree.full_mask_indptr(n, prefix)
-            if k >= int(indptr[-1]):
-                return ""
-            b = int(torch.searchsorted(indptr, torch.tensor(k), right=True)) - 1
-            width = int(prefix[b]) + n
-            row, col = divmod(k - int(indptr[b]), width)
-            part = f"draft col {col - int(prefix[b])}" if col >= int(prefix[b]) else "a prefix column"
+            part = f"draft col {draft}" if draft >= 0 else "a prefix column"
             return f"request {b}, row {row}, col {col} ({part})"
         if spec.mask_layout is MaskLayout.QLEN_ONLY:
-            b, rest = divmod(k, n * n)
-            row, col = divmod(rest, n)
-            return f"request {b}, row {row}, draft col {col}" if b < prefix.numel() else ""
-        b, row = divmod(k, n)
-        return f"request {b}, row {row}, packed word: bit j = draft col j" if b < prefix.numel() else ""
+            return f"request {b}, row {row}, draft col {draft}"
+        return f"request {b}, row {row}, packed word: bit j = draft col j"

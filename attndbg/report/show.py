@@ -17,6 +17,7 @@ from rich.text import Text
 from torch import Tensor
 
 from attndbg.trace import tree
+from attndbg.trace.mask_geometry import MaskGeometry, word_dtype
 from attndbg.trace.schema import AttentionKind, Batch, Graph, MaskLayout, Model, Plan, Spec, Trace
 
 MAX_REQUEST_ROWS = 24  # per-request table rows before "... N more requests"
@@ -246,32 +247,19 @@ class _TreeMask:
     same: bool
 
 
-def _mask_indptr(spec: Spec, prefix_lens: Tensor) -> Tensor:
-    """[bs+1] where each request's part of the recorded mask starts, in mask elements."""
-    n = spec.draft_token_num
-    if spec.mask_layout is MaskLayout.FULL:
-        return tree.full_mask_indptr(n, prefix_lens)
-    per_request = n * n if spec.mask_layout is MaskLayout.QLEN_ONLY else n  # bitpacked: one word per row
-    return torch.arange(prefix_lens.numel() + 1) * per_request
-
-
 def _recorded_block(spec: Spec, prefix_lens: Tensor, b: int) -> tuple[Tensor | None, Tensor | None, str]:
     """(full rows [n, width] as recorded, the [n, n] draft block, problem) of request b."""
     n, mask = spec.draft_token_num, spec.custom_mask
-    indptr = _mask_indptr(spec, prefix_lens)
-    width = int(prefix_lens[b]) + n if spec.mask_layout is MaskLayout.FULL else n
-    start, end = int(indptr[b]), int(indptr[b + 1])
+    geometry = MaskGeometry.of_spec(spec, prefix_lens)
+    start, end = geometry.span(b)
     if mask.numel() < end:
         return None, None, f"recorded mask has {mask.numel()} elements, request {b} needs [{start}, {end})"
-    part = mask[start:end]
+    rows = geometry.visible(mask, b)
+    problem = ""
     if spec.mask_layout is MaskLayout.QLEN_ONLY_BITPACKED:
-        words = part.to(torch.int64)
-        rows = tree.unpack_bits(words, n)
-        high = torch.nonzero(words >> n)
+        high = torch.nonzero(geometry.block(mask, b).to(torch.int64) >> n)
         problem = f"row {int(high[0, 0])} has bits set above bit {n - 1}" if high.numel() else ""
-        return rows, rows, problem
-    rows = part.reshape(n, width).to(torch.bool)
-    return rows, rows[:, width - n :], ""
+    return rows, rows[:, geometry.prefix_columns(b) :], problem
 
 
 def _tree_mask(spec: Spec, prefix_lens: Tensor, b: int) -> _TreeMask:
@@ -333,13 +321,13 @@ def _tree_picture(spec: Spec, b: int, mask: _TreeMask) -> Text:
 def _spec(trace: Trace) -> Panel:
     spec, batch = trace.spec, trace.batch
     n = spec.draft_token_num
-    expected_len = int(_mask_indptr(spec, batch.prefix_lens)[-1])
+    expected_len = MaskGeometry.of_spec(spec, batch.prefix_lens).length
     if spec.custom_mask is None:
         recorded = Text("none recorded")
     else:
         recorded = Text(f"{_meta(spec.custom_mask)}, layout {spec.mask_layout.value}, expected {expected_len} elements")
         if spec.mask_layout is MaskLayout.QLEN_ONLY_BITPACKED:
-            word = str(tree.bitpacked_word_dtype(n)).replace("torch.", "")
+            word = str(word_dtype(n)).replace("torch.", "")
             recorded.append(f" of {word} (SGLang's word for n = {n})")
         if spec.custom_mask.numel() != expected_len:
             # A mask of the wrong length is read past its end or misaligned (FlashInfer #3176).

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attndbg.trace.mask_geometry import MaskGeometry, pack_bits, word_dtype
 from attndbg.trace.schema import MaskLayout
 
 
@@ -78,53 +79,30 @@ def depths(parents: Tensor) -> Tensor:
 
 def full_mask(parents: Tensor, prefix_lens: Tensor) -> Tensor:
     """SGLang FULL_MASK: per request a row-major [n, prefix + n] block, prefix columns True."""
-    blocks = []
-    for b in range(parents.shape[0]):
-        n = parents.shape[1]
-        block = torch.ones(n, int(prefix_lens[b]) + n, dtype=torch.bool)
-        block[:, int(prefix_lens[b]) :] = ancestor_matrix(parents[b])
-        blocks.append(block.flatten())
-    return torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.bool)
-
-
-def full_mask_indptr(draft_token_num: int, prefix_lens: Tensor) -> Tensor:
-    """[bs+1] int64: where each request's FULL block starts = cumsum(n * (prefix + n))."""
-    sizes = draft_token_num * (prefix_lens.to(torch.int64) + draft_token_num)
-    return torch.nn.functional.pad(torch.cumsum(sizes, 0), (1, 0))
+    return build_mask(MaskLayout.FULL, parents, prefix_lens)
 
 
 def qlen_only_mask(parents: Tensor) -> Tensor:
     """SGLang QLEN_ONLY: per request the [n, n] draft block, flattened."""
-    return torch.cat([ancestor_matrix(p).flatten() for p in parents]) if parents.numel() else torch.zeros(0, dtype=torch.bool)
-
-
-def bitpacked_word_dtype(draft_token_num: int) -> torch.dtype:
-    """SGLang picks 1, 2 or 4 bytes per row by n."""
-    if draft_token_num <= 8:
-        return torch.uint8
-    if draft_token_num <= 16:
-        return torch.uint16
-    return torch.uint32
+    return build_mask(MaskLayout.QLEN_ONLY, parents, torch.zeros(parents.shape[0], dtype=torch.int64))
 
 
 def qlen_only_bitpacked_mask(parents: Tensor) -> Tensor:
     """SGLang QLEN_ONLY_BITPACKING: one word per row, bit j (little-endian, bit 0 = root) = attend token j."""
-    n = parents.shape[1]
-    weights = torch.tensor([1 << j for j in range(n)], dtype=torch.int64)
-    words = [(ancestor_matrix(p).to(torch.int64) * weights).sum(1) for p in parents]
-    flat = torch.cat(words) if words else torch.zeros(0, dtype=torch.int64)
-    return flat.to(bitpacked_word_dtype(n))
-
-
-def unpack_bits(words: Tensor, draft_token_num: int) -> Tensor:
-    """Inverse of the bit packing: [rows] words -> [rows, n] bool."""
-    values = words.to(torch.int64)
-    return ((values[:, None] >> torch.arange(draft_token_num)) & 1).to(torch.bool)
+    return build_mask(MaskLayout.QLEN_ONLY_BITPACKED, parents, torch.zeros(parents.shape[0], dtype=torch.int64))
 
 
 def build_mask(layout: MaskLayout, parents: Tensor, prefix_lens: Tensor) -> Tensor:
-    if layout is MaskLayout.FULL:
-        return full_mask(parents, prefix_lens)
-    if layout is MaskLayout.QLEN_ONLY:
-        return qlen_only_mask(parents)
-    return qlen_only_bitpacked_mask(parents)
+    """[bs, n] parents -> the flat mask an engine builds in `layout` (trace/mask_geometry.py)."""
+    n = parents.shape[1]
+    geometry = MaskGeometry.verify(layout, draft_token_num=n, prefix_lens=prefix_lens)
+    if layout is MaskLayout.QLEN_ONLY_BITPACKED:
+        words = torch.zeros(geometry.length, dtype=torch.int64)
+        for b in range(geometry.batch_size):
+            geometry.block(words, b)[:] = pack_bits(ancestor_matrix(parents[b]))
+        return words.to(word_dtype(n))
+    # As SGLang does: fill with True (the prefix columns), then write each request's tree.
+    mask = torch.ones(geometry.length, dtype=torch.bool)
+    for b in range(geometry.batch_size):
+        geometry.block(mask, b)[:, geometry.prefix_columns(b) :] = ancestor_matrix(parents[b])
+    return mask

@@ -133,7 +133,7 @@ def spec_field(trace: Trace, b: int, r: int, j: int) -> str:
     n = trace.spec.draft_token_num
     prefix = trace.batch.prefix_lens
     if trace.spec.mask_layout is MaskLayout.FULL:
-        start = int(tree.full_mask_indptr(n, prefix)[b])
+        start = int((n * (prefix[:b] + n)).sum())  # the blocks before b, each [n, prefix + n]
         return f"spec.custom_mask[{start + r * (int(prefix[b]) + n) + int(prefix[b]) + j}]"
     if trace.spec.mask_layout is MaskLayout.QLEN_ONLY:
         return f"spec.custom_mask[{(b * n + r) * n + j}]"
@@ -189,8 +189,8 @@ def test_hidden_prefix_bit_in_full_mask(seed: int) -> None:
     b = int(torch.randint(trace.batch.batch_size, (1,), generator=g))
     prefix = int(trace.batch.prefix_lens[b])
     i, c = int(torch.randint(n, (1,), generator=g)), int(torch.randint(prefix, (1,), generator=g))
-    offsets = tree.full_mask_indptr(n, trace.batch.prefix_lens)
-    element = int(offsets[b]) + i * (prefix + n) + c
+    start = int((n * (trace.batch.prefix_lens[:b] + n)).sum())  # the blocks before b, each [n, prefix + n]
+    element = start + i * (prefix + n) + c
     mask = trace.spec.custom_mask.clone()
     mask[element] = False
     bad = set_plan(dataclasses.replace(trace, spec=dataclasses.replace(trace.spec, custom_mask=mask)), custom_mask=mask)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from attndbg.trace import synth, tree
+from attndbg.trace.mask_geometry import MaskGeometry, unpack_bits
 from attndbg.trace.schema import ForwardMode, MaskLayout, to_dict
 from attndbg.trace.validate import from_dict
 from tests.factories import make_trace
@@ -104,7 +105,7 @@ def test_full_mask_layout_matches_sglang_by_hand() -> None:
         dtype=torch.bool,
     ).flatten()
     assert torch.equal(mask, expected)
-    assert tree.full_mask_indptr(4, torch.tensor([2, 5])).tolist() == [0, 24, 60]
+    assert MaskGeometry.verify(MaskLayout.FULL, draft_token_num=4, prefix_lens=torch.tensor([2, 5])).indptr.tolist() == [0, 24, 60]
 
 
 def test_verify_trace_layout() -> None:
@@ -135,7 +136,7 @@ def test_bitpacked_and_qlen_only_layouts() -> None:
     for i in range(10):
         expected = sum(1 << j for j in _ancestors(parents[0].tolist(), i))
         assert int(words[i]) == expected
-    assert torch.equal(tree.unpack_bits(words, 10).flatten(), tree.qlen_only_mask(parents))
+    assert torch.equal(unpack_bits(words, 10).flatten(), tree.qlen_only_mask(parents))
     t = make_trace("verify", "mask_layout=qlen_only_bitpacked")
     assert t.spec.mask_layout is MaskLayout.QLEN_ONLY_BITPACKED and t.spec.custom_mask.dtype == torch.uint8
 

@@ -19,6 +19,7 @@ from torch import Tensor
 from attndbg.backends import registry
 from attndbg.backends.plan_layout import ExpandTables
 from attndbg.trace import tree
+from attndbg.trace.mask_geometry import MaskGeometry, reverse_bits, word_bits
 from attndbg.trace.schema import ForwardMode, MaskLayout, Plan, Spec, Trace
 
 
@@ -45,30 +46,29 @@ def _with(trace: Trace, *, spec_mask: Tensor | None = None, tensors: dict[str, T
     return trace
 
 
-def _plan_blocks(trace: Trace) -> list[tuple[int, int]] | None:
-    """(start, width) of each real request's [n, width] block in the plan's FULL custom_mask."""
+def _plan_geometry(trace: Trace) -> MaskGeometry | None:
+    """Where each real request's [n, width] block lies in the plan's FULL custom_mask, by its mask_indptr."""
     plan = trace.plan
     if plan is None or "custom_mask" not in plan.tensors or "mask_indptr" not in plan.tensors:
         return None
-    n = trace.spec.draft_token_num
-    indptr = plan.tensors["mask_indptr"].to(torch.int64)
-    return [(int(indptr[b]), int(indptr[b + 1] - indptr[b]) // n) for b in range(trace.batch.batch_size)]
+    return MaskGeometry.from_indptr(plan.tensors["mask_indptr"], rows=trace.spec.draft_token_num, prefix_lens=trace.batch.prefix_lens)
+
+
+def _spec_geometry(trace: Trace) -> MaskGeometry:
+    return MaskGeometry.of_spec(trace.spec, trace.batch.prefix_lens)
 
 
 def _set_spec_bit(trace: Trace, mask: Tensor, b: int, row: int, draft: int, value: bool) -> Tensor:
-    spec = trace.spec
-    n = spec.draft_token_num
+    geometry = _spec_geometry(trace)
+    column = int(trace.batch.prefix_lens[b]) + draft
+    at = geometry.element(b, row, column)
     mask = mask.clone()
-    if spec.mask_layout is MaskLayout.FULL:
-        prefix = int(trace.batch.prefix_lens[b])
-        start = int(tree.full_mask_indptr(n, trace.batch.prefix_lens)[b])
-        mask[start + row * (prefix + n) + prefix + draft] = value
-    elif spec.mask_layout is MaskLayout.QLEN_ONLY:
-        mask[(b * n + row) * n + draft] = value
+    if trace.spec.mask_layout is MaskLayout.QLEN_ONLY_BITPACKED:
+        bit = column - geometry.first_column(b)
+        word = int(mask[at])
+        mask[at] = word | (1 << bit) if value else word & ~(1 << bit)
     else:
-        word = int(mask[b * n + row])
-        word = word | (1 << draft) if value else word & ~(1 << draft)
-        mask[b * n + row] = word
+        mask[at] = value
     return mask
 
 
@@ -93,12 +93,10 @@ def sibling_visible(trace: Trace, *, request: int | None = None, row: int | None
         raise ValueError(f"sibling-visible: draft tokens {row} and {column} of request {request} are not siblings")
     spec_mask = _set_spec_bit(trace, spec.custom_mask, request, row, column, True) if spec.custom_mask is not None else None
     tensors = {}
-    blocks = _plan_blocks(trace)
-    n = spec.draft_token_num
-    if blocks is not None:
-        start, width = blocks[request]
+    geometry = _plan_geometry(trace)
+    if geometry is not None:
         mask = trace.plan.tensors["custom_mask"].clone()
-        mask[start + row * width + width - n + column] = True
+        mask[geometry.element(request, row, int(trace.batch.prefix_lens[request]) + column)] = True
         tensors["custom_mask"] = mask
     elif (expand := _expand_tables(trace)) is not None:
         tensors.update(_expand_add(trace, expand, request, row, column))
@@ -139,9 +137,7 @@ def bit_order(trace: Trace) -> Trace:
     if spec.mask_layout is not MaskLayout.QLEN_ONLY_BITPACKED or spec.custom_mask is None:
         raise ValueError("bit-order needs a bit-packed mask: synth verify mask_layout=qlen_only_bitpacked")
     words = spec.custom_mask
-    width = words.element_size() * 8
-    bits = (words.to(torch.int64)[:, None] >> torch.arange(width)) & 1
-    reversed_words = (bits.flip(1) << torch.arange(width)).sum(1)
+    reversed_words = reverse_bits(words, word_bits(words.dtype))
     if torch.equal(reversed_words, words.to(torch.int64)):
         raise ValueError("bit-order: every word is a bit palindrome, reversing changes nothing")
     return _with(trace, spec_mask=reversed_words.to(words.dtype))
@@ -167,26 +163,23 @@ def short_buffer(trace: Trace, *, request: int | None = None, columns: int | Non
     spec_mask = None
     if spec.custom_mask is not None:
         mask = spec.custom_mask
+        if spec.mask_layout is MaskLayout.FULL and not 1 <= columns <= p:
+            raise ValueError(f"short-buffer: request {request} has {p} prefix columns, cannot drop {columns}")
+        geometry = _spec_geometry(trace)
+        block = geometry.block(mask, request)
         if spec.mask_layout is MaskLayout.FULL:
-            if not 1 <= columns <= p:
-                raise ValueError(f"short-buffer: request {request} has {p} prefix columns, cannot drop {columns}")
-            start = int(tree.full_mask_indptr(n, prefix)[request])
-            block = mask[start : start + n * (p + n)].reshape(n, p + n)[:, columns:]
-            spec_mask = torch.cat([mask[:start], block.flatten(), mask[start + n * (p + n) :]])
+            spec_mask = geometry.with_block(mask, request, block[:, columns:])
         elif spec.mask_layout is MaskLayout.QLEN_ONLY:
-            start = request * n * n
-            block = mask[start : start + n * n].reshape(n, n)[:, :-1]
-            spec_mask = torch.cat([mask[:start], block.flatten(), mask[start + n * n :]])
+            spec_mask = geometry.with_block(mask, request, block[:, :-1])
         else:
-            spec_mask = torch.cat([mask[: request * n + n - 1], mask[request * n + n :]])
+            spec_mask = geometry.with_block(mask, request, block[:-1])  # one word per row: the last row's goes
     tensors = {}
-    blocks = _plan_blocks(trace)
-    if blocks is not None:
-        start, width = blocks[request]
+    geometry = _plan_geometry(trace)
+    if geometry is not None:
+        width = int(geometry.columns[request])
         drop = min(columns, width - n) if width > n else 1
         mask = trace.plan.tensors["custom_mask"]
-        block = mask[start : start + n * width].reshape(n, width)[:, drop:]
-        tensors["custom_mask"] = torch.cat([mask[:start], block.flatten(), mask[start + n * width :]])
+        tensors["custom_mask"] = geometry.with_block(mask, request, geometry.block(mask, request)[:, drop:])
     if spec_mask is None and not tensors:
         raise ValueError("short-buffer: the trace records no tree mask to cut")
     return _with(trace, spec_mask=spec_mask, tensors=tensors)
@@ -200,36 +193,33 @@ def missing_prefix(trace: Trace) -> Trace:
     prefix = trace.batch.prefix_lens
     if not bool((prefix > 0).any()):
         raise ValueError("missing-prefix: no request has a prefix")
-    n = spec.draft_token_num
-    starts = tree.full_mask_indptr(n, prefix)
+    geometry = _spec_geometry(trace)
     mask = spec.custom_mask.clone()
     for b in range(trace.batch.batch_size):
-        p = int(prefix[b])
-        mask[int(starts[b]) : int(starts[b + 1])].view(n, p + n)[:, :p] = False
+        geometry.block(mask, b)[:, : geometry.prefix_columns(b)] = False
     tensors = {}
-    blocks = _plan_blocks(trace)
-    if blocks is not None:
+    plan_geometry = _plan_geometry(trace)
+    if plan_geometry is not None:
         plan_mask = trace.plan.tensors["custom_mask"].clone()
-        for start, width in blocks:
-            plan_mask[start : start + n * width].view(n, width)[:, : width - n] = False
+        for b in range(plan_geometry.batch_size):
+            plan_geometry.block(plan_mask, b)[:, : plan_geometry.prefix_columns(b)] = False
         tensors["custom_mask"] = plan_mask
     return _with(trace, spec_mask=mask, tensors=tensors)
 
 
 def window_ignored(trace: Trace) -> Trace:
     """Plan tree mask built without the sliding window while the kernel's window is off, so drafts see keys older than the window."""
-    spec = _need_verify(trace, "window-ignored")
+    _need_verify(trace, "window-ignored")
     window = trace.model.sliding_window
-    blocks = _plan_blocks(trace)
-    if window < 0 or blocks is None:
+    geometry = _plan_geometry(trace)
+    if window < 0 or geometry is None:
         raise ValueError("window-ignored needs a verify trace with a sliding window and a plan mask (e.g. a flashinfer plan of synth verify window=40)")
     kernel_window = trace.plan.scalars.get("window_left", trace.plan.scalars.get("sliding_window", window))
     if int(kernel_window) >= 0:
         raise ValueError("window-ignored: this plan's kernel applies the window itself (window_left >= 0)")
-    n = spec.draft_token_num
     mask = trace.plan.tensors["custom_mask"].clone()
-    for start, width in blocks:
-        mask[start : start + n * width].view(n, width)[:, : width - n] = True
+    for b in range(geometry.batch_size):
+        geometry.block(mask, b)[:, : geometry.prefix_columns(b)] = True
     if torch.equal(mask, trace.plan.tensors["custom_mask"]):
         raise ValueError("window-ignored: every prefix column is inside the window already")
     return _with(trace, tensors={"custom_mask": mask})
@@ -241,9 +231,10 @@ def qlen_indptr(trace: Trace) -> Trace:
     plan = trace.plan
     if plan is None or "mask_indptr" not in plan.tensors:
         raise ValueError("qlen-indptr needs a verify plan with a mask_indptr (triton or flashinfer)")
-    n = trace.spec.draft_token_num
     indptr = plan.tensors["mask_indptr"]
-    wrong = torch.arange(indptr.numel(), dtype=torch.int64) * n * n
+    # Every entry, padded requests' too: the engine computes them all with the same wrong sizes.
+    qlen = MaskGeometry.verify(MaskLayout.QLEN_ONLY, draft_token_num=trace.spec.draft_token_num, prefix_lens=torch.zeros(indptr.numel() - 1, dtype=torch.int64))
+    wrong = qlen.indptr
     if torch.equal(wrong, indptr.to(torch.int64)):
         raise ValueError("qlen-indptr: no request has a prefix, so both layouts have the same sizes")
     return _with(trace, tensors={"mask_indptr": wrong.to(indptr.dtype)})
@@ -265,8 +256,7 @@ def stale_after_causal(trace: Trace) -> Trace:
         block[:, p:] = tree.ancestor_matrix(parents) if e else block[:, p:]
         blocks.append(block.flatten())
     mask = torch.cat(blocks)
-    sizes = batch.extend_lens * (batch.prefix_lens + batch.extend_lens)
-    indptr = torch.nn.functional.pad(torch.cumsum(sizes, 0), (1, 0))
+    indptr = MaskGeometry.full(rows=batch.extend_lens, prefix_lens=batch.prefix_lens).indptr
     return _with(trace, tensors={"custom_mask": mask, "mask_indptr": indptr})
 
 

@@ -16,6 +16,7 @@ from attndbg.checks.findings import Finding, finding
 from attndbg.backends.plan_layout import ExpandTables, MaskReading, PlanLayout, WindowList
 from attndbg.detectors.invariants.plan_kv import kv_coverage, plan_layout
 from attndbg.detectors.tree_mask.base import KIND, _as_bool, _describe_column, _mismatch_cause, _tree_block
+from attndbg.trace.mask_geometry import MaskGeometry
 from attndbg.trace.schema import Trace
 from attndbg.trace.visibility import visibility
 
@@ -95,8 +96,9 @@ def _mask_view(trace: Trace, layout: PlanLayout, coverage, out: list[Finding]) -
             widths.append(coverage[b][1] - coverage[b][0])  # the block spans the KV the plan lists
         else:
             widths.append(prefix + n)
+    geometry = MaskGeometry.full(rows=torch.full((batch.batch_size,), n), prefix_lens=batch.prefix_lens, columns=widths)
     sizes = indptr.diff()[: batch.batch_size]
-    expected_sizes = torch.tensor([n * w for w in widths], dtype=torch.int64)
+    expected_sizes = geometry.sizes
     b = int(torch.nonzero(sizes != expected_sizes)[0]) if bool((sizes != expected_sizes).any()) else -1
     if b >= 0:
         found = int(sizes[b])
@@ -174,7 +176,7 @@ def _mask_view(trace: Trace, layout: PlanLayout, coverage, out: list[Finding]) -
             if window_starts[b] is None:
                 continue  # a malformed window list: invariants' window-kv names it
             start = window_starts[b]
-        block = bits[int(indptr[b]) : int(indptr[b + 1])].reshape(n, widths[b])
+        block = geometry.block(bits, b)  # the recorded offsets are the geometry's: checked above
         if full:
             offset = int(offsets[b]) if offsets is not None and b < offsets.numel() else 0
             if offset != start:
@@ -340,10 +342,8 @@ def _plan_field(trace: Trace, layout: PlanLayout, view: PlanVisibility, b: int, 
     plan = trace.plan
     n = trace.spec.draft_token_num
     if view.kind == "mask":
-        indptr = plan.tensors["mask_indptr"].to(torch.int64)
-        width = int(indptr[b + 1] - indptr[b]) // n
-        shift = int(trace.batch.prefix_lens[b]) + n - width  # flashinfer blocks start at the covered KV
-        return f"plan.custom_mask[{int(indptr[b]) + r * width + c - shift}]"
+        geometry = MaskGeometry.from_indptr(plan.tensors["mask_indptr"], rows=n, prefix_lens=trace.batch.prefix_lens)
+        return f"plan.custom_mask[{geometry.element(b, r, c)}]"
     if view.kind == "expand" and layout.expand is not None:
         return f"plan.{layout.expand.table}[{b * n + r}]"
     return "plan.scalars.causal" if "causal" in plan.scalars else "plan.custom_mask"

@@ -10,23 +10,9 @@ from torch import Tensor
 from attndbg.checks.findings import Finding, finding
 from attndbg.detectors.tree_mask.base import KIND, _as_bool, _describe_column, _mismatch_cause, _tree_block
 from attndbg.trace import tree
+from attndbg.trace.mask_geometry import MaskElement, MaskGeometry, full_prefix_sum, reverse_bits, unpack_bits, word_bits, word_dtype
 from attndbg.trace.schema import MaskLayout, Trace
 from attndbg.trace.visibility import visibility
-
-
-def _layout_sizes(trace: Trace) -> dict[MaskLayout, int]:
-    n = trace.spec.draft_token_num
-    prefix = trace.batch.prefix_lens
-    bs = trace.batch.batch_size
-    return {
-        MaskLayout.FULL: int((n * (prefix + n)).sum()),
-        MaskLayout.QLEN_ONLY: bs * n * n,
-        MaskLayout.QLEN_ONLY_BITPACKED: bs * n,
-    }
-
-
-def _word_bits(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size() * 8
 
 
 def _check_spec(trace: Trace, out: list[Finding]) -> None:
@@ -62,7 +48,7 @@ def _check_spec(trace: Trace, out: list[Finding]) -> None:
             )
         )
         return
-    sizes = _layout_sizes(trace)
+    sizes = {lay: MaskGeometry.verify(lay, draft_token_num=spec.draft_token_num, prefix_lens=trace.batch.prefix_lens).length for lay in MaskLayout}
     need = sizes[layout]
     buffer = trace.buffers.get(field)
     if buffer is not None and buffer.capacity and mask.numel() > need:
@@ -96,9 +82,9 @@ def _check_spec(trace: Trace, out: list[Finding]) -> None:
         return
     if packed:
         words = mask.to(torch.int64)
-        if _check_bit_order(trace, words, _word_bits(mask.dtype), out):
+        if _check_bit_order(trace, words, word_bits(mask.dtype), out):
             return
-        _compare_spec_packed(trace, words, _word_bits(mask.dtype), out)
+        _compare_spec_packed(trace, words, word_bits(mask.dtype), out)
     else:
         _compare_spec_bool(trace, _as_bool(mask), layout, out)
 
@@ -123,8 +109,7 @@ def _long_mask_cause(trace: Trace, mask: Tensor, need: int, packed: bool) -> str
             "a stale tail: the mask buffer was sized for an earlier, larger step and reused without being re-sized or refilled, "
             "so its tail still holds that step's tree rows (a kernel or a layout check that takes the buffer's length reads them)"
         )
-    n, bs = trace.spec.draft_token_num, trace.batch.batch_size
-    extra = (mask.numel() - bs * n * n) // n if (mask.numel() - bs * n * n) % n == 0 else None
+    extra = full_prefix_sum(mask.numel(), batch_size=trace.batch.batch_size, draft_token_num=trace.spec.draft_token_num)
     sums = {k: v for k, v in (trace.plan.scalars.items() if trace.plan is not None else ()) if k in ("seq_lens_sum", "spec_seq_lens_sum")}
     named = [f"{k} = {v}" for k, v in sums.items() if v == extra]
     return (
@@ -136,28 +121,26 @@ def _long_mask_cause(trace: Trace, mask: Tensor, need: int, packed: bool) -> str
     )
 
 
-def _expected_words(trace: Trace) -> Tensor:
-    return tree.qlen_only_bitpacked_mask(trace.spec.parents).to(torch.int64)
-
-
-def _reverse(words: Tensor, width: int) -> Tensor:
-    bits = (words[:, None] >> torch.arange(width)) & 1
-    return (bits.flip(1) << torch.arange(width)).sum(1)
+def _word_of(trace: Trace, t: int) -> MaskElement:
+    """(request, draft row, column) of word t of a bit-packed mask whose length was checked."""
+    where = MaskGeometry.of_spec(trace.spec, trace.batch.prefix_lens).locate(t)
+    assert where is not None, f"word {t} is past the mask, whose length was checked"
+    return where
 
 
 def _check_bit_order(trace: Trace, words: Tensor, stored_bits: int, out: list[Finding]) -> bool:
     n = trace.spec.draft_token_num
-    expected = _expected_words(trace)
+    expected = tree.qlen_only_bitpacked_mask(trace.spec.parents).to(torch.int64)
     if torch.equal(words, expected):
         return False
-    for width in sorted({stored_bits, _word_bits(tree.bitpacked_word_dtype(n)), n}):
+    for width in sorted({stored_bits, word_bits(word_dtype(n)), n}):
         if width < n or width > 63:
             continue
-        reversed_words = _reverse(expected, width)
+        reversed_words = reverse_bits(expected, width)
         if torch.equal(reversed_words, expected) or not torch.equal(words, reversed_words):
             continue
         t = int(torch.nonzero(words != expected)[0])
-        b, r = divmod(t, n)
+        b, r, _ = _word_of(trace, t)
         out.append(
             finding(
                 KIND,
@@ -182,12 +165,12 @@ def _check_bit_order(trace: Trace, words: Tensor, stored_bits: int, out: list[Fi
 
 def _compare_spec_packed(trace: Trace, words: Tensor, stored_bits: int, out: list[Finding]) -> None:
     n = trace.spec.draft_token_num
-    width = max(stored_bits, n)
-    bits = ((words[:, None] >> torch.arange(min(width, 63))) & 1).to(torch.bool)
+    geometry = MaskGeometry.of_spec(trace.spec, trace.batch.prefix_lens)
+    bits = unpack_bits(words, min(max(stored_bits, n), 63))
     extra = bits[:, n:].any(1)
     if bool(extra.any()):
         t = int(torch.nonzero(extra)[0])
-        b, r = divmod(t, n)
+        b, r, _ = _word_of(trace, t)
         k = n + int(torch.nonzero(bits[t, n:])[0])
         out.append(
             finding(
@@ -203,19 +186,18 @@ def _compare_spec_packed(trace: Trace, words: Tensor, stored_bits: int, out: lis
             )
         )
         return
-    found = bits[:, :n].reshape(trace.batch.batch_size, n, n)
-    _compare_draft_blocks(trace, found, "spec.custom_mask", lambda b, r, j: f"spec.custom_mask[{b * n + r}] bit {j}", out)
+    found = torch.stack([geometry.visible(words, b) for b in range(geometry.batch_size)])
+    _compare_draft_blocks(trace, found, "spec.custom_mask", lambda b, r, j: f"spec.custom_mask[{geometry.element(b, r, geometry.first_column(b) + j)}] bit {j}", out)
 
 
 def _compare_spec_bool(trace: Trace, mask: Tensor, layout: MaskLayout, out: list[Finding]) -> None:
-    n = trace.spec.draft_token_num
     bs = trace.batch.batch_size
+    geometry = MaskGeometry.verify(layout, draft_token_num=trace.spec.draft_token_num, prefix_lens=trace.batch.prefix_lens)
+    blocks = [geometry.block(mask, b) for b in range(bs)]
     if layout is MaskLayout.QLEN_ONLY:
-        found = mask.reshape(bs, n, n)
-        _compare_draft_blocks(trace, found, "spec.custom_mask", lambda b, r, j: f"spec.custom_mask[{(b * n + r) * n + j}]", out)
+        found = torch.stack(blocks)
+        _compare_draft_blocks(trace, found, "spec.custom_mask", lambda b, r, j: f"spec.custom_mask[{geometry.element(b, r, geometry.first_column(b) + j)}]", out)
         return
-    offsets = tree.full_mask_indptr(n, trace.batch.prefix_lens)
-    blocks = [mask[int(offsets[b]) : int(offsets[b + 1])].reshape(n, -1) for b in range(bs)]
     unfolded = [_tree_block(trace, b) for b in range(bs)]
     if trace.model.sliding_window >= 0:
         folded = [visibility(trace, b) for b in range(bs)]
@@ -231,7 +213,7 @@ def _compare_spec_bool(trace: Trace, mask: Tensor, layout: MaskLayout, out: list
     b, d = first
     r, c = (int(x) for x in torch.nonzero(d)[0])
     prefix = int(trace.batch.prefix_lens[b])
-    element = int(offsets[b]) + r * (prefix + n) + c
+    element = geometry.element(b, r, c)
     prefix_only = all(
         not bool(dd[:, int(trace.batch.prefix_lens[bb]) :].any()) and not bool(blocks[bb][:, : int(trace.batch.prefix_lens[bb])][dd[:, : int(trace.batch.prefix_lens[bb])]].any())
         for bb, dd in enumerate(diffs)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attndbg.trace.mask_geometry import mask_length
 from attndbg.trace.schema import EngineBuffer, MaskLayout, Spec
 
 # SGLang's TreeMaskMode member names -> our layouts.
@@ -79,22 +80,12 @@ def mask_layout(mask: Tensor, *, batch_size: int, draft_token_num: int, prefix_s
         return MaskLayout.QLEN_ONLY_BITPACKED
     if hint is not None:
         return hint
-    n, bs = draft_token_num, batch_size
-    full = None if prefix_sum is None else n * prefix_sum + bs * n * n
-    if mask.numel() == full:
+    bs, n = batch_size, draft_token_num
+    if prefix_sum is not None and mask.numel() == mask_length(MaskLayout.FULL, batch_size=bs, draft_token_num=n, prefix_sum=prefix_sum):
         return MaskLayout.FULL  # also when every prefix is empty: then FULL and QLEN_ONLY coincide
-    if mask.numel() == bs * n * n:
+    if mask.numel() == mask_length(MaskLayout.QLEN_ONLY, batch_size=bs, draft_token_num=n, prefix_sum=0):
         return MaskLayout.QLEN_ONLY
     return MaskLayout.FULL
-
-
-def mask_length(layout: MaskLayout, *, batch_size: int, draft_token_num: int, prefix_sum: int) -> int:
-    n = draft_token_num
-    if layout is MaskLayout.FULL:
-        return n * prefix_sum + batch_size * n * n
-    if layout is MaskLayout.QLEN_ONLY:
-        return batch_size * n * n
-    return batch_size * n
 
 
 @dataclass(frozen=True)
