@@ -306,8 +306,14 @@ def test_verify_window_offsets(session, shift: int) -> None:  # noqa: F811
         assert ("tree-mask", "window-offset", "plan.window_kv_offsets[0]") in found, found
 
 
+ONE_SHORT = ("invariants", "window-kv", "plan.window_kv_indptr[1]")
+
+
 @pytest.mark.parametrize("planted", [False, True])
 def test_decode_window_list(session, planted: bool) -> None:  # noqa: F811
+    """SGLang's decode window list as 0.5.23 builds it, min(seq_len, W) keys, is one key short of a
+    window of radius W (sglang PR #32087): named on request 0 (kv_len 5 > W = 4); a wrong gather
+    within the list the engine built is still named."""
     layer = env.sgl.radix_attention.RadixAttention(4, 16, 0.25, 2, 0, sliding_window_size=WINDOW)  # noqa: F841
 
     def early(metadata) -> None:  # request 1's window gathered one column early (a wrong window_kv_start_idx)
@@ -318,10 +324,25 @@ def test_decode_window_list(session, planted: bool) -> None:  # noqa: F811
     trace = io.load(path)
     assert trace.plan.tensors["window_kv_indptr"].tolist() == [0, 4, 8]
     found = findings(path)
-    if planted:
-        assert {f for f in found if f[0] == "invariants"} == {("invariants", "window-kv", "plan.window_kv_indices[4]")}, found
-    else:
-        assert found == set()
+    expected = {ONE_SHORT, ("invariants", "window-kv", "plan.window_kv_indices[4]")} if planted else {ONE_SHORT}
+    assert {f for f in found if f[0] == "invariants"} == expected and found == expected, found
+    reports = list(check_steps(path, parse_only("invariants"), CheckOptions(backends=("triton",))))
+    [one_short] = [f for r in reports for f in r.findings if f.location.field == ONE_SHORT[2]]
+    assert "sglang PR #32087" in one_short.cause and (one_short.data["expected"], one_short.data["found"]) == (5, 4)
+
+
+def test_a_decode_window_list_of_w_plus_1_keys_is_clean(session) -> None:  # noqa: F811
+    """The list PR #32087 asks for (and FlashInfer keeps): min(seq_len, W + 1) keys, the query's own included."""
+    layer = env.sgl.radix_attention.RadixAttention(4, 16, 0.25, 2, 0, sliding_window_size=WINDOW)  # noqa: F841
+
+    def whole_window(metadata) -> None:
+        rows = torch.tensor([[11, 12, 13, 14, 15, 0, 0, 0, 0], [30, 31, 32, 33, 34, 35, 36, 37, 38]])
+        indptr, indices, _ = window_list(rows, torch.tensor([5, 9]), WINDOW + 1)
+        metadata.window_kv_indptr, metadata.window_kv_indices = indptr, indices
+
+    path = record(session, eager_backend(DECODE_ROWS, window=WINDOW, plant=whole_window), decode_batch())
+    assert io.load(path).plan.tensors["window_kv_indptr"].tolist() == [0, 5, 10]
+    assert findings(path) == set()
 
 
 def test_every_plan_field_the_table_says_is_recorded_is(session) -> None:  # noqa: F811

@@ -2,12 +2,20 @@
 / `window_kv_indices` / `window_kv_offsets`, which its Triton backend builds for SWA layers in
 `update_sliding_window_buffer`), which those layers' kernels read instead of the plan's own ids.
 
-SGLang's rule, per real request with base length L (decode: its KV length; extend, mixed and
-verify: its prefix, the part read from the cache) and window W (`sliding_window_size`):
+The rule, per real request with window W (`sliding_window_size`, a radius: a query at position p
+sees keys [p - W, p], W + 1 of them, as FlashInfer's window_left, FA3's (W, 0) and the reference):
 
-    window_kv_indptr[b+1] - window_kv_indptr[b] = min(L, W)
-    window_kv_indices of b = its req_to_token row, columns [L - min(L, W), L)
-    window_kv_offsets[b]  = L - min(L, W)      (the first window column: where its mask rows start)
+    decode (the list holds the query's own key):   n = min(kv_len, W + 1)
+    extend, mixed, verify (the list is the prefix; the new tokens' keys come from the extend part):
+                                                   n = min(prefix, W)
+    window_kv_indptr[b+1] - window_kv_indptr[b] = n
+    window_kv_indices of b = its req_to_token row, columns [L - n, L)   (L: kv_len or prefix)
+    window_kv_offsets[b]  = L - n      (the first window column: where its mask rows start)
+
+SGLang's Triton backend (through 0.5.23 at least) caps the decode list at min(kv_len, W): one key
+short, so every decode step past the window drops the oldest in-window key (the decode kernel
+applies no mask of its own); sglang PR #32087 describes it. That list is named as such, and its
+indices and offsets are then judged by the length the engine used, so a wrong gather still shows.
 
 Checked as `window-kv`, one finding at the first wrong element. A verify step's offsets index its
 tree mask, so they are tree-mask's (window-offset); padded requests of a graph replay are
@@ -29,6 +37,12 @@ from attndbg.trace.schema import ForwardMode, Trace
 CAUSE_LENGTH = "the window list was built from other lengths than the batch's (seq_lens where the prefix is meant, or a stale length)"
 CAUSE_INDICES = "the window list was gathered from the wrong columns of the request's row (a wrong window_kv_start_idx) or from another row"
 CAUSE_OFFSET = "window_kv_offsets is not the window's first column (seq_len - window_len): the kernel reads the request's mask rows shifted"
+CAUSE_ONE_SHORT = (
+    "the decode window list holds sliding_window_size keys, but the window is sliding_window_size + 1 wide (the "
+    "query's own key and the W before it, as FlashInfer and FA3 keep): the oldest in-window key is dropped on every "
+    "decode step past the window (SGLang's Triton update_sliding_window_buffer caps decode at min(seq_len, W); "
+    "sglang PR #32087)"
+)
 
 
 def _window(trace: Trace) -> int | None:
@@ -52,13 +66,23 @@ def check_window_list(trace: Trace, out: list[Finding]) -> None:
     if window is None or indptr.dim() != 1 or indices.dim() != 1 or indptr.numel() < bs + 1 or indptr.is_floating_point() or indices.is_floating_point():
         return  # no window to judge by, or a malformed list (plan-shape / plan-dtype / indptr-* say so)
     indptr, indices = indptr.to(torch.int64), indices.to(torch.int64)
-    base = batch.kv_lens if batch.forward_mode is ForwardMode.DECODE else batch.prefix_lens
-    expected_lens = torch.clamp(base, max=window)
+    decode = batch.forward_mode is ForwardMode.DECODE
+    base = batch.kv_lens if decode else batch.prefix_lens
+    # Decode lists hold the query's own key too: W + 1 of them; a prefix list, W (see the docstring).
+    expected_lens = torch.clamp(base, max=window + 1 if decode else window)
     found_lens = indptr.diff()[:bs]
     b = _first(found_lens != expected_lens)
-    if b >= 0:
-        what = "kv_len" if batch.forward_mode is ForwardMode.DECODE else "prefix"
-        evidence = f"plan.{windows.indptr} gives request {b} {int(found_lens[b])} window entries, expected min({what} {int(base[b])}, window {window}) = {int(expected_lens[b])}"
+    if b >= 0 and decode and bool((found_lens == torch.clamp(base, max=window)).all()):
+        evidence = (
+            f"plan.{windows.indptr} gives request {b} {int(found_lens[b])} window entries for kv_len {int(base[b])}: "
+            f"min(kv_len, window {window}) where a window of radius {window} holds min(kv_len, {window + 1}) = {int(expected_lens[b])}"
+        )
+        out.append(_wrong(trace, b, f"plan.{windows.indptr}[{b + 1}]", evidence, CAUSE_ONE_SHORT, int(expected_lens[b]), int(found_lens[b])))
+        expected_lens = found_lens  # judge the gather by the engine's own convention
+    elif b >= 0:
+        what = "kv_len" if decode else "prefix"
+        bound = window + 1 if decode else window
+        evidence = f"plan.{windows.indptr} gives request {b} {int(found_lens[b])} window entries, expected min({what} {int(base[b])}, {bound}) = {int(expected_lens[b])}"
         out.append(_wrong(trace, b, f"plan.{windows.indptr}[{b + 1}]", evidence, CAUSE_LENGTH, int(expected_lens[b]), int(found_lens[b])))
         return
     starts = base - expected_lens
