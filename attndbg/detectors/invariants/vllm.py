@@ -1,5 +1,5 @@
 """invariants over vLLM's own metadata: the `CommonAttentionMetadata` the recorder keeps verbatim
-(`plan.tensors["common.*"]`, see attndbg/record/vllm_fields.py) against the batch built from it.
+(`plan.tensors["common.*"]`, see attndbg/record/vllm/fields.py) against the batch built from it.
 
     indptr-start, indptr-decreases, indptr-end
                         query_start_loc starts at 0, never decreases, padded tail included (vLLM

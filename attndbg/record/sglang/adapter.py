@@ -43,7 +43,8 @@ from attndbg.record.sglang.graph import PADDED_OUT_CACHE_LOC, GraphInfo, capture
 from attndbg.record.sglang.model import kv_cache_size, model_from_backend
 from attndbg.record.sglang.plan import PlanCapture, capture_plan, cut_on_device, is_verify_mask, plan_from_host
 from attndbg.record.sglang.spec import SpecInfo, algorithm_name, capture_spec, spec_from_host
-from attndbg.trace.schema import AttentionKind, EngineBuffer, ForwardMode, Model, Source, Trace
+from attndbg.trace.mask_geometry import mask_length
+from attndbg.trace.schema import AttentionKind, EngineBuffer, ForwardMode, MaskLayout, Model, Source, Trace
 
 BACKEND_NAMES = {  # class name -> the trace's backend name (fill-value rules and replay use these)
     "TritonAttnBackend": "triton",
@@ -248,7 +249,7 @@ def _graph_reads(info: GraphInfo, mode: ForwardMode, draft_tokens: int) -> dict[
         return {}
     reads = {"kv_indices": sum(seq)}
     if mode is ForwardMode.TARGET_VERIFY:
-        reads["custom_mask"] = sum(draft_tokens * (s + draft_tokens) for s in seq)
+        reads["custom_mask"] = mask_length(MaskLayout.FULL, batch_size=len(seq), draft_token_num=draft_tokens, prefix_sum=sum(seq))
     return reads
 
 
