@@ -360,7 +360,7 @@ def test_gpu_broken_cascade_merge_is_found(monkeypatch: pytest.MonkeyPatch) -> N
         m = torch.maximum(s_new, s_pre)
         w_new, w_pre = torch.exp(s_new - m), torch.exp(s_pre - m)
         out = (w_new[..., None] * o_new.float() + w_pre[..., None] * o_pre.float()) / (w_new + w_pre)[..., None]
-        return out.to(o_new.dtype), (m + torch.log(w_new + w_pre)) / fi_backend.LN2
+        return out.to(o_new.dtype), (m + torch.log(w_new + w_pre)) / numerics.LN2
 
     monkeypatch.setattr(fi_backend.FlashInferBackend, "_cascade", cascade_with_natural_code)
     trace = make_trace("extend-prefix", "prefix_lens=0,3072", "extend_lens=5,64", plan=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sys
-from importlib.metadata import EntryPoint
 from pathlib import Path
 
 import pytest
@@ -73,8 +72,12 @@ def toy(request: pytest.FixtureRequest, toy_package: Path, monkeypatch: pytest.M
     if request.param == "environment":
         monkeypatch.setenv("ATTNDBG_DETECTORS", "toy=toy_detector:DETECTOR")
     else:
-        point = EntryPoint(name="toy", value="toy_detector:DETECTOR", group=registry.ENTRY_POINT_GROUP)
-        monkeypatch.setattr(registry, "entry_points", lambda group: [point] if group == registry.ENTRY_POINT_GROUP else [])
+        # An installed distribution's metadata on sys.path, as pip leaves it: importlib.metadata finds
+        # it in this process and in check's spawned workers alike (they inherit sys.path).
+        info = toy_package / "toy_detector-0.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-detector\nVersion: 0.0\n", encoding="utf-8")
+        (info / "entry_points.txt").write_text(f"[{registry.ENTRY_POINT_GROUP}]\ntoy = toy_detector:DETECTOR\n", encoding="utf-8")
 
 
 def test_the_toy_is_listed(toy: None) -> None:
@@ -112,6 +115,19 @@ def test_the_toy_runs_beside_the_built_in_detectors(toy: None, tmp_path: Path) -
     assert result.exit_code == 1, result.output
     classes = {f["class"] for step in json.loads(result.stdout[result.stdout.index("{"):])["steps"] for f in step["findings"]}
     assert "toy" in classes
+
+
+def test_the_toy_is_found_by_checks_worker_processes(toy: None, tmp_path: Path) -> None:
+    """On a GPU machine check runs each step in a spawned worker (a crash boundary): the toy,
+    registered either way, must be found there too, not only in the parent process."""
+    from attndbg.checks.context import CheckOptions
+    from attndbg.checks.run import check_steps, parse_only
+
+    bad = tmp_path / "bad.pt"
+    assert invoke("synth", "decode-gqa", "kv_lens=3,20", "--inject", "toy:negative-position", "-o", str(bad)).exit_code == 0
+    [report] = list(check_steps(str(bad), parse_only("toy"), CheckOptions(backends=("triton",)), isolate=True))
+    assert report.checked, report.error
+    assert [(f.kind.value, f.check, f.location.field) for f in report.findings] == [("toy", "negative-position", "batch.positions[0]")]
 
 
 @pytest.mark.parametrize(
