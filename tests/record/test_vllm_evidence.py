@@ -138,6 +138,18 @@ def test_a_decreasing_tail_is_recorded_verbatim(session: RecordingSession, pool_
     assert trace.batch.batch_size == 2 and trace.batch.out_cache_loc.tolist() == [51, 144]
 
 
+def test_a_padded_token_without_a_padded_row_that_writes_live_kv_is_named(session: RecordingSession, pool_config) -> None:
+    """vLLM's uniform decode pads tokens past query_start_loc[-1] with no padded row: a padded token
+    whose slot_mapping entry is live KV (request 0's new token, slot 51) instead of -1 is named,
+    though no padded request exists to own it."""
+    cm = make_layout(**{**PADDED, "pad_reqs": 0}).cm
+    slots = cm.slot_mapping.clone()
+    slots[2] = 51
+    trace = record(session, pool_config, cm.replace(slot_mapping=slots))
+    assert trace.batch.batch_size == 2 and trace.graph.padded_out_cache_loc.tolist() == [51, 144, 51, -1]
+    assert findings_of(session, parse_only("fill-value")) == [("fill-value", "padded-kv-write", None, "graph.padded_out_cache_loc[2]")]
+
+
 CLEAN = [
     ("decode", {"seq_lens": [20, 33], "query_lens": [1, 1], "blocks": [[7, 3], [5, 1, 9]]}),
     ("decode-graph-padded", PADDED),

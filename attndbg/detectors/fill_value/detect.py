@@ -77,7 +77,10 @@ def recorded_padding(trace: Trace) -> list[Finding]:
         return []
     bs, cap = batch.batch_size, graph.capture_bs
     if cap <= bs:
-        return []  # nothing padded (a capture size below the batch is the invariants detector's)
+        # No padded request (a capture size below the batch is the invariants detector's), but vLLM's
+        # uniform decode pads tokens past query_start_loc[-1] without padded rows: their slots are
+        # still written.
+        return _padded_out_cache_loc(trace) if graph.padded_out_cache_loc.numel() > batch.num_tokens else []
     return (
         _padded_seq_lens(trace)
         + _padded_out_cache_loc(trace)
@@ -159,7 +162,8 @@ def _padded_out_cache_loc(trace: Trace) -> list[Finding]:
             f"{where}); padded tokens may write only slot 0 (SGLang) or -1 (vLLM, skipped)",
             "The graph runner did not reset out_cache_loc past the real tokens (SGLang zeroes it every replay), so padded "
             "tokens overwrite the KV that stale values point at" + (", corrupting a live request's cache." if owner else "."),
-            request=batch.batch_size + i // per_req,
+            # A token padded without a padded request (vLLM, past query_start_loc[-1]) belongs to none.
+            request=batch.batch_size + i // per_req if graph.capture_bs > batch.batch_size else None,
             row=row,
             field=f"graph.padded_out_cache_loc[{row}]",
             data={"slots": tail[bad].tolist()[:16], "owner": list(owner) if owner else None},
