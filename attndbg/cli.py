@@ -140,7 +140,7 @@ def main() -> None:
     from attndbg.detectors import registry as detectors
 
     # The environment is input too: one line, never a traceback.
-    problem = environment.problem() or detectors.ENVIRONMENT.problem()
+    problem = environment.ENVIRONMENT.problem() or detectors.ENVIRONMENT.problem()
     if problem:
         click.echo(f"error: {problem}", err=True)
         sys.exit(EXIT_BAD_INPUT)

@@ -106,7 +106,7 @@ class RequestRows:
 # Per-request offsets by name and the flat tensor each one indexes (None: query rows), as SGLang's
 # and FlashAttention's plans name them: what keeps a padded plan's real requests when its view
 # declares no `layout`.
-USUAL_OFFSETS: dict[str, str | None] = {"qo_indptr": None, "kv_indptr": "kv_indices", "mask_indptr": "custom_mask", "cu_seqlens_q": None, "cu_seqlens_k": None}
+USUAL_OFFSETS: dict[str, str | None] = {"kv_indptr": "kv_indices", "qo_indptr": None, "cu_seqlens_q": None, "cu_seqlens_k": None, "mask_indptr": "custom_mask"}
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ ENVIRONMENT_VARIABLE = environment.VARIABLE
 def backend_names() -> list[str]:
     names = list(BUILTIN)
     names += sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name not in names)
-    names += [name for name in environment.named_adapters() if name not in names]
+    names += [name for name in environment.ENVIRONMENT.named() if name not in names]
     return names
 
 
@@ -63,7 +63,7 @@ def adapter_class(name: str) -> type[Backend]:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
             return ep.load()
-    target = environment.named_adapters().get(name)
+    target = environment.ENVIRONMENT.named().get(name)
     if target is not None:
         module, _, cls = target.partition(":")
         return getattr(importlib.import_module(module), cls)

@@ -34,7 +34,7 @@ import torch
 from attndbg import machine
 from attndbg.backends import engine_names, registry
 from attndbg.backends.base import FillRequirement
-from attndbg.backends.plan_view import Offsets, PlanViewError
+from attndbg.backends.plan_view import USUAL_OFFSETS, Offsets, PlanViewError
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding, FindingClass, finding
 from attndbg.replay import graph as graph_replay
@@ -206,22 +206,19 @@ def _seq_lens_sum(trace: Trace) -> list[Finding]:
     ]
 
 
-# Per-request offsets by the names SGLang's and FlashAttention's plans give them, checked whether or
-# not the consuming kernel reads them (an engine may hand a stale one to another kernel of the step).
-USUAL_INDPTRS = ("kv_indptr", "qo_indptr", "cu_seqlens_q", "cu_seqlens_k", "mask_indptr")
-
-
 def _offsets_of(trace: Trace) -> dict[str, int]:
     """The plan tensors that are per-request offsets (indptrs) over the possibly padded batch, each
     with its entries per request (a two-call verify's expand_ tables have one per draft token): the
-    usual names, then every other Offsets its adapter's plan view declares (a third-party layout
-    names its own; a plan it cannot view is plan-unsafe's)."""
+    usual names (plan_view.USUAL_OFFSETS), checked whether or not the consuming kernel reads them (an
+    engine may hand a stale one to another kernel of the step), then every other Offsets its
+    adapter's plan view declares (a third-party layout names its own; a plan it cannot view is
+    plan-unsafe's)."""
     adapter = registry.adapter_of(trace.plan)
     try:
         view = adapter.plan_view(trace, trace.plan) if adapter is not None else None
     except PlanViewError:
         view = None
-    offsets = dict.fromkeys(USUAL_INDPTRS, 1)
+    offsets = dict.fromkeys(USUAL_OFFSETS, 1)
     if view is not None:
         stride = {name: rows.per_request for rows in view.layout or () for name, _ in rows.offsets}
         for bound in view.bounds:
