@@ -455,7 +455,7 @@ class _CheckCommand(click.Command):
 
 @main.command(cls=_CheckCommand)
 @click.argument("target", type=click.Path())
-@click.option("--only", default=None, metavar="KIND[,KIND...]", help="detectors to run, by kind (listed below; default: all)")
+@click.option("--only", default=None, metavar="KIND[,KIND...]", help="detectors to run, by kind (listed below; default: all but the opt-in ones, which run only when named here)")
 @click.option("--backend", "backend_spec", default=None, help="kernel backends the detectors may use (default: all that run here)")
 @click.option("--cuda-graph", is_flag=True, help="detectors also replay under CUDA graphs (GPU)")
 @click.option("--steps", "steps_spec", default=None, help="only steps A <= step < B of a recording (A:B, A:, :B)")

@@ -30,11 +30,11 @@ from attndbg.trace.schema import Trace
 from attndbg.trace.validate import TraceError
 
 def parse_only(spec: str | None) -> list[FindingClass]:
-    """`--only`: 'fill-value,tree-mask' -> kinds (None: every detector of the registry); ValueError
-    naming the first unknown one and the choices."""
+    """`--only`: 'fill-value,tree-mask' -> kinds (None: every detector of the registry but the
+    opt-in ones, which run only when named); ValueError naming the first unknown one and the choices."""
     known = registry.names()
     if not spec:
-        return [FindingClass(name) for name in known]
+        return [FindingClass(name) for name in registry.default_names()]
     out = []
     for name in (s.strip() for s in spec.split(",") if s.strip()):
         if name not in known:

@@ -59,6 +59,9 @@ class Detector:
     # For detectors that judge the recorded plan through its backend's plan view: why they could
     # not read this step's plan (the check's verdict names it), None when they could.
     plan_unread: Callable[[Trace], str | None] | str | None = None
+    # Run only when named in `check --only`: for detectors whose cost is out of proportion to a
+    # default check (batch-invariance replays every request alone: bs + 3 launches per backend).
+    opt_in: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, FindingClass):

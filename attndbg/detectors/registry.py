@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 ENTRY_POINT_GROUP = "attndbg.detectors"
 ENVIRONMENT = PluginVariable("ATTNDBG_DETECTORS", "detector", "KIND=pkg.module:attr")
 # In the order they run and are listed.
-BUILTIN = (FindingClass.INVARIANT, FindingClass.FILL_VALUE, FindingClass.TREE_MASK, FindingClass.SPLIT_MERGE)
+BUILTIN = (FindingClass.INVARIANT, FindingClass.FILL_VALUE, FindingClass.TREE_MASK, FindingClass.SPLIT_MERGE, FindingClass.BATCH_INVARIANCE)
 
 
 def _builtin_target(kind: FindingClass) -> str:
@@ -44,6 +44,12 @@ def names() -> list[str]:
 
 def kinds() -> list[FindingClass]:
     return [FindingClass(name) for name in names()]
+
+
+def default_names() -> list[str]:
+    """The detectors `check` runs without `--only`: every one but the opt-in ones (Detector.opt_in),
+    which run only when named. Loads each (its package's `DETECTOR`, not what it runs)."""
+    return [name for name in names() if not load(name).opt_in]
 
 
 def load(kind: FindingClass | str) -> Detector:

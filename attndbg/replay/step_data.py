@@ -20,6 +20,7 @@ from attndbg.compare.tolerance import Comparison, ReferenceBasis, reference_basi
 from attndbg.profiling import phase, step_label
 from attndbg.replay.data import build_inputs, to_device
 from attndbg.trace.schema import DTYPES, Trace
+from attndbg.trace.subbatch import SubBatch
 
 
 def default_device() -> str:
@@ -91,6 +92,23 @@ class StepData:
     def output_tolerance(self) -> Tensor:
         """[T, Hq] float64: the absolute output error each row/head may have (tolerance.py's model)."""
         return self.basis.tol
+
+    def sub_batch(self, part: SubBatch) -> StepData:
+        """The data of a sub-batch of this step (attndbg.trace.subbatch): its rows of the queries
+        and new K/V, this step's KV cache itself (the same keys at the same slots), and its rows of
+        the references. The float64 reference is per request, so those rows are the sub-batch's
+        own reference, and sharing the low-precision rows gives a request the same tolerance alone
+        as in the whole batch."""
+        sub = StepData(part.trace, layer=self.layer, device=self.device, max_memory=self.max_memory, cuda_graph=self.cuda_graph)
+        full, rows = self.inputs, part.rows.to(self.inputs.q.device)
+        k_new = full.k_new[rows]
+        # MLA's values are a view of the keys' latent part: keep them one (as data.build_inputs makes them).
+        latent = full.v_cache.data_ptr() == full.k_cache.data_ptr()
+        v_new = k_new[..., : full.v_new.shape[-1]] if latent else full.v_new[rows]
+        sub._inputs[torch.device(self.device).type] = AttentionInputs(q=full.q[rows], k_new=k_new, v_new=v_new, k_cache=full.k_cache, v_cache=full.v_cache)
+        sub._reference = AttentionResult(output=self.reference.output[part.rows], lse=self.reference.lse[part.rows])
+        sub._lowp = AttentionResult(output=self.lowp.output[part.rows], lse=self.lowp.lse[part.rows])
+        return sub
 
     def partial(self, columns: Tensor) -> AttentionResult:
         """float64 partial states: request b over its KV columns [columns[b,0], columns[b,1]) only."""

@@ -1,0 +1,186 @@
+"""batch-invariance: a request's output must not change when it is replayed alone or in a sub-batch.
+
+TensorRT-LLM's split-consistency idea, applied to one recorded step: every kernel backend the check
+exercises runs the whole batch once (the eager run every detector shares), then each request alone
+(a batch of one, attndbg.trace.subbatch) and, for a batch of 4 or more, its two halves. A sub-batch
+keeps its requests' KV slots in the step's own KV cache, their query/new-K/V rows, positions and
+draft trees, and runs the plan the backend derives for the sub-batch, as an engine would build it
+for that smaller batch. Each request's rows of the two runs are compared: a difference beyond the
+step's output tolerance (attndbg.compare.tolerance, the same tolerance a run gets against the
+float64 reference) is a finding naming the backend, the sub-batch, the requests, the largest
+difference and the tolerance, and which run agrees with the float64 reference: two runs that
+differ by more than the tolerance cannot both be within half of it of the reference.
+
+Batch dependence within tolerance is legitimate and never reported: plans are chosen from the
+batch (SGLang's Triton backend picks num_kv_splits from the batch size and the longest request,
+FlashInfer's split-KV scheduler balances the batch over the SMs), so the same request is reduced
+in another order in another batch and rounds differently. Removing that too, bit for bit, is what
+SGLang's deterministic inference (sgl-project/sglang#10278) and vLLM's VLLM_BATCH_INVARIANT mode
+(vllm-project/vllm#40173, batch-invariant backends) are for; this detector looks for the larger
+dependence, a batch whose plan or scratch mixes requests.
+
+Outputs are compared, not LSEs (the output is what the next layer reads). Eager runs only: under
+--cuda-graph the graph variants of the whole batch are judged by the other detectors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attndbg.checks.context import CheckContext
+from attndbg.checks.findings import Finding, FindingClass, finding
+from attndbg.replay.runner import BackendRun, ReplayOptions, RunStatus, replay
+from attndbg.replay.step_data import StepData
+from attndbg.replay.variants import Eager
+from attndbg.trace.subbatch import SubBatch, sub_batch
+
+KIND = FindingClass.BATCH_INVARIANCE
+# Halves are run from this batch size on: below it the halves are (nearly) the requests alone.
+HALVES_FROM = 4
+
+
+@dataclass(frozen=True)
+class Part:
+    label: str  # how findings name it: "request 3 alone", "the first half (requests 0-2)"
+    requests: tuple[int, ...]
+
+
+def parts(batch_size: int) -> list[Part]:
+    """The sub-batches a step of `batch_size` requests is replayed as: each request alone, and the
+    two halves from HALVES_FROM requests on; none for a batch of one."""
+    if batch_size < 2:
+        return []
+    out = [Part(f"request {b} alone", (b,)) for b in range(batch_size)]
+    if batch_size >= HALVES_FROM:
+        half = batch_size // 2
+        out.append(Part(f"the first half (requests 0-{half - 1})", tuple(range(half))))
+        out.append(Part(f"the second half (requests {half}-{batch_size - 1})", tuple(range(half, batch_size))))
+    return out
+
+
+def detect(ctx: CheckContext) -> list[Finding]:
+    trace = ctx.trace
+    if trace.batch.batch_size < 2 or not ctx.backends():
+        return []
+    # The whole batch: the eager run the other detectors share (memoized by the context).
+    whole = {
+        run.name: run
+        for run in ctx.replay().runs
+        if isinstance(run.variant, Eager) and run.status in (RunStatus.PASSED, RunStatus.FAILED) and run.result is not None
+    }
+    if not whole:
+        return []  # nothing ran: the step's own report says why
+    data = ctx.data(ctx.options.layer)
+    # The options of the whole batch's run (ctx.replay folds --backend-option in the same way).
+    options = ReplayOptions(layer=ctx.options.layer, backend_options=ctx.options.backend_options)
+    findings: list[Finding] = []
+    for part in parts(trace.batch.batch_size):
+        sub = sub_batch(trace, part.requests)
+        result = replay(sub.trace, ctx.path, list(whole), options, data=data.sub_batch(sub))
+        for run in result.runs:
+            if run.name in whole and isinstance(run.variant, Eager):
+                findings += _judge(ctx, data, part, sub, whole[run.name], run)
+    return findings
+
+
+def _judge(ctx: CheckContext, data: StepData, part: Part, sub: SubBatch, whole: BackendRun, run: BackendRun) -> list[Finding]:
+    bs = ctx.trace.batch.batch_size
+    if run.status is RunStatus.ERROR:
+        return [
+            finding(
+                KIND,
+                "sub-batch-error",
+                step=ctx.step,
+                layer=ctx.options.layer,
+                request=part.requests[0],
+                evidence=f"{run.name}: {part.label} (requests {list(part.requests)}) failed where the whole batch of {bs} ran: {run.reason}",
+                cause=f"The backend cannot run these requests without the rest of the batch of {bs}: its plan or kernel depends on the batch's composition.",
+                backend=run.name,
+                sub_batch=list(part.requests),
+            )
+        ]
+    if run.result is None or run.comparison is None or whole.comparison is None:
+        return []  # not run here (unsupported, unavailable): nothing to compare
+    rows = sub.rows
+    tol = data.output_tolerance()[rows]  # [t, Hq]
+    diff = _difference(run.result.output, whole.result.output[rows])
+    over = diff / tol
+    if not bool((over > 1).any()):
+        return []
+    # Against the float64 reference, as a multiple of the same tolerance (>1 fails), per row/head.
+    in_batch, in_part = whole.comparison.row_errors[rows], run.comparison.row_errors
+    starts = sub.trace.batch.qo_indptr  # request k of the sub-batch has its rows starts[k]:starts[k+1]
+    affected = {}
+    for k, b in enumerate(part.requests):
+        lo, hi = int(starts[k]), int(starts[k + 1])
+        if bool((over[lo:hi] > 1).any()):
+            affected[b] = {"request": b, "batch_error": float(in_batch[lo:hi].max()), "sub_batch_error": float(in_part[lo:hi].max())}
+    i, head = divmod(int(torch.argmax(over)), over.shape[1])
+    b, row = part.requests[_owner(starts, i)], int(rows[i])
+    worst, affected = affected[b], list(affected.values())
+    errors = ", ".join(f"request {a['request']} {a['batch_error']:.2f}x in the batch, {a['sub_batch_error']:.2f}x {_where(part)}" for a in affected)
+    agrees = _agrees(worst)
+    evidence = (
+        f"{run.name}: {part.label} differs from the whole batch of {bs} in requests {[a['request'] for a in affected]} "
+        f"by up to {float(diff.max()):.3e}; worst request {b} step row {row} head {head}: {float(diff[i, head]):.3e} "
+        f"against tolerance {float(tol[i, head]):.3e} ({float(over[i, head]):.1f}x); error against the float64 reference "
+        f"as a multiple of the tolerance: {errors}"
+    )
+    return [
+        finding(
+            KIND,
+            "output-depends-on-batch",
+            step=ctx.step,
+            layer=ctx.options.layer,
+            request=b,
+            row=row,
+            head=head,
+            evidence=evidence,
+            cause=_cause(b, part, bs, agrees),
+            backend=run.name,
+            sub_batch=list(part.requests),
+            batch_size=bs,
+            requests=affected,
+            max_diff=float(diff.max()),
+            tolerance=float(tol[i, head]),
+            agrees_with_reference=agrees,
+        )
+    ]
+
+
+def _difference(a: Tensor, b: Tensor) -> Tensor:
+    """[t, Hq] largest |a - b| over the head's values: 0 where both hold the same value or both NaN,
+    infinite where only one is NaN (a NaN that appears in one batch is a difference)."""
+    a, b = a.double(), b.double()
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    return torch.nan_to_num((a - b).abs(), nan=float("inf")).masked_fill(same, 0.0).amax(-1)
+
+
+def _owner(starts: Tensor, row: int) -> int:
+    """Index within the sub-batch of the request whose rows hold sub-batch row `row`."""
+    return int(torch.searchsorted(starts, torch.tensor(row), right=True)) - 1
+
+
+def _where(part: Part) -> str:
+    return "alone" if len(part.requests) == 1 else f"in {part.label}"
+
+
+def _agrees(request: dict) -> str:
+    """Which run of the request is within tolerance of the float64 reference."""
+    batch_ok, part_ok = request["batch_error"] <= 1, request["sub_batch_error"] <= 1
+    return {(True, True): "both", (True, False): "whole batch", (False, True): "sub-batch", (False, False): "neither"}[(batch_ok, part_ok)]
+
+
+def _cause(b: int, part: Part, bs: int, agrees: str) -> str:
+    where = _where(part)
+    start = f"Request {b}'s output depends on what it is batched with: "
+    if agrees == "sub-batch":
+        return start + f"{where} it matches the float64 reference, in the batch of {bs} it does not, so the whole batch's plan or scratch mixes requests (a KV row, split or workspace slot taken from a neighbour)."
+    if agrees == "whole batch":
+        return start + f"in the batch of {bs} it matches the float64 reference, {where} it does not, so the plan built for the smaller batch is wrong (a path, split count or buffer chosen by batch size)."
+    if agrees == "neither":
+        return start + f"neither {where} nor in the batch of {bs} does it match the float64 reference, and the two runs are wrong differently."
+    return start + "each run is within tolerance of the float64 reference, yet they differ by more than it: batch-dependent rounding larger than a same-dtype implementation commits (a reduction order or split count chosen by batch size)."
