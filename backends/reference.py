@@ -13,6 +13,7 @@ keys, so the result is the same math as one pass).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,9 @@ from attndbg.trace.visibility import visibility
 # may hold. Large enough that a decode step of 64 x 8k keys is a handful of groups, small enough
 # for a 24 GB CPU machine or beside a kernel's own buffers on the GPU.
 GROUP_BYTES = {"cpu": 256 << 20, "cuda": 1 << 30}
+
+# (b, query rows of request b) -> [rows, kv_len] bool: which columns of its KV row each row sees.
+Visible = Callable[[int, slice], Tensor]
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ def attention(
     *,
     columns: Tensor | None = None,  # [bs, 2] int64: per request, only KV columns [start, end) (a partial state)
     tables: list[GroupTables] | None = None,  # filled on the first call, reused by the next (same trace, inputs and columns)
+    visible: Visible | None = None,  # which columns each query sees, in place of the step's own visibility
 ) -> AttentionResult:
     """Masked softmax attention for the whole batch.
 
@@ -60,6 +65,9 @@ def attention(
     `tables`: the gather and mask tables of every group, built by the first call that gets an empty
     list and reused by later calls on the same step (the float64 and the low-precision reference
     read the same rows and columns; building the tables is most of their host time).
+
+    `visible`: (b, rows) -> [rows, kv_len] bool, what a kernel with a wrong mask let request b's
+    query rows see (attndbg/diagnose's mask mistakes); default the truth, trace/visibility.py.
     """
     model, batch = trace.model, trace.batch
     device = inputs.q.device
@@ -68,7 +76,7 @@ def attention(
     budget = GROUP_BYTES.get(device.type, GROUP_BYTES["cpu"])
     if tables is None or not tables:
         # Sized for float64 whatever the dtype: both references then share one grouping.
-        built = [_group_tables(trace, group, columns, device) for group in _groups(trace, torch.float64, budget)]
+        built = [_group_tables(trace, group, columns, device, visible) for group in _groups(trace, torch.float64, budget)]
         if tables is not None:
             tables.extend(built)
     else:
@@ -113,13 +121,14 @@ def _groups(trace: Trace, compute_dtype: torch.dtype, budget: int) -> list[list[
     return groups
 
 
-def _group_masks(trace: Trace, group: list[_Unit], kv_max: int, rows_max: int, columns: Tensor | None) -> Tensor:
+def _group_masks(trace: Trace, group: list[_Unit], kv_max: int, rows_max: int, columns: Tensor | None, visible: Visible | None) -> Tensor:
     """[B, rows_max, kv_max] bool on the CPU: which padded columns each padded row sees."""
     batch = trace.batch
     mask = torch.zeros(len(group), rows_max, kv_max, dtype=torch.bool)
     for i, u in enumerate(group):
         start = int(batch.qo_indptr[u.b])
-        seen = visibility(trace, u.b, slice(u.row0 - start, u.row1 - start))
+        rows = slice(u.row0 - start, u.row1 - start)
+        seen = visibility(trace, u.b, rows) if visible is None else visible(u.b, rows)
         if columns is not None:
             start, end = (int(x) for x in columns[u.b])
             cols = torch.arange(u.kv)
@@ -139,7 +148,7 @@ class GroupTables:
     real: Tensor  # [B, rows_max] bool
 
 
-def _group_tables(trace: Trace, group: list[_Unit], columns: Tensor | None, device: torch.device) -> GroupTables:
+def _group_tables(trace: Trace, group: list[_Unit], columns: Tensor | None, device: torch.device, visible: Visible | None = None) -> GroupTables:
     batch = trace.batch
     n, kv_max = len(group), max(u.kv for u in group)
     rows_max = max(u.row1 - u.row0 for u in group)
@@ -150,7 +159,7 @@ def _group_tables(trace: Trace, group: list[_Unit], columns: Tensor | None, devi
         slots[i, : u.kv] = batch.request_slots(u.b)
         rows[i, : u.row1 - u.row0] = torch.arange(u.row0, u.row1)
         real[i, : u.row1 - u.row0] = True
-    mask = _group_masks(trace, group, kv_max, rows_max, columns)
+    mask = _group_masks(trace, group, kv_max, rows_max, columns, visible)
     return GroupTables(slots=slots.to(device), rows=rows.to(device), mask=mask.to(device), real=real.to(device))
 
 

@@ -93,12 +93,13 @@ class PartialStates:
             missing = {b: ranges for b, ranges in missing.items() if ranges}
         return {key: self._ranges[key] for key in wanted}
 
-    def under(self, key: Any, trace: Trace) -> Tensor:
+    def under(self, key: Any, trace: Trace, visible: reference.Visible | None = None) -> Tensor:
         """[T, Hq, Dv] float64: the whole batch's attention as a kernel told `trace` (the step's batch
         with the mistake applied: another request's slots, shifted query columns, a chain for a
-        tree) computes it over the step's own q and KV cache. `key` names the variant for the memo."""
+        tree) computes it over the step's own q and KV cache; `visible`: the columns a kernel with a
+        wrong mask let each query see (default: `trace`'s own). `key` names the variant for the memo."""
         if key not in self._batches:
-            result = reference.attention(trace, self.data.inputs, torch.float64)
+            result = reference.attention(trace, self.data.inputs, torch.float64, visible=visible)
             self._batches[key] = result.output.cpu()
         return self._batches[key]
 

@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from attndbg.diagnose.base import Candidate, MistakeModel, PartialStates
-from attndbg.diagnose.kv_models import KeyOffByOne, OtherRequestRow
-from attndbg.diagnose.mask_models import MaskIgnored, WindowWithoutDraftOffset
-from attndbg.diagnose.split_models import EmptySplitsStale, EmptySplitsZeros, PrefixMergeLseBase, SplitLseBase
+from attndbg.diagnose.kv_models import KeyOffByOne, OtherRequestRow, PlanFromCapture, RecordedPlanKV, StalePositions
+from attndbg.diagnose.mask_models import MaskBitOrder, MaskIgnored, MaskIgnoredPastCausalTile, MaskTransposed, RecordedPlanMask, WindowWithoutDraftOffset
+from attndbg.diagnose.split_models import EmptySplitsStale, EmptySplitsZeros, PrefixMergeLseBase, SplitLseBase, SplitsBeyondCapture
 from attndbg.replay.step_data import StepData
 from attndbg.trace.schema import Trace
 
@@ -26,10 +26,18 @@ MODELS: tuple[MistakeModel, ...] = (
     SplitLseBase(),
     EmptySplitsZeros(),
     EmptySplitsStale(),
+    SplitsBeyondCapture(),
     PrefixMergeLseBase(),
     OtherRequestRow(),
+    RecordedPlanKV(),
+    PlanFromCapture(),
     KeyOffByOne(),
+    StalePositions(),
     MaskIgnored(),
+    MaskTransposed(),
+    MaskBitOrder(),
+    MaskIgnoredPastCausalTile(),
+    RecordedPlanMask(),
     WindowWithoutDraftOffset(),
 )
 

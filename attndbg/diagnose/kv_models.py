@@ -1,5 +1,6 @@
-"""Mistakes of which keys a request reads: another request's KV row, or a KV length / query
-position one off.
+"""Mistakes of which keys a request reads: another request's KV row, the slots a wrong recorded plan
+names, the capture batch's lengths left in a graph, a KV length / query position one off, or
+positions left from the previous chunk.
 
 Each is the reference run on the step's own q and KV cache with the batch a kernel was wrongly
 given (`PartialStates.under`): the same math, other metadata.
@@ -11,7 +12,9 @@ from collections.abc import Iterator
 
 import torch
 
+from attndbg.backends import registry
 from attndbg.diagnose.base import Candidate, MistakeModel, PartialStates, with_batch
+from attndbg.replay import plan_guard
 from attndbg.trace.schema import ForwardMode, Trace
 from attndbg.trace.visibility import visibility
 
@@ -134,3 +137,155 @@ def _moves(trace: Trace, b: int, step: int) -> bool:
         return False
     moved = with_batch(trace, query_cols=batch.query_cols + step)
     return not torch.equal(visibility(trace, b), visibility(moved, b))
+
+
+class RecordedPlanKV(MistakeModel):
+    """The kernel read the KV slots its recorded plan names (kv_indices / page table by the plan's
+    backend view), where they differ from the request's row: a stale kv_indptr tail after the
+    batch shrank, a plan built for another batch (the warm-up or capture one), a permuted row.
+    invariants says how the plan is wrong; this says the engine's output came from it. Plans the
+    guard refuses (indices outside the cache) are never read."""
+
+    name = "recorded-plan-kv"
+    cause = (
+        "The kernel read the KV slots its recorded plan names, which differ from the request's own row (a stale "
+        "indptr tail after the batch shrank, a plan left from another batch such as the capture or warm-up one); "
+        "invariants names the plan field at fault."
+    )
+
+    def applies(self, trace: Trace) -> bool:
+        return trace.plan is not None and trace.batch.forward_mode is not ForwardMode.IDLE
+
+    def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
+        trace = states.trace
+        kv = _plan_kv(trace)
+        if kv is None:
+            return
+        batch = trace.batch
+        decode = batch.forward_mode is ForwardMode.DECODE
+        rows = [batch.request_slots(b) for b in range(batch.batch_size)]
+        lens = batch.kv_lens.tolist()
+        wrong: dict[int, str] = {}
+        for b in requests:
+            ids, length = kv.of(b)
+            slots = _slots(ids, length, kv.page_size)
+            own, n, prefix = rows[b], int(batch.kv_lens[b]), int(batch.prefix_lens[b])
+            if slots.numel() != length:
+                continue
+            if length == n:
+                row, what = slots, "its KV row"
+            elif decode and trace.model.sliding_window >= 0 and length < n:
+                row, what = torch.cat([own[: n - length], slots]), "its window's keys"  # a window plan reads the row's tail
+            elif not decode and length == prefix:
+                row, what = torch.cat([slots, own[prefix:]]), "its prefix"  # the new tokens' K/V come separately
+            elif decode and length >= 1:
+                row, what = slots, f"{length} keys where its row has {n}"
+            else:
+                continue
+            if row.numel() == own.numel() and torch.equal(row, own):
+                continue
+            rows[b], lens[b], wrong[b] = row, row.numel(), what
+        if not wrong:
+            return
+        output = states.under("recorded-plan-kv", _reading(trace, rows, lens))
+        for b, what in wrong.items():
+            differ = int((rows[b][: min(lens[b], int(batch.kv_lens[b]))] != batch.request_slots(b)[: min(lens[b], int(batch.kv_lens[b]))]).sum())
+            yield Candidate(
+                request=b,
+                output=output[states.rows(b)].double(),
+                summary=f"attention over the KV slots the recorded {trace.plan.backend} plan names, not the request's own",
+                detail=f"request {b}: {what}, {differ} slots differ",
+                params={"read": what, "slots_differ": differ},
+            )
+
+
+def _plan_kv(trace: Trace):
+    """The recorded plan's per-request KV ids (plan_view.RequestKV) for the step's real requests, or
+    None when the plan cannot be read safely (the plan guard refuses it) or its view gives none."""
+    try:
+        backend = registry.create(trace.plan.backend)
+    except KeyError:
+        return None
+    plan = plan_guard.real_requests_only(trace, trace.plan, backend)
+    if plan_guard.refusal(trace, plan, backend) is not None:
+        return None
+    view = backend.plan_view(trace, plan)
+    if view is None or view.kv is None or view.kv.lengths.numel() < trace.batch.batch_size:
+        return None
+    return view.kv
+
+
+def _slots(ids: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
+    """The first `length` token slots of a request's ids (slot ids, or pages of page_size tokens)."""
+    if page_size == 1:
+        return ids[:length].to(torch.int64)
+    return (ids.to(torch.int64)[:, None] * page_size + torch.arange(page_size)).flatten()[:length]
+
+
+class PlanFromCapture(MistakeModel):
+    """A graph-replayed decode step whose kernel ran with the capture batch's metadata left in the
+    graph's buffers: every request read only `fill` keys (the seq_len the runner fills padded and
+    capture rows with), its query at the last of them; fill 0 reads nothing (output 0)."""
+
+    name = "plan-from-capture"
+    cause = (
+        "The CUDA graph replayed with the metadata it was captured with (the capture batch's seq_lens, filled "
+        "with the runner's fill value), because the step's plan was not copied into the graph's buffers before replay."
+    )
+
+    def applies(self, trace: Trace) -> bool:
+        graph = trace.graph
+        return graph is not None and graph.is_graph_replay and trace.batch.forward_mode is ForwardMode.DECODE
+
+    def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
+        trace = states.trace
+        batch, fill = trace.batch, trace.graph.fill_value
+        hit = [b for b in requests if int(batch.kv_lens[b]) > max(fill, 0)]
+        if not hit:
+            return
+        summary = f"decode attention with the capture batch's seq_len {fill} (the graph's plan never updated)"
+        if fill <= 0:
+            for b in hit:
+                rows = states.rows(b)
+                zero = torch.zeros(rows.stop - rows.start, trace.model.num_qo_heads, trace.model.v_head_dim, dtype=torch.float64)
+                yield Candidate(request=b, output=zero, summary=summary, detail=f"request {b}, kv {int(batch.kv_lens[b])} read as 0", params={"fill": fill})
+            return
+        rows = [batch.request_slots(b)[:fill] if b in hit else batch.request_slots(b) for b in range(batch.batch_size)]
+        lens = [fill if b in hit else int(batch.kv_lens[b]) for b in range(batch.batch_size)]
+        output = states.under(("plan-from-capture", fill), _reading(trace, rows, lens))
+        for b in hit:
+            yield Candidate(request=b, output=output[states.rows(b)].double(), summary=summary, detail=f"request {b}, kv {int(batch.kv_lens[b])} read as {fill}", params={"fill": fill})
+
+
+class StalePositions(MistakeModel):
+    """An extend whose query positions were the previous chunk's (positions not advanced by the
+    request's extend length): each query sits extend_len columns early and misses the keys after.
+    Decode's one-token case is key-off-by-one's."""
+
+    name = "positions-stale"
+    cause = (
+        "The query positions were left from the previous chunk (not advanced by the request's extend length), so "
+        "each query's causal edge sat that many keys early."
+    )
+
+    def applies(self, trace: Trace) -> bool:
+        batch = trace.batch
+        return not trace.is_tree_verify and not batch.selective and bool((batch.extend_lens >= 2).any()) and batch.forward_mode is not ForwardMode.DECODE
+
+    def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
+        trace = states.trace
+        batch = trace.batch
+        moved = [b for b in requests if int(batch.extend_lens[b]) >= 2 and int(batch.prefix_lens[b]) > 0]
+        if not moved:
+            return
+        shift = torch.repeat_interleave(batch.extend_lens, batch.extend_lens, output_size=batch.num_tokens)
+        output = states.under("positions-stale", with_batch(trace, query_cols=batch.query_cols - shift))
+        for b in moved:
+            e = int(batch.extend_lens[b])
+            yield Candidate(
+                request=b,
+                output=output[states.rows(b)].double(),
+                summary="attention with the query positions of the previous chunk (not advanced by the extend length)",
+                detail=f"request {b}, {e} queries {e} columns early",
+                params={"shift": -e},
+            )

@@ -1,5 +1,7 @@
-"""Mistakes of a verify step's mask: the tree mask ignored (causal by token index), and a sliding
-window applied by KV index instead of by the draft tokens' tree depth.
+"""Mistakes of a verify step's mask: the tree mask ignored (causal by token index), read transposed,
+read in the other bit order, or ignored past the key tile where the draft tokens start; the
+recorded plan's own (wrong) mask applied; and a sliding window applied by KV index instead of by
+the draft tokens' tree depth.
 
 Ground truth (trace/visibility.py): draft token r of a request sees its prefix, the root, itself
 and its ancestors; a window measures distances by rope position, prefix + depth. Both mistakes
@@ -12,9 +14,12 @@ from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
+from torch import Tensor
 
-from attndbg.diagnose.base import Candidate, MistakeModel, PartialStates
+from attndbg.detectors.tree_mask.plan import plan_view
+from attndbg.diagnose.base import Candidate, MistakeModel, PartialStates, spans
 from attndbg.trace import tree
+from attndbg.trace.mask_geometry import word_bits, word_dtype
 from attndbg.trace.schema import Trace
 from attndbg.trace.visibility import visibility
 
@@ -98,3 +103,168 @@ def _loses_keys(trace: Trace, b: int, starts: list[int]) -> bool:
     visible = visibility(trace, b)
     cols = torch.arange(visible.shape[1])
     return bool((visible & (cols[None, :] < torch.tensor(starts)[:, None])).any())
+
+
+def _tree_rows(trace: Trace, b: int) -> Tensor:
+    """[n, prefix + n] bool: the mask request b's verify kernel should apply (prefix columns visible,
+    then the ancestor matrix), before the window."""
+    prefix, n = int(trace.batch.prefix_lens[b]), trace.spec.draft_token_num
+    full = torch.ones(n, prefix + n, dtype=torch.bool)
+    full[:, prefix:] = tree.ancestor_matrix(trace.spec.parents[b])
+    return full
+
+
+class _WrongTreeMask(MistakeModel):
+    """A verify step whose kernel applied a wrong version of the right mask: each request's [n,
+    prefix + n] mask a `variants` rule makes of the true one, the window still by rope position.
+    Only requests whose wrong mask hides or shows a key the truth does not are candidates."""
+
+    def applies(self, trace: Trace) -> bool:
+        return trace.is_tree_verify
+
+    def variants(self, trace: Trace, b: int) -> Iterator[tuple[Tensor, str, str, dict]]:
+        """(wrong [n, prefix + n] mask, summary, detail, params) per parameter choice of the mistake."""
+        raise NotImplementedError
+
+    def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
+        trace = states.trace
+        wrong: dict[str, dict[int, Tensor]] = {}  # summary -> request -> mask
+        words: dict[tuple[str, int], tuple[str, dict]] = {}
+        for b in requests:
+            truth = visibility(trace, b)
+            for mask, summary, detail, params in self.variants(trace, b):
+                if torch.equal(visibility(trace, b, tree_mask=mask), truth):
+                    continue
+                wrong.setdefault(summary, {})[b] = mask
+                words[(summary, b)] = (detail, params)
+        for summary, masks in wrong.items():
+            def seen(b: int, rows: slice, masks: dict[int, Tensor] = masks) -> Tensor:
+                return visibility(trace, b, rows, tree_mask=masks.get(b, _tree_rows(trace, b)))
+
+            output = states.under((self.name, summary), trace, visible=seen)
+            for b in masks:
+                detail, params = words[(summary, b)]
+                yield Candidate(request=b, output=output[states.rows(b)].double(), summary=summary, detail=detail, params=params)
+
+
+class MaskTransposed(_WrongTreeMask):
+    """The tree mask read transposed (row and column swapped: a [q, k] mask read as [k, q]), so a
+    draft token sees its descendants instead of its ancestors."""
+
+    name = "mask-transposed"
+    cause = (
+        "The verify kernel read the tree mask transposed (query and key index swapped, a row-major mask read as "
+        "column-major), so each draft token saw its descendants' keys instead of its ancestors'."
+    )
+
+    def variants(self, trace: Trace, b: int) -> Iterator[tuple[Tensor, str, str, dict]]:
+        prefix = int(trace.batch.prefix_lens[b])
+        full = _tree_rows(trace, b)
+        full[:, prefix:] = full[:, prefix:].T.clone()
+        yield full, "verify attention with the tree mask read transposed (each draft token saw its descendants)", f"request {b}, {trace.spec.draft_token_num} draft tokens", {}
+
+
+class MaskBitOrder(_WrongTreeMask):
+    """A bit-packed tree mask read in the other bit order: one word per draft row (SGLang's
+    QLEN_ONLY_BITPACKED, 8/16/32-bit words by n) read big-endian, so draft token r sees column
+    word_bits - 1 - c for c; or the request's whole row-major [n, prefix + n] mask packed into bytes
+    (FlashInfer's packbits, little-endian) read with each byte's bits reversed."""
+
+    name = "mask-bit-order"
+    cause = (
+        "The verify kernel read the bit-packed tree mask in the other bit order (big-endian where SGLang and "
+        "FlashInfer pack little-endian: bit j is column j), so draft tokens saw the keys of mirrored columns."
+    )
+
+    def variants(self, trace: Trace, b: int) -> Iterator[tuple[Tensor, str, str, dict]]:
+        prefix, n = int(trace.batch.prefix_lens[b]), trace.spec.draft_token_num
+        truth = _tree_rows(trace, b)
+        width = word_bits(word_dtype(n))
+        mirrored = width - 1 - torch.arange(n)
+        draft = torch.zeros(n, n, dtype=torch.bool)
+        inside = mirrored < n
+        draft[:, inside] = truth[:, prefix:][:, mirrored[inside]]
+        words = truth.clone()
+        words[:, prefix:] = draft
+        yield words, "verify attention with each draft row's bit-packed mask word read big-endian", f"request {b}, {n} draft tokens in {width}-bit words", {"packing": "word", "word_bits": width}
+        flat = truth.flatten()
+        pad = (-flat.numel()) % 8
+        padded = torch.cat([flat, torch.zeros(pad, dtype=torch.bool)]).view(-1, 8).flip(1).flatten()
+        yield padded[: flat.numel()].view_as(truth), "verify attention with the request's byte-packed mask read with each byte's bits reversed", f"request {b}, [{n}, {prefix + n}] mask in bytes", {"packing": "byte"}
+
+
+# Key tiles of the kernels whose custom mask stops at the diagonal tile (BLOCK_N of Triton and
+# FlashAttention-style extend kernels).
+CAUSAL_TILES = (16, 32, 64, 128)
+
+
+class MaskIgnoredPastCausalTile(_WrongTreeMask):
+    """The custom mask applied only in the key tile that holds the first draft column, and ignored
+    (causal by token index) in the tiles after it: a kernel that masks the tile on the causal
+    diagonal and treats later tiles as plain causal. Tiles of T columns from column 0 of the row."""
+
+    name = "mask-ignored-past-causal-tile"
+    cause = (
+        "The verify kernel applied the custom tree mask only in the key tile where the draft tokens start and ran "
+        "later key tiles causally by token index, so draft tokens past that tile saw their siblings' keys."
+    )
+
+    def variants(self, trace: Trace, b: int) -> Iterator[tuple[Tensor, str, str, dict]]:
+        prefix, n = int(trace.batch.prefix_lens[b]), trace.spec.draft_token_num
+        truth = _tree_rows(trace, b)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        by_columns: dict[int, list[int]] = {}  # first causal column -> tiles giving it
+        for tile in CAUSAL_TILES:
+            first = (prefix // tile + 1) * tile  # the first column of the tile after the draft tokens' first
+            if first < prefix + n:
+                by_columns.setdefault(first, []).append(tile)
+        for first, tiles in by_columns.items():
+            wrong = truth.clone()
+            wrong[:, first:] = causal[:, first - prefix :]
+            yield wrong, "verify attention with the custom mask ignored past the key tile where the draft tokens start (causal by index there)", f"request {b}, columns {first}-{prefix + n - 1} causal (key tiles of {spans(tiles) if len(tiles) > 1 else tiles[0]})", {"first_causal_column": first, "tiles": tiles}
+
+
+class RecordedPlanMask(MistakeModel):
+    """A verify step whose kernel applied the mask its recorded plan holds (read by the plan's
+    backend layout: a stale tail, a wrong mask_indptr, a plan from an earlier tree, a missing mask),
+    where that mask differs from the tree's. The tree-mask detector says how the plan's mask is
+    wrong; this says the engine's output came from it."""
+
+    name = "recorded-plan-mask"
+    cause = (
+        "The verify kernel applied the mask of its recorded plan, which differs from the draft tree's (a stale "
+        "tail of the mask buffer, a wrong mask_indptr, or a mask left from another step: tree-mask names which)."
+    )
+
+    def applies(self, trace: Trace) -> bool:
+        return trace.is_tree_verify and trace.plan is not None
+
+    def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
+        trace = states.trace
+        view = plan_view(trace)
+        if view is None:
+            return
+        batch = trace.batch
+        wrong = {}
+        for b in requests:
+            block = view.blocks.get(b)
+            if block is None or tuple(block.shape) != (trace.spec.draft_token_num, int(batch.kv_lens[b])):
+                continue
+            if not torch.equal(block, visibility(trace, b)):
+                wrong[b] = block
+        if not wrong:
+            return
+
+        def seen(b: int, rows: slice) -> Tensor:
+            return wrong[b][rows] if b in wrong else visibility(trace, b, rows)
+
+        output = states.under("recorded-plan-mask", trace, visible=seen)
+        for b, block in wrong.items():
+            differ = int((block != visibility(trace, b)).sum())
+            yield Candidate(
+                request=b,
+                output=output[states.rows(b)].double(),
+                summary=f"verify attention with the recorded plan's {view.kind} mask, which differs from the draft tree's",
+                detail=f"request {b}, {differ} mask entries differ",
+                params={"plan_mask": view.kind, "entries_differ": differ},
+            )

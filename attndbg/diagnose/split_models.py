@@ -216,3 +216,41 @@ class PrefixMergeLseBase(MistakeModel):
                         detail=f"request {b}, prefix {prefix}, {kv - prefix} new",
                         params={"part": part, "factor": factor},
                     )
+
+
+class SplitsBeyondCapture(_SplitDecodeModel):
+    """Split-KV decode whose split count exceeded the splits the captured scratch holds
+    (max_kv_splits): the split length was cut for num_kv_splits splits, but only the first
+    max_kv_splits were launched and merged, so the keys of the rest were never seen."""
+
+    name = "splits-beyond-capture"
+    cause = (
+        "The request's num_kv_splits exceeded the max_kv_splits its stage-1 scratch and grid were sized for at "
+        "capture, so only the first max_kv_splits splits ran and were merged and the keys past them were dropped."
+    )
+
+    def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
+        top = _captured_splits(states.trace)
+        if top is None:
+            return
+        splits = _Splits(states, requests)
+        for b in splits.requests:
+            slots = splits.columns(b)
+            ran = [c for c in slots[:top] if c is not None]
+            if len(slots) <= top or not ran or len(ran) == len([c for c in slots if c is not None]):
+                continue
+            yield Candidate(
+                request=b,
+                output=merge(*splits.stack(b, ran)),
+                summary=f"a split-KV decode that ran and merged only the first {top} of its splits (max_kv_splits at capture)",
+                detail=f"request {b}, {len(slots)} splits of kv {splits.lengths[b]}, keys from column {ran[-1][1]} dropped",
+                params={"max_kv_splits": top, "num_kv_splits": len(slots), "kept_columns": ran[-1][1]},
+            )
+
+
+def _captured_splits(trace: Trace) -> int | None:
+    """max_kv_splits the step's scratch was sized for: the recorded plan's, or the graph capture's."""
+    value = trace.plan.scalars.get("max_kv_splits") if trace.plan is not None else None
+    if value is None and trace.graph is not None:
+        value = getattr(getattr(trace.graph, "capture", None), "max_kv_splits", None)
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

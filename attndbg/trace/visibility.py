@@ -15,9 +15,13 @@ from attndbg.trace import tree
 from attndbg.trace.schema import Trace
 
 
-def visibility(trace: Trace, b: int, rows: slice = slice(None)) -> Tensor:
+def visibility(trace: Trace, b: int, rows: slice = slice(None), *, tree_mask: Tensor | None = None) -> Tensor:
     """[extend_len, kv_len] bool: which columns of request b's row each of its queries sees
-    (only the request's query rows `rows`, counted within the request, when given)."""
+    (only the request's query rows `rows`, counted within the request, when given).
+
+    `tree_mask` [n, kv_len] (verify): the mask a kernel applied in place of the tree's (prefix
+    columns visible, then the ancestor matrix), the window still cut by rope positions: what a
+    kernel that read the right mask wrongly sees (attndbg/diagnose's mask mistakes)."""
     batch = trace.batch
     prefix = int(batch.prefix_lens[b])
     kv = int(batch.kv_lens[b])
@@ -26,8 +30,11 @@ def visibility(trace: Trace, b: int, rows: slice = slice(None)) -> Tensor:
     cols = torch.arange(kv)
     if trace.is_tree_verify:
         parents = trace.spec.parents[b]
-        visible = torch.ones(query_cols.numel(), kv, dtype=torch.bool)
-        visible[:, prefix:] = tree.ancestor_matrix(parents)[rows]
+        if tree_mask is None:
+            visible = torch.ones(query_cols.numel(), kv, dtype=torch.bool)
+            visible[:, prefix:] = tree.ancestor_matrix(parents)[rows]
+        else:
+            visible = tree_mask[rows].clone()
         # Window distances use rope positions: a draft token sits at prefix + its depth.
         key_pos = torch.cat([cols[:prefix], prefix + tree.depths(parents)])
         query_pos = (prefix + tree.depths(parents))[rows]
