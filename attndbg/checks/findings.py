@@ -27,6 +27,7 @@ class FindingClass:
     TREE_MASK: ClassVar[FindingClass]
     SPLIT_MERGE: ClassVar[FindingClass]
     BATCH_INVARIANCE: ClassVar[FindingClass]
+    EXPOSURE: ClassVar[FindingClass]
     BACKEND_CRASH: ClassVar[FindingClass]
 
     def __new__(cls, value: str) -> FindingClass:
@@ -57,6 +58,7 @@ FindingClass.FILL_VALUE = FindingClass("fill-value")
 FindingClass.TREE_MASK = FindingClass("tree-mask")
 FindingClass.SPLIT_MERGE = FindingClass("split-merge")
 FindingClass.BATCH_INVARIANCE = FindingClass("batch-invariance")
+FindingClass.EXPOSURE = FindingClass("exposure")
 # Not a detector: the check engine's own report of a kernel library that crashed on a step
 # (its worker died, or poisoned its CUDA context); the step is checked again without it.
 FindingClass.BACKEND_CRASH = FindingClass("backend-crash")

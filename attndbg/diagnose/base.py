@@ -45,6 +45,13 @@ class MistakeModel(abc.ABC):
     def applies(self, trace: Trace) -> bool:
         """Whether the step has what the mistake needs (its path merges splits, it verifies a tree, ...)."""
 
+    def shown_by_metadata(self, trace: Trace) -> bool:
+        """Whether the step's recorded metadata itself shows the mistake's precondition (empty
+        splits in the recorded split plan, a split count past the scratch, a plan that differs from
+        the batch), so that a step without the engine's output can be judged exposed to it. Models
+        that could happen on any step (a base confusion, an index off by one) say False."""
+        return False
+
     @abc.abstractmethod
     def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
         """Candidate outputs for `requests` (the requests whose rows fail the reference)."""

@@ -156,6 +156,9 @@ class RecordedPlanKV(MistakeModel):
     def applies(self, trace: Trace) -> bool:
         return trace.plan is not None and trace.batch.forward_mode is not ForwardMode.IDLE
 
+    def shown_by_metadata(self, trace: Trace) -> bool:
+        return self.applies(trace)  # candidates come only from a recorded plan that differs from the batch
+
     def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
         trace = states.trace
         kv = _plan_kv(trace)

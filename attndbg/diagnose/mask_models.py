@@ -239,6 +239,9 @@ class RecordedPlanMask(MistakeModel):
     def applies(self, trace: Trace) -> bool:
         return trace.is_tree_verify and trace.plan is not None
 
+    def shown_by_metadata(self, trace: Trace) -> bool:
+        return self.applies(trace)  # candidates come only from a recorded plan that differs from the batch
+
     def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
         trace = states.trace
         view = plan_view(trace)

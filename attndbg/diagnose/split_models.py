@@ -96,6 +96,14 @@ class _SplitDecodeModel(MistakeModel):
         return trace.batch.forward_mode is ForwardMode.DECODE and merge_path(trace) is not None
 
 
+class _ShownBySplitPlan(_SplitDecodeModel):
+    """A split mistake whose precondition (empty splits, a count past the scratch) the recorded split
+    plan shows; without one, the split counts are SGLang's default, an assumption, not evidence."""
+
+    def shown_by_metadata(self, trace: Trace) -> bool:
+        return self.applies(trace) and trace.plan is not None and "num_kv_splits" in trace.plan.tensors
+
+
 class SplitLseBase(_SplitDecodeModel):
     """Split-KV decode whose merge weighed every split by its LSE in the wrong base."""
 
@@ -122,7 +130,7 @@ class SplitLseBase(_SplitDecodeModel):
                 )
 
 
-class EmptySplitsZeros(_SplitDecodeModel):
+class EmptySplitsZeros(_ShownBySplitPlan):
     """Split-KV decode whose merge did not skip the splits past the request's KV, and whose scratch
     slots for them held zeros (a zeroed or freshly allocated buffer): output 0, LSE 0."""
 
@@ -144,7 +152,7 @@ class EmptySplitsZeros(_SplitDecodeModel):
             )
 
 
-class EmptySplitsStale(_SplitDecodeModel):
+class EmptySplitsStale(_ShownBySplitPlan):
     """Split-KV decode whose merge did not skip the splits past the request's KV, and whose scratch
     slots for them still held the partials a launch with a larger split count wrote over the same
     KV (slots that launch left empty too hold zeros, LSE 0)."""
@@ -218,7 +226,7 @@ class PrefixMergeLseBase(MistakeModel):
                     )
 
 
-class SplitsBeyondCapture(_SplitDecodeModel):
+class SplitsBeyondCapture(_ShownBySplitPlan):
     """Split-KV decode whose split count exceeded the splits the captured scratch holds
     (max_kv_splits): the split length was cut for num_kv_splits splits, but only the first
     max_kv_splits were launched and merged, so the keys of the rest were never seen."""

@@ -28,3 +28,10 @@ def test_readme_tables_are_the_registry(monkeypatch) -> None:
     monkeypatch.delenv(registry.ENVIRONMENT.variable, raising=False)
     expected = detector_tables()
     assert expected in README.read_text(encoding="utf-8"), "README's detector tables differ from the registry; they should read:\n\n" + expected
+
+
+def test_readme_names_every_mistake_model() -> None:
+    from attndbg.diagnose import MODELS
+
+    text = README.read_text(encoding="utf-8")
+    assert [m.name for m in MODELS if f"`{m.name}`" not in text] == []
