@@ -226,14 +226,17 @@ def _slots(ids: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
 
 
 class PlanFromCapture(MistakeModel):
-    """A graph-replayed decode step whose kernel ran with the capture batch's metadata left in the
-    graph's buffers: every request read only `fill` keys (the seq_len the runner fills padded and
-    capture rows with), its query at the last of them; fill 0 reads nothing (output 0)."""
+    """A graph-replayed decode step whose kernel did not read this step's metadata: the capture
+    batch's left in the graph's buffers, every request reading only `fill` keys of its row (the
+    seq_len the runner fills capture and padded rows with; fill 0 reads nothing, output 0), or
+    metadata rebuilt at replay into fresh tensors the graph never saw, so every request attended
+    KV slot 0 alone."""
 
     name = "plan-from-capture"
     cause = (
-        "The CUDA graph replayed with the metadata it was captured with (the capture batch's seq_lens, filled "
-        "with the runner's fill value), because the step's plan was not copied into the graph's buffers before replay."
+        "The CUDA graph replayed without this step's metadata: the plan was not copied into the buffers the graph "
+        "captured (the capture batch's seq_lens remained), or was rebuilt into fresh tensors the graph never reads "
+        "(SGLang PR #26019's review: every request attended KV slot 0)."
     )
 
     def applies(self, trace: Trace) -> bool:
@@ -243,21 +246,28 @@ class PlanFromCapture(MistakeModel):
     def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
         trace = states.trace
         batch, fill = trace.batch, trace.graph.fill_value
-        hit = [b for b in requests if int(batch.kv_lens[b]) > max(fill, 0)]
-        if not hit:
-            return
         summary = f"decode attention with the capture batch's seq_len {fill} (the graph's plan never updated)"
-        if fill <= 0:
+        hit = [b for b in requests if int(batch.kv_lens[b]) > max(fill, 0)]
+        if hit and fill <= 0:
             for b in hit:
                 rows = states.rows(b)
                 zero = torch.zeros(rows.stop - rows.start, trace.model.num_qo_heads, trace.model.v_head_dim, dtype=torch.float64)
                 yield Candidate(request=b, output=zero, summary=summary, detail=f"request {b}, kv {int(batch.kv_lens[b])} read as 0", params={"fill": fill})
+        elif hit:
+            yield from self._reading_rows(states, ("capture-fill", fill), hit, lambda b: batch.request_slots(b)[:fill], summary, lambda b: f"request {b}, kv {int(batch.kv_lens[b])} read as {fill}", {"fill": fill})
+        slot0 = torch.zeros(1, dtype=torch.int64)
+        alone = [b for b in requests if not torch.equal(batch.request_slots(b), slot0)]
+        yield from self._reading_rows(states, "slot-0", alone, lambda b: slot0, "decode attention over KV slot 0 alone (metadata the graph never read)", lambda b: f"request {b}, kv {int(batch.kv_lens[b])} read as slot 0", {"slot": 0})
+
+    def _reading_rows(self, states: PartialStates, key: object, hit: list[int], row_of, summary: str, detail_of, params: dict) -> Iterator[Candidate]:
+        """Candidates for requests `hit`, each reading row_of(b) (its query at the row's end)."""
+        if not hit:
             return
-        rows = [batch.request_slots(b)[:fill] if b in hit else batch.request_slots(b) for b in range(batch.batch_size)]
-        lens = [fill if b in hit else int(batch.kv_lens[b]) for b in range(batch.batch_size)]
-        output = states.under(("plan-from-capture", fill), _reading(trace, rows, lens))
+        batch = states.trace.batch
+        rows = [row_of(b) if b in hit else batch.request_slots(b) for b in range(batch.batch_size)]
+        output = states.under(key, _reading(states.trace, rows, [r.numel() for r in rows]))
         for b in hit:
-            yield Candidate(request=b, output=output[states.rows(b)].double(), summary=summary, detail=f"request {b}, kv {int(batch.kv_lens[b])} read as {fill}", params={"fill": fill})
+            yield Candidate(request=b, output=output[states.rows(b)].double(), summary=summary, detail=detail_of(b), params=params)
 
 
 class StalePositions(MistakeModel):

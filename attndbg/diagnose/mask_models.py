@@ -233,7 +233,8 @@ class RecordedPlanMask(MistakeModel):
     name = "recorded-plan-mask"
     cause = (
         "The verify kernel applied the mask of its recorded plan, which differs from the draft tree's (a stale "
-        "tail of the mask buffer, a wrong mask_indptr, or a mask left from another step: tree-mask names which)."
+        "tail of the mask buffer, a wrong mask_indptr, or a mask left from another step as in FlashInfer #1028; "
+        "tree-mask names which)."
     )
 
     def applies(self, trace: Trace) -> bool:

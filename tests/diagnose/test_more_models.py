@@ -154,3 +154,12 @@ def test_clean_graph_and_plan_steps_are_not_attributed() -> None:
     assert recorded_tensors(CheckContext(trace=trace, path="t")) == []
     trace = recorded("verify", *SMALL, "prefix_lens=28,60")
     assert recorded_tensors(CheckContext(trace=trace, path="t")) == []
+
+
+def test_graph_replayed_with_metadata_it_never_read() -> None:
+    # SGLang PR #26019's review: metadata rebuilt into fresh tensors at replay, every request attended slot 0.
+    trace = recorded("decode-gqa", *SMALL, "kv_lens=5,100,130", "shared_prefix=0", "capture_bs=4", "fill_value=1", splits=[1, 3, 4])
+    slot0 = torch.zeros(1, dtype=torch.int64)
+    told = with_rows(trace, {b: slot0 for b in range(3)}, {b: -(int(trace.batch.kv_lens[b]) - 1) for b in range(3)})
+    params = attributed(engine_said(trace, triton_on(trace, told)), "plan-from-capture")
+    assert params == [{"request": b, "slot": 0} for b in range(3)]
