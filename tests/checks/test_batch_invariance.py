@@ -96,6 +96,20 @@ def test_halves_name_a_request_that_is_right_in_the_batch_and_wrong_in_its_half(
     assert "in the batch of 4 it matches the float64 reference, in the first half (requests 0-1) it does not" in findings[1].cause
 
 
+def test_under_cuda_graphs_each_sub_batch_replays_padded_to_its_own_capture_size(neighbour_row: None) -> None:
+    """--cuda-graph: graph replays compared too (on a CPU the runner's padded graph sequence runs
+    eagerly on its static buffers; on a GPU it is captured). The faulty plan is derived for the
+    padded batch too, so the graph replay of the batch of 3 (capture 4) differs from request 2's
+    (capture 2) as the eager runs do; triton's graph replays stay silent."""
+    trace = make_trace("decode-gqa", *SMALL, "kv_lens=40,20,10")
+    findings = batch_invariance.detect(CheckContext(trace=trace, path="t", options=CheckOptions(backends=("neighbour_row", "triton"), cuda_graph=True)))
+    assert [(f.data["variant"], f.data["batch_variant"], f.data["sub_batch"], f.data["agrees_with_reference"]) for f in findings] == [
+        ("eager", "eager", [2], "sub-batch"),
+        ("graph bs=2 fill=1", "graph bs=4 fill=1", [2], "sub-batch"),
+    ]
+    assert findings[1].evidence.startswith("neighbour_row graph bs=2 fill=1: request 2 alone differs from the whole batch of 3 (graph bs=4 fill=1) in requests [2]")
+
+
 def test_opt_in_the_default_check_leaves_it_out() -> None:
     assert registry.load(FindingClass.BATCH_INVARIANCE).opt_in
     assert FindingClass.BATCH_INVARIANCE not in parse_only(None)

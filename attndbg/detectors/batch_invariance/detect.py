@@ -19,22 +19,27 @@ SGLang's deterministic inference (sgl-project/sglang#10278) and vLLM's VLLM_BATC
 (vllm-project/vllm#40173, batch-invariant backends) are for; this detector looks for the larger
 dependence, a batch whose plan or scratch mixes requests.
 
-Outputs are compared, not LSEs (the output is what the next layer reads). Eager runs only: under
---cuda-graph the graph variants of the whole batch are judged by the other detectors.
+Under --cuda-graph (decode and verify steps) the same comparison is made between graph replays:
+the whole batch padded to its capture size against each sub-batch padded to its own (a request
+alone replays the graph of a smaller capture size, as an engine would), each through the runner's
+graph variant (replay/graph.py). Outputs are compared, not LSEs (the output is what the next layer
+reads).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
+from attndbg import machine
 from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding, FindingClass, finding
+from attndbg.replay import graph as graph_replay
 from attndbg.replay.runner import BackendRun, ReplayOptions, RunStatus, replay
 from attndbg.replay.step_data import StepData
-from attndbg.replay.variants import Eager
+from attndbg.replay.variants import Eager, Variant, run_name
 from attndbg.trace.subbatch import SubBatch, sub_batch
 
 KIND = FindingClass.BATCH_INVARIANCE
@@ -65,25 +70,31 @@ def detect(ctx: CheckContext) -> list[Finding]:
     trace = ctx.trace
     if trace.batch.batch_size < 2 or not ctx.backends():
         return []
-    # The whole batch: the eager run the other detectors share (memoized by the context).
-    whole = {
-        run.name: run
-        for run in ctx.replay().runs
-        if isinstance(run.variant, Eager) and run.status in (RunStatus.PASSED, RunStatus.FAILED) and run.result is not None
-    }
+    graphs = ctx.options.cuda_graph and graph_replay.supports_graph(trace)
+    # With graphs each run pads to its own batch's capture size (capture_bs None), a real capture
+    # on a GPU; without, the options of the eager run every detector shares.
+    options = ReplayOptions(layer=ctx.options.layer, cuda_graph=True, graph_capture=machine.cuda_available()) if graphs else ReplayOptions(layer=ctx.options.layer)
+    # The whole batch: without graphs, the eager run the other detectors share (memoized by the context).
+    whole = {_key(run): run for run in ctx.replay(options).runs if run.status in (RunStatus.PASSED, RunStatus.FAILED) and run.result is not None}
     if not whole:
         return []  # nothing ran: the step's own report says why
     data = ctx.data(ctx.options.layer)
-    # The options of the whole batch's run (ctx.replay folds --backend-option in the same way).
-    options = ReplayOptions(layer=ctx.options.layer, backend_options=ctx.options.backend_options)
+    names = sorted({name for name, _ in whole}, key=ctx.backends().index)
+    # ctx.replay folds --backend-option into the whole batch's options: the sub-batches get the same.
+    options = replace(options, backend_options=ctx.options.backend_options)
     findings: list[Finding] = []
     for part in parts(trace.batch.batch_size):
         sub = sub_batch(trace, part.requests)
-        result = replay(sub.trace, ctx.path, list(whole), options, data=data.sub_batch(sub))
-        for run in result.runs:
-            if run.name in whole and isinstance(run.variant, Eager):
-                findings += _judge(ctx, data, part, sub, whole[run.name], run)
+        for run in replay(sub.trace, ctx.path, names, options, data=data.sub_batch(sub)).runs:
+            if _key(run) in whole:
+                findings += _judge(ctx, data, part, sub, whole[_key(run)], run)
     return findings
+
+
+def _key(run: BackendRun) -> tuple[str, type[Variant]]:
+    """Which run of the whole batch a sub-batch's run is compared with: the same backend and kind
+    of run (a graph of another capture size is still the graph run)."""
+    return run.name, type(run.variant)
 
 
 def _judge(ctx: CheckContext, data: StepData, part: Part, sub: SubBatch, whole: BackendRun, run: BackendRun) -> list[Finding]:
@@ -96,9 +107,10 @@ def _judge(ctx: CheckContext, data: StepData, part: Part, sub: SubBatch, whole: 
                 step=ctx.step,
                 layer=ctx.options.layer,
                 request=part.requests[0],
-                evidence=f"{run.name}: {part.label} (requests {list(part.requests)}) failed where the whole batch of {bs} ran: {run.reason}",
+                evidence=f"{_named(run)}: {part.label} (requests {list(part.requests)}) failed where {_whole(whole, bs)} ran: {run.reason}",
                 cause=f"The backend cannot run these requests without the rest of the batch of {bs}: its plan or kernel depends on the batch's composition.",
                 backend=run.name,
+                variant=run.variant.label,
                 sub_batch=list(part.requests),
             )
         ]
@@ -124,7 +136,7 @@ def _judge(ctx: CheckContext, data: StepData, part: Part, sub: SubBatch, whole: 
     errors = ", ".join(f"request {a['request']} {a['batch_error']:.2f}x in the batch, {a['sub_batch_error']:.2f}x {_where(part)}" for a in affected)
     agrees = _agrees(worst)
     evidence = (
-        f"{run.name}: {part.label} differs from the whole batch of {bs} in requests {[a['request'] for a in affected]} "
+        f"{_named(run)}: {part.label} differs from {_whole(whole, bs)} in requests {[a['request'] for a in affected]} "
         f"by up to {float(diff.max()):.3e}; worst request {b} step row {row} head {head}: {float(diff[i, head]):.3e} "
         f"against tolerance {float(tol[i, head]):.3e} ({float(over[i, head]):.1f}x); error against the float64 reference "
         f"as a multiple of the tolerance: {errors}"
@@ -141,6 +153,8 @@ def _judge(ctx: CheckContext, data: StepData, part: Part, sub: SubBatch, whole: 
             evidence=evidence,
             cause=_cause(b, part, bs, agrees),
             backend=run.name,
+            variant=run.variant.label,
+            batch_variant=whole.variant.label,
             sub_batch=list(part.requests),
             batch_size=bs,
             requests=affected,
@@ -149,6 +163,16 @@ def _judge(ctx: CheckContext, data: StepData, part: Part, sub: SubBatch, whole: 
             agrees_with_reference=agrees,
         )
     ]
+
+
+def _named(run: BackendRun) -> str:
+    """'triton' for an eager run, 'triton graph bs=2 fill=1' for a graph replay."""
+    return run_name(run.name, run.variant)
+
+
+def _whole(run: BackendRun, bs: int) -> str:
+    """'the whole batch of 3', and its graph's capture size and fill where it is a graph replay."""
+    return f"the whole batch of {bs}" + ("" if isinstance(run.variant, Eager) else f" ({run.variant.label})")
 
 
 def _difference(a: Tensor, b: Tensor) -> Tensor:
