@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from attndbg import machine
 from attndbg.backends.triton import TritonBackend
@@ -52,6 +53,13 @@ def test_the_sub_batches_are_each_request_alone_and_the_halves_from_four_on() ->
     assert batch_invariance.parts(1) == []
     assert [p.requests for p in batch_invariance.parts(3)] == [(0,), (1,), (2,)]
     assert [p.requests for p in batch_invariance.parts(5)] == [(0,), (1,), (2,), (3,), (4,), (0, 1), (2, 3, 4)]
+
+
+def test_a_nan_in_one_run_only_is_a_difference_and_in_both_is_not() -> None:
+    nan, inf = float("nan"), float("inf")
+    a = torch.tensor([[[1.0, nan]], [[nan, 2.0]], [[inf, 0.5]]])
+    b = torch.tensor([[[1.0, nan]], [[0.0, 2.0]], [[inf, 0.25]]])
+    assert batch_invariance._difference(a, b).flatten().tolist() == [0.0, inf, 0.25]
 
 
 def test_a_clean_decode_step_is_silent_though_its_plans_differ_alone() -> None:

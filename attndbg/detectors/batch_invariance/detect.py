@@ -28,6 +28,7 @@ reads).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -132,11 +133,12 @@ def _judge(ctx: CheckContext, data: StepData, part: Part, sub: SubBatch, whole: 
             affected[b] = {"request": b, "batch_error": float(in_batch[lo:hi].max()), "sub_batch_error": float(in_part[lo:hi].max())}
     i, head = divmod(int(torch.argmax(over)), over.shape[1])
     b, row = part.requests[_owner(starts, i)], int(rows[i])
-    worst, affected = affected[b], list(affected.values())
-    errors = ", ".join(f"request {a['request']} {a['batch_error']:.2f}x in the batch, {a['sub_batch_error']:.2f}x {_where(part)}" for a in affected)
-    agrees = _agrees(worst)
+    agrees = _agrees(affected[b])
+    errors = ", ".join(f"request {a['request']} {a['batch_error']:.2f}x in the batch, {a['sub_batch_error']:.2f}x {_where(part)}" for a in affected.values())
+    # --json is strict JSON: an infinite error (a NaN in one run only) is written "inf", as diff's JSON does.
+    requests = [{key: _number(value) for key, value in a.items()} for a in affected.values()]
     evidence = (
-        f"{_named(run)}: {part.label} differs from {_whole(whole, bs)} in requests {[a['request'] for a in affected]} "
+        f"{_named(run)}: {part.label} differs from {_whole(whole, bs)} in requests {list(affected)} "
         f"by up to {float(diff.max()):.3e}; worst request {b} step row {row} head {head}: {float(diff[i, head]):.3e} "
         f"against tolerance {float(tol[i, head]):.3e} ({float(over[i, head]):.1f}x); error against the float64 reference "
         f"as a multiple of the tolerance: {errors}"
@@ -157,12 +159,16 @@ def _judge(ctx: CheckContext, data: StepData, part: Part, sub: SubBatch, whole: 
             batch_variant=whole.variant.label,
             sub_batch=list(part.requests),
             batch_size=bs,
-            requests=affected,
-            max_diff=float(diff.max()),
+            requests=requests,
+            max_diff=_number(float(diff.max())),
             tolerance=float(tol[i, head]),
             agrees_with_reference=agrees,
         )
     ]
+
+
+def _number(value: float | int) -> float | int | str:
+    return value if math.isfinite(value) else str(value)
 
 
 def _named(run: BackendRun) -> str:
