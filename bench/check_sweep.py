@@ -26,14 +26,20 @@ def main() -> int:
     parser.add_argument("--cuda-graph", action="store_true", help="detectors also replay under CUDA graphs")
     parser.add_argument("--backends", default=None, help="default: every backend that runs here")
     parser.add_argument("--json", help="write per-trace results as JSON")
+    parser.add_argument("--only", default=None, help="detectors, as check --only (default: check's default set; opt-in ones only when named)")
+    parser.add_argument("--presets", default=None, help="comma-separated synth presets (default: all)")
     args = parser.parse_args()
+    presets = args.presets.split(",") if args.presets else list(synth.PRESETS)
+    unknown = [p for p in presets if p not in synth.PRESETS]
+    if unknown:
+        parser.error(f"unknown presets {unknown}; presets: {', '.join(synth.PRESETS)}")
     from attndbg.backends import registry
 
     names = tuple(registry.resolve(args.backends)) if args.backends else None
     options = CheckOptions(backends=names, cuda_graph=args.cuda_graph)
     rows, total_findings = [], 0
     with tempfile.TemporaryDirectory() as tmp:
-        for preset in synth.PRESETS:
+        for preset in presets:
             for dtype in DTYPES:
                 words = [preset] if preset == "fp16" or dtype == "bfloat16" else [preset, f"dtype={dtype}"]
                 if preset == "fp16" and dtype != "bfloat16":
@@ -41,14 +47,14 @@ def main() -> int:
                 path = Path(tmp) / f"{preset}-{dtype}.pt"
                 io.save(synth.build(synth.parse_spec(words)), path)
                 start = time.perf_counter()
-                findings = [f for report in check_steps(str(path), parse_only(None), options) for f in report.findings]
+                findings = [f for report in check_steps(str(path), parse_only(args.only), options) for f in report.findings]
                 seconds = time.perf_counter() - start
                 total_findings += len(findings)
                 rows.append({"trace": " ".join(words), "findings": [f"{f.kind.value}/{f.check}: {f.evidence}" for f in findings], "seconds": round(seconds, 2)})
                 print(f"{' '.join(words):40s} findings={len(findings)} t={seconds:.1f}s", flush=True)
                 for f in findings:
                     print(f"    {f.kind.value}/{f.check} {f.location}: {f.evidence}", flush=True)
-    print(f"{len(rows)} traces, {total_findings} findings (backends: {', '.join(names) if names else 'all available'}, cuda_graph={args.cuda_graph})")
+    print(f"{len(rows)} traces, {total_findings} findings (backends: {', '.join(names) if names else 'all available'}, cuda_graph={args.cuda_graph}, detectors: {args.only or 'default'})")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     return 1 if total_findings else 0
