@@ -23,6 +23,7 @@ from attndbg.checks.context import CheckContext, CheckOptions
 from attndbg.checks.findings import FindingClass
 from attndbg.checks.run import parse_only
 from attndbg.detectors import registry
+from attndbg.detectors.base import Detector
 from attndbg.detectors.batch_invariance import detect as batch_invariance
 from attndbg.trace.subbatch import sub_batch
 from tests.cli.helpers import invoke
@@ -124,6 +125,16 @@ def test_opt_in_the_default_check_leaves_it_out() -> None:
     assert parse_only("batch-invariance") == [FindingClass.BATCH_INVARIANCE]
     help_text = invoke("check", "--help", columns=200).output
     assert "batch-invariance  opt-in, runs only when named in --only" in help_text
+
+
+# A third party's opt-in detector (registered below through ATTNDBG_DETECTORS): the default leaves it out too.
+COSTLY = Detector(kind=FindingClass("costly"), summary="a costly toy, opt-in", detect=lambda ctx: [], opt_in=True)
+
+
+def test_a_third_partys_opt_in_detector_runs_only_when_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATTNDBG_DETECTORS", "costly=tests.checks.test_batch_invariance:COSTLY")
+    assert "costly" in registry.names() and "costly" not in registry.default_names()
+    assert FindingClass("costly") not in parse_only(None) and parse_only("costly,invariants") == [FindingClass("costly"), FindingClass.INVARIANT]
 
 
 def test_check_only_batch_invariance_through_the_cli(neighbour_row: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
