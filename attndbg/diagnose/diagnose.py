@@ -22,6 +22,15 @@ from attndbg.diagnose.split_models import EmptySplitsStale, EmptySplitsZeros, Pr
 from attndbg.replay.step_data import StepData
 from attndbg.trace.schema import Trace
 
+# The mistakes a verify kernel's mask can make: what tree-mask also tries on a failing run's output.
+MASK_MODELS: tuple[MistakeModel, ...] = (
+    MaskIgnored(),
+    MaskTransposed(),
+    MaskBitOrder(),
+    MaskIgnoredPastCausalTile(),
+    RecordedPlanMask(),
+    WindowWithoutDraftOffset(),
+)
 MODELS: tuple[MistakeModel, ...] = (
     SplitLseBase(),
     EmptySplitsZeros(),
@@ -33,12 +42,7 @@ MODELS: tuple[MistakeModel, ...] = (
     PlanFromCapture(),
     KeyOffByOne(),
     StalePositions(),
-    MaskIgnored(),
-    MaskTransposed(),
-    MaskBitOrder(),
-    MaskIgnoredPastCausalTile(),
-    RecordedPlanMask(),
-    WindowWithoutDraftOffset(),
+    *MASK_MODELS,
 )
 
 

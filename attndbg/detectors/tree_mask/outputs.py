@@ -1,6 +1,8 @@
 """tree-mask on verify outputs: rows that fail against the reference with plans derived from the
 tree (verify-output) or with the recorded plan (recorded-verify-output), with the mask columns
-that differ from the true mask at those rows.
+that differ from the true mask at those rows, and the mask mistake that reproduces the kernel's
+output (attndbg/diagnose's mask models: the mask ignored, read transposed or in the other bit
+order, ignored past the causal tile, the recorded plan's mask, the window by index), if one does.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding, finding
 from attndbg.detectors.tree_mask.base import KIND
 from attndbg.detectors.tree_mask.plan import PlanVisibility, plan_view
+from attndbg.diagnose import MASK_MODELS, Reproduction, diagnose
+from attndbg.replay.step_data import StepData
 from attndbg.replay.runner import BackendRun, PlanSource, ReplayOptions, RunStatus
 from attndbg.replay.variants import Eager, Recorded
 from attndbg.trace.schema import Trace
@@ -28,20 +32,21 @@ def _output_findings(ctx: CheckContext, *, run_recorded: bool) -> list[Finding]:
     backends = ctx.backends()
     if not backends:
         return out
+    data = ctx.data(ctx.options.layer)
     for run in ctx.replay().runs:
         if isinstance(run.variant, Eager):
-            _report_run(trace, run, None, "verify-output", out)
+            _report_run(trace, run, None, "verify-output", out, data)
     plan = trace.plan
     if run_recorded and plan is not None and plan.backend in backends:
         view = plan_view(trace)
         recorded = ctx.replay(ReplayOptions(layer=ctx.options.layer, plan=PlanSource.RECORDED))
         for run in recorded.runs:
             if isinstance(run.variant, Recorded):
-                _report_run(trace, run, view, "recorded-verify-output", out)
+                _report_run(trace, run, view, "recorded-verify-output", out, data)
     return out
 
 
-def _report_run(trace: Trace, run: BackendRun, view: PlanVisibility | None, check: str, out: list[Finding]) -> None:
+def _report_run(trace: Trace, run: BackendRun, view: PlanVisibility | None, check: str, out: list[Finding], data: StepData) -> None:
     recorded = check == "recorded-verify-output"
     if run.status is RunStatus.ERROR:
         if recorded and run.refused is not None:
@@ -92,6 +97,10 @@ def _report_run(trace: Trace, run: BackendRun, view: PlanVisibility | None, chec
         cause = "the recorded plan's tree mask shows or hides the listed columns at the failing rows, so those rows attend to the wrong keys"
     else:
         cause = "the failing rows' masks are right: the recorded plan's indices, offsets or lengths make them wrong (see the invariants findings)"
+    found = _reproduced(data, run, failing)
+    if found:
+        parts.append("reproduced: the kernel's output equals " + "; ".join(r.describe() for r in found[:2]))
+        cause = f"{cause}. {found[0].cause}"
     out.append(
         finding(
             KIND,
@@ -107,8 +116,18 @@ def _report_run(trace: Trace, run: BackendRun, view: PlanVisibility | None, chec
             variant=run.variant.label,
             failing_rows=failing[:32],
             columns=[c for c, _ in columns_of_first] if columns_of_first else [],
+            reproductions=[r.to_json() for r in found],
         )
     )
+
+
+def _reproduced(data: StepData, run: BackendRun, failing: list[int]) -> list[Reproduction]:
+    """The mask mistakes whose output equals the run's on its failing rows (none when the run has
+    no output or non-finite rows, which no mask mistake makes)."""
+    if run.result is None or not bool(torch.isfinite(run.result.output).all()):
+        return []
+    found = diagnose(data, run.result.output, models=MASK_MODELS)
+    return [r for r in found if set(r.rows) & set(failing)]
 
 
 def _wrong_columns(trace: Trace, view: PlanVisibility | None, b: int, r: int) -> list[tuple[int, bool]] | None:
