@@ -389,7 +389,7 @@ def _graph(graph: Graph, batch: Batch) -> Panel:
             ("capture batch size", f"{graph.capture_bs} ({graph.capture_bs - real_rows} padded rows)"),
             ("fill value", str(graph.fill_value)),
             ("seq_lens", split(graph.padded_seq_lens, real_rows)),
-            ("req_pool_indices", split(graph.padded_req_pool_indices, real_rows)),
+            ("req_pool_indices", split(graph.padded_req_pool_indices, real_rows) if graph.padded_req_pool_indices is not None else "not recorded (the engine has no request pool)"),
             ("out_cache_loc", split(graph.padded_out_cache_loc, real_tokens)),
             ("positions", split(graph.padded_positions, real_tokens)),
         ]

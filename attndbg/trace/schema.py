@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 FORMAT_NAME = "attndbg.trace"
-FORMAT_VERSION = 1  # `buffers` (optional, absent in older files) was added within version 1
+FORMAT_VERSION = 1  # `buffers`, `capture` and graph.padded_qo_indptr / padded_block_table (optional, absent in older files) were added within version 1
 
 
 class ForwardMode(enum.Enum):
@@ -180,15 +180,58 @@ class Spec:
 
 @dataclass(frozen=True)
 class Graph:
-    """CUDA-graph padding of this step, as the engine's runner filled it."""
+    """CUDA-graph padding of this step, as the engine's runner filled it (real rows first).
+
+    Engine-neutral: what an engine does not have is None, never made up. SGLang pads a request
+    pool index per row and keeps no query offsets or block table among its runner's static
+    buffers (its backends' graph buffers are the plan's); vLLM has no request pool (a request's KV
+    row is its block-table row) but pads query_start_loc and the block table itself.
+    """
 
     is_graph_replay: bool
     capture_bs: int
     fill_value: int  # seq_len fill of padded rows
     padded_seq_lens: Tensor  # [capture_bs] int64: the static seq_lens buffer, real rows first
-    padded_req_pool_indices: Tensor  # [capture_bs] int64
+    padded_req_pool_indices: Tensor | None  # [capture_bs] int64; None: the engine has no request pool (vLLM)
     padded_out_cache_loc: Tensor  # [capture_bs * tokens_per_req] int64
     padded_positions: Tensor  # [capture_bs * tokens_per_req] int64
+    # Added within version 1; absent from older files (None). Stored as the engine filled them:
+    # [capture_bs+1] query offsets (vLLM query_start_loc), the padded rows' tail included.
+    padded_qo_indptr: Tensor | None = None
+    # [capture_bs, width] block/page ids per row (vLLM block_table_tensor), padded rows included
+    # (vLLM fills them with NULL_BLOCK_ID 0; a -1 fill shows as recorded).
+    padded_block_table: Tensor | None = None
+
+
+# Graph fields added within version 1: left out of the stored dict when None, so a file without
+# them stays byte-identical to one written before they existed.
+GRAPH_OPTIONAL = ("padded_qo_indptr", "padded_block_table")
+
+
+@dataclass(frozen=True)
+class CaptureSizes:
+    """What the engine sized once, when it captured its CUDA graphs: the limits every graph replay
+    must fit in. Each is None when the engine exposes no such size or the adapter could not read
+    it; a recorder never guesses one.
+
+    Where they come from: SGLang's graph runner (`max_bs`, `max_num_token`, or the replay view's
+    static buffers) and attention backend (`cuda_graph_attn_logits` [max_num_tokens, H,
+    max_kv_splits, Dv], `cuda_graph_kv_indices`, the verify mask buffer, FlashInfer's workspace);
+    vLLM's config (`scheduler_config.max_num_seqs`, `compilation_config.cudagraph_capture_sizes`)
+    and the step's own persistent block table (its width).
+    """
+
+    max_bs: int | None = None  # requests the static buffers hold (SGLang max_bs; vLLM max_num_seqs)
+    max_num_tokens: int | None = None  # tokens the largest captured graph holds
+    max_kv_splits: int | None = None  # split-KV partials per request the stage-1 scratch holds
+    mask_capacity: int | None = None  # elements of the custom-mask buffer graphs read
+    kv_indices_capacity: int | None = None  # elements of the kv_indices buffer graphs read
+    block_table_width: int | None = None  # block/page ids per request row
+    workspace_bytes: int | None = None  # FlashInfer's float workspace (recorded, not judged)
+
+    def known(self) -> dict[str, int]:
+        """The sizes the engine gave, by field name."""
+        return {name: getattr(self, name) for name in self.__dataclass_fields__ if getattr(self, name) is not None}
 
 
 @dataclass(frozen=True)
@@ -244,6 +287,8 @@ class Trace:
     # Recorded tensor field -> the engine buffer behind it (absent: the tensor is the whole buffer
     # and nothing says how much the kernel reads; traces written before buffers existed load so).
     buffers: dict[str, EngineBuffer] = field(default_factory=dict)
+    # What the engine sized at graph capture (absent in older files and for engines that expose none).
+    capture: CaptureSizes | None = None
 
     @property
     def is_tree_verify(self) -> bool:
@@ -265,8 +310,16 @@ def to_dict(trace: Trace) -> dict[str, Any]:
         return obj
 
     out = plain(trace)
+    # Sections and fields added within version 1 are left out when empty: files without them stay
+    # byte-identical to those written before they existed.
     if not out["buffers"]:
-        del out["buffers"]  # files without engine buffers stay byte-identical to those written before it existed
+        del out["buffers"]
+    if out["capture"] is None:
+        del out["capture"]
+    if out["graph"] is not None:
+        for name in GRAPH_OPTIONAL:
+            if out["graph"][name] is None:
+                del out["graph"][name]
     out["format"] = FORMAT_NAME
     out["version"] = FORMAT_VERSION
     return out

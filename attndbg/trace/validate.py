@@ -22,6 +22,7 @@ from attndbg.trace.schema import (
     Q_DTYPES,
     AttentionKind,
     Batch,
+    CaptureSizes,
     EngineBuffer,
     ForwardMode,
     Graph,
@@ -378,15 +379,47 @@ def _spec(r: _Reader, batch: Batch) -> Spec:
 
 
 def _graph(r: _Reader) -> Graph:
+    capture_bs = r.int("capture_bs", min_value=0)
+    # None: the engine has no request pool (vLLM). The key itself must be there: a dict that lost
+    # it is damaged, not an engine without a pool.
+    r.raw("padded_req_pool_indices")
+    pool = r.tensor("padded_req_pool_indices", optional=True)
+    qo = r.tensor("padded_qo_indptr", dtypes=INDEX_DTYPES, ndim=1, optional=True)
+    if qo is not None and qo.numel() != capture_bs + 1:
+        raise TraceError(r.name("padded_qo_indptr"), f"has {qo.numel()} elements, expected capture_bs + 1 = {capture_bs + 1}")
+    table = r.tensor("padded_block_table", dtypes=INDEX_DTYPES, ndim=2, optional=True)
+    if table is not None and table.shape[0] != capture_bs:
+        raise TraceError(r.name("padded_block_table"), f"has {table.shape[0]} rows {list(table.shape)}, expected capture_bs = {capture_bs}")
     return Graph(
         is_graph_replay=r.bool("is_graph_replay"),
-        capture_bs=r.int("capture_bs", min_value=0),
+        capture_bs=capture_bs,
         fill_value=r.int("fill_value"),
         padded_seq_lens=r.index("padded_seq_lens"),
-        padded_req_pool_indices=r.index("padded_req_pool_indices"),
+        padded_req_pool_indices=r.index("padded_req_pool_indices") if pool is not None else None,
         padded_out_cache_loc=r.index("padded_out_cache_loc"),
         padded_positions=r.index("padded_positions"),
+        # Values are evidence (a decreasing padded tail, a -1 block): only their shape is checked.
+        padded_qo_indptr=qo.to(torch.int64) if qo is not None else None,
+        padded_block_table=table.to(torch.int64) if table is not None else None,
     )
+
+
+# No device holds 2**48 elements or bytes of one buffer: a capture size past it is not an engine's.
+MAX_CAPTURE_SIZE = 1 << 48
+
+
+def _capture(r: _Reader) -> CaptureSizes:
+    """Each size is a non-negative int, or None when the engine gave none."""
+    sizes: dict[str, int | None] = {}
+    for name in CaptureSizes.__dataclass_fields__:
+        value = r.int(name, min_value=0) if r.raw(name, optional=True) is not None else None
+        if value is not None and value >= MAX_CAPTURE_SIZE:
+            raise TraceError(r.name(name), f"= {value}, past any device's buffer (at most {MAX_CAPTURE_SIZE - 1})")
+        sizes[name] = value
+    for name in r.data:
+        if name not in sizes:
+            raise TraceError(f"{r.prefix}[{reprlib.repr(name)}]", f"is not a capture size (expected one of {', '.join(sizes)})")
+    return CaptureSizes(**sizes)
 
 
 def _plan(r: _Reader) -> Plan:
@@ -464,6 +497,7 @@ def from_dict(data: Any) -> Trace:
     spec = _spec(spec_r, batch) if spec_r else None
     plan = _plan(plan_r) if plan_r else None
     buffers_r = _section(top, "buffers", optional=True)
+    capture_r = _section(top, "capture", optional=True)
     return Trace(
         source=source,
         model=model,
@@ -474,6 +508,7 @@ def from_dict(data: Any) -> Trace:
         plan=plan,
         tensors=tensors,
         buffers=_buffers(buffers_r, spec, plan) if buffers_r else {},
+        capture=_capture(capture_r) if capture_r is not None else None,
     )
 
 

@@ -22,7 +22,8 @@ non-zero values are reported with low severity: a row that no live request holds
 been written (req_to_token allocated with torch.empty, SGLang #1779), and stale positions broke
 FlashInfer's verify plan (SGLang #24361: high severity for a FlashInfer verify step). A row id
 outside any plausible request pool is high severity when it is read (padded seq_len >= 1):
-req_to_token is read out of bounds.
+req_to_token is read out of bounds. A step that records no padded req_pool_indices (None: the
+engine has no request pool) has none of these judged: nothing stands in for them.
 """
 
 from __future__ import annotations
@@ -262,7 +263,9 @@ def _padded_indptrs(trace: Trace) -> list[Finding]:
 
 def _padded_req_pool_indices(trace: Trace) -> list[Finding]:
     graph, batch = trace.graph, trace.batch
-    if trace.source.engine == "vllm":
+    # Not recorded (an engine without a request pool: vLLM, graph.padded_req_pool_indices None)
+    # means not judged. vLLM traces written before that field could be None hold made-up indices.
+    if graph.padded_req_pool_indices is None or trace.source.engine == "vllm":
         return []
     bs, cap = batch.batch_size, graph.capture_bs
     live = graph.padded_req_pool_indices[:bs].tolist()

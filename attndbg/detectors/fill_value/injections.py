@@ -109,6 +109,8 @@ def stale_req_pool_index(trace: Trace) -> Trace:
     request whose seq_len is at least 1.
     """
     graph = _padded_graph(trace, "fill-value:stale-req-pool-index")
+    if graph.padded_req_pool_indices is None:
+        raise ValueError("fill-value:stale-req-pool-index needs padded req_pool_indices; this step records none (its engine has no request pool)")
     bs = trace.batch.batch_size
     rows = graph.padded_req_pool_indices.clone()
     rows[bs:] = GARBAGE_ROW
