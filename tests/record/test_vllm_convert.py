@@ -102,7 +102,11 @@ def test_graph_padded_decode(tmp_path: Path) -> None:
     assert lists(graph.padded_seq_lens) == [20, 33, 0, 0]
     assert lists(graph.padded_out_cache_loc) == [51, 144, -1, -1]
     assert lists(graph.padded_positions) == [19, 32, STALE_POSITION, STALE_POSITION]
-    assert lists(graph.padded_req_pool_indices) == [0, 1, 0, 0]
+    # vLLM has no request pool: nothing is made up for it. Its padded query offsets and block table
+    # are recorded as the engine filled them (the table cut at ceil(max_seq_len / 16) = 3 columns).
+    assert graph.padded_req_pool_indices is None
+    assert lists(graph.padded_qo_indptr) == [0, 1, 2, 2, 2]
+    assert lists(graph.padded_block_table) == [[7, 3, 0], [5, 1, 9], [0, 0, 0], [0, 0, 0]]
 
 
 def test_a_row_without_tokens_before_a_real_row_is_recorded() -> None:

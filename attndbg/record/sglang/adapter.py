@@ -39,7 +39,7 @@ from attndbg.record import hooks
 from attndbg.record.build import package_version, source
 from attndbg.record.session import RecordingSession, capturing, current_session
 from attndbg.record.sglang.batch import BatchInfo, UnsupportedStep, batch_from_host, capture_batch, engine_mode_name, trace_mode
-from attndbg.record.sglang.graph import PADDED_OUT_CACHE_LOC, GraphInfo, capture_graph_from_runner, capture_graph_from_view, graph_from_host
+from attndbg.record.sglang.graph import PADDED_OUT_CACHE_LOC, STATIC_SIZES, GraphInfo, capture_graph_from_runner, capture_graph_from_view, graph_from_host
 from attndbg.record.sglang.model import kv_cache_size, model_from_backend
 from attndbg.record.sglang.plan import PlanCapture, capture_plan, cut_on_device, is_verify_mask, plan_from_host
 from attndbg.record.sglang.spec import SpecInfo, algorithm_name, capture_spec, spec_from_host
@@ -95,6 +95,7 @@ class _Step:
             graph=graph_from_host(self.graph, part("graph.")) if self.graph is not None else None,
             plan=plan,
             buffers=buffers,
+            capture=self.graph.capture if self.graph is not None else None,
         )
 
 
@@ -369,7 +370,7 @@ def _record_view(session: RecordingSession, backend: Any, view: Any) -> None:
         session.next_step()  # a view built elsewhere than build_replay_fb_view: padding unknown, not recorded
         return
     per_req = 1 if view.forward_mode.name == "DECODE" else len(view.positions) // max(int(view.batch_size), 1)
-    graph = capture_graph_from_view(view, fill_value=int(backend.get_cuda_graph_seq_len_fill_value()), tokens_per_req=per_req)
+    graph = capture_graph_from_view(view, fill_value=int(backend.get_cuda_graph_seq_len_fill_value()), tokens_per_req=per_req, backend=backend)
     record_step(session, backend, view, raw_bs=graph[0].raw_bs, graph=graph)
 
 
@@ -410,6 +411,9 @@ def _wrap_view_builder(original: Callable) -> Callable:
         out_cache_loc = getattr(buffers, "out_cache_loc", None)
         if out_cache_loc is not None:
             setattr(view, PADDED_OUT_CACHE_LOC, out_cache_loc[:num_tokens])
+            seq_lens = getattr(buffers, "seq_lens", None)
+            if isinstance(seq_lens, Tensor):  # the static buffers' rows and tokens: what the graphs hold
+                setattr(view, STATIC_SIZES, (seq_lens.numel(), out_cache_loc.numel()))
         return view
 
     return build_replay_fb_view

@@ -4,7 +4,12 @@ Classic SGLang (`CudaGraphRunner.replay_prepare`) keeps the buffers on the runne
 `req_pool_indices`, `out_cache_loc`, `positions`, with `bs`/`raw_bs` set after the call. SGL-new
 hands the backend a replay view (`build_replay_fb_view`) with the padded `seq_lens`,
 `req_pool_indices` and `positions` and `num_padding = bs - raw_bs`; its `out_cache_loc` is the
-unpadded one, so the adapter attaches the padded buffer to the view when it builds it.
+unpadded one, so the adapter attaches the padded buffer to the view when it builds it, and the
+static buffers' sizes (the runner's max_bs and max_num_token) beside it.
+
+Neither runner keeps query offsets or a page table among its static buffers (the backends' graph
+buffers hold those, recorded as the plan), so `Graph.padded_qo_indptr` / `padded_block_table` stay
+None for SGLang. What the graphs were sized for at capture is `CaptureSizes` (`capture_sizes`).
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attndbg.trace.schema import Graph
+from attndbg.trace.schema import CaptureSizes, Graph
 
 PADDED_OUT_CACHE_LOC = "attndbg_padded_out_cache_loc"  # attribute the adapter adds to SGL-new views
+STATIC_SIZES = "attndbg_static_sizes"  # (max_bs, max_num_tokens) of the SGL-new runner's buffers, added beside it
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,55 @@ class GraphInfo:
     # the padded seq_lens' host mirror (the runner's seq_lens_cpu[:bs]), None when the engine keeps
     # none: what the graph's kernels read is known from it without a device sync
     host_seq_lens: tuple[int, ...] | None = None
+    capture: CaptureSizes | None = None  # what the graphs were sized for (None: nothing readable)
+
+
+def _size(value: Any) -> int | None:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _graph_state(backend: Any) -> Any:
+    """The backend holding the CUDA-graph buffers: `backend`, or the first child of a wrapper
+    (`attn_backend_list`) that has them."""
+    for candidate in [backend, *(getattr(backend, "attn_backend_list", None) or [])]:
+        if any(isinstance(getattr(candidate, name, None), Tensor) for name in ("cuda_graph_kv_indices", "cuda_graph_attn_logits", "workspace_buffer")):
+            return candidate
+    return backend
+
+
+def capture_sizes(backend: Any, *, max_bs: int | None, max_num_tokens: int | None) -> CaptureSizes | None:
+    """What the runner and `backend` sized at capture (`init_cuda_graph_state(max_bs,
+    max_num_tokens)`), read from the buffers' shapes (no device sync); None when nothing is known.
+
+    Triton: `cuda_graph_attn_logits` [max_num_tokens, H, max_kv_splits, Dv] (the stage-1 scratch),
+    `cuda_graph_kv_indices` (flat); FlashMLA: `cuda_graph_kv_indices` [max_bs, pages] (a page
+    table); the verify mask (SGL-new `verify_mask.buffer`, classic `cuda_graph_custom_mask`);
+    FlashInfer: `workspace_buffer`.
+    """
+    state = _graph_state(backend)
+    logits = getattr(state, "cuda_graph_attn_logits", None)
+    kv = getattr(state, "cuda_graph_kv_indices", None)
+    verify_mask = getattr(state, "verify_mask", None) or getattr(state, "_verify_mask", None)
+    mask = getattr(verify_mask, "buffer", None)
+    if not isinstance(mask, Tensor):
+        mask = getattr(state, "cuda_graph_custom_mask", None)
+    workspace = getattr(state, "workspace_buffer", None)
+    logits = logits if isinstance(logits, Tensor) and logits.dim() == 4 else None
+    if max_num_tokens is None and logits is not None:
+        max_num_tokens = int(logits.shape[0])  # allocated with the runner's max_num_tokens rows
+    kv = kv if isinstance(kv, Tensor) else None
+    sizes = CaptureSizes(
+        max_bs=_size(max_bs),
+        max_num_tokens=_size(max_num_tokens),
+        max_kv_splits=int(logits.shape[2]) if logits is not None else None,
+        mask_capacity=mask.numel() if isinstance(mask, Tensor) and mask.numel() else None,
+        kv_indices_capacity=kv.numel() if kv is not None and kv.dim() == 1 else None,
+        # A 2-D buffer of max_bs rows is a page table (FlashMLA); other 2-D ones (a multi-step
+        # draft backend's per-step lists) are not.
+        block_table_width=int(kv.shape[1]) if kv is not None and kv.dim() == 2 and max_bs is not None and kv.shape[0] == max_bs else None,
+        workspace_bytes=workspace.nbytes if isinstance(workspace, Tensor) else None,
+    )
+    return sizes if sizes.known() else None
 
 
 def _host_rows(seq_lens_cpu: Any, bs: int) -> tuple[int, ...] | None:
@@ -40,7 +95,11 @@ def capture_graph_from_runner(runner: Any) -> tuple[GraphInfo, dict[str, Tensor]
     """Classic CudaGraphRunner after `replay_prepare`: its padded static buffers."""
     bs, raw_bs = int(runner.bs), int(runner.raw_bs)
     tokens = bs * int(getattr(runner, "num_tokens_per_bs", 1))
-    info = GraphInfo(capture_bs=bs, raw_bs=raw_bs, fill_value=int(runner.seq_len_fill_value), host_seq_lens=_host_rows(getattr(runner, "seq_lens_cpu", None), bs))
+    backend = getattr(getattr(runner, "model_runner", None), "attn_backend", None)
+    sizes = capture_sizes(backend, max_bs=getattr(runner, "max_bs", None), max_num_tokens=getattr(runner, "max_num_token", None))
+    info = GraphInfo(
+        capture_bs=bs, raw_bs=raw_bs, fill_value=int(runner.seq_len_fill_value), host_seq_lens=_host_rows(getattr(runner, "seq_lens_cpu", None), bs), capture=sizes
+    )
     return info, {
         "padded_seq_lens": runner.seq_lens[:bs],
         "padded_req_pool_indices": runner.req_pool_indices[:bs],
@@ -49,15 +108,18 @@ def capture_graph_from_runner(runner: Any) -> tuple[GraphInfo, dict[str, Tensor]
     }
 
 
-def capture_graph_from_view(view: Any, *, fill_value: int, tokens_per_req: int) -> tuple[GraphInfo, dict[str, Tensor]]:
-    """SGL-new replay view (`num_padding` set): its padded buffers."""
+def capture_graph_from_view(view: Any, *, fill_value: int, tokens_per_req: int, backend: Any = None) -> tuple[GraphInfo, dict[str, Tensor]]:
+    """SGL-new replay view (`num_padding` set): its padded buffers; with `backend`, the sizes its
+    graphs were captured for (the runner's from the view's STATIC_SIZES)."""
     bs = int(view.batch_size)
     raw_bs = bs - int(view.num_padding)
     tokens = bs * tokens_per_req
     out_cache_loc = getattr(view, PADDED_OUT_CACHE_LOC, None)
     if out_cache_loc is None:
         raise ValueError("the replay view carries no padded out_cache_loc (build_replay_fb_view was not wrapped)")
-    info = GraphInfo(capture_bs=bs, raw_bs=raw_bs, fill_value=fill_value, host_seq_lens=_host_rows(getattr(view, "seq_lens_cpu", None), bs))
+    max_bs, max_num_tokens = getattr(view, STATIC_SIZES, None) or (None, None)
+    sizes = capture_sizes(backend, max_bs=max_bs, max_num_tokens=max_num_tokens) if backend is not None else None
+    info = GraphInfo(capture_bs=bs, raw_bs=raw_bs, fill_value=fill_value, host_seq_lens=_host_rows(getattr(view, "seq_lens_cpu", None), bs), capture=sizes)
     return info, {
         "padded_seq_lens": view.seq_lens[:bs],
         "padded_req_pool_indices": view.req_pool_indices[:bs],

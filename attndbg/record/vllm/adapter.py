@@ -53,7 +53,7 @@ from attndbg.record.session import RecordingSession, current_session
 from attndbg.record.vllm.convert import Speculation, convert_common, host_from_parts, parents_from_tree_bias
 from attndbg.record.vllm.fields import COMMON_PREFIX, common_parts
 from attndbg.record.vllm.plan import Scalar, plan_from_parts, plan_parts
-from attndbg.trace.schema import LayerTensors, LseBase, Model, Trace
+from attndbg.trace.schema import CaptureSizes, LayerTensors, LseBase, Model, Trace
 
 METHODS = ("build", "build_for_cudagraph_capture", "build_for_drafting")
 CAPTURE = "build_for_cudagraph_capture"
@@ -76,6 +76,7 @@ class _Static:
     kv_cache_size: int | None
     speculation: Speculation | None
     scalars: dict[str, Scalar]
+    capture: CaptureSizes | None = None
 
 
 def base_class() -> type:
@@ -181,6 +182,7 @@ def _record(session: RecordingSession, builder: Any, kind: str, args: tuple[Any,
         tp_rank=vllm_model.tp_rank(),
         kv_cache_size=pool,
         speculation=vllm_model.speculation(builder),
+        capture=vllm_model.capture_sizes(builder, cm.block_table_tensor),
         scalars={
             **plan_scalars,
             **{COMMON_PREFIX + k: v for k, v in common_scalars.items()},
@@ -265,4 +267,5 @@ def trace_from_host(
         graph=converted.graph,
         plan=plan,
         tensors=tensors,
+        capture=static.capture if static.capture is not None and static.capture.known() else None,
     )

@@ -279,6 +279,7 @@ def convert_common(
     )
     graph = None
     if rows > n or slot_mapping.numel() > tokens:
+        engine_qsl = _i64(host.query_start_loc)
         graph = Graph(
             is_graph_replay=True,
             capture_bs=rows,
@@ -286,13 +287,17 @@ def convert_common(
             # row really holds is in padded_seq_lens, and fill-value judges it against this.
             fill_value=VLLM_FILL_VALUE,
             padded_seq_lens=seq,
-            # vLLM has no request pool: a request's KV row is its block-table row, so the padded
-            # "pool index" of row b is b, and 0 (NULL_BLOCK_ID rows) for padding.
-            padded_req_pool_indices=torch.cat([torch.arange(n, dtype=torch.int64), torch.zeros(rows - n, dtype=torch.int64)]),
+            # vLLM has no request pool (a request's KV row is its block-table row): nothing to record.
+            padded_req_pool_indices=None,
             padded_out_cache_loc=slot_mapping,
             padded_positions=positions_all
             if positions_all is not None
             else torch.cat([positions, torch.zeros(max(slot_mapping.numel() - tokens, 0), dtype=torch.int64)]),
+            # The engine's buffers as it filled them, padded rows included. One of another length
+            # than the rows (a metadata bug) is left out here: `common.*` keeps it verbatim and the
+            # invariants detector names it.
+            padded_qo_indptr=engine_qsl if engine_qsl.numel() == rows + 1 else None,
+            padded_block_table=table if table.shape[0] == rows else None,
         )
     return Converted(batch=batch, spec=spec, graph=graph)
 

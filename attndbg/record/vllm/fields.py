@@ -10,13 +10,13 @@ it under its own names (`plan`).
 
 | engine field | source | recorded as | read by |
 |---|---|---|---|
-| query_start_loc | cm, [num_reqs+1] int32 | common.query_start_loc; batch.extend_lens (real rows) | invariants (vLLM offsets), batch |
+| query_start_loc | cm, [num_reqs+1] int32 | common.query_start_loc; batch.extend_lens (real rows); graph.padded_qo_indptr (padded steps) | invariants (vLLM offsets), batch, fill-value |
 | query_start_loc_cpu | cm, host mirror | common.query_start_loc_cpu | invariants (host mirror) |
 | seq_lens | cm, [num_reqs] int32 | common.seq_lens; batch.kv_lens, seq_lens_raw; graph.padded_seq_lens | invariants (seq-lens), fill-value |
 | seq_lens_cpu_upper_bound | cm (0.33), host | common.seq_lens_cpu_upper_bound | invariants (host mirror) |
 | seq_lens_cpu, num_computed_tokens_cpu | cm (0.11), host | common.* | invariants (host mirror) |
 | num_reqs, num_actual_tokens, max_query_len, max_seq_len | cm ints | common.* and vllm.* scalars | invariants (seq-lens-max) |
-| block_table_tensor | cm, [num_reqs, W] int32 | common.block_table_tensor; batch.slot_ids | invariants (block table) |
+| block_table_tensor | cm, [num_reqs, W] int32 | common.block_table_tensor; batch.slot_ids; graph.padded_block_table (padded steps); capture.block_table_width (W, before trimming) | invariants (block table, capture sizes) |
 | slot_mapping | cm, [num_actual_tokens] int64 | common.slot_mapping; graph.padded_out_cache_loc | invariants (slot-mapping), fill-value |
 | positions | cm (0.33), [num_actual_tokens] | common.positions; batch.positions; graph.padded_positions | invariants (positions) |
 | is_prefilling | cm (0.33), [num_reqs] bool | common.is_prefilling | the converter (verify vs extend) |
@@ -25,6 +25,8 @@ it under its own names (`plan`).
 | kv_cache_spec.block_size | builder | model.page_size | every detector |
 | cache_config.num_gpu_blocks | vllm_config (engine process) | vllm.num_gpu_blocks; batch.kv_cache_size | invariants (pool bound) |
 | speculative_config.num_speculative_tokens, .method | vllm_config | spec | tree-mask |
+| scheduler_config.max_num_seqs; compilation_config.cudagraph_capture_sizes / max_cudagraph_capture_size | vllm_config | capture.max_bs; capture.max_num_tokens | invariants (capture sizes) |
+| FlashInfer builder `_workspace_buffer` | builder (once allocated) | capture.workspace_bytes | none (recorded) |
 | tree_attn_bias | TreeAttentionMetadata (0.11) | plan.tree_attn_bias; spec.parents | tree-mask |
 | every int/bool tensor and scalar of the built metadata | builder.build() | plan.<name> | invariants (plan), replay --plan recorded |
 """

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from attndbg.record.vllm.convert import Speculation
-from attndbg.trace.schema import DTYPES, Q_DTYPES, AttentionKind, Model
+from attndbg.trace.schema import DTYPES, Q_DTYPES, AttentionKind, CaptureSizes, Model
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # vLLM stores an fp8 KV cache as uint8 and names it "fp8" (= e4m3) in cache_dtype.
@@ -152,3 +152,39 @@ def tp_rank() -> int:
     group = getattr(state, "_TP", None) if state is not None else None
     rank = getattr(group, "rank_in_group", 0) if group is not None else 0
     return int(rank) if isinstance(rank, int) else 0
+
+
+def _positive(value: Any) -> int | None:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def capture_sizes(builder: Any, block_table: Any) -> CaptureSizes:
+    """What this vLLM sized once for its CUDA graphs and persistent buffers, from the config and the
+    step's block table (its shape only: no device sync).
+
+    max_bs: `scheduler_config.max_num_seqs`, the rows of the persistent query_start_loc / seq_lens /
+    block table (`InputBatch(max_num_reqs=...)`). max_num_tokens: the largest captured graph
+    (`compilation_config.cudagraph_capture_sizes` are token counts), None when no graph is captured
+    (no sizes: CPU, enforce_eager). block_table_width: the persistent table's columns
+    (cdiv(max_model_len, block_size)), read from the untrimmed table the builder got.
+    workspace_bytes: FlashInfer's float workspace once the builder allocated it. vLLM exposes no
+    split-KV scratch width, custom-mask or flat kv_indices buffer of its own: those stay None.
+    """
+    config = getattr(builder, "vllm_config", None)
+    scheduler = getattr(config, "scheduler_config", None)
+    compilation = getattr(config, "compilation_config", None)
+    sizes = getattr(compilation, "cudagraph_capture_sizes", None)
+    listed = [v for v in sizes if _positive(v)] if isinstance(sizes, (list, tuple)) else []
+    max_tokens = max(listed) if listed else None
+    if max_tokens is None and isinstance(sizes, (list, tuple)):
+        # vLLM sets the list and its maximum together; without a list no graph is captured.
+        max_tokens = _positive(getattr(compilation, "max_cudagraph_capture_size", None))
+    shape = getattr(block_table, "shape", None)
+    width = _positive(int(shape[1])) if shape is not None and len(shape) == 2 else None
+    workspace = getattr(builder, "_workspace_buffer", None)
+    return CaptureSizes(
+        max_bs=_positive(getattr(scheduler, "max_num_seqs", None)),
+        max_num_tokens=max_tokens,
+        block_table_width=width,
+        workspace_bytes=int(workspace.nbytes) if isinstance(workspace, torch.Tensor) else None,
+    )
