@@ -24,7 +24,11 @@ The batch is the ground truth (validated on load); what the engine *recorded* is
     kv-last-page-len   kv_last_page_len in [1, page_size]
     kv-index           each request's indices equal its req_to_token row (slots, or page ids
                        row[::page] // page): the first wrong column, expected and found
-    num-kv-splits      in [1, max_kv_splits], one per request
+    num-kv-splits      in [1, max_kv_splits], one per request (a graph replay: also within the
+                       captured scratch, capture.max_kv_splits)
+    capture-batch-size, capture-num-tokens, capture-kv-indices, capture-mask, capture-block-table
+                       the step fits the sizes the engine captured its graphs with (`Trace.capture`):
+                       invariants/capture.py
     window-kv          SGLang's sliding-window list (window_kv_indptr / _indices / _offsets) against
                        the batch's rows and the window (invariants_window)
     mask-length        a selective step's custom_mask is as long as mask_indptr[-1]
@@ -61,6 +65,7 @@ from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND
 from attndbg.detectors.invariants.batch import _check_positions, _check_seq_lens
+from attndbg.detectors.invariants.capture import check_capture
 from attndbg.detectors.invariants.plan import _check_plan
 from attndbg.detectors.invariants.window import check_window_list
 from attndbg.detectors.invariants.vllm import check_vllm
@@ -89,6 +94,7 @@ def check_trace(trace: Trace) -> list[Finding]:
         _check_plan(trace, trace.plan, out)
         check_window_list(trace, out)
     check_vllm(trace, out)
+    check_capture(trace, out)  # last: it defers to block-table-short and replaces indptr-end on a captured buffer
     return out
 
 

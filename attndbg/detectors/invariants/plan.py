@@ -10,6 +10,7 @@ from torch import Tensor
 from attndbg.backends.plan_layout import KvEnd, expected_dims, is_index
 from attndbg.checks.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND, _first
+from attndbg.detectors.invariants.capture import captured_split_limit
 from attndbg.detectors.invariants.indptr import _indptr_ends, _indptr_shape, _is_indptr
 from attndbg.detectors.invariants.plan_kv import _coverage, _kv_view, _KvView, _needed_start
 from attndbg.replay.plan_guard import real_requests_only, refusal
@@ -279,6 +280,12 @@ def _check_splits(trace: Trace, plan: Plan, t: dict[str, Tensor], requests: int,
         return
     top = plan.scalars.get("max_kv_splits")
     top = int(top) if isinstance(top, int) and not isinstance(top, bool) else None
+    # A graph replay's stage 1 writes into the scratch captured at startup (capture.max_kv_splits,
+    # the captured attn_logits' split dimension): the tighter of the two bounds holds.
+    captured = captured_split_limit(trace)
+    by_capture = captured is not None and (top is None or captured < top)
+    if by_capture:
+        top = captured
     bad = (splits < 1) | ((splits > top) if top is not None else torch.zeros_like(splits, dtype=torch.bool))
     b = _first(bad)
     if b < 0:
@@ -286,8 +293,14 @@ def _check_splits(trace: Trace, plan: Plan, t: dict[str, Tensor], requests: int,
     value = int(splits[b])
     if value < 1:
         cause = "a request with no KV split is skipped by stage 1 and merged from nothing in stage 2 (NaN or stale output)"
+    elif by_capture:
+        cause = (
+            "the graph's stage-1 scratch was captured with room for capture.max_kv_splits partials per request; "
+            "a replay planning more splits writes past it (the split count was chosen for another, larger scratch)"
+        )
     else:
         cause = "the stage-1 scratch holds max_kv_splits partials per request; more splits write past it"
+    name = "capture.max_kv_splits" if by_capture else "max_kv_splits"
     out.append(
         finding(
             KIND,
@@ -295,7 +308,8 @@ def _check_splits(trace: Trace, plan: Plan, t: dict[str, Tensor], requests: int,
             step=trace.source.step,
             request=b,
             field=f"plan.num_kv_splits[{b}]",
-            evidence=f"plan.num_kv_splits[{b}] = {value}, expected a value in [1, {top if top is not None else 'max_kv_splits'}]",
+            evidence=f"plan.num_kv_splits[{b}] = {value}, expected a value in [1, {top if top is not None else 'max_kv_splits'}]"
+            + (f" ({name} = {top})" if by_capture else ""),
             cause=cause,
             found=value,
             maximum=top,
