@@ -99,3 +99,15 @@ def test_a_padded_step_past_the_largest_captured_graph_is_a_finding(session: Rec
     assert (found["class"], found["check"], found["location"]["field"]) == ("invariants", "capture-num-tokens", "graph.padded_out_cache_loc[2]")
     assert "runs 4 tokens" in found["evidence"] and "capture.max_num_tokens = 2" in found["evidence"]
     assert torch.equal(trace.graph.padded_out_cache_loc[2:], torch.tensor([-1, -1]))
+
+
+def test_a_block_table_narrower_than_a_request_is_named_once(session: RecordingSession, pool_config) -> None:  # noqa: F811
+    # Request 1 (33 tokens) needs 3 blocks of 16; the engine's table is 2 wide. The recorded table
+    # and the captured width say the same thing: block-table-short names it, capture-block-table
+    # stays quiet rather than reporting it twice.
+    cm = make_layout(**PADDED).cm
+    trace = _record(session, pool_config, cm.replace(block_table_tensor=cm.block_table_tensor[:, :2].clone()))
+    assert trace.capture.block_table_width == 2
+    [step] = check_json(session.out_dir, only="invariants")["steps"]
+    checks = [(f["check"], f["location"].get("request")) for f in step["findings"]]
+    assert ("block-table-short", 1) in checks and not any(c.startswith("capture-") for c, _ in checks), checks

@@ -76,6 +76,14 @@ SGLANG_FIELDS: tuple[EngineField, ...] = (
     EngineField("sliding_window_size", "layer / backend", "same", "same", "model.sliding_window; plan.scalars.sliding_window", "tree-mask; invariants: window-kv; replay", plan=("scalars.sliding_window",)),
     EngineField("seq_len fill value", "", "runner.seq_len_fill_value", "backend.get_cuda_graph_seq_len_fill_value()", "graph.fill_value", "fill-value"),
     EngineField("padded seq_lens / req_pool_indices / out_cache_loc / positions", "", "runner.*[:bs]", "view.* (+ the padded out_cache_loc buffer)", "graph.padded_*", "fill-value"),
+    EngineField(
+        "capture sizes (max_bs, max_num_token; attn_logits / kv_indices / mask / workspace buffer sizes)",
+        "",
+        "runner.max_bs, runner.max_num_token; model_runner.attn_backend's cuda_graph_* buffers' shapes",
+        "the static buffers' lengths (seen by build_replay_fb_view); the backend's cuda_graph_* shapes",
+        "capture.* (graph/capture_sizes)",
+        "invariants: capture-*, num-kv-splits",
+    ),
     EngineField("fa3 / flashmla / flashinfer plans", "forward_metadata, FlashInfer wrapper buffers", "forward_metadata (capture-time object)", "same", "plan.* (own names)", "invariants; tree-mask"),
     EngineField(
         "raw_bs of a classic replay",
