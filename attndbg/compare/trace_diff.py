@@ -78,7 +78,7 @@ class TraceDiff:
         return tuple(f for f in self.fields if f.field.split(".", 1)[0] == name)
 
 
-SECTIONS = ("source", "model", "seed", "batch", "spec", "graph", "plan", "buffers", "tensors")
+SECTIONS = ("source", "model", "seed", "batch", "spec", "graph", "capture", "plan", "buffers", "tensors")
 CONTENTS = "contents"  # buffers.<field>.contents: the recorded head of the engine's buffer
 
 
@@ -89,7 +89,7 @@ def diff_traces(a: Trace, b: Trace) -> TraceDiff:
     out += _compare_dataclass("model", a.model, b.model, locate)
     out.append(_compare_value("seed", a.seed, b.seed))
     out += _compare_dataclass("batch", a.batch, b.batch, locate)
-    for name in ("spec", "graph", "plan"):
+    for name in ("spec", "graph", "capture", "plan"):
         out += _compare_optional(name, getattr(a, name), getattr(b, name), locate)
     for name in _union(a.buffers, b.buffers):
         out += _compare_buffer(name, a, b, locate)

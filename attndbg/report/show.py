@@ -18,7 +18,7 @@ from torch import Tensor
 
 from attndbg.trace import tree
 from attndbg.trace.mask_geometry import MaskGeometry, word_dtype
-from attndbg.trace.schema import AttentionKind, Batch, Graph, MaskLayout, Model, Plan, Spec, Trace
+from attndbg.trace.schema import AttentionKind, Batch, CaptureSizes, Graph, MaskLayout, Model, Plan, Spec, Trace
 
 MAX_REQUEST_ROWS = 24  # per-request table rows before "... N more requests"
 MAX_TREES = 4  # verify requests whose mask is drawn
@@ -39,6 +39,8 @@ def render_trace(trace: Trace, path: str) -> RenderableType:
         parts.append(_plan(trace.plan))
     if trace.graph is not None:
         parts.append(_graph(trace.graph, trace.batch))
+    if trace.capture is not None:
+        parts.append(_capture(trace.capture))
     if trace.tensors:
         parts.append(_tensors(trace))
     return Group(*parts)
@@ -393,8 +395,17 @@ def _graph(graph: Graph, batch: Batch) -> Panel:
             ("out_cache_loc", split(graph.padded_out_cache_loc, real_tokens)),
             ("positions", split(graph.padded_positions, real_tokens)),
         ]
+        # The engine-neutral extras an engine records (vLLM); a row of block ids per request.
+        + ([("qo_indptr", split(graph.padded_qo_indptr, real_rows + 1))] if graph.padded_qo_indptr is not None else [])
+        + ([("block_table", f"{_meta(graph.padded_block_table)}, padded rows {_values(graph.padded_block_table[real_rows:])}")] if graph.padded_block_table is not None else [])
     )
     return Panel(body, title="graph", title_align="left")
+
+
+def _capture(capture: CaptureSizes) -> Panel:
+    """The sizes the engine captured its graphs with; the ones it did not give are said so."""
+    rows = [(name, str(value) if value is not None else "not recorded") for name, value in ((n, getattr(capture, n)) for n in capture.__dataclass_fields__)]
+    return Panel(_kv_grid(rows), title="capture sizes", title_align="left")
 
 
 def _tensors(trace: Trace) -> Panel:
@@ -456,6 +467,7 @@ def trace_to_json(trace: Trace, path: str) -> dict[str, object]:
         },
         "spec": None if trace.spec is None else {k: _plain(v) for k, v in vars(trace.spec).items()},
         "graph": None if trace.graph is None else {k: _plain(v) for k, v in vars(trace.graph).items()},
+        "capture": None if trace.capture is None else dict(vars(trace.capture)),
         "plan": None,
         "layers": sorted(trace.tensors),
     }

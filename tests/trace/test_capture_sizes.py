@@ -4,6 +4,7 @@ trip through the file, traces written without them load unchanged, and a bad sto
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -112,3 +113,22 @@ def test_a_bad_value_is_one_line_naming_file_and_field(tmp_path: Path, field: st
         assert result.exit_code == 2, result.output
         lines = [line for line in result.output.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith(f"error: {path}: ") and expected in lines[0], result.output
+
+
+def test_show_and_diff_carry_them(tmp_path: Path) -> None:
+    a = io.save(vllm_shaped(padded_decode()), tmp_path / "a.pt")
+    text = CliRunner().invoke(main, ["show", str(a)]).output
+    assert "not recorded (the engine has no request pool)" in text and "real [0, 1, 2, 3]  padded [3]" in text
+    assert "capture sizes" in text and "mask_capacity        not recorded" in text
+    shown = CliRunner().invoke(main, ["show", str(a), "--json", "-"]).output
+    data = json_object(shown)
+    assert data["capture"] == {**SIZES.__dict__} and data["graph"]["padded_req_pool_indices"] is None
+    b = io.save(replace(vllm_shaped(padded_decode()), capture=replace(SIZES, max_bs=16)), tmp_path / "b.pt")
+    result = CliRunner().invoke(main, ["diff", str(a), str(b), "--json", "-"])
+    assert result.exit_code == 1
+    [diff] = json_object(result.output)["differences"]
+    assert (diff["field"], diff["a"], diff["b"]) == ("capture.max_bs", 8, 16)
+
+
+def json_object(output: str) -> dict:
+    return json.loads(output[output.index("{") :])
