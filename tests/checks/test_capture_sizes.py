@@ -113,3 +113,15 @@ def test_check_reports_it_from_the_file(tmp_path: Path) -> None:
     report = json.loads(result.output[result.output.index("{") :])
     [found] = [f for step in report["steps"] for f in step["findings"]]
     assert (found["check"], found["location"]["field"]) == ("capture-batch-size", "graph.padded_seq_lens[2]")
+
+
+def test_an_end_past_the_buffer_counts_even_when_the_offsets_come_back_down() -> None:
+    # kv_indptr [0, 30, 14, 26]: request 0 reads indices 0..29 of a 26-element buffer, though the
+    # last entry fits; indptr-decreases names the decrease, capture-kv-indices the overrun.
+    trace = decode()
+    tensors = dict(trace.plan.tensors, kv_indptr=trace.plan.tensors["kv_indptr"].clone())
+    tensors["kv_indptr"][1] = 30
+    found = {f.check: f for f in check_trace(replace(trace, plan=Plan(trace.plan.backend, tensors, trace.plan.scalars)))}
+    assert "indptr-decreases" in found
+    overrun = found["capture-kv-indices"]
+    assert (overrun.location.field, overrun.location.request, overrun.data["found"]) == ("plan.kv_indptr[1]", 0, 30)

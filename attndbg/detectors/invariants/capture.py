@@ -9,8 +9,8 @@ judges nothing):
 
     capture-batch-size      graph replay: capture_bs (the padded rows) <= capture.max_bs
     capture-num-tokens      graph replay: padded tokens (graph.padded_out_cache_loc) <= capture.max_num_tokens
-    capture-kv-indices      graph replay: plan.kv_indptr[-1] <= capture.kv_indices_capacity
-    capture-mask            graph replay of a verify step: mask elements read (plan.mask_indptr[-1],
+    capture-kv-indices      graph replay: every request's end in plan.kv_indptr <= capture.kv_indices_capacity
+    capture-mask            graph replay of a verify step: mask elements read (plan.mask_indptr's ends,
                             else the layout's length over the padded rows) <= capture.mask_capacity
     capture-block-table     every request's ceil(kv_len / page_size) blocks <= capture.block_table_width
                             (persistent tables serve eager steps too)
@@ -124,7 +124,9 @@ def _first_past(indptr: Tensor, capacity: int) -> int:
 
 def _kv_indices(trace: Trace, capture: CaptureSizes, out: list[Finding]) -> None:
     indptr, top = _plan_offsets(trace, "kv_indptr"), capture.kv_indices_capacity
-    if indptr is None or top is None or int(indptr[-1]) <= top:
+    # The furthest end any request reads (== indptr[-1] unless the offsets decrease, which
+    # indptr-decreases reports; a request's end past the buffer is an overrun either way).
+    if indptr is None or top is None or int(indptr.max()) <= top:
         return
     b = _first_past(indptr, top)
     # The recorded kv_indices is the buffer cut at its capacity, so the generic indptr-end names
@@ -137,10 +139,10 @@ def _kv_indices(trace: Trace, capture: CaptureSizes, out: list[Finding]) -> None
             request=b,
             field=f"plan.kv_indptr[{b + 1}]",
             evidence=f"plan.kv_indptr[{b + 1}] = {int(indptr[b + 1])} (request {b}'s end) is past the kv_indices buffer captured with "
-            f"capture.kv_indices_capacity = {top} elements; the step reads {int(indptr[-1])}",
+            f"capture.kv_indices_capacity = {top} elements; the step reads {int(indptr.max())}",
             cause=CAUSE_STATIC.format(what="reading more KV indices"),
             limit=top,
-            need=int(indptr[-1]),
+            need=int(indptr.max()),
         )
     )
 
@@ -151,7 +153,7 @@ def _mask(trace: Trace, capture: CaptureSizes, out: list[Finding]) -> None:
         return
     indptr = _plan_offsets(trace, "mask_indptr")
     if indptr is not None:
-        need = int(indptr[-1])
+        need = int(indptr.max())  # the furthest end, as for kv_indices
         if need <= top:
             return
         b = _first_past(indptr, top)
