@@ -257,8 +257,8 @@ class SplitsBeyondCapture(_ShownBySplitPlan):
 
 
 def _captured_splits(trace: Trace) -> int | None:
-    """max_kv_splits the step's scratch was sized for: the recorded plan's, or the graph capture's."""
+    """max_kv_splits the step's scratch was sized for: the recorded plan's, or the capture's (Trace.capture)."""
     value = trace.plan.scalars.get("max_kv_splits") if trace.plan is not None else None
-    if value is None and trace.graph is not None:
-        value = getattr(getattr(trace.graph, "capture", None), "max_kv_splits", None)
+    if value is None and trace.capture is not None:
+        value = trace.capture.max_kv_splits
     return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
