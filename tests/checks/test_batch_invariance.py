@@ -153,10 +153,11 @@ def test_check_only_batch_invariance_through_the_cli(neighbour_row: None, tmp_pa
     # The default check runs every other detector and not this one.
     calls = []
     monkeypatch.setattr(batch_invariance, "detect", lambda ctx: calls.append(ctx) or [])
-    default = invoke("check", str(path), "--backend", "triton")
+    # In process: the spy patches this process, and a GPU machine checks in spawned workers by default.
+    default = invoke("check", str(path), "--backend", "triton", "--in-process")
     assert default.exit_code == 0, default.output
     assert "detectors: invariants, fill-value, tree-mask, split-merge;" in default.output and calls == []
-    invoke("check", str(path), "--only", "batch-invariance", "--backend", "triton")
+    invoke("check", str(path), "--only", "batch-invariance", "--backend", "triton", "--in-process")
     assert len(calls) == 1  # named, it runs: the spy sees it
 
 

@@ -5,10 +5,7 @@ Two halves (DESIGN.md "The detectors"):
   recorded padding  the trace's `graph` section (the runner's static buffers) and recorded plan,
                     read without running anything: padded seq_lens a backend cannot take, padded
                     tokens writing KV outside the dummy slot, `seq_lens_sum` that ignores padding,
-                    indptrs whose padded entries decrease, stale padded req_pool_indices/positions,
-                    the engine's padded query offsets (vLLM query_start_loc) falling back or past the
-                    padded tokens, padded block-table rows holding a block id outside the cache
-                    where the padded seq_len makes the kernel read it.
+                    indptrs whose padded entries decrease, stale padded req_pool_indices/positions.
   padded replays    the step replayed in a graph (captured where a GPU is present, else the same
                     sequence run eagerly on the static buffers) at the recorded capture size with
                     the engine's recorded fill value and with each backend's own; without a
@@ -92,8 +89,6 @@ def recorded_padding(trace: Trace) -> list[Finding]:
         + _padded_indptrs(trace)
         + _padded_req_pool_indices(trace)
         + _padded_positions(trace)
-        + _padded_query_offsets(trace)
-        + _padded_block_table(trace)
     )
 
 
@@ -264,82 +259,6 @@ def _padded_indptrs(trace: Trace) -> list[Finding]:
             )
         )
     return findings
-
-
-def _padded_query_offsets(trace: Trace) -> list[Finding]:
-    """The engine's own query offsets (vLLM query_start_loc), padded tail included: each padded
-    request's entry must continue them (0 tokens, or the 1 of uniform decode padding), never fall
-    back or run past the padded token buffer. A tail left from a larger earlier batch does either."""
-    graph, batch = trace.graph, trace.batch
-    offsets = graph.padded_qo_indptr
-    if offsets is None:
-        return []
-    offsets = offsets.to(torch.int64)
-    bs, tokens = batch.batch_size, max(graph.padded_out_cache_loc.numel(), batch.num_tokens)
-    tail = offsets[bs:]
-    drops = torch.nonzero(tail[1:] < tail[:-1]).flatten()
-    past = torch.nonzero(tail > tokens).flatten()
-    if drops.numel() and (not past.numel() or int(drops[0]) + 1 <= int(past[0])):
-        i = bs + 1 + int(drops[0])
-        evidence = f"graph.padded_qo_indptr[{i}] = {int(offsets[i])} < graph.padded_qo_indptr[{i - 1}] = {int(offsets[i - 1])}"
-        effect = "a negative query length for padded request"
-    elif past.numel():
-        i = bs + int(past[0])
-        evidence = f"graph.padded_qo_indptr[{i}] = {int(offsets[i])} > {tokens}, the padded token count"
-        effect = "query rows past the padded token buffer for padded request"
-    else:
-        return []
-    request = i - 1
-    return [
-        _graded(
-            trace,
-            "padded-query-offsets",
-            f"{evidence} (the real requests end at graph.padded_qo_indptr[{bs}] = {int(offsets[bs])}); {effect} {request}",
-            "The padded tail of the query offsets was not rewritten for this batch (left from a larger earlier batch "
-            "after the batch shrank, or the buffer's initial values), so the kernel reading the padded requests' "
-            f"queries through it gets {effect.split(' for ')[0]}; on {trace.source.backend} under a CUDA graph that is an out-of-bounds read.",
-            request=request,
-            field=f"graph.padded_qo_indptr[{i}]",
-            data={"values": offsets.tolist()[: 2 * (bs + 2)], "padded_tokens": tokens},
-        )
-    ]
-
-
-def _padded_block_table(trace: Trace) -> list[Finding]:
-    """Padded block-table rows as the kernel reads them: a padded request of seq_len s reads its first
-    cdiv(s, page_size) entries, each a block of the KV cache. vLLM fills padded rows with its null
-    block 0 (valid memory); a -1 or a stale id past the cache, read, is an out-of-bounds KV read.
-    Entries a padded request does not read (seq_len 0: vLLM's fill) are never judged: whether a fill
-    is a bug depends on what the consuming kernel reads."""
-    graph, batch, model = trace.graph, trace.batch, trace.model
-    table = graph.padded_block_table
-    if table is None or table.dim() != 2:
-        return []
-    bs, page = batch.batch_size, max(model.page_size, 1)
-    blocks = batch.kv_cache_size // page
-    seq = graph.padded_seq_lens.to(torch.int64)
-    for row in range(bs, min(graph.capture_bs, table.shape[0], seq.numel())):
-        read = min((max(int(seq[row]), 0) + page - 1) // page, table.shape[1])
-        entries = table[row, :read].to(torch.int64)
-        bad = torch.nonzero((entries < 0) | (entries >= blocks)).flatten()
-        if not bad.numel():
-            continue
-        col, value = int(bad[0]), int(entries[int(bad[0])])
-        return [
-            _graded(
-                trace,
-                "padded-block-table-entry",
-                f"graph.padded_block_table[{row}, {col}] = {value} is read by padded request {row} (graph.padded_seq_lens[{row}] = "
-                f"{int(seq[row])}: its first {read} entries, page size {page}), outside the cache's {blocks} blocks; the step ran on {trace.source.backend}",
-                "The padded request's block-table row holds a fill the kernel cannot read (a -1 or a stale block id past the "
-                "cache) while its padded seq_len makes the kernel read it: an out-of-bounds KV read, an illegal memory access "
-                "under CUDA graphs. vLLM pads with seq_len 0 and its null block 0, which no kernel reads out of bounds.",
-                request=row,
-                field=f"graph.padded_block_table[{row}, {col}]",
-                data={"value": value, "blocks": blocks, "seq_len": int(seq[row]), "entries_read": read},
-            )
-        ]
-    return []
 
 
 def _padded_req_pool_indices(trace: Trace) -> list[Finding]:
