@@ -112,13 +112,19 @@ def _ratio(out: Tensor, model: Tensor, tol: Tensor) -> Tensor:
     return torch.nan_to_num((out - model).abs().amax(-1) / tol, nan=float("inf"))
 
 
-def _grouped(model: MistakeModel, best: dict[tuple[str, int], tuple[float, Candidate]], failing: Tensor, states: PartialStates) -> list[Reproduction]:
-    """One Reproduction per summary (the mistake with the same non-request parameters), its requests in order."""
-    by_summary: dict[str, list[tuple[float, Candidate]]] = {}
+def by_summary(best: dict[tuple[str, int], tuple[float, Candidate]]) -> dict[str, list[tuple[float, Candidate]]]:
+    """(summary, request) -> (score, candidate) regrouped per summary (the mistake with the same
+    non-request parameters), each group's requests in order."""
+    groups: dict[str, list[tuple[float, Candidate]]] = {}
     for (summary, _), hit in sorted(best.items(), key=lambda item: item[0][1]):
-        by_summary.setdefault(summary, []).append(hit)
+        groups.setdefault(summary, []).append(hit)
+    return groups
+
+
+def _grouped(model: MistakeModel, best: dict[tuple[str, int], tuple[float, Candidate]], failing: Tensor, states: PartialStates) -> list[Reproduction]:
+    """One Reproduction per summary, its requests in order."""
     out = []
-    for summary, hits in by_summary.items():
+    for summary, hits in by_summary(best).items():
         rows = [r for _, c in hits for r in range(states.rows(c.request).start, states.rows(c.request).stop) if bool(failing[r])]
         out.append(
             Reproduction(

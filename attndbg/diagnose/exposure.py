@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from attndbg.diagnose.base import MistakeModel, PartialStates
-from attndbg.diagnose.diagnose import MODELS, _ratio
+from attndbg.diagnose.diagnose import MODELS, _ratio, by_summary
 from attndbg.replay.step_data import StepData
 
 
@@ -58,10 +58,7 @@ def exposures(data: StepData, models: tuple[MistakeModel, ...] = MODELS) -> list
             key = (cand.summary, cand.request)
             if ratio > 1 and (key not in worst or ratio > worst[key][0]):
                 worst[key] = (ratio, cand)
-        by_summary: dict[str, list[tuple[float, Any]]] = {}
-        for (summary, _), hit in sorted(worst.items(), key=lambda item: item[0][1]):
-            by_summary.setdefault(summary, []).append(hit)
-        for summary, hits in by_summary.items():
+        for summary, hits in by_summary(worst).items():
             found.append(
                 Exposure(
                     mechanism=model.name,
