@@ -163,3 +163,14 @@ def test_graph_replayed_with_metadata_it_never_read() -> None:
     told = with_rows(trace, {b: slot0 for b in range(3)}, {b: -(int(trace.batch.kv_lens[b]) - 1) for b in range(3)})
     params = attributed(engine_said(trace, triton_on(trace, told)), "plan-from-capture")
     assert params == [{"request": b, "slot": 0} for b in range(3)]
+
+
+def test_byte_packed_mask_read_with_each_bytes_bits_reversed() -> None:
+    # FlashInfer's packing (the request's whole [n, prefix + n] mask in little-endian bytes) read
+    # big-endian; tests/gpu/test_diagnose_flashinfer.py runs the same through FlashInfer's kernel.
+    from tests.gpu.test_diagnose_flashinfer import byte_reversed
+
+    trace = recorded(*VERIFY)
+    blocks = {b: byte_reversed(_tree_rows(trace, b)) for b in range(trace.batch.batch_size)}
+    params = attributed(engine_said(trace, triton_masked(trace, blocks)), "mask-bit-order")
+    assert [(p["request"], p["packing"]) for p in params] == [(0, "byte"), (1, "byte")]
