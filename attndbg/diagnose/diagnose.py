@@ -47,8 +47,9 @@ MODELS: tuple[MistakeModel, ...] = (
 
 
 @dataclass(frozen=True)
-class Reproduction:
-    """One mistake that reproduces the engine's output on some requests, with each one's parameters."""
+class Attribution:
+    """One instance of a mistake (a model's candidates with one summary) over the requests it
+    concerns, each with its parameters: what a reproduction and an exposure both name."""
 
     mechanism: str  # the model's name
     summary: str  # "a split-KV merge that read ..."
@@ -56,8 +57,18 @@ class Reproduction:
     requests: tuple[int, ...]
     details: tuple[str, ...]  # per request, its parameters in words
     params: tuple[dict[str, Any], ...]  # per request, machine-readable
-    rows: tuple[int, ...]  # the failing rows it reproduces
-    error: float  # worst |engine - model| / tolerance over the requests' judged rows (<= 1)
+
+    @staticmethod
+    def of(model: MistakeModel, summary: str, hits: list[tuple[float, Candidate]]) -> dict[str, Any]:
+        """The fields of `model`'s instance `summary` over the candidates `hits` (in request order)."""
+        return {
+            "mechanism": model.name,
+            "summary": summary,
+            "cause": model.cause,
+            "requests": tuple(c.request for _, c in hits),
+            "details": tuple(c.detail for _, c in hits),
+            "params": tuple(c.params for _, c in hits),
+        }
 
     def describe(self) -> str:
         return f"{self.summary} ({'; '.join(self.details)})"
@@ -68,9 +79,18 @@ class Reproduction:
             "summary": self.summary,
             "requests": list(self.requests),
             "params": [{"request": b, **p} for b, p in zip(self.requests, self.params)],
-            "rows": list(self.rows[:32]),
-            "error": self.error,
         }
+
+
+@dataclass(frozen=True)
+class Reproduction(Attribution):
+    """One mistake that reproduces the engine's output on some requests, with each one's parameters."""
+
+    rows: tuple[int, ...]  # the failing rows it reproduces
+    error: float  # worst |engine - model| / tolerance over the requests' judged rows (<= 1)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**super().to_json(), "rows": list(self.rows[:32]), "error": self.error}
 
 
 def applicable(trace: Trace, models: tuple[MistakeModel, ...] = MODELS) -> list[MistakeModel]:
@@ -126,16 +146,5 @@ def _grouped(model: MistakeModel, best: dict[tuple[str, int], tuple[float, Candi
     out = []
     for summary, hits in by_summary(best).items():
         rows = [r for _, c in hits for r in range(states.rows(c.request).start, states.rows(c.request).stop) if bool(failing[r])]
-        out.append(
-            Reproduction(
-                mechanism=model.name,
-                summary=summary,
-                cause=model.cause,
-                requests=tuple(c.request for _, c in hits),
-                details=tuple(c.detail for _, c in hits),
-                params=tuple(c.params for _, c in hits),
-                rows=tuple(rows),
-                error=max(err for err, _ in hits),
-            )
-        )
+        out.append(Reproduction(**Attribution.of(model, summary, hits), rows=tuple(rows), error=max(err for err, _ in hits)))
     return out

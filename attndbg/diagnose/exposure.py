@@ -13,31 +13,19 @@ from typing import Any
 
 import torch
 
-from attndbg.diagnose.base import MistakeModel, PartialStates
-from attndbg.diagnose.diagnose import MODELS, _ratio, by_summary
+from attndbg.diagnose.base import Candidate, MistakeModel, PartialStates
+from attndbg.diagnose.diagnose import MODELS, Attribution, _ratio, by_summary
 from attndbg.replay.step_data import StepData
 
 
 @dataclass(frozen=True)
-class Exposure:
+class Exposure(Attribution):
     """One mistake whose precondition the step shows, and what it would do to which requests."""
 
-    mechanism: str
-    summary: str
-    cause: str
-    requests: tuple[int, ...]
-    details: tuple[str, ...]
-    params: tuple[dict[str, Any], ...]
     worst: float  # largest |model - reference| / tolerance over the requests' rows (> 1)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "mechanism": self.mechanism,
-            "summary": self.summary,
-            "requests": list(self.requests),
-            "params": [{"request": b, **p} for b, p in zip(self.requests, self.params)],
-            "worst_over_tolerance": self.worst,
-        }
+        return {**super().to_json(), "worst_over_tolerance": self.worst}
 
 
 def exposures(data: StepData, models: tuple[MistakeModel, ...] = MODELS) -> list[Exposure]:
@@ -51,7 +39,7 @@ def exposures(data: StepData, models: tuple[MistakeModel, ...] = MODELS) -> list
     for model in models:
         if not model.shown_by_metadata(trace):
             continue
-        worst: dict[tuple[str, int], tuple[float, Any]] = {}
+        worst: dict[tuple[str, int], tuple[float, Candidate]] = {}
         for cand in model.candidates(states, requests):
             span = states.rows(cand.request)
             ratio = float(_ratio(cand.output, ref[span], tol[span]).max())
@@ -59,15 +47,5 @@ def exposures(data: StepData, models: tuple[MistakeModel, ...] = MODELS) -> list
             if ratio > 1 and (key not in worst or ratio > worst[key][0]):
                 worst[key] = (ratio, cand)
         for summary, hits in by_summary(worst).items():
-            found.append(
-                Exposure(
-                    mechanism=model.name,
-                    summary=summary,
-                    cause=model.cause,
-                    requests=tuple(c.request for _, c in hits),
-                    details=tuple(c.detail for _, c in hits),
-                    params=tuple(c.params for _, c in hits),
-                    worst=min(max(r for r, _ in hits), torch.finfo(torch.float64).max),
-                )
-            )
+            found.append(Exposure(**Attribution.of(model, summary, hits), worst=min(max(r for r, _ in hits), torch.finfo(torch.float64).max)))
     return sorted(found, key=lambda e: -e.worst)

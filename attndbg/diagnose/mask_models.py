@@ -249,13 +249,15 @@ class RecordedPlanMask(MistakeModel):
         if view is None:
             return
         batch = trace.batch
-        wrong = {}
+        wrong: dict[int, Tensor] = {}
+        differ: dict[int, int] = {}  # request -> mask entries its recorded block gets wrong
         for b in requests:
             block = view.blocks.get(b)
             if block is None or tuple(block.shape) != (trace.spec.draft_token_num, int(batch.kv_lens[b])):
                 continue
-            if not torch.equal(block, visibility(trace, b)):
-                wrong[b] = block
+            entries = int((block != visibility(trace, b)).sum())
+            if entries:
+                wrong[b], differ[b] = block, entries
         if not wrong:
             return
 
@@ -263,12 +265,11 @@ class RecordedPlanMask(MistakeModel):
             return wrong[b][rows] if b in wrong else visibility(trace, b, rows)
 
         output = states.under("recorded-plan-mask", trace, visible=seen)
-        for b, block in wrong.items():
-            differ = int((block != visibility(trace, b)).sum())
+        for b in wrong:
             yield Candidate(
                 request=b,
                 output=output[states.rows(b)].double(),
                 summary=f"verify attention with the recorded plan's {view.kind} mask, which differs from the draft tree's",
-                detail=f"request {b}, {differ} mask entries differ",
-                params={"plan_mask": view.kind, "entries_differ": differ},
+                detail=f"request {b}, {differ[b]} mask entries differ",
+                params={"plan_mask": view.kind, "entries_differ": differ[b]},
             )

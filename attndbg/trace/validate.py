@@ -380,10 +380,9 @@ def _spec(r: _Reader, batch: Batch) -> Spec:
 
 def _graph(r: _Reader) -> Graph:
     capture_bs = r.int("capture_bs", min_value=0)
-    # None: the engine has no request pool (vLLM). The key itself must be there: a dict that lost
-    # it is damaged, not an engine without a pool.
-    r.raw("padded_req_pool_indices")
-    pool = r.tensor("padded_req_pool_indices", optional=True)
+    # None: the engine has no request pool (vLLM). The key itself must be there (r.raw raises
+    # without it): a dict that lost it is damaged, not an engine without a pool.
+    pool = r.raw("padded_req_pool_indices")
     qo = r.tensor("padded_qo_indptr", dtypes=INDEX_DTYPES, ndim=1, optional=True)
     if qo is not None and qo.numel() != capture_bs + 1:
         raise TraceError(r.name("padded_qo_indptr"), f"has {qo.numel()} elements, expected capture_bs + 1 = {capture_bs + 1}")

@@ -24,9 +24,10 @@ recorded cut at its capacity, so both would name the same overrun).
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
+from attndbg.backends import plan_view as pv
+from attndbg.backends.plan_view import PlanViewError
 from attndbg.checks.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND, _first
 from attndbg.trace.mask_geometry import mask_length
@@ -105,16 +106,15 @@ def _num_tokens(trace: Trace, capture: CaptureSizes, out: list[Finding]) -> None
 
 
 def _plan_offsets(trace: Trace, name: str) -> Tensor | None:
-    """plan.<name> as int64 when it is a usable 1-D offset list; None otherwise (its shape and
-    dtype are the generic checks' to report)."""
-    if trace.plan is None:
+    """plan.<name> as int64 when it is a usable 1-D offset list (plan_view.index's reading); None
+    otherwise (its shape and dtype are the generic checks' to report)."""
+    if trace.plan is None or name not in trace.plan.tensors:
         return None
-    values = trace.plan.tensors.get(name)
-    if values is None or values.dim() != 1 or values.numel() < 2:
+    try:
+        values = pv.index(trace.plan, name)
+    except PlanViewError:
         return None
-    if values.is_floating_point() or values.is_complex() or values.dtype is torch.bool:
-        return None
-    return values.to(torch.int64)
+    return values if values.numel() >= 2 else None
 
 
 def _first_past(indptr: Tensor, capacity: int) -> int:
