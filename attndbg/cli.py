@@ -1,7 +1,8 @@
 """`attndbg` command line: each command parses, calls one core function, renders, exits 0/1/2/3.
 
 Exit codes: 0 all good, 1 a backend failed (or findings), 2 bad input (one line on stderr),
-3 nothing failed but something asked for did not run (a backend named with --backend).
+3 nothing failed but something asked for did not run (a backend named with --backend), 4 (record
+only) the command exited 0 but a hook failed before any step was recorded.
 
 Only click and rich are imported here: torch and the kernels load inside the commands that use
 them, so `--version`, `--help` and `synth --list` answer at once.
@@ -28,6 +29,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 # Nothing failed, but something asked for did not run (a named backend unavailable, a step not checked).
 EXIT_NOT_RUN = 3
+# record: the command exited 0 but no step was recorded because a hook failed (named on stderr).
+EXIT_NOT_RECORDED = 4
 
 
 class BadInput(Exception):
@@ -627,7 +630,8 @@ def record(
 
     Hooks are armed in every Python process the command starts (schedulers, workers); a hook that
     fails logs one line and stops recording, the engine goes on. A directory that already holds
-    files is refused unless --append or --overwrite. Exit code: the command's.
+    files is refused unless --append or --overwrite. Exit code: the command's, or 4 when it exited 0
+    but no step was recorded because a hook failed (the hook and its error are named).
 
     \b
     Examples:
@@ -666,7 +670,11 @@ def record(
     never = missing_layers(options, result.entries)
     if never:
         click.echo(f"attndbg record: note: --layers {','.join(map(str, never))}: no step recorded tensors of these layers (does the model have that many layers?)", err=True)
-    sys.exit(result.exit_code)
+    if result.problems:
+        more = f" (and {len(result.problems) - 1} more process(es) stopped)" if len(result.problems) > 1 else ""
+        what = "no step recorded" if not result.entries else "recording stopped early"
+        click.echo(f"attndbg record: {what}: {result.problems[0]}{more}", err=True)
+    sys.exit(EXIT_NOT_RECORDED if result.hook_failed_before_any_step else result.exit_code)
 
 
 @main.command()

@@ -71,6 +71,7 @@ def activate() -> None:
     global _ACTIVE
     if _ACTIVE:
         return
+    from attndbg.record import problems
     from attndbg.record.options import RecordOptions
 
     options = RecordOptions.from_env()
@@ -86,7 +87,9 @@ def activate() -> None:
             try:
                 _call(target)
             except Exception as e:  # noqa: BLE001 - never break the engine's import
-                print(f"attndbg record: cannot hook {engine} ({type(e).__name__}: {e}); not recording it", file=sys.stderr, flush=True)
+                reason = f"cannot hook {engine} ({type(e).__name__}: {e})"
+                problems.note(options, reason)
+                print(f"attndbg record: {reason}; not recording it", file=sys.stderr, flush=True)
 
         if module_name in sys.modules:
             install(sys.modules[module_name])

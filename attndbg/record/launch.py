@@ -3,7 +3,8 @@
 The command runs as a child process with this package's `startup/` folder first on
 PYTHONPATH (its sitecustomize arms the adapters in every Python process the engine starts) and
 the options in ATTNDBG_RECORD. We wait for it, pass its exit code on, and summarise the
-recording from its manifest.
+recording from its manifest and from what its processes noted when they stopped recording
+(record/problems.py).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from attndbg.record import problems
 from attndbg.record.options import ENV_VAR, OptionError, RecordOptions
 from attndbg.trace.io import MANIFEST, ManifestEntry, read_manifest
 
@@ -25,6 +28,12 @@ class RecordResult:
     exit_code: int
     out_dir: Path
     entries: list[ManifestEntry]
+    problems: tuple[str, ...] = ()  # why processes stopped recording (a hook's error), in order
+
+    @property
+    def hook_failed_before_any_step(self) -> bool:
+        """The command succeeded, nothing was recorded, and a hook's failure is why."""
+        return self.exit_code == 0 and not self.entries and bool(self.problems)
 
 
 def recording_env(options: RecordOptions, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -80,11 +89,14 @@ def missing_layers(options: RecordOptions, entries: list[ManifestEntry]) -> list
 def run_recorded(command: list[str], options: RecordOptions) -> RecordResult:
     out_dir = Path(options.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    process = subprocess.Popen(command, env=recording_env(options))
-    try:
-        code = process.wait()
-    except KeyboardInterrupt:
-        process.send_signal(signal.SIGINT)
-        code = process.wait()
+    with tempfile.TemporaryDirectory(prefix="attndbg-record-") as scratch:
+        options = replace(options, problems_file=str(Path(scratch) / "problems.jsonl"))
+        process = subprocess.Popen(command, env=recording_env(options))
+        try:
+            code = process.wait()
+        except KeyboardInterrupt:
+            process.send_signal(signal.SIGINT)
+            code = process.wait()
+        noted = problems.read(options.problems_file)
     entries = read_manifest(out_dir) if (out_dir / MANIFEST).exists() else []
-    return RecordResult(exit_code=code, out_dir=out_dir, entries=entries)
+    return RecordResult(exit_code=code, out_dir=out_dir, entries=entries, problems=tuple(noted))

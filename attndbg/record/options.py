@@ -28,6 +28,7 @@ class RecordOptions:
     engines: tuple[str, ...] = ("transformers", "sglang", "vllm")
     writer: str = "process"  # "process": save in a child process (off the engine's GIL); "thread": in-process
     file_prefix: str = ""  # step files are named f"{file_prefix}step_000012.pt" ("run2_" with --append)
+    problems_file: str = ""  # where each process notes why it stopped recording (record/problems.py); "" = nowhere
     extra: dict[str, str] = field(default_factory=dict)
 
     def wants_step(self, step: int) -> bool:

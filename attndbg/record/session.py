@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from attndbg.record import problems
 from attndbg.record.options import RecordOptions
 from attndbg.record.writer_process import ProcessWriter
 from attndbg.trace.io import append_to_recording
@@ -155,10 +156,14 @@ class RecordingSession:
         except Exception as e:  # noqa: BLE001 - a recorder must never take the engine down
             self.disable(f"error in {where}: {type(e).__name__}: {e}")
 
-    def disable(self, reason: str) -> None:
+    def disable(self, reason: str, *, failure: bool = True) -> None:
+        """Stop recording in this process; a `failure` (not the size cap) is also noted for
+        `attndbg record`, which names it and exits non-zero when no step was recorded."""
         if self._enabled:
             self._enabled = False
             self.stats.stopped_reason = reason
+            if failure:
+                problems.note(self.options, reason)
             # stderr may be a file on the disk that just filled: the line is lost, never raised.
             with contextlib.suppress(OSError):
                 self._log(f"recording stopped, the engine goes on ({reason})")
@@ -201,7 +206,7 @@ class RecordingSession:
         self.stats.files.append(name)
         total = self._bytes_at_start + self.stats.bytes_written
         if total >= self.options.max_bytes:
-            self.disable(f"size cap reached: {self.out_dir} holds {total} bytes >= --max-size {self.options.max_bytes}")
+            self.disable(f"size cap reached: {self.out_dir} holds {total} bytes >= --max-size {self.options.max_bytes}", failure=False)
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait (bounded) until every submitted step is written."""
@@ -254,8 +259,10 @@ def current_session() -> RecordingSession | None:
                     _SESSION = RecordingSession(options)
                 except OSError as e:
                     _SESSION_FAILED = True
+                    reason = f"cannot write to {options.out_dir}: {os_reason(e)}"
+                    problems.note(options, reason)
                     with contextlib.suppress(OSError):
-                        _log_line(f"recording not started, the engine goes on (cannot write to {options.out_dir}: {os_reason(e)})")
+                        _log_line(f"recording not started, the engine goes on ({reason})")
         return _SESSION
 
 

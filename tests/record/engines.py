@@ -34,18 +34,32 @@ def import_engine(module_name: str) -> ModuleType:
     except ModuleNotFoundError as e:
         _skip(f"{module_name} cannot be imported ({e}); install it with .ci/install-*.sh to run these tests")
     package = module_name.split(".")[0]
-    pinned = PINNED.get(package)
-    installed = importlib.metadata.version(package) if pinned else None
-    if pinned and installed != pinned:
+    supported = SUPPORTED.get(package)
+    installed = importlib.metadata.version(package) if supported else None
+    if supported and not supported[0] <= _release(installed) <= supported[1]:
         # Another release moves the engine's internals the adapter reads (transformers' continuous
         # batching config changed its arguments between releases): not this adapter's version.
-        _skip(f"{package} {installed} is installed; the adapter is tested against {pinned} (.ci/install-{package}.sh)")
+        _skip(f"{package} {installed} is installed; the adapter supports {_dotted(supported[0])} to {_dotted(supported[1])} (.ci/install-{package}.sh installs the oldest)")
     return module
 
 
-# The engine releases .ci/install-*.sh pins, for engines whose installs may differ elsewhere (the GPU
-# machine's image has its own transformers).
-PINNED = {"transformers": "5.20.2"}
+# The releases the adapter is tested with, oldest and newest, for engines whose installs may differ
+# elsewhere (the GPU machine's image has its own transformers). .ci/install-*.sh installs the oldest.
+SUPPORTED = {"transformers": ((5, 20, 2), (5, 24, 0))}
+
+
+def _release(version: str | None) -> tuple[int, ...]:
+    """The release numbers of a version: "5.24.0" -> (5, 24, 0); a suffix (".dev0", "+cu12") ends them."""
+    parts = []
+    for part in (version or "").split("+")[0].split("."):
+        if not part.isdigit():
+            break
+        parts.append(int(part))
+    return tuple(parts)
+
+
+def _dotted(release: tuple[int, ...]) -> str:
+    return ".".join(map(str, release))
 
 
 def _skip(reason: str) -> NoReturn:

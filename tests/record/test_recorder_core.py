@@ -152,6 +152,51 @@ def test_record_passes_the_exit_code_on_and_arms_the_startup_hook(tmp_path: Path
     assert "0 step(s)" in done.stderr
 
 
+# A child that runs a hook which fails (through the session's guard, as every adapter's hooks do),
+# records nothing, and exits 0 (the engine goes on); with "record" it records one step first.
+FAILING_HOOK = textwrap.dedent(
+    """
+    import sys
+    from attndbg.record.session import current_session
+    from attndbg.trace import synth
+    session = current_session()
+    if sys.argv[1] == "record":  # hand the writer one real step, then fail
+        from attndbg.record.session import HostCopy
+        session.submit(HostCopy({}), lambda host: synth.build(synth.parse_spec(["decode-gqa"])))
+        session.flush()
+    with session.guard("toy compute_batch (before)"):
+        raise AttributeError("'NoneType' object has no attribute 'layer_to_allocator'")
+    print("engine done")
+    """
+)
+
+
+@pytest.mark.parametrize("first", ["fail", "record"])
+def test_record_names_a_failed_hook_and_exits_4_when_nothing_was_recorded(tmp_path: Path, first: str) -> None:
+    out = tmp_path / "rec"
+    command = [sys.executable, "-m", "attndbg", "record", "-o", str(out), "--", sys.executable, "-c", FAILING_HOOK, first]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert "engine done" in done.stdout  # the engine went on
+    last = done.stderr.strip().splitlines()[-1]
+    assert "toy compute_batch (before)" in last and "AttributeError" in last and "layer_to_allocator" in last
+    if first == "fail":
+        assert done.returncode == 4, done.stderr
+        assert last.startswith("attndbg record: no step recorded: error in toy compute_batch (before)")
+    else:  # a step was recorded before the hook failed: the command's exit code, the failure named
+        assert done.returncode == 0, done.stderr
+        assert "1 step(s)" in done.stderr and last.startswith("attndbg record: recording stopped early:")
+
+
+def test_a_full_recording_directory_is_not_a_failed_hook(tmp_path: Path) -> None:
+    """The size cap stops recording as asked: nothing is noted for `record` to fail on."""
+    problems_file = tmp_path / "problems.jsonl"
+    session = RecordingSession(RecordOptions(out_dir=str(tmp_path / "rec"), max_bytes=1, writer="thread", problems_file=str(problems_file)), log=lambda _: None)
+    session.submit(HostCopy({}), lambda host: _trace(0))
+    session.close()
+    assert not session.enabled and "size cap" in (session.stats.stopped_reason or "")
+    assert not problems_file.exists()
+
+
 def test_startup_hook_installs_an_adapter_after_its_engine_module_is_imported(tmp_path: Path) -> None:
     # A stand-in engine package on the path; the trigger table is pointed at it for this child only.
     pkg = tmp_path / "fake_engine"

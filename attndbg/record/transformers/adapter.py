@@ -1,14 +1,19 @@
 """Recorder for Hugging Face transformers' continuous batching (`generate_batch`, paged KV cache).
 
-Two hooks, both on public extension points of transformers >= 5.2x:
+Hooks, all on public extension points of transformers >= 5.20:
 - `ModelRunner.compute_batch(model, batch_data)` runs once per forward step, eager or CUDA-graph
   replay, after the batch tensors were prepared. It gives the step: `cu_seq_lens_q`,
   `cu_seq_lens_k["full_attention"]`, `write_index`/`read_index` (one per cache allocator),
   `position_ids`, and the `PagedAttentionCache`.
-- the attention functions `"sdpa"` and `"paged|eager"`, re-registered through
-  `AttentionInterface.register`, see each layer's q / new k, v / output in eager steps; they
-  record the tensors of the layers `--layers` names (under a CUDA graph they run only at capture,
-  so graph-replayed steps are recorded as metadata only).
+- with `--layers`, `PagedAttentionCache.update(key_states, value_states, layer_idx, kwargs)` sees
+  each layer's new k, v and the KV rows it reads before it writes them, and the attention functions
+  `"sdpa"` and `"paged|eager"`, re-registered through `AttentionInterface.register`, see q and the
+  output, in eager steps (under a CUDA graph they run only at capture, so graph-replayed steps are
+  recorded as metadata only). In 5.20 the attention function calls `cache.update` itself (the
+  cache in its kwargs); in 5.24 the attention module calls it before the attention function, which
+  no longer gets the cache: hooking `update` reads both the same way.
+
+Tested with transformers 5.20.2 (CI, the oldest supported) and 5.24.0.
 
 Engine fields the detectors use (`TRANSFORMERS_FIELDS` below, as data; issue 14):
 
@@ -127,6 +132,8 @@ class _StepState:
     step: int
     geometry: CacheGeometry
     layers: dict[int, dict[str, Tensor]] = field(default_factory=dict)
+    # A layer's new k/v and KV rows read (from cache.update) until its attention output arrives.
+    pending: dict[int, dict[str, Tensor]] = field(default_factory=dict)
 
 
 _local = threading.local()
@@ -239,38 +246,59 @@ def trace_from_step(host: dict[str, Tensor | None], *, model: Model, geometry: C
     )
 
 
+def _recording_layer(layer: Any) -> tuple[RecordingSession, _StepState] | None:
+    """The session and step state when this layer's tensors are recorded now, else None."""
+    state: _StepState | None = getattr(_local, "state", None)
+    session = current_session()
+    if state is None or session is None or layer is None or not session.wants_layer(int(layer)) or capturing():
+        # Under a CUDA-graph capture kernels are recorded, not run: there is nothing real to copy.
+        return None
+    return session, state
+
+
+def _update_wrapper(original: Any) -> Any:
+    """`PagedAttentionCache.update` that keeps a chosen layer's new k/v and the KV rows it reads,
+    taken before this layer writes into the cache."""
+
+    def update(self: Any, key_states: Tensor, value_states: Tensor, layer_idx: int, kwargs: dict[str, Any]) -> Any:
+        recording = _recording_layer(layer_idx)
+        if recording is not None:
+            session, state = recording
+            with session.guard("transformers cache.update"):
+                k_view, v_view = self.layer_to_allocator[int(layer_idx)]._kv_token_views[int(layer_idx)]
+                read_index = _first(kwargs.get("read_index"), state.geometry.allocator_index)
+                # [1, H, T, D] -> [T, H, D]
+                captured = {"k_new": key_states[0].transpose(0, 1).detach().clone(), "v_new": value_states[0].transpose(0, 1).detach().clone()}
+                if read_index is not None and read_index.numel():
+                    captured.update(read_index=read_index.detach().clone(), k_rows=k_view.index_select(0, read_index), v_rows=v_view.index_select(0, read_index))
+                else:
+                    empty = k_view.new_zeros((0, *k_view.shape[1:]))
+                    captured.update(k_rows=empty, v_rows=empty.clone())
+                state.pending[int(layer_idx)] = captured
+        return original(self, key_states, value_states, layer_idx, kwargs)
+
+    update.__attndbg_original__ = original  # type: ignore[attr-defined]
+    return update
+
+
 def _attention_wrapper(original: Any) -> Any:
-    """An attention function that records q, new k/v, the KV rows read and the output of chosen layers."""
+    """An attention function that records q and the output of chosen layers, completing what
+    cache.update kept of the layer (new k/v, KV rows read)."""
 
     def attention(module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
-        state: _StepState | None = getattr(_local, "state", None)
-        session = current_session()
         layer = getattr(module, "layer_idx", None)
-        if state is None or session is None or layer is None or not session.wants_layer(int(layer)) or capturing():
-            # Under a CUDA-graph capture kernels are recorded, not run: there is nothing real to copy.
+        recording = _recording_layer(layer)
+        if recording is None:
             return original(module, query, key, value, attention_mask, *args, **kwargs)
-        captured: dict[str, Tensor] = {}
-        with session.guard("transformers attention (before)"):
-            cache = kwargs.get("cache")
-            k_view, v_view = cache.layer_to_allocator[int(layer)]._kv_token_views[int(layer)]
-            read_index = _first(kwargs.get("read_index"), state.geometry.allocator_index)
-            # [1, H, T, D] -> [T, H, D]; the cache rows are read before this layer writes into them.
-            captured = {
-                "q": query[0].transpose(0, 1).detach().clone(),
-                "k_new": key[0].transpose(0, 1).detach().clone(),
-                "v_new": value[0].transpose(0, 1).detach().clone(),
-            }
-            if read_index is not None and read_index.numel():
-                captured.update(read_index=read_index.detach().clone(), k_rows=k_view.index_select(0, read_index), v_rows=v_view.index_select(0, read_index))
-            else:
-                empty = k_view.new_zeros((0, *k_view.shape[1:]))
-                captured.update(k_rows=empty, v_rows=empty.clone())
+        session, state = recording
+        q = query[0].transpose(0, 1).detach().clone()  # [1, H, T, D] -> [T, H, D]
         result = original(module, query, key, value, attention_mask, *args, **kwargs)
         with session.guard("transformers attention (after)"):
-            if "q" in captured:
-                output = result[0] if isinstance(result, tuple) else result
-                captured["output"] = output[0].detach().clone()  # [1, T, H, D] -> [T, H, D]
-                state.layers[int(layer)] = captured
+            captured = state.pending.pop(int(layer), None)
+            if captured is None:
+                raise RuntimeError(f"layer {layer}: the attention ran without PagedAttentionCache.update before it (no KV rows to record)")
+            output = result[0] if isinstance(result, tuple) else result
+            state.layers[int(layer)] = {"q": q, **captured, "output": output[0].detach().clone()}  # [1, T, H, D] -> [T, H, D]
         return result
 
     attention.__attndbg_original__ = original  # type: ignore[attr-defined]
@@ -282,13 +310,17 @@ _ATTENTION_WRAPPED = False
 
 
 def _wrap_attention() -> None:
-    """Re-register the paged attention functions; done at the first recorded step, when
-    `transformers.modeling_utils` is surely imported (at install time it may be half-imported)."""
+    """Wrap the paged cache's update and re-register the paged attention functions; done at the
+    first recorded step, when `transformers.modeling_utils` is surely imported (at install time it
+    may be half-imported)."""
     global _ATTENTION_WRAPPED
     if _ATTENTION_WRAPPED:
         return
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
     from transformers.modeling_utils import AttentionInterface
 
+    if not hasattr(PagedAttentionCache.update, "__attndbg_original__"):
+        PagedAttentionCache.update = _update_wrapper(PagedAttentionCache.update)
     for name in WRAPPED_ATTENTION:
         original = AttentionInterface._global_mapping.get(name)
         if original is not None and not hasattr(original, "__attndbg_original__"):
@@ -323,11 +355,14 @@ def uninstall() -> None:
     """Restore transformers' own functions (tests, benchmarks)."""
     global _INSTALLED, _ATTENTION_WRAPPED
     from transformers.generation.continuous_batching import model_runner
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
     from transformers.modeling_utils import AttentionInterface
 
     compute = model_runner.ModelRunner.compute_batch
     if hasattr(compute, "__attndbg_original__"):
         model_runner.ModelRunner.compute_batch = compute.__attndbg_original__
+    if hasattr(PagedAttentionCache.update, "__attndbg_original__"):
+        PagedAttentionCache.update = PagedAttentionCache.update.__attndbg_original__
     for name in WRAPPED_ATTENTION:
         current = AttentionInterface._global_mapping.get(name)
         if current is not None and hasattr(current, "__attndbg_original__"):
