@@ -22,9 +22,11 @@ from typing import Any
 
 from attndbg import machine
 from attndbg.checks.context import CheckContext, CheckOptions
+from attndbg.checks.crashes import Recheck, crash_finding, with_crashes
 from attndbg.checks.findings import Finding, FindingClass
 from attndbg.detectors import registry
 from attndbg.detectors.base import Detector
+from attndbg.replay import activity
 from attndbg.trace import io
 from attndbg.trace.schema import Trace
 from attndbg.trace.validate import TraceError
@@ -103,7 +105,11 @@ def detectors_of(only: list[FindingClass]) -> dict[FindingClass, Detector]:
 
 
 def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions) -> StepResult:
-    """Load and check one step; an unreadable step is a report with its error, never an exception."""
+    """Load and check one step; an unreadable step is a report with its error, never an exception.
+
+    A CUDA error that poisons the context, wherever it surfaces in the step (activity.py), ends a
+    worker process here, before it can take another step. In one process the step gets the crash
+    finding instead, the detectors after it are not run, and `activity.lost()` tells the caller."""
     start = time.perf_counter()
     detectors = detectors_of(only)
     try:
@@ -113,14 +119,25 @@ def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions)
     ctx = CheckContext(trace=trace, path=str(path), options=options)
     findings: list[Finding] = []
     failures: list[str] = []
+    activity.begin_step()
+    crash: activity.Launch | None = None
     for kind, detector in detectors.items():
         try:
-            findings.extend(detector.run(ctx))
+            with activity.detector(kind.value):
+                findings.extend(detector.run(ctx))
+                activity.check_context()  # a fault some code swallowed, or raised outside any launch
         except TraceError as e:  # valid, but cannot be replayed here (e.g. its KV pool does not fit)
             return StepResult(StepReport(str(path), trace.source.step, trace.batch.forward_mode.value, [], error=f"{e.field}: {e.message}", bad_input=True))
         except Exception as e:  # noqa: BLE001 - a detector that cannot read this step must not end the check
+            try:
+                activity.check_error(e, kind.value)  # a poisoned CUDA context: a worker ends here
+            except activity.CudaContextLost as lost:
+                crash = lost.crash
+                break
             first = (str(e).strip().splitlines() or [""])[0][:200]
             failures.append(f"the {kind.value} detector failed on this step ({type(e).__name__}: {first})")
+    if crash is not None:
+        return StepResult(_crashed_in_process(ctx, findings, failures, crash, [k.value for k in detectors], start))
     digests = {kind: detector.digest(ctx) for kind, detector in detectors.items()}
     report = StepReport(
         str(path),
@@ -133,6 +150,59 @@ def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions)
         plan_unread=_plan_unread(trace, detectors),
     )
     return StepResult(report, {k: d for k, d in digests.items() if d is not None})
+
+
+def _crashed_in_process(ctx: CheckContext, findings: list[Finding], failures: list[str], crash: activity.Launch, names: list[str], start: float) -> StepReport:
+    """The step on which this process lost its CUDA context: the findings made before the crash,
+    after the crash finding, which names the detectors that did not run. Not an error: the crash is
+    the step's verdict (a defect), and the terminal shows it as a finding."""
+    trace = ctx.trace
+    after = names[names.index(crash.detector) + 1 :] if crash.detector in names else []
+    death = "lost this process's CUDA context"
+    if after:
+        death += f" (not run on this step after the crash: {', '.join(after)})"
+    if failures:
+        death += f" (before it: {'; '.join(failures)})"
+    report = StepReport(
+        str(ctx.path),
+        trace.source.step,
+        trace.batch.forward_mode.value,
+        [_located(_with_trace(f, str(ctx.path)), trace) for f in findings],
+        seconds=time.perf_counter() - start,
+        backends=ctx.backends_consulted(),
+    )
+    return with_crashes(report, [crash_finding(str(ctx.path), crash, death, Recheck.IN_PROCESS)])
+
+
+def check_in_process(paths: list[Path], only: list[FindingClass], options: CheckOptions) -> Iterator[StepResult]:
+    """Check `paths` one after another in this process. Once a crash has poisoned its CUDA context
+    (which cannot be recovered in the process), the steps after it are reported as not checked,
+    each with the one reason, without being run: running them would fail each for that reason."""
+    activity.start_check()
+    lost_at: str | None = None if activity.lost() is None else "before this check"
+    for path in paths:
+        if activity.lost() is None:
+            result = check_one(path, only, options)
+            if activity.lost() is not None:
+                lost_at = f"on step {result.report.step}"
+            yield result
+            continue
+        crash = activity.lost()
+        step, mode = _step_of(path)
+        reason = (
+            f"not checked: this process's CUDA context was lost to a crash {lost_at} ({crash.where()}: {crash.error}); "
+            "check without --in-process to have a fresh worker take each step after a crash"
+        )
+        yield StepResult(StepReport(str(path), step, mode, [], error=reason))
+
+
+def _step_of(path: Path) -> tuple[int, str]:
+    """The step number and mode of a step not checked (-1 and "unchecked" when unreadable)."""
+    try:
+        trace = io.load(path)
+    except TraceError:
+        return -1, "unchecked"
+    return trace.source.step, trace.batch.forward_mode.value
 
 
 def _plan_unread(trace: Trace, detectors: dict[FindingClass, Detector]) -> str | None:
@@ -176,7 +246,7 @@ def check_steps(
             sys.stderr.write(f"attndbg: checking one step of each of {len(first)} kernel shapes first, in parallel (kernels compile on first use)\n")
         results: Iterator[StepResult] = check_in_workers(paths, only, options, jobs=jobs, devices=devices, first=first)
     else:
-        results = (check_one(path, only, options) for path in paths)
+        results = check_in_process(paths, only, options)
     across: list[Finding] = []
     for result in results:
         for kind, digest in result.digests.items():

@@ -7,14 +7,18 @@ through CUDA_VISIBLE_DEVICES set before CUDA starts). Results are yielded in rec
 whatever order the workers finish in; at most `WINDOW_PER_JOB * jobs` steps are dispatched ahead
 of the oldest unfinished one, so memory stays bounded.
 
-A worker is also a crash boundary (issue 15). Around each kernel launch it names the backend and
-variant in shared memory (`replay/activity.py`). When it dies in a launch (a segfault in a kernel
-library, an abort) or ends itself on a poisoned CUDA context (an illegal memory access, a
-device-side assert), the step gets a `backend-crash` finding naming backend, variant and signal or
-error, and is checked again by a fresh worker without that backend, so its other backends and
-detectors still report. A worker that dies outside any launch (the out-of-memory killer, say)
-leaves its step reported as not checked, with the reason. A fresh worker takes the dead one's
-place for the remaining steps either way.
+A worker is also a crash boundary (issues 15 and 21). Every kernel a step launches is announced
+(`replay/activity.py`: the runner's runs and the detectors' own launches) and the detector running
+is named, in shared memory the parent reads after the worker is gone. When a worker dies in a
+launch (a segfault in a kernel library, an abort), or ends itself on a poisoned CUDA context (an
+illegal memory access, a device-side assert, wherever in the step it surfaced: a poisoned worker
+never sends its step's result, so it never takes another step), the step gets one `backend-crash`
+finding naming what is known (backend, what was launched, detector, signal or error) and is checked
+again by a fresh worker: without that backend, or, for a fault outside any announced launch,
+without that detector, so the step's other backends and detectors still report. A worker that dies
+outside any launch by a signal (the out-of-memory killer, say) leaves its step reported as not
+checked, with the reason. A fresh worker takes the dead one's place for the remaining steps either
+way.
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from attndbg.checks.context import CheckOptions
-from attndbg.checks.findings import Finding, FindingClass, finding
+from attndbg.checks.crashes import Recheck, crash_finding, with_crashes
+from attndbg.checks.findings import Finding, FindingClass
 from attndbg.checks.run import StepReport, StepResult, check_one
 from attndbg.replay import activity
 
-# What a worker may write about the launch it is in (backend, variant, an error's first line).
+# What a worker may write about the launch it is in (backend, what, an error's first line, detector).
 ACTIVITY_BYTES = 1024
 
 WINDOW_PER_JOB = 4
@@ -74,8 +79,9 @@ def _worker_main(
         task = conn.recv()
         if task is None:
             return
-        index, path, exclude = task
-        conn.send((index, check(path, only, replace(options, exclude=tuple(exclude)) if exclude else options)))
+        index, path, exclude, skip = task
+        detectors = [kind for kind in only if kind.value not in skip]
+        conn.send((index, check(path, detectors, replace(options, exclude=tuple(exclude)) if exclude else options)))
 
 
 class _Worker:
@@ -89,13 +95,13 @@ class _Worker:
         child.close()
         self.task: tuple[int, Path] | None = None
 
-    def send(self, index: int, path: Path, exclude: tuple[str, ...]) -> None:
+    def send(self, index: int, path: Path, exclude: tuple[str, ...], skip: tuple[str, ...]) -> None:
         self.task = (index, path)
         self.launch.value = b""
-        self.conn.send((index, str(path), exclude))
+        self.conn.send((index, str(path), exclude, skip))
 
-    def last_launch(self) -> tuple[str, str, str] | None:
-        """(backend, variant, error) of the launch the worker was in when it ended, if any."""
+    def last_launch(self) -> activity.Launch | None:
+        """What the worker was running when it ended (launch, detector, CUDA error), if anything."""
         return activity.parse(self.launch.value.decode("utf-8", "replace"))
 
     def stop(self) -> None:
@@ -139,13 +145,18 @@ def check_in_workers(
     threads = max(1, (os.cpu_count() or 1) // len(slots))
     workers = [_Worker(ctx, device, share[device], threads, only, options, check) for device in slots]
     done: dict[int, StepResult] = {}
-    crashes: dict[int, list[Finding]] = {}  # per step: the backends that crashed on it, in order
-    retry: deque[int] = deque()  # steps to check again without the backends that crashed on them
+    crashes: dict[int, list[Finding]] = {}  # per step: its crashes, in order
+    retry: deque[int] = deque()  # steps to check again without the backends (or detectors) that crashed on them
     next_task, next_out = 0, 0  # next_task indexes `order`; next_out the recording
     window = WINDOW_PER_JOB * len(workers)
 
     def excluded(index: int) -> tuple[str, ...]:
-        return tuple(f.data["backend"] for f in crashes.get(index, []))
+        """The backends left out of the step's next check (those that crashed on it)."""
+        return tuple(f.data["backend"] for f in crashes.get(index, []) if f.data["rechecked"] == Recheck.WITHOUT_BACKEND.value)
+
+    def skipped(index: int) -> tuple[str, ...]:
+        """The detectors left out of it (those in which a kernel crashed outside any launch)."""
+        return tuple(f.data["detector"] for f in crashes.get(index, []) if f.data["rechecked"] == Recheck.WITHOUT_DETECTOR.value)
 
     try:
         while next_out < len(paths):
@@ -154,12 +165,12 @@ def check_in_workers(
                     continue
                 if retry:
                     index = retry.popleft()
-                    worker.send(index, paths[index], excluded(index))
+                    worker.send(index, paths[index], excluded(index), skipped(index))
                 # The early steps go out whatever their place; the others within the window
                 # (an early step far down the recording once stalled dispatch for good: with no
                 # worker busy, wait() below had nothing to wake it).
                 elif next_task < len(order) and (order[next_task] in early or order[next_task] < next_out + window):
-                    worker.send(order[next_task], paths[order[next_task]], ())
+                    worker.send(order[next_task], paths[order[next_task]], (), ())
                     next_task += 1
             busy = [w for w in workers if w.task is not None]
             if not busy:
@@ -174,21 +185,23 @@ def check_in_workers(
                     except (EOFError, OSError):
                         pass  # it died while sending: handled below
                     else:
-                        done[index] = _with_crashes(result, crashes.pop(index, []))
+                        done[index] = replace(result, report=with_crashes(result.report, crashes.pop(index, [])))
                         worker.task = None
                         continue
                 if worker.process.sentinel in ready and not worker.process.is_alive():
                     index, path = worker.task
                     death = _death(worker.process)
-                    launch = worker.last_launch()
-                    if launch is not None and launch[0] not in excluded(index):
-                        crashes.setdefault(index, []).append(_crash_finding(path, launch, death))
-                        retry.append(index)
-                    else:
+                    crash = worker.last_launch()
+                    recheck = _recheck(crash, excluded(index), skipped(index))
+                    if crash is not None and (crash.backend or crash.error):
+                        crashes.setdefault(index, []).append(crash_finding(str(path), crash, death, recheck))
+                    if recheck is Recheck.NONE:
                         reason = f"not checked: the worker checking this step {death}"
-                        if launch is not None:
-                            reason += f" in {launch[0]} ({launch[1]})"
-                        done[index] = _with_crashes(StepResult(StepReport(str(path), -1, "crashed", [], error=reason)), crashes.pop(index, []))
+                        if crash is not None:
+                            reason += f" ({crash.where()})"
+                        done[index] = StepResult(with_crashes(StepReport(str(path), -1, "crashed", [], error=reason), crashes.pop(index, [])))
+                    else:
+                        retry.append(index)
                     worker.conn.close()
                     workers[i] = _Worker(ctx, worker.device, *worker.setup)  # same share and options
             while next_out in done:
@@ -199,29 +212,15 @@ def check_in_workers(
             worker.stop()
 
 
-def _crash_finding(path: Path, launch: tuple[str, str, str], death: str) -> Finding:
-    backend, variant, error = launch
-    how = f"{death}: {error}" if error else death
-    return finding(
-        FindingClass.BACKEND_CRASH,
-        "backend-crashed",
-        step=-1,  # the step number is known once the step is read again
-        evidence=f"{backend} crashed on this step ({variant}): the worker running it {how}",
-        cause=f"The {backend} kernels crashed on this step's inputs and plan; the step's other backends and detectors were "
-        f"checked again without {backend} in a fresh worker. Replay it alone (`attndbg replay {path} --backend {backend}`) "
-        "to reproduce; run it under compute-sanitizer to find the faulting access.",
-        trace=str(path),
-        backend=backend,
-        variant=variant,
-        death=death,
-        error=error,
-    )
-
-
-def _with_crashes(result: StepResult, crashes: list[Finding]) -> StepResult:
-    """The step's report with the crash findings first, located at the step once it is known."""
-    if not crashes:
-        return result
-    report = result.report
-    located = [replace(f, location=replace(f.location, step=report.step)) for f in crashes]
-    return replace(result, report=replace(report, findings=located + list(report.findings)))
+def _recheck(crash: activity.Launch | None, excluded: tuple[str, ...], skipped: tuple[str, ...]) -> Recheck:
+    """How a step whose worker ended on `crash` is checked again: without the backend launched,
+    else (a CUDA fault outside any announced launch) without the detector it happened in; not again
+    when neither is known or it crashed there before (a death by a signal outside any launch, the
+    out-of-memory killer say, is not the step's crash)."""
+    if crash is None:
+        return Recheck.NONE
+    if crash.backend:
+        return Recheck.WITHOUT_BACKEND if crash.backend not in excluded else Recheck.NONE
+    if crash.error and crash.detector and crash.detector not in skipped:
+        return Recheck.WITHOUT_DETECTOR
+    return Recheck.NONE

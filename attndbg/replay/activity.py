@@ -1,16 +1,26 @@
-"""Which kernel launch this process is in: the evidence a crash boundary needs (issue 15).
+"""Which kernel launch this process is in, and whether its CUDA context still works: the evidence a
+crash boundary needs (issues 15 and 21).
 
-A check worker process registers a sink (memory its parent reads after the worker is gone). Around
-every kernel launch the runner names what runs, `backend<TAB>variant`. When the process dies inside
-a kernel (a segfault, an abort) the parent reads the last name and reports "flashinfer crashed on
-this step (eager): killed by SIGSEGV", then checks the step again without that backend.
+Every kernel a check launches is announced, `with launching(backend, what):` (the runner's runs,
+and each detector's own sweeps, probes and merges), and `check_one` names the detector it runs
+(`detector(kind)`). A check worker process registers a sink (memory its parent reads after the
+worker is gone) that always holds `backend<TAB>what<TAB>error<TAB>detector` for the launch in
+progress. When the process dies inside a kernel (a segfault, an abort) the parent reads the last
+record and reports "flashinfer crashed on this step (eager): killed by SIGSEGV", then checks the
+step again without that backend.
 
-A CUDA error that poisons the context (an illegal memory access, a device-side assert) does not
-kill the process, but every later CUDA call in it fails, so every later step would fail for a
-reason that is not its own. A worker therefore ends itself at once on such an error (exit
-`POISONED_EXIT`, the error's first line in the sink), and its parent treats that like a crash.
-
-Without a sink (one process, `--jobs 1` on a CPU) nothing is recorded and errors propagate as before.
+A CUDA error that poisons the context (an illegal memory access, a device-side assert, ...: the
+sticky errors of `STICKY`) does not kill the process, but every later CUDA call in it fails, so every
+later step would fail for a reason that is not its own. Such an error is caught wherever it surfaces
+in a step: inside an announced launch (which synchronises before it ends, so an asynchronous fault
+surfaces inside the launch it belongs to), in a detector's own code, or, at the end of the step,
+by a probe of the context after each detector (`check_context`: one tiny kernel and a synchronise), which also finds a fault
+that some code swallowed. Then `lose(crash)`: in a worker the crash is written to the sink and the
+process ends at once (exit `POISONED_EXIT`) before it can take another step; the parent reports it
+as a `backend-crash` finding and a fresh worker takes its place. In one process (no sink:
+`--in-process`, or `--jobs 1` on a machine without CUDA) the context cannot be recovered: `lose`
+records the crash (`lost()`) and raises `CudaContextLost`, the step gets the crash finding, and the
+check reports every later step as not checked, for that one reason, without running it.
 """
 
 from __future__ import annotations
@@ -19,11 +29,70 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 
 # The exit code of a worker that ended itself on a poisoned CUDA context.
 POISONED_EXIT = 86
 
+# CUDA's sticky errors, as cudaGetErrorString words them (whatever wraps them: torch's
+# AcceleratorError "CUDA error: ...", Triton's "Triton Error [CUDA]: ...", FlashInfer's "... failed
+# with error ..."). After one of them every CUDA call of the process fails (CUDA runtime API,
+# cudaError: "the process must be terminated and relaunched"). Matched whole, so that our own
+# words about a crash (a plan guard's "an illegal memory access ...") never read as one.
+STICKY = (
+    "an illegal memory access was encountered",  # cudaErrorIllegalAddress
+    "unspecified launch failure",  # cudaErrorLaunchFailure
+    "misaligned address",  # cudaErrorMisalignedAddress
+    "device-side assert triggered",  # cudaErrorAssert
+    "an illegal instruction was encountered",  # cudaErrorIllegalInstruction
+    "invalid program counter",  # cudaErrorInvalidPc
+    "hardware stack error",  # cudaErrorHardwareStackError
+    "uncorrectable ecc error encountered",  # cudaErrorECCUncorrectable
+    "the launch timed out and was terminated",  # cudaErrorLaunchTimeout
+)
+
+# A CUDA error that says the process is out of device memory is the step's size, not a crash.
+_NOT_A_CRASH = ("out of memory",)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What was running when a process crashed; "" where not known."""
+
+    backend: str = ""  # the kernel library announced: "flashinfer"
+    what: str = ""  # what of it: a run's variant ("eager", "graph bs=8 fill=1") or a detector's own launch
+    error: str = ""  # the CUDA error's first line, when the context was poisoned (not a signal)
+    detector: str = ""  # the detector that was running: "split-merge"
+
+    def text(self) -> str:
+        return "\t".join((self.backend, self.what, self.error, self.detector)).rstrip("\t")
+
+    def where(self) -> str:
+        """'flashinfer (extend_path=cascade) in the split-merge detector', as far as it is known."""
+        parts = []
+        if self.backend:
+            parts.append(f"{self.backend} ({self.what})" if self.what else self.backend)
+        elif self.what:
+            parts.append(self.what)
+        if self.detector:
+            parts.append(f"in the {self.detector} detector")
+        return " ".join(parts) or "outside any announced launch"
+
+
+class CudaContextLost(RuntimeError):
+    """Raised, in one process, once a CUDA error has poisoned its context: nothing on the GPU runs
+    again in this process. Not a KernelError: the runner does not report it as one backend's error."""
+
+    def __init__(self, crash: Launch):
+        super().__init__(f"CUDA context unusable after {crash.where()}: {crash.error}")
+        self.crash = crash
+
+
 _sink: Callable[[str], None] | None = None
+_detector = ""
+_launch: Launch | None = None  # the launch in progress (launches nest: a detector's around the runner's)
+_suspect: Launch | None = None  # the last launch of this step that raised a CUDA error
+_lost: Launch | None = None  # in one process: the crash that left the context unusable
 
 
 def set_sink(sink: Callable[[str], None] | None) -> None:
@@ -35,49 +104,146 @@ def recording() -> bool:
     return _sink is not None
 
 
+def _note() -> None:
+    if _sink is not None:
+        _sink((_launch or Launch(detector=_detector)).text())
+
+
 @contextlib.contextmanager
-def launching(backend: str, variant: str) -> Iterator[None]:
-    """Name the launch while it runs; in a worker, end the process on an error that poisons CUDA."""
-    sink = _sink
-    if sink is None:
-        yield
-        return
-    sink(f"{backend}\t{variant}")
+def detector(name: str) -> Iterator[None]:
+    """Name the detector running, so a crash outside an announced launch still says where it was."""
+    global _detector
+    _detector = name
+    _note()
     try:
         yield
+    finally:
+        _detector = ""
+        _note()
+
+
+@contextlib.contextmanager
+def launching(backend: str, what: str) -> Iterator[None]:
+    """Name the launch while it runs; on an error that poisons CUDA, `lose` (a worker ends)."""
+    global _launch, _suspect
+    outer = _launch
+    _launch = Launch(backend, what, detector=_detector)
+    _note()
+    try:
+        yield
+        _synchronize()  # an asynchronous fault surfaces here, inside the launch it belongs to
+    except CudaContextLost:
+        raise  # an inner launch already handled it
     except Exception as e:
-        if _cuda_poisoned(e):
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            sink(f"{backend}\t{variant}\t{first}")
-            sys.stderr.flush()
-            os._exit(POISONED_EXIT)
+        if is_cuda_error(e):
+            crash = replace(_launch, error=first_line(e))
+            if poisoned(e):
+                lose(crash, e)
+            _suspect = crash
         raise
     finally:
         # Out of the launch, however it ended (an error the runner reports is not a crash): a worker
         # that dies later must not be blamed on this backend.
-        sink("")
+        _launch = outer
+        _note()
 
 
-def parse(text: str) -> tuple[str, str, str] | None:
-    """(backend, variant, error) from what the sink last held; None when no launch was running."""
+def begin_step() -> None:
+    global _suspect
+    _suspect = None
+
+
+def check_context() -> None:
+    """After a detector: when the CUDA context no longer works (a fault some code swallowed, or one
+    raised outside any launch), `lose` it, blamed on the last launch of the step that raised a CUDA
+    error, else on the detector."""
+    error = probe()
+    if error is not None:
+        lose(replace(_suspect, error=_suspect.error or error) if _suspect else Launch(error=error, detector=_detector))
+
+
+def check_error(error: BaseException, detector: str) -> None:
+    """A detector raised `error`: when it poisoned the CUDA context, `lose` it (it raises)."""
+    if isinstance(error, CudaContextLost):
+        raise error
+    if is_cuda_error(error) and poisoned(error):
+        lose(Launch(error=first_line(error), detector=detector), error)
+
+
+def lose(crash: Launch, cause: BaseException | None = None) -> None:
+    """The CUDA context is unusable: a worker writes `crash` to its sink and ends at once, before it
+    can take another step; one process records it and raises CudaContextLost."""
+    global _lost
+    if _sink is not None:
+        _sink(crash.text())
+        sys.stderr.flush()
+        os._exit(POISONED_EXIT)
+    _lost = crash
+    raise CudaContextLost(crash) from cause
+
+
+def lost() -> Launch | None:
+    """In one process: the crash after which its CUDA context is unusable, if one happened."""
+    return _lost
+
+
+def start_check() -> None:
+    """Before an in-process check: forget an earlier crash once the context works again (no CUDA
+    context was ever poisoned: a test's simulated crash). A really poisoned one stays lost."""
+    global _lost
+    if _lost is not None and probe() is None:
+        _lost = None
+
+
+def parse(text: str) -> Launch | None:
+    """What the sink last held; None when nothing was running."""
     if not text:
         return None
-    parts = text.split("\t")
-    return parts[0], parts[1] if len(parts) > 1 else "", parts[2] if len(parts) > 2 else ""
+    parts = (text.split("\t") + ["", "", "", ""])[:4]
+    return Launch(*parts)
 
 
-def _cuda_poisoned(error: Exception) -> bool:
-    """Whether the CUDA context is unusable after `error` (sticky errors), tested, not guessed
-    from the message: a context that cannot run one tiny kernel and synchronise is poisoned."""
-    if "cuda" not in f"{type(error).__name__} {error}".lower():
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+
+
+def is_cuda_error(error: BaseException) -> bool:
+    """A CUDA error, by type (torch's AcceleratorError) or message (libraries wrap them in their own
+    exceptions: Triton's "Triton Error [CUDA]: ...", our KernelError "AcceleratorError: CUDA error: ...")."""
+    text = f"{type(error).__name__}: {error}".lower()
+    if any(s in text for s in _NOT_A_CRASH):
         return False
-    import torch
+    if any(s in text for s in STICKY):
+        return True
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(error, (getattr(torch, "AcceleratorError", ()), torch.cuda.CudaError)):
+        return True
+    return "cuda error" in text or "[cuda]" in text or "cudaerror" in text or "acceleratorerror" in text
 
-    if not torch.cuda.is_available():
-        return False
+
+def poisoned(error: BaseException) -> bool:
+    """Whether the CUDA context is unusable after the CUDA error `error`: a sticky error says so by
+    its message (whether or not a GPU is here: a simulated one is treated as real); another CUDA
+    error (an invalid argument) leaves the context usable unless a probe finds otherwise."""
+    text = str(error).lower()
+    return any(s in text for s in STICKY) or probe() is not None
+
+
+def probe() -> str | None:
+    """The error of one tiny kernel and a synchronise when this process's CUDA context no longer
+    works; None when it works or CUDA was never started here (a probe never starts CUDA)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
     try:
         torch.ones(1, device="cuda").add_(1)
         torch.cuda.synchronize()
-    except Exception:  # noqa: BLE001 - any failure here means the context is gone
-        return True
-    return False
+    except Exception as e:  # noqa: BLE001 - any failure here means the context is gone
+        return first_line(e)
+    return None
+
+
+def _synchronize() -> None:
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized() and not torch.cuda.is_current_stream_capturing():
+        torch.cuda.synchronize()

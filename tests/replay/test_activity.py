@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from attndbg.replay import activity
 
@@ -21,5 +22,91 @@ def test_a_launch_is_named_while_it_runs_and_cleared_after_an_error() -> None:
         assert seen[-1] == ""
     finally:
         activity.set_sink(None)
-    assert activity.parse("fa3\teager\tCUDA error: an illegal memory access") == ("fa3", "eager", "CUDA error: an illegal memory access")
+    assert activity.parse("fa3\teager\tCUDA error: an illegal memory access") == activity.Launch("fa3", "eager", "CUDA error: an illegal memory access")
     assert activity.parse("") is None
+
+
+# As torch words an illegal memory access (torch.AcceleratorError), and as our adapters wrap it.
+ILLEGAL = "CUDA error: an illegal memory access was encountered"
+
+
+@pytest.fixture
+def sink():
+    seen: list[str] = []
+    activity.set_sink(seen.append)
+    yield seen
+    activity.set_sink(None)
+
+
+def test_the_detector_running_is_named_and_a_launch_says_which_detector_made_it(sink: list[str]) -> None:
+    with activity.detector("split-merge"):
+        assert activity.parse(sink[-1]) == activity.Launch(detector="split-merge")
+        with activity.launching("flashinfer", "extend_path=cascade"):
+            assert activity.parse(sink[-1]) == activity.Launch("flashinfer", "extend_path=cascade", detector="split-merge")
+        assert activity.parse(sink[-1]) == activity.Launch(detector="split-merge")
+    assert sink[-1] == ""
+    assert activity.Launch("flashinfer", "extend_path=cascade", detector="split-merge").where() == "flashinfer (extend_path=cascade) in the split-merge detector"
+    assert activity.Launch(error=ILLEGAL).where() == "outside any announced launch"
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError(ILLEGAL),
+        RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered"),
+        RuntimeError("BatchPrefillWithPagedKVCache failed with error: unspecified launch failure"),
+        RuntimeError("CUDA error: misaligned address\nCUDA kernel errors might be asynchronously reported"),
+        RuntimeError("CUDA error: device-side assert triggered"),
+        torch.AcceleratorError(ILLEGAL),
+    ],
+)
+def test_cuda_sticky_errors_poison_the_context_whatever_wraps_them(error: Exception) -> None:
+    assert activity.is_cuda_error(error) and activity.poisoned(error)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        # Our own words about crashes are not crashes (a plan guard, a declared library defect).
+        RuntimeError("known FlashInfer 0.7.2 defect: tensor-core path: illegal memory access or wrong outputs"),
+        ValueError("a kernel given this plan reads past one of its tensors (an illegal memory access)"),
+        RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("expected scalar type Float but found Half"),
+    ],
+)
+def test_other_errors_leave_the_context_alone(error: Exception) -> None:
+    assert not activity.is_cuda_error(error) and not activity.poisoned(error)
+
+
+def test_in_one_process_a_poisoned_context_is_recorded_and_raised() -> None:
+    """No sink (one process): the crash is kept, and CudaContextLost (not a KernelError the runner
+    would report as one backend's error) carries it up to the check."""
+    try:
+        with pytest.raises(activity.CudaContextLost) as lost, activity.detector("split-merge"), activity.launching("flashinfer", "extend_path=cascade"):
+            raise RuntimeError(f"AcceleratorError: {ILLEGAL}")
+        crash = activity.Launch("flashinfer", "extend_path=cascade", f"AcceleratorError: {ILLEGAL}", "split-merge")
+        assert lost.value.crash == crash and activity.lost() == crash
+        # Outside a launch (a detector's own code), attributed to the detector.
+        with pytest.raises(activity.CudaContextLost) as lost:
+            activity.check_error(torch.AcceleratorError(ILLEGAL), "batch-invariance")
+        assert lost.value.crash == activity.Launch(error=ILLEGAL, detector="batch-invariance")
+        activity.check_error(ValueError("plan refused"), "invariants")  # not CUDA: nothing happens
+    finally:
+        activity.start_check()  # no CUDA here: the simulated crash is forgotten
+    assert activity.lost() is None
+
+
+def test_a_fault_found_after_a_detector_is_blamed_on_the_last_launch_that_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch whose CUDA error was not sticky by its message (and swallowed by whoever called it),
+    then a dead context at the end of the step: the crash names that launch."""
+    activity.begin_step()
+    with pytest.raises(RuntimeError), activity.launching("fa3", "eager"):
+        raise RuntimeError("CUDA error: unknown error")
+    monkeypatch.setattr(activity, "probe", lambda: ILLEGAL)
+    try:
+        with pytest.raises(activity.CudaContextLost) as lost:
+            activity.check_context()
+        assert lost.value.crash == activity.Launch("fa3", "eager", "CUDA error: unknown error")
+    finally:
+        monkeypatch.undo()
+        activity.start_check()

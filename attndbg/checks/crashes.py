@@ -1,0 +1,71 @@
+"""A crash as a finding: a kernel that killed its worker or poisoned its CUDA context (an illegal
+memory access, a device-side assert) is one `backend-crash` finding on the step it ran on, naming
+the backend, what of it was launched and the detector that launched it, as far as they are known
+(replay/activity.py records them)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from enum import Enum
+from typing import TypeVar
+
+from attndbg.checks.findings import Finding, FindingClass, finding
+from attndbg.replay.activity import Launch
+
+
+class Recheck(Enum):
+    """What became of the step after its crash."""
+
+    WITHOUT_BACKEND = "without-backend"  # checked again by a fresh worker without the backend
+    WITHOUT_DETECTOR = "without-detector"  # checked again without the detector (no announced launch)
+    NONE = "none"  # not checked again: the crash's origin is unknown, or it crashed again
+    IN_PROCESS = "in-process"  # one process: its CUDA context cannot be recovered
+
+
+def crash_finding(path: str, crash: Launch, death: str, recheck: Recheck) -> Finding:
+    """`crash` on the step at `path`; `death`: how the worker ended ("killed by SIGSEGV", "left its
+    CUDA context unusable") or, in one process, how the context was lost."""
+    how = f"{death}: {crash.error}" if crash.error else death
+    inside = f" in the {crash.detector} detector" if crash.detector else ""
+    if crash.backend:
+        who = f"{crash.backend} crashed on this step ({crash.what}){inside}"
+        library = f"The {crash.backend} kernels crashed on this step's inputs and plan"
+        alone = f"Replay it alone (`attndbg replay {path} --backend {crash.backend}`) to reproduce; "
+    else:
+        who = f"a CUDA kernel crashed on this step{inside or ' outside the detectors'}, outside any announced launch"
+        library = f"A kernel{inside} faulted on this step (no launch was announced: the backend is not known)"
+        alone = f"Check it alone (`attndbg check {path} --jobs 1`{f' --only {crash.detector}' if crash.detector else ''}) to reproduce; "
+    then = {
+        Recheck.WITHOUT_BACKEND: f"; the step's other backends and detectors were checked again without {crash.backend} in a fresh worker.",
+        Recheck.WITHOUT_DETECTOR: f"; the step's other detectors were checked again without {crash.detector} in a fresh worker.",
+        Recheck.NONE: "; the step was not checked again (nothing to leave out, or it crashed again without it).",
+        Recheck.IN_PROCESS: (
+            "; this process's CUDA context is unusable after it, so the step's remaining detectors and every later step were "
+            "not checked (check without --in-process: a fresh worker then takes every step after a crash)."
+        ),
+    }[recheck]
+    return finding(
+        FindingClass.BACKEND_CRASH,
+        "backend-crashed",
+        step=-1,  # the step number is known once the step is read
+        evidence=f"{who}: {'the worker running it' if recheck is not Recheck.IN_PROCESS else 'the check'} {how}",
+        cause=f"{library}{then} {alone}run it under compute-sanitizer to find the faulting access.",
+        trace=str(path),
+        backend=crash.backend,
+        variant=crash.what,
+        detector=crash.detector,
+        death=death,
+        error=crash.error,
+        rechecked=recheck.value,
+    )
+
+
+Report = TypeVar("Report")  # a StepReport (checks/run.py imports this module)
+
+
+def with_crashes(report: Report, crashes: list[Finding]) -> Report:
+    """`report` (a StepReport) with the crash findings first, located at its step once it is known."""
+    if not crashes:
+        return report
+    located = [replace(f, location=replace(f.location, step=report.step)) for f in crashes]  # type: ignore[attr-defined]
+    return replace(report, findings=located + list(report.findings))  # type: ignore[type-var, attr-defined]

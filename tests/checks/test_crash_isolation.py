@@ -1,0 +1,126 @@
+"""Crash isolation for every launch a step makes, not only the runner's (issue 21, item 5): a CUDA
+fault in a detector's own work (inside a launch it announces, in its own code, or swallowed by it)
+is one backend-crash finding on its own step, and the poisoned worker never takes another step.
+The fault is simulated (tests/checks/cuda_fault_detector.py: a context that stays poisoned in its
+process, as a real one does); tests/gpu/test_detector_crash.py makes a real one."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from attndbg.checks.context import CheckOptions
+from attndbg.checks.findings import FindingClass
+from attndbg.checks.run import StepReport, check_steps, parse_only
+from attndbg.cli import main
+from attndbg.detectors import registry as detectors
+from attndbg.replay import activity
+from tests.checks import cuda_fault_detector
+from tests.factories import make_trace
+
+SMALL = ("heads=2:1", "head_dim=32")
+FAULT_STEP = 1  # of steps 0-3: two later steps that the same worker would take
+
+
+@pytest.fixture
+def fault(monkeypatch: pytest.MonkeyPatch):
+    """Register the fault detector and put this process's context back afterwards (the detector
+    poisons the process it runs in: in-process tests run it here)."""
+    monkeypatch.setenv("ATTNDBG_DETECTORS", "cuda-fault=tests.checks.cuda_fault_detector:DETECTOR")
+    monkeypatch.setenv("ATTNDBG_TEST_FAULT_STEP", str(FAULT_STEP))
+    monkeypatch.setattr(activity, "probe", activity.probe)
+
+    def how(way: str) -> None:
+        monkeypatch.setenv("ATTNDBG_TEST_FAULT", way)
+
+    yield how
+    cuda_fault_detector.reset()
+    monkeypatch.undo()
+    activity.start_check()
+    assert activity.lost() is None
+
+
+def _recording(directory: Path) -> Path:
+    """Four decode steps; the faulting one also carries a metadata mistake, which its re-check must still find."""
+    from attndbg.trace import io
+
+    for step in range(4):
+        trace = make_trace("decode-mha", "kv_lens=3,20,7", *SMALL, f"seed={step}", plan=True)
+        if step == FAULT_STEP:
+            trace = detectors.inject(trace, "invariants:decreasing-indptr")
+        io.append_to_recording(directory, replace(trace, source=replace(trace.source, step=step)))
+    return directory
+
+
+def _check(rec: Path, *, isolate: bool) -> list[StepReport]:
+    only = parse_only("invariants,cuda-fault")
+    return [r for r in check_steps(str(rec), only, CheckOptions(backends=("reference",)), jobs=1, isolate=isolate) if r.mode != "recording"]
+
+
+def _crashes(report: StepReport) -> list:
+    return [f for f in report.findings if f.kind is FindingClass.BACKEND_CRASH]
+
+
+@pytest.mark.parametrize(
+    ("way", "backend", "what", "rechecked"),
+    [
+        ("launch", "triton", "cuda-fault sweep", "without-backend"),  # inside a launch the detector announces
+        ("detector", "", "", "without-detector"),  # in the detector's own code, outside any launch
+        ("swallowed", "", "", "without-detector"),  # caught by the detector: only the probe of the context finds it
+    ],
+)
+def test_a_fault_in_a_detectors_own_work_is_one_crash_on_its_step_and_the_worker_is_replaced(
+    fault, tmp_path: Path, way: str, backend: str, what: str, rechecked: str
+) -> None:
+    """One worker (--jobs 1): had it taken steps 2 and 3 with its poisoned context, the fault detector
+    would have failed on both ("not checked"). Every step is checked; only step 1 has the crash."""
+    fault(way)
+    reports = _check(_recording(tmp_path / "rec"), isolate=True)
+    assert [r.step for r in reports] == [0, 1, 2, 3]
+    assert all(r.checked for r in reports), [r.error for r in reports]
+    [crash] = _crashes(reports[FAULT_STEP])
+    assert reports[FAULT_STEP].findings[0] is crash and crash.location.step == FAULT_STEP
+    assert (crash.data["backend"], crash.data["variant"], crash.data["detector"]) == (backend, what, "cuda-fault")
+    assert crash.data["rechecked"] == rechecked
+    assert crash.data["death"] == "left its CUDA context unusable" and "an illegal memory access was encountered" in crash.data["error"]
+    assert "in the cuda-fault detector" in crash.evidence
+    # The re-check still found the step's own mistake, and no other step saw a crash or a failure.
+    assert any(f.kind is FindingClass.INVARIANT for f in reports[FAULT_STEP].findings)
+    assert all(not r.findings for i, r in enumerate(reports) if i != FAULT_STEP)
+
+
+def test_in_one_process_the_crash_is_a_finding_and_the_later_steps_are_not_checked_for_that_one_reason(fault, tmp_path: Path) -> None:
+    """No worker to replace: the context is lost for good. The step gets the crash finding (naming
+    the detectors that did not run after it), and the later steps are reported as not checked, each
+    with the one reason, without being run."""
+    fault("launch")
+    reports = _check(_recording(tmp_path / "rec"), isolate=False)
+    assert [r.step for r in reports] == [0, 1, 2, 3]
+    assert reports[0].checked and not reports[0].findings
+    crashed = reports[FAULT_STEP]
+    assert crashed.checked  # its verdict is the crash (a defect), and the findings made before it
+    [crash] = _crashes(crashed)
+    assert (crash.data["backend"], crash.data["detector"], crash.data["rechecked"]) == ("triton", "cuda-fault", "in-process")
+    assert any(f.kind is FindingClass.INVARIANT for f in crashed.findings)  # invariants ran before the fault
+    assert "check without --in-process" in crash.cause
+    reasons = {r.error for r in reports[FAULT_STEP + 1 :]}
+    assert len(reasons) == 1 and all(not r.checked and not r.findings for r in reports[FAULT_STEP + 1 :])
+    [reason] = reasons
+    assert reason.startswith("not checked: this process's CUDA context was lost to a crash on step 1 (triton (cuda-fault sweep) in the cuda-fault detector")
+    assert "illegal memory access" in reason
+
+
+def test_check_in_process_names_the_crash_and_counts_the_steps_it_cost(fault, tmp_path: Path) -> None:
+    fault("detector")
+    rec = _recording(tmp_path / "rec")
+    result = CliRunner().invoke(main, ["check", str(rec), "--only", "invariants,cuda-fault", "--backend", "reference", "--in-process", "--json", str(tmp_path / "r.json")])
+    assert result.exit_code == 1, result.output
+    steps = json.loads((tmp_path / "r.json").read_text())["steps"]
+    assert [s["checked"] for s in steps] == [True, True, False, False]
+    crash = steps[FAULT_STEP]["findings"][0]
+    assert crash["class"] == "backend-crash" and crash["data"]["detector"] == "cuda-fault" and crash["data"]["backend"] == ""
+    assert "checked 2 of 4 steps" in result.output
