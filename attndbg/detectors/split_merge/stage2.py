@@ -14,6 +14,7 @@ from attndbg.checks.context import CheckContext
 from attndbg.checks.findings import Finding
 from attndbg.detectors.split_merge.base import KIND, _location
 from attndbg.numerics import MIN_BLOCK_KV, empty_splits
+from attndbg.replay import activity
 from attndbg.detectors.split_merge.counts import split_configs
 from attndbg.trace.schema import ForwardMode
 
@@ -52,15 +53,16 @@ def stage2_probe(dv: int) -> dict[str, str | None]:
     splits = [PROBE_SPLITS, PROBE_SPLITS, 2, 2]
     o = torch.full((4, 1, dv), float("nan"), device=device)
     out_lse = torch.full((4, 1), float("nan"), device=device)
-    decode.decode_stage2(
-        attn_logits=logits.to(device),
-        attn_lse=lse.to(device),
-        o=o,
-        lse=out_lse,
-        kv_indptr=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device),
-        num_kv_splits=torch.tensor(splits, dtype=torch.int32, device=device),
-        max_kv_splits=PROBE_SPLITS,
-    )
+    with activity.launching(TritonBackend.name, "decode_stage2 on crafted partials"):
+        decode.decode_stage2(
+            attn_logits=logits.to(device),
+            attn_lse=lse.to(device),
+            o=o,
+            lse=out_lse,
+            kv_indptr=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device),
+            num_kv_splits=torch.tensor(splits, dtype=torch.int32, device=device),
+            max_kv_splits=PROBE_SPLITS,
+        )
     o, out_lse = o.cpu().double(), out_lse.cpu().double()
     cases = {}
     for row, name in ((3, CONTROL), (0, "empty splits marked -inf"), (1, "empty splits marked +inf (FA2's convention)")):
