@@ -14,13 +14,12 @@ the float64 reference rounds once, which is far below any tolerance the comparis
 
 from __future__ import annotations
 
-import io
 import os
 import pickletools
 import re
 import stat
-import warnings
 import zipfile
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 from attndbg.atomic import torch_save_atomically
 from torch import Tensor
 
+from attndbg.trace.archive import read_archive
 from attndbg.trace.io import SAVED_REPLAY_FORMAT, UNREADABLE
 from attndbg.trace.validate import TraceError, check_indptr
 
@@ -174,8 +174,8 @@ def is_saved_replay(path: str | os.PathLike) -> bool:
                 return False
             ops = pickletools.genops(archive.read(pickled))
             strings = [arg for op, arg, _ in ops if isinstance(arg, str) and "UNICODE" in op.name]
-    except (OSError, zipfile.BadZipFile, ValueError, NotImplementedError, RuntimeError, EOFError):
-        return False  # damaged zip headers (an unknown compression or version, an encrypted flag)
+    except (OSError, zipfile.BadZipFile, ValueError, NotImplementedError, RuntimeError, EOFError, zlib.error):
+        return False  # damaged zip headers (an unknown compression or version, an encrypted flag), a damaged deflate stream
     return any(key == "format" and value == FORMAT_NAME for key, value in zip(strings, strings[1:]))
 
 
@@ -189,13 +189,13 @@ def load_replay(path: str | os.PathLike) -> SavedReplay:
     if not raw:
         raise TraceError("file", "is empty (an interrupted write? save_replay writes atomically)", where)
     try:
-        with warnings.catch_warnings():
-            # A plain pickle (not a torch archive) makes torch warn about its protocol before
-            # refusing it; the refusal below is the message the user needs.
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        data = read_archive(raw)  # bounded and code-free before torch.load sees it (trace/archive.py)
+    except TraceError as e:
+        raise TraceError(e.field, f"not a readable attndbg saved replay: {e.message}", where) from None
     except UNREADABLE as e:  # what torch.load raises on a file that is not a (safe) torch archive
         raise TraceError("file", f"not a readable attndbg saved replay: {_unreadable_reason(e)}", where) from None
+    if data is None:
+        raise TraceError("file", f"not a readable attndbg saved replay: not a torch.save file (it starts with {raw[:16]!r})", where)
     if not isinstance(data, dict):
         raise TraceError("file", f"not an attndbg saved replay (top level is {type(data).__name__})", where)
     if data.get("format") != FORMAT_NAME:

@@ -15,6 +15,7 @@ from rich.text import Text
 
 from attndbg.checks.findings import FindingClass
 from attndbg.checks.run import StepReport
+from attndbg.trace.errors import printable
 
 if TYPE_CHECKING:
     from attndbg.backends.options import BackendOptions
@@ -24,10 +25,10 @@ SCHEMA = "attndbg.check/1"
 
 def render_step(report: StepReport) -> RenderableType:
     if report.error:
-        return Text(f"{report.path}: {report.error}", style="yellow")
+        return Text(f"{printable(report.path)}: {report.error}", style="yellow")
     if not report.findings:
-        return Text(f"{report.path}: step {report.step} {report.mode}: no findings", style="green")
-    table = Table(title=f"{report.path}: step {report.step} {report.mode}: {len(report.findings)} finding(s)", title_justify="left", show_lines=True)
+        return Text(f"{printable(report.path)}: step {report.step} {report.mode}: no findings", style="green")
+    table = Table(title=f"{printable(report.path)}: step {report.step} {report.mode}: {len(report.findings)} finding(s)", title_justify="left", show_lines=True)
     for column in ("class", "check", "where", "evidence", "likely cause"):
         table.add_column(column, overflow="fold")
     for f in report.findings:

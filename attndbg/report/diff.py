@@ -19,6 +19,7 @@ from rich.text import Text
 from attndbg.compare.recording_diff import RecordingDiff, StepDiff
 from attndbg.compare.replay_diff import PairDiff, PairStatus, ReplayDiff, Worst
 from attndbg.compare.trace_diff import SECTIONS, FieldDiff, FieldStatus, TraceDiff
+from attndbg.trace.errors import printable
 
 SCHEMA = "attndbg.diff/1"  # documented in docs/json.md
 
@@ -136,7 +137,7 @@ def _trace_diff_data(d: TraceDiff) -> dict[str, Any]:
 
 
 def render_replay_diff(d: ReplayDiff) -> RenderableType:
-    a_label, b_label = d.a_path or "a", d.b_path or "b"
+    a_label, b_label = printable(d.a_path or "a"), printable(d.b_path or "b")
     title = f"{a_label} (trace {d.a_trace_file})  vs  {b_label} (trace {d.b_trace_file})"
     if d.a_path and d.a_path == d.b_path:
         title = f"{a_label} (trace {d.a_trace_file}): backends against each other"
@@ -286,7 +287,7 @@ def _step_summary(s: StepDiff) -> str:
 
 
 def render_recording_diff(d: RecordingDiff) -> RenderableType:
-    parts: list[RenderableType] = [Text(f"{d.a_path} (a) vs {d.b_path} (b): {len(d.steps)} steps paired in order", style="bold")]
+    parts: list[RenderableType] = [Text(f"{printable(d.a_path)} (a) vs {printable(d.b_path)} (b): {len(d.steps)} steps paired in order", style="bold")]
     table = Table(header_style="bold", pad_edge=False)
     for name in ("#", "a", "b", "result"):
         table.add_column(name, overflow="fold")

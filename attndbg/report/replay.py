@@ -20,6 +20,7 @@ from rich.text import Text
 from attndbg.compare.tolerance import Location
 from attndbg.replay.runner import BackendRun, ReplayResult, RunStatus
 from attndbg.replay.variants import Eager, parse_variant, run_name
+from attndbg.trace.errors import printable
 
 SCHEMA = "attndbg.replay/1"
 
@@ -104,7 +105,7 @@ def _trace_line(result: ReplayResult) -> str:
     t = result.trace
     m, b = t.model, t.batch
     return (
-        f"{result.trace_path}: {b.forward_mode.value} bs={b.batch_size} tokens={b.num_tokens} "
+        f"{printable(result.trace_path)}: {b.forward_mode.value} bs={b.batch_size} tokens={b.num_tokens} "
         f"heads={m.num_qo_heads}:{m.num_kv_heads} d={m.head_dim}/{m.v_head_dim} {m.attention.value} "
         f"{m.q_dtype} kv={m.kv_dtype} page={m.page_size} kv_lens={_short(b.kv_lens.tolist())}"
     )

@@ -17,6 +17,7 @@ from rich.text import Text
 from torch import Tensor
 
 from attndbg.trace import tree
+from attndbg.trace.errors import printable
 from attndbg.trace.mask_geometry import MaskGeometry, word_dtype
 from attndbg.trace.schema import AttentionKind, Batch, CaptureSizes, Graph, MaskLayout, Model, Plan, Spec, Trace
 
@@ -107,7 +108,7 @@ def _more(shown: int, total: int, what: str) -> Text | None:
 
 def _title(trace: Trace, path: str) -> Text:
     b = trace.batch
-    text = Text(path, style="bold")
+    text = Text(printable(path), style="bold")  # a newline in a file name is shown as \n
     text.append(
         f"  step {trace.source.step} · {b.forward_mode.value} · batch size {b.batch_size} · {b.num_tokens} tokens"
     )

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 
 from attndbg.atomic import torch_save_atomically
+from attndbg.trace.archive import read_archive
+from attndbg.trace.errors import printable
 from attndbg.trace.schema import Trace, to_dict
 from attndbg.trace.validate import TraceError, from_dict
 
@@ -55,11 +57,13 @@ def load(path: str | os.PathLike) -> Trace:
     except OSError as e:
         raise TraceError("file", f"cannot read ({e.strerror or e})", str(path)) from None
     try:
-        with warnings.catch_warnings():  # torch warns about pickle protocols; the error says enough
-            warnings.simplefilter("ignore")
-            data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        data = read_archive(raw)  # bounded and code-free before torch.load sees it
+    except TraceError as e:
+        raise TraceError(e.field, e.message if e.field != "file" else f"not a readable attndbg trace: {e.message}", str(path)) from None
     except UNREADABLE as e:
         raise TraceError("file", f"not a readable attndbg trace: {_unreadable_reason(raw, e)}", str(path)) from None
+    if data is None:
+        raise TraceError("file", f"not a readable attndbg trace: {_unreadable_reason(raw, None)}", str(path))
     if not isinstance(data, dict):
         raise TraceError("file", f"not an attndbg trace (top level is {type(data).__name__})", str(path))
     problem = _unbacked_tensor(data)
@@ -100,16 +104,18 @@ def _unbacked_tensor(data: object, name: str = "", depth: int = 0) -> tuple[str,
     return None
 
 
-def _unreadable_reason(raw: bytes, e: Exception) -> str:
+def _unreadable_reason(raw: bytes, e: Exception | None) -> str:
     """One line saying what the file is instead, for a user who cannot read torch.load's error."""
     if not raw:
         return "the file is empty"
-    if not raw.startswith((b"PK", b"\x80")):  # a torch.save zip archive, or a legacy pickle
+    if e is None or not raw.startswith((b"PK", b"\x80")):  # a torch.save zip archive, or a legacy pickle
         return f"not a torch.save file (it starts with {raw[:16]!r}; a trace is written by `attndbg synth` or `attndbg record`)"
     text = str(e)
-    if "weights_only" in text or "Unsupported global" in text:
+    if "Unsupported global" in text:
         return "contains Python objects that would run code when loaded; refused (weights_only)"
-    first_line = (text.strip().splitlines() or [type(e).__name__])[0]
+    # torch's weights_only errors are paragraphs; the cause follows "WeightsUnpickler error:".
+    detail = [line.strip() for line in text.split("WeightsUnpickler error:", 1)[-1].splitlines() if line.strip()]
+    first_line = printable(detail[0] if detail else type(e).__name__)
     return f"a damaged torch file ({type(e).__name__}: {first_line[:200]})"
 
 

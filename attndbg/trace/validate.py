@@ -488,8 +488,9 @@ def from_dict(data: Any) -> Trace:
         raise TraceError("tensors", f"expected a dict of layer -> tensors, found {type(tensors_raw).__name__}")
     tensors = {}
     for layer, section in tensors_raw.items():
-        if not str(layer).isdigit():
-            raise TraceError(f"tensors[{layer!r}]", "layer keys must be layer numbers")
+        # A layer number, stored as an int or its digits; a 5,000-digit one is not converted (Python refuses).
+        if isinstance(layer, bool) or not (isinstance(layer, int) and 0 <= layer < 2**31 or isinstance(layer, str) and layer.isascii() and layer.isdigit() and len(layer) < 10):
+            raise TraceError(f"tensors[{reprlib.repr(layer)}]", "layer keys must be layer numbers")
         tensors[int(layer)] = _layer_tensors(_Reader(section, f"tensors.{layer}"), model, batch)
     if batch.forward_mode is ForwardMode.TARGET_VERIFY and spec_r is None:
         raise TraceError("spec", "missing: a TARGET_VERIFY step needs its draft tree")
