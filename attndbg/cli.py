@@ -280,6 +280,9 @@ def replay(
     if cuda_graph and not machine.cuda_available():
         raise BadInput("--cuda-graph needs a CUDA GPU, and this machine has none")
 
+    from rich.text import Text
+
+    from attndbg.replay import activity
     from attndbg.replay.runner import PlanSource, ReplayOptions, replay as run_replay
     from attndbg.report.progress import StepProgress
     from attndbg.report.replay import StepReport, overall, render_replay, replay_to_json, step_to_json, verdict_line
@@ -302,7 +305,11 @@ def replay(
             step_layer, notes = _data_layer(loaded, layer, str(path), single=len(paths) == 1)
             notes += _ignored_options(loaded, names, backend_options, num_kv_splits_flag=num_kv_splits is not None)
             progress.show(f"{number}/{len(paths)} {path}: {', '.join(names)}")
-            result = run_replay(loaded, str(path), names, replace(options, layer=step_layer))
+            try:
+                result = run_replay(loaded, str(path), names, replace(options, layer=step_layer))
+            except activity.CudaContextLost as e:  # nothing runs on the GPU again in this process
+                progress.print(console, Text(f"{path}: {e}; replay stopped here (this process's CUDA context cannot be recovered)", style="red"))
+                sys.exit(EXIT_FAILED)
             step = StepReport(result=result, layer=step_layer, repeat=repeat, named=named, notes=tuple(notes))
             progress.print(console, render_replay(step))
             steps.append(step_to_json(step))
@@ -465,7 +472,7 @@ class _CheckCommand(click.Command):
 @click.option("--sample", type=click.IntRange(min=1), default=None, help="only N steps, evenly spread over the (selected) recording")
 @click.option("--jobs", "-j", "jobs_spec", default="auto", show_default=True, help="worker processes checking steps in parallel, or auto: one per 50 steps, per 2 cores, at most 8 per GPU (each worker loads every kernel module itself)")
 @click.option("--devices", "devices_spec", default=None, help="GPUs for the workers, e.g. 0,1 (default: every visible GPU)")
-@click.option("--in-process", is_flag=True, help="check in this process, even on a GPU (where a worker process is the default: a crashing kernel then takes down only its worker)")
+@click.option("--in-process", is_flag=True, help="check in this process, even on a GPU (where worker processes are the default: a crashing kernel then costs only its step); here a CUDA fault is the step's backend-crash finding and the steps after it are not checked, the context being unrecoverable")
 @click.option("--max-memory", "max_memory_spec", default=None, metavar="SIZE", help="do not check a step (one file: exit 2) whose data would need more than SIZE, e.g. 8G or 512M (default: what the device has free)")
 @click.option("--backend-option", "backend_option_specs", multiple=True, metavar="NAME.FIELD=VALUE", help=BACKEND_OPTION_HELP)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), help="also write the findings as JSON (attndbg.check/1; - for stdout)")

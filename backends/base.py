@@ -188,8 +188,10 @@ class Backend(abc.ABC):
 
     def plan_view(self, trace: Trace, plan: Plan) -> PlanView | None:
         """What `plan` (in this backend's layout, possibly recorded by an engine) makes the kernels
-        read: every index tensor with its bound, in checking order. Raises PlanViewError when the
-        plan lacks a field or holds one that cannot be an index.
+        read: every index tensor with its bound, in checking order. Raises PlanUnreadable when the
+        plan lacks a field its layout declares or holds one that cannot be read (the plan is not
+        read, not launched, not a finding), PlanViewError when a field holds a value no kernel could
+        take.
 
         None: this backend declares no plan view, so a recorded plan for it cannot be guarded and
         is never launched."""

@@ -417,7 +417,7 @@ class FlashInferBackend(Backend):
         try:
             path = PlanPath(plan.scalars.get("path"))
         except ValueError:
-            raise pv.PlanViewError(f"plan scalar path = {plan.scalars.get('path')!r}, expected one of {', '.join(p.value for p in PlanPath)}", field="scalars.path") from None
+            raise pv.PlanUnreadable(f"plan scalar path = {plan.scalars.get('path')!r}, expected one of {', '.join(p.value for p in PlanPath)}", field="scalars.path") from None
         pv.require(plan, "window_left", "logits_soft_cap", *({PlanPath.DECODE: ("use_tensor_cores",), PlanPath.PAGED: ("causal",), PlanPath.CASCADE: ("causal",)}.get(path, ())))
         tokens = trace.batch.num_tokens
         if path is PlanPath.RAGGED:

@@ -210,7 +210,7 @@ class MLABackend(Backend):
         try:
             impl = MLAImpl(plan.scalars.get("impl"))
         except ValueError:
-            raise pv.PlanViewError(f"plan scalar impl = {plan.scalars.get('impl')!r}, expected one of triton, flashinfer, flashmla", field="scalars.impl") from None
+            raise pv.PlanUnreadable(f"plan scalar impl = {plan.scalars.get('impl')!r}, expected one of triton, flashinfer, flashmla", field="scalars.impl") from None
         if impl is MLAImpl.TRITON:
             return triton_plan_view(trace, plan)
         batch = trace.batch

@@ -15,6 +15,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import torch
+from torch import Tensor
+
 from attndbg.trace.schema import Plan
 
 
@@ -63,6 +66,35 @@ class ExpandTables:
 
 
 @dataclass(frozen=True)
+class PackedMask:
+    """A custom mask as FlashInfer keeps it once planned: each request's row-major [q_len, kv_len]
+    bool block packed eight to a byte, little-endian (bit i of byte j = element 8j + i of the block:
+    `segment_packbits(mask, indptr, bitorder="little")`), every block starting on a new byte, at the
+    byte offsets of `indptr` (what plan() stores as `_mask_indptr_buf`)."""
+
+    tensor: str  # the bytes, e.g. "packed_custom_mask"
+    indptr: str  # [requests+1] byte offsets, e.g. "packed_mask_indptr"
+
+    @staticmethod
+    def byte_sizes(bit_sizes: Tensor) -> Tensor:
+        """[n] bytes each block of `bit_sizes` elements packs to."""
+        return (bit_sizes + 7) // 8
+
+    @staticmethod
+    def unpack(packed: Tensor, byte_offsets: Tensor, bit_sizes: Tensor) -> Tensor:
+        """The bool blocks back to back ([sum(bit_sizes)]): block b is the first bit_sizes[b] bits of
+        packed[byte_offsets[b]:], little-endian. The caller has checked that every block's bytes
+        lie inside `packed`."""
+        bits = torch.arange(8, dtype=torch.int64)
+        blocks = []
+        for b in range(bit_sizes.numel()):
+            start, size = int(byte_offsets[b]), int(bit_sizes[b])
+            data = packed[start : start + (size + 7) // 8].to(torch.int64)
+            blocks.append(((data[:, None] >> bits) & 1).flatten()[:size].to(torch.bool))
+        return torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.bool)
+
+
+@dataclass(frozen=True)
 class PlanLayout:
     kv: KvIds
     ids: str  # the tensor of ids, e.g. "kv_indices"
@@ -76,6 +108,7 @@ class PlanLayout:
     window_list: WindowList | None = None
     skip_prefix: str | None = None  # FULL_BLOCKS: the scalar saying the kernel ignores the prefix columns (default true)
     expand: ExpandTables | None = None  # EXPAND_CALL's tables
+    packed_mask: PackedMask | None = None  # where the plan holds its mask packed instead of as bools (custom_mask)
 
     @property
     def csr(self) -> bool:

@@ -7,8 +7,11 @@ but a kernel handed indices past an allocation reads arbitrary device memory or 
 
 Views are built from untrusted plans: building one never indexes with the plan's own values
 (offsets are clamped before slicing), so a hostile plan gives a view whose bounds name its first
-bad element, never an exception. A plan lacking a field the kernel needs, or holding one of the
-wrong rank or type, cannot be viewed: `PlanViewError` says which.
+bad element, never an exception. A plan that cannot be viewed raises `PlanViewError`, naming the
+field: `PlanUnreadable` where a field the layout declares is missing or cannot be read as its
+kernel takes it (wrong rank or type, an unknown setting), which makes the plan incomplete, not
+unsafe: it is not read and not launched, and no claim about memory is made; the base class where
+a field holds a value no kernel could be handed safely (a page size past any page).
 """
 
 from __future__ import annotations
@@ -22,11 +25,17 @@ from attndbg.trace.schema import Plan
 
 
 class PlanViewError(ValueError):
-    """The plan lacks a field its kernel needs, or holds one that cannot be an index: it cannot be guarded."""
+    """The plan cannot be viewed, so it cannot be guarded: a field holds a value no kernel could take."""
 
     def __init__(self, message: str, *, field: str = ""):
         super().__init__(message)
         self.field = field  # the plan tensor at fault, or "scalars.<name>"
+
+
+class PlanUnreadable(PlanViewError):
+    """The plan lacks a tensor or scalar its layout declares, or holds one that cannot be read as
+    the kernel takes it (wrong rank or dtype, not an integer, an unknown setting): it is incomplete,
+    not unsafe. Not read, never launched, and not a finding (issue 21, item 4)."""
 
 
 @dataclass(frozen=True)
@@ -129,13 +138,13 @@ def index(plan: Plan, name: str, *, dims: int = 1) -> Tensor:
     """plan.tensors[name] as int64, if it is an integer tensor of `dims` dimensions."""
     value = plan.tensors.get(name)
     if value is None:
-        raise PlanViewError(f"plan has no {name}", field=name)
+        raise PlanUnreadable(f"plan has no {name}", field=name)
     if value.layout is not torch.strided or value.device.type == "meta":
-        raise PlanViewError(f"plan {name} is a {value.layout} tensor on {value.device}, expected a dense tensor", field=name)
+        raise PlanUnreadable(f"plan {name} is a {value.layout} tensor on {value.device}, expected a dense tensor", field=name)
     if value.is_floating_point() or value.is_complex() or value.dtype is torch.bool:
-        raise PlanViewError(f"plan {name} has dtype {str(value.dtype).replace('torch.', '')}, expected integer indices", field=name)
+        raise PlanUnreadable(f"plan {name} has dtype {str(value.dtype).replace('torch.', '')}, expected integer indices", field=name)
     if value.dim() != dims:
-        raise PlanViewError(f"plan {name} has shape {list(value.shape)}, expected {dims} dimension(s)", field=name)
+        raise PlanUnreadable(f"plan {name} has shape {list(value.shape)}, expected {dims} dimension(s)", field=name)
     return value.to(torch.int64)
 
 
@@ -143,9 +152,9 @@ def scalar(plan: Plan, name: str) -> int:
     """An integer (or bool) plan scalar the kernel call needs."""
     value = plan.scalars.get(name)
     if value is None:
-        raise PlanViewError(f"plan has no scalar {name}", field=f"scalars.{name}")
+        raise PlanUnreadable(f"plan has no scalar {name}", field=f"scalars.{name}")
     if not isinstance(value, (int, bool)):
-        raise PlanViewError(f"plan scalar {name} = {value!r}, expected an integer", field=f"scalars.{name}")
+        raise PlanUnreadable(f"plan scalar {name} = {value!r}, expected an integer", field=f"scalars.{name}")
     return int(value)
 
 
@@ -153,7 +162,7 @@ def require(plan: Plan, *names: str) -> None:
     """Scalars the kernel call reads (any type): their absence would be a KeyError at launch."""
     for name in names:
         if name not in plan.scalars:
-            raise PlanViewError(f"plan has no scalar {name}", field=f"scalars.{name}")
+            raise PlanUnreadable(f"plan has no scalar {name}", field=f"scalars.{name}")
 
 
 # Larger page sizes are not pages but hostile numbers: bounds computed from them (columns x page)

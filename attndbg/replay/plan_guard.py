@@ -6,7 +6,10 @@ allocation turns a finding into an illegal memory access that kills the process 
 CUDA context), or a read of arbitrary device memory. The guard knows no backend: each backend's
 plan view (attndbg/backends/plan_view.py) lists what its kernels read and the bound of each; the
 guard checks them in order and names the first bad element. A plan it cannot view is refused too:
-never launched unchecked. The invariants and tree-mask detectors explain what is wrong.
+never launched unchecked. A plan it cannot read (a field its layout declares missing or unreadable,
+`PlanUnreadable`) is refused as *not read*: incomplete, which says nothing about memory, so no
+detector reports it as a finding and the check's verdict names it. The invariants and tree-mask
+detectors explain what is wrong.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from torch import Tensor
 
 from attndbg.backends import registry
 from attndbg.backends.base import Backend
-from attndbg.backends.plan_view import USUAL_OFFSETS, Bound, Entries, Equals, Extents, Offsets, PlanView, PlanViewError, RequestRows
+from attndbg.backends.plan_view import USUAL_OFFSETS, Bound, Entries, Equals, Extents, Offsets, PlanUnreadable, PlanView, PlanViewError, RequestRows
 from attndbg.trace.schema import Plan, Trace
 
 _INDPTRS = USUAL_OFFSETS
@@ -88,6 +91,9 @@ class Refusal:
 
     message: str
     field: str | None  # a plan tensor's name or "scalars.<name>"
+    # The plan could not be read (a field missing or unreadable): incomplete, not unsafe. False: a
+    # bound is violated (or no view exists), so a kernel given it could read out of bounds.
+    unread: bool = False
 
 
 def out_of_bounds(trace: Trace, plan: Plan, backend: Backend | None = None) -> str | None:
@@ -107,6 +113,8 @@ def refusal(trace: Trace, plan: Plan, backend: Backend | None = None) -> Refusal
             return Refusal(f"recorded plan cannot be guarded: no backend is named {plan.backend[:80]!r}", None)
     try:
         view = backend.plan_view(trace, plan)
+    except PlanUnreadable as e:
+        return Refusal(f"recorded plan not read: {e}", e.field or None, unread=True)
     except PlanViewError as e:
         return Refusal(f"recorded plan cannot be guarded: {e}", e.field or None)
     if view is None:

@@ -58,8 +58,9 @@ class BackendRun:
     problems: list[str] = field(default_factory=list)  # failures beyond tolerance (bits, padding, KV writes), for people
     graph: graph_replay.GraphOutcome | None = None  # the same facts as data, for detectors (graph variant only)
     repeat_identical: bool | None = None  # --repeat N > 1: were all N eager runs bitwise identical
-    # The plan guard refused the recorded plan before launch (status ERROR; `reason` ends
-    # "(not launched)" for people): the same fact as data, so detectors need not read the reason.
+    # The plan guard refused the recorded plan before launch (status ERROR, or UNSUPPORTED where
+    # the plan could not be read; `reason` ends "(not launched)" for people): the same fact as
+    # data, so detectors need not read the reason.
     refused: Refusal | None = None
 
 
@@ -212,7 +213,9 @@ def _recorded(backend: Backend, ctx: _Context, inputs: AttentionInputs, descript
         description += f" (the real {ctx.trace.batch.batch_size} requests of a plan padded to capture_bs={ctx.trace.graph.capture_bs})"
     refused = refusal(ctx.trace, real, backend)
     if refused is not None:
-        return BackendRun(backend.name, RunStatus.ERROR, description, variant, reason=refused.message + " (not launched)", plan=plan, refused=refused)
+        # An incomplete plan failed nothing: it was not run (unsupported), an unsafe one is an error.
+        status = RunStatus.UNSUPPORTED if refused.unread else RunStatus.ERROR
+        return BackendRun(backend.name, status, description, variant, reason=refused.message + " (not launched)", plan=plan, refused=refused)
     return _eager(backend, ctx, inputs, real, description, variant, 1)
 
 

@@ -124,3 +124,40 @@ def test_check_in_process_names_the_crash_and_counts_the_steps_it_cost(fault, tm
     crash = steps[FAULT_STEP]["findings"][0]
     assert crash["class"] == "backend-crash" and crash["data"]["detector"] == "cuda-fault" and crash["data"]["backend"] == ""
     assert "checked 2 of 4 steps" in result.output
+
+
+@pytest.fixture
+def illegal_backend(monkeypatch: pytest.MonkeyPatch):
+    from tests.checks import illegal_access_backend
+
+    monkeypatch.setenv("ATTNDBG_BACKENDS", "illegal_access=tests.checks.illegal_access_backend:IllegalAccessBackend")
+    monkeypatch.setenv("ATTNDBG_TEST_FAULT_STEP", str(FAULT_STEP))
+    yield
+    illegal_access_backend.reset()
+    monkeypatch.undo()
+    activity.start_check()
+    assert activity.lost() is None
+
+
+def test_a_kernel_fault_the_adapter_wraps_as_a_kernel_error_still_ends_the_worker(illegal_backend, tmp_path: Path) -> None:
+    """Before issue 21 the runner reported such a KernelError as the backend's error on the step and
+    the worker went on with its poisoned context; now the step gets the crash, and the later steps,
+    taken by a fresh worker, compare the backend normally."""
+    rec = _recording(tmp_path / "rec")
+    options = CheckOptions(backends=("illegal_access",))
+    reports = [r for r in check_steps(str(rec), parse_only("fill-value"), options, jobs=1, isolate=True) if r.mode != "recording"]
+    assert all(r.checked for r in reports), [r.error for r in reports]
+    [crash] = _crashes(reports[FAULT_STEP])
+    assert (crash.data["backend"], crash.data["variant"], crash.data["detector"]) == ("illegal_access", "eager", "fill-value")
+    assert "illegal_access crashed on this step (eager) in the fill-value detector" in crash.evidence
+    assert [r.backends for r in reports] == [("illegal_access",), (), ("illegal_access",), ("illegal_access",)]
+    assert all(not _crashes(r) for i, r in enumerate(reports) if i != FAULT_STEP)
+
+
+def test_replay_stops_in_one_line_when_the_context_is_lost(illegal_backend, tmp_path: Path) -> None:
+    rec = _recording(tmp_path / "rec")
+    result = CliRunner().invoke(main, ["replay", str(rec), "--backend", "illegal_access"])
+    assert result.exit_code == 1, result.output
+    said = " ".join(result.output.split())  # as wrapped at the terminal's width
+    assert "step_000001.pt: CUDA context unusable after illegal_access (eager): RuntimeError: Triton Error [CUDA]: an illegal memory access" in said
+    assert "replay stopped here" in said and "step_000002.pt" not in said and "Traceback" not in said

@@ -1,5 +1,7 @@
 """invariants reports a recorded plan the replay guard refuses when no other finding explains it:
-such a plan is never launched, so without this finding `check` would say nothing about it."""
+such a plan is never launched, so without this finding `check` would say nothing about it. A plan
+the guard cannot read (a field its layout declares is missing) is incomplete, not unsafe: no
+finding, and the verdict names it (tests/checks/test_incomplete_plans.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from dataclasses import replace
 from attndbg.backends.fa3 import FA3Backend
 from attndbg.backends.flashinfer import FlashInferBackend
 from attndbg.detectors.invariants import detect as invariants
+from attndbg.detectors.invariants.plan_kv import unread_reason
 from attndbg.checks.context import CheckContext
 from tests.factories import make_trace
 
@@ -18,14 +21,13 @@ def _findings(trace):
     return [(f.check, f.location.field, f.evidence) for f in invariants.detect(CheckContext(trace=trace, path="t.pt"))]
 
 
-def test_unguardable_and_unsafe_plans_are_findings() -> None:
+def test_unsafe_plans_are_findings_and_incomplete_ones_are_not() -> None:
     trace = make_trace("decode-paged", *SMALL)
     fa3 = FA3Backend().derive_plan(trace)
     assert _findings(replace(trace, plan=fa3)) == []
     no_table = replace(fa3, tensors={k: v for k, v in fa3.tensors.items() if k != "page_table"})
-    assert _findings(replace(trace, plan=no_table)) == [
-        ("plan-unsafe", "plan.page_table", "recorded plan cannot be guarded: plan has no page_table")
-    ]
+    assert _findings(replace(trace, plan=no_table)) == []
+    assert unread_reason(replace(trace, plan=no_table)) == "plan has no page_table"
     flashinfer = FlashInferBackend().derive_plan(trace)
     assert _findings(replace(trace, plan=flashinfer)) == []
     doubled = replace(flashinfer, scalars={**flashinfer.scalars, "page_size": 32})

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import torch
 
 from tests.record import sglang_env as env  # skips this file without SGLang
+from attndbg.record.sglang.model import model_from_layer
 from attndbg.record.sglang.plan import plan_from_backend
 
 I32 = env.I32
@@ -46,12 +47,14 @@ def test_fa3_metadata_fields() -> None:
         cu_seqlens_k=torch.tensor([0, 5, 14], dtype=I32),
         page_table=torch.tensor([[11, 12, 13, 14, 15, 0, 0, 0, 0], [30, 31, 32, 33, 34, 35, 36, 37, 38]], dtype=I32),
     )
-    plan = plan_from_backend(SimpleNamespace(forward_metadata=md))
+    model = model_from_layer(env.layer(), q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
+    plan = plan_from_backend(SimpleNamespace(forward_metadata=md, page_size=1), model=model)
     assert plan.backend == "fa3"
     assert plan.tensors["cache_seqlens"].tolist() == [5, 9]
     assert plan.tensors["cu_seqlens_k"].tolist() == [0, 5, 14]
     assert plan.tensors["page_table"][1, 8] == 38
-    assert plan.scalars == {"max_seqlen_q": 1, "max_seqlen_k": 9, "window_left": -1}
+    # Read from the metadata and the backend; the call's window and causality from the layer.
+    assert plan.scalars == {"max_seqlen_q": 1, "max_seqlen_k": 9, "page_size": 1, "window_left": -1, "verify_path": "causal", "causal": True}
 
 
 def test_flashmla_metadata_fields() -> None:

@@ -99,7 +99,7 @@ def test_triton_decode_split_counts_are_bounded_by_the_scratch() -> None:
         f"recorded plan num_kv_splits[1] = {top + 1} is outside [1, {top + 1}): split counts the stage-1 scratch holds (max_kv_splits {top})"
     )
     unscratched = replace(plan, scalars={k: v for k, v in plan.scalars.items() if k != "max_kv_splits"})
-    assert out_of_bounds(trace, unscratched, backend) == "recorded plan cannot be guarded: plan has no scalar max_kv_splits"
+    assert out_of_bounds(trace, unscratched, backend) == "recorded plan not read: plan has no scalar max_kv_splits"
 
 
 def test_a_refused_triton_plan_is_never_launched_and_the_clean_one_replays(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -191,7 +191,7 @@ def test_fa3_page_table_forms() -> None:
         f"recorded plan cu_seqlens_q[{last}] = {tokens + 2} reads query rows past the step's {tokens}"
     )
     missing = replace(plan, tensors={k: v for k, v in plan.tensors.items() if k != "page_table"})
-    assert out_of_bounds(trace, missing, backend) == "recorded plan cannot be guarded: plan has no page_table"
+    assert out_of_bounds(trace, missing, backend) == "recorded plan not read: plan has no page_table"
 
 
 def test_fa3_two_call_expand_table_is_guarded() -> None:
@@ -260,10 +260,10 @@ def test_wrong_rank_or_dtype_cannot_be_viewed() -> None:
     trace, plan = _planned(backend, "decode-paged", *SMALL)
     flat = replace(plan, tensors={**plan.tensors, "kv_indices": plan.tensors["kv_indices"].reshape(1, -1)})
     assert out_of_bounds(trace, flat, backend) == (
-        f"recorded plan cannot be guarded: plan kv_indices has shape {list(flat.tensors['kv_indices'].shape)}, expected 1 dimension(s)"
+        f"recorded plan not read: plan kv_indices has shape {list(flat.tensors['kv_indices'].shape)}, expected 1 dimension(s)"
     )
     floats = replace(plan, tensors={**plan.tensors, "kv_indptr": plan.tensors["kv_indptr"].float()})
-    assert out_of_bounds(trace, floats, backend) == "recorded plan cannot be guarded: plan kv_indptr has dtype float32, expected integer indices"
+    assert out_of_bounds(trace, floats, backend) == "recorded plan not read: plan kv_indptr has dtype float32, expected integer indices"
 
 
 def test_replay_cli_reports_a_refused_plan_without_a_traceback(tmp_path) -> None:

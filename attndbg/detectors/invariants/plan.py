@@ -44,9 +44,10 @@ def _check_launchable(trace: Trace, plan: Plan, out: list[Finding]) -> None:
     what the guard refuses is never launched, so nothing else would report it. Refusals naming no
     field are not: a plan of no attndbg backend (vLLM's own) is never replayed, one of a backend
     without a plan view is refused at replay with that reason, and one covering more requests than
-    the step is plan-batch-size."""
+    the step is plan-batch-size. Nor is a plan the guard could not read (a field its layout declares
+    missing or unreadable): incomplete is not unsafe, and the verdict names it (plan_kv.unread_reason)."""
     found = refusal(trace, real_requests_only(trace, plan))
-    if found is None or found.field is None:
+    if found is None or found.field is None or found.unread:
         return
     if any((f.location.field or "").startswith(f"plan.{found.field}") for f in out):
         return

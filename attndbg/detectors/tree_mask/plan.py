@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from attndbg.checks.findings import Finding, finding
-from attndbg.backends.plan_layout import ExpandTables, MaskReading, PlanLayout, WindowList
+from attndbg.backends.plan_layout import ExpandTables, MaskReading, PackedMask, PlanLayout, WindowList
 from attndbg.detectors.invariants.plan_kv import kv_coverage, plan_layout
 from attndbg.detectors.tree_mask.base import KIND, _as_bool, _describe_column, _mismatch_cause, _tree_block
 from attndbg.trace.mask_geometry import MaskGeometry
@@ -81,14 +81,6 @@ def _causal_view(trace: Trace, coverage, window: int) -> PlanVisibility:
 def _mask_view(trace: Trace, layout: PlanLayout, coverage, out: list[Finding]) -> PlanVisibility | None:
     plan, batch = trace.plan, trace.batch
     n = trace.spec.draft_token_num
-    mask = plan.tensors["custom_mask"]
-    indptr = plan.tensors.get("mask_indptr")
-    if indptr is None:
-        out.append(finding(KIND, "mask-indptr", step=trace.source.step, field="plan.mask_indptr", evidence="the plan carries custom_mask but no mask_indptr", cause="the kernel cannot find each request's block: mask_indptr was not passed with the mask"))
-        return None
-    indptr = indptr.to(torch.int64)
-    if indptr.numel() < batch.batch_size + 1 or int(indptr[0]) != 0 or bool((indptr.diff() < 0).any()):
-        return None  # invariants names the bad element
     widths = []
     for b in range(batch.batch_size):
         prefix = int(batch.prefix_lens[b])
@@ -97,6 +89,20 @@ def _mask_view(trace: Trace, layout: PlanLayout, coverage, out: list[Finding]) -
         else:
             widths.append(prefix + n)
     geometry = MaskGeometry.full(rows=torch.full((batch.batch_size,), n), prefix_lens=batch.prefix_lens, columns=widths)
+    if "custom_mask" not in plan.tensors and layout.packed_mask is not None:
+        unpacked = _unpacked(trace, layout.packed_mask, geometry, out)
+        if unpacked is None:
+            return None
+        mask, indptr = unpacked
+    else:
+        mask = plan.tensors["custom_mask"]
+        indptr = plan.tensors.get("mask_indptr")
+        if indptr is None:
+            out.append(finding(KIND, "mask-indptr", step=trace.source.step, field="plan.mask_indptr", evidence="the plan carries custom_mask but no mask_indptr", cause="the kernel cannot find each request's block: mask_indptr was not passed with the mask"))
+            return None
+        indptr = indptr.to(torch.int64)
+        if indptr.numel() < batch.batch_size + 1 or int(indptr[0]) != 0 or bool((indptr.diff() < 0).any()):
+            return None  # invariants names the bad element
     sizes = indptr.diff()[: batch.batch_size]
     expected_sizes = geometry.sizes
     b = int(torch.nonzero(sizes != expected_sizes)[0]) if bool((sizes != expected_sizes).any()) else -1
@@ -191,6 +197,44 @@ def _mask_view(trace: Trace, layout: PlanLayout, coverage, out: list[Finding]) -
         seen[:, :start] = False
         blocks[b] = seen & _index_window(prefix, n, prefix + n, window)
     return PlanVisibility("mask", blocks)
+
+
+def _unpacked(trace: Trace, packed: PackedMask, geometry: MaskGeometry, out: list[Finding]) -> tuple[Tensor, Tensor] | None:
+    """A mask the plan holds packed (FlashInfer's plan(): each request's [n, KV listed] block
+    little-endian in whole bytes at its byte offset), as bools over the geometry's offsets; None
+    when a request's bytes do not hold its block (with the finding) or lie past the buffer."""
+    plan, bs = trace.plan, trace.batch.batch_size
+    data, offsets = plan.tensors.get(packed.tensor), plan.tensors.get(packed.indptr)
+    if data is None or offsets is None:
+        present = packed.tensor if data is not None else packed.indptr
+        missing = packed.indptr if data is not None else packed.tensor
+        out.append(finding(KIND, "mask-indptr", step=trace.source.step, field=f"plan.{missing}", evidence=f"the plan carries {present} but no {missing}", cause="the kernel cannot find each request's packed block: the mask and its byte offsets were not recorded together"))
+        return None
+    offsets = offsets.to(torch.int64)
+    if offsets.dim() != 1 or offsets.numel() < bs + 1 or int(offsets[0]) != 0 or bool((offsets.diff() < 0).any()):
+        return None  # invariants names the bad element
+    bits = geometry.sizes
+    want = PackedMask.byte_sizes(bits)
+    found = offsets.diff()[:bs]
+    if bool((found != want).any()):
+        b = int(torch.nonzero(found != want)[0])
+        out.append(
+            finding(
+                KIND,
+                "mask-indptr",
+                step=trace.source.step,
+                request=b,
+                field=f"plan.{packed.indptr}[{b + 1}]",
+                evidence=f"plan.{packed.indptr} gives request {b} {int(found[b])} byte(s) of packed mask, but its block of {int(geometry.rows[b])} x {int(geometry.columns[b])} = {int(bits[b])} elements packs to {int(want[b])}",
+                cause="the mask was packed for other lengths than the KV the plan lists (FlashInfer packs each q_len x kv_len block into whole bytes at these offsets)",
+                expected=int(want[b]),
+                found=int(found[b]),
+            )
+        )
+        return None
+    if data.numel() < int(offsets[bs]):
+        return None  # the kernel would read past the bytes: the plan's view bounds it (invariants)
+    return PackedMask.unpack(data, offsets, bits), geometry.indptr
 
 
 def _window_list_starts(trace: Trace, windows: WindowList) -> list[int | None] | None:
@@ -341,6 +385,14 @@ def _classify(trace: Trace, layout: PlanLayout, view: PlanVisibility, b: int, r:
 def _plan_field(trace: Trace, layout: PlanLayout, view: PlanVisibility, b: int, r: int, c: int) -> str:
     plan = trace.plan
     n = trace.spec.draft_token_num
+    if view.kind == "mask" and "custom_mask" not in plan.tensors and layout.packed_mask is not None:
+        # Packed: the byte of the request's block holding (r, c), and its bit (little-endian).
+        coverage = kv_coverage(trace)
+        start = coverage[b][0] if coverage is not None and coverage[b] is not None else 0
+        width = trace.batch.prefix_lens[b] + n - start
+        element = r * int(width) + c - start
+        byte = int(plan.tensors[layout.packed_mask.indptr][b]) + element // 8
+        return f"plan.{layout.packed_mask.tensor}[{byte}] bit {element % 8}"
     if view.kind == "mask":
         geometry = MaskGeometry.from_indptr(plan.tensors["mask_indptr"], rows=n, prefix_lens=trace.batch.prefix_lens)
         return f"plan.custom_mask[{geometry.element(b, r, c)}]"

@@ -180,10 +180,13 @@ def record_step(session: RecordingSession, backend: Any, fb: Any, *, raw_bs: int
     graph_bs = graph[0].capture_bs if graph else None
     verify = mode is ForwardMode.TARGET_VERIFY
     sized = _sized_for_step(fb, mode) and graph is None
-    plan = capture_plan(backend, graph_bs=graph_bs, verify=verify, spec_info=spec_info, sized=sized)
+    model = model_from_backend(backend, layer_for(backend))
+    # The seq_lens a FlashMLA forward hands its kernel as cache_seqlens: a graph's padded buffer.
+    seq_lens = graph[1]["padded_seq_lens"] if graph is not None else getattr(fb, "seq_lens", None)
+    plan = capture_plan(backend, graph_bs=graph_bs, verify=verify, spec_info=spec_info, sized=sized, model=model, seq_lens=seq_lens)
     if plan is None:
         for child in getattr(backend, "attn_backend_list", None) or []:
-            plan = capture_plan(child, graph_bs=graph_bs, verify=verify, spec_info=spec_info, sized=sized)
+            plan = capture_plan(child, graph_bs=graph_bs, verify=verify, spec_info=spec_info, sized=sized, model=model, seq_lens=seq_lens)
             if plan is not None:
                 break
     if plan is not None:
@@ -195,7 +198,7 @@ def record_step(session: RecordingSession, backend: Any, fb: Any, *, raw_bs: int
         tensors.update({f"graph.{k}": v for k, v in graph[1].items()})
     record = _Step(
         source=source(engine="sglang", backend=backend_name(backend, mode), device=req_to_token.device, step=step, tp_rank=_tp_rank(), engine_version=_sglang_version()),
-        model=model_from_backend(backend, layer_for(backend)),
+        model=model,
         kv_cache_size=kv_cache_size(backend),
         batch=binfo,
         spec=sinfo,

@@ -104,11 +104,10 @@ SGLANG_FIELDS: tuple[EngineField, ...] = (
     ),
     EngineField(
         "FlashInfer packed custom mask",
-        "wrapper._custom_mask_buf",
+        "wrapper._custom_mask_buf, wrapper._mask_indptr_buf",
         "same",
         "same",
-        "plan.packed_custom_mask (not judged)",
-        "",
-        why_not="FlashInfer packs the bool mask (segment_packbits); the detectors judge SGLang's bool mask, recorded in spec",
+        "plan.packed_custom_mask, plan.packed_mask_indptr (bytes as FlashInfer packed them: little-endian, per request)",
+        "tree-mask (unpacked, against the draft tree); invariants (byte offsets inside the buffer)",
     ),
 )

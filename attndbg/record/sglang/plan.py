@@ -6,10 +6,19 @@ backends between versions):
   Triton      ForwardMetadata: kv_indptr, kv_indices, num_kv_splits | qo_indptr, custom_mask,
               mask_indptr, max_extend_len; window_kv_* -> our `triton` plan names (identical)
   FA3         FlashAttentionMetadata: cache_seqlens_int32, cu_seqlens_q/k, page_table, max_seq_len_q/k
-              -> `fa3` names (cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table, max_seqlen_q/k)
+              -> `fa3` names (cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table, max_seqlen_q/k);
+              a tree verify's second call (`forward_metadata_spec_decode_expand`) -> expand_*
   FlashMLA    FlashMLADecodeMetadata: block_kv_indices, num_splits -> `mla` (impl flashmla): block_table
   FlashInfer  DecodeMetadata / PrefillMetadata: wrappers whose planned buffers hold the indices
-              (FlashInfer's `_paged_kv_*_buf`, `_qo_indptr_buf`) -> `flashinfer` names
+              (FlashInfer's `_paged_kv_*_buf`, `_qo_indptr_buf`) and a verify step's mask as
+              FlashInfer packed it (`_custom_mask_buf`, `_mask_indptr_buf`) -> `flashinfer` names,
+              the mask as `packed_custom_mask` / `packed_mask_indptr`
+
+Each plan carries the scalars its adapter's plan declares (backends/*.py), so the checker reads it
+as written. Those the engine keeps on the object are read there (FA3's max_seq_len_q/k, the
+backend's page_size and topk, a FlashInfer decode wrapper's `_use_tensor_cores`). The rest SGLang
+passes its kernels at every layer's call, from the RadixAttention layer and the step, and keeps on
+no object: they are derived in one place, `_call_arguments`, from the recorded Model.
 
 Under a CUDA-graph replay SGLang does not rebuild `forward_metadata` (both the classic
 `init_forward_metadata_replay_cuda_graph` and SGL-new's `init_forward_metadata_out_graph` refill
@@ -41,9 +50,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from attndbg.trace.schema import EngineBuffer, Plan
+from attndbg.trace.schema import EngineBuffer, Model, Plan
 
 Scalars = dict[str, int | float | bool | str]
 
@@ -173,13 +183,31 @@ def _triton_graph(backend: Any, bs: int, verify: bool, spec_info: Any) -> PlanCa
     return PlanCapture("triton", tensors, _triton_extend_scalars(backend, n), trim, set(trim))
 
 
-def _fa3(md: Any) -> PlanCapture:
-    window = getattr(md, "window_size", (-1, -1)) or (-1, -1)
-    return PlanCapture(
-        "fa3",
-        {"page_table": md.page_table, "cache_seqlens": md.cache_seqlens_int32, "cu_seqlens_q": md.cu_seqlens_q, "cu_seqlens_k": md.cu_seqlens_k},
-        {"max_seqlen_q": int(md.max_seq_len_q), "max_seqlen_k": int(md.max_seq_len_k), "window_left": int(window[0])},
-    )
+def _fa3(backend: Any, md: Any, verify: bool) -> PlanCapture:
+    tensors = {"page_table": md.page_table, "cache_seqlens": md.cache_seqlens_int32, "cu_seqlens_q": md.cu_seqlens_q, "cu_seqlens_k": md.cu_seqlens_k}
+    # The page table holds page ids of the backend's page size (`page_table[:, ::page] // page`).
+    scalars: Scalars = {"max_seqlen_q": int(md.max_seq_len_q), "max_seqlen_k": int(md.max_seq_len_k), "page_size": _page_size(backend)}
+    # SGLang leaves the last expand metadata on the backend across steps; a verify step reads it
+    # only with topk > 1 (forward_extend's use_cascade_attn).
+    expand = getattr(backend, "forward_metadata_spec_decode_expand", None) if verify and getattr(backend, "topk", 0) > 1 else None
+    if expand is not None and getattr(expand, "page_table", None) is not None:
+        # A tree verify's second call: one row per draft token, its table of draft slot ids read
+        # as 1-token pages ("the suffix table stores physical token slots"; flashattention_backend.py).
+        tensors.update(
+            {
+                "expand_page_table": expand.page_table,
+                "expand_cache_seqlens": expand.cache_seqlens_int32,
+                "expand_cu_seqlens_q": expand.cu_seqlens_q,
+                "expand_cu_seqlens_k": expand.cu_seqlens_k,
+            }
+        )
+        scalars.update({"expand_max_seqlen_q": int(expand.max_seq_len_q), "expand_page_size": 1})
+    return PlanCapture("fa3", tensors, scalars)
+
+
+def _page_size(backend: Any) -> int:
+    value = getattr(backend, "page_size", None)
+    return int(value) if isinstance(value, int) and value >= 1 else 1
 
 
 def _flashmla(backend: Any, md: Any) -> PlanCapture:
@@ -197,36 +225,121 @@ def _wrapper_buffers(wrapper: Any) -> dict[str, Tensor | None]:
         "kv_indptr": "_paged_kv_indptr_buf",
         "kv_indices": "_paged_kv_indices_buf",
         "kv_last_page_len": "_paged_kv_last_page_len_buf",
-        # FlashInfer stores the custom mask bit-packed (segment_packbits): not our bool layout.
+        # FlashInfer's plan() packs the bool mask, each request's q_len x kv_len segment padded to
+        # whole bytes, little-endian (segment_packbits(..., bitorder="little")), and keeps the
+        # packed bytes with their byte offsets: recorded as packed, read by backends/flashinfer.py.
         "packed_custom_mask": "_custom_mask_buf",
         "packed_mask_indptr": "_mask_indptr_buf",
     }
     return {ours: getattr(wrapper, theirs) for ours, theirs in names.items() if getattr(wrapper, theirs, None) is not None}
 
 
-def _flashinfer(md: Any) -> PlanCapture:
+def _flashinfer(backend: Any, md: Any) -> PlanCapture:
     decode = hasattr(md, "decode_wrappers")
     wrappers = md.decode_wrappers if decode else md.prefill_wrappers
     # Wrapper 0 is the only one, or the sliding-window one when SGLang runs two (WrapperDispatch).
-    tensors = _wrapper_buffers(wrappers[0])
+    wrapper = wrappers[0]
+    tensors = _wrapper_buffers(wrapper)
     if decode:
         path = "decode"
     elif md.use_ragged:
         path = "ragged" if md.extend_no_prefix else "cascade"
     else:
         path = "paged"
+    # SGLang plans FlashInfer with page_size literal 1 whatever its pool's page size
+    # (call_begin_forward: `wrapper.begin_forward(..., self.head_dim, 1, ...)`): kv_indices are slot ids.
+    scalars: Scalars = {"path": path, "page_size": 1, "num_wrappers": len(wrappers)}
+    if decode:
+        # Fixed when the wrapper was built (BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=
+        # backend.decode_use_tensor_cores)); FlashInfer keeps it as `_use_tensor_cores`.
+        cores = getattr(wrapper, "_use_tensor_cores", getattr(backend, "decode_use_tensor_cores", None))
+        if isinstance(cores, bool):
+            scalars["use_tensor_cores"] = cores
     # SGLang allocates FlashInfer's kv_indices with slack (paged_kernel_lens_sum + 256): capacity.
     trim = {"kv_indices": "kv_indptr"} if "kv_indptr" in tensors else {}
-    return PlanCapture("flashinfer", tensors, {"path": path, "page_size": 1, "num_wrappers": len(wrappers)}, trim, set(trim))
+    capacity = set(trim)
+    if "packed_custom_mask" in tensors and "packed_mask_indptr" in tensors:
+        trim["packed_custom_mask"] = "packed_mask_indptr"
+        if getattr(wrapper, "is_cuda_graph_enabled", False) or getattr(wrapper, "_use_cuda_graph", False):
+            capacity.add("packed_custom_mask")  # the graph's custom_mask_buf, sized for the capture
+    return PlanCapture("flashinfer", tensors, scalars, trim, capacity)
 
 
-def capture_plan(backend: Any, *, graph_bs: int | None = None, verify: bool = False, spec_info: Any = None, sized: bool = False) -> PlanCapture | None:
+def _call_arguments(capture: PlanCapture, backend: Any, model: Model, *, verify: bool, draft_tokens: int | None, seq_lens: Tensor | None) -> None:
+    """What SGLang hands its kernels at each layer's call and keeps on no metadata object, as the
+    adapter's plan names it: derived here, and only here, from the recorded layer (`model`, read
+    from the RadixAttention layer: sliding_window_size, logit_cap) and the step. A FlashInfer
+    wrapper's `_window_left` / `_logits_soft_cap` / `_causal` are no source: every layer's
+    `forward()` overwrites them, so at record time they hold the plan's or the previous step's.
+
+    - FlashInfer (flashinfer_backend.py forward_decode / forward_extend): decode passes no
+      window_left (FlashInfer's -1; wrapper 0 lists only the last window + 1 keys instead);
+      paged extend, draft extend and verify pass window_left=layer.sliding_window_size and
+      causal=True (a planned custom mask rules over causal); the cascade's paged prefix pass
+      causal=False with the window; the ragged pass of an extend without prefix no window_left.
+      logits_soft_cap=layer.logit_cap everywhere.
+    - FA3 (flashattention_backend.py forward_extend/forward_decode): window_size=(sw, 0) from the
+      layer, softcap=layer.logit_cap, causal=True but in a tree verify (topk > 1: both calls
+      causal=False, merged), which runs as two calls when the backend built the expand metadata.
+    - FlashMLA (flashmla_backend.py forward_decode/forward_extend): cache_seqlens=seq_lens (+
+      draft_token_num on verify), causal=True, q viewed as [bs, q_len, H, D] with q_len 1 or n.
+    """
+    scalars = capture.scalars
+    window, cap = model.sliding_window, model.logit_cap
+    if capture.backend == "flashinfer":
+        path = scalars["path"]
+        scalars["logits_soft_cap"] = cap
+        scalars["window_left"] = window if path in ("paged", "cascade") else -1
+        if path != "decode":
+            scalars["causal"] = path != "cascade"
+    elif capture.backend == "fa3":
+        two_call = "expand_page_table" in capture.tensors
+        scalars["window_left"] = window
+        scalars["verify_path"] = "two-call" if verify and two_call else "causal"
+        scalars["causal"] = not (verify and two_call)
+        if verify and two_call:
+            scalars["expand_causal"] = False
+            # flash_attn_with_kvcache takes no max_seqlen_k; each draft token sees at most n keys.
+            scalars["expand_max_seqlen_k"] = int(draft_tokens or 0)
+    elif capture.backend == "mla" and scalars.get("impl") == "flashmla":
+        n = int(draft_tokens or 0) if verify else 0
+        scalars["causal"] = True
+        scalars["q_len"] = n if verify else 1
+        if seq_lens is not None:
+            capture.tensors["cache_seqlens"] = (seq_lens + n).to(torch.int32) if n else seq_lens.to(torch.int32)
+
+
+def capture_plan(
+    backend: Any,
+    *,
+    graph_bs: int | None = None,
+    verify: bool = False,
+    spec_info: Any = None,
+    sized: bool = False,
+    model: Model | None = None,
+    seq_lens: Tensor | None = None,
+) -> PlanCapture | None:
     """The live backend's plan as device views; None when its metadata is of no known kind.
 
     `graph_bs`: the padded batch size of a CUDA-graph replay (read graph buffers where the backend
     keeps them); None for an eager step. `sized`: the engine sized this step's index buffers from
     a host sum (see the module docstring); unknown is False, and the buffers are cut as capacity.
+    `model` (the recorded layer) and `seq_lens` (the step's, as the backend's forward reads them)
+    give the call arguments SGLang keeps on no object (`_call_arguments`); without `model` the
+    plan lacks them, and the checker says it is not read.
     """
+    capture = _read_metadata(backend, graph_bs=graph_bs, verify=verify, spec_info=spec_info, sized=sized)
+    if capture is not None and model is not None:
+        from attndbg.record.sglang.batch import draft_token_num
+
+        draft_tokens = draft_token_num(spec_info) if verify and spec_info is not None else getattr(backend, "num_draft_tokens", None)
+        if isinstance(seq_lens, Tensor) and graph_bs is not None:
+            seq_lens = seq_lens[:graph_bs]
+        _call_arguments(capture, backend, model, verify=verify, draft_tokens=draft_tokens, seq_lens=seq_lens if isinstance(seq_lens, Tensor) else None)
+    return capture
+
+
+def _read_metadata(backend: Any, *, graph_bs: int | None, verify: bool, spec_info: Any, sized: bool) -> PlanCapture | None:
     if graph_bs is not None and _has(backend, "cuda_graph_kv_indices", "kv_indptr", "max_kv_splits"):
         return _triton_graph(backend, graph_bs, verify, spec_info)
     md = getattr(backend, "forward_metadata", None)
@@ -235,11 +348,11 @@ def capture_plan(backend: Any, *, graph_bs: int | None = None, verify: bool = Fa
     if _has(md, "kv_indptr", "kv_indices", "num_kv_splits", "max_extend_len"):
         return _triton_eager(backend, md, sized)
     if _has(md, "cache_seqlens_int32", "cu_seqlens_q", "page_table"):
-        return _fa3(md)
+        return _fa3(backend, md, verify)
     if _has(md, "block_kv_indices", "num_splits"):
         return _flashmla(backend, md)
     if hasattr(md, "decode_wrappers") or _has(md, "prefill_wrappers", "use_ragged"):
-        return _flashinfer(md)
+        return _flashinfer(backend, md)
     return None
 
 
@@ -258,9 +371,10 @@ def plan_from_host(capture: PlanCapture, host: dict[str, Tensor | None]) -> tupl
     return Plan(backend=capture.backend, tensors=tensors, scalars=dict(capture.scalars)), buffers
 
 
-def plan_from_backend(backend: Any, *, graph_bs: int | None = None, verify: bool = False, spec_info: Any = None, sized: bool = False) -> Plan | None:
-    """The plan `backend` holds now (host copies), or None for metadata of no known kind."""
-    capture = capture_plan(backend, graph_bs=graph_bs, verify=verify, spec_info=spec_info, sized=sized)
+def plan_from_backend(backend: Any, **options: Any) -> Plan | None:
+    """The plan `backend` holds now (host copies), or None for metadata of no known kind;
+    `options` are capture_plan's."""
+    capture = capture_plan(backend, **options)
     if capture is None:
         return None
     host = {k: None if v is None else v.detach().cpu() for k, v in capture.tensors.items()}

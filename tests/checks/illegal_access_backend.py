@@ -1,0 +1,35 @@
+"""A test adapter registered through ATTNDBG_BACKENDS whose kernel "makes an illegal memory access"
+on one step (the step numbered ATTNDBG_TEST_FAULT_STEP), simulated on the CPU: our Triton adapter,
+whose kernel call raises what Triton raises after such a fault (the adapter wraps it in a
+KernelError, as it wraps every library error). From then on every run of it in that process raises
+the same, as every CUDA call does in a poisoned context."""
+
+from __future__ import annotations
+
+import os
+
+from attndbg.backends.base import AttentionInputs, AttentionResult
+from attndbg.backends.triton import TritonBackend
+from attndbg.trace.schema import Plan, Trace
+
+ILLEGAL = "Triton Error [CUDA]: an illegal memory access was encountered"
+
+_poisoned = False  # this process's simulated CUDA context
+
+
+class IllegalAccessBackend(TritonBackend):
+    name = "illegal_access"
+    engine_names = {}  # no engine ran it: it answers to no recorded backend name
+
+    def _run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
+        global _poisoned
+        if _poisoned or str(trace.source.step) == os.environ.get("ATTNDBG_TEST_FAULT_STEP"):
+            _poisoned = True
+            raise RuntimeError(ILLEGAL)
+        return super()._run(trace, inputs, plan)
+
+
+def reset() -> None:
+    """For in-process tests: this process's simulated context works again."""
+    global _poisoned
+    _poisoned = False

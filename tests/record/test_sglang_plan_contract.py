@@ -1,0 +1,275 @@
+"""One plan contract between the SGLang recorder and the checker (issue 21, item 3): per (backend,
+mode, eager or graph-padded), the metadata SGLang's backend holds -> the recorder's own reader
+(`plan_from_backend` with the recorded layer's Model, as `record_step` calls it) -> a saved trace ->
+`attndbg check`: no finding on correct metadata, the planted mistake named on wrong metadata.
+
+The metadata classes are SGLang's own where they build on the CPU (FlashInfer's DecodeMetadata and
+PrefillMetadata; FA3's FlashAttentionMetadata and FlashMLA's FlashMLADecodeMetadata loaded from
+SGLang's source, see test_sglang_plans.sglang_class). What they hold cannot: FlashInfer's wrappers
+allocate CUDA workspaces and plan on the GPU, and SGLang's backends need a ModelRunner and a GPU. So
+the wrappers and backends are SimpleNamespaces holding, field by field, the attributes SGLang and
+FlashInfer keep, under their exact names (FlashInfer prefill.py/decode.py plan(): `_qo_indptr_buf`,
+`_paged_kv_indptr_buf`, `_paged_kv_indices_buf`, `_paged_kv_last_page_len_buf`,
+`_custom_mask_buf`, `_mask_indptr_buf`, `_use_tensor_cores`; SGLang flashinfer_backend.py
+`decode_use_tensor_cores`, flashattention_backend.py `page_size`, `topk`,
+`forward_metadata_spec_decode_expand`, flashmla_backend.py `page_size`, `num_draft_tokens`), with the
+values SGLang's code computes for the step (engines.md A4.1, A4.4, A4.5).
+
+Checked with `--only invariants,tree-mask,fill-value` on the CPU: the recorded plans of FlashInfer,
+FA3 and FlashMLA are read by their adapters' plan views and layouts without running their kernels
+(tree-mask also replays verify steps through our Triton kernels, interpreted: tiny shapes).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.record import sglang_env as env  # skips this file without SGLang
+from attndbg.checks.context import CheckOptions
+from attndbg.checks.run import check_steps, parse_only
+from attndbg.record.build import source
+from attndbg.record.sglang.batch import batch_from_forward_batch
+from attndbg.record.sglang.model import model_from_layer
+from attndbg.record.sglang.plan import plan_from_backend
+from attndbg.record.sglang.spec import spec_from_verify_input
+from attndbg.trace import io, tree
+from attndbg.trace.schema import Batch, Graph, Model, Plan, Spec, Trace
+from tests.record.test_sglang_plans import sglang_class
+from tests.record.test_sglang_verify import N, PARENTS, PREFIX, verify_batch, verify_input
+from tests.record.test_sglang_verify import ROWS as VERIFY_ROWS
+
+I64, I32 = env.I64, env.I32
+KV_CACHE_SIZE = 48
+ONLY = "invariants,tree-mask,fill-value"
+ROWS = {1: [11, 12, 13, 14, 15], 5: [30, 31, 32, 33, 34, 35, 36, 37, 38]}  # decode: KV 5 and 9
+SLACK = [0] * 4  # SGLang sizes FlashInfer's kv_indices with slack (paged_kernel_lens_sum + 256)
+
+DecodeMetadata = env.sgl.flashinfer_backend.DecodeMetadata
+PrefillMetadata = env.sgl.flashinfer_backend.PrefillMetadata
+
+
+def layer_model(*, page_size: int = 1) -> Model:
+    """The recorded layer: a real RadixAttention (4 q heads, 2 KV heads, d 16), no window, no soft-cap."""
+    return model_from_layer(env.layer(heads=4, kv_heads=2, head_dim=16), q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, page_size=page_size)
+
+
+def recorded(backend: object, model: Model, **kw) -> Plan:
+    plan = plan_from_backend(backend, model=model, **kw)
+    assert plan is not None
+    return plan
+
+
+def check(tmp_path, batch: Batch, plan: Plan, *, engine_backend: str, model: Model, spec: Spec | None = None, graph: Graph | None = None, name: str = "step") -> list[tuple[str, str, str]]:
+    """(class, check, field) of every finding `attndbg check --only invariants,tree-mask,fill-value` gives the step."""
+    src = source(engine="sglang", backend=engine_backend, device="cpu", step=0, engine_version="test")
+    trace = Trace(source=src, model=model, batch=batch, seed=1, spec=spec, graph=graph, plan=plan)
+    path = io.save(trace, tmp_path / f"{name}.pt")
+    reports = list(check_steps(str(path), parse_only(ONLY), CheckOptions(backends=("triton",))))
+    assert all(report.checked for report in reports), [report.error for report in reports]
+    return [(f.kind.value, f.check, f.location.field or "") for report in reports for f in report.findings]
+
+
+def with_tensor(plan: Plan, name: str, values: torch.Tensor) -> Plan:
+    return Plan(plan.backend, {**plan.tensors, name: values}, dict(plan.scalars))
+
+
+# -- FlashInfer ---------------------------------------------------------------------------------
+
+
+def decode_step():
+    pool = env.req_pool(ROWS)
+    from tests.record.sglang_steps import decode_batch
+
+    return batch_from_forward_batch(decode_batch(), pool.req_to_token, KV_CACHE_SIZE)
+
+
+def flashinfer_decode_backend(kv_indices: list[int], *, tensor_cores: bool = False) -> SimpleNamespace:
+    """FlashInferAttnBackend after init_forward_metadata of the decode step: one decode wrapper
+    planned by FlashInferIndicesUpdaterDecode.call_begin_forward (kv_indptr = cumsum(seq_lens),
+    kv_indices the req_to_token rows, kv_last_page_len ones: page size 1)."""
+    wrapper = SimpleNamespace(
+        _paged_kv_indptr_buf=torch.tensor([0, 5, 14], dtype=I32),
+        _paged_kv_indices_buf=torch.tensor(kv_indices + SLACK, dtype=I32),
+        _paged_kv_last_page_len_buf=torch.ones(2, dtype=I32),
+        _use_tensor_cores=tensor_cores,
+        is_cuda_graph_enabled=False,
+    )
+    return SimpleNamespace(forward_metadata=DecodeMetadata(decode_wrappers=[wrapper]), decode_use_tensor_cores=tensor_cores, page_size=1)
+
+
+def test_flashinfer_decode_eager(tmp_path) -> None:
+    model, batch = layer_model(), decode_step()
+    plan = recorded(flashinfer_decode_backend(ROWS[1] + ROWS[5]), model)
+    assert plan.scalars == {"path": "decode", "page_size": 1, "num_wrappers": 1, "use_tensor_cores": False, "window_left": -1, "logits_soft_cap": 0.0}
+    assert check(tmp_path, batch, plan, engine_backend="flashinfer", model=model) == []
+
+    # Planted: request 1's indices built from request 0's req_to_token row (a wrong req_pool_indices entry).
+    wrong = recorded(flashinfer_decode_backend(ROWS[1] + ROWS[1] + ROWS[5][5:]), model)
+    assert ("invariants", "kv-index", "plan.kv_indices[5]") in check(tmp_path, batch, wrong, engine_backend="flashinfer", model=model, name="wrong")
+
+
+CAPTURE_BS, RAW_BS, FILL = 4, 2, 1
+
+
+def graph_step() -> tuple[Batch, Graph]:
+    """The decode step replayed in a graph captured at bs 4, through SGL-new's own build_replay_fb_view
+    (test_sglang_graph.static_buffers: seq_lens padded with 1, the rest zeroed)."""
+    from tests.record.engines import import_engine
+    from attndbg.record.sglang.adapter import _wrap_view_builder
+    from attndbg.record.sglang.graph import capture_graph_from_view, graph_from_host
+    from tests.record.sglang_steps import decode_batch
+    from tests.record.test_sglang_graph import static_buffers
+
+    runner = import_engine("sglang.srt.model_executor.runner.decode_cuda_graph_runner")
+    view = _wrap_view_builder(runner.build_replay_fb_view)(decode_batch(), static_buffers(), CAPTURE_BS, RAW_BS, CAPTURE_BS, None, FILL, env.ForwardMode.DECODE, False)
+    batch = batch_from_forward_batch(view, env.req_pool(ROWS).req_to_token, KV_CACHE_SIZE, raw_bs=RAW_BS)
+    info, tensors = capture_graph_from_view(view, fill_value=FILL, tokens_per_req=1)
+    return batch, graph_from_host(info, tensors)
+
+
+def flashinfer_graph_backend(kv_indptr: list[int]) -> SimpleNamespace:
+    """The bs-4 CUDA-graph decode wrapper after replay re-planned it: FlashInfer copies the plan
+    into the buffers it was built with (use_cuda_graph=True; indices into a buffer sized for the
+    capture), the padded requests' seq_len 1 reading req_to_token row 0: slot 0, the dummy slot."""
+    indices = torch.zeros(64, dtype=I32)
+    indices[:16] = torch.tensor(ROWS[1] + ROWS[5] + [0, 0], dtype=I32)
+    wrapper = SimpleNamespace(
+        _paged_kv_indptr_buf=torch.tensor(kv_indptr, dtype=I32),
+        _paged_kv_indices_buf=indices,
+        _paged_kv_last_page_len_buf=torch.ones(CAPTURE_BS, dtype=I32),
+        _use_tensor_cores=True,
+        is_cuda_graph_enabled=True,
+    )
+    return SimpleNamespace(forward_metadata=DecodeMetadata(decode_wrappers=[wrapper]), decode_use_tensor_cores=True, page_size=1)
+
+
+def test_flashinfer_decode_graph_padded(tmp_path) -> None:
+    model, (batch, graph) = layer_model(), graph_step()
+    plan = recorded(flashinfer_graph_backend([0, 5, 14, 15, 16]), model, graph_bs=CAPTURE_BS)
+    assert plan.tensors["kv_indices"].numel() == 16 and plan.scalars["use_tensor_cores"] is True
+    assert check(tmp_path, batch, plan, engine_backend="flashinfer", model=model, graph=graph) == []
+
+    # Planted: replay rewrote kv_indptr[1:raw_bs+1] only, the padded entries keep zeros.
+    wrong = recorded(flashinfer_graph_backend([0, 5, 14, 0, 0]), model, graph_bs=CAPTURE_BS)
+    found = check(tmp_path, batch, wrong, engine_backend="flashinfer", model=model, graph=graph, name="wrong")
+    assert any(check_id == "indptr-decreases" or "padded-indptr" in check_id for _, check_id, _ in found), found
+
+
+EXTEND_ROWS = {2: [7, 8, 9, 40, 41, 42, 43], 4: [17, 18]}
+
+
+def extend_step(prefix: list[int]) -> Batch:
+    """Requests of pool rows 2 and 4 (7 and 2 tokens in all), `prefix` of them cached."""
+    from tests.record.test_sglang_batch import extend_batch
+
+    extend = [7 - prefix[0], 2 - prefix[1]]
+    fb = extend_batch(
+        env.ForwardMode.EXTEND,
+        pool_rows=[2, 4],
+        prefix=prefix,
+        extend=extend,
+        out_cache_loc=EXTEND_ROWS[2][prefix[0] :] + EXTEND_ROWS[4][prefix[1] :],
+        positions=list(range(prefix[0], 7)) + list(range(prefix[1], 2)),
+    )
+    return batch_from_forward_batch(fb, env.req_pool(EXTEND_ROWS).req_to_token, KV_CACHE_SIZE)
+
+
+def flashinfer_extend_backend(*, qo: list[int], kv_rows: list[list[int]], use_ragged: bool, extend_no_prefix: bool) -> SimpleNamespace:
+    """A paged prefill wrapper planned by FlashInferIndicesUpdaterPrefill.call_begin_forward:
+    qo_indptr = cumsum(extend lens), kv over the prefix (use_ragged: the new tokens go through the
+    ragged wrapper) or over the whole row (paged), kv_indices with slack, last page lens ones."""
+    lens = [len(r) for r in kv_rows]
+    wrapper = SimpleNamespace(
+        _qo_indptr_buf=torch.tensor(qo, dtype=I32),
+        _paged_kv_indptr_buf=torch.tensor([0, lens[0], lens[0] + lens[1]], dtype=I32),
+        _paged_kv_indices_buf=torch.tensor(kv_rows[0] + kv_rows[1] + SLACK, dtype=I32),
+        _paged_kv_last_page_len_buf=torch.ones(2, dtype=I32),
+        is_cuda_graph_enabled=False,
+    )
+    md = PrefillMetadata(prefill_wrappers=[wrapper], use_ragged=use_ragged, extend_no_prefix=extend_no_prefix)
+    return SimpleNamespace(forward_metadata=md, page_size=1)
+
+
+@pytest.mark.parametrize(
+    ("path", "prefix", "use_ragged"),
+    [("ragged", [0, 0], True), ("cascade", [3, 1], True), ("paged", [3, 1], False)],
+)
+def test_flashinfer_extend(tmp_path, path: str, prefix: list[int], use_ragged: bool) -> None:
+    model, batch = layer_model(), extend_step(prefix)
+    qo = [0, 7 - prefix[0], 9 - prefix[0] - prefix[1]]
+    listed = prefix if use_ragged else [7, 2]  # ragged and cascade plan the paged wrapper over the prefix
+    kv_rows = [EXTEND_ROWS[2][: listed[0]], EXTEND_ROWS[4][: listed[1]]]
+    plan = recorded(flashinfer_extend_backend(qo=qo, kv_rows=kv_rows, use_ragged=use_ragged, extend_no_prefix=not any(prefix)), model)
+    assert plan.scalars["path"] == path
+    assert {"window_left", "logits_soft_cap"} <= set(plan.scalars) and plan.scalars["causal"] is (path != "cascade")  # the prefix pass is not causal
+    assert check(tmp_path, batch, plan, engine_backend="flashinfer", model=model, name=path) == []
+
+    # Planted: qo_indptr of another batch (request 0 given one token less).
+    wrong = recorded(flashinfer_extend_backend(qo=[0, qo[1] - 1, qo[2]], kv_rows=kv_rows, use_ragged=use_ragged, extend_no_prefix=not any(prefix)), model)
+    found = check(tmp_path, batch, wrong, engine_backend="flashinfer", model=model, name=f"{path}_wrong")
+    assert any(field.startswith("plan.qo_indptr") for _, _, field in found), found
+
+
+# -- FlashInfer verify: the mask as FlashInfer packed it ------------------------------------------
+
+
+def pack_little(mask: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """segment_packbits(mask, cumsum(sizes), bitorder="little") written out: each segment padded to
+    whole bytes, bit i of a byte = element 8j + i. Returns (bytes uint8, byte offsets int32)."""
+    out, offsets, start = [], [0], 0
+    for size in sizes:
+        bits = mask[start : start + size].to(torch.int64)
+        start += size
+        bits = torch.nn.functional.pad(bits, (0, (-size) % 8)).view(-1, 8)
+        out.append((bits << torch.arange(8)).sum(1).to(torch.uint8))
+        offsets.append(offsets[-1] + bits.shape[0])
+    return torch.cat(out), torch.tensor(offsets, dtype=I32)
+
+
+def flashinfer_verify_backend(mask: torch.Tensor) -> SimpleNamespace:
+    """SGLang's verify wrapper (prefill_wrappers_verify) planned from EagleVerifyInput.generate_attn_arg_prefill:
+    qo_indptr = arange(0, (bs+1)*n, n), kv over prefix + drafts, the FULL bool mask packed by plan()."""
+    kv = [PREFIX[0] + N, PREFIX[1] + N]
+    packed, offsets = pack_little(mask, [N * kv[0], N * kv[1]])
+    wrapper = SimpleNamespace(
+        _qo_indptr_buf=torch.tensor([0, N, 2 * N], dtype=I32),
+        _paged_kv_indptr_buf=torch.tensor([0, kv[0], kv[0] + kv[1]], dtype=I32),
+        _paged_kv_indices_buf=torch.tensor(VERIFY_ROWS[1] + VERIFY_ROWS[6] + SLACK, dtype=I32),
+        _paged_kv_last_page_len_buf=torch.ones(2, dtype=I32),
+        _custom_mask_buf=packed,
+        _mask_indptr_buf=offsets,
+        is_cuda_graph_enabled=False,
+    )
+    return SimpleNamespace(forward_metadata=PrefillMetadata(prefill_wrappers=[wrapper], use_ragged=False, extend_no_prefix=False), page_size=1)
+
+
+def verify_step() -> tuple[Batch, Spec, object]:
+    mask = tree.full_mask(torch.tensor(PARENTS), torch.tensor(PREFIX))
+    fb = verify_batch(verify_input(mask))
+    batch = batch_from_forward_batch(fb, env.req_pool(VERIFY_ROWS).req_to_token, KV_CACHE_SIZE)
+    return batch, spec_from_verify_input(fb.spec_info, fb.seq_lens), fb.spec_info
+
+
+def test_flashinfer_verify_packed_mask(tmp_path) -> None:
+    model, (batch, spec, spec_info) = layer_model(), verify_step()
+    plan = recorded(flashinfer_verify_backend(spec.custom_mask), model, verify=True, spec_info=spec_info)
+    assert plan.tensors["packed_custom_mask"].dtype == torch.uint8 and "custom_mask" not in plan.tensors
+    assert check(tmp_path, batch, plan, engine_backend="flashinfer", model=model, spec=spec) == []
+
+    # Planted: draft token 2 of request 0 sees its sibling 1 (a next-sibling link taken for a parent).
+    sibling = tree.full_mask(torch.tensor(PARENTS), torch.tensor(PREFIX)).clone()
+    sibling[2 * (PREFIX[0] + N) + PREFIX[0] + 1] = True
+    wrong = recorded(flashinfer_verify_backend(sibling), model, verify=True, spec_info=spec_info)
+    found = check(tmp_path, batch, wrong, engine_backend="flashinfer", model=model, spec=spec, name="sibling")
+    # Row 2, column 3 + 1 of request 0's [4, 7] block: element 2 * 7 + 4 = 18, byte 2 bit 2.
+    assert ("tree-mask", "mask-mismatch", "plan.packed_custom_mask[2] bit 2") in found, found
+
+    # Planted: the packed bytes' offsets computed for another batch (request 0 one byte short).
+    short = recorded(flashinfer_verify_backend(spec.custom_mask), model, verify=True, spec_info=spec_info)
+    offsets = short.tensors["packed_mask_indptr"].clone()
+    offsets[1] -= 1
+    found = check(tmp_path, batch, with_tensor(short, "packed_mask_indptr", offsets), engine_backend="flashinfer", model=model, spec=spec, name="offsets")
+    assert ("tree-mask", "mask-indptr", "plan.packed_mask_indptr[1]") in found, found
