@@ -23,6 +23,7 @@ import click
 from rich.console import Console
 
 from attndbg.trace.errors import TraceError
+from attndbg.suggest import did_you_mean
 from attndbg.trace.synth_spec import SpecError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -65,7 +66,8 @@ def _backend_names(spec: str) -> list[str]:
     try:
         names = registry.resolve(spec)
     except KeyError as e:
-        raise BadInput(f"--backend: unknown backend {e.args[0]!r}; known: {', '.join(registry.backend_names())}") from None
+        known = registry.backend_names()
+        raise BadInput(f"--backend: unknown backend {e.args[0]!r}{did_you_mean(e.args[0], known)}; known: {', '.join(known)}") from None
     if not names:
         raise BadInput(f"--backend {spec!r}: names no backend; known: {', '.join(registry.backend_names())}, or all")
     return names
@@ -190,7 +192,7 @@ def synth(spec: tuple[str, ...], output: str | None, list_presets: bool, inject_
         try:
             trace = detectors.inject(trace, inject_kind)
         except KeyError:
-            raise BadInput(f"--inject: unknown mistake {inject_kind!r}; see attndbg synth --list") from None
+            raise BadInput(f"--inject: unknown mistake {inject_kind!r}{_mistake_hint(inject_kind)}; see attndbg synth --list") from None
         except detectors.LoadError as e:
             raise BadInput(f"--inject {inject_kind}: {e}") from None
         except ValueError as e:
@@ -198,6 +200,16 @@ def synth(spec: tuple[str, ...], output: str | None, list_presets: bool, inject_
     io.save(trace, output)
     b = trace.batch
     click.echo(f"wrote {output}: {b.forward_mode.value} bs={b.batch_size} tokens={b.num_tokens} kv_lens={b.kv_lens.tolist()[:8]}")
+
+
+def _mistake_hint(kind: str) -> str:
+    """The suggestion for a mistake typed wrong (`--inject bit-order`: tree-mask:bit-order), or ""."""
+    from attndbg.detectors import registry as detectors
+
+    try:
+        return did_you_mean(kind, detectors.injection_catalog())
+    except detectors.LoadError:  # a detector that cannot load has its own error elsewhere
+        return ""
 
 
 @main.command()
@@ -653,7 +665,8 @@ def record(
     chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
     unknown = [e for e in chosen if e not in known]
     if unknown or not chosen:
-        raise BadInput(f"--engine: unknown engine {unknown[0] if unknown else engines!r}; known: {', '.join(known)}")
+        hint = did_you_mean(unknown[0], known) if unknown else ""
+        raise BadInput(f"--engine: unknown engine {unknown[0] if unknown else engines!r}{hint}; known: {', '.join(known)}")
     if command and command[0] == "--":
         command = command[1:]
     if not command:

@@ -82,6 +82,11 @@ class ExtendPath(enum.Enum):
 SGLANG_NAME = "flashinfer"
 
 
+# A plan recorded from a live wrapper holds its mask as FlashInfer packed it (SGLang's recorder:
+# `_custom_mask_buf` / `_mask_indptr_buf`); a derived plan holds the bool custom_mask.
+PACKED_MASK = pl.PackedMask("packed_custom_mask", "packed_mask_indptr")
+
+
 class PlanPath(enum.Enum):
     """The wrapper(s) a plan is for; stored by value in `plan.scalars["path"]`."""
 
@@ -450,6 +455,18 @@ class FlashInferBackend(Backend):
                 sizes = pv.counts(qo_indptr)[:requests] * lens[: max(qo_indptr.numel() - 1, 0)]
                 starts = torch.nn.functional.pad(sizes.cumsum(0), (1, 0))[:-1]
                 bounds.append(pv.Extents(None, starts, sizes, plan.tensors["custom_mask"].numel(), "q_len x kv_len mask block", "custom_mask"))
+            elif PACKED_MASK.tensor in plan.tensors:
+                # The mask as plan() left it (recorded from the wrapper): the kernel finds block b's
+                # bytes at packed_mask_indptr[b], ceil(q_len x kv_len / 8) of them.
+                packed = plan.tensors[PACKED_MASK.tensor].numel()
+                offsets = pv.index(plan, PACKED_MASK.indptr)
+                bounds += [
+                    pv.Equals(f"{PACKED_MASK.indptr}.numel()", offsets.numel(), requests + 1, "one byte offset per request of kv_indptr, plus one"),
+                    pv.offsets_into(PACKED_MASK.indptr, offsets, PACKED_MASK.tensor, packed),
+                ]
+                if offsets.numel() == requests + 1 and qo_indptr.numel() == requests + 1:
+                    sizes = pv.counts(qo_indptr) * lens
+                    bounds.append(pv.Extents(PACKED_MASK.indptr, offsets[:-1], pl.PackedMask.byte_sizes(sizes), packed, "packed q_len x kv_len mask block (bytes)", PACKED_MASK.tensor))
         return pv.PlanView(pv.covered(offsets=(kv_indptr, qo_indptr), rows=(last,)), tuple(bounds), pv.csr_kv(kv_indices, kv_indptr, lens, ps))
 
     @classmethod
@@ -481,8 +498,9 @@ class FlashInferBackend(Backend):
             length_field="kv_indptr/kv_last_page_len",
             page_size=None,
             ends=ends,
-            mask=pl.MaskReading.COVERED_BLOCKS if "custom_mask" in plan.tensors else pl.MaskReading.CAUSAL,
+            mask=pl.MaskReading.COVERED_BLOCKS if "custom_mask" in plan.tensors or PACKED_MASK.tensor in plan.tensors else pl.MaskReading.CAUSAL,
             window="window_left",
+            packed_mask=PACKED_MASK,
         )
 
     # -- run ----------------------------------------------------------------------------------
@@ -699,9 +717,23 @@ def _plan_decode(wrapper, m: Model, plan: Plan, *, q_dtype: torch.dtype, kv_dtyp
     )
 
 
+def _bool_mask(plan: Plan) -> Tensor | None:
+    """The plan's custom mask as the bool blocks plan() packs: a derived plan's custom_mask, or a
+    recorded plan's packed bytes unpacked (plan() cannot take those back: handed packed_custom_mask
+    it keeps bit offsets, cumsum(q_len * kv_len), where the kernel reads byte offsets)."""
+    t = plan.tensors
+    if "custom_mask" in t or PACKED_MASK.tensor not in t:
+        return t.get("custom_mask")
+    ps = int(plan.scalars["page_size"])
+    pages = t["kv_indptr"].to(torch.int64).diff()
+    lens = torch.where(pages > 0, (pages - 1) * ps + t["kv_last_page_len"].to(torch.int64), 0)
+    sizes = t["qo_indptr"].to(torch.int64).diff() * lens
+    return PACKED_MASK.unpack(t[PACKED_MASK.tensor], t[PACKED_MASK.indptr].to(torch.int64), sizes)
+
+
 def _plan_paged(wrapper, m: Model, plan: Plan, *, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
     t = plan.tensors
-    mask = t.get("custom_mask")
+    mask = _bool_mask(plan)
     wrapper.plan(
         t["qo_indptr"],
         t["kv_indptr"],

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attndbg.backends import registry
+from attndbg.suggest import did_you_mean
 
 SPEC_FORM = "NAME.FIELD=VALUE, e.g. fa3.verify_path=two-call"
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
@@ -66,7 +67,7 @@ def options_class(name: str) -> type:
     """The options dataclass of the backend named `name`; OptionError when there is none."""
     known = registry.backend_names()
     if name not in known:
-        raise OptionError(f"--backend-option: unknown backend {name!r}; known: {', '.join(known)}")
+        raise OptionError(f"--backend-option: unknown backend {name!r}{did_you_mean(name, known)}; known: {', '.join(known)}")
     cls = registry.adapter_class(name).options_class
     if cls is None:
         takes = [n for n in known if _has_options(n)]

@@ -27,6 +27,7 @@ from attndbg.checks.findings import Finding, FindingClass
 from attndbg.detectors import registry
 from attndbg.detectors.base import Detector
 from attndbg.replay import activity
+from attndbg.suggest import did_you_mean
 from attndbg.trace import io
 from attndbg.trace.schema import Trace
 from attndbg.trace.validate import TraceError
@@ -40,7 +41,7 @@ def parse_only(spec: str | None) -> list[FindingClass]:
     out = []
     for name in (s.strip() for s in spec.split(",") if s.strip()):
         if name not in known:
-            raise ValueError(f"unknown detector {name!r}; detectors: {', '.join(known)}")
+            raise ValueError(f"unknown detector {name!r}{did_you_mean(name, known)}; detectors: {', '.join(known)}")
         out.append(FindingClass(name))
     return out
 

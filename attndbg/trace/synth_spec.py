@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from attndbg.suggest import did_you_mean
+
 # This module imports nothing heavy: `attndbg synth --list` and spec errors stay instant.
 # The dtype names a spec accepts (trace.schema.Q_DTYPES and the KV dtypes, spelled without torch).
 Q_DTYPE_NAMES = ("float16", "bfloat16", "float32")
@@ -142,7 +144,7 @@ def parse_spec(words: list[str] | tuple[str, ...]) -> SynthSpec:
     if words and "=" not in words[0]:
         name = words.pop(0)
         if name not in PRESETS:
-            raise SpecError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+            raise SpecError(f"unknown preset {name!r}{did_you_mean(name, PRESETS)}; presets: {', '.join(PRESETS)}")
         values.update(PRESETS[name])
     for word in words:
         key, sep, value = word.partition("=")
@@ -153,7 +155,7 @@ def parse_spec(words: list[str] | tuple[str, ...]) -> SynthSpec:
     kwargs: dict[str, object] = {}
     for key, value in values.items():
         if key not in known:
-            raise SpecError(f"unknown key {key!r}; keys: {', '.join(known)}")
+            raise SpecError(f"unknown key {key!r}{did_you_mean(key, known)}; keys: {', '.join(known)}")
         default = getattr(SynthSpec(), key)
         try:
             if isinstance(default, tuple):
