@@ -229,7 +229,8 @@ def check_steps(
     picks a number from the machine and the recording (`auto_jobs`). The reports, and the findings
     of the recording detectors, are identical for every number of jobs. `isolate` runs even one
     job in a worker process, a crash boundary for the kernel libraries (workers.py); None: on a
-    GPU machine, where an illegal memory access would poison this process's CUDA context.
+    GPU machine, where an illegal memory access would poison this process's CUDA context. Without
+    it, such a crash is its step's finding and the steps after it are not checked (check_in_process).
     """
     paths = select_paths(target, selection)
     states = {kind: state for kind, detector in detectors_of(only).items() if (state := detector.new_state()) is not None}

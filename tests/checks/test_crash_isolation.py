@@ -161,3 +161,42 @@ def test_replay_stops_in_one_line_when_the_context_is_lost(illegal_backend, tmp_
     said = " ".join(result.output.split())  # as wrapped at the terminal's width
     assert "step_000001.pt: CUDA context unusable after illegal_access (eager): RuntimeError: Triton Error [CUDA]: an illegal memory access" in said
     assert "replay stopped here" in said and "step_000002.pt" not in said and "Traceback" not in said
+
+
+def _lost_in(call) -> activity.Launch:
+    """The crash `call` loses this process's context to (in one process: raised and recorded)."""
+    try:
+        with pytest.raises(activity.CudaContextLost) as lost, activity.detector("split-merge"):
+            call()
+        assert activity.lost() == lost.value.crash
+        return lost.value.crash
+    finally:
+        activity.start_check()
+
+
+def test_split_merges_own_launches_are_announced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its probes call kernels directly (not through the runner): a fault in them names the backend."""
+    import sys
+    import types
+
+    import torch
+
+    from attndbg.backends.triton_kernels import decode
+    from attndbg.detectors.split_merge import gpu, stage2
+
+    def fault(*args, **kwargs):
+        raise RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered")
+
+    def merge_state(*args):
+        raise torch.AcceleratorError(cuda_fault_detector.ILLEGAL)
+
+    monkeypatch.setattr(decode, "decode_stage2", fault)
+    crash = _lost_in(lambda: stage2.stage2_probe.__wrapped__(64))
+    assert (crash.backend, crash.what, crash.detector) == ("triton", "decode_stage2 on crafted partials", "split-merge")
+
+    # FlashInfer's merge_state, without FlashInfer or a GPU: the library faults, tensors stay put.
+    flashinfer = types.SimpleNamespace(cascade=types.SimpleNamespace(merge_state=merge_state))
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer)
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    crash = _lost_in(lambda: gpu.merge_state_probe.__wrapped__(torch.float16))
+    assert (crash.backend, crash.what, crash.error) == ("flashinfer", "cascade.merge_state on crafted states", cuda_fault_detector.ILLEGAL)
