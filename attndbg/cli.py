@@ -488,6 +488,7 @@ class _CheckCommand(click.Command):
 @click.option("--max-memory", "max_memory_spec", default=None, metavar="SIZE", help="do not check a step (one file: exit 2) whose data would need more than SIZE, e.g. 8G or 512M (default: what the device has free)")
 @click.option("--backend-option", "backend_option_specs", multiple=True, metavar="NAME.FIELD=VALUE", help=BACKEND_OPTION_HELP)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), help="also write the findings as JSON (attndbg.check/1; - for stdout)")
+@click.option("--strict", is_flag=True, help="hazards fail the check too (exit 1): findings correct on this step, wrong under the condition each states")
 @handles_bad_input
 def check(
     target: str,
@@ -502,11 +503,13 @@ def check(
     json_path: str | None,
     max_memory_spec: str | None,
     backend_option_specs: tuple[str, ...],
+    strict: bool,
 ) -> None:
     """Run the detectors on a step or a recording directory and explain what they find.
 
-    Exit 0 when clean, 1 with findings, 2 on bad input, 3 when a backend named with --backend
-    could not run here (or a step could not be checked) and nothing was found.
+    Exit 0 when clean or with hazards only (findings right on this step, wrong under the condition
+    each states; --strict: 1), 1 with defects, 2 on bad input, 3 when a backend named with --backend
+    could not run here (or a step could not be checked) and nothing failed.
 
     \b
     Examples:
@@ -561,7 +564,7 @@ def check(
     console.print(verdict.line)
     if json_path:
         _write_json(json_path, checks_to_json(reports, verdict))
-    if any(r.findings for r in reports):
+    if verdict.defects or (strict and verdict.hazards):
         sys.exit(EXIT_FAILED)
     sys.exit(EXIT_NOT_RUN if verdict.incomplete else EXIT_OK)
 

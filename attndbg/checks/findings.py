@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -64,6 +65,20 @@ FindingClass.EXPOSURE = FindingClass("exposure")
 FindingClass.BACKEND_CRASH = FindingClass("backend-crash")
 
 
+class Severity(enum.Enum):
+    """What a finding claims about the step (DESIGN.md "Findings").
+
+    DEFECT: this step's output is wrong, or a kernel given this plan would read out of bounds; it
+    fails the check (exit 1). HAZARD: this step is correct, and wrong under a condition the finding
+    states (a later op that mixes padded rows into real ones, a stale value that stops being valid, a
+    mistake the engine could make); it is reported and counted, and fails only `check --strict`.
+    The detector that makes a finding decides: it is the one that knows whether the output is right.
+    """
+
+    DEFECT = "defect"
+    HAZARD = "hazard"
+
+
 @dataclass(frozen=True)
 class Location:
     """Where a finding is; unset parts do not apply. `row` is the query token's index in the step;
@@ -102,12 +117,14 @@ class Finding:
     cause: str  # one sentence naming the likely cause
     trace: str = ""
     data: dict[str, Any] = field(default_factory=dict)  # machine-readable evidence for --json
+    severity: Severity = Severity.DEFECT  # a hazard only where the detector knows this step's output is right
 
     def to_json(self) -> dict[str, Any]:
         loc = {k: v for k, v in self.location.__dict__.items() if v is not None}
         return {
             "class": self.kind.value,
             "check": self.check,
+            "severity": self.severity.value,
             "trace": self.trace,
             "location": loc,
             "evidence": self.evidence,
@@ -120,11 +137,14 @@ class Finding:
 _PLACE = ("layer", "request", "row", "column", "head", "field")
 
 
-def finding(kind: FindingClass, check: str, *, step: int, evidence: str, cause: str, trace: str = "", **details: Any) -> Finding:
+def finding(
+    kind: FindingClass, check: str, *, step: int, evidence: str, cause: str, trace: str = "", severity: Severity = Severity.DEFECT, **details: Any
+) -> Finding:
     """The finding every detector builds: `kind` (the detector's), `check` (its stable id), at `step`.
 
     Keywords named like a Location field (layer, request, row, column, head, field) place it in
     the step; the others, in the order given, are its machine-readable data for `--json`.
+    `severity`: HAZARD only where this step's output is right and the cause states when it is not.
     """
     where = {name: details.pop(name) for name in _PLACE if name in details}
-    return Finding(kind, check, Location(step=step, **where), evidence, cause, trace=trace, data=details)
+    return Finding(kind, check, Location(step=step, **where), evidence, cause, trace=trace, data=details, severity=severity)

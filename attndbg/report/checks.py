@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressC
 from rich.table import Table
 from rich.text import Text
 
-from attndbg.checks.findings import FindingClass
+from attndbg.checks.findings import FindingClass, Severity
 from attndbg.checks.run import StepReport
 from attndbg.trace.errors import printable
 
@@ -32,7 +32,9 @@ def render_step(report: StepReport) -> RenderableType:
     for column in ("class", "check", "where", "evidence", "likely cause"):
         table.add_column(column, overflow="fold")
     for f in report.findings:
-        table.add_row(Text(f.kind.value, style="bold red"), f.check, str(f.location), Text(f.evidence), Text(f.cause))
+        hazard = f.severity is Severity.HAZARD
+        kind = Text(f.kind.value, style="bold yellow" if hazard else "bold red") + Text(" (hazard)" if hazard else "")
+        table.add_row(kind, f.check, str(f.location), Text(f.evidence), Text(f.cause))
     return table
 
 
@@ -66,6 +68,9 @@ class CheckVerdict:
     # "<plan backend>: <why>" -> steps whose recorded plan the plan detectors could not read
     plans_unread: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    defects: int = 0  # findings of Severity.DEFECT: they fail the check
+    # "<class>/<check>" -> hazard findings (Severity.HAZARD): they fail only `check --strict`
+    hazards: dict[str, int] = field(default_factory=dict)
 
 
 def check_verdict(reports: list[StepReport], detectors: list[FindingClass], named: tuple[str, ...] | None, backend_options: BackendOptions | None = None) -> CheckVerdict:
@@ -90,7 +95,14 @@ def check_verdict(reports: list[StepReport], detectors: list[FindingClass], name
     # run), but the plan detectors checked less than the plan: said, never silent.
     unread = Counter(r.plan_unread for r in checked if r.plan_unread)
     parts += [f"recorded plan not read by the plan detectors on {n} step{'s' if n != 1 else ''} ({what})" for what, n in sorted(unread.items())]
-    parts.append(f"{findings} finding{'s' if findings != 1 else ''}")
+    hazards = Counter(f"{f.kind.value}/{f.check}" for r in reports for f in r.findings if f.severity is Severity.HAZARD)
+    defects = findings - sum(hazards.values())
+    count = f"{findings} finding{'s' if findings != 1 else ''}"
+    if hazards:
+        listed = ", ".join(f"{check} x{n}" if n > 1 else check for check, n in sorted(hazards.items()))
+        total = sum(hazards.values())
+        count += f": {defects} defect{'s' if defects != 1 else ''}, {total} hazard{'s' if total != 1 else ''} ({listed}; they fail only --strict)"
+    parts.append(count)
     unchecked = len(steps) - len(checked)
     return CheckVerdict(
         line="; ".join(parts),
@@ -102,6 +114,8 @@ def check_verdict(reports: list[StepReport], detectors: list[FindingClass], name
         backends_skipped=skipped,
         findings=findings,
         plans_unread=dict(sorted(unread.items())),
+        defects=defects,
+        hazards=dict(sorted(hazards.items())),
     )
 
 
@@ -131,6 +145,10 @@ def checks_to_json(reports: list[StepReport], verdict: CheckVerdict | None = Non
             "compared": verdict.backends_ran,
             "skipped": verdict.backends_skipped,
             "plans_unread": verdict.plans_unread,
+            "findings": verdict.findings,
+            "defects": verdict.defects,
+            "hazards": sum(verdict.hazards.values()),
+            "hazards_by_check": verdict.hazards,
         }
     return data
 

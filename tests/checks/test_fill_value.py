@@ -20,7 +20,7 @@ from attndbg.backends import triton as triton_backend
 from attndbg.backends.base import KernelError
 from attndbg.detectors.fill_value import detect as fill_value
 from attndbg.checks.context import CheckContext
-from attndbg.checks.findings import FindingClass
+from attndbg.checks.findings import FindingClass, Severity
 from attndbg.cli import main
 from attndbg.replay.graph import default_capture_bs
 from attndbg.trace import io, synth
@@ -75,12 +75,22 @@ def test_padded_seq_len_the_backend_cannot_take(backend: str, needs: int, captur
     if needs == 0:
         # FA3 takes seq_len 0; the row is still not the recorded fill value 1: a stale seq_len.
         f = only(findings, "padded-seq-len-stale")
-        assert f.data["severity"] == "low" and f.location.request == bad_row
+        assert f.severity is Severity.HAZARD and f.location.request == bad_row
         return
     f = only(findings, "padded-seq-len-unsupported")
     assert f.location.request == bad_row and f.location.field == f"graph.padded_seq_lens[{bad_row}]"
     assert f"ran on {backend}, which needs >= 1" in f.evidence and "fa3 >= 0" in f.evidence
     assert f.data["backend"] == backend and f.data["min_seq_len"] == 1
+    # Padded rows the kernel cannot take leave the real rows right: a hazard, and the cause says when it hurts.
+    assert f.severity is Severity.HAZARD and "a later op mixes padded rows into real ones" in f.cause
+
+
+def test_a_negative_padded_seq_len_is_a_defect() -> None:
+    trace = on(decode(4), "flashinfer")
+    seq_lens = trace.graph.padded_seq_lens.clone()
+    seq_lens[3] = -1
+    f = only(fill_value.recorded_padding(with_graph(trace, padded_seq_lens=seq_lens)), "padded-seq-len-unsupported")
+    assert f.severity is Severity.DEFECT and "graph.padded_seq_lens[3] = -1" in f.evidence
 
 
 @pytest.mark.parametrize("fill", [1, 2])
@@ -127,7 +137,7 @@ def test_seq_lens_sum(capture_bs: int, fill: int) -> None:
 
     assert fill_value.recorded_padding(with_sum(padded)) == []
     f = only(fill_value.recorded_padding(with_sum(raw)), "seq-lens-sum-ignores-padding")
-    assert f.data == {"severity": "high", "recorded": raw, "padded": padded, "raw": raw}
+    assert f.data == {"recorded": raw, "padded": padded, "raw": raw} and f.severity is Severity.DEFECT
     only(fill_value.recorded_padding(with_sum(padded + 7)), "seq-lens-sum-mismatch")
 
 
@@ -174,11 +184,11 @@ def test_padded_offsets_are_read_from_the_plan_view_with_their_stride() -> None:
     "row_value,seq_len,check,severity",
     [
         (1, 1, None, None),  # request 0's row (live, long enough): harmless
-        (9, 1, "stale-padded-req-pool-index", "low"),  # a row no live request holds
+        (9, 1, "stale-padded-req-pool-index", Severity.HAZARD),  # a row no live request holds
         (9, 0, None, None),  # a padded request with seq_len 0 reads no row
-        (fill_value.IMPLAUSIBLE_POOL_ROWS + 5, 1, "padded-req-pool-index-out-of-pool", "high"),
-        (-3, 1, "padded-req-pool-index-out-of-pool", "high"),
-        (mutate.GARBAGE_ROW, 0, "padded-req-pool-index-out-of-pool", "low"),
+        (fill_value.IMPLAUSIBLE_POOL_ROWS + 5, 1, "padded-req-pool-index-out-of-pool", Severity.DEFECT),
+        (-3, 1, "padded-req-pool-index-out-of-pool", Severity.DEFECT),
+        (mutate.GARBAGE_ROW, 0, "padded-req-pool-index-out-of-pool", Severity.HAZARD),
     ],
 )
 def test_stale_padded_req_pool_index(row_value: int, seq_len: int, check, severity) -> None:
@@ -191,20 +201,20 @@ def test_stale_padded_req_pool_index(row_value: int, seq_len: int, check, severi
         assert findings == []
         return
     f = only(findings, check)
-    assert f.location.request == 3 and f.data["severity"] == severity
+    assert f.location.request == 3 and f.severity is severity
     assert f.location.field == "graph.padded_req_pool_indices[3]"
     # vLLM has no request pool: whatever a recorder stored there is not judged.
     vllm = on(with_graph(trace, padded_req_pool_indices=rows, padded_seq_lens=seq_lens, fill_value=seq_len), "fa3", "vllm")
     assert fill_value.recorded_padding(vllm) == []
 
 
-@pytest.mark.parametrize("make,backend,severity", [(decode, "triton", "low"), (verify, "triton", "low"), (verify, "flashinfer", "high")])
-def test_stale_padded_positions(make, backend: str, severity: str) -> None:
+@pytest.mark.parametrize("make,backend,severity", [(decode, "triton", Severity.HAZARD), (verify, "triton", Severity.HAZARD), (verify, "flashinfer", Severity.DEFECT)])
+def test_stale_padded_positions(make, backend: str, severity: Severity) -> None:
     trace = on(make(4), backend)
     positions = trace.graph.padded_positions.clone()
     positions[-1] = 777
     f = only(fill_value.recorded_padding(with_graph(trace, padded_positions=positions)), "stale-padded-positions")
-    assert f.data["severity"] == severity and f.location.row == positions.numel() - 1
+    assert f.severity is severity and f.location.row == positions.numel() - 1
     assert "777" in f.evidence and ("#24361" in f.cause)
 
 
@@ -270,6 +280,8 @@ def test_zero_fill_nan_padded_rows_leak_into_real_rows(monkeypatch: pytest.Monke
     leak = only(findings, "padding-leaks-into-real-rows")
     assert leak.data["fill_value"] == 0 and leak.location.request in range(trace.batch.batch_size)
     assert "at padded seq_len 1 the same rows pass" in leak.evidence  # the backend's own fill is fine
+    # Real rows are wrong here: both are defects (the recorded fill alone would be a hazard).
+    assert (static.severity, nonfinite.severity, leak.severity) == (Severity.HAZARD, Severity.DEFECT, Severity.DEFECT)
 
 
 def test_no_recorded_graph_replays_at_the_next_capture_size(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -280,6 +292,7 @@ def test_no_recorded_graph_replays_at_the_next_capture_size(monkeypatch: pytest.
     f = only(findings, "padded-rows-nonfinite")
     assert f.data["capture_bs"] == default_capture_bs(trace) == 4 and "next SGLang capture size" in f.evidence
     assert [x.check for x in findings] == ["padded-rows-nonfinite"]  # real rows unaffected: no leak
+    assert f.severity is Severity.HAZARD  # NaN only in padded rows: wrong where a later op mixes rows
 
 
 @pytest.mark.parametrize("method,fault,check", [("load_plan", _raises_on_empty, "padded-replay-error"), ("forward", _writes_stray_kv, "padded-kv-write")])
@@ -341,8 +354,14 @@ def test_cli_synth_inject_then_check(tmp_path: Path) -> None:
     assert made.exit_code == 0, made.output
     assert io.load(out).source.backend == "flashinfer"
     checked = runner.invoke(main, ["check", str(out), "--only", "fill-value"])
-    assert checked.exit_code == 1, checked.output
+    # seq_len 0 padding leaves this step's real rows right: a hazard, named on the verdict line, exit 0.
+    assert checked.exit_code == 0, checked.output
     assert "fill-value" in checked.output and "padded-seq-len-unsupported" in checked.output
+    line = " ".join(checked.output.split())
+    assert "1 finding: 0 defects, 1 hazard (fill-value/padded-seq-len-unsupported; they fail only --strict)" in line
+    strict = runner.invoke(main, ["check", str(out), "--only", "fill-value", "--strict"])
+    assert strict.exit_code == 1, strict.output
+    assert "fill-value/padded-seq-len-unsupported" in " ".join(strict.output.split())
 
 
 # -- GPU only (real capture, every backend installed) ------------------------------------------

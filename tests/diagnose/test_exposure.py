@@ -1,16 +1,23 @@
 """`check --only exposure`: a step without the engine's output, judged exposed to a mistake where its
 metadata shows the precondition and the mistake would move an output beyond tolerance; silent where
-the metadata shows none, and never run by the default check."""
+the metadata shows none, and never run by the default check. An exposure is a hazard: a correct
+step that shows one checks with exit 0 and the hazard named on the verdict line (`--strict`: 1)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import torch
+from click.testing import CliRunner
 
 from attndbg.checks.context import CheckContext
+from attndbg.checks.findings import Severity
+from attndbg.cli import main
 from attndbg.detectors.exposure.detect import detect
 from attndbg.detectors import registry
+from attndbg.trace import io
 from tests.checks.shapes import SMALL
 from tests.diagnose.test_diagnose import DECODE
 from tests.factories import make_trace
@@ -58,3 +65,23 @@ def test_a_clean_step_is_exposed_to_nothing_and_the_default_check_skips_it() -> 
     assert exposed(metadata_only(*DECODE, splits=[1, 1, 1])) == {}
     assert exposed(make_trace("verify", *SMALL, "prefix_lens=20,33", plan=True)) == {}
     assert "exposure" in registry.names() and "exposure" not in registry.default_names()
+
+
+def test_exposures_are_hazards_a_clean_step_exits_0_and_strict_fails(tmp_path: Path) -> None:
+    # A correct step (8 splits is a valid split plan) whose metadata shows empty splits.
+    trace = metadata_only("decode-gqa", *SMALL, "kv_lens=5,33,70", "shared_prefix=0", splits=[8, 8, 8])
+    assert all(f.severity is Severity.HAZARD for f in detect(CheckContext(trace=trace, path="t")))
+    path = io.save(trace, tmp_path / "t.pt")
+    report = tmp_path / "r.json"
+    result = CliRunner().invoke(main, ["check", str(path), "--only", "exposure", "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(report.read_text())
+    found = data["steps"][0]["findings"]
+    assert found and {f["severity"] for f in found} == {"hazard"}
+    verdict = data["verdict"]
+    assert (verdict["findings"], verdict["defects"], verdict["hazards"]) == (len(found), 0, len(found))
+    assert set(verdict["hazards_by_check"]) == {f"exposure/{f['check']}" for f in found}
+    line = " ".join(result.output.split())
+    assert f"0 defects, {len(found)} hazard" in line and "exposure/exposed-to-empty-splits-zeros" in line
+    strict = CliRunner().invoke(main, ["check", str(path), "--only", "exposure", "--strict"])
+    assert strict.exit_code == 1, strict.output

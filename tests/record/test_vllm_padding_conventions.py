@@ -26,12 +26,14 @@ Triton kernels):
   `AttentionBackendEnum.FLASHINFER`, which is what `FlashInferBackend.get_name()` returns in
   vLLM's source: both checked below). No FlashInfer output is made up. `check` judges the
   recorded padding by FlashInfer's requirement (seq_len >= 1: FlashInfer #2883, vLLM #38436):
-  exactly one finding naming FLASHINFER, the fill 0, the first padded request and its field.
+  exactly one finding naming FLASHINFER, the fill 0, the first padded request and its field; a
+  hazard (the real rows are right), so `check` exits 0 and names it on the verdict line, and
+  `check --strict` exits 1.
 - The same FlashInfer step padded with seq_len 1 (what vLLM #38436 proposed; closed unmerged)
   meets the requirement: no `padded-seq-len-unsupported`. It is not clean, though: the converter
   records vLLM's fill as 0 (`record/vllm/convert.py` VLLM_FILL_VALUE: vLLM 0.33's runner resets
-  padded rows to 0 every step), so fill-value reports the 1s as a low-severity
-  `padded-seq-len-stale`, as test_vllm_evidence.py does for TRITON_ATTN.
+  padded rows to 0 every step), so fill-value reports the 1s as a `padded-seq-len-stale` hazard,
+  as test_vllm_evidence.py does for TRITON_ATTN.
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 from attndbg.backends import engine_names
+from attndbg.cli import main
 from attndbg.record.session import RecordingSession
 from attndbg.trace.schema import ForwardMode, Trace
 from tests.record.check_cli import check_json
@@ -195,6 +199,14 @@ def test_flashinfer_cannot_take_it_and_the_finding_names_backend_fill_and_row(se
     assert found["data"]["padded_seq_lens"] == [0] * (CAPTURE_BS - REAL_ROWS)
     assert f"graph.padded_seq_lens[{REAL_ROWS}] = 0" in found["evidence"] and "ran on FLASHINFER, which needs >= 1" in found["evidence"]
     assert need.why in found["cause"] and "#38436" in found["cause"] and "#2883" in found["cause"]
+    # vLLM's own convention leaves the real rows right: a hazard (FlashInfer #2883, NaN in padded
+    # rows, harmful only where a later op mixes rows). Named on the verdict line; exit 0, --strict 1.
+    assert found["severity"] == "hazard"
+    args = ["check", str(session.out_dir), "--backend", "triton", "--in-process", "--jobs", "1"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "0 defects, 1 hazard (fill-value/padded-seq-len-unsupported;" in " ".join(result.output.split())
+    assert CliRunner().invoke(main, [*args, "--strict"]).exit_code == 1
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -202,7 +214,7 @@ def test_flashinfer_padded_with_seq_len_1_meets_its_requirement(session: Recordi
     cm = _step(shape, configs[shape], padded_seq_len=1)
     trace = _record(session, "FLASHINFER", configs[shape], cm)
     assert trace.graph.padded_seq_lens.tolist()[REAL_ROWS:] == [1] * (CAPTURE_BS - REAL_ROWS)
-    found = [(f["class"], f["check"], f["location"].get("field"), f["data"].get("severity")) for f in _checked(session)]
+    found = [(f["class"], f["check"], f["location"].get("field"), f["severity"]) for f in _checked(session)]
     # No kernel requirement is broken. What remains is the converter's vLLM fill (0) against the 1s
-    # the runner left: low severity (see the module docstring).
-    assert found == [("fill-value", "padded-seq-len-stale", f"graph.padded_seq_lens[{REAL_ROWS}]", "low")]
+    # the runner left: a hazard (see the module docstring).
+    assert found == [("fill-value", "padded-seq-len-stale", f"graph.padded_seq_lens[{REAL_ROWS}]", "hazard")]

@@ -3,7 +3,9 @@
 One finding per mistake that would move some request's output beyond the step's tolerance, named
 `exposed-to-<mechanism>`, with the requests, the parameters and the size of the move. On a step
 with the engine's tensors, the first recorded layer is judged (its real q/K/V); else the step's
-seeded inputs.
+seeded inputs. Every exposure is a hazard: nothing says the engine made the mistake, the finding
+states the mistake under which this step would break (whether it did is split-merge's and
+tree-mask's recorded-output findings, defects).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from attndbg.checks.context import CheckContext
-from attndbg.checks.findings import Finding, FindingClass, Location
+from attndbg.checks.findings import Finding, FindingClass, Location, Severity
 from attndbg.diagnose.exposure import exposures
 
 KIND = FindingClass.EXPOSURE
@@ -33,6 +35,7 @@ def detect(ctx: CheckContext) -> list[Finding]:
                 f"{list(e.requests)} up to {e.worst:.3g}x the output tolerance off the reference ({'; '.join(e.details)})",
                 f"If the engine makes this mistake: {e.cause}",
                 data={"exposure": e.to_json()},
+                severity=Severity.HAZARD,
             )
         )
     return out

@@ -18,12 +18,21 @@ padded seq_len is 0 (nothing is read through it), or that is the row of a live r
 batch at least as long as the padded seq_len (the backend reads that row's first slot ids, which
 are valid); any padded req_pool_index or position of a vLLM step (vLLM has no request pool and
 leaves positions stale by design, engines.md B5). Zero is what SGLang's newer runner writes. Other
-non-zero values are reported with low severity: a row that no live request holds may never have
-been written (req_to_token allocated with torch.empty, SGLang #1779), and stale positions broke
-FlashInfer's verify plan (SGLang #24361: high severity for a FlashInfer verify step). A row id
-outside any plausible request pool is high severity when it is read (padded seq_len >= 1):
+non-zero values are hazards: a row that no live request holds may never have been written
+(req_to_token allocated with torch.empty, SGLang #1779), and stale positions broke FlashInfer's
+verify plan (SGLang #24361: a defect on a FlashInfer verify step, whose plan reads them). A row id
+outside any plausible request pool is a defect when it is read (padded seq_len >= 1):
 req_to_token is read out of bounds. A step that records no padded req_pool_indices (None: the
 engine has no request pool) has none of these judged: nothing stands in for them.
+
+Severity (checks/findings.py `Severity`): padded rows are independent of real ones in every
+attention kernel here, so what only the padded rows get wrong is a hazard: a padded seq_len the
+kernel cannot take (0 for FlashInfer: NaN padded rows, FlashInfer #2883; vLLM pads with 0 by its
+own convention), stale padded seq_lens, row ids and positions nothing reads, NaN/Inf in padded
+rows. Each says when it would hurt: a later op that mixes rows, a stale row id that stops holding
+valid slot ids. What makes this step wrong is a defect: KV written outside the dummy slot,
+offsets or sums that make a kernel read past its buffers, a padded replay that raises, real rows
+that the padding changes.
 """
 
 from __future__ import annotations
@@ -37,14 +46,14 @@ from attndbg.backends import engine_names, registry
 from attndbg.backends.base import FillRequirement
 from attndbg.backends.plan_view import USUAL_OFFSETS, Offsets, PlanViewError
 from attndbg.checks.context import CheckContext
-from attndbg.checks.findings import Finding, FindingClass, finding
+from attndbg.checks.findings import Finding, FindingClass, Severity, finding
 from attndbg.replay import graph as graph_replay
 from attndbg.replay.runner import BackendRun, ReplayOptions, RunStatus
 from attndbg.replay.variants import Eager, Graph
 from attndbg.trace.schema import ForwardMode, Trace
 
 KIND = FindingClass.FILL_VALUE
-HIGH, LOW = "high", "low"
+DEFECT, HAZARD = Severity.DEFECT, Severity.HAZARD
 # What a padded token's out_cache_loc may hold: SGLang zeroes it (slot 0 is reserved "for writing
 # dummy outputs from padded tokens"), vLLM sets -1 (the KV write is skipped).
 DUMMY_SLOTS = (0, -1)
@@ -92,11 +101,9 @@ def recorded_padding(trace: Trace) -> list[Finding]:
     )
 
 
-def _graded(trace: Trace, check: str, evidence: str, cause: str, *, severity: str = HIGH, data: dict | None = None, **where) -> Finding:
-    """A fill-value finding: its severity is its data's first entry, and a low one says so in its cause."""
-    if severity == LOW:
-        cause = "Low severity: " + cause[0].lower() + cause[1:]
-    return finding(KIND, check, step=trace.source.step, evidence=evidence, cause=cause, **where, severity=severity, **(data or {}))
+def _graded(trace: Trace, check: str, evidence: str, cause: str, *, severity: Severity = DEFECT, data: dict | None = None, **where) -> Finding:
+    """A fill-value finding of `severity` (a hazard's cause states when it would hurt)."""
+    return finding(KIND, check, step=trace.source.step, evidence=evidence, cause=cause, severity=severity, **where, **(data or {}))
 
 
 def _padded_seq_lens(trace: Trace) -> list[Finding]:
@@ -109,6 +116,9 @@ def _padded_seq_lens(trace: Trace) -> list[Finding]:
         bad = [(bs + i, n) for i, n in enumerate(padded) if n < need.min_seq_len]
         if bad:
             row, value = bad[0]
+            # A negative length makes the kernel's offsets decrease (reads before a request's KV):
+            # a defect. A short one (0) reads nothing: only the padded rows' own output is at stake.
+            negative = any(n < 0 for _, n in bad)
             findings.append(
                 _graded(
                     trace,
@@ -116,7 +126,15 @@ def _padded_seq_lens(trace: Trace) -> list[Finding]:
                     f"{len(bad)} of {len(padded)} padded requests have seq_len < {need.min_seq_len} "
                     f"(first: graph.padded_seq_lens[{row}] = {value}; graph.fill_value = {graph.fill_value}); "
                     f"the step ran on {backend}, which needs >= {need.min_seq_len}. Backends need: {requirements_summary()}",
-                    f"The graph runner padded with a fill value {backend} cannot take: {need.why}.",
+                    f"The graph runner padded with a fill value {backend} cannot take: {need.why}."
+                    + (
+                        ""
+                        if negative
+                        else " The real rows do not read the padded ones; this hurts where a later op mixes padded rows into real"
+                        " ones (a per-batch reduction), or where the kernel faults on it, which this detector's padded replay at the"
+                        " recorded fill shows wherever the backend runs."
+                    ),
+                    severity=DEFECT if negative else HAZARD,
                     request=row,
                     field=f"graph.padded_seq_lens[{row}]",
                     data={"backend": backend, "min_seq_len": need.min_seq_len, "padded_seq_lens": padded, "fill_value": graph.fill_value},
@@ -132,9 +150,9 @@ def _padded_seq_lens(trace: Trace) -> list[Finding]:
                 "padded-seq-len-stale",
                 f"{len(stale)} padded requests hold a seq_len other than the fill value {graph.fill_value} "
                 f"(first: graph.padded_seq_lens[{row}] = {value})",
-                "the runner did not reset the padded seq_lens to its fill value, so padded requests read as many "
+                "The runner did not reset the padded seq_lens to its fill value, so padded requests read as many "
                 "KV slots of their (stale) req_to_token rows as an earlier batch had; harmless only while those rows hold valid slot ids.",
-                severity=LOW,
+                severity=HAZARD,
                 request=row,
                 field=f"graph.padded_seq_lens[{row}]",
                 data={"padded_seq_lens": padded, "fill_value": graph.fill_value},
@@ -291,7 +309,7 @@ def _padded_req_pool_indices(trace: Trace) -> list[Finding]:
                 f"graph.padded_req_pool_indices[{r}] = {index}, padded seq_len {reads})",
                 "The runner never reset the padded req_pool_indices (an uninitialised buffer, SGLang #1779): the backend "
                 "reads req_to_token at that row out of bounds" + (" (illegal memory access)." if reads else " once the padded seq_len is >= 1."),
-                severity=HIGH if reads else LOW,
+                severity=DEFECT if reads else HAZARD,
                 request=r,
                 field=f"graph.padded_req_pool_indices[{r}]",
                 data={"rows": [i for _, i, _ in out][:16]},
@@ -308,7 +326,7 @@ def _padded_req_pool_indices(trace: Trace) -> list[Finding]:
                 "SGLang's newer runner zeroes them",
                 "The classic SGLang runner leaves padded req_pool_indices stale: harmless while that row still holds valid "
                 "slot ids from an earlier request, garbage if it was never written (req_to_token allocated with torch.empty, SGLang #1779).",
-                severity=LOW,
+                severity=HAZARD,
                 request=r,
                 field=f"graph.padded_req_pool_indices[{r}]",
                 data={"rows": [i for _, i, _ in stale][:16], "live_rows": live},
@@ -344,7 +362,7 @@ def _padded_positions(trace: Trace) -> list[Finding]:
             f"{bad.numel()} padded tokens have non-zero positions (first: graph.padded_positions[{tokens + i}] = {int(tail[i])}); "
             "SGLang's newer runner zeroes them",
             cause,
-            severity=HIGH if read_by_verify_plan else LOW,
+            severity=DEFECT if read_by_verify_plan else HAZARD,
             request=batch.batch_size + i // per_req,
             row=tokens + i,
             field=f"graph.padded_positions[{tokens + i}]",
@@ -445,6 +463,8 @@ def _replay_findings(trace: Trace, *, name: str, capture_bs: int, runs: list[_Pa
                     f"{label}: {outcome.padded_nonfinite} NaN/Inf values in the padded rows' output/LSE",
                     "The kernel writes NaN/Inf into padded rows; any per-batch reduction downstream (a quantisation "
                     "scale shared by a 128-row tile, FlashInfer #2883) spreads them into real tokens." + _fill_note(trace, name, p.fill),
+                    # Only while this replay's real rows are right (else they are wrong: a defect).
+                    severity=HAZARD if run.comparison is not None and run.comparison.passed else DEFECT,
                     request=trace.batch.batch_size,
                     data={**data, "nonfinite": outcome.padded_nonfinite},
                 )
