@@ -273,3 +273,185 @@ def test_flashinfer_verify_packed_mask(tmp_path) -> None:
     offsets[1] -= 1
     found = check(tmp_path, batch, with_tensor(short, "packed_mask_indptr", offsets), engine_backend="flashinfer", model=model, spec=spec, name="offsets")
     assert ("tree-mask", "mask-indptr", "plan.packed_mask_indptr[1]") in found, found
+
+
+# -- FA3 ----------------------------------------------------------------------------------------
+
+FlashAttentionMetadata = sglang_class("sglang.srt.layers.attention.flashattention_backend", "FlashAttentionMetadata")
+
+
+def page_table(pool_rows: list[int], rows: dict[int, list[int]], width: int) -> torch.Tensor:
+    """req_to_token[req_pool_indices, :width] (page size 1: the slot ids themselves)."""
+    return env.req_pool(rows).req_to_token[torch.tensor(pool_rows), :width].to(I32)
+
+
+def fa3_backend(md, *, topk: int = 0, expand=None) -> SimpleNamespace:
+    """FlashAttentionBackend after init_forward_metadata: the metadata, and what its forward reads
+    beside it (page_size, topk, the tree verify's forward_metadata_spec_decode_expand)."""
+    return SimpleNamespace(forward_metadata=md, page_size=1, topk=topk, forward_metadata_spec_decode_expand=expand)
+
+
+def fa3_decode_metadata(cache_seqlens: list[int], pool_rows: list[int], rows: dict[int, list[int]]):
+    """Normal decode (flashattention_backend.py init_forward_metadata): cache_seqlens = seq_lens,
+    cu_seqlens_q = arange(bs + 1), cu_seqlens_k = cumsum, page_table = the rows up to max_seq_len_k."""
+    lens = torch.tensor(cache_seqlens, dtype=I32)
+    width = max(cache_seqlens)
+    return FlashAttentionMetadata(
+        cache_seqlens_int32=lens,
+        max_seq_len_q=1,
+        max_seq_len_k=width,
+        cu_seqlens_q=torch.arange(len(cache_seqlens) + 1, dtype=I32),
+        cu_seqlens_k=torch.nn.functional.pad(lens.cumsum(0, dtype=I32), (1, 0)),
+        page_table=page_table(pool_rows, rows, width),
+    )
+
+
+def test_fa3_decode_eager(tmp_path) -> None:
+    model, batch = layer_model(), decode_step()
+    plan = recorded(fa3_backend(fa3_decode_metadata([5, 9], [1, 5], ROWS)), model)
+    assert plan.scalars == {"max_seqlen_q": 1, "max_seqlen_k": 9, "page_size": 1, "window_left": -1, "verify_path": "causal", "causal": True}
+    assert check(tmp_path, batch, plan, engine_backend="fa3", model=model) == []
+
+    # Planted: request 1's page-table row read from request 0's req_to_token row.
+    wrong = recorded(fa3_backend(fa3_decode_metadata([5, 9], [1, 1], {1: ROWS[1] + ROWS[5][5:]})), model)
+    found = check(tmp_path, batch, wrong, engine_backend="fa3", model=model, name="wrong")
+    assert any(check_id == "kv-index" and field.startswith("plan.page_table") for _, check_id, field in found), found
+
+
+def test_fa3_decode_graph_padded(tmp_path) -> None:
+    """The bs-4 graph's metadata (decode_cuda_graph_metadata[4]) refilled at replay: padded requests
+    with seq_len 1 read req_to_token row 0."""
+    model, (batch, graph) = layer_model(), graph_step()
+    md = fa3_decode_metadata([5, 9, 1, 1], [1, 5, 0, 0], {**ROWS, 0: [0]})
+    plan = recorded(fa3_backend(md), model, graph_bs=CAPTURE_BS)
+    assert plan.tensors["page_table"].shape == (CAPTURE_BS, 9)
+    assert check(tmp_path, batch, plan, engine_backend="fa3", model=model, graph=graph) == []
+
+    # Planted: cu_seqlens_k refilled for the real requests only; the padded entries keep zeros.
+    md.cu_seqlens_k = torch.tensor([0, 5, 14, 0, 0], dtype=I32)
+    found = check(tmp_path, batch, recorded(fa3_backend(md), model, graph_bs=CAPTURE_BS), engine_backend="fa3", model=model, graph=graph, name="wrong")
+    assert any(field.startswith("plan.cu_seqlens_k") for _, _, field in found), found
+
+
+def test_fa3_extend(tmp_path) -> None:
+    """An extend with prefixes [3, 1] (init_forward_metadata: any prefix -> cu_seqlens_q over the
+    extend lens, max_seq_len_q their max; cache_seqlens the whole rows)."""
+    model, batch = layer_model(), extend_step([3, 1])
+
+    def metadata(cu_q: list[int]):
+        lens = torch.tensor([7, 2], dtype=I32)
+        return FlashAttentionMetadata(
+            cache_seqlens_int32=lens,
+            max_seq_len_q=4,
+            max_seq_len_k=7,
+            cu_seqlens_q=torch.tensor(cu_q, dtype=I32),
+            cu_seqlens_k=torch.nn.functional.pad(lens.cumsum(0, dtype=I32), (1, 0)),
+            page_table=page_table([2, 4], EXTEND_ROWS, 7),
+        )
+
+    plan = recorded(fa3_backend(metadata([0, 4, 5])), model)
+    assert check(tmp_path, batch, plan, engine_backend="fa3", model=model) == []
+    # Planted: cu_seqlens_q of another batch (request 0 one token short).
+    found = check(tmp_path, batch, recorded(fa3_backend(metadata([0, 3, 5])), model), engine_backend="fa3", model=model, name="wrong")
+    assert any(field.startswith("plan.cu_seqlens_q") for _, _, field in found), found
+
+
+def fa3_tree_verify(mask: torch.Tensor):
+    """A topk-2 verify as SGLang's FA3 backend plans it (init_forward_metadata, target verify with
+    topk > 1): call 1 over each prefix; the expand metadata with one row per draft token, the n x n
+    draft block gathered from the FULL mask, the draft slots sorted so the visible ones come first,
+    cache_seqlens = the block row's sum (the source's steps, written out)."""
+    bs, prefix = 2, torch.tensor(PREFIX)
+    lens = prefix.to(I32)
+    main = FlashAttentionMetadata(
+        cache_seqlens_int32=lens,
+        max_seq_len_q=N,
+        max_seq_len_k=max(PREFIX),
+        cu_seqlens_q=torch.arange(0, bs * N + 1, N, dtype=I32),
+        cu_seqlens_k=torch.nn.functional.pad(lens.cumsum(0, dtype=I32), (1, 0)),
+        page_table=page_table([1, 6], VERIFY_ROWS, max(PREFIX)),
+    )
+    offsets = torch.arange(N)[None, :]
+    cols = offsets.expand(bs, -1) + prefix[:, None]
+    cum_len = torch.nn.functional.pad(torch.cumsum((prefix + N).repeat_interleave(N), 0), (1, 0))[:-1]
+    block = mask[(cols.repeat_interleave(N, dim=0) + cum_len[:, None]).view(1, -1)].view(-1, N)
+    keys = torch.where(block, offsets.expand(block.shape[0], N), offsets + N)
+    _, order = torch.sort(keys, dim=1)
+    draft_slots = env.req_pool(VERIFY_ROWS).req_to_token[torch.tensor([1, 6]), :].to(torch.int64).gather(1, cols).repeat_interleave(N, dim=0)
+    expand = FlashAttentionMetadata(
+        max_seq_len_q=1,
+        cu_seqlens_q=torch.arange(bs * N + 1, dtype=I32),
+        page_table=draft_slots.gather(1, order).to(I32),
+        cache_seqlens_int32=block.sum(1).to(I32),
+    )
+    expand.cu_seqlens_k = torch.nn.functional.pad(expand.cache_seqlens_int32.cumsum(0, dtype=I32), (1, 0))
+    return fa3_backend(main, topk=2, expand=expand)
+
+
+def test_fa3_tree_verify_two_calls(tmp_path) -> None:
+    model, (batch, spec, spec_info) = layer_model(), verify_step()
+    plan = recorded(fa3_tree_verify(spec.custom_mask), model, verify=True, spec_info=spec_info)
+    assert plan.scalars["verify_path"] == "two-call" and plan.scalars["expand_page_size"] == 1
+    assert check(tmp_path, batch, plan, engine_backend="fa3", model=model, spec=spec) == []
+
+    # Planted: draft token 2 of request 0 sees its sibling 1 in the mask the expand call is cut from.
+    sibling = spec.custom_mask.clone()
+    sibling[2 * (PREFIX[0] + N) + PREFIX[0] + 1] = True
+    found = check(tmp_path, batch, recorded(fa3_tree_verify(sibling), model, verify=True, spec_info=spec_info), engine_backend="fa3", model=model, spec=spec, name="sibling")
+    assert ("tree-mask", "mask-mismatch", "plan.expand_page_table[2]") in found, found
+
+
+def test_fa3_stale_expand_metadata_is_not_recorded_on_an_extend() -> None:
+    """SGLang leaves forward_metadata_spec_decode_expand of the last tree verify on the backend; an
+    extend step does not read it, so its plan has no expand_ tables."""
+    backend = fa3_tree_verify(tree.full_mask(torch.tensor(PARENTS), torch.tensor(PREFIX)))
+    plan = recorded(backend, layer_model())
+    assert not any(name.startswith("expand_") for name in plan.tensors) and plan.scalars["verify_path"] == "causal"
+
+
+# -- FlashMLA -----------------------------------------------------------------------------------
+
+FlashMLADecodeMetadata = sglang_class("sglang.srt.layers.attention.flashmla_backend", "FlashMLADecodeMetadata")
+MLA_ROWS = {1: list(range(64, 69)), 5: list(range(128, 137))}  # pages 1 and 2 of 64 slots
+MLA_CACHE = 256
+
+
+def mla_model() -> Model:
+    """DeepSeek's absorbed MLA layer as SGLang builds it: one KV head of 512 latent + 64 rope, page 64."""
+    layer = env.RadixAttention(4, 576, 576**-0.5, 1, 0, v_head_dim=512)
+    return model_from_layer(layer, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, page_size=64, mla=True)
+
+
+def mla_decode_step() -> tuple[Batch, object]:
+    fb = env.ForwardBatch(
+        forward_mode=env.ForwardMode.DECODE,
+        batch_size=2,
+        input_ids=torch.tensor([101, 102], dtype=I64),
+        req_pool_indices=torch.tensor([1, 5], dtype=I64),
+        seq_lens=torch.tensor([5, 9], dtype=I64),
+        out_cache_loc=torch.tensor([68, 136], dtype=I64),
+        seq_lens_sum=14,
+        positions=torch.tensor([4, 8], dtype=I64),
+        seq_lens_cpu=torch.tensor([5, 9], dtype=I64),
+    )
+    return batch_from_forward_batch(fb, env.req_pool(MLA_ROWS, width=128).req_to_token, MLA_CACHE), fb
+
+
+def flashmla_backend(block_kv_indices: list[list[int]]) -> SimpleNamespace:
+    """FlashMLABackend after init_forward_metadata of a decode step: block_kv_indices [bs,
+    cdiv(max_seq_len, 64)] (req_to_token[req, 64 p] // 64, -1 past a row's pages), the tile
+    scheduler's metadata and num_splits from get_mla_metadata (values of no consequence here)."""
+    md = FlashMLADecodeMetadata(flashmla_metadata=None, num_splits=torch.tensor([0, 1, 2], dtype=I32), block_kv_indices=torch.tensor(block_kv_indices, dtype=I32))
+    return SimpleNamespace(forward_metadata=md, page_size=64, num_draft_tokens=None)
+
+
+def test_flashmla_decode_eager(tmp_path) -> None:
+    model, (batch, fb) = mla_model(), mla_decode_step()
+    plan = recorded(flashmla_backend([[1], [2]]), model, seq_lens=fb.seq_lens)
+    assert plan.scalars == {"impl": "flashmla", "page_size": 64, "causal": True, "q_len": 1}
+    assert plan.tensors["cache_seqlens"].tolist() == [5, 9]  # what forward_decode hands the kernel
+    assert check(tmp_path, batch, plan, engine_backend="flashmla", model=model) == []
+
+    # Planted: request 1's block table row holds request 0's page.
+    found = check(tmp_path, batch, recorded(flashmla_backend([[1], [1]]), model, seq_lens=fb.seq_lens), engine_backend="flashmla", model=model, name="wrong")
+    assert any(check_id == "kv-index" and field.startswith("plan.block_table") for _, check_id, field in found), found
