@@ -229,16 +229,27 @@ def poisoned(error: BaseException) -> bool:
     return any(s in text for s in STICKY) or probe() is not None
 
 
+_probe_tensor = None  # the probe's one element, allocated once: a probe never allocates again
+
+
 def probe() -> str | None:
-    """The error of one tiny kernel and a synchronise when this process's CUDA context no longer
-    works; None when it works or CUDA was never started here (a probe never starts CUDA)."""
+    """The error of a synchronise and one tiny kernel when this process's CUDA context no longer
+    works (a sticky error is returned by every later CUDA call); None when it works or CUDA was
+    never started here (a probe never starts CUDA). Out of memory for its one element is not a
+    dead context: a worker at its memory share must not read as crashed."""
+    global _probe_tensor
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
         return None
     try:
-        torch.ones(1, device="cuda").add_(1)
         torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001 - any failure here means the context is gone
+        if _probe_tensor is None:
+            _probe_tensor = torch.zeros(1, device="cuda")
+        _probe_tensor.add_(1)
+        torch.cuda.synchronize()
+    except torch.OutOfMemoryError:
+        return None
+    except Exception as e:  # noqa: BLE001 - any other failure here means the context is gone
         return first_line(e)
     return None
 
