@@ -110,6 +110,16 @@ def _check_outputs(**paths: str | None) -> None:
             raise BadInput(f"--{option.replace('_', '-')} {path}: the folder {Path(path).parent} does not exist")
 
 
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """--version: one line naming the versions a bug report needs first, without importing torch."""
+    if not value or ctx.resilient_parsing:
+        return
+    from attndbg.environment import version_line
+
+    click.echo(version_line())
+    ctx.exit()
+
+
 class _Group(click.Group):
     """click's usage errors (unknown option, bad value) as one line on stderr and exit 2, like
     every other bad input, instead of click's usage block."""
@@ -133,7 +143,7 @@ class _Group(click.Group):
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="attndbg")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version, help="attndbg, Python, torch with its CUDA, triton and flashinfer versions, and exit (attndbg env: the whole report)")
 def main() -> None:
     """Record, replay, diff and explain LLM attention backends.
 
@@ -757,16 +767,47 @@ def bench(trace: str, backend_spec: str, samples: int, json_path: str | None) ->
 
 @main.command()
 @click.option("--capabilities", "show_capabilities", is_flag=True, help="also what each backend declares it can run")
+@click.option("--json", "json_path", is_flag=False, flag_value="-", default=None, type=click.Path(dir_okay=False, allow_dash=True), help="write each backend's status and capabilities as JSON (attndbg.backends/1) to FILE, or to stdout when no FILE is given")
 @handles_bad_input
-def backends(show_capabilities: bool) -> None:
+def backends(show_capabilities: bool, json_path: str | None) -> None:
     """List the backends and whether each can run here (and exactly why not).
 
     \b
     Example:
       attndbg backends --capabilities
     """
+    _check_outputs(json=json_path)
     from attndbg.backends import registry
-    from attndbg.report.backends import backend_status, render_backends
+    from attndbg.report.backends import backend_status, backends_to_json, render_backends
 
     statuses = [backend_status(name, registry.create(name)) for name in registry.backend_names()]
-    _console().print(render_backends(statuses, capabilities=show_capabilities))
+    if json_path != "-":
+        _console().print(render_backends(statuses, capabilities=show_capabilities))
+    if json_path:
+        _write_json(json_path, backends_to_json(statuses))
+
+
+@main.command()
+@click.option("--json", "json_path", is_flag=False, flag_value="-", default=None, type=click.Path(dir_okay=False, allow_dash=True), help="write the report as JSON (attndbg.env/1) to FILE, or to stdout when no FILE is given")
+@handles_bad_input
+def env(json_path: str | None) -> None:
+    """Report versions, GPUs and JIT caches: paste the output into a bug report.
+
+    attndbg, Python, torch and its CUDA, triton, flashinfer, nvtx, SGLang / vLLM / transformers when
+    installed (read from package metadata: no engine is imported), each GPU with its compute
+    capability, the NVIDIA driver, the Triton and FlashInfer JIT caches with their sizes, and
+    TRITON_INTERPRET.
+
+    \b
+    Example:
+      attndbg env
+      attndbg env --json env.json
+    """
+    _check_outputs(json=json_path)
+    from attndbg import environment
+
+    report = environment.collect()
+    if json_path != "-":
+        click.echo(environment.render(report))
+    if json_path:
+        _write_json(json_path, environment.to_json(report))

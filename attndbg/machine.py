@@ -45,18 +45,22 @@ class GpuInfo:
 
 
 @functools.cache
-def gpu_info() -> GpuInfo | None:
+def gpus() -> tuple[GpuInfo, ...]:
+    """Every visible CUDA device, in torch's order (empty without CUDA)."""
     if not cuda_available():
-        return None
+        return ()
     import torch
 
-    props = torch.cuda.get_device_properties(0)
-    return GpuInfo(
-        name=props.name,
-        capability=(props.major, props.minor),
-        num_sms=props.multi_processor_count,
-        total_memory=props.total_memory,
-    )
+    infos = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        infos.append(GpuInfo(name=props.name, capability=(props.major, props.minor), num_sms=props.multi_processor_count, total_memory=props.total_memory))
+    return tuple(infos)
+
+
+def gpu_info() -> GpuInfo | None:
+    """Device 0, the one attndbg runs on unless told otherwise."""
+    return next(iter(gpus()), None)
 
 
 def device_name() -> str:

@@ -4,7 +4,11 @@ replay and the detectors act on. Pure functions of `BackendStatus`."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -32,6 +36,42 @@ def backend_status(name: str, backend: Backend) -> BackendStatus:
         capabilities=backend.capabilities(),
         fill_requirement=backend.fill_requirement,
     )
+
+
+SCHEMA = "attndbg.backends/1"
+
+
+def backends_to_json(statuses: list[BackendStatus]) -> dict[str, Any]:
+    """`backends --json`: the same statuses, capabilities as declared (sets sorted, enums by value)."""
+    return {
+        "schema": SCHEMA,
+        "backends": [
+            {
+                "name": s.name,
+                "available": s.unavailable is None,
+                "unavailable": s.unavailable,
+                "description": s.description,
+                "capabilities": _plain(s.capabilities),
+                "fill_requirement": _plain(s.fill_requirement),
+            }
+            for s in statuses
+        ],
+    }
+
+
+def _plain(value: Any) -> Any:
+    """A declaration as JSON values: dataclasses as objects, enums by value, sets as sorted lists."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Mapping):
+        return {str(_plain(k)): _plain(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted((_plain(v) for v in value), key=repr)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def render_backends(statuses: list[BackendStatus], *, capabilities: bool) -> RenderableType:
