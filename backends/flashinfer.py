@@ -85,6 +85,14 @@ SGLANG_NAME = "flashinfer"
 # A plan recorded from a live wrapper holds its mask as FlashInfer packed it (SGLang's recorder:
 # `_custom_mask_buf` / `_mask_indptr_buf`); a derived plan holds the bool custom_mask.
 PACKED_MASK = pl.PackedMask("packed_custom_mask", "packed_mask_indptr")
+# Per request: a last page length; offsets over the indices, the query rows and the mask (either form).
+PLAN_ROWS = (
+    pv.RequestRows(
+        1,
+        ("kv_last_page_len",),
+        (("kv_indptr", "kv_indices"), ("qo_indptr", None), ("mask_indptr", "custom_mask"), (PACKED_MASK.indptr, PACKED_MASK.tensor)),
+    ),
+)
 
 
 class PlanPath(enum.Enum):
@@ -467,7 +475,7 @@ class FlashInferBackend(Backend):
                 if offsets.numel() == requests + 1 and qo_indptr.numel() == requests + 1:
                     sizes = pv.counts(qo_indptr) * lens
                     bounds.append(pv.Extents(PACKED_MASK.indptr, offsets[:-1], pl.PackedMask.byte_sizes(sizes), packed, "packed q_len x kv_len mask block (bytes)", PACKED_MASK.tensor))
-        return pv.PlanView(pv.covered(offsets=(kv_indptr, qo_indptr), rows=(last,)), tuple(bounds), pv.csr_kv(kv_indices, kv_indptr, lens, ps))
+        return pv.PlanView(pv.covered(offsets=(kv_indptr, qo_indptr), rows=(last,)), tuple(bounds), pv.csr_kv(kv_indices, kv_indptr, lens, ps), layout=PLAN_ROWS)
 
     @classmethod
     def merge_path(cls, trace: Trace) -> str | None:

@@ -455,3 +455,126 @@ def test_flashmla_decode_eager(tmp_path) -> None:
     # Planted: request 1's block table row holds request 0's page.
     found = check(tmp_path, batch, recorded(flashmla_backend([[1], [1]]), model, seq_lens=fb.seq_lens), engine_backend="flashmla", model=model, name="wrong")
     assert any(check_id == "kv-index" and field.startswith("plan.block_table") for _, check_id, field in found), found
+
+
+# -- graph-padded verify (FlashInfer) and chain verify (FA3) -----------------------------------
+
+
+def verify_graph_step(mask: torch.Tensor) -> tuple[Batch, Spec, Graph, object]:
+    """The verify step replayed in a bs-4 graph: SGL-new's build_replay_fb_view over static buffers
+    padded as its runner pads them (seq_lens 1, the rest zeroed; test_sglang_graph_verify.replay)."""
+    from tests.record.engines import import_engine
+    from attndbg.record.sglang.adapter import _wrap_view_builder
+    from attndbg.record.sglang.graph import capture_graph_from_view, graph_from_host
+
+    runner = import_engine("sglang.srt.model_executor.runner.decode_cuda_graph_runner")
+    fb = verify_batch(verify_input(mask))
+    pad, tokens = CAPTURE_BS - RAW_BS, CAPTURE_BS * N
+    buffers = SimpleNamespace(
+        input_ids=torch.zeros(tokens, dtype=I64),
+        req_pool_indices=torch.cat([fb.req_pool_indices, torch.zeros(pad, dtype=I64)]),
+        seq_lens=torch.cat([fb.seq_lens, torch.full((pad,), FILL, dtype=I64)]),
+        seq_lens_cpu=torch.cat([fb.seq_lens, torch.full((pad,), FILL, dtype=I64)]),
+        out_cache_loc=torch.cat([fb.out_cache_loc, torch.zeros(pad * N, dtype=I64)]),
+        positions=torch.cat([fb.positions, torch.zeros(pad * N, dtype=I64)]),
+        encoder_lens=None,
+        mamba_track_indices=None,
+    )
+    fb.max_seq_len_host = None
+    view = _wrap_view_builder(runner.build_replay_fb_view)(fb, buffers, CAPTURE_BS, RAW_BS, tokens, None, FILL, env.ForwardMode.TARGET_VERIFY, False)
+    batch = batch_from_forward_batch(view, env.req_pool(VERIFY_ROWS).req_to_token, KV_CACHE_SIZE, raw_bs=RAW_BS)
+    info, tensors = capture_graph_from_view(view, fill_value=FILL, tokens_per_req=N)
+    return batch, spec_from_verify_input(fb.spec_info, fb.seq_lens), graph_from_host(info, tensors), fb.spec_info
+
+
+def flashinfer_graph_verify_backend(mask: torch.Tensor) -> SimpleNamespace:
+    """The bs-4 verify wrapper (use_cuda_graph=True, custom_mask_buf / mask_indptr_buf given at
+    capture) after fast_prefill_plan refilled it: kv over each padded request's prefix + n (padded
+    ones: seq_len 1 + n columns of req_to_token row 0, the dummy slot 0), the byte offsets
+    cumsum(ceil(kv_len * n / 8)), the packed bytes at the head of a buffer sized for the capture
+    (its tail left from earlier replays). Padded requests' blocks are chains over their columns."""
+    kv = [PREFIX[0] + N, PREFIX[1] + N, FILL + N, FILL + N]
+    chain = tree.full_mask(torch.arange(-1, N - 1).expand(2, N), torch.tensor([FILL, FILL]))
+    packed, offsets = pack_little(torch.cat([mask, chain]), [N * k for k in kv])
+    buffer = torch.full((256,), 0xA5, dtype=torch.uint8)
+    buffer[: packed.numel()] = packed
+    indices = torch.full((64,), 7, dtype=I32)  # stale entries past what this replay wrote
+    indices[: sum(kv)] = torch.tensor(VERIFY_ROWS[1] + VERIFY_ROWS[6] + [0] * 2 * (FILL + N), dtype=I32)
+    wrapper = SimpleNamespace(
+        _qo_indptr_buf=torch.arange(0, (CAPTURE_BS + 1) * N, N, dtype=I32),
+        _paged_kv_indptr_buf=torch.nn.functional.pad(torch.tensor(kv).cumsum(0), (1, 0)).to(I32),
+        _paged_kv_indices_buf=indices,
+        _paged_kv_last_page_len_buf=torch.ones(CAPTURE_BS, dtype=I32),
+        _custom_mask_buf=buffer,
+        _mask_indptr_buf=offsets,
+        is_cuda_graph_enabled=True,
+    )
+    return SimpleNamespace(forward_metadata=PrefillMetadata(prefill_wrappers=[wrapper], use_ragged=False, extend_no_prefix=False), page_size=1)
+
+
+def test_flashinfer_verify_graph_padded(tmp_path) -> None:
+    model = layer_model()
+    batch, spec, graph, spec_info = verify_graph_step(tree.full_mask(torch.tensor(PARENTS), torch.tensor(PREFIX)))
+    plan = recorded(flashinfer_graph_verify_backend(spec.custom_mask), model, graph_bs=CAPTURE_BS, verify=True, spec_info=spec_info)
+    assert plan.tensors["packed_custom_mask"].numel() == int(plan.tensors["packed_mask_indptr"][-1])  # the capacity buffer, cut
+    assert check(tmp_path, batch, plan, engine_backend="flashinfer", model=model, spec=spec, graph=graph) == []
+
+    # Planted: the tree packed big-endian (bit 0 = the last element of each byte).
+    def big_endian(mask: torch.Tensor) -> torch.Tensor:
+        return torch.cat([mask[i : i + 8].flip(0) if mask[i:].numel() >= 8 else mask[i:] for i in range(0, mask.numel(), 8)])
+
+    sizes = [N * (PREFIX[0] + N), N * (PREFIX[1] + N)]
+    flipped = torch.cat([big_endian(spec.custom_mask[: sizes[0]]), big_endian(spec.custom_mask[sizes[0] :])])
+    found = check(tmp_path, batch, recorded(flashinfer_graph_verify_backend(flipped), model, graph_bs=CAPTURE_BS, verify=True, spec_info=spec_info), engine_backend="flashinfer", model=model, spec=spec, graph=graph, name="flipped")
+    assert any(kind == "tree-mask" and field.startswith("plan.packed_custom_mask[") for kind, _, field in found), found
+
+
+CHAIN = [[-1, 0, 1, 2], [-1, 0, 1, 2]]
+
+
+def chain_verify_step() -> tuple[Batch, Spec, object]:
+    """A topk-1 verify (a chain of N tokens per request) as SGLang builds it: next-token links only."""
+    mask = tree.full_mask(torch.tensor(CHAIN), torch.tensor(PREFIX))
+    spec_info = env.EagleVerifyInput(
+        draft_token=torch.arange(2 * N, dtype=I64),
+        custom_mask=mask,
+        positions=torch.tensor([p + d for p in PREFIX for d in range(N)], dtype=I64),
+        retrieve_index=torch.arange(2 * N, dtype=I64).view(2, N),
+        retrieve_next_token=torch.tensor([[1, 2, 3, -1]] * 2, dtype=I64),
+        retrieve_next_sibling=torch.full((2, N), -1, dtype=I64),
+        retrieve_cum_len=None,
+        spec_steps=N - 1,
+        topk=1,
+        draft_token_num=N,
+        capture_hidden_mode=env.CaptureHiddenMode.FULL,
+        seq_lens_sum=sum(PREFIX),
+        seq_lens_cpu=torch.tensor(PREFIX, dtype=I64),
+    )
+    fb = verify_batch(spec_info)
+    batch = batch_from_forward_batch(fb, env.req_pool(VERIFY_ROWS).req_to_token, KV_CACHE_SIZE)
+    return batch, spec_from_verify_input(spec_info, fb.seq_lens), spec_info
+
+
+def test_fa3_chain_verify(tmp_path) -> None:
+    """topk 1: one causal call over prefix + drafts (cache_seqlens = seq_lens + n, cu_seqlens_q =
+    arange(0, bs*n + 1, n)); the backend's stale expand metadata of topk > 1 plays no part."""
+    model, (batch, spec, spec_info) = layer_model(), chain_verify_step()
+
+    def metadata(extra: int):
+        lens = torch.tensor(PREFIX, dtype=I32) + extra
+        return FlashAttentionMetadata(
+            cache_seqlens_int32=lens,
+            max_seq_len_q=N,
+            max_seq_len_k=int(lens.max()),
+            cu_seqlens_q=torch.arange(0, 2 * N + 1, N, dtype=I32),
+            cu_seqlens_k=torch.nn.functional.pad(lens.cumsum(0, dtype=I32), (1, 0)),
+            page_table=page_table([1, 6], VERIFY_ROWS, int(lens.max())),
+        )
+
+    plan = recorded(fa3_backend(metadata(N), topk=1), model, verify=True, spec_info=spec_info)
+    assert plan.scalars["verify_path"] == "causal" and plan.scalars["causal"] is True
+    assert check(tmp_path, batch, plan, engine_backend="fa3", model=model, spec=spec) == []
+
+    # Planted: cache_seqlens without the draft tokens (SGLang's verify seq_lens exclude them).
+    found = check(tmp_path, batch, recorded(fa3_backend(metadata(0), topk=1), model, verify=True, spec_info=spec_info), engine_backend="fa3", model=model, spec=spec, name="short")
+    assert any(field.startswith("plan.cache_seqlens") for _, _, field in found), found
