@@ -531,7 +531,8 @@ def check(
     from attndbg.checks.context import CheckOptions
     from attndbg.checks.run import check_steps, detectors_of, parse_only, select_paths
     from attndbg.detectors.registry import LoadError
-    from attndbg.report.checks import CheckProgress, check_verdict, checks_to_json, render_step, render_summary
+    from attndbg.report.checks import check_verdict, checks_to_json, render_step, render_summary
+    from attndbg.report.progress import CheckProgress
     from attndbg.trace import io
 
     try:
@@ -560,12 +561,12 @@ def check(
     if not paths:
         raise BadInput(f"{target}: no steps to check" + (" in the selection (--steps/--sample)" if steps_spec or sample else ""))
     reports = []
-    with CheckProgress(console, total=len(paths), enabled=len(paths) > 1) as progress:
-        for report in check_steps(target, classes, options, progress.advance, selection=selection, jobs=1 if in_process else jobs, devices=devices, isolate=False if in_process else None):
+    with CheckProgress(paths) as progress:  # on stderr, only on a terminal
+        for report in check_steps(target, classes, options, progress.done, selection=selection, jobs=1 if in_process else jobs, devices=devices, isolate=False if in_process else None):
             reports.append(report)
             single_error = len(paths) == 1 and report.bad_input  # raised as bad input below
             if (report.findings or report.error or len(paths) == 1) and not single_error:
-                progress.print(render_step(report))
+                progress.print(console, render_step(report))
     if len(paths) == 1 and not Path(target).is_dir() and reports and reports[0].bad_input:
         raise BadInput(f"{target}: {reports[0].error}")  # one file that cannot be checked here is bad input
     if len(paths) > 1:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from attndbg.checks.findings import Finding, FindingClass
+from attndbg.profiling import phase, step_label
 
 if TYPE_CHECKING:
     from attndbg.checks.context import CheckContext
@@ -76,7 +77,8 @@ class Detector:
         return self.kind.value
 
     def run(self, ctx: CheckContext) -> list[Finding]:
-        return _hook(self.detect)(ctx)
+        with phase(f"detector/{self.name}", step_label(ctx.trace)):  # an NVTX range, and what the spinner names
+            return _hook(self.detect)(ctx)
 
     def digest(self, ctx: CheckContext) -> Any:
         return _hook(self.recording_digest)(ctx) if self.recording_digest is not None else None

@@ -171,7 +171,7 @@ def _announce_first_use(backend: Backend, trace: Trace) -> None:
 
 def _execute(backend: Backend, ctx: _Context, inputs: AttentionInputs, plan: Plan, variant: Variant) -> tuple[AttentionResult, float]:
     start = time.perf_counter()
-    with phase("run", f"{ctx.label} backend={backend.name}"), activity.launching(backend.name, variant.label):
+    with phase("run", f"{ctx.label} backend={backend.name} variant={variant.label}"), activity.launching(backend.name, variant.label):
         result = backend.run(ctx.trace, inputs, plan)
         if inputs.q.is_cuda:
             torch.cuda.synchronize()

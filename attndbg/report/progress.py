@@ -1,25 +1,89 @@
-"""A spinner with the elapsed time while long steps run, on stderr and only on a terminal.
+"""What runs now, on stderr and only on a terminal: a spinner for one step, a bar over a folder's steps.
 
-What is printed meanwhile (a step's table) appears above it: the spinner steps aside, the table is
-printed, the spinner comes back. Piped or redirected, nothing of it is written.
+Both name the step and the phase running in it, read from the phases open in this process
+(`profiling.current()`: the detector, the backend, its variant: "tree-mask › triton › eager"), and
+the time spent. The bar's rate and ETA come from completed steps only (the time per completed step
+since the start), never from a burst of steps finishing together. What is printed meanwhile (a
+step's table) appears above: the display steps aside, the table is printed, the display comes back.
+Piped or redirected, nothing of it is written.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn, Task, TimeElapsedColumn
+from rich.text import Text
+
+from attndbg import profiling
+from attndbg.trace.errors import printable
+
+# Phase names (profiling.phase) as the spinner says them.
+_WORDS = {"plan": "plan", "data": "step data", "reference": "float64 reference", "compare": "compare"}
 
 
-class StepProgress:
-    def __init__(self, total: int, verb: str, *, console: Console | None = None):
+def describe_phases(phases: Sequence[str]) -> str:
+    """'attndbg/detector/split-merge step=0 ...', 'attndbg/backend/triton ...', 'attndbg/run ...
+    variant=eager' -> 'split-merge › triton › eager'."""
+    words: list[str] = []
+    for message in phases:
+        name, _, detail = message.removeprefix("attndbg/").partition(" ")
+        fields = dict(part.split("=", 1) for part in detail.split() if "=" in part)
+        kind, _, what = name.partition("/")
+        if kind in ("detector", "backend"):
+            word = what
+        elif kind == "run":
+            word = fields.get("variant", "run")
+        elif kind == "capture+replay":
+            word = f"graph bs={fields['capture_bs']}" if "capture_bs" in fields else "graph"
+        else:
+            word = _WORDS.get(kind, kind)
+        if word and (not words or words[-1] != word):
+            words.append(word)
+    return " › ".join(words)
+
+
+class _NowColumn(ProgressColumn):
+    """`<verb> <step>: <phases open now>`, re-read at every refresh."""
+
+    def __init__(self, verb: str):
+        super().__init__()
+        self.verb = verb
+
+    def render(self, task: Task) -> Text:
+        text = Text(f"{self.verb} {task.description}")
+        now = describe_phases(profiling.current())
+        if now:
+            text.append(f": {now}", style="cyan")
+        return text
+
+
+class _RateColumn(ProgressColumn):
+    """Time per completed step and the ETA from it: '4.1 s/step  ETA 0:00:12'."""
+
+    def render(self, task: Task) -> Text:
+        done, began, last = task.fields.get("done", 0), task.fields.get("began"), task.fields.get("last")
+        if not done or began is None or last is None or task.total is None:
+            return Text("ETA --", style="dim")
+        per_step = (last - began) / done
+        rate = f"{1 / per_step:.1f} steps/s" if 0 < per_step < 1 else f"{per_step:.1f} s/step"
+        left = max(0.0, per_step * (task.total - done) - (time.monotonic() - last))
+        return Text(f"{rate}  ETA {int(left) // 3600}:{int(left) % 3600 // 60:02d}:{int(left) % 60:02d}", style="dim")
+
+
+class _Display:
+    """A rich Progress on stderr, disabled unless stderr is a terminal."""
+
+    def __init__(self, columns: list[ProgressColumn], total: int, console: Console | None, first: str = ""):
         console = console or Console(stderr=True)
-        columns = [SpinnerColumn(), TextColumn(f"{verb} {{task.description}}"), TimeElapsedColumn()]
         self._progress = Progress(*columns, console=console, transient=True, disable=not console.is_terminal)
-        self._task = self._progress.add_task("", total=total)
+        self._task = self._progress.add_task(printable(first), total=total, done=0, began=None, last=None)
 
-    def __enter__(self) -> StepProgress:
+    def __enter__(self) -> _Display:
         self._progress.start()
         return self
 
@@ -28,14 +92,56 @@ class StepProgress:
 
     def show(self, what: str) -> None:
         """What runs now, e.g. '3/12 rec/step_000003.pt: triton, reference'."""
-        self._progress.update(self._task, description=what, refresh=True)
+        self._progress.update(self._task, description=printable(what), refresh=True)
 
     def print(self, console: Console, renderable: Any) -> None:
         """Print a finished step's output on `console` (stdout, or stderr under `--json -`)."""
-        self._progress.advance(self._task)
         if self._progress.disable:
             console.print(renderable)
             return
         self._progress.stop()
         console.print(renderable)
         self._progress.start()
+
+
+class StepProgress(_Display):
+    """`replay`: a spinner with the step, the phase and the time elapsed, advanced step by step."""
+
+    def __init__(self, total: int, verb: str, *, console: Console | None = None):
+        super().__init__([SpinnerColumn(), _NowColumn(verb), TimeElapsedColumn()], total, console)
+
+    def print(self, console: Console, renderable: Any) -> None:
+        self._progress.advance(self._task)
+        super().print(console, renderable)
+
+
+class CheckProgress(_Display):
+    """`check`: one step, a spinner naming it and the phase; a folder, a bar over its steps naming
+    the step awaited (reports come in recording order) with the rate and ETA of completed steps."""
+
+    def __init__(self, paths: Sequence[str | Path], *, console: Console | None = None):
+        self._paths = [str(p) for p in paths]
+        if len(self._paths) == 1:
+            columns: list[ProgressColumn] = [SpinnerColumn(), _NowColumn("checking"), TimeElapsedColumn()]
+        else:
+            columns = [SpinnerColumn(), BarColumn(bar_width=20), MofNCompleteColumn(), _NowColumn("checking"), _RateColumn(), TimeElapsedColumn()]
+        super().__init__(columns, len(self._paths), console, first=self._name(0))
+        self._done = 0
+
+    def __enter__(self) -> CheckProgress:
+        self._progress.update(self._task, began=time.monotonic())
+        super().__enter__()
+        return self
+
+    def done(self, report: Any) -> None:
+        """A step's report came back (the `progress` callback of `check_steps`)."""
+        self._done += 1
+        self._progress.update(self._task, completed=self._done, done=self._done, last=time.monotonic())
+        if self._done < len(self._paths):
+            self.show(self._name(self._done))
+
+    def _name(self, index: int) -> str:
+        """The step awaited: the file itself, or a folder's step by its file name."""
+        if index >= len(self._paths):
+            return ""
+        return self._paths[index] if len(self._paths) == 1 else Path(self._paths[index]).name

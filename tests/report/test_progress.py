@@ -26,3 +26,89 @@ def test_nothing_is_written_when_piped() -> None:
         progress.show("1/1 a.pt: triton")
         progress.print(Console(file=out), Text("table"))
     assert piped.getvalue() == "" and out.getvalue() == "table\n"
+
+
+# -- check (issue 22, item 4) ------------------------------------------------------------------
+
+import os
+import select
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attndbg import profiling
+from attndbg.report import progress as progress_module
+from attndbg.report.progress import CheckProgress, describe_phases
+
+TRACE = str(Path(__file__).resolve().parents[2] / "traces" / "decode_gqa.pt")
+
+
+def test_phases_are_named_as_detector_backend_variant() -> None:
+    phases = (
+        "attndbg/detector/split-merge step=0 mode=DECODE bs=3",
+        "attndbg/backend/triton step=0 mode=DECODE bs=3",
+        "attndbg/run step=0 mode=DECODE bs=3 backend=triton variant=eager",
+    )
+    assert describe_phases(phases) == "split-merge › triton › eager"
+    assert describe_phases(("attndbg/backend/flashinfer x", "attndbg/capture+replay s backend=flashinfer capture_bs=8")) == "flashinfer › graph bs=8"
+    assert describe_phases(("attndbg/reference step=0",)) == "float64 reference"
+    assert describe_phases(()) == ""
+
+
+def test_single_step_spinner_names_the_step_and_the_phase_running() -> None:
+    stream = io.StringIO()
+    with CheckProgress(["a.pt"], console=Console(file=stream, force_terminal=True, width=120, color_system=None)) as spinner:
+        with profiling.phase("detector/tree-mask", "step=0"), profiling.phase("backend/triton"), profiling.phase("run", "backend=triton variant=eager"):
+            spinner.show("a.pt")
+    assert "checking a.pt: tree-mask › triton › eager" in stream.getvalue()
+
+
+def test_folder_bar_takes_rate_and_eta_from_completed_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
+    stream = io.StringIO()
+    paths = [f"rec/step_{i:06d}.pt" for i in range(6)]
+    with CheckProgress(paths, console=Console(file=stream, force_terminal=True, width=160, color_system=None)) as bar:
+        for at in (109.0, 109.01, 109.02):  # three steps come back in a burst after 9 s
+            now[0] = at
+            bar.done(None)
+        bar.show("step_000003.pt")
+    text = stream.getvalue()
+    assert "3/6" in text and "checking step_000003.pt" in text
+    assert "3.0 s/step  ETA 0:00:09" in text, text  # 9.02 s for 3 steps, 3 to go: not 122 steps/s
+    assert "steps/s" not in text
+
+
+def _run_on_a_pty(argv: list[str]) -> str:
+    pty = pytest.importorskip("pty")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: attndbg with a terminal on stdin, stdout and stderr
+        os.environ["COLUMNS"] = "120"
+        os.environ["TERM"] = "xterm"
+        os.execv(sys.executable, [sys.executable, "-m", "attndbg", *argv])
+    out = b""
+    while True:
+        ready, _, _ = select.select([fd], [], [], 120)
+        if not ready:
+            break
+        try:
+            data = os.read(fd, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        out += data
+    os.waitpid(pid, 0)
+    return out.decode("utf-8", "replace")
+
+
+def test_single_file_check_shows_a_spinner_on_a_terminal_and_nothing_when_piped() -> None:
+    argv = ["check", TRACE, "--only", "invariants"]
+    on_terminal = _run_on_a_pty(argv)
+    assert f"checking {TRACE}" in on_terminal, on_terminal[-2000:]
+    piped = subprocess.run([sys.executable, "-m", "attndbg", *argv], capture_output=True, text=True, timeout=300)
+    assert piped.returncode == 0, piped.stderr
+    assert "checking" not in piped.stderr and "checking" not in piped.stdout
+    assert piped.stdout.splitlines()[-1].startswith("checked 1 of 1 step;")
