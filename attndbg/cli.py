@@ -335,7 +335,7 @@ def replay(
             step = StepReport(result=result, layer=step_layer, repeat=repeat, named=named, notes=tuple(notes))
             progress.print(console, render_replay(step))
             steps.append(step_to_json(step))
-    console.print(verdict_line(steps))
+    console.print(verdict_line(steps), soft_wrap=True)  # one line whatever the width: logs grep it
     if json_path:
         _write_json(json_path, replay_to_json(steps))
     if save_path:  # a single step (checked above): `result` is its
@@ -571,13 +571,29 @@ def check(
         raise BadInput(f"{target}: {reports[0].error}")  # one file that cannot be checked here is bad input
     if len(paths) > 1:
         console.print(render_summary(reports))
-    verdict = check_verdict(reports, classes, names, backend_options)
-    console.print(verdict.line)
+    verdict = check_verdict(reports, classes, names, backend_options, selection=_selection_note(target, paths, steps_spec, sample))
+    console.print(verdict.line, soft_wrap=True)  # one line whatever the width: logs grep it
     if json_path:
         _write_json(json_path, checks_to_json(reports, verdict))
     if verdict.defects or (strict and verdict.hazards):
         sys.exit(EXIT_FAILED)
     sys.exit(EXIT_NOT_RUN if verdict.incomplete else EXIT_OK)
+
+
+def _selection_note(target: str, paths: list[Path], steps_spec: str | None, sample: int | None) -> Any:
+    """For the verdict under --steps/--sample: which steps (by the numbers the selection counts:
+    the manifest's, else file order) of how many."""
+    from attndbg.report.checks import Selection
+    from attndbg.trace import io
+
+    flags = " ".join(flag for flag in (f"--steps {steps_spec}" if steps_spec else "", f"--sample {sample}" if sample else "") if flag)
+    if not flags:
+        return None
+    if Path(target).is_dir() and (Path(target) / io.MANIFEST).exists():
+        numbers = {Path(target) / e.file: e.step for e in io.read_manifest(target)}
+    else:
+        numbers = {path: i for i, path in enumerate(io.trace_paths(target))}
+    return Selection(recording_steps=len(numbers), steps=tuple(numbers[p] for p in paths if p in numbers), options=flags)
 
 
 def _step_selection(steps_spec: str | None, sample: int | None) -> Any:

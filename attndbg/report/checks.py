@@ -1,19 +1,19 @@
-"""Render findings: a table per step for people, a plain dict for `--json`, a one-line verdict that
-says what was actually compared, and the progress bar of a long check."""
+"""Render findings: a table per step for people (stacked one field a line where the terminal is
+narrow), a plain dict for `--json`, and a one-line verdict that says what was actually compared.
+The progress of a long check is report/progress.py."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console, Group, RenderableType
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from attndbg.checks.findings import FindingClass, Severity
+from attndbg.checks.findings import Finding, FindingClass, Severity
 from attndbg.checks.run import StepReport
 from attndbg.trace.errors import printable
 
@@ -28,14 +28,71 @@ def render_step(report: StepReport) -> RenderableType:
         return Text(f"{printable(report.path)}: {report.error}", style="yellow")
     if not report.findings:
         return Text(f"{printable(report.path)}: step {report.step} {report.mode}: no findings", style="green")
-    table = Table(title=f"{printable(report.path)}: step {report.step} {report.mode}: {len(report.findings)} finding(s)", title_justify="left", show_lines=True)
-    for column in ("class", "check", "where", "evidence", "likely cause"):
-        table.add_column(column, overflow="fold")
-    for f in report.findings:
+    return _StepFindings(f"{printable(report.path)}: step {report.step} {report.mode}: {len(report.findings)} finding(s)", report.findings)
+
+
+# Narrower than this, five columns fold identifiers mid-word ("spec.custom_ma/sk[51]") and one
+# finding takes 30 lines: findings are shown stacked, one field a line.
+STACK_BELOW = 120
+_LABEL = 9  # "evidence " and the other labels of the stacked form
+_TABLE_FRAME = 16  # five columns: a space either side of each, and six rules
+
+
+@dataclass(frozen=True)
+class _StepFindings:
+    """A step's findings laid out for the width they get (rich asks at print time): a table of
+    class, check, where, evidence and likely cause, every column at least as wide as its longest
+    word; where that does not fit (or under STACK_BELOW columns), stacked. Identifiers are never
+    split, except one longer than the whole line."""
+
+    title: str
+    findings: list[Finding]
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        widths = self._column_widths(options.max_width)
+        yield self._stacked() if widths is None else self._table(widths)
+
+    def _cells(self, f: Finding) -> tuple[Text, str, str, str, str]:
         hazard = f.severity is Severity.HAZARD
         kind = Text(f.kind.value, style="bold yellow" if hazard else "bold red") + Text(" (hazard)" if hazard else "")
-        table.add_row(kind, f.check, str(f.location), Text(f.evidence), Text(f.cause))
-    return table
+        return kind, f.check, str(f.location), f.evidence, f.cause
+
+    def _column_widths(self, width: int) -> list[int] | None:
+        """class, check and where as wide as they need (where wraps at its ' / ' from 36 columns);
+        evidence and cause share the rest, each at least its longest word. None: stack."""
+        if width < STACK_BELOW:
+            return None
+        rows = [self._cells(f) for f in self.findings]
+        longest = lambda i: max(len(str(r[i])) for r in rows)  # noqa: E731
+        word = lambda i: max((len(w) for r in rows for w in str(r[i]).split()), default=1)  # noqa: E731
+        fixed = [longest(0), longest(1), min(longest(2), max(word(2), 36))]
+        rest = width - _TABLE_FRAME - sum(fixed)
+        need = [max(word(3), 20), max(word(4), 20)]
+        if rest < sum(need):
+            return None
+        evidence = max(need[0], min(longest(3), rest - need[1], rest // 2))
+        return [*fixed, evidence, rest - evidence]
+
+    def _table(self, widths: list[int]) -> Table:
+        table = Table(title=self.title, title_justify="left", show_lines=True)
+        for column, width in zip(("class", "check", "where", "evidence", "likely cause"), widths):
+            table.add_column(column, width=width, overflow="fold")
+        for f in self.findings:
+            table.add_row(*self._cells(f))
+        return table
+
+    def _stacked(self) -> Group:
+        parts: list[RenderableType] = [Text(self.title, style="bold")]
+        for f in self.findings:
+            kind, check, where, evidence, cause = self._cells(f)
+            parts.append(Padding(kind + Text(f" / {check}", style="bold"), (0, 0, 0, 2)))
+            fields = Table.grid(padding=(0, 1))
+            fields.add_column(width=_LABEL - 1, style="dim", no_wrap=True)
+            fields.add_column(overflow="fold")
+            for label, value in (("where", where), ("evidence", evidence), ("cause", cause)):
+                fields.add_row(label, value)
+            parts.append(Padding(fields, (0, 0, 0, 4)))
+        return Group(*parts)
 
 
 def render_summary(reports: list[StepReport]) -> RenderableType:
@@ -73,7 +130,18 @@ class CheckVerdict:
     hazards: dict[str, int] = field(default_factory=dict)
 
 
-def check_verdict(reports: list[StepReport], detectors: list[FindingClass], named: tuple[str, ...] | None, backend_options: BackendOptions | None = None) -> CheckVerdict:
+@dataclass(frozen=True)
+class Selection:
+    """`--steps`/`--sample`: how many steps the recording has and the options that chose some."""
+
+    recording_steps: int
+    steps: tuple[int, ...]  # the steps chosen, numbered as the selection counts them (manifest, else file order)
+    options: str  # "--steps 100:200 --sample 5"
+
+
+def check_verdict(
+    reports: list[StepReport], detectors: list[FindingClass], named: tuple[str, ...] | None, backend_options: BackendOptions | None = None, *, selection: Selection | None = None
+) -> CheckVerdict:
     from attndbg.backends import registry
 
     steps = [r for r in reports if r.mode != "recording"]
@@ -88,6 +156,8 @@ def check_verdict(reports: list[StepReport], detectors: list[FindingClass], name
     findings = sum(len(r.findings) for r in reports)
     kernels = ", ".join(f"{name} ({count} step{'s' if count != 1 else ''})" for name, count in sorted(ran.items()))
     parts = [f"checked {len(checked)} of {len(steps)} step{'s' if len(steps) != 1 else ''}"]
+    if selection is not None:  # which steps of how many: "selected from 5 (steps 1, 3; --sample 2)"
+        parts[0] += f" selected from {selection.recording_steps} ({_step_numbers(selection.steps)}; {selection.options})"
     parts.append(f"detectors: {', '.join(d.value for d in detectors)}")
     parts.append(f"kernels compared with the float64 reference: {kernels}" if kernels else "no kernel ran (metadata and recorded tensors only)")
     parts += [f"{name} {why}" for name, why in skipped.items()]
@@ -117,6 +187,20 @@ def check_verdict(reports: list[StepReport], detectors: list[FindingClass], name
         defects=defects,
         hazards=dict(sorted(hazards.items())),
     )
+
+
+def _step_numbers(steps: tuple[int, ...], most: int = 12) -> str:
+    """'steps 1, 3', 'steps 100-199', 'steps 0, 25, ... and 12 more': runs of consecutive steps
+    joined, at most `most` items named, never cut with an ellipsis (a verdict line is whole)."""
+    runs: list[list[int]] = []
+    for n in sorted(set(steps)):
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    items = [f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs]
+    listed = ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
+    return f"step{'s' if len(steps) != 1 else ''} {listed}" if steps else "no step"
 
 
 def checks_to_json(reports: list[StepReport], verdict: CheckVerdict | None = None) -> dict[str, Any]:
@@ -151,47 +235,3 @@ def checks_to_json(reports: list[StepReport], verdict: CheckVerdict | None = Non
             "hazards_by_check": verdict.hazards,
         }
     return data
-
-
-class CheckProgress:
-    """A progress bar over steps (rate and ETA) that findings print above; silent when disabled."""
-
-    def __init__(self, console: Console, *, total: int, enabled: bool):
-        self.console = console
-        self.progress = (
-            Progress(
-                TextColumn("checking"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TaskProgressColumn(),
-                TextColumn("{task.fields[rate]}"),
-                TimeElapsedColumn(),
-                TextColumn("ETA"),
-                TimeRemainingColumn(),
-                console=console,
-                transient=True,
-            )
-            if enabled
-            else None
-        )
-        self.task = self.progress.add_task("checking", total=total, rate="") if self.progress else None
-
-    def __enter__(self) -> CheckProgress:
-        if self.progress:
-            self.progress.start()
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None) -> None:
-        if self.progress:
-            self.progress.stop()
-
-    def advance(self, report: StepReport) -> None:
-        if self.progress is None or self.task is None:
-            return
-        self.progress.advance(self.task)
-        task = self.progress.tasks[0]
-        speed = task.speed
-        self.progress.update(self.task, rate=f"{speed:.1f} steps/s" if speed else "")
-
-    def print(self, renderable: RenderableType) -> None:
-        (self.progress.console if self.progress else self.console).print(renderable)

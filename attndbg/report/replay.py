@@ -186,11 +186,10 @@ def _notes(step: StepReport) -> list[Text]:
     return lines
 
 
-def first_clause(reason: str, limit: int = 60) -> str:
+def first_clause(reason: str) -> str:
     """'no CUDA GPU: FlashInfer's kernels run only on NVIDIA GPUs' -> 'no CUDA GPU' (the whole
-    reason is in the lines above the verdict)."""
-    clause = reason.split(": ", 1)[0]
-    return clause if len(clause) <= limit else clause[: limit - 1] + "…"
+    reason is in the lines above the verdict). Never cut with '…': a verdict line is whole."""
+    return reason.split(": ", 1)[0]
 
 
 def verdict_line(steps: Sequence[dict[str, Any]]) -> Text:
