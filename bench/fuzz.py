@@ -18,6 +18,16 @@ Mutations, each from a shipped trace (`traces/*.pt`) and a case seed:
   manifest    a recording whose manifest.jsonl has a null/number/list/NUL/path file, invalid UTF-8,
               deep JSON, a missing step
   special     a FIFO, a symlink to /dev/zero
+  deep        (issue 22) containers nested 33 to 200,000 deep anywhere: as a dict key (a tuple: hashing one
+              3,000,000 deep overflows the C stack), as a field's value, a list that contains itself
+  bignum      (issue 22) oversized numbers in any key or field: a 5,000-digit int (past Python's int/str
+              limit) or its digits as a string, as a layer key, a dict key or a value; a text LONG opcode
+  compressed  (issue 22) the archive's members deflated: intact, with a damaged stream, or a bomb (a
+              member inflating to 256 MB from a small file), through every command
+  alloc       (issue 22) pickles that allocate from a small file through globals torch's weights_only
+              unpickler allows: bytearray(2**34), a storage claiming 2**33 elements, a quantized tensor
+  name        (issue 22) a valid or broken trace whose file name holds a newline and a forged
+              `error:` line (it must be printed escaped, never raw)
 """
 
 from __future__ import annotations
@@ -51,8 +61,12 @@ COMMANDS = ("check", "replay", "show", "diff")
 @dataclass(frozen=True)
 class Case:
     name: str
-    kind: str  # bytes | value | pickle | manifest
+    kind: str  # bytes | value | pickle | manifest | special | deep | bignum | compressed | alloc | name
     path: str  # the file or recording directory under test
+
+
+# A file name that forges a second `error:` line when printed raw (the `name` family).
+FORGED = "FORGED"
 
 
 # -- mutations ---------------------------------------------------------------------------------
@@ -144,6 +158,140 @@ def _replace_zip_pickle(archive: bytes, pickle_bytes: bytes) -> bytes:
     return out.getvalue()
 
 
+# -- issue 22: hostile archives ------------------------------------------------------------------
+
+PLACEHOLDER = "@@attndbg-fuzz@@"
+
+
+def _pickle_op(text: str) -> bytes:
+    """The protocol-2 opcode torch.save writes for a short string: BINUNICODE, its length, its bytes."""
+    raw = text.encode()
+    return b"X" + len(raw).to_bytes(4, "little") + raw
+
+
+def _saved(data: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(data, buffer)
+    return buffer.getvalue()
+
+
+def _zip_pickle(archive: bytes) -> bytes:
+    import zipfile
+
+    src = zipfile.ZipFile(io.BytesIO(archive))
+    return src.read(next(n for n in src.namelist() if n.endswith("data.pkl")))
+
+
+def _with_placeholder(rng: random.Random, base: dict, as_key: bool) -> tuple[str, dict]:
+    """A copy of `base` with PLACEHOLDER as the value of a random field, or as a new key of a random dict."""
+    data = pickle.loads(pickle.dumps(base))
+    name, container, key = rng.choice(_fields(data))
+    if as_key:
+        target = container[key] if isinstance(container[key], dict) else container
+        target[PLACEHOLDER] = 1
+        return f"a key of {name if target is not container else name.rpartition('.')[0] or 'the top level'}", data
+    container[key] = PLACEHOLDER
+    return name, data
+
+
+def _nested(rng: random.Random, depth: int, hashable: bool) -> tuple[str, bytes]:
+    """Pickle opcodes that build one object nested `depth` deep, without recursion."""
+    kind = "tuple" if hashable else rng.choice(["tuple", "list", "dict", "self-containing list"])
+    if kind == "tuple":
+        return kind, b")" + b"\x85" * depth  # EMPTY_TUPLE, then TUPLE1 around it depth times
+    if kind == "list":
+        return kind, b"(" * depth + b"l" * depth  # MARK ... LIST: [[[...]]]
+    if kind == "dict":
+        return kind, (b"(" + _pickle_op("k")) * depth + b"}" + b"d" * depth  # {"k": {"k": ...}}
+    memo = (999_999).to_bytes(4, "little")
+    return kind, b"]r" + memo + b"j" + memo + b"a"  # EMPTY_LIST, LONG_BINPUT, LONG_BINGET, APPEND: l = [l]
+
+
+def deep_nesting(rng: random.Random, base: dict) -> tuple[str, bytes]:
+    as_key = rng.random() < 0.4
+    where, data = _with_placeholder(rng, base, as_key)
+    depth = rng.choice([33, 1000, 50_000, 200_000])
+    kind, ops = _nested(rng, depth, hashable=as_key)
+    archive = _saved(data)
+    pickled = _zip_pickle(archive)
+    return f"{kind} nested {depth} deep as {where}", _replace_zip_pickle(archive, pickled.replace(_pickle_op(PLACEHOLDER), ops, 1))
+
+
+def big_number(rng: random.Random, base: dict) -> tuple[str, bytes]:
+    digits = rng.choice([400, 4301, 5000, 20_000])
+    value: Any = rng.choice([10**digits, -(10**digits), "9" * digits])
+    choice = rng.randrange(4)
+    if choice == 0:  # a layer key of the tensors section
+        data = pickle.loads(pickle.dumps(base))
+        data["tensors"] = {value: {}}
+        return f"tensors key: {type(value).__name__} of {digits} digits", _saved(data)
+    if choice == 1:  # a key of any dict
+        data = pickle.loads(pickle.dumps(base))
+        name, container, key = rng.choice([f for f in _fields(data) if isinstance(f[1][f[2]], dict)] or _fields(data))
+        target = container[key] if isinstance(container[key], dict) else container
+        target[value] = 1
+        return f"a key of {name}: {type(value).__name__} of {digits} digits", _saved(data)
+    where, data = _with_placeholder(rng, base, as_key=False)
+    if choice == 2:
+        data_field = pickle.loads(pickle.dumps(base))
+        name, container, key = rng.choice(_fields(data_field))
+        container[key] = value
+        return f"{name} = {type(value).__name__} of {digits} digits", _saved(data_field)
+    archive = _saved(data)  # a text LONG opcode: int() of its digits fails past 4300 of them
+    ops = b"L" + b"9" * digits + b"L\n"
+    return f"{where} = text LONG of {digits} digits", _replace_zip_pickle(archive, _zip_pickle(archive).replace(_pickle_op(PLACEHOLDER), ops, 1))
+
+
+_BOMBS: dict[bytes, bytes] = {}  # base archive -> its bomb (deflating 256 MB takes a second: once per base)
+
+
+def compressed(rng: random.Random, raw: bytes) -> tuple[str, bytes]:
+    """The archive with its members deflated: intact, one stream damaged, or a bomb."""
+    import zipfile
+
+    src = zipfile.ZipFile(io.BytesIO(raw))
+    choice = rng.randrange(3)
+    if choice == 2 and raw in _BOMBS:
+        return "a deflate bomb of 256 MB beside data.pkl", _BOMBS[raw]
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            data = src.read(info.filename)
+            if choice == 2 and info.filename.endswith("data.pkl"):
+                dst.writestr(info.filename + ".bomb", b"\0" * (256 << 20), compress_type=zipfile.ZIP_DEFLATED)
+            dst.writestr(info.filename, data, compress_type=zipfile.ZIP_DEFLATED if choice or rng.random() < 0.5 else zipfile.ZIP_STORED)
+    archive = bytearray(out.getvalue())
+    if choice == 1:  # flip bytes inside one member's deflate stream (its CRC and sizes still claim the original)
+        z = zipfile.ZipFile(io.BytesIO(bytes(archive)))
+        info = rng.choice([i for i in z.infolist() if i.compress_size > 8])
+        start = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+        for _ in range(rng.randint(1, 8)):
+            archive[start + rng.randrange(info.compress_size)] ^= 1 << rng.randrange(8)
+        return f"member {info.filename} deflated, stream damaged", bytes(archive)
+    if choice == 2:
+        _BOMBS[raw] = bytes(archive)
+    return "deflated members" if choice == 0 else "a deflate bomb of 256 MB beside data.pkl", bytes(archive)
+
+
+def allocating_pickle(rng: random.Random) -> tuple[str, bytes]:
+    """Small torch archives whose pickle allocates what it says through allowed globals."""
+    choice = rng.randrange(4)
+    if choice == 0:
+        return "bytearray(2**34)", _replace_zip_pickle(_saved({"x": 1}), b"\x80\x02cbuiltins\nbytearray\n\x8a\x05\x00\x00\x00\x00\x04\x85R.")
+    if choice == 1:  # a storage of 4 floats whose persistent id claims 2**33 of them
+        archive = _saved({"version": 1, "x": torch.zeros(4)})
+        pickled = _zip_pickle(archive)
+        claim = b"K\x04t"  # BININT1 4, TUPLE: the numel closing the persistent id
+        if claim in pickled:
+            return "storage claiming 2**33 elements", _replace_zip_pickle(archive, pickled.replace(claim, b"\x8a\x05\x00\x00\x00\x00\x02t", 1))
+    if choice == 2:  # _rebuild_qtensor allocates its size before setting the storage
+        return "quantized tensor of 2**34 elements", _replace_zip_pickle(
+            _saved({"x": 1}),
+            b"\x80\x02ctorch._utils\n_rebuild_qtensor\n(ctorch\nUntypedStorage\nK\x00(\x8a\x05\x00\x00\x00\x00\x04\x85(K\x01\x85(ctorch\nper_tensor_affine\nG?\xf0\x00\x00\x00\x00\x00\x00K\x00t\x89ccollections\nOrderedDict\n)Rtq\x00R.",
+        )
+    return "set() of a list of 10,000 references", _replace_zip_pickle(_saved({"x": 1}), b"\x80\x02cbuiltins\nset\n(N]q\x00" + b"h\x00" * 10_000 + b"l\x85R.")
+
+
 def bad_manifest(rng: random.Random, directory: Path, step_file: Path) -> str:
     directory.mkdir(parents=True, exist_ok=True)
     shutil.copy(step_file, directory / "s0.pt")
@@ -182,9 +330,29 @@ def build_cases(count: int, seed: int, work: Path) -> list[Case]:
     for i in range(count):
         rng = random.Random(seed * 1_000_003 + i)
         base = rng.choice(bases)
-        kind = rng.choices(["value", "bytes", "pickle", "manifest", "special"], weights=[60, 25, 5, 9, 1])[0]
+        kind = rng.choices(
+            ["value", "bytes", "pickle", "manifest", "special", "deep", "bignum", "compressed", "alloc", "name"],
+            weights=[48, 20, 4, 7, 1, 6, 6, 4, 2, 2],
+        )[0]
         path = work / f"case{i:05d}.pt"
-        if kind == "value":
+        if kind == "name":  # a file name printed raw would forge a second line
+            path = work / f"case{i:05d}\nerror: {FORGED}.pt"
+            broken = rng.random() < 0.5
+            path.write_bytes(raws[base][: len(raws[base]) // 2] if broken else raws[base])
+            name = "newline in the name" + (", truncated" if broken else "")
+        elif kind == "deep":
+            name, data = deep_nesting(rng, dicts[base])
+            path.write_bytes(data)
+        elif kind == "bignum":
+            name, data = big_number(rng, dicts[base])
+            path.write_bytes(data)
+        elif kind == "compressed":
+            name, data = compressed(rng, raws[base])
+            path.write_bytes(data)
+        elif kind == "alloc":
+            name, data = allocating_pickle(rng)
+            path.write_bytes(data)
+        elif kind == "value":
             name, data = mutate_value(rng, dicts[base])
             buffer = io.BytesIO()
             torch.save(data, buffer)
@@ -219,6 +387,9 @@ class Outcome:
 
 def _classify(command: str, exit_code: int, output: str, exception: BaseException | None, recording: bool) -> tuple[str, str]:
     lines = [line for line in output.splitlines() if line.strip()]
+    forged = f"error: {FORGED}"
+    if any(forged in line and f"\\n{forged}" not in line for line in lines):  # a name with a newline printed raw
+        return "raw-name", next(line for line in lines if forged in line)[:200]
     if exception is not None and not isinstance(exception, SystemExit):
         if isinstance(exception, MemoryError):
             return "oom", type(exception).__name__
@@ -288,7 +459,9 @@ def _worker(conn: Any, memory_bytes: int, timeout: int, reference: str) -> None:
         conn.send(Outcome(case.name, command, verdict, code, round(time.perf_counter() - start, 3), detail))
 
 
-def run_cases(cases: list[Case], *, jobs: int, memory_gb: float, timeout: int, reference: str) -> list[Outcome]:
+def run_cases(cases: list[Case], *, jobs: int, memory_gb: float, timeout: int, reference: str, budget: float | None = None) -> list[Outcome]:
+    """Every case through every command; with `budget` (seconds), no new case starts after it, and
+    only the cases whose commands all ran are returned."""
     ctx = mp.get_context("spawn")
 
     def start() -> tuple[Any, Any]:
@@ -305,7 +478,11 @@ def run_cases(cases: list[Case], *, jobs: int, memory_gb: float, timeout: int, r
     next_task = 0
     from multiprocessing.connection import wait
 
+    began = time.perf_counter()
     while len(outcomes) < len(tasks):
+        if budget is not None and next_task < len(tasks) and time.perf_counter() - began > budget:
+            tasks = tasks[: -(-next_task // len(COMMANDS)) * len(COMMANDS)]  # out of time: finish the cases begun, start no new one
+            continue
         for i, (proc, conn) in enumerate(workers):
             if i not in busy and next_task < len(tasks):
                 conn.send(tasks[next_task])
@@ -342,18 +519,23 @@ def main() -> int:
     parser.add_argument("--memory-gb", type=float, default=4.0, help="address-space limit of each worker")
     parser.add_argument("--timeout", type=int, default=60, help="seconds one command may take")
     parser.add_argument("--json", help="write every outcome and the table here")
+    parser.add_argument("--minutes", type=float, default=None, help="start no new case after this long; the summary counts the cases that ran")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         cases = build_cases(args.cases, args.seed, work)
         start = time.perf_counter()
-        outcomes = run_cases(cases, jobs=args.jobs, memory_gb=args.memory_gb, timeout=args.timeout, reference=str(ROOT / "traces" / "decode_gqa.pt"))
+        budget = None if args.minutes is None else args.minutes * 60
+        outcomes = run_cases(cases, jobs=args.jobs, memory_gb=args.memory_gb, timeout=args.timeout, reference=str(ROOT / "traces" / "decode_gqa.pt"), budget=budget)
         executed = (work / MARKER).exists()
     seconds = time.perf_counter() - start
     table = Counter(o.verdict for o in outcomes)
     bad = [o for o in outcomes if o.verdict == "bad-input"]
     times = sorted(o.seconds for o in bad)
-    print(f"{args.cases} cases x {len(COMMANDS)} commands in {seconds:.0f} s; code executed: {executed}")
+    ran = len(outcomes) // len(COMMANDS)
+    kinds = Counter(c.kind for c in cases[:ran])
+    print(f"{ran} cases (of {args.cases} built, seed {args.seed}) x {len(COMMANDS)} commands in {seconds:.0f} s; code executed: {executed}")
+    print("  by family: " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
     for verdict, count in sorted(table.items(), key=lambda kv: -kv[1]):
         print(f"  {verdict:12s} {count}")
     if times:
@@ -363,7 +545,7 @@ def main() -> int:
         print(f"  {o.verdict:10s} {o.command:6s} {o.case}: {o.detail}")
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"cases": args.cases, "seed": args.seed, "seconds": round(seconds, 1), "code_executed": executed, "table": dict(table),
+            json.dumps({"cases": ran, "built": args.cases, "seed": args.seed, "seconds": round(seconds, 1), "code_executed": executed, "table": dict(table),
                         "broken": [o.__dict__ for o in broken]}, indent=1) + "\n"  # fmt: skip
         )
     return 1 if broken or executed else 0

@@ -17,7 +17,7 @@ import fuzz  # noqa: E402
 
 def test_fuzz_sample_keeps_the_bad_input_contract(tmp_path: Path) -> None:
     cases = fuzz.build_cases(80, seed=11, work=tmp_path)
-    assert Counter(c.kind for c in cases).keys() == {"value", "bytes", "pickle", "manifest"}
+    assert {"value", "bytes", "pickle", "manifest", "deep", "bignum"} <= Counter(c.kind for c in cases).keys()
     outcomes = fuzz.run_cases(cases, jobs=2, memory_gb=4.0, timeout=60, reference=str(ROOT / "traces" / "decode_gqa.pt"))
     assert len(outcomes) == len(cases) * len(fuzz.COMMANDS)
     broken = [f"{o.verdict} {o.command} {o.case}: {o.detail}" for o in outcomes if o.verdict not in ("ok", "bad-input")]
@@ -34,3 +34,6 @@ def test_the_classifier_catches_what_it_must() -> None:
     assert fuzz._classify("check", 3, "the tree-mask detector failed on this step (ValueError: x)", None, False)[0] == "detector-error"
     assert fuzz._classify("show", 1, "", RuntimeError("boom"), False)[0] == "traceback"
     assert fuzz._classify("show", -6, "", None, False)[0] == "wrong-exit"
+    # a file name with a newline printed raw forges a line; printed escaped it is one line
+    assert fuzz._classify("check", 0, f"case1\nerror: {fuzz.FORGED}.pt: step 0 DECODE: no findings", None, False)[0] == "raw-name"
+    assert fuzz._classify("check", 0, f"case1\\nerror: {fuzz.FORGED}.pt: step 0 DECODE: no findings", None, False)[0] == "ok"
