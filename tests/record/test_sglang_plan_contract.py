@@ -37,6 +37,7 @@ from attndbg.record.sglang.plan import plan_from_backend
 from attndbg.record.sglang.spec import spec_from_verify_input
 from attndbg.trace import io, tree
 from attndbg.trace.schema import Batch, Graph, Model, Plan, Spec, Trace
+from tests.record.test_sglang_hooks import session as hook_session  # noqa: F401  (fixture)
 from tests.record.test_sglang_plans import sglang_class
 from tests.record.test_sglang_verify import N, PARENTS, PREFIX, verify_batch, verify_input
 from tests.record.test_sglang_verify import ROWS as VERIFY_ROWS
@@ -578,3 +579,32 @@ def test_fa3_chain_verify(tmp_path) -> None:
     # Planted: cache_seqlens without the draft tokens (SGLang's verify seq_lens exclude them).
     found = check(tmp_path, batch, recorded(fa3_backend(metadata(0), topk=1), model, verify=True, spec_info=spec_info), engine_backend="fa3", model=model, spec=spec, name="short")
     assert any(field.startswith("plan.cache_seqlens") for _, _, field in found), found
+
+
+# -- through the live hook ----------------------------------------------------------------------
+
+
+def test_flashinfer_decode_through_the_installed_hook(hook_session) -> None:
+    """`record_step` as a live recording runs it, on a subclass of SGLang's real FlashInferAttnBackend
+    (its __init__ needs a ModelRunner and a GPU: bypassed, the attributes the recorder reads set):
+    the plan it writes carries the recorded layer's call arguments and checks clean."""
+    from tests.record.test_sglang_hooks import make_backend, manifest
+    from tests.record.sglang_steps import decode_batch
+
+    layer = env.layer(heads=4, kv_heads=2, head_dim=16)  # noqa: F841 - the model keeps its layers alive
+    wrapper_backend = flashinfer_decode_backend(ROWS[1] + ROWS[5])
+
+    class Backend(env.sgl.flashinfer_backend.FlashInferAttnBackend):
+        def init_forward_metadata(self, forward_batch):
+            self.forward_metadata = wrapper_backend.forward_metadata
+
+    backend = make_backend(Backend)
+    backend.decode_use_tensor_cores = False
+    backend.page_size = 1
+    backend.init_forward_metadata(decode_batch())
+    [entry] = manifest(hook_session)
+    trace = io.load(hook_session.out_dir / entry["file"])
+    assert trace.source.backend == "flashinfer"
+    assert {"window_left": -1, "logits_soft_cap": 0.0, "use_tensor_cores": False}.items() <= trace.plan.scalars.items()
+    reports = list(check_steps(str(hook_session.out_dir / entry["file"]), parse_only(ONLY), CheckOptions(backends=("triton",))))
+    assert [f for report in reports for f in report.findings] == []
