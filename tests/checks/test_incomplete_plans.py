@@ -182,3 +182,29 @@ def test_a_verify_step_whose_triton_plan_is_incomplete_checks_clean_and_is_not_l
     data = json.loads(report.read_text())
     assert data["total_findings"] == 0
     assert data["verdict"]["plans_unread"] == {"triton: plan has no scalar skip_prefix_custom_mask": 1}
+
+
+@pytest.mark.parametrize("backend", [TritonBackend(), FlashInferBackend(), FA3Backend()], ids=lambda b: b.name)
+@pytest.mark.parametrize("preset", ["window", "window-decode"])
+def test_a_windowed_plan_without_its_window_scalar_is_not_guessed_at(backend: Backend, preset: str) -> None:
+    """A sliding-window step's plan missing a declared scalar (its window among them) gives no
+    invariants finding: the detectors do not read the plan as if the window were off."""
+    trace = _step(backend, (preset, *FA3_SMALL))
+    assert invariants.detect(CheckContext(trace=trace, path="t.pt")) == []
+    declared = _declared(backend, trace)
+    # Triton's decode plan carries no window scalar (its kernels read SGLang's window list).
+    assert declared & {"sliding_window", "window_left"} or (backend.name == "triton" and preset == "window-decode")
+    for missing, step in _incomplete(backend, trace):
+        why = unread_reason(step)
+        assert why is not None and missing.split()[-1] in why, (missing, why)
+        assert invariants.detect(CheckContext(trace=step, path="t.pt")) == [], missing
+
+
+def test_replay_of_an_incomplete_recorded_plan_says_not_read_and_runs_nothing(tmp_path: Path, launches: list[Plan]) -> None:
+    """`replay --plan recorded`: nothing failed (not exit 1), nothing asked for ran (exit 3)."""
+    trace = _step(TritonBackend(), ("decode-mha", "kv_lens=3,20", *SMALL))
+    path = io.save(replace(trace, plan=_without(trace.plan, scalar="max_kv_splits")), tmp_path / "t.pt")
+    result = CliRunner().invoke(main, ["replay", str(path), "--backend", "triton", "--plan", "recorded"])
+    assert result.exit_code == 3, result.output
+    assert "recorded plan not read: plan has no scalar max_kv_splits (not launched)" in " ".join(result.output.split())
+    assert launches == [] and "Traceback" not in result.output
