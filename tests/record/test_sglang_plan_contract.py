@@ -608,3 +608,104 @@ def test_flashinfer_decode_through_the_installed_hook(hook_session) -> None:
     assert {"window_left": -1, "logits_soft_cap": 0.0, "use_tensor_cores": False}.items() <= trace.plan.scalars.items()
     reports = list(check_steps(str(hook_session.out_dir / entry["file"]), parse_only(ONLY), CheckOptions(backends=("triton",))))
     assert [f for report in reports for f in report.findings] == []
+
+
+WINDOW = 3  # the layer's sliding_window_size: a query sees itself and the 3 keys before it
+
+
+def window_model() -> Model:
+    layer = env.RadixAttention(4, 16, 0.25, 2, 0, sliding_window_size=WINDOW)
+    return model_from_layer(layer, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
+
+
+def test_flashinfer_sliding_window_decode(tmp_path) -> None:
+    """A sliding-window model: SGLang runs two decode wrappers (WrapperDispatch.SLIDING_WINDOW),
+    wrapper 0 planned over each request's last min(seq_len, window + 1) keys (update_sliding_window:
+    kv_start_idx = seq_len - that), its forward given no window_left: the list is the window."""
+    model, batch = window_model(), decode_step()
+
+    def backend(keep: int) -> SimpleNamespace:
+        lists = [ROWS[1][-keep:], ROWS[5][-keep:]]
+        swa = SimpleNamespace(
+            _paged_kv_indptr_buf=torch.tensor([0, keep, 2 * keep], dtype=I32),
+            _paged_kv_indices_buf=torch.tensor(lists[0] + lists[1] + SLACK, dtype=I32),
+            _paged_kv_last_page_len_buf=torch.ones(2, dtype=I32),
+            _use_tensor_cores=False,
+        )
+        full = flashinfer_decode_backend(ROWS[1] + ROWS[5]).forward_metadata.decode_wrappers[0]
+        return SimpleNamespace(forward_metadata=DecodeMetadata(decode_wrappers=[swa, full]), decode_use_tensor_cores=False, page_size=1)
+
+    plan = recorded(backend(WINDOW + 1), model)
+    assert (plan.scalars["num_wrappers"], plan.scalars["window_left"]) == (2, -1)
+    assert check(tmp_path, batch, plan, engine_backend="flashinfer", model=model) == []
+
+    # Planted: the window list one key short (min(seq_len, window), sglang PR #32087's mechanism).
+    found = check(tmp_path, batch, recorded(backend(WINDOW), model), engine_backend="flashinfer", model=model, name="short")
+    assert ("invariants", "kv-length", "plan.kv_indptr/kv_last_page_len") in found, found
+
+
+MLA_VERIFY_ROWS = {1: list(range(64, 64 + PREFIX[0] + N)), 6: list(range(128, 128 + PREFIX[1] + N))}
+
+
+def test_flashmla_chain_verify(tmp_path) -> None:
+    """FlashMLA verifies a chain (topk 1) causally: forward_extend hands the kernel
+    cache_seqlens = seq_lens + num_draft_tokens and q as [bs, n, H, 576]."""
+    model = mla_model()
+    _, _, chain_info = chain_verify_step()
+    drafts = [s for b, p in zip((1, 6), PREFIX) for s in MLA_VERIFY_ROWS[b][p:]]
+    fb = env.ForwardBatch(
+        forward_mode=env.ForwardMode.TARGET_VERIFY,
+        batch_size=2,
+        input_ids=chain_info.draft_token,
+        req_pool_indices=torch.tensor([1, 6], dtype=I64),
+        seq_lens=torch.tensor(PREFIX, dtype=I64),
+        out_cache_loc=torch.tensor(drafts, dtype=I64),
+        seq_lens_sum=sum(PREFIX),
+        positions=chain_info.positions,
+        spec_info=chain_info,
+    )
+    batch = batch_from_forward_batch(fb, env.req_pool(MLA_VERIFY_ROWS, width=128).req_to_token, MLA_CACHE)
+    spec = spec_from_verify_input(chain_info, fb.seq_lens)
+    backend = flashmla_backend([[1], [2]])
+    backend.num_draft_tokens = N
+    plan = recorded(backend, model, verify=True, spec_info=chain_info, seq_lens=fb.seq_lens)
+    assert plan.tensors["cache_seqlens"].tolist() == [PREFIX[0] + N, PREFIX[1] + N] and plan.scalars["q_len"] == N
+    assert check(tmp_path, batch, plan, engine_backend="flashmla", model=model, spec=spec) == []
+
+    # Planted: request 1's block table row holds request 0's page.
+    wrong = recorded(flashmla_backend([[1], [1]]), model, verify=True, spec_info=chain_info, seq_lens=fb.seq_lens)
+    found = check(tmp_path, batch, wrong, engine_backend="flashmla", model=model, spec=spec, name="wrong")
+    assert any(check_id == "kv-index" and field.startswith("plan.block_table") for _, check_id, field in found), found
+
+
+def test_flashmla_decode_graph_padded(tmp_path) -> None:
+    """At a bs-4 replay SGLang rebuilds forward_metadata over its graph buffer
+    (cuda_graph_kv_indices[:bs, :max_seqlen_pad]); padded requests (seq_len 1, req_to_token row 0)
+    read page 0, the dummy page, and the kernel's cache_seqlens are the padded seq_lens."""
+    from tests.record.engines import import_engine
+    from attndbg.record.sglang.adapter import _wrap_view_builder
+    from attndbg.record.sglang.graph import capture_graph_from_view, graph_from_host
+
+    model, (_, fb) = mla_model(), mla_decode_step()
+    runner = import_engine("sglang.srt.model_executor.runner.decode_cuda_graph_runner")
+    buffers = SimpleNamespace(
+        input_ids=torch.tensor([101, 102, 7, 7] + [0] * 4, dtype=I64),
+        req_pool_indices=torch.tensor([1, 5] + [0] * 6, dtype=I64),
+        seq_lens=torch.tensor([5, 9] + [FILL] * 6, dtype=I64),
+        seq_lens_cpu=torch.tensor([5, 9] + [FILL] * 6, dtype=I64),
+        out_cache_loc=torch.tensor([68, 136] + [0] * 6, dtype=I64),
+        positions=torch.tensor([4, 8] + [0] * 6, dtype=I64),
+        encoder_lens=None,
+        mamba_track_indices=None,
+    )
+    view = _wrap_view_builder(runner.build_replay_fb_view)(fb, buffers, CAPTURE_BS, RAW_BS, CAPTURE_BS, None, FILL, env.ForwardMode.DECODE, False)
+    batch = batch_from_forward_batch(view, env.req_pool(MLA_ROWS, width=128).req_to_token, MLA_CACHE, raw_bs=RAW_BS)
+    info, tensors = capture_graph_from_view(view, fill_value=FILL, tokens_per_req=1)
+    graph = graph_from_host(info, tensors)
+    plan = recorded(flashmla_backend([[1], [2], [0], [0]]), model, graph_bs=CAPTURE_BS, seq_lens=tensors["padded_seq_lens"])
+    assert plan.tensors["cache_seqlens"].tolist() == [5, 9, 1, 1]
+    assert check(tmp_path, batch, plan, engine_backend="flashmla", model=model, graph=graph) == []
+
+    # Planted: a padded request's block table entry past the pool (a stale graph buffer row).
+    found = check(tmp_path, batch, recorded(flashmla_backend([[1], [2], [0], [9]]), model, graph_bs=CAPTURE_BS, seq_lens=tensors["padded_seq_lens"]), engine_backend="flashmla", model=model, graph=graph, name="wrong")
+    assert any(field.startswith("plan.block_table[3") for _, _, field in found), found
