@@ -115,20 +115,39 @@ def test_flashinfer_decode_eager(tmp_path) -> None:
 CAPTURE_BS, RAW_BS, FILL = 4, 2, 1
 
 
-def graph_step() -> tuple[Batch, Graph]:
-    """The decode step replayed in a graph captured at bs 4, through SGL-new's own build_replay_fb_view
-    (test_sglang_graph.static_buffers: seq_lens padded with 1, the rest zeroed)."""
+def padded_replay(fb, mode, *, tokens_per_req: int = 1):
+    """SGL-new's runner replaying `fb` (RAW_BS requests) in the bs-4 graph: static buffers padded as
+    its registry pads them (seq_lens with the fill value 1; req_pool_indices, out_cache_loc and
+    positions zeroed), then its own build_replay_fb_view. Returns (view, graph, graph tensors)."""
     from tests.record.engines import import_engine
     from attndbg.record.sglang.adapter import _wrap_view_builder
     from attndbg.record.sglang.graph import capture_graph_from_view, graph_from_host
-    from tests.record.sglang_steps import decode_batch
-    from tests.record.test_sglang_graph import static_buffers
 
     runner = import_engine("sglang.srt.model_executor.runner.decode_cuda_graph_runner")
-    view = _wrap_view_builder(runner.build_replay_fb_view)(decode_batch(), static_buffers(), CAPTURE_BS, RAW_BS, CAPTURE_BS, None, FILL, env.ForwardMode.DECODE, False)
-    batch = batch_from_forward_batch(view, env.req_pool(ROWS).req_to_token, KV_CACHE_SIZE, raw_bs=RAW_BS)
-    info, tensors = capture_graph_from_view(view, fill_value=FILL, tokens_per_req=1)
-    return batch, graph_from_host(info, tensors)
+    pad, n = CAPTURE_BS - RAW_BS, tokens_per_req
+    seq_lens = torch.cat([fb.seq_lens, torch.full((pad,), FILL, dtype=I64)])
+    buffers = SimpleNamespace(
+        input_ids=torch.zeros(CAPTURE_BS * n, dtype=I64),
+        req_pool_indices=torch.cat([fb.req_pool_indices, torch.zeros(pad, dtype=I64)]),
+        seq_lens=seq_lens,
+        seq_lens_cpu=seq_lens.clone(),
+        out_cache_loc=torch.cat([fb.out_cache_loc, torch.zeros(pad * n, dtype=I64)]),
+        positions=torch.cat([fb.positions, torch.zeros(pad * n, dtype=I64)]),
+        encoder_lens=None,
+        mamba_track_indices=None,
+    )
+    fb.max_seq_len_host = None
+    view = _wrap_view_builder(runner.build_replay_fb_view)(fb, buffers, CAPTURE_BS, RAW_BS, CAPTURE_BS * n, None, FILL, mode, False)
+    info, tensors = capture_graph_from_view(view, fill_value=FILL, tokens_per_req=n)
+    return view, graph_from_host(info, tensors), tensors
+
+
+def graph_step() -> tuple[Batch, Graph]:
+    """The decode step replayed in a graph captured at bs 4."""
+    from tests.record.sglang_steps import decode_batch
+
+    view, graph, _ = padded_replay(decode_batch(), env.ForwardMode.DECODE)
+    return batch_from_forward_batch(view, env.req_pool(ROWS).req_to_token, KV_CACHE_SIZE, raw_bs=RAW_BS), graph
 
 
 def flashinfer_graph_backend(kv_indptr: list[int]) -> SimpleNamespace:
@@ -462,30 +481,11 @@ def test_flashmla_decode_eager(tmp_path) -> None:
 
 
 def verify_graph_step(mask: torch.Tensor) -> tuple[Batch, Spec, Graph, object]:
-    """The verify step replayed in a bs-4 graph: SGL-new's build_replay_fb_view over static buffers
-    padded as its runner pads them (seq_lens 1, the rest zeroed; test_sglang_graph_verify.replay)."""
-    from tests.record.engines import import_engine
-    from attndbg.record.sglang.adapter import _wrap_view_builder
-    from attndbg.record.sglang.graph import capture_graph_from_view, graph_from_host
-
-    runner = import_engine("sglang.srt.model_executor.runner.decode_cuda_graph_runner")
+    """The verify step replayed in a bs-4 graph (test_sglang_graph_verify.replay's padding)."""
     fb = verify_batch(verify_input(mask))
-    pad, tokens = CAPTURE_BS - RAW_BS, CAPTURE_BS * N
-    buffers = SimpleNamespace(
-        input_ids=torch.zeros(tokens, dtype=I64),
-        req_pool_indices=torch.cat([fb.req_pool_indices, torch.zeros(pad, dtype=I64)]),
-        seq_lens=torch.cat([fb.seq_lens, torch.full((pad,), FILL, dtype=I64)]),
-        seq_lens_cpu=torch.cat([fb.seq_lens, torch.full((pad,), FILL, dtype=I64)]),
-        out_cache_loc=torch.cat([fb.out_cache_loc, torch.zeros(pad * N, dtype=I64)]),
-        positions=torch.cat([fb.positions, torch.zeros(pad * N, dtype=I64)]),
-        encoder_lens=None,
-        mamba_track_indices=None,
-    )
-    fb.max_seq_len_host = None
-    view = _wrap_view_builder(runner.build_replay_fb_view)(fb, buffers, CAPTURE_BS, RAW_BS, tokens, None, FILL, env.ForwardMode.TARGET_VERIFY, False)
+    view, graph, _ = padded_replay(fb, env.ForwardMode.TARGET_VERIFY, tokens_per_req=N)
     batch = batch_from_forward_batch(view, env.req_pool(VERIFY_ROWS).req_to_token, KV_CACHE_SIZE, raw_bs=RAW_BS)
-    info, tensors = capture_graph_from_view(view, fill_value=FILL, tokens_per_req=N)
-    return batch, spec_from_verify_input(fb.spec_info, fb.seq_lens), graph_from_host(info, tensors), fb.spec_info
+    return batch, spec_from_verify_input(fb.spec_info, fb.seq_lens), graph, fb.spec_info
 
 
 def flashinfer_graph_verify_backend(mask: torch.Tensor) -> SimpleNamespace:
@@ -682,26 +682,9 @@ def test_flashmla_decode_graph_padded(tmp_path) -> None:
     """At a bs-4 replay SGLang rebuilds forward_metadata over its graph buffer
     (cuda_graph_kv_indices[:bs, :max_seqlen_pad]); padded requests (seq_len 1, req_to_token row 0)
     read page 0, the dummy page, and the kernel's cache_seqlens are the padded seq_lens."""
-    from tests.record.engines import import_engine
-    from attndbg.record.sglang.adapter import _wrap_view_builder
-    from attndbg.record.sglang.graph import capture_graph_from_view, graph_from_host
-
     model, (_, fb) = mla_model(), mla_decode_step()
-    runner = import_engine("sglang.srt.model_executor.runner.decode_cuda_graph_runner")
-    buffers = SimpleNamespace(
-        input_ids=torch.tensor([101, 102, 7, 7] + [0] * 4, dtype=I64),
-        req_pool_indices=torch.tensor([1, 5] + [0] * 6, dtype=I64),
-        seq_lens=torch.tensor([5, 9] + [FILL] * 6, dtype=I64),
-        seq_lens_cpu=torch.tensor([5, 9] + [FILL] * 6, dtype=I64),
-        out_cache_loc=torch.tensor([68, 136] + [0] * 6, dtype=I64),
-        positions=torch.tensor([4, 8] + [0] * 6, dtype=I64),
-        encoder_lens=None,
-        mamba_track_indices=None,
-    )
-    view = _wrap_view_builder(runner.build_replay_fb_view)(fb, buffers, CAPTURE_BS, RAW_BS, CAPTURE_BS, None, FILL, env.ForwardMode.DECODE, False)
+    view, graph, tensors = padded_replay(fb, env.ForwardMode.DECODE)
     batch = batch_from_forward_batch(view, env.req_pool(MLA_ROWS, width=128).req_to_token, MLA_CACHE, raw_bs=RAW_BS)
-    info, tensors = capture_graph_from_view(view, fill_value=FILL, tokens_per_req=1)
-    graph = graph_from_host(info, tensors)
     plan = recorded(flashmla_backend([[1], [2], [0], [0]]), model, graph_bs=CAPTURE_BS, seq_lens=tensors["padded_seq_lens"])
     assert plan.tensors["cache_seqlens"].tolist() == [5, 9, 1, 1]
     assert check(tmp_path, batch, plan, engine_backend="flashmla", model=model, graph=graph) == []
