@@ -11,16 +11,17 @@ step again without that backend.
 
 A CUDA error that poisons the context (an illegal memory access, a device-side assert, ...: the
 sticky errors of `STICKY`) does not kill the process, but every later CUDA call in it fails, so every
-later step would fail for a reason that is not its own. Such an error is caught wherever it surfaces
-in a step: inside an announced launch (which synchronises before it ends, so an asynchronous fault
-surfaces inside the launch it belongs to), in a detector's own code, or, at the end of the step,
-by a probe of the context after each detector (`check_context`: one tiny kernel and a synchronise), which also finds a fault
-that some code swallowed. Then `lose(crash)`: in a worker the crash is written to the sink and the
-process ends at once (exit `POISONED_EXIT`) before it can take another step; the parent reports it
-as a `backend-crash` finding and a fresh worker takes its place. In one process (no sink:
-`--in-process`, or `--jobs 1` on a machine without CUDA) the context cannot be recovered: `lose`
-records the crash (`lost()`) and raises `CudaContextLost`, the step gets the crash finding, and the
-check reports every later step as not checked, for that one reason, without running it.
+later step would fail for a reason that is not its own. After any CUDA error (`is_cuda_error`: by
+type, or a message naming CUDA or a sticky error) the context is probed: one that cannot synchronise
+and run one tiny kernel is poisoned. Wherever the fault surfaces in a step it is caught: inside an
+announced launch (which synchronises before it ends, so an asynchronous fault surfaces inside the
+launch it belongs to), in a detector's own code, or by the probe after each detector
+(`check_context`), which also finds a fault some code swallowed. Then `lose(crash)`: in a worker the
+crash is written to the sink and the process ends at once (exit `POISONED_EXIT`), before it can take
+another step; the parent reports a `backend-crash` finding and a fresh worker takes its place. In
+one process (no sink: `--in-process`, or `--jobs 1` on a machine without CUDA) the context cannot be
+recovered: `lose` records the crash (`lost()`) and raises `CudaContextLost`, the step gets the crash
+finding, and the check reports every later step as not checked, for that one reason, unrun.
 """
 
 from __future__ import annotations
@@ -209,7 +210,9 @@ def first_line(error: BaseException) -> str:
 
 def is_cuda_error(error: BaseException) -> bool:
     """A CUDA error, by type (torch's AcceleratorError) or message (libraries wrap them in their own
-    exceptions: Triton's "Triton Error [CUDA]: ...", our KernelError "AcceleratorError: CUDA error: ...")."""
+    exceptions: Triton's "Triton Error [CUDA]: ...", our KernelError "AcceleratorError: CUDA error: ...",
+    FlashInfer's "... failed with error an illegal memory access was encountered"): one after which
+    the context is probed."""
     text = f"{type(error).__name__}: {error}".lower()
     if any(s in text for s in _NOT_A_CRASH):
         return False
@@ -222,11 +225,11 @@ def is_cuda_error(error: BaseException) -> bool:
 
 
 def poisoned(error: BaseException) -> bool:
-    """Whether the CUDA context is unusable after the CUDA error `error`: a sticky error says so by
-    its message (whether or not a GPU is here: a simulated one is treated as real); another CUDA
-    error (an invalid argument) leaves the context usable unless a probe finds otherwise."""
-    text = str(error).lower()
-    return any(s in text for s in STICKY) or probe() is not None
+    """Whether the CUDA context is unusable after the CUDA error `error`, tested, not guessed from
+    the message: after a sticky error every CUDA call fails, so the probe fails too, and a message
+    that only reads like one (a test's simulated fault, a library quoting an earlier error) on a
+    context that still works is the error of its launch, reported as such by the runner."""
+    return is_cuda_error(error) and probe() is not None
 
 
 _probe_tensor = None  # the probe's one element, allocated once: a probe never allocates again

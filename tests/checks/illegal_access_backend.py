@@ -2,7 +2,7 @@
 on one step (the step numbered ATTNDBG_TEST_FAULT_STEP), simulated on the CPU: our Triton adapter,
 whose kernel call raises what Triton raises after such a fault (the adapter wraps it in a
 KernelError, as it wraps every library error). From then on every run of it in that process raises
-the same, as every CUDA call does in a poisoned context."""
+the same, as every CUDA call does in a poisoned context, and the probe of the context fails."""
 
 from __future__ import annotations
 
@@ -10,11 +10,16 @@ import os
 
 from attndbg.backends.base import AttentionInputs, AttentionResult
 from attndbg.backends.triton import TritonBackend
+from attndbg.replay import activity
 from attndbg.trace.schema import Plan, Trace
 
 ILLEGAL = "Triton Error [CUDA]: an illegal memory access was encountered"
 
 _poisoned = False  # this process's simulated CUDA context
+
+
+def _probe() -> str | None:
+    return ILLEGAL if _poisoned else None
 
 
 class IllegalAccessBackend(TritonBackend):
@@ -25,6 +30,7 @@ class IllegalAccessBackend(TritonBackend):
         global _poisoned
         if _poisoned or str(trace.source.step) == os.environ.get("ATTNDBG_TEST_FAULT_STEP"):
             _poisoned = True
+            activity.probe = _probe  # the context of this process is gone from now on
             raise RuntimeError(ILLEGAL)
         return super()._run(trace, inputs, plan)
 

@@ -132,6 +132,7 @@ def illegal_backend(monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setenv("ATTNDBG_BACKENDS", "illegal_access=tests.checks.illegal_access_backend:IllegalAccessBackend")
     monkeypatch.setenv("ATTNDBG_TEST_FAULT_STEP", str(FAULT_STEP))
+    monkeypatch.setattr(activity, "probe", activity.probe)
     yield
     illegal_access_backend.reset()
     monkeypatch.undo()
@@ -163,18 +164,25 @@ def test_replay_stops_in_one_line_when_the_context_is_lost(illegal_backend, tmp_
     assert "replay stopped here" in said and "step_000002.pt" not in said and "Traceback" not in said
 
 
+@pytest.fixture
+def dead_context(monkeypatch: pytest.MonkeyPatch):
+    """This process's CUDA context as after a real sticky error: the probe fails (simulated)."""
+    monkeypatch.setattr(activity, "probe", lambda: cuda_fault_detector.ILLEGAL)
+    yield
+    monkeypatch.undo()
+    activity.start_check()
+    assert activity.lost() is None
+
+
 def _lost_in(call) -> activity.Launch:
     """The crash `call` loses this process's context to (in one process: raised and recorded)."""
-    try:
-        with pytest.raises(activity.CudaContextLost) as lost, activity.detector("split-merge"):
-            call()
-        assert activity.lost() == lost.value.crash
-        return lost.value.crash
-    finally:
-        activity.start_check()
+    with pytest.raises(activity.CudaContextLost) as lost, activity.detector("split-merge"):
+        call()
+    assert activity.lost() == lost.value.crash
+    return lost.value.crash
 
 
-def test_split_merges_own_launches_are_announced(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_split_merges_own_launches_are_announced(dead_context: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Its probes call kernels directly (not through the runner): a fault in them names the backend."""
     import sys
     import types

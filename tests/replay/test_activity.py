@@ -38,6 +38,16 @@ def sink():
     activity.set_sink(None)
 
 
+@pytest.fixture
+def dead_context(monkeypatch: pytest.MonkeyPatch):
+    """This process's CUDA context as after a real sticky error: the probe fails (simulated)."""
+    monkeypatch.setattr(activity, "probe", lambda: ILLEGAL)
+    yield
+    monkeypatch.undo()
+    activity.start_check()  # no CUDA here: the simulated crash is forgotten
+    assert activity.lost() is None
+
+
 def test_the_detector_running_is_named_and_a_launch_says_which_detector_made_it(sink: list[str]) -> None:
     with activity.detector("split-merge"):
         assert activity.parse(sink[-1]) == activity.Launch(detector="split-merge")
@@ -60,8 +70,14 @@ def test_the_detector_running_is_named_and_a_launch_says_which_detector_made_it(
         torch.AcceleratorError(ILLEGAL),
     ],
 )
-def test_cuda_sticky_errors_poison_the_context_whatever_wraps_them(error: Exception) -> None:
-    assert activity.is_cuda_error(error) and activity.poisoned(error)
+def test_cuda_sticky_errors_poison_the_context_whatever_wraps_them(error: Exception, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert activity.is_cuda_error(error)
+    monkeypatch.setattr(activity, "probe", lambda: ILLEGAL)
+    assert activity.poisoned(error)
+    # The same words on a context that still works (a simulated fault, as tests/checks/test_fill_value.py
+    # plants): the launch's own error, which the runner reports; nothing is lost.
+    monkeypatch.setattr(activity, "probe", lambda: None)
+    assert not activity.poisoned(error)
 
 
 @pytest.mark.parametrize(
@@ -74,26 +90,24 @@ def test_cuda_sticky_errors_poison_the_context_whatever_wraps_them(error: Except
         RuntimeError("expected scalar type Float but found Half"),
     ],
 )
-def test_other_errors_leave_the_context_alone(error: Exception) -> None:
+def test_other_errors_leave_the_context_alone(error: Exception, dead_context: None) -> None:
     assert not activity.is_cuda_error(error) and not activity.poisoned(error)
 
 
-def test_in_one_process_a_poisoned_context_is_recorded_and_raised() -> None:
+def test_in_one_process_a_poisoned_context_is_recorded_and_raised(dead_context: None) -> None:
     """No sink (one process): the crash is kept, and CudaContextLost (not a KernelError the runner
     would report as one backend's error) carries it up to the check."""
-    try:
-        with pytest.raises(activity.CudaContextLost) as lost, activity.detector("split-merge"), activity.launching("flashinfer", "extend_path=cascade"):
-            raise RuntimeError(f"AcceleratorError: {ILLEGAL}")
-        crash = activity.Launch("flashinfer", "extend_path=cascade", f"AcceleratorError: {ILLEGAL}", "split-merge")
-        assert lost.value.crash == crash and activity.lost() == crash
-        # Outside a launch (a detector's own code), attributed to the detector.
-        with pytest.raises(activity.CudaContextLost) as lost:
-            activity.check_error(torch.AcceleratorError(ILLEGAL), "batch-invariance")
-        assert lost.value.crash == activity.Launch(error=ILLEGAL, detector="batch-invariance")
-        activity.check_error(ValueError("plan refused"), "invariants")  # not CUDA: nothing happens
-    finally:
-        activity.start_check()  # no CUDA here: the simulated crash is forgotten
-    assert activity.lost() is None
+    with pytest.raises(activity.CudaContextLost) as lost, activity.detector("split-merge"), activity.launching("flashinfer", "extend_path=cascade"):
+        raise RuntimeError(f"AcceleratorError: {ILLEGAL}")
+    crash = activity.Launch("flashinfer", "extend_path=cascade", f"AcceleratorError: {ILLEGAL}", "split-merge")
+    assert lost.value.crash == crash and activity.lost() == crash
+    activity.start_check()
+    assert activity.lost() == crash  # a context that is still dead stays lost
+    # Outside a launch (a detector's own code), attributed to the detector.
+    with pytest.raises(activity.CudaContextLost) as lost:
+        activity.check_error(torch.AcceleratorError(ILLEGAL), "batch-invariance")
+    assert lost.value.crash == activity.Launch(error=ILLEGAL, detector="batch-invariance")
+    activity.check_error(ValueError("plan refused"), "invariants")  # not CUDA: nothing happens
 
 
 def test_a_fault_found_after_a_detector_is_blamed_on_the_last_launch_that_raised(monkeypatch: pytest.MonkeyPatch) -> None:
