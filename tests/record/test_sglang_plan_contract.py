@@ -157,6 +157,8 @@ def flashinfer_graph_backend(kv_indptr: list[int]) -> SimpleNamespace:
     indices = torch.zeros(64, dtype=I32)
     indices[:16] = torch.tensor(ROWS[1] + ROWS[5] + [0, 0], dtype=I32)
     wrapper = SimpleNamespace(
+        # A tensor-core decode wrapper in graph mode keeps a query offset per request (decode.py __init__).
+        _qo_indptr_buf=torch.arange(CAPTURE_BS + 1, dtype=I32),
         _paged_kv_indptr_buf=torch.tensor(kv_indptr, dtype=I32),
         _paged_kv_indices_buf=indices,
         _paged_kv_last_page_len_buf=torch.ones(CAPTURE_BS, dtype=I32),
