@@ -34,7 +34,8 @@ def crash_finding(path: str, crash: Launch, death: str, recheck: Recheck) -> Fin
     else:
         who = f"a CUDA kernel crashed on this step{inside or ' outside the detectors'}, outside any announced launch"
         library = f"A kernel{inside} faulted on this step (no launch was announced: the backend is not known)"
-        alone = f"Check it alone (`attndbg check {path} --jobs 1`{f' --only {crash.detector}' if crash.detector else ''}) to reproduce; "
+        only = f" --only {crash.detector}" if crash.detector else ""
+        alone = f"Check it alone (`attndbg check {path}{only} --in-process`) to reproduce; "
     then = {
         Recheck.WITHOUT_BACKEND: f"; the step's other backends and detectors were checked again without {crash.backend} in a fresh worker.",
         Recheck.WITHOUT_DETECTOR: f"; the step's other detectors were checked again without {crash.detector} in a fresh worker.",
