@@ -74,7 +74,7 @@ class _StepFindings:
         return [*fixed, evidence, rest - evidence]
 
     def _table(self, widths: list[int]) -> Table:
-        table = Table(title=self.title, title_justify="left", show_lines=True)
+        table = Table(title=Text(self.title), title_justify="left", show_lines=True)  # a file name is not markup
         for column, width in zip(("class", "check", "where", "evidence", "likely cause"), widths):
             table.add_column(column, width=width, overflow="fold")
         for f in self.findings:

@@ -17,7 +17,9 @@ from attndbg.cli import main
 from attndbg.compare.saved import load_replay
 from attndbg.trace import archive
 from attndbg.trace.errors import TraceError
-from tests.factories import stored
+from attndbg.detectors import registry as detectors
+from attndbg.trace import io as trace_io
+from tests.factories import make_trace, stored
 
 REFERENCE = str(Path(__file__).resolve().parents[2] / "traces" / "decode_gqa.pt")
 COMMANDS = {
@@ -167,3 +169,16 @@ def test_a_file_name_with_a_newline_is_printed_escaped(tmp_path: Path) -> None:
         result = CliRunner().invoke(main, args)
         assert not any(line.startswith("error: forged") for line in result.output.splitlines()), (args, result.output)
         assert "\\nerror: forged" in result.output, (args, result.output)
+
+
+def test_a_file_name_with_rich_markup_is_printed_as_is(tmp_path: Path) -> None:
+    (tmp_path / "[").mkdir()
+    path = tmp_path / "[" / "]x.pt"  # '[/]x.pt': a closing tag rich would refuse to render
+    # a step with a finding, so that check prints its table (200 columns) or stacked findings (80)
+    trace = detectors.inject(make_trace("decode-mha", "kv_lens=3,20,7", "heads=2:1", "head_dim=32", plan=True), "invariants:decreasing-indptr")
+    trace_io.save(trace, path)
+    for args in (["show", str(path)], ["check", str(path), "--only", "invariants"], ["replay", str(path), "--backend", "reference"]):
+        for columns in ("80", "200"):
+            result = CliRunner().invoke(main, args, env={"COLUMNS": columns})
+            assert result.exit_code in (0, 1) and (result.exception is None or isinstance(result.exception, SystemExit)), (args, result.output)
+            assert "[/]x.pt" in result.output, (args, result.output)
