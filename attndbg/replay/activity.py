@@ -66,7 +66,8 @@ class Launch:
     detector: str = ""  # the detector that was running: "split-merge"
 
     def text(self) -> str:
-        return "\t".join((self.backend, self.what, self.error, self.detector)).rstrip("\t")
+        fields = (self.backend, self.what, self.error, self.detector)
+        return "\t".join(f.replace("\t", " ") for f in fields).rstrip("\t")
 
     def where(self) -> str:
         """'flashinfer (extend_path=cascade) in the split-merge detector', as far as it is known."""
