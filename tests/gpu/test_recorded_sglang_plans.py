@@ -19,6 +19,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from attndbg.backends import fa3
+from attndbg.backends.fa3 import FA3Backend
 from attndbg.backends.flashinfer import INSTALL_HINT, FlashInferBackend
 from attndbg.machine import module_available
 from attndbg.record.sglang.plan import plan_from_backend
@@ -79,5 +81,42 @@ def test_recorded_flashinfer_plan_passes_the_reference(preset: str, tmp_path) ->
     result = replay(io.load(path), str(path), ["reference", "flashinfer"], ReplayOptions(plan=PlanSource.BOTH))
     runs = {(run.name, run.variant.label): run for run in result.runs if run.name == "flashinfer"}
     assert ("flashinfer", "recorded plan") in runs, list(runs)
+    for run in runs.values():
+        assert run.status is RunStatus.PASSED, (run.variant, run.reason, run.comparison)
+
+
+def sglang_fa3_backend(trace: Trace) -> SimpleNamespace:
+    """SGLang's FlashAttentionBackend holding FlashAttentionMetadata for `trace`'s step (and, for a
+    tree verify, forward_metadata_spec_decode_expand), built from the fa3 adapter's derived plan."""
+    plan = FA3Backend().derive_plan(trace)
+    t, s = plan.tensors, plan.scalars
+
+    def metadata(prefix: str) -> SimpleNamespace:
+        return SimpleNamespace(
+            cache_seqlens_int32=t[f"{prefix}cache_seqlens"],
+            cu_seqlens_q=t[f"{prefix}cu_seqlens_q"],
+            cu_seqlens_k=t[f"{prefix}cu_seqlens_k"],
+            page_table=t[f"{prefix}page_table"],
+            max_seq_len_q=s[f"{prefix}max_seqlen_q"],
+            max_seq_len_k=s[f"{prefix}max_seqlen_k"],
+        )
+
+    expand = metadata("expand_") if "expand_page_table" in t else None
+    topk = trace.spec.topk if trace.spec is not None else 0
+    return SimpleNamespace(forward_metadata=metadata(""), forward_metadata_spec_decode_expand=expand, topk=topk, page_size=trace.model.page_size)
+
+
+@pytest.mark.skipif(fa3.select_impl() is None, reason="no FlashAttention-3 implementation on this machine")
+@pytest.mark.parametrize("preset", ["decode-gqa", "extend-prefix", "verify", "verify-chain"])
+def test_recorded_fa3_plan_passes_the_reference(preset: str, tmp_path) -> None:
+    trace = synth.build(synth.parse_spec([preset]))
+    verify = trace.spec is not None
+    spec_info = SimpleNamespace(draft_token_num=trace.spec.draft_token_num) if verify else None
+    recorded = plan_from_backend(sglang_fa3_backend(trace), model=trace.model, verify=verify, spec_info=spec_info)
+    trace = replace(trace, source=replace(trace.source, backend="fa3"), plan=recorded)
+    path = io.save(trace, tmp_path / f"{preset}.pt")
+    result = replay(io.load(path), str(path), ["reference", "fa3"], ReplayOptions(plan=PlanSource.BOTH))
+    runs = {(run.name, run.variant.label): run for run in result.runs if run.name == "fa3"}
+    assert ("fa3", "recorded plan") in runs, list(runs)
     for run in runs.values():
         assert run.status is RunStatus.PASSED, (run.variant, run.reason, run.comparison)
