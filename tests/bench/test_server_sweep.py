@@ -1,0 +1,59 @@
+"""bench/server_sweep.py: the server-shaped recording is deterministic (same seed, same bytes,
+whatever the number of build processes), loads step by step, and holds the mode mix its
+docstring states."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))  # the build workers are spawned: they import the module by name
+
+import server_sweep  # noqa: E402
+
+from attndbg.trace import io  # noqa: E402
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_same_seed_same_bytes_and_every_step_loads(tmp_path: Path) -> None:
+    one, two = tmp_path / "a", tmp_path / "b"
+    server_sweep.make(one, 30, seed=3, jobs=1, progress=False)
+    server_sweep.make(two, 30, seed=3, jobs=2, progress=False)
+    assert _files(one) == _files(two)
+    entries = io.read_manifest(one)
+    assert [e.step for e in entries] == list(range(30))
+    modes = Counter()
+    for entry in entries:
+        trace = io.load(one / entry.file)
+        assert trace.source.step == entry.step and trace.batch.forward_mode.value == entry.mode
+        assert trace.plan is not None, entry  # every step carries its engine backend's plan
+        if trace.graph is not None:
+            assert trace.graph.capture_bs >= trace.batch.batch_size
+        modes[entry.mode] += 1
+    assert set(modes) == {"DECODE", "TARGET_VERIFY", "EXTEND", "MIXED"}, modes
+    shapes = [json.loads(line) for line in (one / server_sweep.SHAPES).read_text().splitlines()]
+    assert [s["step"] for s in shapes] == list(range(30)) and not any(s["no_plan"] for s in shapes)
+
+
+def test_another_seed_another_recording(tmp_path: Path) -> None:
+    assert server_sweep.draw_all(20, 0) != server_sweep.draw_all(20, 1)
+
+
+def test_the_mix_is_the_stated_one() -> None:
+    draws = server_sweep.draw_all(2000, 0)
+    modes = Counter(d.mode for d in draws)
+    for mode, share in server_sweep.MODES:
+        assert abs(modes[mode] / len(draws) - share) < 0.04, (mode, modes)
+    assert {d.engine for d in draws} == {"sglang", "vllm"}
+    assert any(d.mla for d in draws)
+    graph = [d for d in draws if d.mode in ("decode", "verify")]
+    assert all(d.capture_bs in d.capture_sizes for d in graph)
+    trees = Counter(w for d in draws if d.mode == "verify" for w in d.words if w.startswith("topk="))
+    assert {"topk=1", "topk=4"} <= set(trees)
+    assert any("window=4095" in d.words for d in draws) and any("logit_cap=50.0" in d.words for d in draws)
