@@ -635,11 +635,20 @@ def test_flashinfer_sliding_window_decode(tmp_path) -> None:
             _use_tensor_cores=False,
         )
         full = flashinfer_decode_backend(ROWS[1] + ROWS[5]).forward_metadata.decode_wrappers[0]
-        return SimpleNamespace(forward_metadata=DecodeMetadata(decode_wrappers=[swa, full]), decode_use_tensor_cores=False, page_size=1)
+        dispatch = env.sgl.flashinfer_backend.WrapperDispatch.SLIDING_WINDOW
+        return SimpleNamespace(forward_metadata=DecodeMetadata(decode_wrappers=[swa, full]), decode_use_tensor_cores=False, page_size=1, dispatch_reason=dispatch)
 
     plan = recorded(backend(WINDOW + 1), model)
     assert (plan.scalars["num_wrappers"], plan.scalars["window_left"]) == (2, -1)
+    assert plan.tensors["kv_indptr"].tolist() == [0, WINDOW + 1, 2 * (WINDOW + 1)]  # wrapper 0: the window layers'
     assert check(tmp_path, batch, plan, engine_backend="flashinfer", model=model) == []
+
+    # The same step recorded at a full-attention layer of the model (Gemma-style interleaving):
+    # SGLang's _get_wrapper_idx runs it on wrapper 1, the whole rows.
+    full_layer = layer_model()
+    plan = recorded(backend(WINDOW + 1), full_layer)
+    assert plan.tensors["kv_indptr"].tolist() == [0, 5, 14]
+    assert check(tmp_path, batch, plan, engine_backend="flashinfer", model=full_layer, name="full_layer") == []
 
     # Planted: the window list one key short (min(seq_len, window), sglang PR #32087's mechanism).
     found = check(tmp_path, batch, recorded(backend(WINDOW), model), engine_backend="flashinfer", model=model, name="short")

@@ -234,11 +234,10 @@ def _wrapper_buffers(wrapper: Any) -> dict[str, Tensor | None]:
     return {ours: getattr(wrapper, theirs) for ours, theirs in names.items() if getattr(wrapper, theirs, None) is not None}
 
 
-def _flashinfer(backend: Any, md: Any) -> PlanCapture:
+def _flashinfer(backend: Any, md: Any, model: Model | None) -> PlanCapture:
     decode = hasattr(md, "decode_wrappers")
     wrappers = md.decode_wrappers if decode else md.prefill_wrappers
-    # Wrapper 0 is the only one, or the sliding-window one when SGLang runs two (WrapperDispatch).
-    wrapper = wrappers[0]
+    wrapper = wrappers[_wrapper_index(backend, len(wrappers), model)]
     tensors = _wrapper_buffers(wrapper)
     if decode:
         path = "decode"
@@ -263,6 +262,17 @@ def _flashinfer(backend: Any, md: Any) -> PlanCapture:
         if getattr(wrapper, "is_cuda_graph_enabled", False) or getattr(wrapper, "_use_cuda_graph", False):
             capacity.add("packed_custom_mask")  # the graph's custom_mask_buf, sized for the capture
     return PlanCapture("flashinfer", tensors, scalars, trim, capacity)
+
+
+def _wrapper_index(backend: Any, count: int, model: Model | None) -> int:
+    """The wrapper the recorded layer runs: SGLang's `_get_wrapper_idx(layer)`. With two
+    (WrapperDispatch.SLIDING_WINDOW) wrapper 0 serves sliding-window layers and wrapper 1 the others
+    (`layer.sliding_window_size == -1`), so the recorded layer's window chooses; otherwise (one
+    wrapper, or cross attention, which the recorder's decoder layers are not) wrapper 0."""
+    dispatch = getattr(getattr(backend, "dispatch_reason", None), "name", None)
+    if count == 2 and dispatch == "SLIDING_WINDOW" and model is not None:
+        return 0 if model.sliding_window >= 0 else 1
+    return 0
 
 
 def _call_arguments(capture: PlanCapture, backend: Any, model: Model, *, verify: bool, draft_tokens: int | None, seq_lens: Tensor | None) -> None:
@@ -328,7 +338,7 @@ def capture_plan(
     give the call arguments SGLang keeps on no object (`_call_arguments`); without `model` the
     plan lacks them, and the checker says it is not read.
     """
-    capture = _read_metadata(backend, graph_bs=graph_bs, verify=verify, spec_info=spec_info, sized=sized)
+    capture = _read_metadata(backend, graph_bs=graph_bs, verify=verify, spec_info=spec_info, sized=sized, model=model)
     if capture is not None and model is not None:
         from attndbg.record.sglang.batch import draft_token_num
 
@@ -339,7 +349,7 @@ def capture_plan(
     return capture
 
 
-def _read_metadata(backend: Any, *, graph_bs: int | None, verify: bool, spec_info: Any, sized: bool) -> PlanCapture | None:
+def _read_metadata(backend: Any, *, graph_bs: int | None, verify: bool, spec_info: Any, sized: bool, model: Model | None) -> PlanCapture | None:
     if graph_bs is not None and _has(backend, "cuda_graph_kv_indices", "kv_indptr", "max_kv_splits"):
         return _triton_graph(backend, graph_bs, verify, spec_info)
     md = getattr(backend, "forward_metadata", None)
@@ -352,7 +362,7 @@ def _read_metadata(backend: Any, *, graph_bs: int | None, verify: bool, spec_inf
     if _has(md, "block_kv_indices", "num_splits"):
         return _flashmla(backend, md)
     if hasattr(md, "decode_wrappers") or _has(md, "prefill_wrappers", "use_ragged"):
-        return _flashinfer(backend, md)
+        return _flashinfer(backend, md, model)
     return None
 
 
