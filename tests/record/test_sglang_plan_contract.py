@@ -703,3 +703,12 @@ def test_flashmla_decode_graph_padded(tmp_path) -> None:
     # Planted: a padded request's block table entry past the pool (a stale graph buffer row).
     found = check(tmp_path, batch, recorded(flashmla_backend([[1], [2], [0], [9]]), model, graph_bs=CAPTURE_BS, seq_lens=tensors["padded_seq_lens"]), engine_backend="flashmla", model=model, graph=graph, name="wrong")
     assert any(field.startswith("plan.block_table[3") for _, _, field in found), found
+
+
+def test_fa3_sliding_window_decode(tmp_path) -> None:
+    """FA3 lists whole rows and applies the window in the kernel (window_size = (layer's
+    sliding_window_size, 0)): the recorded plan says so, and checks clean."""
+    model, batch = window_model(), decode_step()
+    plan = recorded(fa3_backend(fa3_decode_metadata([5, 9], [1, 5], ROWS)), model)
+    assert plan.scalars["window_left"] == WINDOW
+    assert check(tmp_path, batch, plan, engine_backend="fa3", model=model) == []
