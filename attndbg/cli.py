@@ -533,6 +533,7 @@ def check(
     from attndbg.detectors.registry import LoadError
     from attndbg.report.checks import check_verdict, checks_to_json, render_step, render_summary
     from attndbg.report.progress import CheckProgress
+    from rich.text import Text
     from attndbg.trace import io
 
     try:
@@ -572,7 +573,7 @@ def check(
     if len(paths) > 1:
         console.print(render_summary(reports))
     verdict = check_verdict(reports, classes, names, backend_options, selection=_selection_note(target, paths, steps_spec, sample))
-    console.print(verdict.line, soft_wrap=True)  # one line whatever the width: logs grep it
+    console.print(Text(verdict.line), soft_wrap=True)  # one line whatever the width (logs grep it), never markup
     if json_path:
         _write_json(json_path, checks_to_json(reports, verdict))
     if verdict.defects or (strict and verdict.hazards):

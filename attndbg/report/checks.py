@@ -36,6 +36,7 @@ def render_step(report: StepReport) -> RenderableType:
 STACK_BELOW = 120
 _LABEL = 9  # "evidence " and the other labels of the stacked form
 _TABLE_FRAME = 16  # five columns: a space either side of each, and six rules
+_HEADERS = ("class", "check", "where", "evidence", "likely cause")
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,11 @@ class _StepFindings:
         widths = self._column_widths(options.max_width)
         yield self._stacked() if widths is None else self._table(widths)
 
-    def _cells(self, f: Finding) -> tuple[Text, str, str, str, str]:
+    def _cells(self, f: Finding) -> tuple[Text, Text, Text, Text, Text]:
+        """As Text: evidence quotes the file ('custom_mask[request 0]'), never read as markup."""
         hazard = f.severity is Severity.HAZARD
         kind = Text(f.kind.value, style="bold yellow" if hazard else "bold red") + Text(" (hazard)" if hazard else "")
-        return kind, f.check, str(f.location), f.evidence, f.cause
+        return kind, Text(f.check), Text(str(f.location)), Text(f.evidence), Text(f.cause)
 
     def _column_widths(self, width: int) -> list[int] | None:
         """class, check and where as wide as they need (where wraps at its ' / ' from 36 columns);
@@ -71,11 +73,12 @@ class _StepFindings:
         if rest < sum(need):
             return None
         evidence = max(need[0], min(longest(3), rest - need[1], rest // 2))
-        return [*fixed, evidence, rest - evidence]
+        cause = min(rest - evidence, max(need[1], longest(4)))  # no wider than its longest text
+        return [max(width, len(header)) for width, header in zip([*fixed, evidence, cause], _HEADERS)]
 
     def _table(self, widths: list[int]) -> Table:
         table = Table(title=Text(self.title), title_justify="left", show_lines=True)  # a file name is not markup
-        for column, width in zip(("class", "check", "where", "evidence", "likely cause"), widths):
+        for column, width in zip(_HEADERS, widths):
             table.add_column(column, width=width, overflow="fold")
         for f in self.findings:
             table.add_row(*self._cells(f))
@@ -85,7 +88,7 @@ class _StepFindings:
         parts: list[RenderableType] = [Text(self.title, style="bold")]
         for f in self.findings:
             kind, check, where, evidence, cause = self._cells(f)
-            parts.append(Padding(kind + Text(f" / {check}", style="bold"), (0, 0, 0, 2)))
+            parts.append(Padding(kind + Text(" / ", style="bold") + check, (0, 0, 0, 2)))
             fields = Table.grid(padding=(0, 1))
             fields.add_column(width=_LABEL - 1, style="dim", no_wrap=True)
             fields.add_column(overflow="fold")
