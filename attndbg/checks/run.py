@@ -189,7 +189,7 @@ def check_in_process(paths: list[Path], only: list[FindingClass], options: Check
             yield result
             continue
         crash = activity.lost()
-        step, mode = _step_of(path)
+        step, mode = step_of(path)
         reason = (
             f"not checked: this process's CUDA context was lost to a crash {lost_at} ({crash.where()}: {crash.error}); "
             "check without --in-process to have a fresh worker take each step after a crash"
@@ -197,7 +197,7 @@ def check_in_process(paths: list[Path], only: list[FindingClass], options: Check
         yield StepResult(StepReport(str(path), step, mode, [], error=reason))
 
 
-def _step_of(path: Path) -> tuple[int, str]:
+def step_of(path: str | Path) -> tuple[int, str]:
     """The step number and mode of a step not checked (-1 and "unchecked" when unreadable)."""
     try:
         trace = io.load(path)

@@ -36,7 +36,7 @@ from typing import Any
 from attndbg.checks.context import CheckOptions
 from attndbg.checks.crashes import Recheck, crash_finding, with_crashes
 from attndbg.checks.findings import Finding, FindingClass
-from attndbg.checks.run import StepReport, StepResult, check_one
+from attndbg.checks.run import StepReport, StepResult, check_one, step_of
 from attndbg.replay import activity
 
 # What a worker may write about the launch it is in (backend, what, an error's first line, detector).
@@ -193,13 +193,15 @@ def check_in_workers(
                     death = _death(worker.process)
                     crash = worker.last_launch()
                     recheck = _recheck(crash, excluded(index), skipped(index))
-                    if crash is not None and (crash.backend or crash.error):
+                    again = recheck is Recheck.NONE and index in crashes
+                    if crash is not None and (crash.backend or crash.error) and not again:
                         crashes.setdefault(index, []).append(crash_finding(str(path), crash, death, recheck))
                     if recheck is Recheck.NONE:
-                        reason = f"not checked: the worker checking this step {death}"
+                        reason = f"not checked: the worker checking this step {'again ' if again else ''}{death}"
                         if crash is not None:
                             reason += f" ({crash.where()})"
-                        done[index] = StepResult(with_crashes(StepReport(str(path), -1, "crashed", [], error=reason), crashes.pop(index, [])))
+                        step, mode = step_of(path)
+                        done[index] = StepResult(with_crashes(StepReport(str(path), step, mode, [], error=reason), crashes.pop(index, [])))
                     else:
                         retry.append(index)
                     worker.conn.close()
@@ -215,12 +217,14 @@ def check_in_workers(
 def _recheck(crash: activity.Launch | None, excluded: tuple[str, ...], skipped: tuple[str, ...]) -> Recheck:
     """How a step whose worker ended on `crash` is checked again: without the backend launched,
     else (a CUDA fault outside any announced launch) without the detector it happened in; not again
-    when neither is known or it crashed there before (a death by a signal outside any launch, the
-    out-of-memory killer say, is not the step's crash)."""
+    when neither is known, or when it crashed there before. One detector at most is left out: a
+    fault outside any launch that follows the step from detector to detector (in the data they
+    share, say) would otherwise cost a worker per detector. A death by a signal outside any launch
+    (the out-of-memory killer, say) is not the step's crash."""
     if crash is None:
         return Recheck.NONE
     if crash.backend:
         return Recheck.WITHOUT_BACKEND if crash.backend not in excluded else Recheck.NONE
-    if crash.error and crash.detector and crash.detector not in skipped:
+    if crash.error and crash.detector and not skipped:
         return Recheck.WITHOUT_DETECTOR
     return Recheck.NONE

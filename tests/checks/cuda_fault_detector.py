@@ -59,3 +59,5 @@ def reset() -> None:
 
 
 DETECTOR = Detector(kind=KIND, summary="a test: poisons the CUDA context on one step", detect=detect, opt_in=True)
+# The same fault under a second kind: a fault that follows the step from one detector to the next.
+SECOND = Detector(kind=FindingClass("cuda-fault-again"), summary="a test: the same fault, a second detector", detect=detect, opt_in=True)

@@ -93,6 +93,25 @@ def test_a_fault_in_a_detectors_own_work_is_one_crash_on_its_step_and_the_worker
     assert all(not r.findings for i, r in enumerate(reports) if i != FAULT_STEP)
 
 
+def test_a_fault_that_follows_the_step_into_the_next_detector_costs_the_step_and_one_finding(fault, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Left out after its fault, the first detector's fault comes back in the next one (as a fault in
+    the data every detector shares would): the step is not checked again, one crash finding, and
+    the later steps are still checked."""
+    detectors_env = "cuda-fault=tests.checks.cuda_fault_detector:DETECTOR,cuda-fault-again=tests.checks.cuda_fault_detector:SECOND"
+    monkeypatch.setenv("ATTNDBG_DETECTORS", detectors_env)
+    fault("detector")
+    only = parse_only("invariants,cuda-fault,cuda-fault-again")
+    reports = [r for r in check_steps(str(_recording(tmp_path / "rec")), only, CheckOptions(backends=("reference",)), jobs=1, isolate=True) if r.mode != "recording"]
+    crashed = reports[FAULT_STEP]
+    assert not crashed.checked and crashed.error == (
+        "not checked: the worker checking this step again left its CUDA context unusable (in the cuda-fault-again detector)"
+    )
+    [crash] = _crashes(crashed)
+    assert (crash.data["detector"], crash.data["rechecked"]) == ("cuda-fault", "without-detector")
+    assert crashed.step == crash.location.step == FAULT_STEP  # read from the file: the worker never reported it
+    assert all(r.checked and not r.findings for i, r in enumerate(reports) if i != FAULT_STEP)
+
+
 def test_in_one_process_the_crash_is_a_finding_and_the_later_steps_are_not_checked_for_that_one_reason(fault, tmp_path: Path) -> None:
     """No worker to replace: the context is lost for good. The step gets the crash finding (naming
     the detectors that did not run after it), and the later steps are reported as not checked, each
