@@ -712,3 +712,26 @@ def test_fa3_sliding_window_decode(tmp_path) -> None:
     plan = recorded(fa3_backend(fa3_decode_metadata([5, 9], [1, 5], ROWS)), model)
     assert plan.scalars["window_left"] == WINDOW
     assert check(tmp_path, batch, plan, engine_backend="fa3", model=model) == []
+
+
+P16_ROWS = {1: list(range(16, 21)), 5: list(range(32, 41))}  # a pool of 16-token pages (--page-size 16)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="SGLang plans FlashInfer at page size 1 on any pool (call_begin_forward passes a literal 1; "
+    "kv_indices are slot ids), but the flashinfer adapter's plan view requires the model's page size "
+    "(run() hands the cache over in the model's pages): a correct step gets invariants/plan-unsafe "
+    "at plan.scalars.page_size. Fix: view the cache at the plan's page size in run() and the graph "
+    "state, and accept a plan page size dividing the model's in plan_view.",
+)
+def test_flashinfer_decode_on_a_paged_pool(tmp_path) -> None:
+    from tests.record.sglang_steps import decode_batch
+
+    fb = decode_batch()
+    fb.out_cache_loc = torch.tensor([20, 40], dtype=I64)
+    batch = batch_from_forward_batch(fb, env.req_pool(P16_ROWS).req_to_token, 64)
+    model = layer_model(page_size=16)
+    plan = recorded(flashinfer_decode_backend(P16_ROWS[1] + P16_ROWS[5]), model)
+    assert plan.scalars["page_size"] == 1
+    assert check(tmp_path, batch, plan, engine_backend="flashinfer", model=model) == []
