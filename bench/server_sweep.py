@@ -461,6 +461,13 @@ SHAPES = "server_sweep_steps.jsonl"  # beside the manifest: each step's shape, f
 PARAMS = "server_sweep.json"
 
 
+def _params(steps: int, seed: int) -> dict:
+    """What a recording was made from: `all` reuses one only when these match (this file included)."""
+    import hashlib
+
+    return {"steps": steps, "seed": seed, "generator_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]}
+
+
 def make(out: Path, steps: int, seed: int, jobs: int, progress: bool = True) -> float:
     """Write the recording; returns seconds. Steps are drawn here and built in `jobs` processes;
     the manifest is written in step order, so the bytes do not depend on `jobs`."""
@@ -493,7 +500,7 @@ def make(out: Path, steps: int, seed: int, jobs: int, progress: bool = True) -> 
     with open(out / SHAPES, "w", encoding="utf-8") as f:
         for shape in shapes:
             f.write(json.dumps(shape) + "\n")
-    (out / PARAMS).write_text(json.dumps({"steps": steps, "seed": seed}) + "\n")
+    (out / PARAMS).write_text(json.dumps(_params(steps, seed)) + "\n")
     return time.perf_counter() - start
 
 # -- run ---------------------------------------------------------------------------------------------
@@ -534,7 +541,7 @@ def run_check(rec: Path, backends: str, *, cuda_graph: bool, jobs: str | None, j
             done.set()
     seconds = time.perf_counter() - start
     print(f"[{label}] exit {code} after {seconds:.1f} s", flush=True)
-    return {"label": label, "command": command[1:], "exit": code, "seconds": round(seconds, 2)}
+    return {"label": label, "command": command[1:], "exit": code, "seconds": round(seconds, 2), "log": str(log)}
 
 
 def _severity(finding: dict) -> str:
@@ -546,7 +553,9 @@ def summarise(rec: Path, result: dict, json_path: Path) -> str:
     shapes = {s["step"]: s for s in map(json.loads, (rec / SHAPES).read_text().splitlines())} if (rec / SHAPES).exists() else {}
     lines = [f"### {result['label']}: `{' '.join(result['command'])}`", ""]
     if not json_path.exists():
-        lines += [f"no JSON written (exit {result['exit']}); see the log", ""]
+        log = Path(result.get("log", ""))
+        tail = log.read_text(errors="replace").strip().splitlines()[-5:] if log.is_file() else []
+        lines += [f"no JSON written (exit {result['exit']}); the log ends:", "", *(f"    {line}" for line in tail), ""]
         return "\n".join(lines)
     data = json.loads(json_path.read_text())
     steps = [s for s in data["steps"] if s.get("step", -1) >= 0 or s.get("mode") != "recording"]
@@ -673,6 +682,25 @@ def recording_summary(rec: Path) -> str:
 # -- CLI ---------------------------------------------------------------------------------------------
 
 
+def _device() -> str:
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.split("\n")
+    except (OSError, subprocess.TimeoutExpired):
+        return "no GPU (nvidia-smi absent)"
+    names = [n.strip() for n in names if n.strip()]
+    return ", ".join(f"{c} x {n}" for n, c in Counter(names).items()) or "no GPU"
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=20, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        commit = ""
+    return metadata.version("attndbg") + (f" at commit {commit} (plus the working tree's changes)" if commit else "")
+
+
 def _default_jobs() -> int:
     return max(1, min(16, os.cpu_count() or 1))
 
@@ -720,14 +748,16 @@ def main() -> int:
     # The recording (about 0.7 MB a step) stays outside --out-dir, which holds only the results.
     rec = args.work / f"server_sweep_{args.steps}_seed{args.seed}"
     params = rec / PARAMS
-    if params.exists() and json.loads(params.read_text()) == {"steps": args.steps, "seed": args.seed}:
-        print(f"reusing {rec} (same steps and seed)", flush=True)
+    if params.exists() and json.loads(params.read_text()) == _params(args.steps, args.seed):
+        print(f"reusing {rec} (same steps, seed and generator)", flush=True)
         made = None
     else:
         made = make(rec, args.steps, args.seed, args.make_jobs)
         print(f"made {args.steps} steps in {made:.1f} s", flush=True)
     sections = [
         f"# server_sweep: {args.steps} steps, seed {args.seed}, backends {args.backend}",
+        "",
+        f"device: {_device()}; attndbg {_version()}",
         "",
         f"`python bench/server_sweep.py all --steps {args.steps} --seed {args.seed} --out-dir OUT`"
         + (f"; generation {made:.1f} s with {args.make_jobs} processes" if made is not None else ""),
