@@ -378,20 +378,22 @@ def test_fa3_extend(tmp_path) -> None:
     assert any(field.startswith("plan.cu_seqlens_q") for _, _, field in found), found
 
 
-def fa3_tree_verify(mask: torch.Tensor):
+def fa3_tree_verify(mask: torch.Tensor, *, prefix_lens: list[int] = PREFIX, pool_rows: list[int] = (1, 6)):
     """A topk-2 verify as SGLang's FA3 backend plans it (init_forward_metadata, target verify with
     topk > 1): call 1 over each prefix; the expand metadata with one row per draft token, the n x n
     draft block gathered from the FULL mask, the draft slots sorted so the visible ones come first,
-    cache_seqlens = the block row's sum (the source's steps, written out)."""
-    bs, prefix = 2, torch.tensor(PREFIX)
+    cache_seqlens = the block row's sum (the source's steps, written out). `prefix_lens` and
+    `pool_rows` of every request the metadata covers (a graph's padded ones included)."""
+    bs, prefix = len(prefix_lens), torch.tensor(prefix_lens)
     lens = prefix.to(I32)
+    rows = torch.tensor(list(pool_rows))
     main = FlashAttentionMetadata(
         cache_seqlens_int32=lens,
         max_seq_len_q=N,
-        max_seq_len_k=max(PREFIX),
+        max_seq_len_k=max(prefix_lens),
         cu_seqlens_q=torch.arange(0, bs * N + 1, N, dtype=I32),
         cu_seqlens_k=torch.nn.functional.pad(lens.cumsum(0, dtype=I32), (1, 0)),
-        page_table=page_table([1, 6], VERIFY_ROWS, max(PREFIX)),
+        page_table=page_table(list(pool_rows), VERIFY_ROWS, max(prefix_lens)),
     )
     offsets = torch.arange(N)[None, :]
     cols = offsets.expand(bs, -1) + prefix[:, None]
@@ -399,7 +401,7 @@ def fa3_tree_verify(mask: torch.Tensor):
     block = mask[(cols.repeat_interleave(N, dim=0) + cum_len[:, None]).view(1, -1)].view(-1, N)
     keys = torch.where(block, offsets.expand(block.shape[0], N), offsets + N)
     _, order = torch.sort(keys, dim=1)
-    draft_slots = env.req_pool(VERIFY_ROWS).req_to_token[torch.tensor([1, 6]), :].to(torch.int64).gather(1, cols).repeat_interleave(N, dim=0)
+    draft_slots = env.req_pool(VERIFY_ROWS).req_to_token[rows, :].to(torch.int64).gather(1, cols).repeat_interleave(N, dim=0)
     expand = FlashAttentionMetadata(
         max_seq_len_q=1,
         cu_seqlens_q=torch.arange(bs * N + 1, dtype=I32),
@@ -735,3 +737,22 @@ def test_flashinfer_decode_on_a_paged_pool(tmp_path) -> None:
     plan = recorded(flashinfer_decode_backend(P16_ROWS[1] + P16_ROWS[5]), model)
     assert plan.scalars["page_size"] == 1
     assert check(tmp_path, batch, plan, engine_backend="flashinfer", model=model) == []
+
+
+def test_fa3_tree_verify_graph_padded(tmp_path) -> None:
+    """The bs-4 verify graph's metadata refilled at replay: padded requests (seq_len 1, req_to_token
+    row 0) with chain blocks in the mask buffer; the expand call has a row per padded draft token too."""
+    model = layer_model()
+    batch, spec, graph, spec_info = verify_graph_step(tree.full_mask(torch.tensor(PARENTS), torch.tensor(PREFIX)))
+    chain = tree.full_mask(torch.arange(-1, N - 1).expand(2, N), torch.tensor([FILL, FILL]))
+    padded = dict(prefix_lens=PREFIX + [FILL, FILL], pool_rows=(1, 6, 0, 0))
+    plan = recorded(fa3_tree_verify(torch.cat([spec.custom_mask, chain]), **padded), model, graph_bs=CAPTURE_BS, verify=True, spec_info=spec_info)
+    assert plan.tensors["expand_page_table"].shape[0] == CAPTURE_BS * N
+    assert check(tmp_path, batch, plan, engine_backend="fa3", model=model, spec=spec, graph=graph) == []
+
+    # Planted: draft token 2 of request 0 sees its sibling 1.
+    sibling = spec.custom_mask.clone()
+    sibling[2 * (PREFIX[0] + N) + PREFIX[0] + 1] = True
+    wrong = recorded(fa3_tree_verify(torch.cat([sibling, chain]), **padded), model, graph_bs=CAPTURE_BS, verify=True, spec_info=spec_info)
+    found = check(tmp_path, batch, wrong, engine_backend="fa3", model=model, spec=spec, graph=graph, name="sibling")
+    assert ("tree-mask", "mask-mismatch", "plan.expand_page_table[2]") in found, found
