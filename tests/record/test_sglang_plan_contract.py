@@ -756,3 +756,10 @@ def test_fa3_tree_verify_graph_padded(tmp_path) -> None:
     wrong = recorded(fa3_tree_verify(torch.cat([sibling, chain]), **padded), model, graph_bs=CAPTURE_BS, verify=True, spec_info=spec_info)
     found = check(tmp_path, batch, wrong, engine_backend="fa3", model=model, spec=spec, graph=graph, name="sibling")
     assert ("tree-mask", "mask-mismatch", "plan.expand_page_table[2]") in found, found
+
+
+def test_fa3_tree_verify_at_a_sliding_window_layer_records_no_plan() -> None:
+    """SGLang runs a tree verify's sliding-window layers in one call over swa_spec_metadata, not the
+    two calls: a plan of the two calls would be judged for a layer that does not run them."""
+    _, spec, spec_info = verify_step()
+    assert plan_from_backend(fa3_tree_verify(spec.custom_mask), model=window_model(), verify=True, spec_info=spec_info) is None

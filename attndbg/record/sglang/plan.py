@@ -340,13 +340,25 @@ def capture_plan(
     """
     capture = _read_metadata(backend, graph_bs=graph_bs, verify=verify, spec_info=spec_info, sized=sized, model=model)
     if capture is not None and model is not None:
-        from attndbg.record.sglang.batch import draft_token_num
-
-        draft_tokens = draft_token_num(spec_info) if verify and spec_info is not None else getattr(backend, "num_draft_tokens", None)
+        if capture.backend == "fa3" and verify and "expand_page_table" in capture.tensors and model.sliding_window >= 0:
+            # A sliding-window layer of a tree verify runs one call over metadata.swa_spec_metadata's
+            # own tables (forward_extend: no cascade for SWA layers), which this reader does not
+            # read: no plan rather than the full layers' two calls judged for this layer.
+            return None
         if isinstance(seq_lens, Tensor) and graph_bs is not None:
             seq_lens = seq_lens[:graph_bs]
-        _call_arguments(capture, backend, model, verify=verify, draft_tokens=draft_tokens, seq_lens=seq_lens if isinstance(seq_lens, Tensor) else None)
+        _call_arguments(capture, backend, model, verify=verify, draft_tokens=_draft_tokens(backend, verify, spec_info), seq_lens=seq_lens if isinstance(seq_lens, Tensor) else None)
     return capture
+
+
+def _draft_tokens(backend: Any, verify: bool, spec_info: Any) -> int | None:
+    """Tokens per request of a verify step: the spec input's, else the backend's own copy of
+    speculative_num_draft_tokens (FlashMLA: num_draft_tokens; FA3: speculative_num_draft_tokens)."""
+    from attndbg.record.sglang.batch import draft_token_num
+
+    if verify and spec_info is not None:
+        return draft_token_num(spec_info)
+    return getattr(backend, "num_draft_tokens", None) or getattr(backend, "speculative_num_draft_tokens", None)
 
 
 def _read_metadata(backend: Any, *, graph_bs: int | None, verify: bool, spec_info: Any, sized: bool, model: Model | None) -> PlanCapture | None:
