@@ -84,7 +84,14 @@ SGLANG_FIELDS: tuple[EngineField, ...] = (
         "capture.* (graph/capture_sizes)",
         "invariants: capture-*, num-kv-splits",
     ),
-    EngineField("fa3 / flashmla / flashinfer plans", "forward_metadata, FlashInfer wrapper buffers", "forward_metadata (capture-time object)", "same", "plan.* (own names)", "invariants; tree-mask"),
+    EngineField(
+        "fa3 / flashmla / flashinfer plans",
+        "forward_metadata, FlashInfer wrapper buffers (the recorded layer's wrapper), FA3 forward_metadata_spec_decode_expand",
+        "forward_metadata (capture-time object, refilled)",
+        "same",
+        "plan.* (the adapters' names); window_left, logits_soft_cap, causal, verify_path, q_len, FlashMLA cache_seqlens: from the recorded layer and the step (plan._call_arguments)",
+        "invariants; tree-mask",
+    ),
     EngineField(
         "raw_bs of a classic replay",
         "",
