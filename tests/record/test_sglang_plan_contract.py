@@ -183,13 +183,14 @@ def test_flashinfer_decode_graph_padded(tmp_path) -> None:
 EXTEND_ROWS = {2: [7, 8, 9, 40, 41, 42, 43], 4: [17, 18]}
 
 
-def extend_step(prefix: list[int]) -> Batch:
-    """Requests of pool rows 2 and 4 (7 and 2 tokens in all), `prefix` of them cached."""
+def extend_step(prefix: list[int], mode=None) -> Batch:
+    """Requests of pool rows 2 and 4 (7 and 2 tokens in all), `prefix` of them cached; EXTEND, or
+    MIXED (a chunked prefill beside decode rows)."""
     from tests.record.test_sglang_batch import extend_batch
 
     extend = [7 - prefix[0], 2 - prefix[1]]
     fb = extend_batch(
-        env.ForwardMode.EXTEND,
+        mode or env.ForwardMode.EXTEND,
         pool_rows=[2, 4],
         prefix=prefix,
         extend=extend,
@@ -216,11 +217,12 @@ def flashinfer_extend_backend(*, qo: list[int], kv_rows: list[list[int]], use_ra
 
 
 @pytest.mark.parametrize(
-    ("path", "prefix", "use_ragged"),
-    [("ragged", [0, 0], True), ("cascade", [3, 1], True), ("paged", [3, 1], False)],
+    ("path", "prefix", "use_ragged", "mixed"),
+    [("ragged", [0, 0], True, False), ("cascade", [3, 1], True, False), ("paged", [3, 1], False, False), ("cascade", [5, 1], True, True)],
+    ids=["ragged", "cascade", "paged", "cascade-mixed"],
 )
-def test_flashinfer_extend(tmp_path, path: str, prefix: list[int], use_ragged: bool) -> None:
-    model, batch = layer_model(), extend_step(prefix)
+def test_flashinfer_extend(tmp_path, path: str, prefix: list[int], use_ragged: bool, mixed: bool) -> None:
+    model, batch = layer_model(), extend_step(prefix, env.ForwardMode.MIXED if mixed else None)
     qo = [0, 7 - prefix[0], 9 - prefix[0] - prefix[1]]
     listed = prefix if use_ragged else [7, 2]  # ragged and cascade plan the paged wrapper over the prefix
     kv_rows = [EXTEND_ROWS[2][: listed[0]], EXTEND_ROWS[4][: listed[1]]]
