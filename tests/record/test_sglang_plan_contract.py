@@ -765,3 +765,30 @@ def test_fa3_tree_verify_at_a_sliding_window_layer_records_no_plan() -> None:
     two calls: a plan of the two calls would be judged for a layer that does not run them."""
     _, spec, spec_info = verify_step()
     assert plan_from_backend(fa3_tree_verify(spec.custom_mask), model=window_model(), verify=True, spec_info=spec_info) is None
+
+
+def test_flashinfer_sliding_window_cascade_with_its_prefix_mask(tmp_path) -> None:
+    """A sliding-window layer's cascade extend (update_sliding_window with use_ragged): wrapper 0's
+    paged pass over each prefix's last `window` keys (kv_start_idx = prefix - window), planned with
+    the custom mask _build_swa_prefix_custom_mask builds ([extend, listed] blocks, k >= q - window),
+    which FlashInfer packs: recorded packed, read back, clean; a list one column off named."""
+    model, prefix, extend = window_model(), [5, 1], [2, 1]
+    batch = extend_step(prefix)
+    start = [max(p - WINDOW, 0) for p in prefix]
+
+    def backend(shift: int = 0) -> SimpleNamespace:
+        kv_rows = [EXTEND_ROWS[2][start[0] - shift : prefix[0] - shift], EXTEND_ROWS[4][start[1] : prefix[1]]]
+        blocks = [(torch.arange(p - s)[None, :] + s >= torch.arange(e)[:, None] + p - WINDOW).flatten() for p, e, s in zip(prefix, extend, start)]
+        swa = flashinfer_extend_backend(qo=[0, 2, 3], kv_rows=kv_rows, use_ragged=True, extend_no_prefix=False).forward_metadata.prefill_wrappers[0]
+        swa._custom_mask_buf, swa._mask_indptr_buf = pack_little(torch.cat(blocks), [b.numel() for b in blocks])
+        full = flashinfer_extend_backend(qo=[0, 2, 3], kv_rows=[EXTEND_ROWS[2][:5], EXTEND_ROWS[4][:1]], use_ragged=True, extend_no_prefix=False).forward_metadata.prefill_wrappers[0]
+        md = PrefillMetadata(prefill_wrappers=[swa, full], use_ragged=True, extend_no_prefix=False)
+        return SimpleNamespace(forward_metadata=md, page_size=1, dispatch_reason=env.sgl.flashinfer_backend.WrapperDispatch.SLIDING_WINDOW)
+
+    plan = recorded(backend(), model)
+    assert (plan.scalars["path"], plan.scalars["window_left"], plan.scalars["causal"]) == ("cascade", WINDOW, False)
+    assert check(tmp_path, batch, plan, engine_backend="flashinfer", model=model) == []
+
+    # Planted: request 0's window list starts one column early (a wrong kv_start_idx).
+    found = check(tmp_path, batch, recorded(backend(shift=1), model), engine_backend="flashinfer", model=model, name="shifted")
+    assert any(field.startswith("plan.kv_indices") for _, _, field in found), found
