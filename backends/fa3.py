@@ -40,7 +40,7 @@ from attndbg.backends import plan_layout as pl
 from attndbg.backends.tables import build_page_table, padded_requests
 from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, MHA_ALL_MODES, Capabilities, HeadDims
 from attndbg.backends import plan_view as pv
-from attndbg.backends.flashinfer import WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error
+from attndbg.backends.flashinfer import WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error, wait_for_pending_plans
 from attndbg.trace import tree
 from attndbg.trace.tree import is_chain
 from attndbg.trace.schema import DTYPES, LseBase, Plan, Trace, indptr
@@ -529,9 +529,7 @@ def flashinfer_paged_kv(page_table: Tensor, cache_seqlens: Tensor, page_size: in
 
 def _flashinfer_plan(wrapper, model, call: FA3Call) -> None:
     kv_indptr, kv_indices, last = flashinfer_paged_kv(call.page_table, call.cache_seqlens, call.page_size)
-    # plan() stages metadata in the wrapper's pinned host buffer and copies it to the GPU
-    # asynchronously: the previous plan's copy must have landed before that buffer is rewritten.
-    torch.cuda.current_stream().synchronize()
+    wait_for_pending_plans()
     dtype = DTYPES[model.q_dtype]
     wrapper.plan(
         qo_indptr=call.cu_seqlens_q,

@@ -545,6 +545,7 @@ class FlashInferBackend(Backend):
         m = trace.model
         wrapper = fi.BatchPrefillWithRaggedKVCacheWrapper(self._workspace(), "NHD")
         qo_indptr = plan.tensors["qo_indptr"]
+        wait_for_pending_plans()
         wrapper.plan(
             qo_indptr,
             qo_indptr,  # SGLang: begin_forward(qo_indptr, qo_indptr, ...): keys are the queries' tokens
@@ -706,8 +707,27 @@ class _FlashInferGraphState(FlashInferGraphState):
 # -- planning helpers (kernel vocabulary) -------------------------------------------------------
 
 
+def wait_for_pending_plans() -> None:
+    """Call before every FlashInfer wrapper plan() (ours, fa3's and mla's).
+
+    plan() writes its schedule into the wrapper's pinned host buffer, then queues a cudaMemcpyAsync
+    from it to the GPU (scheduler.cuh) that torch's caching host allocator knows nothing of. Until
+    that copy has run, the buffer must not be written again, but the next plan() writes it: the
+    same wrapper re-planned (a graph state's load_plan), or a new wrapper handed the same pinned
+    block once the last one was dropped (each eager run makes its own). fa3 and mla guarded their
+    plans this way already; FlashInfer's own did not. Waiting for the stream lets every earlier
+    copy land; check synchronises after each run anyway, so it costs little.
+
+    Not shown to be the cause of issue 21's cascade rows: bench/flashinfer_cascade_rows.py --churn
+    (the GPU busy while wrappers are made, planned and dropped) passed with and without this wait
+    on the H100, as did every shape of that issue run alone.
+    """
+    torch.cuda.current_stream().synchronize()
+
+
 def _plan_decode(wrapper, m: Model, plan: Plan, *, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
     t = plan.tensors
+    wait_for_pending_plans()
     wrapper.plan(
         t["kv_indptr"],
         t["kv_indices"],
@@ -742,6 +762,7 @@ def _bool_mask(plan: Plan) -> Tensor | None:
 def _plan_paged(wrapper, m: Model, plan: Plan, *, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
     t = plan.tensors
     mask = _bool_mask(plan)
+    wait_for_pending_plans()
     wrapper.plan(
         t["qo_indptr"],
         t["kv_indptr"],

@@ -45,7 +45,7 @@ from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, Capabilities, Late
 from attndbg.backends import plan_view as pv
 from attndbg.backends.fa3 import KERNEL_ERRORS
 from attndbg.backends.tables import build_page_table, padded_requests
-from attndbg.backends.flashinfer import WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error
+from attndbg.backends.flashinfer import WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error, wait_for_pending_plans
 from attndbg.backends.triton import TritonBackend, triton_plan_layout, triton_plan_view
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, LseBase, Plan, Trace, indptr
 
@@ -407,9 +407,7 @@ def _flashinfer_plan(wrapper, model, plan: Plan) -> None:
         q_data_type=DTYPES[model.q_dtype],
         kv_data_type=DTYPES[model.kv_dtype],
     )
-    # plan() stages metadata through pinned host memory and copies it asynchronously: let the
-    # previous plan's copy land first (a graph re-plan rewrites the same int workspace).
-    torch.cuda.current_stream().synchronize()
+    wait_for_pending_plans()
     if hasattr(fi_mla, "MLAPlanMetadata"):
         # Canonical form (FlashInfer 0.7.2): the run contract (split inputs, base-2 LSE) is declared here.
         wrapper.plan(
