@@ -87,15 +87,41 @@ class Environment:
     variables: dict[str, str]  # VARIABLES that are set
 
 
+# Where a package's own files state its version, for a copy importable without metadata.
+_VERSION_FILES = ("_build_meta.py", "version.py", "_version.py", "__init__.py")
+_VERSION_TEXT = re.compile(r"""^__version__\s*(?::\s*str\s*)?=\s*['"]([^'"]+)['"]""", re.MULTILINE)
+
+
 def package_version(name: str) -> str | None:
-    """The installed version of a report name of PACKAGES (or of a distribution), or None."""
+    """The installed version of a report name of PACKAGES (or of a distribution), or None when it
+    cannot be imported. A package importable without distribution metadata (unpacked onto
+    PYTHONPATH, as FlashInfer is on our GPU image) is not "not installed": its version is read from
+    its own files without importing it, else it is reported as present with no version."""
     distributions = dict(PACKAGES).get(name, (name,))
     for distribution in distributions:
         try:
             return importlib.metadata.version(distribution)
         except importlib.metadata.PackageNotFoundError:
             continue
-    return None
+    return _version_without_metadata(name.replace("-", "_"))
+
+
+def _version_without_metadata(module: str) -> str | None:
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    for folder in spec.submodule_search_locations or ():
+        for file in _VERSION_FILES:
+            try:
+                found = _VERSION_TEXT.search((Path(folder) / file).read_text(errors="replace"))
+            except OSError:
+                continue
+            if found:
+                return f"{found.group(1)} (no package metadata)"
+    return "present (no package metadata, version unknown)"
 
 
 def torch_cuda_build() -> str | None:

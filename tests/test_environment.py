@@ -89,3 +89,19 @@ def test_backends_json_is_the_table_as_data(tmp_path: Path) -> None:
         assert backend["available"] == (backend["unavailable"] is None)
     stdout = invoke("backends", "--json")
     assert json.loads(stdout.stdout) == data  # `--json` alone: stdout, nothing else on it
+
+
+def test_a_package_unpacked_without_metadata_is_named_with_its_own_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our GPU image unpacks FlashInfer onto PYTHONPATH with no dist-info: importable, so never
+    'not installed'. Its version comes from its own _build_meta.py, read without importing it."""
+    package = tmp_path / "fakeinfer"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise RuntimeError('must not be imported')\n")
+    (package / "_build_meta.py").write_text('"""Build metadata."""\n__version__ = "9.8.7.post1"\n')
+    bare = tmp_path / "bareinfer"
+    bare.mkdir()
+    (bare / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert environment.package_version("fakeinfer") == "9.8.7.post1 (no package metadata)"
+    assert environment.package_version("bareinfer") == "present (no package metadata, version unknown)"
+    assert environment.package_version("no-such-package-anywhere") is None
