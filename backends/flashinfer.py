@@ -442,7 +442,6 @@ class FlashInferBackend(Backend):
         last = pv.index(plan, "kv_last_page_len")
         requests = pv.requests_of(kv_indptr, "kv_indptr")
         bounds: list[pv.Bound] = [
-            pv.Equals("scalars.page_size", ps, trace.model.page_size, "the KV cache is handed to FlashInfer in pages of the model's page_size"),
             pv.Equals("kv_last_page_len.numel()", last.numel(), requests, "one entry per request of kv_indptr"),
             pv.offsets_into("kv_indptr", kv_indptr, "kv_indices", kv_indices.numel()),
             pv.Entries("kv_indices", kv_indices, pv.used_prefix(kv_indices, kv_indptr), 0, trace.batch.kv_cache_size // ps, f"pages of the KV cache ({trace.batch.kv_cache_size} slots / page {ps})"),
@@ -527,11 +526,11 @@ class FlashInferBackend(Backend):
                     self._workspace(), "NHD", use_tensor_cores=bool(plan.scalars["use_tensor_cores"])
                 )
                 _plan_decode(wrapper, trace.model, plan, q_dtype=inputs.q.dtype, kv_dtype=inputs.k_cache.dtype)
-                out, lse = wrapper.run(inputs.q, _paged_kv(inputs, trace.model.page_size), return_lse=True)
+                out, lse = wrapper.run(inputs.q, _paged_kv(inputs, int(plan.scalars["page_size"])), return_lse=True)
             elif path is PlanPath.PAGED:
                 wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace(), "NHD", backend="fa2")
                 _plan_paged(wrapper, trace.model, plan, q_dtype=inputs.q.dtype, kv_dtype=inputs.k_cache.dtype)
-                out, lse = wrapper.run(inputs.q, _paged_kv(inputs, trace.model.page_size), return_lse=True)
+                out, lse = wrapper.run(inputs.q, _paged_kv(inputs, int(plan.scalars["page_size"])), return_lse=True)
             elif path is PlanPath.RAGGED:
                 out, lse = self._ragged(fi, trace, plan, inputs)
             else:
@@ -573,7 +572,7 @@ class FlashInferBackend(Backend):
         o_new, s_new = self._ragged(fi, trace, plan, inputs)
         wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace(), "NHD", backend="fa2")
         _plan_paged(wrapper, trace.model, plan, q_dtype=inputs.q.dtype, kv_dtype=inputs.k_cache.dtype)
-        o_prefix, s_prefix = wrapper.run(inputs.q, _paged_kv(inputs, trace.model.page_size), return_lse=True)
+        o_prefix, s_prefix = wrapper.run(inputs.q, _paged_kv(inputs, int(plan.scalars["page_size"])), return_lse=True)
         return fi.cascade.merge_state(o_new, s_new, o_prefix, s_prefix)
 
     # -- CUDA graphs ----------------------------------------------------------------------------
@@ -685,9 +684,12 @@ class _FlashInferGraphState(FlashInferGraphState):
             raise ValueError(f"plan has {requests} requests; FlashInfer graphs fix the batch at capture_bs={self.capture_bs}: pad it")
         if plan.tensors["kv_indices"].numel() > self.buffers["kv_indices"].numel():
             raise ValueError(f"plan kv_indices has {plan.tensors['kv_indices'].numel()} pages, the graph holds {self.buffers['kv_indices'].numel()}")
+        if int(plan.scalars["page_size"]) != self.model.page_size:
+            # The captured kernels read the cache in the pages it was captured with.
+            raise ValueError(f"plan page_size {plan.scalars['page_size']}, but this graph reads the cache in pages of {self.model.page_size}")
         if not self.decode:
-            sizes = plan.tensors["mask_indptr"].diff().to(torch.int64)
-            packed = int(((sizes + 7) // 8).sum())
+            # What plan() packs: each request's q_len x kv_len block, padded to a byte.
+            packed = int(((_mask_block_sizes(plan) + 7) // 8).sum())
             if packed > self.buffers["custom_mask"].numel():
                 raise ValueError(f"plan mask packs to {packed} bytes, the graph holds {self.buffers['custom_mask'].numel()}")
         q_dtype = DTYPES[self.model.q_dtype]
@@ -752,11 +754,17 @@ def _bool_mask(plan: Plan) -> Tensor | None:
     t = plan.tensors
     if "custom_mask" in t or PACKED_MASK.tensor not in t:
         return t.get("custom_mask")
+    return PACKED_MASK.unpack(t[PACKED_MASK.tensor], t[PACKED_MASK.indptr].to(torch.int64), _mask_block_sizes(plan))
+
+
+def _mask_block_sizes(plan: Plan) -> Tensor:
+    """q_len x kv_len per request: the mask block plan() expects of each (FlashInfer computes the
+    blocks' offsets from the lengths itself, whatever mask_indptr a plan holds)."""
+    t = plan.tensors
     ps = int(plan.scalars["page_size"])
     pages = t["kv_indptr"].to(torch.int64).diff()
     lens = torch.where(pages > 0, (pages - 1) * ps + t["kv_last_page_len"].to(torch.int64), 0)
-    sizes = t["qo_indptr"].to(torch.int64).diff() * lens
-    return PACKED_MASK.unpack(t[PACKED_MASK.tensor], t[PACKED_MASK.indptr].to(torch.int64), sizes)
+    return t["qo_indptr"].to(torch.int64).diff() * lens
 
 
 def _plan_paged(wrapper, m: Model, plan: Plan, *, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:

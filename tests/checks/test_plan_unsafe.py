@@ -30,15 +30,19 @@ def test_unsafe_plans_are_findings_and_incomplete_ones_are_not() -> None:
     assert unread_reason(replace(trace, plan=no_table)) == "plan has no page_table"
     flashinfer = FlashInferBackend().derive_plan(trace)
     assert _findings(replace(trace, plan=flashinfer)) == []
+    # SGLang plans FlashInfer at page 1 on any pool: slot ids, read in the plan's pages, are clean.
+    slot_level = FlashInferBackend().derive_plan(replace(trace, model=replace(trace.model, page_size=1)))
+    assert _findings(replace(trace, plan=slot_level)) == []
+    # Twice the pool's page size: the page ids run past the cache, named where the guard refuses
+    # (plan-unsafe is not repeated on a field a finding already names).
     doubled = replace(flashinfer, scalars={**flashinfer.scalars, "page_size": 32})
-    unsafe = [f for f in _findings(replace(trace, plan=doubled)) if f[0] == "plan-unsafe"]
-    assert unsafe == [
-        (
-            "plan-unsafe",
-            "plan.scalars.page_size",
-            "recorded plan scalars.page_size = 32, expected 16 (the KV cache is handed to FlashInfer in pages of the model's page_size)",
-        )
-    ]
+    found = _findings(replace(trace, plan=doubled))
+    assert found[0] == (
+        "index-outside-cache",
+        "plan.kv_indices[1]",
+        "plan.kv_indices[1] = 18 (request 1, KV column 0) is outside the KV cache: page ids are in [0, 13)",
+    )
+    assert not [f for f in found if f[0] == "plan-unsafe"]
 
 
 def test_a_refusal_another_finding_explains_is_not_repeated() -> None:

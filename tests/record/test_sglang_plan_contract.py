@@ -721,15 +721,10 @@ def test_fa3_sliding_window_decode(tmp_path) -> None:
 P16_ROWS = {1: list(range(16, 21)), 5: list(range(32, 41))}  # a pool of 16-token pages (--page-size 16)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SGLang plans FlashInfer at page size 1 on any pool (call_begin_forward passes a literal 1; "
-    "kv_indices are slot ids), but the flashinfer adapter's plan view requires the model's page size "
-    "(run() hands the cache over in the model's pages): a correct step gets invariants/plan-unsafe "
-    "at plan.scalars.page_size. Fix: view the cache at the plan's page size in run() and the graph "
-    "state, and accept a plan page size dividing the model's in plan_view.",
-)
 def test_flashinfer_decode_on_a_paged_pool(tmp_path) -> None:
+    """SGLang plans FlashInfer at page size 1 on any pool (call_begin_forward passes a literal 1;
+    kv_indices are slot ids): the adapter hands the cache over in the plan's pages, so the step is
+    read and clean."""
     from tests.record.sglang_steps import decode_batch
 
     fb = decode_batch()

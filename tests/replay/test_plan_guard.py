@@ -155,10 +155,17 @@ def test_flashinfer_decode_and_ragged_plans() -> None:
     backend = FlashInferBackend()
     trace, plan = _planned(backend, "decode-paged", *SMALL)
     assert out_of_bounds(trace, _set(plan, "kv_indptr", 0, 1), backend) == "recorded plan kv_indptr[0] = 1: offsets must start at 0"
-    page_size = trace.model.page_size
+    # The cache is handed over in the plan's pages: SGLang's page-1 plan (slot ids) on a paged pool
+    # is launchable; a page size whose page ids run past the cache is refused at the first one.
+    page_size, slots = trace.model.page_size, trace.batch.kv_cache_size
+    slot_level = backend.derive_plan(replace(trace, model=replace(trace.model, page_size=1)))
+    assert int(slot_level.scalars["page_size"]) == 1 and out_of_bounds(trace, slot_level, backend) is None
     wrong = replace(plan, scalars={**plan.scalars, "page_size": page_size * 2})
+    indices = plan.tensors["kv_indices"]
+    first = int((indices >= slots // (page_size * 2)).nonzero()[0])
     assert out_of_bounds(trace, wrong, backend) == (
-        f"recorded plan scalars.page_size = {page_size * 2}, expected {page_size} (the KV cache is handed to FlashInfer in pages of the model's page_size)"
+        f"recorded plan kv_indices[{first}] = {int(indices[first])} is outside [0, {slots // (page_size * 2)}): "
+        f"pages of the KV cache ({slots} slots / page {page_size * 2})"
     )
     ragged = FlashInferBackend(FlashInferOptions(extend_path="ragged"))
     trace, plan = _planned(ragged, "extend-noprefix", *SMALL)
