@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import nvtx
 
-from attndbg.trace.schema import Trace
+if TYPE_CHECKING:  # a type only: --help and synth --list must not import torch (tests/cli/test_startup.py)
+    from attndbg.trace.schema import Trace
 
 DOMAIN = "attndbg"
 
