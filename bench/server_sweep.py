@@ -3,6 +3,7 @@
     python bench/server_sweep.py make -o DIR --steps 1000 --seed 0 [--jobs N]
     python bench/server_sweep.py run DIR --backend triton,flashinfer,fa3,mla [--cuda-graph] [--jobs auto] --json OUT.json
     python bench/server_sweep.py all --steps 1000 --out-dir OUT [--seed 0]     # make + run eager + run --cuda-graph + OUT/server_sweep.md
+    python bench/server_sweep.py all ... --slice-steps 100 --timeout 540        # resumable: each call checks the slices not yet checked
 
 `make` writes a recording (`manifest.jsonl` + one `step_NNNNNN.pt` per step, through
 `attndbg.trace.io.append_to_recording` as `attndbg record` writes them) of the steps an SGLang server
@@ -544,6 +545,66 @@ def run_check(rec: Path, backends: str, *, cuda_graph: bool, jobs: str | None, j
     return {"label": label, "command": command[1:], "exit": code, "seconds": round(seconds, 2), "log": str(log)}
 
 
+def run_sliced(rec: Path, backends: str, *, cuda_graph: bool, jobs: str | None, json_out: Path, slice_steps: int, extra: list[str] = (), timeout: float = 0) -> dict:
+    """`run_check` over slices of `slice_steps` steps (check `--steps A:B`), each with its own JSON
+    beside `json_out` (`<stem>.steps-A-B.json`). A slice whose JSON exists is not run again and the
+    slices share one `timeout`, so a call stopped by a device's time limit (the first checks of the
+    server mix spend minutes compiling FlashInfer) loses one slice at most, and the next call with
+    the same arguments resumes. The parts present are merged into `json_out`."""
+    total = sum(1 for _ in open(rec / "manifest.jsonl", encoding="utf-8"))
+    label = "graph" if cuda_graph else "eager"
+    start = time.perf_counter()
+    runs: list[dict] = []
+    for a in range(0, total, slice_steps):
+        b = min(total, a + slice_steps)
+        part = json_out.with_name(f"{json_out.stem}.steps-{a:06d}-{b:06d}.json")
+        if part.exists():
+            continue
+        left = timeout - (time.perf_counter() - start) if timeout else 0
+        if timeout and left <= 1:
+            break
+        runs.append(run_check(rec, backends, cuda_graph=cuda_graph, jobs=jobs, json_out=part, log=part.with_suffix(".log"), extra=[*extra, f"--steps={a}:{b}"], timeout=left))
+        if runs[-1]["exit"] == -9:
+            break
+    parts = sorted(json_out.parent.glob(f"{json_out.stem}.steps-*.json"))
+    merged = _merge_parts([json.loads(p.read_text()) for p in parts])
+    json_out.write_text(json.dumps(merged) + "\n")
+    slices = -(-total // slice_steps)
+    return {
+        "label": label,
+        "command": [*(runs[0]["command"] if runs else ["(every slice already checked)"]), f"(in slices of {slice_steps} steps)"],
+        "exit": max((r["exit"] for r in runs), default=0, key=lambda code: (code < 0, abs(code))),
+        "seconds": round(sum(r["seconds"] for r in runs), 2),
+        "log": runs[-1]["log"] if runs else "",
+        "slices": f"{len(parts)} of {slices} slices of {slice_steps} steps checked, {len(runs)} of them by this call (its wall time and ms/step)"
+        + ("" if len(parts) == slices else "; the rest were not run (time): run the same command again to resume"),
+    }
+
+
+def _merge_parts(parts: list[dict]) -> dict:
+    """Check JSONs of disjoint step slices as one: steps in order, findings summed, each slice's
+    verdict line kept, and the verdicts' per-backend tables as counts."""
+    verdicts = [p.get("verdict") or {} for p in parts]
+
+    def counts(key: str) -> dict[str, int]:
+        total: Counter = Counter()
+        for v in verdicts:
+            for name, value in (v.get(key) or {}).items():
+                total[name] += len(value) if isinstance(value, list) else int(value) if isinstance(value, (int, float)) else 1
+        return dict(total)
+
+    return {
+        "steps": [step for p in parts for step in p.get("steps", [])],
+        "total_findings": sum(int(p.get("total_findings") or 0) for p in parts),
+        "verdict": {
+            "line": " | ".join(v.get("line", "") for v in verdicts),
+            "compared": counts("compared"),
+            "skipped": counts("skipped"),
+            "plans_unread": counts("plans_unread"),
+        },
+    }
+
+
 def _severity(finding: dict) -> str:
     return str(finding.get("severity") or "")
 
@@ -595,6 +656,7 @@ def summarise(rec: Path, result: dict, json_path: Path) -> str:
             if severity_seen
             else (["- findings carry no severity (this attndbg predates it): every finding counts"] if by_check else [])
         ),
+        *([f"- {result['slices']}"] if result.get("slices") else []),
         f"- steps not checked: {len(unchecked)}",
         f"- backend crashes: {len(crashes)}",
         f"- verdict: {verdict.get('line', '')}",
@@ -721,6 +783,7 @@ def main() -> int:
     p_run.add_argument("--json", required=True, type=Path)
     p_run.add_argument("--timeout", type=float, default=0, help="kill the check after this many seconds (0: never)")
     p_run.add_argument("--check-arg", action="append", default=[], help="extra argument for attndbg check (repeatable), e.g. --check-arg=--steps=0:60")
+    p_run.add_argument("--slice-steps", type=int, default=0, help="check in slices of this many steps, each its own JSON, resumable (0: one check)")
     p_all = sub.add_parser("all", help="make + run eager + run --cuda-graph + a markdown summary")
     p_all.add_argument("--steps", type=int, default=1000)
     p_all.add_argument("--seed", type=int, default=0)
@@ -732,6 +795,7 @@ def main() -> int:
     p_all.add_argument("--timeout", type=float, default=0, help="kill each check after this many seconds (0: never)")
     p_all.add_argument("--runs", default="eager,graph", help="which check runs: eager, graph or both")
     p_all.add_argument("--tag", default="", help="suffix of the summary file name, e.g. _h100")
+    p_all.add_argument("--slice-steps", type=int, default=0, help="check in slices of this many steps, each its own JSON, resumable (0: one check)")
     args = parser.parse_args()
 
     if args.command == "make":
@@ -740,7 +804,10 @@ def main() -> int:
         print(recording_summary(args.out))
         return 0
     if args.command == "run":
-        result = run_check(args.rec, args.backend, cuda_graph=args.cuda_graph, jobs=args.jobs, json_out=args.json, log=args.json.with_suffix(".log"), extra=args.check_arg, timeout=args.timeout)
+        if args.slice_steps > 0:
+            result = run_sliced(args.rec, args.backend, cuda_graph=args.cuda_graph, jobs=args.jobs, json_out=args.json, slice_steps=args.slice_steps, extra=args.check_arg, timeout=args.timeout)
+        else:
+            result = run_check(args.rec, args.backend, cuda_graph=args.cuda_graph, jobs=args.jobs, json_out=args.json, log=args.json.with_suffix(".log"), extra=args.check_arg, timeout=args.timeout)
         print(summarise(args.rec, result, args.json))
         return result["exit"]
     out = args.out_dir
@@ -768,7 +835,10 @@ def main() -> int:
     codes = []
     for label in [r for r in args.runs.split(",") if r]:
         json_out = out / f"server_sweep_{label}.json"
-        result = run_check(rec, args.backend, cuda_graph=label == "graph", jobs=args.jobs, json_out=json_out, log=out / f"server_sweep_{label}.log", timeout=args.timeout)
+        if args.slice_steps > 0:
+            result = run_sliced(rec, args.backend, cuda_graph=label == "graph", jobs=args.jobs, json_out=json_out, slice_steps=args.slice_steps, timeout=args.timeout)
+        else:
+            result = run_check(rec, args.backend, cuda_graph=label == "graph", jobs=args.jobs, json_out=json_out, log=out / f"server_sweep_{label}.log", timeout=args.timeout)
         text = summarise(rec, result, json_out)
         print(text, flush=True)
         sections += [text, ""]

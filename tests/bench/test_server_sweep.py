@@ -57,3 +57,23 @@ def test_the_mix_is_the_stated_one() -> None:
     trees = Counter(w for d in draws if d.mode == "verify" for w in d.words if w.startswith("topk="))
     assert {"topk=1", "topk=4"} <= set(trees)
     assert any("window=4095" in d.words for d in draws) and any("logit_cap=50.0" in d.words for d in draws)
+
+
+def test_a_sliced_check_resumes_where_it_stopped(tmp_path: Path) -> None:
+    """--slice-steps: each slice is its own check and JSON; a slice already checked is not run
+    again (a device call's time limit loses one slice at most), and the parts merge into one JSON."""
+    rec = tmp_path / "rec"
+    server_sweep.make(rec, 8, seed=5, jobs=1, progress=False)
+    out = tmp_path / "out" / "eager.json"
+    only = ["--only=invariants"]
+    first = server_sweep.run_sliced(rec, "reference", cuda_graph=False, jobs="1", json_out=out, slice_steps=5, extra=only)
+    parts = sorted(p.name for p in out.parent.glob("eager.steps-*.json"))
+    assert parts == ["eager.steps-000000-000005.json", "eager.steps-000005-000008.json"]
+    assert first["slices"].startswith("2 of 2 slices of 5 steps checked, 2 of them by this call")
+    merged = json.loads(out.read_text())
+    assert [s["step"] for s in merged["steps"]] == list(range(8)) and merged["verdict"]["line"].count(" | ") == 1
+    (out.parent / parts[1]).unlink()
+    again = server_sweep.run_sliced(rec, "reference", cuda_graph=False, jobs="1", json_out=out, slice_steps=5, extra=only)
+    assert again["slices"].startswith("2 of 2 slices of 5 steps checked, 1 of them by this call")
+    assert any("--steps=5:8" in word for word in again["command"])
+    assert [s["step"] for s in json.loads(out.read_text())["steps"]] == list(range(8))
