@@ -563,7 +563,7 @@ def check(
         raise BadInput(f"{target}: no steps to check" + (" in the selection (--steps/--sample)" if steps_spec or sample else ""))
     reports = []
     with CheckProgress(paths) as progress:  # on stderr, only on a terminal
-        for report in check_steps(target, classes, options, progress.done, selection=selection, jobs=1 if in_process else jobs, devices=devices, isolate=False if in_process else None):
+        for report in check_steps(target, classes, options, progress.done, selection=selection, jobs=1 if in_process else jobs, devices=devices, isolate=False if in_process else None, now=progress.now):
             reports.append(report)
             single_error = len(paths) == 1 and report.bad_input  # raised as bad input below
             if (report.findings or report.error or len(paths) == 1) and not single_error:

@@ -222,6 +222,7 @@ def check_steps(
     jobs: int | None = 1,
     devices: tuple[int, ...] | None = None,
     isolate: bool | None = None,
+    now: Callable[[int, str], None] | None = None,
 ) -> Iterator[StepReport]:
     """Check the steps of `target` (a .pt file or a recording directory) in recording order.
 
@@ -231,6 +232,8 @@ def check_steps(
     job in a worker process, a crash boundary for the kernel libraries (workers.py); None: on a
     GPU machine, where an illegal memory access would poison this process's CUDA context. Without
     it, such a crash is its step's finding and the steps after it are not checked (check_in_process).
+    `now(index, phase)`: in workers, what the step awaited runs ('split-merge › triton › eager'),
+    read from its worker every NOW_EVERY_S (in one process a display reads profiling.current()).
     """
     paths = select_paths(target, selection)
     states = {kind: state for kind, detector in detectors_of(only).items() if (state := detector.new_state()) is not None}
@@ -246,7 +249,7 @@ def check_steps(
         first = first_of_each_shape(paths) if jobs > 1 else []
         if len(first) > 1:
             sys.stderr.write(f"attndbg: checking one step of each of {len(first)} kernel shapes first, in parallel (kernels compile on first use)\n")
-        results: Iterator[StepResult] = check_in_workers(paths, only, options, jobs=jobs, devices=devices, first=first)
+        results: Iterator[StepResult] = check_in_workers(paths, only, options, jobs=jobs, devices=devices, first=first, now=now)
     else:
         results = check_in_process(paths, only, options)
     across: list[Finding] = []

@@ -43,6 +43,8 @@ from attndbg.replay import activity
 ACTIVITY_BYTES = 1024
 
 WINDOW_PER_JOB = 4
+# How often the parent reads the awaited step's worker for a progress display (`now`).
+NOW_EVERY_S = 0.5
 
 
 CheckOne = Callable[[str, list[FindingClass], CheckOptions], StepResult]
@@ -135,6 +137,7 @@ def check_in_workers(
     devices: tuple[int, ...] | None,
     check: CheckOne = check_one,  # a module-level function (workers import it by name)
     first: list[int] = (),  # indices to check before the others (one step of each kernel shape: compiles in parallel)
+    now: Callable[[int, str], None] | None = None,  # told what the awaited step's worker runs (its activity record)
 ) -> Iterator[StepResult]:
     ctx = mp.get_context("spawn")
     order = list(dict.fromkeys([*first, *range(len(paths))]))
@@ -175,7 +178,13 @@ def check_in_workers(
             busy = [w for w in workers if w.task is not None]
             if not busy:
                 raise RuntimeError(f"check workers: nothing dispatched and nothing running at step {next_out} of {len(paths)}")
-            ready = wait([w.conn for w in busy] + [w.process.sentinel for w in busy])
+            ready = wait([w.conn for w in busy] + [w.process.sentinel for w in busy], timeout=NOW_EVERY_S if now else None)
+            if now is not None:
+                # The worker's activity record (the crash boundary's evidence) says what it runs.
+                for worker in busy:
+                    if worker.task is not None and worker.task[0] == next_out:
+                        launch = worker.last_launch()
+                        now(next_out, launch.phase() if launch is not None else "")
             for i, worker in enumerate(workers):
                 if worker.task is None:
                     continue

@@ -69,6 +69,10 @@ class Launch:
         fields = (self.backend, self.what, self.error, self.detector)
         return "\t".join(f.replace("\t", " ") for f in fields).rstrip("\t")
 
+    def phase(self) -> str:
+        """'split-merge › flashinfer › extend_path=cascade': what a progress display says runs."""
+        return " › ".join(part for part in (self.detector, self.backend, self.what) if part)
+
     def where(self) -> str:
         """'flashinfer (extend_path=cascade) in the split-merge detector', as far as it is known."""
         parts = []

@@ -56,7 +56,8 @@ class _NowColumn(ProgressColumn):
 
     def render(self, task: Task) -> Text:
         text = Text(f"{self.verb} {task.description}")
-        now = describe_phases(profiling.current())
+        # In this process its open phases; a step checked in a worker, what the worker said it runs.
+        now = describe_phases(profiling.current()) or task.fields.get("now", "")
         if now:
             text.append(f": {now}", style="cyan")
         return text
@@ -136,9 +137,15 @@ class CheckProgress(_Display):
     def done(self, report: Any) -> None:
         """A step's report came back (the `progress` callback of `check_steps`)."""
         self._done += 1
-        self._progress.update(self._task, completed=self._done, done=self._done, last=time.monotonic())
+        self._progress.update(self._task, completed=self._done, done=self._done, last=time.monotonic(), now="")
         if self._done < len(self._paths):
             self.show(self._name(self._done))
+
+    def now(self, index: int, phase: str) -> None:
+        """What a worker runs for step `index` (the `now` callback of `check_steps`): shown while it
+        is the step awaited."""
+        if index == self._done:
+            self._progress.update(self._task, now=printable(phase))
 
     def _name(self, index: int) -> str:
         """The step awaited: the file itself, or a folder's step by its file name."""

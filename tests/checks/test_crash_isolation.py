@@ -227,3 +227,21 @@ def test_split_merges_own_launches_are_announced(dead_context: None, monkeypatch
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
     crash = _lost_in(lambda: gpu.merge_state_probe.__wrapped__(torch.float16))
     assert (crash.backend, crash.what, crash.error) == ("flashinfer", "cascade.merge_state on crafted states", cuda_fault_detector.ILLEGAL)
+
+
+def test_a_worker_says_what_the_awaited_step_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """check_steps' `now`: a step checked in a worker (on a GPU machine, even a single file) is not
+    silent: its activity record, read while the parent waits, names detector, backend and launch."""
+    monkeypatch.setenv("ATTNDBG_DETECTORS", "slow=tests.checks.slow_detector:DETECTOR")
+    monkeypatch.setenv("ATTNDBG_TEST_SLOW_S", "2")
+    rec = tmp_path / "rec"
+    from attndbg.trace import io
+
+    for step in range(2):
+        trace = make_trace("decode-mha", "kv_lens=3,20,7", *SMALL, f"seed={step}", plan=True)
+        io.append_to_recording(rec, replace(trace, source=replace(trace.source, step=step)))
+    said: list[tuple[int, str]] = []
+    reports = list(check_steps(str(rec), parse_only("slow"), CheckOptions(backends=("reference",)), jobs=1, isolate=True, now=lambda i, text: said.append((i, text))))
+    assert [r.step for r in reports if r.mode != "recording"] == [0, 1]
+    for index in (0, 1):
+        assert (index, "slow › triton › slow sweep") in said, said

@@ -65,6 +65,21 @@ def test_single_step_spinner_names_the_step_and_the_phase_running() -> None:
     assert "checking a.pt: tree-mask › triton › eager" in stream.getvalue()
 
 
+def test_what_a_worker_runs_is_shown_for_the_step_awaited_only() -> None:
+    """A step checked in a worker: its phase comes from the worker (`now`), not this process."""
+    stream = io.StringIO()
+    with CheckProgress(["rec/a.pt", "rec/b.pt"], console=Console(file=stream, force_terminal=True, width=160, color_system=None)) as bar:
+        bar.now(1, "fill-value › flashinfer › graph bs=8")  # not awaited yet: not shown
+        bar.show("a.pt")
+        assert "graph bs=8" not in stream.getvalue()
+        bar.now(0, "split-merge › flashinfer › extend_path=cascade")
+        bar.show("a.pt")
+        assert "checking a.pt: split-merge › flashinfer › extend_path=cascade" in stream.getvalue()
+        bar.done(None)  # step 0 came back: its phase goes with it
+        bar.show("b.pt")
+    assert "checking b.pt: split-merge" not in stream.getvalue()
+
+
 def test_folder_bar_takes_rate_and_eta_from_completed_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [100.0]
     monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
