@@ -131,6 +131,7 @@ class CheckVerdict:
     defects: int = 0  # findings of Severity.DEFECT: they fail the check
     # "<class>/<check>" -> hazard findings (Severity.HAZARD): they fail only `check --strict`
     hazards: dict[str, int] = field(default_factory=dict)
+    selection: Selection | None = None  # `--steps`/`--sample`: which steps of how many
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,7 @@ def check_verdict(
         plans_unread=dict(sorted(unread.items())),
         defects=defects,
         hazards=dict(sorted(hazards.items())),
+        selection=selection,
     )
 
 
@@ -236,5 +238,10 @@ def checks_to_json(reports: list[StepReport], verdict: CheckVerdict | None = Non
             "defects": verdict.defects,
             "hazards": sum(verdict.hazards.values()),
             "hazards_by_check": verdict.hazards,
+            "selection": None if verdict.selection is None else {
+                "recording_steps": verdict.selection.recording_steps,
+                "steps": list(verdict.selection.steps),
+                "options": verdict.selection.options,
+            },
         }
     return data

@@ -95,3 +95,6 @@ def test_sample_and_steps_verdicts_name_the_selection(tmp_path: Path) -> None:
     assert out("--steps", "1:5").startswith("checked 4 of 4 steps selected from 5 (steps 1-4; --steps 1:5);")
     assert out("--steps", "1:", "--sample", "3").startswith("checked 3 of 3 steps selected from 5 (steps 1, 3, 4; --steps 1: --sample 3);")
     assert out().startswith("checked 5 of 5 steps;")
+    data = json.loads(CliRunner().invoke(main, ["check", str(folder), "--only", "invariants", "--sample", "2", "--json", "-"]).stdout)
+    assert data["verdict"]["selection"] == {"recording_steps": 5, "steps": [0, 4], "options": "--sample 2"}
+    assert json.loads(CliRunner().invoke(main, ["check", str(folder), "--only", "invariants", "--json", "-"]).stdout)["verdict"]["selection"] is None
