@@ -19,7 +19,7 @@ from attndbg.detectors.split_merge.base import KIND, _location, merge_path
 from attndbg.replay import activity
 from attndbg.replay.runner import ReplayOptions, RunStatus
 from attndbg.replay.variants import Graph
-from attndbg.trace.schema import DTYPES, ForwardMode
+from attndbg.trace.schema import DTYPES, ForwardMode, Trace
 
 
 def _flashinfer_ready(ctx: CheckContext) -> bool:
@@ -59,7 +59,7 @@ def cascade_vs_single_pass(ctx: CheckContext) -> list[Finding]:
     empty_prefix = (
         worst is not None
         and int(batch.prefix_lens[worst.request]) == 0
-        and merge_state_probe(DTYPES[trace.model.q_dtype] if trace.model.q_dtype != "float32" else torch.float16)["state + empty state (-inf)"] is not None
+        and merge_state_probe(_probe_dtype(trace))["state + empty state (-inf)"] is not None
     )
     return [
         Finding(
@@ -92,7 +92,7 @@ def flashinfer_merge_state(ctx: CheckContext) -> list[Finding]:
     plus_inf = any(t.lse is not None and bool(torch.isposinf(t.lse).any()) for t in trace.tensors.values())
     if not (empty_prefix or plus_inf):
         return []
-    problems = merge_state_probe(DTYPES[trace.model.q_dtype] if trace.model.q_dtype != "float32" else torch.float16)
+    problems = merge_state_probe(_probe_dtype(trace))
     reached = {"state + empty state (-inf)": empty_prefix, "FA2 empty state (+inf) + state": plus_inf}
     findings = []
     for case, problem in problems.items():
@@ -110,6 +110,12 @@ def flashinfer_merge_state(ctx: CheckContext) -> list[Finding]:
             )
         )
     return findings
+
+
+def _probe_dtype(trace: Trace) -> torch.dtype:
+    """The dtype merge_state is probed in: the step's query dtype (half precision for float32 steps,
+    which FlashInfer's merge_state does not take)."""
+    return DTYPES[trace.model.q_dtype] if trace.model.q_dtype != "float32" else torch.float16
 
 
 @functools.cache
