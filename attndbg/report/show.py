@@ -125,6 +125,8 @@ def _source(trace: Trace) -> Panel:
                 ("device", f"{s.device}, TP rank {s.tp_rank}"),
                 ("step", str(s.step)),
                 ("recorded by", f"attndbg {s.attndbg_version}, replay seed {trace.seed}"),
+                # An imported step: what its format did not carry, each field with how it was filled.
+                *((f"inferred {name}", printable(why)) for name, why in s.inferred.items()),
             ]
         ),
         title="source",

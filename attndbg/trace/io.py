@@ -66,7 +66,7 @@ def load(path: str | os.PathLike) -> Trace:
         raise TraceError("file", f"not a readable attndbg trace: {_unreadable_reason(raw, None)}", str(path))
     if not isinstance(data, dict):
         raise TraceError("file", f"not an attndbg trace (top level is {type(data).__name__})", str(path))
-    problem = _unbacked_tensor(data)
+    problem = unbacked_tensor(data)
     if problem:
         raise TraceError(problem[0], problem[1], str(path))
     if data.get("format") == SAVED_REPLAY_FORMAT:
@@ -77,7 +77,7 @@ def load(path: str | os.PathLike) -> Trace:
         raise e.in_file(str(path)) from None
 
 
-def _unbacked_tensor(data: object, name: str = "", depth: int = 0) -> tuple[str, str] | None:
+def unbacked_tensor(data: object, name: str = "", depth: int = 0) -> tuple[str, str] | None:
     """(field, why) for the first tensor that is not plain CPU data backed by its own bytes: a
     stride-0 view claiming 2**31 elements in a 4-byte file would make every later step allocate
     gigabytes; meta, sparse and quantized tensors are nothing an engine records."""
@@ -98,7 +98,7 @@ def _unbacked_tensor(data: object, name: str = "", depth: int = 0) -> tuple[str,
     else:
         return None
     for key, value in items:
-        found = _unbacked_tensor(value, f"{name}.{key}" if name else str(key), depth + 1)
+        found = unbacked_tensor(value, f"{name}.{key}" if name else str(key), depth + 1)
         if found:
             return found
     return None

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 FORMAT_NAME = "attndbg.trace"
-FORMAT_VERSION = 1  # `buffers`, `capture` and graph.padded_qo_indptr / padded_block_table (optional, absent in older files) were added within version 1
+FORMAT_VERSION = 1  # `buffers`, `capture`, graph.padded_qo_indptr / padded_block_table and source.inferred (optional, absent in older files) were added within version 1
 
 
 class ForwardMode(enum.Enum):
@@ -79,6 +79,10 @@ class Source:
     tp_rank: int
     step: int
     attndbg_version: str
+    # Added within version 1 (absent in older files: empty). What the step's source format did not
+    # carry and the importer filled in (`attndbg import`): trace field -> how it was inferred, e.g.
+    # "model.sm_scale": "1/sqrt(head_dim): the plan gave none". Recorders leave it empty.
+    inferred: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -316,6 +320,8 @@ def to_dict(trace: Trace) -> dict[str, Any]:
         del out["buffers"]
     if out["capture"] is None:
         del out["capture"]
+    if not out["source"]["inferred"]:
+        del out["source"]["inferred"]
     if out["graph"] is not None:
         for name in GRAPH_OPTIONAL:
             if out["graph"][name] is None:

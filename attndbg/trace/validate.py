@@ -180,7 +180,30 @@ def _source(r: _Reader) -> Source:
         tp_rank=r.int("tp_rank", min_value=0),
         step=r.int("step", min_value=0),
         attndbg_version=r.str("attndbg_version"),
+        inferred=_inferred(r),
     )
+
+
+# An importer names a handful of inferred fields; thousands is not a step's, it is a hostile file.
+MAX_INFERRED = 64
+MAX_INFERRED_TEXT = 1024
+
+
+def _inferred(r: _Reader) -> dict[str, str]:
+    """source.inferred (optional): field name -> how it was inferred, both short printable strings."""
+    value = r.raw("inferred", optional=True)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise TraceError(r.name("inferred"), f"expected a dict of field -> how it was inferred, found {type(value).__name__}")
+    if len(value) > MAX_INFERRED:
+        raise TraceError(r.name("inferred"), f"has {len(value)} entries, at most {MAX_INFERRED}")
+    for key, why in value.items():
+        if not isinstance(key, str) or len(key) > MAX_NAME_LENGTH or not key.isprintable():
+            raise TraceError(f"{r.name('inferred')}[{reprlib.repr(key)}]", f"keys are field names of at most {MAX_NAME_LENGTH} printable characters")
+        if not isinstance(why, str) or len(why) > MAX_INFERRED_TEXT or not why.isprintable():
+            raise TraceError(f"{r.name('inferred')}[{key!r}]", f"= {reprlib.repr(why)}: expected a printable string of at most {MAX_INFERRED_TEXT} characters")
+    return dict(value)
 
 
 def _model(r: _Reader) -> Model:
