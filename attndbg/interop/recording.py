@@ -1,0 +1,58 @@
+"""Write imported steps as an attndbg recording (a folder with manifest.jsonl), all or nothing: the
+steps go to a scratch folder beside the target and move in once every one was read, so bad input
+met halfway leaves no half recording behind."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from attndbg.record.launch import prepare_directory
+from attndbg.record.options import OptionError
+from attndbg.trace.errors import TraceError
+from attndbg.trace.io import MANIFEST, append_to_recording
+from attndbg.trace.schema import Trace
+
+
+@dataclass
+class Imported:
+    out_dir: Path
+    steps: int = 0
+    modes: Counter[str] = field(default_factory=Counter)
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self, what: str) -> str:
+        modes = ", ".join(f"{mode} {n}" for mode, n in sorted(self.modes.items())) or "no steps"
+        left = f"; {len(self.notes)} call(s) left out (above)" if self.notes else ""
+        return f"attndbg import {what}: {self.steps} step(s) in {self.out_dir} ({modes}){left}"
+
+
+def write_recording(items: Iterable[Trace | str], out_dir: str, *, overwrite: bool) -> Imported:
+    """Each Trace becomes a step of `out_dir`; each str is a note on something left out."""
+    target = Path(out_dir)
+    if not overwrite and target.is_dir() and any(target.iterdir()):
+        raise TraceError("-o", f"{out_dir} already holds files: --overwrite replaces a recording there, or choose another -o")
+    try:
+        prepare_directory(out_dir, append=False, overwrite=overwrite)
+    except OptionError as e:
+        raise TraceError("-o", str(e).removeprefix(f"-o {out_dir}: ")) from None
+    target.mkdir(parents=True, exist_ok=True)
+    result = Imported(out_dir=target)
+    with tempfile.TemporaryDirectory(prefix=".attndbg-import-", dir=target) as scratch:
+        for item in items:
+            if isinstance(item, str):
+                result.notes.append(item)
+                continue
+            append_to_recording(scratch, item)
+            result.steps += 1
+            result.modes[item.batch.forward_mode.value] += 1
+        for path in sorted(Path(scratch).iterdir()):
+            if path.name != MANIFEST:
+                shutil.move(str(path), target / path.name)
+        if (Path(scratch) / MANIFEST).exists():
+            shutil.move(str(Path(scratch) / MANIFEST), target / MANIFEST)  # last: a reader never sees steps that are not there yet
+    return result
