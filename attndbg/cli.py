@@ -654,6 +654,57 @@ def _devices(spec: str | None) -> tuple[int, ...] | None:
     return devices
 
 
+@main.command()
+@click.argument("trace", type=click.Path())
+@click.option("--backend", "backend_spec", default="triton", show_default=True, help="the one backend whose failure to keep")
+@click.option("--finding", "finding_spec", default=None, metavar="CLASS[/check]", help="the failure to keep: a detector's class (and check), backend-crash, or replay (the replay fails the float64 reference); default: the step's first crash, else its first defect, hazard, replay failure")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="the smallest step, as a trace file")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=2, show_default=True, help="candidates checked at once, each in a fresh worker process")
+@click.option("--only", default=None, metavar="KIND[,KIND...]", help="detectors the step's first check runs (as check --only; default: the --finding class's, else every default detector and the replay)")
+@click.option("--backend-option", "backend_option_specs", multiple=True, metavar="NAME.FIELD=VALUE", help=BACKEND_OPTION_HELP)
+@handles_bad_input
+def minimize(trace: str, backend_spec: str, finding_spec: str | None, output: str, jobs: int, only: str | None, backend_option_specs: tuple[str, ...]) -> None:
+    """Shrink a failing step (requests, padded rows, heads, cached columns) while it shows the same
+    failure, of the same kind: a crash stays the same crash, a finding the same class and check.
+    Each candidate is checked in a fresh worker process; a recorded plan keeps its mistakes.
+
+    \b
+    Example:
+      attndbg synth decode-gqa --inject invariants:wrong-req-row -o bad.pt
+      attndbg minimize bad.pt --backend triton --finding invariants/kv-index -o small.pt
+    """
+    from attndbg.checks.context import CheckOptions
+    from attndbg.detectors import registry as detectors
+    from attndbg.minimize.search import MinimizeOptions, NothingToKeep, minimize as run_minimize
+    from attndbg.minimize.target import REPLAY, parse_wanted
+    from attndbg.checks.findings import FindingClass
+    from attndbg.report.minimize import render_outcome
+    from attndbg.trace import io
+
+    names = _backend_names(backend_spec)
+    if len(names) != 1 or names[0] == "reference":
+        raise BadInput(f"--backend {backend_spec}: minimize keeps one kernel backend's failure; name one (e.g. triton)")
+    wanted = parse_wanted(finding_spec)
+    classes = [*detectors.names(), FindingClass.BACKEND_CRASH.value, REPLAY.value]
+    if wanted[0] is not None and wanted[0] not in classes:
+        raise BadInput(f"--finding: unknown class {wanted[0]!r}{did_you_mean(wanted[0], classes)}; classes: {', '.join(classes)}")
+    detector_names = tuple(n.strip() for n in (only or "").split(",") if n.strip())
+    unknown = [n for n in detector_names if n not in classes]
+    if unknown:
+        raise BadInput(f"--only: unknown detector {unknown[0]!r}{did_you_mean(unknown[0], classes)}; detectors: {', '.join(detectors.names())}, replay")
+    _check_outputs(output=output)
+    io.load(trace)  # unreadable: bad input, before any worker starts
+    options = MinimizeOptions(
+        backend=names[0], wanted=wanted, jobs=jobs, only=detector_names, check=CheckOptions(backends=(names[0],), backend_options=_backend_options(backend_option_specs))
+    )
+    try:
+        outcome = run_minimize(trace, options, say=lambda line: click.echo(f"minimize: {line}", err=True))
+    except NothingToKeep as e:
+        raise BadInput(str(e)) from None
+    io.save(outcome.trace, output)
+    click.echo(render_outcome(outcome, names[0], output))
+
+
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("-o", "--output", "out_dir", default="recording", show_default=True, type=click.Path(file_okay=False), help="recording directory (manifest.jsonl + one .pt per step)")
 @click.option("--append", is_flag=True, help="add this run's steps to an existing recording (files named run<N>_step_*.pt)")

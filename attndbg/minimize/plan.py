@@ -1,0 +1,180 @@
+"""Carry a recorded plan, mistakes included, onto a smaller step.
+
+The recorded plan is evidence: a minimised step must keep whatever was wrong in it. A plan cannot
+simply be derived again for the smaller batch (that would be the correct plan: the mistake would
+be gone), nor sliced blindly (its offsets index the whole batch). So each plan tensor is cut into
+per-request pieces, and each piece is compared with the same piece of the plan a correct engine
+derives for the step (`Backend.derive_plan`, the adapter's own translation):
+
+    a piece equal to the derived one   is derived again for the smaller step (its offsets, split
+                                       counts and lengths follow the smaller batch)
+    a piece that differs               is the mistake: it is kept as recorded
+
+Pieces, by the tensor's shape (rows = the batch's requests, or the capture size on a graph step):
+    [rows+1] offsets ("indptr", "cu_seqlens")  the start, then one length per request (rebuilt by
+                                               cumsum, so a negative length stays a decrease)
+    [rows] or [rows, width]                     one entry or table row per request
+    flat data indexed by offsets                X_indices by X_indptr, custom_mask by mask_indptr:
+                                                the request's segment
+A tensor of none of these shapes is kept whole. A scalar equal to the derived one is derived
+again; an integer that differs keeps its difference (seq_lens_sum, which no adapter derives, is
+judged against the batch's own sum, padded rows included on a graph step).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from attndbg.backends import registry
+from attndbg.backends.base import Padding
+from attndbg.trace.schema import Plan, Trace
+
+# Flat tensors that hold per-request segments, and the offsets that cut them (beyond X_indices -> X_indptr).
+SEGMENT_OFFSETS = {"custom_mask": "mask_indptr", "packed_custom_mask": "packed_mask_indptr"}
+OFFSET_WORDS = ("indptr", "cu_seqlens")
+
+
+def _offsets_of(name: str) -> str | None:
+    if name in SEGMENT_OFFSETS:
+        return SEGMENT_OFFSETS[name]
+    if name.endswith("_indices"):
+        return name[: -len("_indices")] + "_indptr"
+    return None
+
+
+def _derived(trace: Trace, backend_name: str) -> dict[int, Plan]:
+    """The plans a correct engine backend derives for `trace`, by the rows they cover: the batch,
+    and on a graph step the capture size too (padded as the graph section says)."""
+    try:
+        adapter = registry.create(backend_name)
+    except KeyError:
+        return {}
+    out: dict[int, Plan] = {}
+    paddings: list[Padding | None] = [None]
+    graph = trace.graph
+    if graph is not None and graph.capture_bs > trace.batch.batch_size:
+        paddings.append(Padding(capture_bs=graph.capture_bs, fill_value=max(graph.fill_value, 0)))
+    for padding in paddings:
+        try:
+            plan = adapter.derive_plan(trace, padding)
+        except Exception:  # noqa: BLE001 - an adapter that cannot plan this step: its pieces all stay as recorded
+            continue
+        out[padding.capture_bs if padding else trace.batch.batch_size] = plan
+    return out
+
+
+class _Cut(enum.Enum):
+    """How a plan tensor divides into per-request pieces."""
+
+    SEGMENTS = "flat data, one segment per request, at the offsets of its companion tensor"
+    OFFSETS = "[rows+1] offsets: the start, then one length per request"
+    ROWS = "[rows] or [rows, width]: one entry or table row per request"
+
+
+def _cut_of(name: str, tensor: Tensor, plan: Plan, rows: int) -> _Cut | None:
+    offsets = _offsets_of(name)
+    if offsets is not None and tensor.dim() == 1 and offsets in plan.tensors and plan.tensors[offsets].numel() == rows + 1:
+        return _Cut.SEGMENTS
+    if tensor.dim() == 1 and any(w in name for w in OFFSET_WORDS) and tensor.numel() == rows + 1:
+        return _Cut.OFFSETS
+    if 1 <= tensor.dim() <= 2 and tensor.shape[0] == rows:
+        return _Cut.ROWS
+    return None
+
+
+def _pieces(cut: _Cut, name: str, tensor: Tensor, plan: Plan) -> list[Tensor]:
+    if cut is _Cut.SEGMENTS:
+        # Recorded offsets may be the mistake (decreasing, past the end): clamp, never index outside.
+        cuts = plan.tensors[_offsets_of(name)].to(torch.int64).clamp(0, tensor.numel()).tolist()
+        return [tensor[lo : max(lo, hi)] for lo, hi in zip(cuts[:-1], cuts[1:])]
+    if cut is _Cut.OFFSETS:
+        return [tensor[:1], *(tensor[1:] - tensor[:-1]).split(1)]
+    return list(tensor)
+
+
+def _assemble(cut: _Cut, pieces: list[Tensor], like: Tensor) -> Tensor:
+    if cut is _Cut.SEGMENTS:
+        return torch.cat([p.reshape(-1).to(like.dtype) for p in pieces]) if pieces else like[:0]
+    if cut is _Cut.OFFSETS:
+        start = pieces[0].reshape(1).to(torch.int64)
+        lengths = torch.cat([p.reshape(1).to(torch.int64) for p in pieces[1:]]) if len(pieces) > 1 else start[:0]
+        return torch.cat([start, start + torch.cumsum(lengths, 0)]).to(like.dtype)
+    if like.dim() == 2:
+        width = max([p.numel() for p in pieces], default=like.shape[1])
+        table = torch.zeros(len(pieces), width, dtype=like.dtype)
+        for i, p in enumerate(pieces):
+            table[i, : p.numel()] = p.to(like.dtype)
+        return table
+    return torch.stack([p.reshape(()).to(like.dtype) for p in pieces]) if pieces else like[:0]
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.to(torch.float64), b.to(torch.float64))
+
+
+def _pieces_like(cut: _Cut, name: str, plan: Plan | None, rows: int) -> list[Tensor] | None:
+    """The same tensor of a derived plan, cut the same way (None: it has no such tensor)."""
+    if plan is None or name not in plan.tensors or _cut_of(name, plan.tensors[name], plan, rows) is not cut:
+        return None
+    return _pieces(cut, name, plan.tensors[name], plan)
+
+
+def carry_plan(current: Trace, smaller: Trace, rows: Sequence[int]) -> Plan:
+    """`current`'s recorded plan for `smaller`, whose plan row i is `current`'s row `rows[i]` (real
+    rows first, then padded ones)."""
+    recorded = current.plan
+    assert recorded is not None
+    was, now = _derived(current, recorded.backend), _derived(smaller, recorded.backend)
+    bs = current.batch.batch_size
+    sizes = [bs] + ([current.graph.capture_bs] if current.graph is not None and current.graph.capture_bs > bs else [])
+    tensors: dict[str, Tensor] = {}
+    for name, tensor in recorded.tensors.items():
+        found = next(((n, cut) for n in sizes if (cut := _cut_of(name, tensor, recorded, n)) is not None), None)
+        if found is None:
+            tensors[name] = tensor  # no per-request structure we know: kept whole
+            continue
+        plan_rows, cut = found
+        chosen = [r for r in rows if r < plan_rows]
+        pieces = _pieces(cut, name, tensor, recorded)
+        derived = _pieces_like(cut, name, was.get(plan_rows), plan_rows)
+        fresh = _pieces_like(cut, name, now.get(len(chosen)), len(chosen))
+        head = 1 if cut is _Cut.OFFSETS else 0  # an offsets tensor's first piece is its start
+        out = [pieces[0] if derived is None or fresh is None or not _same(pieces[0], derived[0]) else fresh[0]] if head else []
+        for i, r in enumerate(chosen):
+            mine = pieces[r + head]
+            clean = derived is not None and fresh is not None and _same(mine, derived[r + head])
+            out.append(fresh[i + head] if clean else mine)
+        tensors[name] = _assemble(cut, out, tensor)
+    scalars = {name: _scalar(name, value, was, now, current, smaller) for name, value in recorded.scalars.items()}
+    return Plan(backend=recorded.backend, tensors=tensors, scalars=scalars)
+
+
+def _batch_seq_lens_sum(trace: Trace) -> int:
+    """What SGLang passes as seq_lens_sum: the batch's, plus fill per padded row on a graph step."""
+    total = int(trace.batch.seq_lens_raw.sum())
+    graph = trace.graph
+    if graph is not None and graph.is_graph_replay:
+        total += max(0, graph.capture_bs - trace.batch.batch_size) * graph.fill_value
+    return total
+
+
+# Scalars no adapter derives, judged against the batch itself.
+BATCH_SCALARS: dict[str, Callable[[Trace], int]] = {"seq_lens_sum": _batch_seq_lens_sum}
+
+
+def _scalar(name: str, value, was: dict[int, Plan], now: dict[int, Plan], current: Trace, smaller: Trace):
+    before = next((p.scalars[name] for p in was.values() if name in p.scalars), None)
+    after = next((p.scalars[name] for p in now.values() if name in p.scalars), None)
+    if before is None and name in BATCH_SCALARS:
+        before, after = BATCH_SCALARS[name](current), BATCH_SCALARS[name](smaller)
+    if before is None or after is None:
+        return value
+    if value == before:
+        return after
+    if isinstance(value, int) and not isinstance(value, bool) and isinstance(before, int) and isinstance(after, int):
+        return after + (value - before)  # the mistake's size is kept
+    return value
