@@ -705,6 +705,59 @@ def minimize(trace: str, backend_spec: str, finding_spec: str | None, output: st
     click.echo(render_outcome(outcome, names[0], output))
 
 
+@main.command()
+@click.argument("trace", type=click.Path(), metavar="TRACE|DIR")
+@click.option("--backend", "backend_spec", default="triton", show_default=True, help="the backend whose calls the script makes (triton or flashinfer)")
+@click.option("--step", "step_number", type=int, default=None, help="a recording's step, by its number (default: a file's only step; a DIR needs it)")
+@click.option("--plan", "plan_source", type=click.Choice(["recorded", "derived"]), default=None, help="the plan the script runs (default: the recorded one when the trace holds one of this backend, else derived)")
+@click.option("--layer", type=int, default=None, help="use this recorded layer's tensors (default: the first recorded layer, else seeded data)")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="the script to write (its tensors go beside it as .pt when too large to embed)")
+@handles_bad_input
+def repro(trace: str, backend_spec: str, step_number: int | None, plan_source: str | None, layer: int | None, output: str) -> None:
+    """Write a standalone script (torch and the kernel library only, no attndbg) that makes the
+    library calls the adapter makes for one step and checks them against an inline float64
+    reference: exit 1 when it reproduces, 0 when not.
+
+    \b
+    Example:
+      attndbg synth decode-mha --inject invariants:wrong-req-row -o bad.pt
+      attndbg repro bad.pt --backend triton -o repro.py && python repro.py
+    """
+    from attndbg.repro.script import build, write
+    from attndbg.trace import io
+
+    names = _backend_names(backend_spec)
+    if len(names) != 1:
+        raise BadInput(f"--backend {backend_spec}: a script calls one library; name one (triton or flashinfer)")
+    _check_outputs(output=output)
+    path = _repro_step(trace, step_number)
+    loaded = io.load(path)
+    chosen_layer, _ = _data_layer(loaded, layer, str(path), single=True)
+    try:
+        script = build(loaded, names[0], plan_source=plan_source, layer=chosen_layer, source_name=str(path))
+    except (ValueError, NotImplementedError) as e:
+        raise BadInput(f"{path}: {e}") from None
+    written = write(script, output)
+    where = "embedded" if script.embedded else f"in {written[-1]}"
+    click.echo(f"wrote {output} ({script.plan_source} plan, tensors {where}): python {output} exits 1 when it reproduces, 0 when not")
+
+
+def _repro_step(target: str, step_number: int | None) -> Path:
+    """The step file `repro` writes a script for: TRACE itself, or step N of a recording DIR."""
+    from attndbg.checks.run import select_paths
+    from attndbg.trace import io
+
+    if not Path(target).is_dir():
+        return Path(target)
+    if step_number is None:
+        raise BadInput(f"{target}: a recording; name the step with --step N")
+    paths = select_paths(target)
+    numbered = {e.step: Path(target) / e.file for e in io.read_manifest(target)} if (Path(target) / io.MANIFEST).exists() else dict(enumerate(paths))
+    if step_number not in numbered:
+        raise BadInput(f"{target}: --step {step_number} is not one of its steps ({min(numbered, default=0)}..{max(numbered, default=-1)})")
+    return numbered[step_number]
+
+
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("-o", "--output", "out_dir", default="recording", show_default=True, type=click.Path(file_okay=False), help="recording directory (manifest.jsonl + one .pt per step)")
 @click.option("--append", is_flag=True, help="add this run's steps to an existing recording (files named run<N>_step_*.pt)")
