@@ -499,6 +499,7 @@ class _CheckCommand(click.Command):
 @click.option("--backend-option", "backend_option_specs", multiple=True, metavar="NAME.FIELD=VALUE", help=BACKEND_OPTION_HELP)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), help="also write the findings as JSON (attndbg.check/1; - for stdout)")
 @click.option("--strict", is_flag=True, help="hazards fail the check too (exit 1): findings correct on this step, wrong under the condition each states")
+@click.option("--compile-first", is_flag=True, help="on a GPU, first compile the FlashInfer modules of every kernel shape in the recording, all at once (as `attndbg compile`; shapes whose modules are built are skipped)")
 @handles_bad_input
 def check(
     target: str,
@@ -514,6 +515,7 @@ def check(
     max_memory_spec: str | None,
     backend_option_specs: tuple[str, ...],
     strict: bool,
+    compile_first: bool,
 ) -> None:
     """Run the detectors on a step or a recording directory and explain what they find.
 
@@ -563,7 +565,7 @@ def check(
         raise BadInput(f"{target}: no steps to check" + (" in the selection (--steps/--sample)" if steps_spec or sample else ""))
     reports = []
     with CheckProgress(paths) as progress:  # on stderr, only on a terminal
-        for report in check_steps(target, classes, options, progress.done, selection=selection, jobs=1 if in_process else jobs, devices=devices, isolate=False if in_process else None, now=progress.now):
+        for report in check_steps(target, classes, options, progress.done, selection=selection, jobs=1 if in_process else jobs, devices=devices, isolate=False if in_process else None, now=progress.now, compile_first=compile_first):
             reports.append(report)
             single_error = len(paths) == 1 and report.bad_input  # raised as bad input below
             if (report.findings or report.error or len(paths) == 1) and not single_error:
@@ -595,6 +597,44 @@ def _selection_note(target: str, paths: list[Path], steps_spec: str | None, samp
     else:
         numbers = {path: i for i, path in enumerate(io.trace_paths(target))}
     return Selection(recording_steps=len(numbers), steps=tuple(numbers[p] for p in paths if p in numbers), options=flags)
+
+
+@main.command("compile")
+@click.argument("target", type=click.Path())
+@click.option("--only", default=None, metavar="KIND[,KIND...]", help="the detectors check will run (their kernels are compiled too)")
+@click.option("--backend", "backend_spec", default=None, help="kernel backends check will use (default: all that run here)")
+@click.option("--steps", "steps_spec", default=None, help="only steps A <= step < B of a recording (A:B, A:, :B)")
+@handles_bad_input
+def compile_kernels(target: str, only: str | None, backend_spec: str | None, steps_spec: str | None) -> None:
+    """Compile the kernels a recording's steps need (one step of each kernel shape), all at once.
+
+    What `check --compile-first` does before its first step; on its own it warms a fresh machine. Exit 0
+    when done, 3 when nothing could be compiled here (no CUDA GPU, no FlashInfer) or the phase ended
+    early.
+    """
+    from attndbg import machine
+    from attndbg.checks.context import CheckOptions
+    from attndbg.checks.precompile import precompile
+    from attndbg.checks.run import detectors_of, parse_only, select_paths
+
+    try:
+        classes = parse_only(only)
+        detectors_of(classes)
+    except ValueError as e:
+        raise BadInput(f"--only: {e}") from None
+    paths = select_paths(target, _step_selection(steps_spec, None))
+    if not paths:
+        raise BadInput(f"{target}: no steps")
+    if not machine.cuda_available():
+        click.echo("attndbg compile: nothing compiled: no CUDA GPU here (Triton runs interpreted; FlashInfer needs a GPU)")
+        sys.exit(EXIT_NOT_RUN)
+    names = tuple(_backend_names(backend_spec)) if backend_spec else None
+    done = precompile(paths, classes, CheckOptions(backends=names))
+    if done is None:
+        click.echo("attndbg compile: nothing to compile: no FlashInfer here, or every kernel shape's modules are already built")
+        sys.exit(EXIT_OK)
+    click.echo(f"attndbg compile: {done.modules} module{'s' * (done.modules != 1)} compiled for {done.shapes} kernel shape{'s' * (done.shapes != 1)} in {done.seconds:.0f} s")
+    sys.exit(EXIT_NOT_RUN if done.problem else EXIT_OK)
 
 
 def _step_selection(steps_spec: str | None, sample: int | None) -> Any:

@@ -24,6 +24,7 @@ from attndbg import machine
 from attndbg.checks.context import CheckContext, CheckOptions
 from attndbg.checks.crashes import Recheck, crash_finding, with_crashes
 from attndbg.checks.findings import Finding, FindingClass
+from attndbg.checks.precompile import kernel_shape, precompile
 from attndbg.detectors import registry
 from attndbg.detectors.base import Detector
 from attndbg.replay import activity
@@ -223,6 +224,7 @@ def check_steps(
     devices: tuple[int, ...] | None = None,
     isolate: bool | None = None,
     now: Callable[[int, str], None] | None = None,
+    compile_first: bool = False,
 ) -> Iterator[StepReport]:
     """Check the steps of `target` (a .pt file or a recording directory) in recording order.
 
@@ -234,6 +236,8 @@ def check_steps(
     it, such a crash is its step's finding and the steps after it are not checked (check_in_process).
     `now(index, phase)`: in workers, what the step awaited runs ('split-merge › triton › eager'),
     read from its worker every NOW_EVERY_S (in one process a display reads profiling.current()).
+    `compile_first`: with workers on a GPU, compile the kernels the recording's shapes need before
+    the first step, all at once (precompile.py).
     """
     paths = select_paths(target, selection)
     states = {kind: state for kind, detector in detectors_of(only).items() if (state := detector.new_state()) is not None}
@@ -246,6 +250,8 @@ def check_steps(
     if jobs > 1 or isolate:
         from attndbg.checks.workers import check_in_workers
 
+        if compile_first and machine.cuda_available():
+            precompile(paths, only, options)
         first = first_of_each_shape(paths) if jobs > 1 else []
         if len(first) > 1:
             sys.stderr.write(f"attndbg: checking one step of each of {len(first)} kernel shapes first, in parallel (kernels compile on first use)\n")
@@ -279,15 +285,6 @@ def auto_jobs(steps: int, devices: tuple[int, ...] | None) -> int:
     cores = max(1, (os.cpu_count() or 1) // 2)
     per_device = WORKERS_PER_GPU * max(1, len(devices or ()))
     return max(1, min(cores, per_device, steps // STEPS_PER_WORKER))
-
-
-def kernel_shape(trace: Trace) -> tuple:
-    """What decides which kernels a step compiles: mode and the attention layer's shape and dtypes."""
-    m = trace.model
-    return (
-        trace.batch.forward_mode, m.attention, m.head_dim, m.v_head_dim, m.gqa_group, m.q_dtype, m.kv_dtype,
-        m.page_size, m.sliding_window >= 0, m.logit_cap > 0, trace.graph is not None,
-    )  # fmt: skip
 
 
 def first_of_each_shape(paths: list[Path]) -> list[int]:

@@ -9,6 +9,7 @@ Each backend yields one row per variant it ran (`variants`: typed, with the labe
 from __future__ import annotations
 
 import enum
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -152,11 +153,16 @@ def _runs_of(backend: Backend, ctx: _Context) -> list[BackendRun]:
 
 
 _ANNOUNCED: set[tuple] = set()
+# Set (by check's compile phase, for its workers) when the kernels were built up front: the note
+# below would only repeat what that phase said.
+PREBUILT_VARIABLE = "ATTNDBG_KERNELS_PREBUILT"
 
 
 def _announce_first_use(backend: Backend, trace: Trace) -> None:
     """Say once per process and kernel shape that a library may be compiling, so a long first step is explained."""
     note = backend.first_use_note()
+    if os.environ.get(PREBUILT_VARIABLE):
+        return  # check's compile phase has built what the recording needs, and said so
     m = trace.model
     key = (backend.name, trace.batch.forward_mode, m.head_dim, m.v_head_dim, m.q_dtype, m.kv_dtype, m.page_size, m.gqa_group)
     if note is None or key in _ANNOUNCED:

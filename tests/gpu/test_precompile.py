@@ -1,0 +1,56 @@
+"""check's compile phase on the real FlashInfer (GPU only): a module a step needs is noted, never
+half-run, while it is not on disk; once built, the same step loads it and passes.
+
+A fresh FlashInfer cache is set up through FLASHINFER_WORKSPACE_BASE in a subprocess, so this run's
+own cache is untouched: the test compiles one decode module (tens of seconds on an H100)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attndbg.machine import module_available
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not module_available("flashinfer"), reason="flashinfer is not installed")]
+
+_CHILD = r"""
+import json, sys
+from attndbg.backends import flashinfer_jit
+from attndbg.checks.context import CheckOptions
+from attndbg.checks.run import check_one, parse_only
+path = sys.argv[1]
+only = parse_only("invariants")
+options = CheckOptions(backends=("flashinfer",))
+with flashinfer_jit.watching_modules() as first:
+    cold = check_one(path, only, options).report
+flashinfer_jit.build(list(first.unbuilt.values()))
+with flashinfer_jit.watching_modules() as second:
+    warm = check_one(path, only, options).report
+print(json.dumps({
+    "noted": sorted(first.unbuilt), "cold_backends": list(cold.backends),
+    "unbuilt_after": sorted(second.unbuilt), "used_after": sorted(second.used),
+    "warm_backends": list(warm.backends), "warm_findings": [f.check for f in warm.findings],
+    "compiled": flashinfer_jit.compiled(first.unbuilt),
+}))
+"""
+
+
+def test_a_missing_module_is_noted_then_built_and_used(tmp_path: Path) -> None:
+    from attndbg.trace import io, synth
+
+    path = tmp_path / "decode.pt"
+    io.save(synth.build(synth.parse_spec(["decode-gqa", "heads=8:2", "head_dim=128", "kv_lens=33,70"])), path)
+    env = {**os.environ, "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "fi")}
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(path)], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["noted"], got  # a fresh cache has nothing: the decode module is noted...
+    assert got["cold_backends"] == []  # ...and no FlashInfer kernel ran on the cold pass
+    assert got["compiled"] and got["unbuilt_after"] == []
+    assert set(got["noted"]) <= set(got["used_after"])
+    assert got["warm_backends"] == ["flashinfer"] and got["warm_findings"] == []
