@@ -284,6 +284,22 @@ def test_zero_fill_nan_padded_rows_leak_into_real_rows(monkeypatch: pytest.Monke
     assert (static.severity, nonfinite.severity, leak.severity) == (Severity.HAZARD, Severity.DEFECT, Severity.DEFECT)
 
 
+@pytest.mark.parametrize("engine,engine_backend", [("vllm", "TRITON_ATTN"), ("sglang", "flashinfer")])
+def test_a_backend_the_engine_did_not_run_is_replayed_only_with_its_own_fill(monkeypatch: pytest.MonkeyPatch, engine: str, engine_backend: str) -> None:
+    """Issue 21's server sweep: a vLLM TRITON_ATTN step (padded with seq_len 0) got 'flashinfer graph
+    replay ... padded seq_len 0: NaN in the padded rows': a kernel the engine never ran, under a padding
+    its own engine never gives it. The Triton kernels here NaN an empty row as the test above shows;
+    replayed for a step another backend ran, they get Triton's own fill (1) only: no finding."""
+    monkeypatch.setattr(triton_backend._TritonGraphState, "forward", _with_batch_scale)
+    trace = on(decode(8, "fill_value=0"), engine_backend, engine)
+    findings = _detect(trace)
+    replayed = [f for f in findings if f.check in ("padded-rows-nonfinite", "padding-leaks-into-real-rows", "padded-replay-error")]
+    assert replayed == []
+    # What the engine's own backend needs is still judged (FlashInfer needs seq_len >= 1; vLLM's
+    # Triton reads nothing of a request without query tokens).
+    assert [f.check for f in findings] == (["padded-seq-len-unsupported"] if engine_backend == "flashinfer" else [])
+
+
 def test_no_recorded_graph_replays_at_the_next_capture_size(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(triton_backend._TritonGraphState, "forward", _sglang_stage2)
     monkeypatch.setattr(triton_backend.TritonBackend, "cuda_graph_fill_value", 0)
