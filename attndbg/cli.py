@@ -530,8 +530,8 @@ def check(
       attndbg check rec --jobs 8 --steps 100:200 --backend triton,flashinfer
     """
     from attndbg import machine
-    from attndbg.checks.context import CheckOptions
     from attndbg.checks.run import check_steps, detectors_of, parse_only, select_paths
+    from attndbg.detector_api.context import CheckOptions
     from attndbg.detectors.registry import LoadError
     from attndbg.report.checks import check_verdict, checks_to_json, render_step, render_summary
     from attndbg.report.progress import CheckProgress
@@ -613,9 +613,9 @@ def compile_kernels(target: str, only: str | None, backend_spec: str | None, ste
     early.
     """
     from attndbg import machine
-    from attndbg.checks.context import CheckOptions
     from attndbg.checks.precompile import precompile
     from attndbg.checks.run import detectors_of, parse_only, select_paths
+    from attndbg.detector_api.context import CheckOptions
 
     try:
         classes = parse_only(only)
@@ -713,11 +713,11 @@ def minimize(trace: str, backend_spec: str, finding_spec: str | None, output: st
       attndbg synth decode-gqa --inject invariants:wrong-req-row -o bad.pt
       attndbg minimize bad.pt --backend triton --finding invariants/kv-index -o small.pt
     """
-    from attndbg.checks.context import CheckOptions
+    from attndbg.detector_api.context import CheckOptions
+    from attndbg.detector_api.findings import FindingClass
     from attndbg.detectors import registry as detectors
     from attndbg.minimize.search import MinimizeOptions, NothingToKeep, minimize as run_minimize
     from attndbg.minimize.target import REPLAY, parse_wanted
-    from attndbg.checks.findings import FindingClass
     from attndbg.report.minimize import render_outcome
     from attndbg.trace import io
 

@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from attndbg.checks.context import CheckOptions
 from attndbg.checks.run import check_one, parse_only, select_paths
+from attndbg.detector_api.context import CheckOptions
 
 
 def main() -> int:

@@ -14,8 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from attndbg.checks.context import CheckOptions
 from attndbg.checks.run import check_steps, parse_only
+from attndbg.detector_api.context import CheckOptions
 from attndbg.trace import io, synth
 
 DTYPES = ("bfloat16", "float16")

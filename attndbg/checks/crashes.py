@@ -9,7 +9,7 @@ from dataclasses import replace
 from enum import Enum
 from typing import TypeVar
 
-from attndbg.checks.findings import Finding, FindingClass, finding
+from attndbg.detector_api.findings import Finding, FindingClass, finding
 from attndbg.replay.activity import Launch
 
 

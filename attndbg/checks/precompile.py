@@ -41,8 +41,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from attndbg.backends import flashinfer_jit
-from attndbg.checks.context import CheckOptions
-from attndbg.checks.findings import FindingClass
+from attndbg.detector_api.context import CheckOptions
+from attndbg.detector_api.findings import FindingClass
 from attndbg.replay.runner import PREBUILT_VARIABLE
 from attndbg.trace import io
 from attndbg.trace.schema import Trace

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from attndbg import machine
-from attndbg.checks.context import CheckContext, CheckOptions
 from attndbg.checks.crashes import Recheck, crash_finding, with_crashes
-from attndbg.checks.findings import Finding, FindingClass
 from attndbg.checks.precompile import kernel_shape, precompile
+from attndbg.detector_api.context import CheckContext, CheckOptions
+from attndbg.detector_api.findings import Finding, FindingClass
 from attndbg.detectors import registry
 from attndbg.detectors.base import Detector
 from attndbg.replay import activity

@@ -33,10 +33,10 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from attndbg.checks.context import CheckOptions
 from attndbg.checks.crashes import Recheck, crash_finding, with_crashes
-from attndbg.checks.findings import Finding, FindingClass
 from attndbg.checks.run import StepReport, StepResult, check_one, step_of
+from attndbg.detector_api.context import CheckOptions
+from attndbg.detector_api.findings import Finding, FindingClass
 from attndbg.replay import activity
 
 # What a worker may write about the launch it is in (backend, what, an error's first line, detector).

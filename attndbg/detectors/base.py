@@ -14,11 +14,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from attndbg.checks.findings import Finding, FindingClass
+from attndbg.detector_api.findings import Finding, FindingClass
 from attndbg.profiling import phase, step_label
 
 if TYPE_CHECKING:
-    from attndbg.checks.context import CheckContext
+    from attndbg.detector_api.context import CheckContext
     from attndbg.trace.schema import Trace
 
 Injection = Callable[["Trace"], "Trace"]

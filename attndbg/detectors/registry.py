@@ -16,7 +16,7 @@ from functools import cache
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
-from attndbg.checks.findings import FindingClass
+from attndbg.detector_api.findings import FindingClass
 from attndbg.detectors.base import Detector, Injection, load_target
 from attndbg.detectors.catalog import injection_lines
 from attndbg.plugins import PluginVariable

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from attndbg.checks.context import CheckOptions
-from attndbg.checks.findings import FindingClass, finding
 from attndbg.checks.run import StepResult, check_one
+from attndbg.detector_api.context import CheckOptions
+from attndbg.detector_api.findings import FindingClass, finding
 from attndbg.minimize.target import REPLAY
 from attndbg.replay.runner import PlanSource, ReplayOptions, RunStatus, replay
 from attndbg.trace import io

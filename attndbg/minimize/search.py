@@ -24,10 +24,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from attndbg.checks.context import CheckOptions
-from attndbg.checks.findings import FindingClass
 from attndbg.checks.run import parse_only
 from attndbg.checks.workers import check_in_workers
+from attndbg.detector_api.context import CheckOptions
+from attndbg.detector_api.findings import FindingClass
 from attndbg.minimize import shrink
 from attndbg.minimize.probe import probe_one
 from attndbg.minimize.target import REPLAY, Failure, FailureKind, choose, failure_of, reproduces

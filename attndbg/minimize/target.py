@@ -21,7 +21,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from attndbg.checks.findings import Finding, FindingClass, Severity
+from attndbg.detector_api.findings import Finding, FindingClass, Severity
 
 # Not a detector: the minimiser's own check that the backend's replay passes the reference.
 REPLAY = FindingClass("replay")

@@ -13,8 +13,8 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from attndbg.checks.findings import Finding, FindingClass, Severity
 from attndbg.checks.run import StepReport
+from attndbg.detector_api.findings import Finding, FindingClass, Severity
 from attndbg.trace.errors import printable
 
 if TYPE_CHECKING:

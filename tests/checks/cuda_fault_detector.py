@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from attndbg.checks.findings import FindingClass
+from attndbg.detector_api.findings import FindingClass
 from attndbg.detectors.base import Detector
 from attndbg.replay import activity
 

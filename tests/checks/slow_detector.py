@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 
-from attndbg.checks.findings import FindingClass
+from attndbg.detector_api.findings import FindingClass
 from attndbg.detectors.base import Detector
 from attndbg.replay import activity
 

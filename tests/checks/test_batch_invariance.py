@@ -19,9 +19,9 @@ import torch
 
 from attndbg import machine
 from attndbg.backends.triton import TritonBackend
-from attndbg.checks.context import CheckContext, CheckOptions
-from attndbg.checks.findings import FindingClass
 from attndbg.checks.run import parse_only
+from attndbg.detector_api.context import CheckContext, CheckOptions
+from attndbg.detector_api.findings import FindingClass
 from attndbg.detectors import registry
 from attndbg.detectors.base import Detector
 from attndbg.detectors.batch_invariance import detect as batch_invariance

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from attndbg.checks.context import CheckOptions
 from attndbg.checks.run import StepSelection, check_steps, parse_only, select_paths
 from attndbg.checks.workers import check_in_workers
 from attndbg.cli import main
+from attndbg.detector_api.context import CheckOptions
 from attndbg.detectors import registry as detectors
 from attndbg.trace import io
 from tests.checks.crashing_worker import check_or_segfault, check_with_a_crashing_backend
@@ -91,7 +91,7 @@ def test_a_worker_that_dies_loses_only_its_step(tmp_path: Path) -> None:
 def test_a_backend_that_crashes_is_a_finding_and_the_step_is_checked_without_it(tmp_path: Path) -> None:
     """A worker killed inside a backend's launch: the step gets a backend-crash finding naming the
     backend, variant and signal, and is checked again in a fresh worker without that backend."""
-    from attndbg.checks.findings import FindingClass
+    from attndbg.detector_api.findings import FindingClass
 
     rec = _recording(tmp_path / "rec")
     paths = select_paths(rec)
@@ -204,8 +204,8 @@ def test_a_step_builds_its_data_and_reference_once(monkeypatch: pytest.MonkeyPat
 
 def test_findings_name_the_row_within_the_request(tmp_path: Path) -> None:
     """A finding at step row 7 of request 1 (whose rows start at 5) reads 'row 2 (step row 7)'."""
-    from attndbg.checks.findings import Finding, FindingClass, Location
     from attndbg.checks.run import _located
+    from attndbg.detector_api.findings import Finding, FindingClass, Location
 
     trace = make_trace("extend-prefix", "prefix_lens=0,9", "extend_lens=5,3", *SMALL)
     found = Finding(FindingClass.INVARIANT, "x", Location(step=0, request=1, row=7, head=0), "e", "c")

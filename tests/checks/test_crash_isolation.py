@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from attndbg.checks.context import CheckOptions
-from attndbg.checks.findings import FindingClass
 from attndbg.checks.run import StepReport, check_steps, parse_only
 from attndbg.cli import main
+from attndbg.detector_api.context import CheckOptions
+from attndbg.detector_api.findings import FindingClass
 from attndbg.detectors import registry as detectors
 from attndbg.replay import activity
 from tests.checks import cuda_fault_detector

@@ -18,13 +18,13 @@ from click.testing import CliRunner
 
 from attndbg.backends import triton as triton_backend
 from attndbg.backends.base import KernelError
-from attndbg.detectors.fill_value import detect as fill_value
-from attndbg.checks.context import CheckContext
-from attndbg.checks.findings import FindingClass, Severity
 from attndbg.cli import main
+from attndbg.detector_api.context import CheckContext
+from attndbg.detector_api.findings import FindingClass, Severity
+from attndbg.detectors.fill_value import detect as fill_value
+from attndbg.detectors.fill_value import injections as mutate
 from attndbg.replay.graph import default_capture_bs
 from attndbg.trace import io, synth
-from attndbg.detectors.fill_value import injections as mutate
 from attndbg.trace.schema import to_dict
 from attndbg.trace.validate import from_dict
 from tests.checks.shapes import SMALL, SWEEP_SHAPES

@@ -30,8 +30,8 @@ from attndbg.backends.mla import MLABackend, MLAOptions
 from attndbg.backends.options import BackendOptions
 from attndbg.backends.plan_view import PlanUnreadable
 from attndbg.backends.triton import TritonBackend
-from attndbg.checks.context import CheckContext
 from attndbg.cli import main
+from attndbg.detector_api.context import CheckContext
 from attndbg.detectors.invariants import detect as invariants
 from attndbg.detectors.invariants.plan_kv import unread_reason
 from attndbg.replay.runner import PlanSource, ReplayOptions, RunStatus, replay

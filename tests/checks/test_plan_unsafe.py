@@ -9,9 +9,9 @@ from dataclasses import replace
 
 from attndbg.backends.fa3 import FA3Backend
 from attndbg.backends.flashinfer import FlashInferBackend
+from attndbg.detector_api.context import CheckContext
 from attndbg.detectors.invariants import detect as invariants
 from attndbg.detectors.invariants.plan_kv import unread_reason
-from attndbg.checks.context import CheckContext
 from tests.factories import make_trace
 
 SMALL = ("heads=2:1", "head_dim=32")

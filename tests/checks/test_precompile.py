@@ -11,10 +11,10 @@ import pytest
 from click.testing import CliRunner
 
 from attndbg.backends import flashinfer_jit
-from attndbg.checks.context import CheckOptions
 from attndbg.checks.precompile import kernel_shape, precompile, representatives
 from attndbg.checks.run import parse_only
 from attndbg.cli import main
+from attndbg.detector_api.context import CheckOptions
 from attndbg.trace import io
 from tests.factories import make_trace
 

@@ -16,12 +16,12 @@ import torch
 
 from attndbg import machine, numerics
 from attndbg.backends.base import AttentionResult
+from attndbg.detector_api.context import CheckContext, CheckOptions
+from attndbg.detector_api.findings import FindingClass
 from attndbg.detectors.split_merge import counts, gpu, recorded, stage2
 from attndbg.detectors.split_merge import detect as split_merge
-from attndbg.checks.context import CheckContext, CheckOptions
-from attndbg.checks.findings import FindingClass
-from attndbg.trace import synth
 from attndbg.detectors.split_merge import injections as mutate
+from attndbg.trace import synth
 from attndbg.trace.schema import LseBase, to_dict
 from attndbg.trace.validate import from_dict
 from tests.checks.shapes import SMALL, SWEEP_SHAPES

@@ -16,7 +16,7 @@ from tests.cli.helpers import invoke, one_line_error
 # The whole toy detector: its Detector, its check and its one injection, as a third party writes them.
 TOY_PACKAGE = {
     "__init__.py": '''
-from attndbg.checks.findings import FindingClass
+from attndbg.detector_api.findings import FindingClass
 from attndbg.detectors.base import Detector
 
 DETECTOR = Detector(
@@ -27,7 +27,7 @@ DETECTOR = Detector(
 )
 ''',
     "detect.py": '''
-from attndbg.checks.findings import FindingClass, finding
+from attndbg.detector_api.findings import FindingClass, finding
 
 
 def detect(ctx):
@@ -120,8 +120,8 @@ def test_the_toy_runs_beside_the_built_in_detectors(toy: None, tmp_path: Path) -
 def test_the_toy_is_found_by_checks_worker_processes(toy: None, tmp_path: Path) -> None:
     """On a GPU machine check runs each step in a spawned worker (a crash boundary): the toy,
     registered either way, must be found there too, not only in the parent process."""
-    from attndbg.checks.context import CheckOptions
     from attndbg.checks.run import check_steps, parse_only
+    from attndbg.detector_api.context import CheckOptions
 
     bad = tmp_path / "bad.pt"
     assert invoke("synth", "decode-gqa", "kv_lens=3,20", "--inject", "toy:negative-position", "-o", str(bad)).exit_code == 0

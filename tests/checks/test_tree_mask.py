@@ -12,17 +12,17 @@ from click.testing import CliRunner
 
 from attndbg.backends import registry
 from attndbg.backends.base import Padding
-from attndbg.trace.visibility import visibility
 from attndbg.backends.triton import TritonBackend
-from attndbg.detectors.tree_mask import detect as tree_mask
-from attndbg.checks.context import CheckContext, CheckOptions
-from attndbg.checks.findings import FindingClass
 from attndbg.cli import main
+from attndbg.detector_api.context import CheckContext, CheckOptions
+from attndbg.detector_api.findings import FindingClass
+from attndbg.detectors.tree_mask import detect as tree_mask
+from attndbg.detectors.tree_mask import injections as inject
 from attndbg.replay.runner import PlanSource
 from attndbg.trace import synth, tree
-from attndbg.detectors.tree_mask import injections as inject
 from attndbg.trace.schema import MaskLayout, Plan, Trace, to_dict
 from attndbg.trace.validate import from_dict
+from attndbg.trace.visibility import visibility
 
 PLAN_BACKENDS = ("triton", "flashinfer", "fa3", "mla")
 LAYOUTS = ("full", "qlen_only", "qlen_only_bitpacked")

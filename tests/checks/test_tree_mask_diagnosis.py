@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from attndbg import machine
-from attndbg.checks.context import CheckContext, CheckOptions
+from attndbg.detector_api.context import CheckContext, CheckOptions
 from attndbg.detectors.tree_mask.detect import detect
 from tests.factories import make_trace
 

@@ -14,7 +14,7 @@ from attndbg.backends.flashinfer import ExtendPath
 from attndbg.backends.mla import MLAImpl
 from attndbg.backends.options import BackendOptions, parse
 from attndbg.backends.triton import TritonOptions
-from attndbg.checks.context import CheckContext, CheckOptions
+from attndbg.detector_api.context import CheckContext, CheckOptions
 from attndbg.replay import runner
 from attndbg.replay.runner import ReplayOptions
 from tests.cli.helpers import invoke, one_line_error

@@ -20,11 +20,11 @@ from torch import Tensor
 from attndbg import machine
 from attndbg.backends import registry
 from attndbg.backends.base import AttentionInputs
+from attndbg.detector_api.context import CheckContext
+from attndbg.detectors.split_merge import injections as mutate
 from attndbg.detectors.split_merge.recorded import recorded_tensors
-from attndbg.checks.context import CheckContext
 from attndbg.diagnose import MODELS, diagnose
 from attndbg.replay.step_data import StepData
-from attndbg.detectors.split_merge import injections as mutate
 from attndbg.trace.schema import Trace
 from attndbg.trace.visibility import visibility
 from tests.checks.shapes import SMALL

@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 from click.testing import CliRunner
 
-from attndbg.checks.context import CheckContext
-from attndbg.checks.findings import Severity
 from attndbg.cli import main
-from attndbg.detectors.exposure.detect import detect
+from attndbg.detector_api.context import CheckContext
+from attndbg.detector_api.findings import Severity
 from attndbg.detectors import registry
+from attndbg.detectors.exposure.detect import detect
 from attndbg.trace import io
 from tests.checks.shapes import SMALL
 from tests.diagnose.test_diagnose import DECODE

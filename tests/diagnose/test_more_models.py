@@ -11,12 +11,12 @@ import torch
 from torch import Tensor
 
 from attndbg.backends import registry
+from attndbg.detector_api.context import CheckContext
 from attndbg.detectors.split_merge.recorded import recorded_tensors
-from attndbg.checks.context import CheckContext
 from attndbg.diagnose.mask_models import _tree_rows
+from attndbg.trace import tree
 from attndbg.trace.mask_geometry import pack_bits, unpack_bits, reverse_bits, word_bits, word_dtype
 from attndbg.trace.schema import Trace
-from attndbg.trace import tree
 from tests.checks.shapes import SMALL
 from tests.diagnose.test_diagnose import DECODE, EXTEND, VERIFY, attributed, decode_kernels, engine_said, inputs_of, masked_engine, recorded, split_engine, triton_on, with_rows
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attndbg.checks.findings import FindingClass
+from attndbg.detector_api.findings import FindingClass
 from attndbg.detectors.base import Detector
 from attndbg.replay import activity
 

@@ -21,14 +21,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not module_available("flashinf
 _CHILD = r"""
 import json, sys
 from attndbg.backends import flashinfer_jit
-from attndbg.checks.context import CheckOptions
 from attndbg.checks.run import check_one, parse_only
+from attndbg.detector_api.context import CheckOptions
 path = sys.argv[1]
 only = parse_only("invariants")
 options = CheckOptions(backends=("flashinfer",))
 with flashinfer_jit.watching_modules() as first:
     cold = check_one(path, only, options).report
-flashinfer_jit.build(list(first.unbuilt.values()))
+flashinfer_jit.build(flashinfer_jit.build_files(first))
 with flashinfer_jit.watching_modules() as second:
     warm = check_one(path, only, options).report
 print(json.dumps({
@@ -54,3 +54,24 @@ def test_a_missing_module_is_noted_then_built_and_used(tmp_path: Path) -> None:
     assert got["compiled"] and got["unbuilt_after"] == []
     assert set(got["noted"]) <= set(got["used_after"])
     assert got["warm_backends"] == ["flashinfer"] and got["warm_findings"] == []
+
+
+def test_compile_command_then_check_compiles_nothing(tmp_path: Path) -> None:
+    """`attndbg compile` on a fresh cache, looking in workers, then `check` of the same steps: the
+    check's log has no FlashInfer build, and a second `compile` has nothing to do."""
+    from attndbg.trace import io, synth
+
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    for i, words in enumerate([["decode-gqa", "kv_lens=33,70"], ["extend-prefix", "prefix_lens=0,40", "extend_lens=20,9"], ["verify", "prefix_lens=20,33"]]):
+        io.save(synth.build(synth.parse_spec([*words, "heads=8:2", "head_dim=128"])), rec / f"step_{i:03d}.pt")
+    env = {**os.environ, "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "fi")}
+    run = lambda *args: subprocess.run([sys.executable, "-m", "attndbg", *args], env=env, capture_output=True, text=True, timeout=1200)  # noqa: E731
+    first = run("compile", str(rec), "--backend", "flashinfer,fa3")
+    assert first.returncode == 0, first.stdout + first.stderr[-3000:]
+    assert "compile phase done" in first.stderr and "modules compiled for" in first.stdout
+    check = run("check", str(rec), "--backend", "flashinfer,fa3", "--jobs", "2")
+    assert check.returncode == 0, check.stdout + check.stderr[-3000:]
+    assert "Building JIT module" not in check.stderr
+    again = run("compile", str(rec), "--backend", "flashinfer,fa3")
+    assert again.returncode == 0 and "nothing to compile" in again.stdout

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from attndbg.checks.findings import FindingClass, finding
+from attndbg.detector_api.findings import FindingClass, finding
 from attndbg.detectors.base import Detector
 from attndbg.replay import activity
 

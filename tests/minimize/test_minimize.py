@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from attndbg.checks.context import CheckOptions
-from attndbg.checks.findings import FindingClass
 from attndbg.checks.run import check_one
 from attndbg.cli import main
+from attndbg.detector_api.context import CheckOptions
+from attndbg.detector_api.findings import FindingClass
 from attndbg.detectors import registry
 from attndbg.minimize import shrink
 from attndbg.minimize.search import MinimizeOptions, NothingToKeep, minimize

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from attndbg.checks.context import CheckOptions
 from attndbg.checks.run import check_steps, parse_only
+from attndbg.detector_api.context import CheckOptions
 from attndbg.record.build import source
 from attndbg.record.sglang.model import model_from_layer
 from attndbg.replay.runner import PlanSource, ReplayOptions, RunStatus, replay

@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from tests.record import sglang_env as env  # skips this file without SGLang
-from attndbg.checks.context import CheckOptions
 from attndbg.checks.run import check_steps, parse_only
+from attndbg.detector_api.context import CheckOptions
 from attndbg.record.build import source
 from attndbg.record.sglang.batch import batch_from_forward_batch
 from attndbg.record.sglang.model import model_from_layer

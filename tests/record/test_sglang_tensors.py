@@ -27,14 +27,14 @@ from tests.record.engines import import_engine
 runner_module = env.load_model_runner()
 forward_context = import_engine("sglang.srt.model_executor.forward_context")
 
-from attndbg.checks.context import CheckContext, CheckOptions  # noqa: E402
+from attndbg.detector_api.context import CheckContext, CheckOptions  # noqa: E402
 from attndbg.detectors.split_merge.recorded import recorded_tensors  # noqa: E402
 from attndbg.record import hooks  # noqa: E402
 from attndbg.record import session as session_module  # noqa: E402
-from attndbg.record.sglang import adapter  # noqa: E402
-from attndbg.record.sglang import layers as sglang_layers  # noqa: E402
 from attndbg.record.options import RecordOptions  # noqa: E402
 from attndbg.record.session import end_session, start_session  # noqa: E402
+from attndbg.record.sglang import adapter  # noqa: E402
+from attndbg.record.sglang import layers as sglang_layers  # noqa: E402
 from attndbg.trace import io  # noqa: E402
 from attndbg.trace.schema import LseBase  # noqa: E402
 from tests.record.sglang_steps import assert_checks_clean, decode_batch  # noqa: E402

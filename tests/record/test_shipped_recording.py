@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from attndbg.checks.context import CheckContext, CheckOptions
 from attndbg.checks.run import check_steps, parse_only
+from attndbg.detector_api.context import CheckContext, CheckOptions
 from attndbg.detectors.split_merge.recorded import recorded_tensors
 from attndbg.trace import io
 from tests.record.corruptions import foreign_first_key

@@ -20,12 +20,12 @@ from tests.record.engines import import_engine
 
 import_engine("transformers.generation.continuous_batching")
 
-from attndbg.checks.context import CheckContext, CheckOptions  # noqa: E402
 from attndbg.checks.run import check_steps, parse_only  # noqa: E402
+from attndbg.detector_api.context import CheckContext, CheckOptions  # noqa: E402
 from attndbg.detectors.split_merge.recorded import recorded_tensors  # noqa: E402
-from attndbg.record.transformers import adapter as transformers_cb  # noqa: E402
 from attndbg.record.options import RecordOptions  # noqa: E402
 from attndbg.record.session import end_session, start_session  # noqa: E402
+from attndbg.record.transformers import adapter as transformers_cb  # noqa: E402
 from attndbg.replay.runner import ReplayOptions, replay  # noqa: E402
 from attndbg.trace import io  # noqa: E402
 from tests.record import transformers_generate as live  # noqa: E402

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from attndbg.checks.context import CheckContext
+from attndbg.detector_api.context import CheckContext
 from attndbg.detectors import registry
 from attndbg.record.session import RecordingSession
 from attndbg.trace.schema import Trace

@@ -29,14 +29,14 @@ from tests.record.engines import import_engine
 triton_attn = import_engine("vllm.v1.attention.backends.triton_attn")
 kv_cache_interface = import_engine("vllm.v1.kv_cache_interface")
 
-from attndbg.checks.context import CheckContext, CheckOptions  # noqa: E402
 from attndbg.checks.run import check_steps, parse_only  # noqa: E402
+from attndbg.detector_api.context import CheckContext, CheckOptions  # noqa: E402
 from attndbg.detectors.split_merge.recorded import recorded_tensors  # noqa: E402
 from attndbg.record import hooks  # noqa: E402
-from attndbg.record.vllm import adapter  # noqa: E402
-from attndbg.record.vllm import tensors as vllm_tensors  # noqa: E402
 from attndbg.record.options import RecordOptions  # noqa: E402
 from attndbg.record.session import RecordingSession, end_session, start_session  # noqa: E402
+from attndbg.record.vllm import adapter  # noqa: E402
+from attndbg.record.vllm import tensors as vllm_tensors  # noqa: E402
 from attndbg.trace import io  # noqa: E402
 from attndbg.trace.schema import ForwardMode, Trace  # noqa: E402
 from tests.record import vllm_triton_steps as child  # noqa: E402

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from attndbg.checks.context import CheckOptions
 from attndbg.checks.run import check_steps, parse_only
+from attndbg.detector_api.context import CheckOptions
 from attndbg.record.build import source
 from attndbg.record.vllm.convert import Converted
 from attndbg.replay.runner import RunStatus, replay

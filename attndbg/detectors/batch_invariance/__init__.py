@@ -4,7 +4,7 @@ Opt-in: it replays every request alone and the batch's two halves, bs + 3 launch
 so `check` runs it only when named (`--only batch-invariance`).
 """
 
-from attndbg.checks.findings import FindingClass
+from attndbg.detector_api.findings import FindingClass
 from attndbg.detectors.base import Detector
 
 DETECTOR = Detector(

@@ -35,8 +35,8 @@ import torch
 from torch import Tensor
 
 from attndbg import machine
-from attndbg.checks.context import CheckContext
-from attndbg.checks.findings import Finding, FindingClass, finding
+from attndbg.detector_api.context import CheckContext
+from attndbg.detector_api.findings import Finding, FindingClass, finding
 from attndbg.replay import graph as graph_replay
 from attndbg.replay.runner import BackendRun, ReplayOptions, RunStatus, replay
 from attndbg.replay.step_data import StepData

@@ -5,7 +5,7 @@ named (`--only exposure`). Its findings are not bugs the engine made: each says 
 there and how far the output would move if the engine made the mistake.
 """
 
-from attndbg.checks.findings import FindingClass
+from attndbg.detector_api.findings import FindingClass
 from attndbg.detectors.base import Detector
 
 DETECTOR = Detector(

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from attndbg.checks.context import CheckContext
-from attndbg.checks.findings import Finding, FindingClass, Location, Severity
+from attndbg.detector_api.context import CheckContext
+from attndbg.detector_api.findings import Finding, FindingClass, Location, Severity
 from attndbg.diagnose.exposure import exposures
 
 KIND = FindingClass.EXPOSURE

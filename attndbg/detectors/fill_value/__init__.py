@@ -1,6 +1,6 @@
 """fill-value: how a batch was padded for a CUDA graph, and what the padding does (detect.py)."""
 
-from attndbg.checks.findings import FindingClass
+from attndbg.detector_api.findings import FindingClass
 from attndbg.detectors.base import Detector
 
 DETECTOR = Detector(

@@ -25,7 +25,7 @@ outside any plausible request pool is a defect when it is read (padded seq_len >
 req_to_token is read out of bounds. A step that records no padded req_pool_indices (None: the
 engine has no request pool) has none of these judged: nothing stands in for them.
 
-Severity (checks/findings.py `Severity`): padded rows are independent of real ones in every
+Severity (detector_api/findings.py `Severity`): padded rows are independent of real ones in every
 attention kernel here, so what only the padded rows get wrong is a hazard: a padded seq_len the
 kernel cannot take (0 for FlashInfer: NaN padded rows, FlashInfer #2883; vLLM pads with 0 by its
 own convention), stale padded seq_lens, row ids and positions nothing reads, NaN/Inf in padded
@@ -45,8 +45,8 @@ from attndbg import machine
 from attndbg.backends import engine_names, registry
 from attndbg.backends.base import FillRequirement
 from attndbg.backends.plan_view import USUAL_OFFSETS, Offsets, PlanViewError
-from attndbg.checks.context import CheckContext
-from attndbg.checks.findings import Finding, FindingClass, Severity, finding
+from attndbg.detector_api.context import CheckContext
+from attndbg.detector_api.findings import Finding, FindingClass, Severity, finding
 from attndbg.replay import graph as graph_replay
 from attndbg.replay.runner import BackendRun, ReplayOptions, RunStatus
 from attndbg.replay.variants import Eager, Graph

@@ -1,6 +1,6 @@
 """invariants: the batch's bookkeeping and the recorded plan, checked against the batch (detect.py)."""
 
-from attndbg.checks.findings import FindingClass
+from attndbg.detector_api.findings import FindingClass
 from attndbg.detectors.base import Detector
 
 DETECTOR = Detector(

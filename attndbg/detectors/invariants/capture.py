@@ -28,7 +28,7 @@ from torch import Tensor
 
 from attndbg.backends import plan_view as pv
 from attndbg.backends.plan_view import PlanViewError
-from attndbg.checks.findings import Finding, finding
+from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND, _first
 from attndbg.trace.mask_geometry import mask_length
 from attndbg.trace.schema import CaptureSizes, ForwardMode, Trace

@@ -61,14 +61,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attndbg.checks.context import CheckContext
-from attndbg.checks.findings import Finding, finding
+from attndbg.detector_api.context import CheckContext
+from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND
 from attndbg.detectors.invariants.batch import _check_positions, _check_seq_lens
 from attndbg.detectors.invariants.capture import check_capture
 from attndbg.detectors.invariants.plan import _check_plan
-from attndbg.detectors.invariants.window import check_window_list
 from attndbg.detectors.invariants.vllm import check_vllm
+from attndbg.detectors.invariants.window import check_window_list
 from attndbg.trace.schema import Trace
 
 

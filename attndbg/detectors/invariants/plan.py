@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from attndbg.backends.plan_layout import KvEnd, expected_dims, is_index
-from attndbg.checks.findings import Finding, finding
+from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND, _first
 from attndbg.detectors.invariants.capture import captured_split_limit
 from attndbg.detectors.invariants.indptr import _indptr_ends, _indptr_shape, _is_indptr

@@ -13,7 +13,7 @@ from torch import Tensor
 from attndbg.backends import registry
 from attndbg.backends.plan_layout import KvEnd, KvIds, PlanLayout
 from attndbg.backends.plan_view import PlanUnreadable, PlanViewError
-from attndbg.checks.findings import Finding, finding
+from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND
 from attndbg.detectors.invariants.indptr import _indptr_shape, _is_indptr
 from attndbg.trace.schema import ForwardMode, Plan, Trace

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attndbg.checks.findings import Finding, finding
+from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND, _first
 from attndbg.trace.schema import Trace
 

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from attndbg.backends.plan_layout import WindowList
-from attndbg.checks.findings import Finding, finding
+from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND, _first
 from attndbg.detectors.invariants.plan_kv import plan_layout
 from attndbg.trace.schema import ForwardMode, Trace

@@ -1,6 +1,6 @@
 """split-merge: partial attention states (KV splits, cascade parts) and their merge (detect.py)."""
 
-from attndbg.checks.findings import FindingClass
+from attndbg.detector_api.findings import FindingClass
 from attndbg.detectors.base import Detector
 
 DETECTOR = Detector(

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from attndbg.backends import engine_names
-from attndbg.checks.context import CheckContext
-from attndbg.checks.findings import FindingClass, Location
+from attndbg.detector_api.context import CheckContext
+from attndbg.detector_api.findings import FindingClass, Location
 from attndbg.trace.schema import ForwardMode, Trace
 
 KIND = FindingClass.SPLIT_MERGE

@@ -32,8 +32,8 @@ partition size inside the kernel, which ours (like SGLang's) does not have.
 
 from __future__ import annotations
 
-from attndbg.checks.context import CheckContext
-from attndbg.checks.findings import Finding
+from attndbg.detector_api.context import CheckContext
+from attndbg.detector_api.findings import Finding
 from attndbg.detectors.split_merge.counts import split_counts
 from attndbg.detectors.split_merge.gpu import cascade_vs_single_pass, flashinfer_merge_state, merge_in_capture
 from attndbg.detectors.split_merge.recorded import recorded_tensors

@@ -13,8 +13,8 @@ from attndbg import machine
 from attndbg.backends.base import AttentionResult, KernelError
 # FlashInfer's cascade is what this module runs (its module imports FlashInfer only when a kernel runs).
 from attndbg.backends.flashinfer import FlashInferBackend
-from attndbg.checks.context import CheckContext
-from attndbg.checks.findings import Finding
+from attndbg.detector_api.context import CheckContext
+from attndbg.detector_api.findings import Finding
 from attndbg.detectors.split_merge.base import KIND, _location, merge_path
 from attndbg.replay import activity
 from attndbg.replay.runner import ReplayOptions, RunStatus

@@ -10,12 +10,12 @@ import torch
 
 from attndbg import machine
 from attndbg.backends.triton import TritonBackend
-from attndbg.checks.context import CheckContext
-from attndbg.checks.findings import Finding
+from attndbg.detector_api.context import CheckContext
+from attndbg.detector_api.findings import Finding
 from attndbg.detectors.split_merge.base import KIND, _location
+from attndbg.detectors.split_merge.counts import split_configs
 from attndbg.numerics import MIN_BLOCK_KV, empty_splits
 from attndbg.replay import activity
-from attndbg.detectors.split_merge.counts import split_configs
 from attndbg.trace.schema import ForwardMode
 
 

@@ -6,7 +6,7 @@ through exp_sums/max_logits) run on the step through the runner, as the `vllm_pa
 from __future__ import annotations
 
 from attndbg.backends.vllm_paged import VllmPagedBackend
-from attndbg.checks.context import CheckContext
+from attndbg.detector_api.context import CheckContext
 from attndbg.replay import runner
 from attndbg.replay.runner import ReplayOptions, RunStatus
 from attndbg.trace.schema import Trace

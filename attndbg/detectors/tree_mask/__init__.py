@@ -1,6 +1,6 @@
 """tree-mask: speculative-verify masks against the draft tree, and verify outputs (detect.py)."""
 
-from attndbg.checks.findings import FindingClass
+from attndbg.detector_api.findings import FindingClass
 from attndbg.detectors.base import Detector
 
 DETECTOR = Detector(

@@ -55,11 +55,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attndbg.checks.context import CheckContext
-from attndbg.checks.findings import Finding, finding
+from attndbg.detector_api.context import CheckContext
+from attndbg.detector_api.findings import Finding, finding
+from attndbg.detectors.invariants.plan_kv import plan_layout
 from attndbg.detectors.tree_mask.base import KIND
 from attndbg.detectors.tree_mask.outputs import _output_findings
-from attndbg.detectors.invariants.plan_kv import plan_layout
 from attndbg.detectors.tree_mask.plan import plan_view
 from attndbg.detectors.tree_mask.spec import _check_spec
 from attndbg.trace.schema import Plan, Trace

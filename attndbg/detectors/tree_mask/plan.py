@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attndbg.checks.findings import Finding, finding
 from attndbg.backends.plan_layout import ExpandTables, MaskReading, PackedMask, PlanLayout, WindowList
+from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.invariants.plan_kv import kv_coverage, plan_layout
 from attndbg.detectors.tree_mask.base import KIND, _as_bool, _describe_column, _mismatch_cause, _tree_block
 from attndbg.trace.mask_geometry import MaskGeometry

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attndbg.checks.findings import Finding, finding
+from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.tree_mask.base import KIND, _as_bool, _describe_column, _mismatch_cause, _tree_block
 from attndbg.trace import tree
 from attndbg.trace.mask_geometry import MaskElement, MaskGeometry, full_prefix_sum, reverse_bits, unpack_bits, word_bits, word_dtype
