@@ -5,10 +5,12 @@
   mistake models look for exactly these factors).
 - Merging normalised partial states by their LSEs (split-KV stage 2, cascade / two-call merges,
   the mistake models' replays of a wrong merge), with one rule for empty states.
-- The split rule of the split-KV decode kernel: how long each split is, how many get no KV.
 
-The float64 reference itself is `attndbg.backends.reference` (it shares gather/mask tables with
-the low-precision reference); the tolerance a comparison allows is `attndbg.compare.tolerance`.
+The split rule of the split-KV decode kernel (how long each split is, how many get no KV) is the
+kernel's own, `attndbg.backends.triton_kernels.split_rule`: the adapters import this module, so it
+imports nothing of theirs. The float64 reference itself is `attndbg.backends.reference` (it shares
+gather/mask tables with the low-precision reference); the tolerance a comparison allows is
+`attndbg.compare.tolerance`.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ import math
 
 import torch
 from torch import Tensor
-
-from attndbg.backends.triton_kernels.split_rule import MIN_BLOCK_KV
 
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
@@ -42,16 +42,3 @@ def merge_states(outputs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     output = weighted.sum(0) / total.clamp_min(torch.finfo(total.dtype).tiny)[..., None]
     return output, top + torch.log(total)
 
-
-def split_length(length: int, splits: int) -> int:
-    """Tokens per split, the kernel's rule: cdiv(cdiv(length, splits), MIN_BLOCK_KV) * MIN_BLOCK_KV."""
-    if splits <= 0:
-        return 0
-    chunk = -(-length // splits)
-    return -(-chunk // MIN_BLOCK_KV) * MIN_BLOCK_KV
-
-
-def empty_splits(length: int, splits: int) -> int:
-    """Splits of a request that get no KV under that rule."""
-    per_split = split_length(length, splits)
-    return splits - (-(-length // per_split) if per_split else 0) if splits > 0 else 0

@@ -16,6 +16,7 @@ import torch
 
 from attndbg import machine, numerics
 from attndbg.backends.base import AttentionResult
+from attndbg.backends.triton_kernels import split_rule
 from attndbg.detector_api.context import CheckContext, CheckOptions
 from attndbg.detector_api.findings import FindingClass
 from attndbg.detectors.split_merge import counts, gpu, recorded, stage2
@@ -77,7 +78,7 @@ def torch_stage2(*, skip_empty: bool = True, exp=torch.exp, keep: int | None = N
         for b in range(o.shape[0]):
             n = int(kv_indptr[b + 1] - kv_indptr[b])
             s = min(int(num_kv_splits[b]), max_kv_splits)
-            per = numerics.split_length(n, s)
+            per = split_rule.split_length(n, s)
             states = [i for i in range(s) if not skip_empty or (per and i * per < n)]
             if skip_neg_inf:
                 states = [i for i in range(s) if not bool(torch.isneginf(attn_lse[b, 0, i]))]
@@ -119,7 +120,7 @@ def test_broken_merge_is_found_by_split_count(monkeypatch: pytest.MonkeyPatch, b
         assert h.location.row == b and h.location.head is not None
         assert f"kv {lengths[b]}" in h.evidence and "(1 split passes)" in h.evidence
         if bug == "merges-empty-splits":
-            assert numerics.empty_splits(lengths[b], h.data["splits"][b]) > 0 and "#4051" in h.cause
+            assert split_rule.empty_splits(lengths[b], h.data["splits"][b]) > 0 and "#4051" in h.cause
         else:
             assert "merged wrongly" in h.cause
     if bug == "first-two-splits-only":
@@ -135,7 +136,7 @@ def test_vllm_v2_partitions_are_one_more_configuration(monkeypatch: pytest.Monke
     v2 = [c for c in configs if c.vllm_v2]
     assert len(v2) == 1 and v2[0].splits == (1, 3) and lengths == [1, 1100]
     # Our kernels split 1100 tokens into 3 x cdiv(367, 32) * 32 = 384-token splits, not 512.
-    assert numerics.split_length(1100, 3) == 384 and numerics.split_length(1000, 2) == 512
+    assert split_rule.split_length(1100, 3) == 384 and split_rule.split_length(1000, 2) == 512
     monkeypatch.setattr(decode_kernels, "decode_stage2", torch_stage2(keep=2))
     labels = [f.evidence.split(":")[0] for f in only(detect(trace), "split-count-fails-reference")]
     assert any(label.startswith("vLLM PagedAttention v2") for label in labels)
@@ -261,7 +262,7 @@ def test_noisy_lse_and_output_are_mismatches_not_base_confusion() -> None:
 def test_nan_rows_of_requests_with_empty_splits(spec, with_plan: bool) -> None:
     trace = from_dict(to_dict(mutate.nan_empty_split(make_trace(*spec, plan=with_plan))))
     lengths, splits, _ = recorded.engine_splits(trace)
-    victims = [b for b, (n, s) in enumerate(zip(lengths, splits)) if numerics.empty_splits(n, s)]
+    victims = [b for b, (n, s) in enumerate(zip(lengths, splits)) if split_rule.empty_splits(n, s)]
     f = only(recorded_only(trace), "empty-split-nan")[0]
     assert f.location.request == victims[0] and f.location.row == victims[0]
     assert f.data["requests"] == victims and "#4051" in f.cause

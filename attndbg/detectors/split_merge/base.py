@@ -1,5 +1,6 @@
 """Shared vocabulary of the split-merge detector: which path of a step merges partial states
-(merge_path), and the location helpers. The split rule and LSE bases are attndbg.numerics'.
+(merge_path), and the location helpers. The LSE bases are attndbg.numerics', the split rule the
+kernel's (backends/triton_kernels/split_rule.py).
 """
 
 from __future__ import annotations

@@ -15,13 +15,13 @@ from torch import Tensor
 # drives them by their class, the one backend whose splits it can set.
 from attndbg.backends.options import BackendOptions
 from attndbg.backends.triton import DEFAULT_MAX_KV_SPLITS, TritonBackend, TritonOptions
+from attndbg.backends.triton_kernels.split_rule import MIN_BLOCK_KV, empty_splits
 from attndbg.backends.vllm_paged import PARTITION_TOKENS as V2_PARTITION_TOKENS
 from attndbg.compare.tolerance import Comparison
 from attndbg.detector_api.context import CheckContext
 from attndbg.detector_api.findings import Finding
 from attndbg.detectors.split_merge.base import KIND, _location, _request_of
 from attndbg.detectors.split_merge.vllm import _vllm_v2_available, _vllm_v2_run
-from attndbg.numerics import MIN_BLOCK_KV, empty_splits
 from attndbg.replay import runner
 from attndbg.replay.runner import PlanSource, ReplayOptions, RunStatus
 from attndbg.trace.schema import ForwardMode, Trace

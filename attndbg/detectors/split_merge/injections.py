@@ -3,8 +3,8 @@
 The engine's tensors of one layer (`Trace.tensors`) are what these mutate. When the trace has none,
 layer 0's are made here: q, K/V rows and this step's K/V drawn from the trace's seed. The output
 and LSE a correct engine would record, and the partial states a wrong merge combines, come from
-the float64 reference (backends/reference.py) over those tensors; merges and the split rule are
-attndbg.numerics'.
+the float64 reference (backends/reference.py) over those tensors; merges are attndbg.numerics', the split rule the
+kernel's (backends/triton_kernels/split_rule.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from attndbg.backends.flashinfer import SGLANG_NAME as SGLANG_FLASHINFER
 from attndbg.backends.flashinfer import FlashInferBackend
 from attndbg.backends import reference
 from attndbg.backends.base import AttentionInputs
-from attndbg.numerics import LN2, LOG2E, empty_splits, merge_states
+from attndbg.backends.triton_kernels.split_rule import empty_splits
+from attndbg.numerics import LN2, LOG2E, merge_states
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, LayerTensors, LseBase, Trace
 
 LAYER = 0

@@ -10,11 +10,11 @@ import torch
 
 from attndbg import machine
 from attndbg.backends.triton import TritonBackend
+from attndbg.backends.triton_kernels.split_rule import MIN_BLOCK_KV, empty_splits
 from attndbg.detector_api.context import CheckContext
 from attndbg.detector_api.findings import Finding
 from attndbg.detectors.split_merge.base import KIND, _location
 from attndbg.detectors.split_merge.counts import split_configs
-from attndbg.numerics import MIN_BLOCK_KV, empty_splits
 from attndbg.replay import activity
 from attndbg.trace.schema import ForwardMode
 
