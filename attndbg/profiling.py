@@ -2,14 +2,17 @@
 
 nvtx is a dependency; its ranges cost next to nothing when no profiler is attached. The phases
 open now are also kept (`current()`), so a spinner can say what runs: the detector, the backend,
-its variant.
+its variant. An observer (`observe`: `--timeline`'s CUPTI collector) is told of each phase as it
+opens and closes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import nvtx
 
@@ -17,8 +20,38 @@ if TYPE_CHECKING:  # a type only: --help and synth --list must not import torch 
     from attndbg.trace.schema import Trace
 
 DOMAIN = "attndbg"
+PREFIX = "attndbg/"  # every range's message starts with it
+# Set by `--timeline` for the worker processes a check spawns: a directory where each worker writes
+# its own CUPTI records (CUPTI is per process), which the parent merges.
+TIMELINE_VARIABLE = "ATTNDBG_TIMELINE_DIR"
+
+
+class Observer(Protocol):
+    def push(self, message: str) -> None: ...
+    def pop(self) -> None: ...
+
 
 _open: list[str] = []  # the messages of the phases open in this process, outermost first
+_observer: Observer | None = None
+_environment_read = False
+
+
+def observe(observer: Observer | None) -> None:
+    """Tell `observer` of every phase from now on (None: no one)."""
+    global _observer
+    _observer = observer
+
+
+def _observe_from_environment() -> None:
+    """In a check worker (a spawned process the CLI never ran in), start the timeline's collection
+    when the parent asked for one. Here, because CUPTI must be set up before the process's first
+    NVTX call, and the first phase makes it; imported by name, so this module imports nothing of
+    the timeline (nor cupti) unless asked."""
+    global _environment_read
+    _environment_read = True
+    directory = os.environ.get(TIMELINE_VARIABLE)
+    if directory:
+        importlib.import_module("attndbg.timeline.worker").attach(directory)
 
 
 def step_label(trace: Trace) -> str:
@@ -27,12 +60,19 @@ def step_label(trace: Trace) -> str:
 
 @contextlib.contextmanager
 def phase(name: str, detail: str = "") -> Iterator[None]:
-    message = f"attndbg/{name}" + (f" {detail}" if detail else "")
+    message = f"{PREFIX}{name}" + (f" {detail}" if detail else "")
+    if _observer is None and not _environment_read:
+        _observe_from_environment()
+    observer = _observer
     _open.append(message)
+    if observer is not None:
+        observer.push(message)
     try:
         with nvtx.annotate(message=message, domain=DOMAIN):
             yield
     finally:
+        if observer is not None:
+            observer.pop()
         _open.pop()
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from attndbg.backends.base import AttentionInputs, AttentionResult, Backend, GraphCapacity, Padding
+from attndbg.profiling import phase, step_label
 from attndbg.trace.schema import ForwardMode, Plan, Trace
 
 # SGLang's default capture sizes without speculative decoding (cuda_graph_runner.py), and with it.
@@ -239,25 +240,34 @@ def graph_replay(
 
     `inputs` are the eager inputs on the backend's device (cache after this step's writes).
     """
+    # Each part is an NVTX range of its own (inside the caller's, which names backend and variant),
+    # so a timeline shows one cudaGraphLaunch per replay range and the launches captured in `capture`.
+    label = step_label(trace)
     decoy_trace = decoy(trace)
-    real_plan = backend.derive_plan(trace, padding)
-    decoy_plan = backend.derive_plan(decoy_trace, padding)
-    harness = GraphHarness(backend, trace, inputs, padding=padding, plans=[real_plan, decoy_plan], traces=[trace, decoy_trace], seed=seed)
-    device = inputs.q.device
-    # The decoy: other queries over the same cache, loaded first and captured with.
-    decoy_q = torch.randn(inputs.q.shape, generator=harness.generator).to(inputs.q.dtype).to(device)
-    harness.load(decoy_trace, replace(inputs, q=decoy_q), decoy_plan)
+    with phase("plan", label):
+        real_plan = backend.derive_plan(trace, padding)
+        decoy_plan = backend.derive_plan(decoy_trace, padding)
+    with phase("load", f"{label} batch=decoy"):
+        harness = GraphHarness(backend, trace, inputs, padding=padding, plans=[real_plan, decoy_plan], traces=[trace, decoy_trace], seed=seed)
+        device = inputs.q.device
+        # The decoy: other queries over the same cache, loaded first and captured with.
+        decoy_q = torch.randn(inputs.q.shape, generator=harness.generator).to(inputs.q.dtype).to(device)
+        harness.load(decoy_trace, replace(inputs, q=decoy_q), decoy_plan)
     pointers = harness.state.plan_pointers()
-    harness.capture(capture)
-    harness.poison()
-    harness.replay()  # the decoy leaves its state behind in every static buffer
+    with phase("capture", label):
+        harness.capture(capture)
+    with phase("replay", f"{label} batch=decoy"):
+        harness.poison()
+        harness.replay()  # the decoy leaves its state behind in every static buffer
     # The real batch: restore the cache the decoy's writes touched, then replay.
-    harness.restore_cache(inputs)
-    harness.load(trace, inputs, real_plan)
-    harness.poison()
-    out = harness.replay()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    with phase("load", f"{label} batch=real"):
+        harness.restore_cache(inputs)
+        harness.load(trace, inputs, real_plan)
+        harness.poison()
+    with phase("replay", f"{label} batch=real"):
+        out = harness.replay()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
     tokens, used = trace.batch.num_tokens, harness.used
     graph_out, graph_lse = out.output[:used].clone(), out.lse[:used].clone()
@@ -274,11 +284,12 @@ def graph_replay(
     if harness.graph is not None:
         # The eager twin: the same step on the same buffers and plan, without the graph. (Without a
         # capture the replay above already was eager: there is no twin to compare with.)
-        harness.restore_cache(inputs)
-        harness.poison()
-        twin = harness.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        with phase("eager-twin", label):
+            harness.restore_cache(inputs)
+            harness.poison()
+            twin = harness.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
         twin_out, twin_lse = twin.output[:used], twin.lse[:used]
         diff = (graph_out[:tokens].float() - twin_out[:tokens].float()).abs()
         bitwise = bool(torch.equal(graph_out[:tokens], twin_out[:tokens]) and torch.equal(graph_lse[:tokens], twin_lse[:tokens]))

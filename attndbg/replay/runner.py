@@ -118,8 +118,8 @@ def replay(
     runs: list[BackendRun] = []
     try:
         for name in backend_names:
-            backend = registry.create(name, options=options.backend_options)
-            with phase(f"backend/{name}", ctx.label):
+            with phase(f"backend/{name}", ctx.label):  # creating a backend may launch kernels (its workspace): inside its range
+                backend = registry.create(name, options=options.backend_options)
                 runs.extend(_runs_of(backend, ctx))
     except TraceError as e:  # the step cannot be replayed here (its data does not fit)
         raise (e if e.path else e.in_file(trace_path)) from None
@@ -141,7 +141,7 @@ def _runs_of(backend: Backend, ctx: _Context) -> list[BackendRun]:
         # The eager run of the derived plan is the same for every variant of the step: run once.
         key = (backend.name, ctx.options.backend_options.of(backend.name), ctx.options.repeat)
         if key not in ctx.data.eager_runs:
-            with phase("plan", ctx.label):
+            with phase("plan", f"{ctx.label} backend={backend.name} variant={EAGER.label}"):
                 plan = backend.derive_plan(ctx.trace)
             ctx.data.eager_runs[key] = _eager(backend, ctx, inputs, plan, description, EAGER, ctx.options.repeat)
         runs.append(ctx.data.eager_runs[key])
@@ -239,7 +239,8 @@ def _graph(backend: Backend, ctx: _Context, inputs: AttentionInputs, description
     if options.graph_capture and not capture:
         return BackendRun(backend.name, RunStatus.UNAVAILABLE, description, variant, reason="CUDA graphs need a CUDA GPU and a backend running on it")
     try:
-        with phase("capture+replay", f"{ctx.label} backend={backend.name} capture_bs={capture_bs}"), activity.launching(backend.name, variant.label):
+        # variant=graph capture_bs=N fill=V, not the variant's label: its "bs=" would read as the step's batch size.
+        with phase("capture+replay", f"{ctx.label} backend={backend.name} variant=graph capture_bs={capture_bs} fill={fill}"), activity.launching(backend.name, variant.label):
             start = time.perf_counter()
             outcome = graph_replay.graph_replay(
                 backend, trace, inputs, padding=Padding(capture_bs=capture_bs, fill_value=fill), capture=capture, seed=trace.seed

@@ -1,0 +1,28 @@
+"""Whether `--timeline` can run here, decided before any work: the optional package, and a GPU.
+Nothing here imports cupti unless it is installed (`--help` must import nothing heavy)."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+PACKAGE = "cupti-python"
+INSTALL = "pip install 'attndbg[timeline]'"
+
+
+def refusal() -> str | None:
+    """One line saying why `--timeline` cannot run here, or None."""
+    if importlib.util.find_spec("cupti") is None:
+        return (
+            f"--timeline needs the {PACKAGE} package (NVIDIA's CUPTI for Python), which is not installed: "
+            f"{INSTALL} (or pip install {PACKAGE} of your CUDA driver's major version, e.g. '{PACKAGE}==13.*')"
+        )
+    try:
+        importlib.import_module("cupti.cupti")
+    except (ImportError, OSError) as e:  # installed, but its CUDA libraries do not load (cuda-bindings, libcupti)
+        return f"--timeline: {PACKAGE} is installed but does not load here: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+    from attndbg import machine
+
+    if not machine.cuda_available():
+        return "--timeline records the kernels a GPU runs, and there is no CUDA GPU here: no GPU timeline on this machine"
+    return None

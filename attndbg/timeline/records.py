@@ -1,0 +1,152 @@
+"""What a timeline is built from: CUPTI's activity records, copied into plain dataclasses.
+
+The collector (`collector.py`) is the only code that touches the `cupti` module; it copies each
+record it keeps into one of these, so matching, summary and trace writing run (and are tested)
+without CUPTI or a GPU. Timestamps are CUPTI's: nanoseconds on one clock for API calls, kernels,
+NVTX markers and our own ranges (`cupti.get_timestamp()`), so they can be compared directly.
+
+A process's records travel as JSON lines (a check worker writes them, the parent merges them):
+`to_json` / `from_json` below, each record as a list of its fields in declaration order.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import astuple, dataclass, field, fields
+from typing import Any
+
+# Runtime and driver API names (CUPTI's callback names, versioned: cudaLaunchKernel_v7000,
+# cuLaunchKernelEx, cudaGraphLaunch_v10000, cuGraphLaunch_ptsz, ...) by what the call does.
+_KERNEL_LAUNCH_PREFIXES = ("cudaLaunchKernel", "cudaLaunchCooperativeKernel", "cuLaunchKernel", "cuLaunchCooperativeKernel")
+_GRAPH_LAUNCH_PREFIXES = ("cudaGraphLaunch", "cuGraphLaunch")
+
+
+@dataclass(frozen=True)
+class ApiCall:
+    """One CUDA runtime or driver API call (CUPTI's RUNTIME / DRIVER records)."""
+
+    correlation_id: int  # the kernel records it launched carry the same id
+    name: str  # CUPTI's callback name: "cudaLaunchKernel_v7000", "cuLaunchKernelEx", "cudaGraphLaunch_v10000"
+    start: int  # ns
+    end: int  # ns
+    thread_id: int  # as CUPTI reports it (the same numbering as the NVTX markers' thread)
+
+    @property
+    def launches_kernel(self) -> bool:
+        return self.name.startswith(_KERNEL_LAUNCH_PREFIXES)
+
+    @property
+    def launches_graph(self) -> bool:
+        return self.name.startswith(_GRAPH_LAUNCH_PREFIXES)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel execution on the GPU (CUPTI's CONCURRENT_KERNEL records)."""
+
+    name: str  # as the driver names it (C++ kernels mangled: see names.py)
+    correlation_id: int  # the launching API call's; every kernel of one graph replay carries its cudaGraphLaunch's
+    device: int
+    stream: int
+    start: int  # ns, GPU time on CUPTI's clock
+    end: int  # ns
+    graph_id: int = 0  # 0: launched eagerly; else the graph it was a node of
+    graph_node_id: int = 0  # the node; the same node id repeats from replay to replay of one graph
+
+    @property
+    def duration(self) -> int:
+        return max(0, self.end - self.start)
+
+
+@dataclass(frozen=True)
+class ExternalId:
+    """CUPTI's EXTERNAL_CORRELATION record: API call `correlation_id` was made while
+    `external_id` (an attndbg range's id) was the innermost id we had pushed on its thread."""
+
+    correlation_id: int
+    external_id: int
+
+
+class Edge(enum.Enum):
+    START = "start"
+    END = "end"
+    INSTANT = "instant"
+
+
+@dataclass(frozen=True)
+class Marker:
+    """One edge of an NVTX range (CUPTI's MARKER records): what `nsys` would draw. The START and END
+    edges of a range share `id`; the END carries no name."""
+
+    id: int
+    edge: Edge
+    timestamp: int  # ns
+    thread_id: int
+    name: str = ""
+    domain: str = ""
+
+
+@dataclass(frozen=True)
+class Range:
+    """An attndbg phase (`profiling.phase`) as the collector saw it: its NVTX message, and the
+    external correlation id pushed while it was open, which CUPTI ties to every API call made in it."""
+
+    id: int  # the external correlation id pushed for it; unique in its process
+    parent: int | None  # the enclosing range's id
+    message: str  # the NVTX message: "attndbg/run step=0 mode=DECODE bs=3 backend=triton variant=eager"
+    thread_id: int  # the Python thread's native id
+    start: int  # ns, cupti.get_timestamp() at the push
+    end: int  # ns, at the pop
+
+
+@dataclass
+class ProcessRecords:
+    """Everything one process collected. Built up batch by batch (`extend`), then read."""
+
+    pid: int
+    label: str  # "attndbg replay", "check worker"
+    ranges: list[Range] = field(default_factory=list)
+    api_calls: list[ApiCall] = field(default_factory=list)
+    kernels: list[Kernel] = field(default_factory=list)
+    external_ids: list[ExternalId] = field(default_factory=list)
+    markers: list[Marker] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the collector could not do, for people
+
+    def extend(self, other: ProcessRecords) -> None:
+        for name in _LISTS:
+            getattr(self, name).extend(getattr(other, name))
+        self.notes.extend(n for n in other.notes if n not in self.notes)
+
+    def empty(self) -> bool:
+        return not any(getattr(self, name) for name in _LISTS)
+
+
+_LISTS = {"ranges": Range, "api_calls": ApiCall, "kernels": Kernel, "external_ids": ExternalId, "markers": Marker}
+
+
+def _row(record: Any) -> list[Any]:
+    return [value.value if isinstance(value, enum.Enum) else value for value in astuple(record)]
+
+
+def _record(kind: type, row: list[Any]) -> Any:
+    names = [f.name for f in fields(kind)]
+    if len(row) != len(names):
+        raise ValueError(f"{kind.__name__} record has {len(row)} fields, expected {len(names)} ({', '.join(names)})")
+    values = dict(zip(names, row))
+    if kind is Marker:
+        values["edge"] = Edge(values["edge"])
+    return kind(**values)
+
+
+def to_json(records: ProcessRecords) -> dict[str, Any]:
+    out: dict[str, Any] = {"pid": records.pid, "label": records.label, "notes": list(records.notes)}
+    for name in _LISTS:
+        out[name] = [_row(r) for r in getattr(records, name)]
+    return out
+
+
+def from_json(data: dict[str, Any]) -> ProcessRecords:
+    records = ProcessRecords(pid=int(data["pid"]), label=str(data.get("label", "")), notes=list(data.get("notes", [])))
+    for name, kind in _LISTS.items():
+        getattr(records, name).extend(_record(kind, row) for row in data.get(name, []))
+    return records

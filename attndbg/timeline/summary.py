@@ -1,0 +1,126 @@
+"""The short text a `--timeline` run prints: per kind of range, how many kernels it launched and
+their GPU time, and what could not be placed.
+
+Ranges of one kind (same phase, backend, variant, detector) are one line whatever their step, so a
+recording of a thousand steps reads like one step: `run · triton · eager  ×6  12 kernels  0.21 ms`.
+Counts are the range's own launches (a `backend/triton` line counts what ran in it outside its
+`run` and `plan` ranges), so the lines add up to the total.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from attndbg.timeline import ranges as range_names
+from attndbg.timeline.matching import Matched
+
+
+@dataclass
+class Line:
+    label: str  # "run · triton · eager"
+    detector: str
+    ranges: int = 0
+    kernels: int = 0
+    gpu_ns: int = 0
+    captured: int = 0  # kernel launches recorded into a graph being captured (no kernel ran then)
+    graph_launches: int = 0
+
+
+@dataclass
+class Summary:
+    lines: list[Line] = field(default_factory=list)
+    kernels: int = 0
+    gpu_ns: int = 0
+    outside: int = 0  # kernels launched outside every attndbg range
+    disagreements: int = 0  # kernels whose NVTX range (markers) is not the range the external id names
+    markers: int = 0  # NVTX range edges CUPTI delivered (0: the NVTX injection did not reach CUPTI)
+    processes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict:
+        return {
+            "kernels": self.kernels,
+            "gpu_time_us": round(self.gpu_ns / 1e3, 3),
+            "outside_ranges": self.outside,
+            "nvtx_disagreements": self.disagreements,
+            "nvtx_markers": self.markers,
+            "processes": self.processes,
+            "notes": list(self.notes),
+            "ranges": [
+                {"range": ln.label, "detector": ln.detector, "count": ln.ranges, "kernels": ln.kernels, "gpu_time_us": round(ln.gpu_ns / 1e3, 3),
+                 "captured_launches": ln.captured, "graph_launches": ln.graph_launches}
+                for ln in self.lines
+            ],
+        }
+
+
+def summarize(processes: Sequence[Matched]) -> Summary:
+    summary = Summary(processes=len(processes))
+    lines: dict[tuple[str, str], Line] = {}
+    for matched in processes:
+        summary.markers += len(matched.records.markers)
+        summary.notes.extend(n for n in matched.records.notes if n not in summary.notes)
+        for range_ in matched.records.ranges:
+            names = range_names.names(range_, matched.ranges)
+            key = (names.label(), names.detector)
+            line = lines.setdefault(key, Line(label=key[0], detector=key[1]))
+            line.ranges += 1
+        for launched in matched.launched:
+            summary.kernels += 1
+            summary.gpu_ns += launched.kernel.duration
+            if not launched.agrees:
+                summary.disagreements += 1
+            if launched.range is None:
+                summary.outside += 1
+                continue
+            names = range_names.names(launched.range, matched.ranges)
+            line = lines[(names.label(), names.detector)]
+            line.kernels += 1
+            line.gpu_ns += launched.kernel.duration
+        for range_id, calls in matched.unexecuted.items():
+            if range_id is not None and range_id in matched.ranges:
+                names = range_names.names(matched.ranges[range_id], matched.ranges)
+                lines[(names.label(), names.detector)].captured += len(calls)
+        for launch in matched.graph_launches:
+            if launch.range is not None:
+                names = range_names.names(launch.range, matched.ranges)
+                lines[(names.label(), names.detector)].graph_launches += 1
+    summary.lines = sorted(lines.values(), key=lambda ln: (-ln.gpu_ns, -ln.kernels, ln.detector, ln.label))
+    return summary
+
+
+def _ms(ns: int) -> str:
+    return f"{ns / 1e6:.3f} ms"
+
+
+def render(summary: Summary, path: str, *, limit: int = 24) -> list[str]:
+    """The lines printed after the run: the file, the totals, the busiest kinds of range."""
+    lines = [
+        f"timeline: {path} (open in https://ui.perfetto.dev or chrome://tracing): {summary.kernels} kernels, "
+        f"{_ms(summary.gpu_ns)} GPU time, {summary.processes} process{'es' if summary.processes != 1 else ''}"
+    ]
+    shown = [ln for ln in summary.lines if ln.kernels or ln.captured or ln.graph_launches][:limit]
+    width = max((len(_prefixed(ln)) for ln in shown), default=0)
+    for ln in shown:
+        extra = []
+        if ln.graph_launches:
+            extra.append(f"{ln.graph_launches} graph launch{'es' if ln.graph_launches != 1 else ''}")
+        if ln.captured:
+            extra.append(f"{ln.captured} launches captured")
+        lines.append(f"  {_prefixed(ln):<{width}}  ×{ln.ranges:<4} {ln.kernels:>6} kernels  {_ms(ln.gpu_ns):>12}" + (f"  ({', '.join(extra)})" if extra else ""))
+    rest = len([ln for ln in summary.lines if ln.kernels or ln.captured or ln.graph_launches]) - len(shown)
+    if rest > 0:
+        lines.append(f"  ... {rest} more kinds of range in the file's otherData.attndbg.ranges")
+    if summary.outside:
+        lines.append(f"  {summary.outside} kernels were launched outside every attndbg range")
+    if summary.kernels and not summary.markers:
+        lines.append("  no NVTX range reached CUPTI (NVTX_INJECTION64_PATH names another library?): ranges are attndbg's own, not nsys's")
+    elif summary.disagreements:
+        lines.append(f"  {summary.disagreements} kernels sit in another NVTX range than the range attndbg pushed for them")
+    lines.extend(f"  note: {n}" for n in summary.notes)
+    return lines
+
+
+def _prefixed(line: Line) -> str:
+    return f"{line.detector} › {line.label}" if line.detector else line.label

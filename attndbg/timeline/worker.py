@@ -1,0 +1,81 @@
+"""A check worker's side of `--timeline`: CUPTI is per process, so each worker collects its own
+records and appends them, as JSON lines, to `<dir>/worker-<pid>.jsonl`; the parent merges the
+files (`read`) into one timeline with a pid per worker.
+
+A worker writes when no phase is open and a second has passed since its last write (between
+detectors, between steps), and once more at exit: a worker killed by a crash loses at most the
+records of its last second.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import time
+from pathlib import Path
+
+from attndbg import profiling
+from attndbg.timeline.collector import Collector
+from attndbg.timeline.records import ProcessRecords, from_json, to_json
+
+WRITE_EVERY_S = 1.0
+LABEL = "attndbg check worker"
+
+
+class _Writer:
+    """The worker's phase observer: the collector's, plus a write between phases."""
+
+    def __init__(self, collector: Collector, path: Path):
+        self.collector = collector
+        self.path = path
+        self.last = time.monotonic()
+
+    def push(self, message: str) -> None:
+        self.collector.push(message)
+
+    def pop(self) -> None:
+        self.collector.pop()
+        if self.collector.depth == 0 and time.monotonic() - self.last >= WRITE_EVERY_S:
+            self.write(self.collector.take())
+
+    def write(self, batch: ProcessRecords) -> None:
+        self.last = time.monotonic()
+        if batch.empty() and not batch.notes:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(to_json(batch), separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        profiling.observe(None)
+        self.write(self.collector.stop())
+
+
+def attach(directory: str) -> None:
+    """Start collecting in this worker (called by its first phase, before any NVTX call)."""
+    path = Path(directory) / f"worker-{os.getpid()}.jsonl"
+    collector = Collector(LABEL)
+    try:
+        collector.start()
+    except Exception as e:  # noqa: BLE001 - cupti's own error types live in the optional package; a timeline must never stop a check
+        failed = ProcessRecords(pid=os.getpid(), label=LABEL, notes=[f"worker {os.getpid()}: CUPTI did not start: {type(e).__name__}: {e}"])
+        _Writer(collector, path).write(failed)
+        return
+    writer = _Writer(collector, path)
+    profiling.observe(writer)
+    atexit.register(writer.close)
+
+
+def read(directory: str | Path) -> list[ProcessRecords]:
+    """Every worker's records, one per pid. A line cut short (a worker killed while writing) is skipped."""
+    by_pid: dict[int, ProcessRecords] = {}
+    for file in sorted(Path(directory).glob("worker-*.jsonl")):
+        for line in file.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                batch = from_json(json.loads(line))
+            except (ValueError, KeyError, TypeError):
+                continue
+            by_pid.setdefault(batch.pid, ProcessRecords(pid=batch.pid, label=batch.label)).extend(batch)
+    return [by_pid[pid] for pid in sorted(by_pid)]

@@ -1,0 +1,40 @@
+"""Records travel between processes as JSON lines; the parent merges a worker's batches by pid."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from attndbg.timeline import worker
+from attndbg.timeline.records import ProcessRecords, from_json, to_json
+from tests.timeline.factory import replay_step
+
+
+def test_round_trip() -> None:
+    records = replay_step(pid=7)
+    records.notes.append("a note")
+    again = from_json(json.loads(json.dumps(to_json(records))))
+    assert again == records
+
+
+def test_a_record_of_another_shape_is_refused() -> None:
+    data = to_json(replay_step())
+    data["kernels"][0] = data["kernels"][0][:3]
+    with pytest.raises(ValueError, match="Kernel record has 3 fields"):
+        from_json(data)
+
+
+def test_worker_files_merge_by_pid_and_skip_a_cut_line(tmp_path: Path) -> None:
+    first, second = replay_step(pid=21), replay_step(pid=21, step=1)
+    (tmp_path / "worker-21.jsonl").write_text(json.dumps(to_json(first)) + "\n" + json.dumps(to_json(second)) + "\n" + '{"pid": 21, "ker')
+    (tmp_path / "worker-22.jsonl").write_text(json.dumps(to_json(replay_step(pid=22))) + "\n")
+    merged = worker.read(tmp_path)
+    assert [m.pid for m in merged] == [21, 22]
+    assert len(merged[0].kernels) == len(first.kernels) + len(second.kernels)
+    assert merged[0].ranges == first.ranges + second.ranges
+
+
+def test_empty() -> None:
+    assert ProcessRecords(pid=1, label="x").empty() and not replay_step().empty()
