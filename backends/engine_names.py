@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from attndbg.backends import registry
 from attndbg.backends.base import Backend, FillRequirement
+from attndbg.trace.schema import ForwardMode, Trace
 
 # Engine backends no adapter here reproduces. Sources: ../shared/reference/engines.md A4.0
 # (get_cuda_graph_seq_len_fill_value per SGLang backend), B2 and "padding semantics" (vLLM).
@@ -76,3 +77,15 @@ def fill_requirements() -> dict[str, FillRequirement]:
     for name, need in UNADAPTED.items():
         known.setdefault(name, need)
     return known
+
+
+def merge_path(trace: Trace) -> str | None:
+    """The merge of partial states in the path the recording backend runs for this step, if any:
+    split-KV decode, else what the adapter reproducing that backend declares (Backend.merge_path)."""
+    backend = trace.source.backend
+    if merges_nothing(backend):
+        return None  # one softmax over the whole row: nothing is merged
+    if trace.batch.forward_mode is ForwardMode.DECODE:
+        return "split-KV decode (partial states of KV splits merged by their LSEs)"
+    adapter = adapter_for(backend)
+    return adapter.merge_path(trace) if adapter is not None else None

@@ -16,8 +16,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from attndbg.detectors.tree_mask.plan import plan_view
 from attndbg.diagnose.base import Candidate, MistakeModel, PartialStates, spans
+from attndbg.plans.verify_mask import plan_view
 from attndbg.trace import tree
 from attndbg.trace.mask_geometry import word_bits, word_dtype
 from attndbg.trace.schema import Trace

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from attndbg.backends.engine_names import merge_path
 from attndbg.backends.triton import DEFAULT_MAX_KV_SPLITS
 from attndbg.backends.triton_kernels.split_rule import split_length
-from attndbg.detectors.split_merge.base import merge_path
 from attndbg.numerics import LN2, LOG2E
 from attndbg.diagnose.base import Candidate, MistakeModel, PartialStates, merge, spans
 from attndbg.trace.schema import ForwardMode, Trace

@@ -218,7 +218,7 @@ def test_findings_name_the_row_within_the_request(tmp_path: Path) -> None:
 def test_a_torch_attention_engine_is_not_said_to_merge_splits() -> None:
     """transformers' sdpa/eager attention computes each row in one pass: a wrong decode output there
     is not explained by a split-KV merge."""
-    from attndbg.detectors.split_merge.base import merge_path
+    from attndbg.backends.engine_names import merge_path
 
     trace = make_trace("decode-mha", *SMALL)
     assert merge_path(trace) is not None  # synth records SGLang's Triton backend: split-KV decode

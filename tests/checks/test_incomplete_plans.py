@@ -33,7 +33,7 @@ from attndbg.backends.triton import TritonBackend
 from attndbg.cli import main
 from attndbg.detector_api.context import CheckContext
 from attndbg.detectors.invariants import detect as invariants
-from attndbg.detectors.invariants.plan_kv import unread_reason
+from attndbg.plans.kv import unread_reason
 from attndbg.replay.runner import PlanSource, ReplayOptions, RunStatus, replay
 from attndbg.trace import io
 from attndbg.trace.schema import Plan, Trace

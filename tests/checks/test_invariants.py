@@ -12,8 +12,8 @@ from attndbg.backends.base import Padding
 from attndbg.detector_api.context import CheckContext
 from attndbg.detector_api.findings import FindingClass
 from attndbg.detectors.invariants import detect as invariants
-from attndbg.detectors.invariants import plan_kv
 from attndbg.detectors.invariants import injections as inject
+from attndbg.plans import kv as plan_kv
 from attndbg.trace import synth, tree
 from attndbg.trace.schema import Plan, Trace, to_dict
 from attndbg.trace.validate import from_dict

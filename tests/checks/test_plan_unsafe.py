@@ -11,7 +11,7 @@ from attndbg.backends.fa3 import FA3Backend
 from attndbg.backends.flashinfer import FlashInferBackend
 from attndbg.detector_api.context import CheckContext
 from attndbg.detectors.invariants import detect as invariants
-from attndbg.detectors.invariants.plan_kv import unread_reason
+from attndbg.plans.kv import unread_reason
 from tests.factories import make_trace
 
 SMALL = ("heads=2:1", "head_dim=32")

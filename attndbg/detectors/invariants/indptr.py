@@ -1,5 +1,6 @@
-"""invariants on a plan's offsets: every `*indptr` / `cu_seqlens_*` starts at 0, never decreases,
-and ends at the length of what it indexes; `cu_seqlens_k` = cumsum(cache_seqlens).
+"""invariants on a plan's offsets: every `*indptr` / `cu_seqlens_*` ends at the length of what it
+indexes; `cu_seqlens_k` = cumsum(cache_seqlens). That each starts at 0 and never decreases is the
+shape rule the plan readers share (attndbg/plans/offsets.py), checked by plan.py.
 """
 
 from __future__ import annotations
@@ -10,48 +11,6 @@ from torch import Tensor
 from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND, _first
 from attndbg.trace.schema import Trace
-
-
-def _is_indptr(name: str) -> bool:
-    return name.endswith("indptr") or "cu_seqlens" in name
-
-
-def _indptr_shape(trace: Trace, name: str, values: Tensor, out: list[Finding]) -> bool:
-    field = f"plan.{name}"
-    if values.dim() != 1 or values.numel() == 0:
-        out.append(finding(KIND, "indptr-start", step=trace.source.step, field=field, evidence=f"{field} has shape {list(values.shape)}, expected [requests + 1]", cause="the engine recorded an empty or misshapen offsets tensor"))
-        return False
-    if int(values[0]) != 0:
-        out.append(
-            finding(
-                KIND,
-                "indptr-start",
-                step=trace.source.step,
-                field=f"{field}[0]",
-                evidence=f"{field}[0] = {int(values[0])}, an indptr starts at 0",
-                cause="the offsets were sliced from a larger buffer at the wrong start, or written without the leading 0",
-                expected=0,
-                found=int(values[0]),
-            )
-        )
-        return False
-    i = _first(values[1:] < values[:-1]) + 1
-    if i > 0:
-        out.append(
-            finding(
-                KIND,
-                "indptr-decreases",
-                step=trace.source.step,
-                request=i - 1,
-                field=f"{field}[{i}]",
-                evidence=f"{field}[{i}] = {int(values[i])} < {field}[{i - 1}] = {int(values[i - 1])}: an indptr never decreases",
-                cause="the offsets were partly overwritten by another batch's (a shared metadata buffer), or summed from lengths in the wrong order",
-                expected_at_least=int(values[i - 1]),
-                found=int(values[i]),
-            )
-        )
-        return False
-    return True
 
 
 def _end_cause(trace: Trace, target: str, length: int) -> str:

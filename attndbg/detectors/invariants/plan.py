@@ -11,8 +11,9 @@ from attndbg.backends.plan_layout import KvEnd, expected_dims, is_index
 from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND, _first
 from attndbg.detectors.invariants.capture import captured_split_limit
-from attndbg.detectors.invariants.indptr import _indptr_ends, _indptr_shape, _is_indptr
-from attndbg.detectors.invariants.plan_kv import _coverage, _kv_view, _KvView, _needed_start
+from attndbg.detectors.invariants.indptr import _indptr_ends
+from attndbg.plans.kv import KvView, kv_view, needed_start, request_coverage
+from attndbg.plans.offsets import indptr_shape, is_indptr
 from attndbg.replay.plan_guard import real_requests_only, refusal
 from attndbg.trace.schema import ForwardMode, Plan, Trace
 
@@ -45,7 +46,7 @@ def _check_launchable(trace: Trace, plan: Plan, out: list[Finding]) -> None:
     field are not: a plan of no attndbg backend (vLLM's own) is never replayed, one of a backend
     without a plan view is refused at replay with that reason, and one covering more requests than
     the step is plan-batch-size. Nor is a plan the guard could not read (a field its layout declares
-    missing or unreadable): incomplete is not unsafe, and the verdict names it (plan_kv.unread_reason)."""
+    missing or unreadable): incomplete is not unsafe, and the verdict names it (plans/kv.py unread_reason)."""
     found = refusal(trace, real_requests_only(trace, plan))
     if found is None or found.field is None or found.unread:
         return
@@ -85,9 +86,9 @@ def _check_fields(trace: Trace, plan: Plan, out: list[Finding]) -> None:
             )
             continue
         tensors[name] = value.to(torch.int64) if is_index(name) else value
-    sane = {name for name in tensors if not _is_indptr(name) or _indptr_shape(trace, name, tensors[name], out)}
+    sane = {name for name in tensors if not is_indptr(name) or indptr_shape(trace, name, tensors[name], out)}
     _indptr_ends(trace, tensors, sane, out)
-    view = _kv_view(trace, plan, tensors, sane, out)
+    view = kv_view(trace, plan, tensors, sane, out)
     if view is None:
         return
     bs = trace.batch.batch_size
@@ -114,7 +115,7 @@ def _check_fields(trace: Trace, plan: Plan, out: list[Finding]) -> None:
     _check_splits(trace, plan, tensors, view.requests, out)
 
 
-def _check_in_cache(trace: Trace, view: _KvView, out: list[Finding]) -> set[int]:
+def _check_in_cache(trace: Trace, view: KvView, out: list[Finding]) -> set[int]:
     """index-outside-cache over every request (padded ones too); returns the requests it names."""
     limit = trace.batch.kv_cache_size // view.page_size
     unit = "slot" if view.page_size == 1 else "page"
@@ -123,7 +124,7 @@ def _check_in_cache(trace: Trace, view: _KvView, out: list[Finding]) -> set[int]
         if j < 0:
             continue
         padded = b >= trace.batch.batch_size
-        span = None if padded else _coverage(trace, view, b)
+        span = None if padded else request_coverage(trace, view, b)
         column = (span[0] if span else 0) + j * view.page_size
         where = f"KV column {column}" if span or padded else f"entry {j}"
         out.append(
@@ -144,7 +145,7 @@ def _check_in_cache(trace: Trace, view: _KvView, out: list[Finding]) -> set[int]
     return set()
 
 
-def _check_requests(trace: Trace, view: _KvView, skip: set[int], out: list[Finding]) -> None:
+def _check_requests(trace: Trace, view: KvView, skip: set[int], out: list[Finding]) -> None:
     batch = trace.batch
     ps = view.page_size
     rows = [batch.request_slots(b) for b in range(batch.batch_size)]
@@ -153,16 +154,16 @@ def _check_requests(trace: Trace, view: _KvView, skip: set[int], out: list[Findi
             continue
         seg = view.segments[b]
         ends = {k: {KvEnd.PREFIX: int(batch.prefix_lens[b]), KvEnd.KV: int(batch.kv_lens[b])}[k] for k in view.ends}
-        span = _coverage(trace, view, b)
+        span = request_coverage(trace, view, b)
         if span is None:
             length = seg.length if seg.length is not None else seg.units.numel() * ps
-            out.append(_length_finding(trace, view, b, length, ends, _needed_start(trace, b)))
+            out.append(_length_finding(trace, view, b, length, ends, needed_start(trace, b)))
             continue
         start, end = span
         expected = rows[b][start:end][::ps] // ps
         found = seg.units
         if found.numel() != expected.numel():
-            out.append(_length_finding(trace, view, b, found.numel() * ps, ends, _needed_start(trace, b)))
+            out.append(_length_finding(trace, view, b, found.numel() * ps, ends, needed_start(trace, b)))
             continue
         j = _first(found != expected)
         if j < 0:
@@ -206,7 +207,7 @@ def _index_cause(b: int, found: Tensor, rows: list[Tensor], start: int, end: int
     return CAUSE_STALE_ROW.format(b=b)
 
 
-def _length_finding(trace: Trace, view: _KvView, b: int, found: int, ends: dict[KvEnd, int], needed: int) -> Finding:
+def _length_finding(trace: Trace, view: KvView, b: int, found: int, ends: dict[KvEnd, int], needed: int) -> Finding:
     batch = trace.batch
     window = trace.model.sliding_window
     main = next(iter(ends.values()))

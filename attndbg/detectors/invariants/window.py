@@ -31,7 +31,7 @@ from torch import Tensor
 from attndbg.backends.plan_layout import WindowList
 from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND, _first
-from attndbg.detectors.invariants.plan_kv import plan_layout
+from attndbg.plans.kv import plan_layout
 from attndbg.trace.schema import ForwardMode, Trace
 
 CAUSE_LENGTH = "the window list was built from other lengths than the batch's (seq_lens where the prefix is meant, or a stale length)"

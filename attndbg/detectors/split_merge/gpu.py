@@ -11,11 +11,12 @@ import torch
 
 from attndbg import machine
 from attndbg.backends.base import AttentionResult, KernelError
+from attndbg.backends.engine_names import merge_path
 # FlashInfer's cascade is what this module runs (its module imports FlashInfer only when a kernel runs).
 from attndbg.backends.flashinfer import FlashInferBackend
 from attndbg.detector_api.context import CheckContext
 from attndbg.detector_api.findings import Finding
-from attndbg.detectors.split_merge.base import KIND, _location, merge_path
+from attndbg.detectors.split_merge.base import KIND, _location
 from attndbg.replay import activity
 from attndbg.replay.runner import ReplayOptions, RunStatus
 from attndbg.replay.variants import Graph

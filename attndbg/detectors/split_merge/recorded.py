@@ -18,11 +18,12 @@ import torch
 from torch import Tensor
 
 from attndbg.backends.base import AttentionInputs, AttentionResult
+from attndbg.backends.engine_names import merge_path
 from attndbg.backends.triton_kernels.split_rule import empty_splits, split_length
 from attndbg.compare.tolerance import ERROR_FACTOR, LSE_FLOOR, compare_to_reference
 from attndbg.detector_api.context import CheckContext
 from attndbg.detector_api.findings import Finding, Location
-from attndbg.detectors.split_merge.base import KIND, _request_of, merge_path
+from attndbg.detectors.split_merge.base import KIND, _request_of
 from attndbg.diagnose import Reproduction, applicable, diagnose
 from attndbg.diagnose.split_models import PrefixMergeLseBase, engine_splits
 from attndbg.numerics import LN2, LOG2E

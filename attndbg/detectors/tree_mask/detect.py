@@ -57,11 +57,11 @@ from torch import Tensor
 
 from attndbg.detector_api.context import CheckContext
 from attndbg.detector_api.findings import Finding, finding
-from attndbg.detectors.invariants.plan_kv import plan_layout
 from attndbg.detectors.tree_mask.base import KIND
 from attndbg.detectors.tree_mask.outputs import _output_findings
-from attndbg.detectors.tree_mask.plan import plan_view
 from attndbg.detectors.tree_mask.spec import _check_spec
+from attndbg.plans.kv import plan_layout
+from attndbg.plans.verify_mask import plan_view
 from attndbg.trace.schema import Plan, Trace
 
 

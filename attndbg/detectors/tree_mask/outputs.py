@@ -12,8 +12,8 @@ import torch
 from attndbg.detector_api.context import CheckContext
 from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.tree_mask.base import KIND
-from attndbg.detectors.tree_mask.plan import PlanVisibility, plan_view
 from attndbg.diagnose import MASK_MODELS, Reproduction, diagnose
+from attndbg.plans.verify_mask import PlanVisibility, plan_view
 from attndbg.replay.runner import BackendRun, PlanSource, ReplayOptions, RunStatus
 from attndbg.replay.step_data import StepData
 from attndbg.replay.variants import Eager, Recorded

@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from attndbg.detector_api.findings import Finding, finding
-from attndbg.detectors.tree_mask.base import KIND, _as_bool, _describe_column, _mismatch_cause, _tree_block
+from attndbg.detectors.tree_mask.base import KIND
+from attndbg.plans.tree_blocks import as_bool, describe_column, mismatch_cause, tree_block
 from attndbg.trace import tree
 from attndbg.trace.mask_geometry import MaskElement, MaskGeometry, full_prefix_sum, reverse_bits, unpack_bits, word_bits, word_dtype
 from attndbg.trace.schema import MaskLayout, Trace
@@ -86,7 +87,7 @@ def _check_spec(trace: Trace, out: list[Finding]) -> None:
             return
         _compare_spec_packed(trace, words, word_bits(mask.dtype), out)
     else:
-        _compare_spec_bool(trace, _as_bool(mask), layout, out)
+        _compare_spec_bool(trace, as_bool(mask), layout, out)
 
 
 def _stale_elements(tail: Tensor, packed: bool) -> int:
@@ -198,7 +199,7 @@ def _compare_spec_bool(trace: Trace, mask: Tensor, layout: MaskLayout, out: list
         found = torch.stack(blocks)
         _compare_draft_blocks(trace, found, "spec.custom_mask", lambda b, r, j: f"spec.custom_mask[{geometry.element(b, r, geometry.first_column(b) + j)}]", out)
         return
-    unfolded = [_tree_block(trace, b) for b in range(bs)]
+    unfolded = [tree_block(trace, b) for b in range(bs)]
     if trace.model.sliding_window >= 0:
         folded = [visibility(trace, b) for b in range(bs)]
         wrong = [sum(int((f != e).sum()) for f, e in zip(blocks, ref)) for ref in (unfolded, folded)]
@@ -223,7 +224,7 @@ def _compare_spec_bool(trace: Trace, mask: Tensor, layout: MaskLayout, out: list
     if prefix_only:
         cause = "the engine built the FULL mask with its prefix part False (zeros instead of torch.full(True)); every draft token must see the whole prefix"
     else:
-        cause = _mismatch_cause(trace, b, r, c, found_value, blocks[b][:, prefix:])
+        cause = mismatch_cause(trace, b, r, c, found_value, blocks[b][:, prefix:])
     out.append(
         finding(
             KIND,
@@ -233,7 +234,7 @@ def _compare_spec_bool(trace: Trace, mask: Tensor, layout: MaskLayout, out: list
             row=int(trace.batch.qo_indptr[b]) + r,
             column=c,
             field=f"spec.custom_mask[{element}]",
-            evidence=f"spec.custom_mask[{element}] (request {b}, draft row {r}, {_describe_column(trace, b, c)}) = {found_value}, expected {not found_value}; {total} wrong element(s) in all",
+            evidence=f"spec.custom_mask[{element}] (request {b}, draft row {r}, {describe_column(trace, b, c)}) = {found_value}, expected {not found_value}; {total} wrong element(s) in all",
             cause=cause,
             expected=not found_value,
             found=found_value,
@@ -261,8 +262,8 @@ def _compare_draft_blocks(trace: Trace, found: Tensor, field: str, element, out:
             row=int(trace.batch.qo_indptr[b]) + r,
             column=prefix + j,
             field=element(b, r, j).split(" bit")[0],
-            evidence=f"{element(b, r, j)} (request {b}, draft row {r}, {_describe_column(trace, b, prefix + j)}) = {value}, expected {not value}; {total} wrong element(s) in all",
-            cause=_mismatch_cause(trace, b, r, prefix + j, value, found[b]),
+            evidence=f"{element(b, r, j)} (request {b}, draft row {r}, {describe_column(trace, b, prefix + j)}) = {value}, expected {not value}; {total} wrong element(s) in all",
+            cause=mismatch_cause(trace, b, r, prefix + j, value, found[b]),
             expected=not value,
             found=value,
             wrong=total,

@@ -1,8 +1,11 @@
-"""tree-mask on the recorded plan, judged by what its kernel will see, read by the layout its
+"""A verify step's recorded plan, judged by what its kernel will see, read by the layout its
 backend declares (backends/plan_layout.py MaskReading): a mask of FULL or covered-KV blocks, a
 two-call verify's expand tables or a plain causal plan, turned into a PlanVisibility and compared
 with the true visibility (mask-indptr, mask-length, window-ignored, window-offset,
-plan-mask-missing, mask-prefix-hidden, mask-mismatch).
+plan-mask-missing, mask-prefix-hidden, mask-mismatch: the tree-mask detector's findings).
+
+Read by the tree-mask detector (detectors/tree_mask/) and by the mistake model that applies the
+recorded plan's mask (diagnose/mask_models.py).
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ import torch
 from torch import Tensor
 
 from attndbg.backends.plan_layout import ExpandTables, MaskReading, PackedMask, PlanLayout, WindowList
-from attndbg.detector_api.findings import Finding, finding
-from attndbg.detectors.invariants.plan_kv import kv_coverage, plan_layout
-from attndbg.detectors.tree_mask.base import KIND, _as_bool, _describe_column, _mismatch_cause, _tree_block
+from attndbg.detector_api.findings import Finding, FindingClass, finding
+from attndbg.plans.kv import kv_coverage, plan_layout
+from attndbg.plans.tree_blocks import as_bool, describe_column, mismatch_cause, tree_block
 from attndbg.trace.mask_geometry import MaskGeometry
 from attndbg.trace.schema import Trace
 from attndbg.trace.visibility import visibility
+
+KIND = FindingClass.TREE_MASK  # what the plan's kernel would get wrong: the tree-mask detector's finding
 
 
 @dataclass(frozen=True)
@@ -139,7 +144,7 @@ def _mask_view(trace: Trace, layout: PlanLayout, coverage, out: list[Finding]) -
         mask = mask[:end]  # a buffer allocated once at a fixed size: the kernel reads its first `end` elements
     if mask.numel() != end:
         short = mask.numel() < end
-        tail = _as_bool(mask[end:])
+        tail = as_bool(mask[end:])
         stale = int((~tail).sum())  # SGLang fills a FULL mask with True before writing the tree
         out.append(
             finding(
@@ -165,7 +170,7 @@ def _mask_view(trace: Trace, layout: PlanLayout, coverage, out: list[Finding]) -
         if short:
             return None
         mask = mask[:end]
-    bits = _as_bool(mask)
+    bits = as_bool(mask)
     window = _kernel_window(trace, layout.window)
     full = layout.mask is MaskReading.FULL_BLOCKS
     windows = layout.window_list if full else None
@@ -320,7 +325,7 @@ def _compare_plan(trace: Trace, layout: PlanLayout, view: PlanVisibility, out: l
     for b, seen in sorted(view.blocks.items()):
         truth = visibility(trace, b)
         prefix = int(batch.prefix_lens[b])
-        unwindowed = _tree_block(trace, b)
+        unwindowed = tree_block(trace, b)
         # Columns before the plan's KV start are outside every row's window (kv_coverage's rule),
         # so a difference is always in what the plan's kernel will do with what it reads.
         for r, c in torch.nonzero(seen != truth).tolist():
@@ -344,7 +349,7 @@ def _compare_plan(trace: Trace, layout: PlanLayout, view: PlanVisibility, out: l
             cause = "the plan's FULL mask hides prefix columns that the kernel reads; every draft token must see the whole prefix"
         else:
             found_draft = view.blocks[b][:, prefix:] if view.kind != "causal" else None
-            cause = _mismatch_cause(trace, b, r, c, found, found_draft)
+            cause = mismatch_cause(trace, b, r, c, found, found_draft)
         out.append(
             finding(
                 KIND,
@@ -356,7 +361,7 @@ def _compare_plan(trace: Trace, layout: PlanLayout, view: PlanVisibility, out: l
                 field=field,
                 evidence=(
                     f"with the recorded {plan.backend} plan, draft row {r} of request {b} (step row {row}) {'sees' if found else 'cannot see'} "
-                    f"{_describe_column(trace, b, c)}; it should {'not ' if found else ''}see it ({field}); {counts[check]} such (row, column) pair(s)"
+                    f"{describe_column(trace, b, c)}; it should {'not ' if found else ''}see it ({field}); {counts[check]} such (row, column) pair(s)"
                 ),
                 cause=cause,
                 expected=not found,

@@ -1,6 +1,7 @@
 """The per-request KV view of a recorded plan: the slot or page ids each request's kernel reads,
 read by the layout its backend declares (`Backend.plan_layout`, backends/plan_layout.py), and the
 columns of the request's KV row they cover (`kv_coverage`, used by invariants and tree-mask).
+A plan whose KV structure is broken is reported as the invariants detector's finding.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from attndbg.backends import registry
 from attndbg.backends.plan_layout import KvEnd, KvIds, PlanLayout
 from attndbg.backends.plan_view import PlanUnreadable, PlanViewError
 from attndbg.detector_api.findings import Finding, finding
-from attndbg.detectors.invariants.base import KIND
-from attndbg.detectors.invariants.indptr import _indptr_shape, _is_indptr
+from attndbg.plans.offsets import KIND, indptr_shape, is_indptr
 from attndbg.trace.schema import ForwardMode, Plan, Trace
 
 
@@ -32,7 +32,7 @@ class _Segment:
 
 
 @dataclass
-class _KvView:
+class KvView:
     layout: PlanLayout
     page_size: int  # 1 for slot ids
     segments: list[_Segment]
@@ -97,7 +97,7 @@ def _unreadable(trace: Trace, plan: Plan) -> bool:
     return False
 
 
-def _kv_view(trace: Trace, plan: Plan, t: dict[str, Tensor], sane: set[str], out: list[Finding]) -> _KvView | None:
+def kv_view(trace: Trace, plan: Plan, t: dict[str, Tensor], sane: set[str], out: list[Finding]) -> KvView | None:
     layout = plan_layout(trace, plan)
     # An incomplete plan is not read per request: how its layout reads it may hang on the missing
     # field (fa3's verify_path picks one call or two), so what it would say is a guess. The verdict
@@ -133,7 +133,7 @@ def _kv_view(trace: Trace, plan: Plan, t: dict[str, Tensor], sane: set[str], out
                 )
                 return None
             segments.append(_Segment(table[b, :pages], int(lens[b]), f"plan.{table_name}", 0, row=b))
-        return _KvView(layout, ps, segments, ends, lens_name, layout.length_field)
+        return KvView(layout, ps, segments, ends, lens_name, layout.length_field)
     if layout.count not in sane or layout.ids not in t:
         return None
     indptr, indices = t[layout.count], t[layout.ids]
@@ -169,7 +169,7 @@ def _kv_view(trace: Trace, plan: Plan, t: dict[str, Tensor], sane: set[str], out
         else:
             length = None
         segments.append(_Segment(indices[lo:hi], length, f"plan.{layout.ids}", lo))
-    return _KvView(layout, ps, segments, ends, layout.count, layout.length_field)
+    return KvView(layout, ps, segments, ends, layout.count, layout.length_field)
 
 
 def kv_coverage(trace: Trace) -> list[tuple[int, int] | None] | None:
@@ -181,14 +181,14 @@ def kv_coverage(trace: Trace) -> list[tuple[int, int] | None] | None:
         return None
     scratch: list[Finding] = []
     tensors = {name: v.to(torch.int64) for name, v in plan.tensors.items() if not (v.is_floating_point() or v.is_complex())}
-    sane = {name for name in tensors if not _is_indptr(name) or _indptr_shape(trace, name, tensors[name], scratch)}
-    view = _kv_view(trace, plan, tensors, sane, scratch)
+    sane = {name for name in tensors if not is_indptr(name) or indptr_shape(trace, name, tensors[name], scratch)}
+    view = kv_view(trace, plan, tensors, sane, scratch)
     if view is None or view.requests < trace.batch.batch_size:
         return None
-    return [_coverage(trace, view, b) for b in range(trace.batch.batch_size)]
+    return [request_coverage(trace, view, b) for b in range(trace.batch.batch_size)]
 
 
-def _coverage(trace: Trace, view: _KvView, b: int) -> tuple[int, int] | None:
+def request_coverage(trace: Trace, view: KvView, b: int) -> tuple[int, int] | None:
     """(start, end) of request b's columns that the plan covers, or None when its length fits no rule.
 
     The covered columns end at the prefix or at the whole row (by the layout and mode); with a
@@ -200,12 +200,12 @@ def _coverage(trace: Trace, view: _KvView, b: int) -> tuple[int, int] | None:
     length = seg.length if seg.length is not None else seg.units.numel() * view.page_size
     for kind in view.ends:
         start = ends[kind] - length
-        if 0 <= start <= _needed_start(trace, b) and start % view.page_size == 0:
+        if 0 <= start <= needed_start(trace, b) and start % view.page_size == 0:
             return start, ends[kind]
     return None
 
 
-def _needed_start(trace: Trace, b: int) -> int:
+def needed_start(trace: Trace, b: int) -> int:
     """The first column of request b's row that any of its queries may see."""
     batch, window = trace.batch, trace.model.sliding_window
     if window < 0:
