@@ -52,7 +52,12 @@ def events(processes: Sequence[Matched]) -> list[dict[str, Any]]:
             out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": "host: attndbg ranges, launches"}})
         for range_ in records.ranges:
             named = range_names.names(range_, matched.ranges)
-            args = {"message": range_.message, "phase": named.phase, "step": named.step, "backend": named.backend, "variant": named.variant}
+            # range_id / parent_id: unique in their process (pid); messages are not (a graph replay's
+            # `replay batch=real` reads the same under every backend).
+            args = {
+                "message": range_.message, "range_id": range_.id, "parent_id": range_.parent,
+                "phase": named.phase, "step": named.step, "backend": named.backend, "variant": named.variant,
+            }
             if named.detector:
                 args["detector"] = named.detector
             if named.batch:
@@ -77,6 +82,7 @@ def events(processes: Sequence[Matched]) -> list[dict[str, Any]]:
             args = {
                 "correlation_id": kernel.correlation_id, "device": kernel.device, "stream": kernel.stream,
                 "range": launched.range.message if launched.range is not None else None,
+                "range_id": launched.range.id if launched.range is not None else None,
             }
             if kernel.graph_id:
                 args["graph_id"] = kernel.graph_id
@@ -97,7 +103,8 @@ def events(processes: Sequence[Matched]) -> list[dict[str, Any]]:
                 launch_rows[call.correlation_id] = launched.range.thread_id
                 out.append({
                     "ph": "X", "cat": "cuda_api", "name": call.name, "pid": pid, "tid": launched.range.thread_id,
-                    "ts": _us(call.start, origin), "dur": _us(call.end, call.start), "args": {"correlation_id": call.correlation_id},
+                    "ts": _us(call.start, origin), "dur": _us(call.end, call.start),
+                    "args": {"correlation_id": call.correlation_id, "range_id": launched.range.id},
                 })
                 flow += 1
                 out.append({"ph": "s", "cat": "launch", "name": "launch", "id": flow, "pid": pid, "tid": launched.range.thread_id, "ts": _us(call.start, origin)})
@@ -109,7 +116,7 @@ def events(processes: Sequence[Matched]) -> list[dict[str, Any]]:
             for call in calls:  # recorded into a graph under capture: its replays run the kernel
                 out.append({
                     "ph": "X", "cat": "cuda_api,captured", "name": call.name, "pid": pid, "tid": range_.thread_id,
-                    "ts": _us(call.start, origin), "dur": _us(call.end, call.start), "args": {"correlation_id": call.correlation_id, "captured": True},
+                    "ts": _us(call.start, origin), "dur": _us(call.end, call.start), "args": {"correlation_id": call.correlation_id, "range_id": range_.id, "captured": True},
                 })
         for (device, stream), row in rows.items():
             out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": row, "args": {"name": f"GPU {device} stream {stream}"}})

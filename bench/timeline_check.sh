@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# --timeline on the GPU (issue 25): the enclosure test, timeline files of a replay, and the cost.
+#
+# Here (the CPU machine), once: wheels for the device, cupti-python among them (resolved to
+# cupti_python-13.0.1 for the CUDA 13.0 driver; the image already has cuda-bindings and
+# nvidia-cuda-cupti, which it needs):
+#     EXTRA_WHEELS="cupti-python==13.0.*" bash ../shared/gpu/pack.sh
+# On the device, two calls on one warm machine (each within the 10-minute limit; the second reuses
+# the FlashInfer modules the first built):
+#     run(command="bash .gpu/env.sh bash bench/timeline_check.sh $OUT test", carry=[".gpu"], timeout_s=600)
+#     run(command="bash .gpu/env.sh bash bench/timeline_check.sh $OUT cost", carry=[".gpu"], timeout_s=600)
+# Back in $OUT: from `test`, replay_traces_all_eager.json, replay_traces_all_graph.json,
+# check_traces_jobs2.json (open in https://ui.perfetto.dev), timeline_check.txt (per command: the
+# counts the test checked, any problem, the printed summary), pytest.log; from `cost`,
+# timeline_cost.txt.
+set -uo pipefail
+out=${1:?usage: timeline_check.sh OUT_DIR test|cost}
+what=${2:?usage: timeline_check.sh OUT_DIR test|cost}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 ATTNDBG_TIMELINE_OUT="$out"
+python3 -c "import cupti.cupti as c, importlib.metadata as m; print('cupti-python', m.version('cupti-python'), 'CUPTI API', c.get_version())" || exit 1
+
+if [ "$what" = test ]; then
+  # FlashInfer's modules for the shipped traces, built at once (else the first replay compiles them one by one).
+  timeout 200 attndbg compile traces 2>&1 | tail -3
+  # 1. The enclosure test: replay traces/ --backend all, eager and --cuda-graph; check traces/ --jobs 2.
+  timeout 360 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_timeline.py 2>&1 | tee "$out/pytest.log" | tail -15
+  exit 0
+fi
+
+# 2. The cost of --timeline per step: a server-shaped recording (metadata-only decode steps, bs 1-64,
+# kv 1-8192), checked as users run it, without and with --timeline (a warm-up run first, then
+# alternating), wall time of the whole command.
+rec=/tmp/timeline_rec
+[ -d "$rec" ] || python3 bench/scale_recording.py "$rec" --steps 200 >/dev/null
+run() { local s=$EPOCHREALTIME; timeout 110 attndbg check "$rec" --backend triton,flashinfer,fa3 "$@" >/dev/null 2>/tmp/timeline_err.txt; local rc=$?; awk -v a="$s" -v b="$EPOCHREALTIME" -v rc=$rc 'BEGIN { printf "%.1f s (exit %d)", b - a, rc }'; }
+{
+  echo "attndbg check $rec (200 steps) --backend triton,flashinfer,fa3: wall seconds"
+  echo "warm-up:        $(run)"
+  for i in 1 2; do
+    echo "plain $i:        $(run)"
+    echo "--timeline $i:   $(run --timeline /tmp/timeline_cost.json)"
+    grep -A12 '^timeline: ' /tmp/timeline_err.txt | head -14
+  done
+  ls -la /tmp/timeline_cost.json
+} 2>&1 | tee "$out/timeline_cost.txt"

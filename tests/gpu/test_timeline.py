@@ -1,0 +1,73 @@
+"""`--timeline` on a real GPU (issue 25): attndbg's ranges enclose the kernels they launched.
+
+Each command runs in its own process (CUPTI is per process) over every shipped trace with
+`--backend all`, eager and under `--cuda-graph`, and the file it writes is read by
+tests/timeline/enclosure.py: every kernel launched inside exactly one attndbg range naming step,
+backend, variant and phase; CUPTI's NVTX records agreeing; each graph replay one cudaGraphLaunch
+running the captured node set. A check over worker processes writes one file with a pid per
+worker. Set ATTNDBG_TIMELINE_OUT=DIR to keep the files and the counts (bench/timeline_check.sh).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.timeline import enclosure
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(importlib.util.find_spec("cupti") is None, reason="needs cupti-python (pip install 'attndbg[timeline]')"),
+]
+
+TRACES = Path(__file__).resolve().parents[2] / "traces"
+
+
+def _run(args: list[str], timeline: Path, name: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "attndbg", *args, "--timeline", str(timeline)], capture_output=True, text=True, timeout=900)
+    assert proc.returncode in (0, 1, 3), f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "timeline: " in proc.stderr, proc.stderr[-3000:]
+    doc = json.loads(timeline.read_text())
+    report = enclosure.check(doc)
+    keep = os.environ.get("ATTNDBG_TIMELINE_OUT")
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        shutil.copy(timeline, Path(keep) / f"{name}.json")
+        summary = proc.stderr[proc.stderr.index("timeline: "):]
+        with open(Path(keep) / "timeline_check.txt", "a") as f:
+            f.write(f"== {name}: attndbg {' '.join(args)}\n{report.line()}\n" + "".join(f"PROBLEM {p}\n" for p in report.problems) + summary + "\n")
+    print(name, report.line())
+    return {"doc": doc, "report": report}
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda-graph"])
+def test_replay_ranges_enclose_their_kernels(tmp_path: Path, graph: bool) -> None:
+    name = "replay_traces_all" + ("_graph" if graph else "_eager")
+    args = ["replay", str(TRACES), "--backend", "all"] + (["--cuda-graph"] if graph else [])
+    result = _run(args, tmp_path / "t.json", name)
+    report = result["report"]
+    assert report.problems == [], "\n".join(report.problems[:40])
+    assert report.kernels > 0 and report.kernels_by_phase["run"] > 0
+    steps = {e["args"]["step"] for e in result["doc"]["traceEvents"] if e.get("cat") == "attndbg"}
+    assert len(steps) >= len(list(TRACES.glob("*.pt"))), steps  # every shipped step replayed, its ranges named
+    if graph:
+        assert report.graph_replays > 0 and report.kernels_by_phase["replay"] > 0
+    else:
+        assert report.graph_replays == 0
+
+
+def test_check_workers_merge_into_one_file(tmp_path: Path) -> None:
+    result = _run(["check", str(TRACES), "--jobs", "2"], tmp_path / "t.json", "check_traces_jobs2")
+    report = result["report"]
+    assert report.problems == [], "\n".join(report.problems[:40])
+    names = [e["args"]["name"] for e in result["doc"]["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
+    workers = [n for n in names if n.startswith("attndbg check worker")]
+    assert len(workers) >= 2, names  # a pid per worker
+    assert report.kernels > 0

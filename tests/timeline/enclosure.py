@@ -1,0 +1,104 @@
+"""Do attndbg's ranges enclose the kernels they launched? Read from a `--timeline` file alone, so
+the GPU test (tests/gpu/test_timeline.py) and its CPU test (test_enclosure.py) read the same.
+
+Claims checked:
+- every kernel was launched inside an attndbg range (its `range_id`), which names the step and
+  its phase; a range inside a backend's (plan, run, capture+replay and a graph replay's parts)
+  names the backend and the variant (eager, recorded plan, graph bs=N fill=V). The step's shared
+  data and float64 reference (`data`, `reference`) belong to no backend;
+- CUPTI's NVTX records (what nsys draws) put every kernel's launch in the same range;
+- each graph replay range holds exactly one cudaGraphLaunch, the kernels carrying its correlation
+  id are graph nodes, the same node set for every replay of one capture, as many as the launches
+  captured beside it; no graph node runs outside a replay range.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+SHARED_PHASES = ("data", "reference", "compare")  # one step's data, shared by every backend
+GRAPH_LAUNCH = ("cudaGraphLaunch", "cuGraphLaunch")
+
+
+@dataclass
+class Report:
+    kernels: int = 0
+    ranges: int = 0
+    processes: int = 0
+    graph_replays: int = 0
+    kernels_by_phase: Counter = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        phases = ", ".join(f"{phase} {n}" for phase, n in sorted(self.kernels_by_phase.items()))
+        return f"{self.kernels} kernels in {self.ranges} ranges of {self.processes} process(es), {self.graph_replays} graph replays ({phases})"
+
+
+def check(doc: dict[str, Any]) -> Report:
+    events = doc["traceEvents"]
+    report = Report()
+    ranges = {(e["pid"], e["args"]["range_id"]): e for e in events if e["ph"] == "X" and e.get("cat") == "attndbg"}
+    kernels = [e for e in events if e["ph"] == "X" and e.get("cat", "").startswith("kernel")]
+    launches = [e for e in events if e["ph"] == "X" and e.get("cat", "").startswith("cuda_api")]
+    report.ranges, report.kernels = len(ranges), len(kernels)
+    report.processes = len({e["pid"] for e in kernels} | {pid for pid, _ in ranges})
+    for k in kernels:
+        where = f"kernel {k['name']} (pid {k['pid']}, correlation {k['args']['correlation_id']})"
+        rid = k["args"].get("range_id")
+        if rid is None:
+            report.problems.append(f"{where} was launched outside every attndbg range")
+            continue
+        r = ranges.get((k["pid"], rid))
+        if r is None:
+            report.problems.append(f"{where} names range {rid}, which is not in the file")
+            continue
+        a = r["args"]
+        report.kernels_by_phase[a["phase"]] += 1
+        if not a["step"]:
+            report.problems.append(f"{where} ran in {a['message']!r}, which names no step")
+        if a["backend"] and a["phase"] not in SHARED_PHASES and not a["phase"].startswith(("backend/", "detector/")) and not a["variant"]:
+            report.problems.append(f"{where} ran in {a['message']!r} of backend {a['backend']}, which names no variant")
+        if k["args"].get("graph_id") and not (a["phase"] == "replay" and a["variant"].startswith("graph")):
+            report.problems.append(f"{where} is a graph node but ran in {a['message']!r}, not a graph replay range")
+    attndbg = doc["otherData"]["attndbg"]
+    if kernels and not attndbg["nvtx_markers"]:
+        report.problems.append("no NVTX marker reached CUPTI: the NVTX ranges were not checked against the launches")
+    if attndbg["nvtx_disagreements"]:
+        report.problems.append(f"{attndbg['nvtx_disagreements']} kernels sit in another NVTX range than the one attndbg pushed for them")
+    _check_graphs(ranges, kernels, launches, report)
+    return report
+
+
+def _check_graphs(ranges: dict, kernels: list, launches: list, report: Report) -> None:
+    graph_launches = defaultdict(list)
+    for e in launches:
+        if e["name"].startswith(GRAPH_LAUNCH):
+            graph_launches[(e["pid"], e["args"]["range_id"])].append(e)
+    nodes_of = defaultdict(set)
+    for k in kernels:
+        if k["args"].get("graph_id"):
+            nodes_of[(k["pid"], k["args"]["correlation_id"])].add((k["args"]["graph_id"], k["args"]["graph_node_id"]))
+    by_parent: dict[tuple[int, int], list[set]] = defaultdict(list)
+    for key, r in ranges.items():
+        a = r["args"]
+        if a["phase"] != "replay" or not a["variant"].startswith("graph"):
+            continue
+        report.graph_replays += 1
+        calls = graph_launches.get(key, [])
+        if len(calls) != 1:
+            report.problems.append(f"graph replay range {a['message']!r} (pid {key[0]}) holds {len(calls)} graph launches, not one")
+            continue
+        nodes = nodes_of.get((key[0], calls[0]["args"]["correlation_id"]), set())
+        by_parent[(key[0], a["parent_id"])].append(nodes)
+    for (pid, parent), node_sets in by_parent.items():
+        captures = [r["args"] for (p, _), r in ranges.items() if p == pid and r["args"]["parent_id"] == parent and r["args"]["phase"] == "capture"]
+        captured = captures[0].get("captured_launches", 0) if len(captures) == 1 else None
+        what = ranges[(pid, parent)]["args"]["message"] if (pid, parent) in ranges else f"range {parent}"
+        if any(nodes != node_sets[0] for nodes in node_sets):
+            report.problems.append(f"the replays of {what!r} ran different node sets: {[len(n) for n in node_sets]}")
+        if captured is None:
+            report.problems.append(f"{what!r} has {len(captures)} capture ranges, not one")
+        elif captured != len(node_sets[0]):
+            report.problems.append(f"{what!r}: {captured} kernel launches captured, but each replay ran {len(node_sets[0])} nodes")
