@@ -1,0 +1,168 @@
+"""The options more than one command takes, declared once (each with the parser of its value):
+--backend, --backend-option, --json, --steps/--sample, --max-memory, --jobs/--devices, --only,
+--layer. What differs between commands is the help (what the option means there) and, for
+--backend, the default; both are arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from attndbg.cli.common import F, BadInput
+from attndbg.suggest import did_you_mean
+
+
+def _option(*decls: str, **attrs: Any) -> Callable[[F], F]:
+    return click.option(*decls, **attrs)  # type: ignore[return-value]
+
+
+def backend(help: str, default: str | None = None) -> Callable[[F], F]:
+    """--backend NAME[,NAME...]|all (parse_backends): the kernel backends a command runs; a default is shown."""
+    shown = {"show_default": True} if default is not None else {}
+    return _option("--backend", "backend_spec", default=default, help=help, **shown)
+
+
+def backend_option() -> Callable[[F], F]:
+    """--backend-option NAME.FIELD=VALUE, repeatable (parse_backend_options)."""
+    return _option("--backend-option", "backend_option_specs", multiple=True, metavar="NAME.FIELD=VALUE", help=BACKEND_OPTION_HELP)
+
+
+def json_output(what: str, schema: str) -> Callable[[F], F]:
+    """--json FILE (- for stdout): the command's result as JSON, beside what it prints."""
+    return _option("--json", "json_path", type=click.Path(dir_okay=False, allow_dash=True), help=f"also write the {what} as JSON ({schema}; - for stdout)")
+
+
+def json_report(what: str, schema: str) -> Callable[[F], F]:
+    """--json [FILE]: a report command's JSON instead of its table, to stdout without FILE."""
+    return _option(
+        "--json", "json_path", is_flag=False, flag_value="-", default=None, type=click.Path(dir_okay=False, allow_dash=True), help=f"write {what} as JSON ({schema}) to FILE, or to stdout when no FILE is given"
+    )
+
+
+def steps(help: str) -> Callable[[F], F]:
+    """--steps A:B (parse_step_selection; record parses its own with record.options.parse_steps)."""
+    return _option("--steps", "steps_spec", default=None, help=help)
+
+
+def sample() -> Callable[[F], F]:
+    """--sample N: N steps evenly spread over the (selected) recording."""
+    return _option("--sample", type=click.IntRange(min=1), default=None, help="only N steps, evenly spread over the (selected) recording")
+
+
+def max_memory(help: str) -> Callable[[F], F]:
+    """--max-memory SIZE (parse_max_memory)."""
+    return _option("--max-memory", "max_memory_spec", default=None, metavar="SIZE", help=help)
+
+
+def jobs() -> Callable[[F], F]:
+    """--jobs N|auto, -j (parse_jobs): worker processes checking steps."""
+    return _option(
+        "--jobs", "-j", "jobs_spec", default="auto", show_default=True, help="worker processes checking steps in parallel, or auto: one per 50 steps, per 2 cores, at most 8 per GPU (each worker loads every kernel module itself)"
+    )
+
+
+def devices() -> Callable[[F], F]:
+    """--devices 0,1 (parse_devices): the GPUs of the workers."""
+    return _option("--devices", "devices_spec", default=None, help="GPUs for the workers, e.g. 0,1 (default: every visible GPU)")
+
+
+def only(help: str) -> Callable[[F], F]:
+    """--only KIND[,KIND...]: detectors by kind (each command parses it for what it runs)."""
+    return _option("--only", default=None, metavar="KIND[,KIND...]", help=help)
+
+
+def layer() -> Callable[[F], F]:
+    """--layer N: whose recorded tensors a step is replayed with (replay.data_layer)."""
+    return _option("--layer", type=int, default=None, help="use this recorded layer's tensors (default: the first recorded layer, else seeded data)")
+
+
+def parse_backends(spec: str) -> list[str]:
+    """--backend NAME[,NAME...] or all -> names; an unknown name is bad input."""
+    from attndbg.backends import registry
+
+    try:
+        names = registry.resolve(spec)
+    except KeyError as e:
+        known = registry.backend_names()
+        raise BadInput(f"--backend: unknown backend {e.args[0]!r}{did_you_mean(e.args[0], known)}; known: {', '.join(known)}") from None
+    if not names:
+        raise BadInput(f"--backend {spec!r}: names no backend; known: {', '.join(registry.backend_names())}, or all")
+    return names
+
+
+BACKEND_OPTION_HELP = "NAME.FIELD=VALUE, repeatable: a field of that backend's options, e.g. fa3.verify_path=two-call, flashinfer.extend_path=paged, mla.impl=flashmla, triton.num_kv_splits=1"
+
+
+def parse_backend_options(specs: tuple[str, ...], num_kv_splits: int | None = None) -> Any:
+    """--backend-option NAME.FIELD=VALUE... (and --num-kv-splits N, the same as
+    triton.num_kv_splits=N) -> BackendOptions; what each backend takes is its options dataclass."""
+    from attndbg.backends import options as backend_options
+
+    if num_kv_splits is not None:
+        if any(spec.strip().startswith("triton.num_kv_splits=") for spec in specs):
+            raise BadInput("--num-kv-splits and --backend-option triton.num_kv_splits set the same thing: give one")
+        specs = (*specs, f"triton.num_kv_splits={num_kv_splits}")
+    try:
+        return backend_options.parse(specs)
+    except backend_options.OptionError as e:
+        raise BadInput(str(e)) from None
+
+
+def parse_step_selection(steps_spec: str | None, sample: int | None) -> Any:
+    from attndbg.checks.run import StepSelection
+    from attndbg.record.options import OptionError, parse_steps
+
+    start = stop = None
+    if steps_spec:
+        try:
+            start, stop = parse_steps(steps_spec)
+        except OptionError as e:
+            raise BadInput(str(e)) from None
+    return StepSelection(start=start, stop=stop, sample=sample)
+
+
+def parse_max_memory(spec: str | None) -> int | None:
+    """--max-memory 8G -> bytes; None: bounded by what the device has free."""
+    from attndbg.record.options import OptionError, parse_size
+
+    if spec is None:
+        return None
+    try:
+        return parse_size(spec, "--max-memory")
+    except OptionError as e:
+        raise BadInput(str(e)) from None
+
+
+def parse_jobs(spec: str) -> int | None:
+    """--jobs N (N >= 1) or auto (None)."""
+    if spec.strip().lower() == "auto":
+        return None
+    try:
+        jobs = int(spec)
+    except ValueError:
+        raise BadInput(f"--jobs: expected a number of worker processes or auto, got {spec!r}") from None
+    if jobs < 1:
+        raise BadInput(f"--jobs: expected at least 1, got {jobs}")
+    return jobs
+
+
+def parse_devices(spec: str | None) -> tuple[int, ...] | None:
+    """--devices 0,1 -> (0, 1); default: every visible GPU (None without one)."""
+    from attndbg import machine
+
+    if spec is None:
+        if not machine.cuda_available():
+            return None
+        import torch
+
+        return tuple(range(torch.cuda.device_count()))
+    try:
+        devices = tuple(int(d) for d in spec.split(",") if d.strip())
+    except ValueError:
+        raise BadInput(f"--devices: expected comma-separated GPU numbers such as 0,1, got {spec!r}") from None
+    if not devices or min(devices) < 0:
+        raise BadInput(f"--devices: expected comma-separated GPU numbers such as 0,1, got {spec!r}")
+    return devices

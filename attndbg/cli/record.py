@@ -1,0 +1,86 @@
+"""`attndbg record`: an engine command run with recording hooks."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from attndbg.cli import options
+from attndbg.cli.common import EXIT_NOT_RECORDED, BadInput, handles_bad_input
+from attndbg.cli.group import main
+from attndbg.suggest import did_you_mean
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("-o", "--output", "out_dir", default="recording", show_default=True, type=click.Path(file_okay=False), help="recording directory (manifest.jsonl + one .pt per step)")
+@click.option("--append", is_flag=True, help="add this run's steps to an existing recording (files named run<N>_step_*.pt)")
+@click.option("--overwrite", is_flag=True, help="replace an existing recording in the directory")
+@click.option("--every", type=click.IntRange(min=1), default=1, show_default=True, help="record every N-th step")
+@options.steps("record only steps A <= step < B (A:B, A:, :B)")
+@click.option("--layers", default=None, help="also record real tensors (q, new k/v, KV rows read, output) of these layers, e.g. 0,5")
+@click.option("--max-size", default="2G", show_default=True, help="stop recording (not the engine) when the directory holds this much")
+@click.option("--engine", "engines", default="transformers,sglang,vllm", show_default=True, help="engines to hook")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+@handles_bad_input
+def record(
+    out_dir: str,
+    append: bool,
+    overwrite: bool,
+    every: int,
+    steps_spec: str | None,
+    layers: str | None,
+    max_size: str,
+    engines: str,
+    command: tuple[str, ...],
+) -> None:
+    """Run an engine command with recording hooks and write each step as a trace.
+
+    Hooks are armed in every Python process the command starts (schedulers, workers); a hook that
+    fails logs one line and stops recording, the engine goes on. A directory that already holds
+    files is refused unless --append or --overwrite. Exit code: the command's, or 4 when it exited 0
+    but no step was recorded because a hook failed (the hook and its error are named).
+
+    \b
+    Examples:
+      attndbg record -o rec -- python -m sglang.launch_server --model-path ...
+      attndbg record -o rec --layers 0 --steps 0:20 -- python my_generate.py
+      attndbg check rec && attndbg replay rec/step_000003.pt --backend all
+    """
+    from attndbg.record.launch import missing_layers, prepare_directory, run_recorded
+    from attndbg.record.options import OptionError, RecordOptions, parse_layers, parse_size, parse_steps
+
+    known = ("transformers", "sglang", "vllm")
+    chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
+    unknown = [e for e in chosen if e not in known]
+    if unknown or not chosen:
+        hint = did_you_mean(unknown[0], known) if unknown else ""
+        raise BadInput(f"--engine: unknown engine {unknown[0] if unknown else engines!r}{hint}; known: {', '.join(known)}")
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise BadInput("record: no command given (attndbg record [OPTIONS] -- COMMAND ...)")
+    try:
+        first, last = parse_steps(steps_spec)
+        chosen_layers, max_bytes = parse_layers(layers), parse_size(max_size)
+        # Last: --overwrite deletes the earlier recording, only once every option is known good.
+        prefix = prepare_directory(out_dir, append=append, overwrite=overwrite)
+        options = RecordOptions(
+            out_dir=out_dir, every=every, first_step=first, last_step=last, layers=chosen_layers, max_bytes=max_bytes, engines=chosen, file_prefix=prefix
+        )
+    except OptionError as e:
+        raise BadInput(str(e)) from None
+    try:
+        result = run_recorded(list(command), options)
+    except FileNotFoundError:
+        raise BadInput(f"record: command not found: {command[0]}") from None
+    modes = sorted({e.mode for e in result.entries})
+    click.echo(f"attndbg record: {len(result.entries)} step(s) in {result.out_dir} ({', '.join(modes) or 'no steps'}); command exited {result.exit_code}", err=True)
+    never = missing_layers(options, result.entries)
+    if never:
+        click.echo(f"attndbg record: note: --layers {','.join(map(str, never))}: no step recorded tensors of these layers (does the model have that many layers?)", err=True)
+    if result.problems:
+        more = f" (and {len(result.problems) - 1} more process(es) stopped)" if len(result.problems) > 1 else ""
+        what = "no step recorded" if not result.entries else "recording stopped early"
+        click.echo(f"attndbg record: {what}: {result.problems[0]}{more}", err=True)
+    sys.exit(EXIT_NOT_RECORDED if result.hook_failed_before_any_step else result.exit_code)

@@ -1,0 +1,120 @@
+"""Commands that make a failure small and standalone: minimize (shrink a failing step) and repro (a
+script calling only the kernel library).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from attndbg.cli import options
+from attndbg.cli.common import BadInput, check_outputs, handles_bad_input
+from attndbg.cli.group import main
+from attndbg.cli.options import parse_backend_options, parse_backends
+from attndbg.cli.replay import data_layer
+from attndbg.suggest import did_you_mean
+
+
+@main.command()
+@click.argument("trace", type=click.Path())
+@options.backend("the one backend whose failure to keep", default="triton")
+@click.option("--finding", "finding_spec", default=None, metavar="CLASS[/check]", help="the failure to keep: a detector's class (and check), backend-crash, or replay (the replay fails the float64 reference); default: the step's first crash, else its first defect, hazard, replay failure")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="the smallest step, as a trace file")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=2, show_default=True, help="candidates checked at once, each in a fresh worker process")
+@options.only("detectors the step's first check runs (as check --only; default: the --finding class's, else every default detector and the replay)")
+@options.backend_option()
+@handles_bad_input
+def minimize(trace: str, backend_spec: str, finding_spec: str | None, output: str, jobs: int, only: str | None, backend_option_specs: tuple[str, ...]) -> None:
+    """Shrink a failing step (requests, padded rows, heads, cached columns) while it shows the same
+    failure, of the same kind: a crash stays the same crash, a finding the same class and check.
+    Each candidate is checked in a fresh worker process; a recorded plan keeps its mistakes.
+
+    \b
+    Example:
+      attndbg synth decode-gqa --inject invariants:wrong-req-row -o bad.pt
+      attndbg minimize bad.pt --backend triton --finding invariants/kv-index -o small.pt
+    """
+    from attndbg.detector_api.context import CheckOptions
+    from attndbg.detector_api.findings import FindingClass
+    from attndbg.detectors import registry as detectors
+    from attndbg.minimize.search import MinimizeOptions, NothingToKeep, minimize as run_minimize
+    from attndbg.minimize.target import REPLAY, parse_wanted
+    from attndbg.report.minimize import render_outcome
+    from attndbg.trace import io
+
+    names = parse_backends(backend_spec)
+    if len(names) != 1 or names[0] == "reference":
+        raise BadInput(f"--backend {backend_spec}: minimize keeps one kernel backend's failure; name one (e.g. triton)")
+    wanted = parse_wanted(finding_spec)
+    classes = [*detectors.names(), FindingClass.BACKEND_CRASH.value, REPLAY.value]
+    if wanted[0] is not None and wanted[0] not in classes:
+        raise BadInput(f"--finding: unknown class {wanted[0]!r}{did_you_mean(wanted[0], classes)}; classes: {', '.join(classes)}")
+    detector_names = tuple(n.strip() for n in (only or "").split(",") if n.strip())
+    unknown = [n for n in detector_names if n not in classes]
+    if unknown:
+        raise BadInput(f"--only: unknown detector {unknown[0]!r}{did_you_mean(unknown[0], classes)}; detectors: {', '.join(detectors.names())}, replay")
+    check_outputs(output=output)
+    io.load(trace)  # unreadable: bad input, before any worker starts
+    options = MinimizeOptions(
+        backend=names[0], wanted=wanted, jobs=jobs, only=detector_names, check=CheckOptions(backends=(names[0],), backend_options=parse_backend_options(backend_option_specs))
+    )
+    try:
+        outcome = run_minimize(trace, options, say=lambda line: click.echo(f"minimize: {line}", err=True))
+    except NothingToKeep as e:
+        raise BadInput(str(e)) from None
+    io.save(outcome.trace, output)
+    click.echo(render_outcome(outcome, names[0], output))
+
+
+@main.command()
+@click.argument("trace", type=click.Path(), metavar="TRACE|DIR")
+@options.backend("the backend whose calls the script makes (triton or flashinfer)", default="triton")
+@click.option("--step", "step_number", type=int, default=None, help="a recording's step, by its number (default: a file's only step; a DIR needs it)")
+@click.option("--plan", "plan_source", type=click.Choice(["recorded", "derived"]), default=None, help="the plan the script runs (default: the recorded one when the trace holds one of this backend, else derived)")
+@options.layer()
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="the script to write (its tensors go beside it as .pt when too large to embed)")
+@handles_bad_input
+def repro(trace: str, backend_spec: str, step_number: int | None, plan_source: str | None, layer: int | None, output: str) -> None:
+    """Write a standalone script (torch and the kernel library only, no attndbg) that makes the
+    library calls the adapter makes for one step and checks them against an inline float64
+    reference: exit 1 when it reproduces, 0 when not.
+
+    \b
+    Example:
+      attndbg synth decode-mha --inject invariants:wrong-req-row -o bad.pt
+      attndbg repro bad.pt --backend triton -o repro.py && python repro.py
+    """
+    from attndbg.repro.script import build, write
+    from attndbg.trace import io
+
+    names = parse_backends(backend_spec)
+    if len(names) != 1:
+        raise BadInput(f"--backend {backend_spec}: a script calls one library; name one (triton or flashinfer)")
+    check_outputs(output=output)
+    path = _repro_step(trace, step_number)
+    loaded = io.load(path)
+    chosen_layer, _ = data_layer(loaded, layer, str(path), single=True)
+    try:
+        script = build(loaded, names[0], plan_source=plan_source, layer=chosen_layer, source_name=str(path))
+    except (ValueError, NotImplementedError) as e:
+        raise BadInput(f"{path}: {e}") from None
+    written = write(script, output)
+    where = "embedded" if script.embedded else f"in {written[-1]}"
+    click.echo(f"wrote {output} ({script.plan_source} plan, tensors {where}): python {output} exits 1 when it reproduces, 0 when not")
+
+
+def _repro_step(target: str, step_number: int | None) -> Path:
+    """The step file `repro` writes a script for: TRACE itself, or step N of a recording DIR."""
+    from attndbg.checks.run import select_paths
+    from attndbg.trace import io
+
+    if not Path(target).is_dir():
+        return Path(target)
+    if step_number is None:
+        raise BadInput(f"{target}: a recording; name the step with --step N")
+    paths = select_paths(target)
+    numbered = {e.step: Path(target) / e.file for e in io.read_manifest(target)} if (Path(target) / io.MANIFEST).exists() else dict(enumerate(paths))
+    if step_number not in numbered:
+        raise BadInput(f"{target}: --step {step_number} is not one of its steps ({min(numbered, default=0)}..{max(numbered, default=-1)})")
+    return numbered[step_number]
