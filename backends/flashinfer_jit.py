@@ -9,19 +9,22 @@ Which modules a call needs is FlashInfer's own decision (backend "auto", the FA2
 the paged-stride module it loads lazily, tensor-core decode through the prefill module, ...). Rather
 than restate it, `watching_modules` runs code with `JitSpecNvcc.build_and_load` answering
 `ModuleNotBuilt` for any module that is not on disk: the call fails before any kernel of that module
-runs, and the module's spec is noted. `build` then compiles the noted specs together with
-`flashinfer.jit.build_jit_specs` (one ninja over every source of every module, on every core). A
-failed call hides the modules it would have loaded after the missing one, so callers repeat until
-nothing new is noted (attndbg/checks/precompile.py).
+runs, and the module's spec is noted; `build_files` writes each noted module's build file. `build`
+then compiles them together, as `flashinfer.jit.build_jit_specs` does (one ninja over every source of
+every module, on every core), in whatever process gathered them (check's parent, which never starts
+CUDA). A failed call hides the modules it would have loaded after the missing one, so callers repeat
+until nothing new is noted (attndbg/checks/precompile.py).
 
 flashinfer is imported only inside these functions: this module imports on a machine without it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -80,6 +83,34 @@ def watching_modules() -> Iterator[ModuleWatch]:
         core.JitSpecNvcc.build_and_load = original
 
 
+@dataclass(frozen=True)
+class Unbuilt:
+    """A module a look found missing, as the build needs it: plain paths, so a check worker can hand
+    it to its parent (FlashInfer's JitSpec holds callables and does not pickle)."""
+
+    name: str
+    ninja_file: str  # the module's build.ninja, written by the worker that noted it
+    jit_dir: str  # FlashInfer's JIT directory, where its library appears as NAME/NAME.so
+
+    @property
+    def library(self) -> Path:
+        return Path(self.jit_dir) / self.name / f"{self.name}.so"
+
+
+def build_files(watch: ModuleWatch) -> list[Unbuilt]:
+    """Write the build file of each module `watch` noted (under FlashInfer's lock for that module,
+    as flashinfer.jit.build_jit_specs does), for a build elsewhere."""
+    from filelock import FileLock
+    from flashinfer.jit import env
+
+    out = []
+    for name, spec in sorted(watch.unbuilt.items()):
+        with FileLock(spec.lock_path, thread_local=False):
+            spec.write_ninja()
+        out.append(Unbuilt(name, str(spec.ninja_path), str(env.FLASHINFER_JIT_DIR)))
+    return out
+
+
 def compiled(names: set[str] | list[str]) -> bool:
     """Whether every named module is on disk (FlashInfer's JIT directory, or its AOT one)."""
     from flashinfer.jit import env
@@ -87,31 +118,52 @@ def compiled(names: set[str] | list[str]) -> bool:
     return all((env.FLASHINFER_JIT_DIR / name / f"{name}.so").exists() or env.get_aot_path(name).exists() for name in names)
 
 
-def build(specs: list[Any], on_built: Callable[[str, float], None] = lambda name, seconds: None) -> None:
-    """Compile `specs` at once: one ninja over all their sources, as many jobs as MAX_JOBS or cores.
-    `on_built(name, seconds)` is called (from a watcher thread) as each module's library appears."""
-    from flashinfer.jit.core import build_jit_specs
-
+def build(modules: list[Unbuilt], on_built: Callable[[str, float], None] = lambda name, seconds: None, jobs: int | None = None) -> None:
+    """Compile `modules` at once: one ninja over all their sources (`subninja` of each module's own
+    build file, as flashinfer.jit.build_jit_specs does), `jobs` at a time (default: MAX_JOBS, else
+    every core). `on_built(name, seconds)` is called, from a watcher thread, as each module's library
+    appears. Runs ninja itself, without importing flashinfer (the caller may be a process that must
+    not start CUDA); takes FlashInfer's build lock when `filelock` (a FlashInfer dependency) is there.
+    RuntimeError with ninja's last lines when the build fails."""
+    if not modules:
+        return
+    jit_dir = Path(modules[0].jit_dir)
+    tmp = jit_dir / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    ninja_file = tmp / f"attndbg_compile_{os.getpid()}.ninja"
+    ninja_file.write_text("\n".join(["ninja_required_version = 1.3", *(f"subninja {m.ninja_file}" for m in modules), ""]))
+    jobs = jobs or int(os.environ.get("MAX_JOBS", "0") or 0) or os.cpu_count() or 1
     start = time.monotonic()
-    pending = {spec.name: spec for spec in specs}
+    pending = {m.name: m for m in modules if not m.library.exists()}
     stop = threading.Event()
 
     def watch() -> None:
         while pending and not stop.wait(POLL_S):
-            for name in [n for n, spec in pending.items() if spec.is_compiled]:
+            for name in [n for n, m in pending.items() if m.library.exists()]:
                 del pending[name]
                 on_built(name, time.monotonic() - start)
 
+    try:
+        from filelock import FileLock
+
+        lock: Any = FileLock(tmp / "flashinfer_jit.lock", thread_local=False)  # the lock build_jit_specs takes
+    except ImportError:
+        lock = contextlib.nullcontext()
     watcher = threading.Thread(target=watch, name="flashinfer-build-watch", daemon=True)
     watcher.start()
     try:
-        build_jit_specs(specs, verbose=False, skip_prebuilt=True)
+        with lock:
+            done = subprocess.run(["ninja", "-C", str(jit_dir), "-f", str(ninja_file), "-j", str(jobs)], capture_output=True, text=True)
     finally:
         stop.set()
         watcher.join()
-    for name, spec in list(pending.items()):  # finished between the watcher's last look and the end
-        if spec.is_compiled:
+        ninja_file.unlink(missing_ok=True)
+    for name, m in list(pending.items()):  # finished between the watcher's last look and the end
+        if m.library.exists():
             on_built(name, time.monotonic() - start)
+    if done.returncode != 0:
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
+        raise RuntimeError(f"ninja failed (exit {done.returncode}) building {len(modules)} FlashInfer modules:\n{tail}")
 
 
 def _memo_path() -> Path:

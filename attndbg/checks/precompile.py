@@ -5,42 +5,40 @@ fresh machine's first `check` wait minutes, one module after another, as each st
 before the steps are handed out:
 
 1. one step of each kernel shape is picked (`kernel_shape`: mode, layer shape, dtypes, page size,
-   window, soft-cap, graph, engine and plan), the smallest of its shape;
-2. a process of its own checks those steps with FlashInfer's loads watched
-   (`backends/flashinfer_jit.py`): a module not on disk is noted and its call fails before any of
-   its kernels runs. Triton's kernels compile for real here, into the disk cache workers share;
-3. the noted modules are compiled together, one ninja over all their sources on every core, with
-   progress; then 2 again, since a failed call hid the modules it would have loaded next, until a
-   pass notes nothing new (at most MAX_PASSES).
+   window, soft-cap, graph, the recorded plan's path), the smallest of its shape;
+2. check workers (workers.py: crash boundaries, in parallel) check those steps with FlashInfer's
+   module loads watched (`backends/flashinfer_jit.py`): a module not on disk is noted, its build
+   file written, and its call fails before any of its kernels runs. Triton's kernels compile for
+   real here, into the disk cache every later worker reads;
+3. this process builds the noted modules together, one ninja over all their sources on every core,
+   with progress; then 2 again for the shapes that noted something, since a failed call hid the
+   modules it would have loaded next, until a pass notes nothing new (at most MAX_PASSES).
 
 The modules each shape loaded are remembered (after each pass) in FlashInfer's JIT directory, so a
 shape whose modules are all on disk is not looked at again: a warm machine pays nothing here.
+Whatever this misses (a module a detector loads only on some steps of a shape) is compiled on first
+use, as before. A worker that dies on a shape leaves that shape to the check.
 
-Opt-in (`attndbg compile`, `check --compile-first`) until it is measured to pay on the server mix.
-Measured on an H200 (bench/results/server_sweep_h200_session7.md): bench/server_sweep.py's 1,000
-steps have 278 kernel shapes; the first pass noted 34 modules and built them at once (the last
-finished 150 s after the build started, on 16 cores, against ~8 min one after another), but each
-look at a shape is a whole check of its smallest step, about a second, so the passes over 278
-shapes, one after another in one process, did not finish within a device call. Next: look at the
-shapes in the check workers, in parallel, and at a coarser key (page size chooses no FlashInfer
-module; the GQA group only whether decode runs on tensor cores). Whatever this misses (a
-shape outside the sample, a module a detector loads only on some steps) is compiled on first use as
-before. The process is a crash boundary like a check worker: if it dies, the check goes on without
-it and says so.
+Opt-in (`attndbg compile`, `check --compile-first`) until measured to pay on the server mix. What was
+measured on an H200 (bench/results/server_sweep_h200_session7.md) was this phase's first form, which
+looked at the shapes one after another in one process: bench/server_sweep.py's 1,000 steps have 278
+kernel shapes; the first pass noted 34 modules and built them at once (all done 150 s into one
+ninja, on 16 cores, against ~8 min one after another in session 6), but each look is a whole check of
+a step, about a second, and the passes over 278 shapes did not finish within a device call. Looking
+in the check workers, in parallel, is this form; it has not run on a GPU yet.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from multiprocessing.connection import Connection
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from attndbg.backends import flashinfer_jit
+from attndbg.checks.run import StepResult, auto_jobs, check_one
 from attndbg.detector_api.context import CheckOptions
 from attndbg.detector_api.findings import FindingClass
 from attndbg.replay.runner import PREBUILT_VARIABLE
@@ -88,38 +86,28 @@ def representatives(paths: list[Path]) -> dict[str, Path]:
     return {key: path for key, (_, path) in best.items()}
 
 
-def _precompile_main(conn: Connection, steps: dict[str, str], only: list[FindingClass], options: CheckOptions) -> None:
-    """In a process of its own: look, build, look again (see the module docstring); report to `conn`."""
-    from attndbg.checks.run import check_one
+@dataclass(frozen=True)
+class Look:
+    """What a look at one step found: the modules it loaded, and those it needed but found unbuilt."""
 
-    os.environ[PREBUILT_VARIABLE] = "1"  # the discovery checks' own first-use notes say nothing new
-    learnt: dict[str, list[str]] = {}
-    pending = dict(steps)
-    built: set[str] = set()
-    used: dict[str, set[str]] = {key: set() for key in steps}
-    for n in range(1, MAX_PASSES + 1):
-        conn.send(("looking", n, len(pending)))
-        unbuilt: dict[str, object] = {}
-        done: list[str] = []
-        for key, path in pending.items():
-            with flashinfer_jit.watching_modules() as watch:
-                check_one(path, only, options)
-            used[key] |= watch.used
-            if watch.unbuilt:
-                unbuilt.update(watch.unbuilt)
-            else:
-                done.append(key)
-                learnt[key] = sorted(used[key])
-        for key in done:
-            del pending[key]
-        flashinfer_jit.remember({key: learnt[key] for key in done})
-        new = [spec for name, spec in unbuilt.items() if name not in built]
-        if not new:
-            break
-        conn.send(("building", [spec.name for spec in new]))
-        flashinfer_jit.build(new, lambda name, seconds: conn.send(("built", name, seconds)))
-        built |= {spec.name for spec in new}
-    conn.send(("done", len(built), sorted(pending)))
+    used: tuple[str, ...]
+    unbuilt: tuple[flashinfer_jit.Unbuilt, ...]
+
+
+@dataclass(frozen=True)
+class LookResult(StepResult):
+    """A step checked with FlashInfer's loads watched (its report is not the step's verdict)."""
+
+    look: Look = field(default_factory=lambda: Look((), ()))
+
+
+def look_one(path: str, only: list[FindingClass], options: CheckOptions) -> StepResult:
+    """In a check worker: check `path` with FlashInfer's module loads watched (workers.CheckOne)."""
+    os.environ[PREBUILT_VARIABLE] = "1"  # a look's first-use notes would say what the phase says
+    with flashinfer_jit.watching_modules() as watch:
+        result = check_one(path, only, options)
+    unbuilt = flashinfer_jit.build_files(watch) if watch.unbuilt else []
+    return LookResult(result.report, look=Look(tuple(sorted(watch.used)), tuple(unbuilt)))
 
 
 @dataclass(frozen=True)
@@ -133,61 +121,79 @@ class Compiled:
     problem: str | None = None
 
 
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def precompile(
     paths: list[Path],
     only: list[FindingClass],
     options: CheckOptions,
     *,
-    say: Callable[[str], None] = lambda line: (sys.stderr.write(line + "\n"), sys.stderr.flush()),
+    jobs: int | None = None,
+    devices: tuple[int, ...] | None = None,
+    say: Callable[[str], None] = _say,
 ) -> Compiled | None:
-    """Compile the kernels `paths` need before they are checked (see the module docstring). None
-    when there is nothing to do: no FlashInfer, or every shape's modules already on disk."""
+    """Compile the kernels `paths` need before they are checked (see the module docstring), looking
+    in `jobs` check workers (None: as `check --jobs auto` would for that many steps, at least one per
+    GPU). None when there is nothing to do: no FlashInfer, or every shape's modules already on disk."""
+    from attndbg.checks.workers import check_in_workers
+
     if not flashinfer_jit.available():
         return None
     start = time.monotonic()
     shapes = representatives(paths)
     memo = flashinfer_jit.read_memo()
-    todo = {key: str(path) for key, path in shapes.items() if key not in memo or not flashinfer_jit.compiled(memo[key])}
-    os.environ[PREBUILT_VARIABLE] = "1"  # workers, spawned after this, inherit it
+    todo = {key: path for key, path in shapes.items() if key not in memo or not flashinfer_jit.compiled(memo[key])}
+    os.environ[PREBUILT_VARIABLE] = "1"  # workers spawned after this inherit it: no first-use notes
     if not todo:
         return None
-    say(f"attndbg: compile phase: looking for the kernels of {len(todo)} kernel shape{'s' * (len(todo) != 1)} (one step each)")
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    # Discovery sees every backend the check would run, but no CUDA graph capture: a graph replays
-    # the modules its eager run loads.
-    process = ctx.Process(target=_precompile_main, args=(child, todo, only, replace(options, cuda_graph=False)), daemon=True)
-    process.start()
-    child.close()
-    modules, finished = 0, None
-    total, built_now = 0, 0
-    try:
-        while True:
-            try:
-                message = parent.recv()
-            except (EOFError, OSError):
-                break
-            kind = message[0]
-            if kind == "building":
-                total, built_now = len(message[1]), 0
-                say(f"attndbg: compiling {total} FlashInfer module{'s' * (total != 1)} at once ({os.environ.get('MAX_JOBS') or os.cpu_count()} jobs)")
-            elif kind == "built":
-                built_now += 1
-                modules += 1
-                say(f"attndbg: compiled {built_now}/{total}: {message[1]} ({message[2]:.0f} s)")
-            elif kind == "done":
-                finished = message
-                break
-    finally:
-        process.join(timeout=30)
-        if process.is_alive():
-            process.kill()
+    # A graph replays the modules its eager run loads: the looks capture no graph.
+    look_options = replace(options, cuda_graph=False)
+    used: dict[str, set[str]] = {key: set() for key in todo}
+    built: set[str] = set()
+    problem: str | None = None
+    for n in range(1, MAX_PASSES + 1):
+        workers = jobs or max(auto_jobs(len(todo) * 50, devices), len(devices or ()) or 1)
+        workers = min(workers, len(todo))
+        say(f"attndbg: compile phase, pass {n}: looking at {len(todo)} kernel shape{'s' * (len(todo) != 1)} (one step each) in {workers} worker{'s' * (workers != 1)}")
+        keys = list(todo)
+        results = check_in_workers([todo[k] for k in keys], only, look_options, jobs=workers, devices=devices, check=look_one)
+        needed: dict[str, flashinfer_jit.Unbuilt] = {}
+        learnt: dict[str, list[str]] = {}
+        still: dict[str, Path] = {}
+        for key, result in zip(keys, results):
+            look = result.look if isinstance(result, LookResult) else None
+            if look is None:
+                continue  # the worker died on it: left to the check, which reports it
+            used[key] |= set(look.used)
+            if look.unbuilt:
+                needed.update({u.name: u for u in look.unbuilt})
+                still[key] = todo[key]
+            else:
+                learnt[key] = sorted(used[key])
+        flashinfer_jit.remember(learnt)
+        new = [u for name, u in sorted(needed.items()) if name not in built]
+        if not new:
+            if still:
+                problem = f"{len(still)} shape{'s' * (len(still) != 1)} still lack modules that were built (see FlashInfer's log)"
+            break
+        total = len(new)
+        say(f"attndbg: compiling {total} FlashInfer module{'s' * (total != 1)} at once ({os.environ.get('MAX_JOBS') or os.cpu_count()} jobs)")
+        count = iter(range(1, total + 1))
+        try:
+            flashinfer_jit.build(new, lambda name, seconds: say(f"attndbg: compiled {next(count)}/{total} ({seconds:.0f} s): {name}"))
+        except RuntimeError as e:
+            problem = str(e).splitlines()[0]
+            say(f"attndbg: {problem}; the rest compiles on first use")
+            break
+        built |= {u.name for u in new}
+        todo = still
+        if not todo:
+            break
+    else:
+        problem = f"{len(todo)} shape{'s' * (len(todo) != 1)} still noted modules after {MAX_PASSES} passes"
     seconds = time.monotonic() - start
-    if finished is None:
-        problem = f"the compile phase's process ended early (exit code {process.exitcode}); the rest compiles on first use"
-        say(f"attndbg: {problem}")
-        return Compiled(modules, seconds, len(todo), problem)
-    left = finished[2]
-    problem = f"{len(left)} shape{'s' * (len(left) != 1)} still missing modules after {MAX_PASSES} passes" if left else None
-    say(f"attndbg: compile phase done in {seconds:.0f} s: {finished[1]} FlashInfer module{'s' * (finished[1] != 1)} compiled" + (f"; {problem}" if problem else ""))
-    return Compiled(finished[1], seconds, len(todo), problem)
+    say(f"attndbg: compile phase done in {seconds:.0f} s: {len(built)} FlashInfer module{'s' * (len(built) != 1)} compiled" + (f"; {problem}" if problem else ""))
+    return Compiled(len(built), seconds, len(shapes), problem)

@@ -22,7 +22,6 @@ from typing import Any
 
 from attndbg import machine
 from attndbg.checks.crashes import Recheck, crash_finding, with_crashes
-from attndbg.checks.precompile import kernel_shape, precompile
 from attndbg.detector_api.context import CheckContext, CheckOptions
 from attndbg.detector_api.findings import Finding, FindingClass
 from attndbg.detectors import registry
@@ -248,10 +247,11 @@ def check_steps(
     if isolate is None:
         isolate = machine.cuda_available()
     if jobs > 1 or isolate:
+        from attndbg.checks.precompile import precompile
         from attndbg.checks.workers import check_in_workers
 
         if compile_first and machine.cuda_available():
-            precompile(paths, only, options)
+            precompile(paths, only, options, jobs=jobs if jobs > 1 else None, devices=devices)
         first = first_of_each_shape(paths) if jobs > 1 else []
         if len(first) > 1:
             sys.stderr.write(f"attndbg: checking one step of each of {len(first)} kernel shapes first, in parallel (kernels compile on first use)\n")
@@ -289,6 +289,8 @@ def auto_jobs(steps: int, devices: tuple[int, ...] | None) -> int:
 
 def first_of_each_shape(paths: list[Path]) -> list[int]:
     """Indices of one step per kernel shape, from a sample spread over the recording."""
+    from attndbg.checks.precompile import kernel_shape
+
     picks = sorted({round(i * (len(paths) - 1) / max(1, SHAPE_SAMPLE - 1)) for i in range(min(SHAPE_SAMPLE, len(paths)))})
     first: dict[tuple, int] = {}
     for i in picks:

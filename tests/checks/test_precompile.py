@@ -5,6 +5,7 @@ at once) needs FlashInfer on a GPU: tests/gpu/test_precompile.py."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,40 @@ def test_memo_is_written_whole_and_read_defensively(tmp_path: Path, monkeypatch:
     assert flashinfer_jit.read_memo() == {"shape c": ["m4"]}
     memo.write_text("{ torn")
     assert flashinfer_jit.read_memo() == {}
+
+
+def test_a_look_comes_back_from_a_check_worker(tmp_path: Path) -> None:
+    """The looks run in check workers: their results (a StepResult subclass with what FlashInfer
+    loaded) cross the process boundary. Without FlashInfer nothing is watched: an empty look."""
+    from attndbg.checks.precompile import LookResult, look_one
+    from attndbg.checks.workers import check_in_workers
+
+    paths = _save(tmp_path, [make_trace("decode-mha", "kv_lens=3,2", *SMALL, plan=True), make_trace("extend-prefix", "prefix_lens=0,9", "extend_lens=5,3", *SMALL, plan=True)])
+    results = list(check_in_workers(paths, parse_only("invariants"), CheckOptions(), jobs=2, devices=None, check=look_one))
+    assert [type(r) for r in results] == [LookResult, LookResult]
+    assert [r.report.step for r in results] == [0, 0] and all(r.report.checked for r in results)
+    if not flashinfer_jit.available():
+        assert all(r.look.used == () and r.look.unbuilt == () for r in results)
+
+
+def _module(jit: Path, name: str, command: str) -> flashinfer_jit.Unbuilt:
+    """A module's build file as FlashInfer writes one (rules and the library as NAME/NAME.so), with
+    a shell command standing in for nvcc: what `build` drives is ninja, not the compiler."""
+    build = jit / name
+    build.mkdir(parents=True)
+    rule = f"rule make_{name}\n  command = {command}\n"
+    (build / "build.ninja").write_text(f"{rule}build {build}/{name}.so: make_{name}\n")
+    return flashinfer_jit.Unbuilt(name, str(build / "build.ninja"), str(jit))
+
+
+@pytest.mark.skipif(shutil.which("ninja") is None, reason="ninja is not installed")
+def test_modules_are_built_in_one_ninja_with_progress(tmp_path: Path) -> None:
+    jit = tmp_path / "cached_ops"
+    modules = [_module(jit, f"m{i}", f"sleep 0.{i} && touch $out") for i in range(3)]
+    seen: list[str] = []
+    flashinfer_jit.build(modules, lambda name, seconds: seen.append(name), jobs=3)
+    assert sorted(seen) == ["m0", "m1", "m2"] and all(m.library.exists() for m in modules)
+    assert not list((jit / "tmp").glob("*.ninja"))  # the combined build file is not left behind
+    broken = [_module(jit, "bad", "echo nvcc said no >&2 && false")]
+    with pytest.raises(RuntimeError, match=r"ninja failed \(exit 1\) building 1 FlashInfer modules:(.|\n)*nvcc said no"):
+        flashinfer_jit.build(broken, jobs=1)
