@@ -50,6 +50,7 @@ class _CheckCommand(click.Command):
 @click.option("--strict", is_flag=True, help="hazards fail the check too (exit 1): findings correct on this step, wrong under the condition each states")
 @click.option("--compile-first", is_flag=True, help="on a GPU, first compile the FlashInfer modules of every kernel shape in the recording, all at once (as `attndbg compile`; shapes whose modules are built are skipped)")
 @handles_bad_input
+@options.timeline("check")
 def check(
     target: str,
     only: str | None,

@@ -1,11 +1,12 @@
 """The options more than one command takes, declared once (each with the parser of its value):
 --backend, --backend-option, --json, --steps/--sample, --max-memory, --jobs/--devices, --only,
---layer. What differs between commands is the help (what the option means there) and, for
---backend, the default; both are arguments.
+--layer, --timeline. What differs between commands is the help (what the option means there)
+and, for --backend, the default; both are arguments.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -166,3 +167,33 @@ def parse_devices(spec: str | None) -> tuple[int, ...] | None:
     if not devices or min(devices) < 0:
         raise BadInput(f"--devices: expected comma-separated GPU numbers such as 0,1, got {spec!r}")
     return devices
+
+
+def timeline(command: str) -> Callable[[F], F]:
+    """--timeline FILE (replay, check): the command runs inside attndbg.timeline's recording, which
+    writes the Chrome trace and its summary when the command ends, however it ends. Refused (exit
+    2, one line) before any work where it cannot run: no cupti-python, no GPU. Put it just above
+    `def`, under @handles_bad_input, which turns the refusal into exit 2."""
+
+    def decorate(func: F) -> F:
+        @functools.wraps(func)
+        def wrapper(*args: Any, timeline_path: str | None = None, **kwargs: Any) -> Any:
+            if timeline_path is None:
+                return func(*args, **kwargs)
+            from attndbg.cli.common import check_outputs
+            from attndbg.timeline import availability, session
+
+            check_outputs(timeline=timeline_path)
+            refusal = availability.refusal()
+            if refusal is not None:
+                raise BadInput(refusal)
+            with session.recording(timeline_path, command=command):
+                return func(*args, **kwargs)
+
+        return _option(
+            "--timeline", "timeline_path", type=click.Path(dir_okay=False), default=None,
+            help="(GPU) also write a Chrome trace-event timeline of attndbg's ranges and the kernels each launched, from CUPTI "
+            "(open in https://ui.perfetto.dev or chrome://tracing), and print a summary per range; needs pip install 'attndbg[timeline]'",
+        )(wrapper)  # type: ignore[arg-type]
+
+    return decorate

@@ -30,6 +30,7 @@ from attndbg.cli.options import parse_backend_options, parse_backends, parse_max
 @click.option("--fill-value", type=click.IntRange(min=0), default=None, help="seq_len of padded rows (with --cuda-graph; default: each backend's own)")
 @options.max_memory("refuse (exit 2) a step whose data would need more than SIZE, e.g. 8G or 512M (default: what the device has free)")
 @handles_bad_input
+@options.timeline("replay")
 def replay(
     trace: str,
     backend_spec: str,

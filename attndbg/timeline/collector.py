@@ -25,7 +25,7 @@ import threading
 from typing import Any
 
 from attndbg import profiling
-from attndbg.timeline.records import ApiCall, Edge, ExternalId, Kernel, Marker, ProcessRecords, Range
+from attndbg.timeline.records import ApiCall, Edge, ExternalId, Kernel, Marker, ProcessRecords, Range, launches_graph, launches_kernel
 
 BUFFER_BYTES = 8 << 20  # per CUPTI buffer; CUPTI asks for another when one fills
 INJECTION_VARIABLE = "NVTX_INJECTION64_PATH"
@@ -49,6 +49,28 @@ def loaded_cupti() -> str | None:
     return None
 
 
+class LaunchExternalIds:
+    """CUPTI writes an external-correlation record for every API call made inside a range (tens of
+    thousands a step), and a placed kernel needs only its launch's: keep those. One whose launch
+    record has not arrived yet (another buffer) waits for the next batch, once."""
+
+    def __init__(self) -> None:
+        self._launches: set[int] = set()  # correlation ids of the launches seen so far
+        self._waiting: list[ExternalId] = []
+
+    def keep(self, external_ids: list[ExternalId], launch_ids: list[int]) -> list[ExternalId]:
+        self._launches.update(launch_ids)
+        waited = {e.correlation_id for e in self._waiting}
+        kept, waiting = [], []
+        for e in self._waiting + external_ids:
+            if e.correlation_id in self._launches:
+                kept.append(e)
+            elif e.correlation_id not in waited:
+                waiting.append(e)
+        self._waiting = waiting
+        return kept
+
+
 class Collector:
     """One process's collection: `start()` before the first phase, then `profiling.observe(it)`;
     `take()` whenever the records so far are wanted (flushes CUPTI first), `stop()` at the end."""
@@ -59,9 +81,10 @@ class Collector:
         self._batch = ProcessRecords(pid=os.getpid(), label=label)
         self._open: list[Range] = []  # this process's open ranges (attndbg launches from one thread)
         self._next_id = 1
-        self._names: dict[tuple[int, int], str] = {}
         self._cupti: Any = None
         self._kinds: list[Any] = []
+        self._launch_names: dict[tuple[int, int], str | None] = {}  # (kind, cbid) -> the call's name if it launches
+        self._external = LaunchExternalIds()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -99,9 +122,10 @@ class Collector:
     def take(self) -> ProcessRecords:
         """The records collected since the last take (CUPTI flushed first; ranges still open stay)."""
         if self._cupti is not None:
-            self._cupti.activity_flush_all(1)  # 1: CUPTI_ACTIVITY_FLAG_FLUSH_FORCED, buffers not yet full too
+            self._cupti.activity_flush_all(int(self._cupti.ActivityFlag.FLUSH_FORCED))  # buffers not yet full too
         with self._lock:
             batch, self._batch = self._batch, ProcessRecords(pid=os.getpid(), label=self.label)
+            batch.external_ids = self._external.keep(batch.external_ids, [c.correlation_id for c in batch.api_calls])
         return batch
 
     @property
@@ -163,14 +187,14 @@ class Collector:
         )
 
     def _api(self, a: Any, out: ProcessRecords) -> None:
-        kind, cbid = int(a.kind), int(a.cbid)
-        name = self._names.get((kind, cbid))
-        if name is None:
-            domain = self._cupti.CallbackDomain.RUNTIME_API if kind == self._runtime else self._cupti.CallbackDomain.DRIVER_API
-            name = self._names[(kind, cbid)] = str(self._cupti.get_callback_name(domain, cbid))
-        call = ApiCall(correlation_id=int(a.correlation_id), name=name, start=int(a.start), end=int(a.end), thread_id=int(a.thread_id))
-        if call.launches_kernel or call.launches_graph:
-            out.api_calls.append(call)
+        key = (int(a.kind), int(a.cbid))
+        if key not in self._launch_names:
+            domain = self._cupti.CallbackDomain.RUNTIME_API if key[0] == self._runtime else self._cupti.CallbackDomain.DRIVER_API
+            name = str(self._cupti.get_callback_name(domain, key[1]))
+            self._launch_names[key] = name if launches_kernel(name) or launches_graph(name) else None
+        name = self._launch_names[key]
+        if name is not None:  # only launches: the other calls are most of the records and place no kernel
+            out.api_calls.append(ApiCall(correlation_id=int(a.correlation_id), name=name, start=int(a.start), end=int(a.end), thread_id=int(a.thread_id)))
 
     def _external(self, a: Any, out: ProcessRecords) -> None:
         if int(a.external_kind) == self._external_kind:

@@ -21,6 +21,14 @@ _KERNEL_LAUNCH_PREFIXES = ("cudaLaunchKernel", "cudaLaunchCooperativeKernel", "c
 _GRAPH_LAUNCH_PREFIXES = ("cudaGraphLaunch", "cuGraphLaunch")
 
 
+def launches_kernel(name: str) -> bool:
+    return name.startswith(_KERNEL_LAUNCH_PREFIXES)
+
+
+def launches_graph(name: str) -> bool:
+    return name.startswith(_GRAPH_LAUNCH_PREFIXES)
+
+
 @dataclass(frozen=True)
 class ApiCall:
     """One CUDA runtime or driver API call (CUPTI's RUNTIME / DRIVER records)."""
@@ -33,11 +41,11 @@ class ApiCall:
 
     @property
     def launches_kernel(self) -> bool:
-        return self.name.startswith(_KERNEL_LAUNCH_PREFIXES)
+        return launches_kernel(self.name)
 
     @property
     def launches_graph(self) -> bool:
-        return self.name.startswith(_GRAPH_LAUNCH_PREFIXES)
+        return launches_graph(self.name)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,29 @@
+"""--timeline on the command line: refused, one line and exit 2, before any work where it cannot run."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from attndbg import machine
+from attndbg.timeline import availability
+from tests.cli.helpers import invoke, one_line_error
+
+
+@pytest.mark.parametrize("command", ["replay", "check"])
+def test_refused_without_cupti_python_before_reading_the_trace(command: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(availability.importlib.util, "find_spec", lambda name: None)
+    result = invoke(command, "no/such/trace.pt", "--timeline", "t.json")
+    one_line_error(result, "--timeline needs the cupti-python package", "pip install 'attndbg[timeline]'")
+
+
+def test_refused_on_a_machine_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(availability.importlib.util, "find_spec", lambda name: types.SimpleNamespace(name=name))
+    monkeypatch.setattr(availability.importlib, "import_module", lambda name: types.ModuleType(name))
+    monkeypatch.setattr(machine, "cuda_available", lambda: False)
+    one_line_error(invoke("replay", "traces/decode_gqa.pt", "--timeline", "t.json"), "there is no CUDA GPU here: no GPU timeline on this machine")
+
+
+def test_an_output_folder_that_does_not_exist_is_refused_first() -> None:
+    one_line_error(invoke("replay", "traces/decode_gqa.pt", "--timeline", "no/such/dir/t.json"), "--timeline no/such/dir/t.json: the folder no/such/dir does not exist")
