@@ -2,6 +2,7 @@
 launched, from CUPTI activity records, as a Chrome trace-event file.
 
     records.py       CUPTI's records copied into plain dataclasses (and JSON lines between processes)
+    convert.py       cupti-python's record objects into those, keeping what a timeline places
     collector.py     the only code that imports cupti: enables the activity kinds, one external
                      correlation id per open phase, NVTX routed to the same libcupti
     worker.py        a check worker's collection, written to a file the parent merges

@@ -13,9 +13,8 @@ own copy, and naming the system one gave zero range records (measured on the H10
 the path is taken from this process's mappings (/proc/self/maps) once CUPTI is loaded, and set
 before the first phase pushes its range.
 
-Records arrive in buffers (`activity_register_callbacks`); each is copied into our dataclasses
-(`records.py`) inside the callback, since its buffer is reused afterwards. Only kernel and graph
-launches are kept of the API calls (a replay makes tens of thousands of other calls).
+Records arrive in buffers (`activity_register_callbacks`) and are copied into ours inside the
+callback (`convert.py`: only what a timeline places).
 """
 
 from __future__ import annotations
@@ -24,16 +23,12 @@ import os
 import threading
 from typing import Any
 
-from attndbg import profiling
-from attndbg.timeline.records import ApiCall, Edge, ExternalId, Kernel, Marker, ProcessRecords, Range, launches_graph, launches_kernel
+from attndbg.timeline.convert import Converter, Kinds, LaunchExternalIds
+from attndbg.timeline.records import ProcessRecords, Range
 
 BUFFER_BYTES = 8 << 20  # per CUPTI buffer; CUPTI asks for another when one fills
 INJECTION_VARIABLE = "NVTX_INJECTION64_PATH"
 
-# CUPTI's CUpti_ActivityFlag values for markers (cupti.h: INSTANTANEOUS 1 << 0, START 1 << 1,
-# END 1 << 2); cupti-python 13.0's ActivityFlag enum has no MARKER_END member.
-_MARKER_START = 1 << 1
-_MARKER_END = 1 << 2
 
 
 def loaded_cupti() -> str | None:
@@ -49,28 +44,6 @@ def loaded_cupti() -> str | None:
     return None
 
 
-class LaunchExternalIds:
-    """CUPTI writes an external-correlation record for every API call made inside a range (tens of
-    thousands a step), and a placed kernel needs only its launch's: keep those. One whose launch
-    record has not arrived yet (another buffer) waits for the next batch, once."""
-
-    def __init__(self) -> None:
-        self._launches: set[int] = set()  # correlation ids of the launches seen so far
-        self._waiting: list[ExternalId] = []
-
-    def keep(self, external_ids: list[ExternalId], launch_ids: list[int]) -> list[ExternalId]:
-        self._launches.update(launch_ids)
-        waited = {e.correlation_id for e in self._waiting}
-        kept, waiting = [], []
-        for e in self._waiting + external_ids:
-            if e.correlation_id in self._launches:
-                kept.append(e)
-            elif e.correlation_id not in waited:
-                waiting.append(e)
-        self._waiting = waiting
-        return kept
-
-
 class Collector:
     """One process's collection: `start()` before the first phase, then `profiling.observe(it)`;
     `take()` whenever the records so far are wanted (flushes CUPTI first), `stop()` at the end."""
@@ -83,8 +56,9 @@ class Collector:
         self._next_id = 1
         self._cupti: Any = None
         self._kinds: list[Any] = []
-        self._launch_names: dict[tuple[int, int], str | None] = {}  # (kind, cbid) -> the call's name if it launches
-        self._external = LaunchExternalIds()
+        self._external_ids = LaunchExternalIds()
+        self._converter: Converter | None = None
+        self._external_kind = 0  # ExternalCorrelationKind.CUSTOM0, read in start()
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -94,14 +68,15 @@ class Collector:
         self._cupti = cupti
         kinds = cupti.ActivityKind
         self._external_kind = int(cupti.ExternalCorrelationKind.CUSTOM0)
-        self._kind_of = {
-            int(kinds.CONCURRENT_KERNEL): self._kernel,
-            int(kinds.RUNTIME): self._api,
-            int(kinds.DRIVER): self._api,
-            int(kinds.EXTERNAL_CORRELATION): self._external,
-            int(kinds.MARKER): self._marker,
-        }
-        self._runtime = int(kinds.RUNTIME)
+        domains = cupti.CallbackDomain
+        self._converter = Converter(
+            Kinds(
+                kernel=int(kinds.CONCURRENT_KERNEL), runtime=int(kinds.RUNTIME), driver=int(kinds.DRIVER),
+                external_correlation=int(kinds.EXTERNAL_CORRELATION), marker=int(kinds.MARKER),
+                external_kind=self._external_kind, thread_object=int(cupti.ActivityObjectKind.THREAD),
+            ),
+            callback_name=lambda runtime, cbid: cupti.get_callback_name(domains.RUNTIME_API if runtime else domains.DRIVER_API, cbid),
+        )
         # Callbacks before enabling: CUPTI asks for a buffer as soon as a kind is on.
         cupti.activity_register_callbacks(self._requested, self._completed)
         self._kinds = [kinds.CONCURRENT_KERNEL, kinds.RUNTIME, kinds.DRIVER, kinds.EXTERNAL_CORRELATION, kinds.MARKER, kinds.MARKER_DATA]
@@ -125,7 +100,9 @@ class Collector:
             self._cupti.activity_flush_all(int(self._cupti.ActivityFlag.FLUSH_FORCED))  # buffers not yet full too
         with self._lock:
             batch, self._batch = self._batch, ProcessRecords(pid=os.getpid(), label=self.label)
-            batch.external_ids = self._external.keep(batch.external_ids, [c.correlation_id for c in batch.api_calls])
+            # A kernel's own correlation id counts too: a launch call of a name we do not know still places its kernel.
+            launched = [c.correlation_id for c in batch.api_calls] + [k.correlation_id for k in batch.kernels]
+            batch.external_ids = self._external_ids.keep(batch.external_ids, launched)
         return batch
 
     @property
@@ -171,42 +148,7 @@ class Collector:
 
     def _completed(self, activities: list) -> None:
         kept = ProcessRecords(pid=os.getpid(), label=self.label)
-        for activity in activities:
-            convert = self._kind_of.get(int(activity.kind))
-            if convert is not None:
-                convert(activity, kept)
+        assert self._converter is not None  # set in start(), before CUPTI can deliver a buffer
+        self._converter.convert(activities, kept)
         with self._lock:
             self._batch.extend(kept)
-
-    def _kernel(self, a: Any, out: ProcessRecords) -> None:
-        out.kernels.append(
-            Kernel(
-                name=str(a.name), correlation_id=int(a.correlation_id), device=int(a.device_id), stream=int(a.stream_id),
-                start=int(a.start), end=int(a.end), graph_id=int(a.graph_id), graph_node_id=int(a.graph_node_id),
-            )
-        )
-
-    def _api(self, a: Any, out: ProcessRecords) -> None:
-        key = (int(a.kind), int(a.cbid))
-        if key not in self._launch_names:
-            domain = self._cupti.CallbackDomain.RUNTIME_API if key[0] == self._runtime else self._cupti.CallbackDomain.DRIVER_API
-            name = str(self._cupti.get_callback_name(domain, key[1]))
-            self._launch_names[key] = name if launches_kernel(name) or launches_graph(name) else None
-        name = self._launch_names[key]
-        if name is not None:  # only launches: the other calls are most of the records and place no kernel
-            out.api_calls.append(ApiCall(correlation_id=int(a.correlation_id), name=name, start=int(a.start), end=int(a.end), thread_id=int(a.thread_id)))
-
-    def _external(self, a: Any, out: ProcessRecords) -> None:
-        if int(a.external_kind) == self._external_kind:
-            out.external_ids.append(ExternalId(correlation_id=int(a.correlation_id), external_id=int(a.external_id)))
-
-    def _marker(self, a: Any, out: ProcessRecords) -> None:
-        flags = int(a.flags_)
-        edge = Edge.START if flags & _MARKER_START else Edge.END if flags & _MARKER_END else Edge.INSTANT
-        name = str(a.name or "")
-        if edge is Edge.START and not name.startswith(profiling.PREFIX):
-            return  # another library's NVTX range: not ours to match
-        thread = 0
-        if int(a.object_kind) == int(self._cupti.ActivityObjectKind.THREAD):
-            thread = int(a.object_id.pt.thread_id)
-        out.markers.append(Marker(id=int(a.id), edge=edge, timestamp=int(a.timestamp), thread_id=thread, name=name, domain=str(a.domain or "")))

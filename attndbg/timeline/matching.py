@@ -15,10 +15,13 @@ external id names is a disagreement between the two, reported, never hidden.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from attndbg.timeline.records import ApiCall, Edge, Kernel, Marker, ProcessRecords, Range
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -38,13 +41,16 @@ class Launched:
     launch: ApiCall | None  # the API call with the kernel's correlation id (None: its record is missing)
     range: Range | None  # the attndbg range it was launched in (external correlation); None: outside every range
     nvtx: Span | None  # the innermost NVTX range enclosing the launch call on its thread (MARKER records)
+    nvtx_range: Range | None = None  # the attndbg range that NVTX range was pushed for (the tightest enclosing it in time)
 
     @property
     def agrees(self) -> bool:
-        """The NVTX range and the external id name the same range (or neither has one)."""
+        """The NVTX range and the external id place the launch in the same range (or in none).
+        Told by time, not by name alone: CUPTI may leave a registered string's name empty."""
         if self.range is None or self.nvtx is None:
             return self.range is None and self.nvtx is None
-        return self.nvtx.name == self.range.message
+        same = self.nvtx_range is not None and self.nvtx_range.id == self.range.id
+        return same and (not self.nvtx.name or self.nvtx.name == self.range.message)
 
 
 @dataclass(frozen=True)
@@ -97,37 +103,43 @@ def spans(markers: Iterable[Marker]) -> list[Span]:
     return out
 
 
-def _innermost(calls: list[ApiCall], spans_: list[Span]) -> dict[int, Span]:
-    """For each call (by correlation id), the innermost span on its thread that encloses it: one
-    sweep over time per thread, spans pushed at their start and popped at their end."""
-    found: dict[int, Span] = {}
+def _enclosing(items: Sequence[tuple[Hashable, int, int]], intervals: Sequence[tuple[int, int, T]]) -> dict[Hashable, T]:
+    """For each item (key, start, end), the innermost of the properly nested `intervals` (start,
+    end, value) that encloses it: one sweep over time, intervals pushed at their start and popped
+    at their end. At equal times an interval opens before an item in it starts, and closes after."""
+    events: list[tuple[int, int, int]] = []
+    for i, (start, end, _) in enumerate(intervals):
+        events += [(start, 0, i), (end, 2, i)]
+    events += [(start, 1, j) for j, (_, start, _) in enumerate(items)]
+    events.sort()
+    stack: list[int] = []
+    found: dict[Hashable, T] = {}
+    for _, order, index in events:
+        if order == 0:
+            stack.append(index)
+        elif order == 2:
+            stack.remove(index)
+        else:
+            key, _, end = items[index]
+            inner = next((i for i in reversed(stack) if intervals[i][1] >= end), None)
+            if inner is not None:
+                found[key] = intervals[inner][2]
+    return found
+
+
+def _nvtx_of_calls(calls: list[ApiCall], spans_: list[Span]) -> dict[int, Span]:
+    """The innermost NVTX span enclosing each call on its thread (all spans where CUPTI named no
+    thread for them that the calls carry)."""
     by_thread: dict[int, list[Span]] = defaultdict(list)
     for s in spans_:
         by_thread[s.thread_id].append(s)
     calls_by_thread: dict[int, list[ApiCall]] = defaultdict(list)
     for c in calls:
         calls_by_thread[c.thread_id].append(c)
+    found: dict[int, Span] = {}
     for thread, thread_calls in calls_by_thread.items():
-        # Order at equal times: a span opens before a call in it starts, and closes after it ends.
-        events: list[tuple[int, int, object]] = []
-        for s in by_thread.get(thread, []):
-            events.append((s.start, 0, s))
-            events.append((s.end, 2, s))
-        for c in thread_calls:
-            events.append((c.start, 1, c))
-        events.sort(key=lambda e: (e[0], e[1]))
-        stack: list[Span] = []
-        for _, order, item in events:
-            if order == 0:
-                stack.append(item)  # type: ignore[arg-type]
-            elif order == 2:
-                if item in stack:
-                    stack.remove(item)  # type: ignore[arg-type]
-            else:
-                call: ApiCall = item  # type: ignore[assignment]
-                inner = next((s for s in reversed(stack) if s.end >= call.end), None)
-                if inner is not None:
-                    found[call.correlation_id] = inner
+        candidates = by_thread.get(thread) or spans_
+        found.update(_enclosing([(c.correlation_id, c.start, c.end) for c in thread_calls], [(s.start, s.end, s) for s in candidates]))  # type: ignore[misc]
     return found
 
 
@@ -141,13 +153,20 @@ def match(records: ProcessRecords) -> Matched:
         if known is None or (call.name.startswith("cuda") and not known.name.startswith("cuda")):
             calls[call.correlation_id] = call
     external = {e.correlation_id: e.external_id for e in records.external_ids}
-    nvtx = _innermost(list(calls.values()), spans(records.markers))
+    nvtx_spans = spans(records.markers)
+    nvtx = _nvtx_of_calls(list(calls.values()), nvtx_spans)
+    # Each NVTX range sits inside the attndbg range it was pushed for: the observer's timestamps
+    # are taken just outside NVTX's push and pop (profiling.phase).
+    pushed_for = _enclosing([(s.id, s.start, s.end) for s in nvtx_spans], [(r.start, r.end, r) for r in records.ranges])
 
     def range_of(correlation_id: int) -> Range | None:
         rid = external.get(correlation_id)
         return ranges.get(rid) if rid is not None else None
 
-    launched = [Launched(k, calls.get(k.correlation_id), range_of(k.correlation_id), nvtx.get(k.correlation_id)) for k in records.kernels]
+    launched = []
+    for k in records.kernels:
+        span = nvtx.get(k.correlation_id)
+        launched.append(Launched(k, calls.get(k.correlation_id), range_of(k.correlation_id), span, pushed_for.get(span.id) if span is not None else None))
     by_call: dict[int, list[Kernel]] = defaultdict(list)
     for k in records.kernels:
         by_call[k.correlation_id].append(k)

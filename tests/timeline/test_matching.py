@@ -97,3 +97,24 @@ def test_a_kernel_record_keeps_graph_fields() -> None:
     k = Kernel(name="k", correlation_id=1, device=0, stream=7, start=10, end=4, graph_id=3, graph_node_id=9)
     assert k.duration == 0 and replace(k, end=20).duration == 10
     assert ExternalId(1, 2).external_id == 2
+
+
+def test_nvtx_ranges_without_names_are_told_by_time() -> None:
+    """CUPTI may not resolve a registered string: an unnamed NVTX range is the attndbg range it sits in."""
+    records = replay_step()
+    records.markers = [replace(m, name="") for m in records.markers]
+    assert not match(records).disagreements()
+    # The same markers, each moved to enclose the next range's launches instead: every placement disagrees.
+    b = Builder()
+    b.push("run", "step=0 backend=a variant=eager")
+    first = b.call("cuLaunchKernelEx")
+    b.kernel(first, "k1")
+    b.pop()
+    b.push("run", "step=0 backend=b variant=eager")
+    b.kernel(b.call("cuLaunchKernelEx"), "k2")
+    b.pop()
+    records = b.records
+    records.markers = [replace(m, name="") for m in records.markers]
+    start, end = records.markers[0], records.markers[1]
+    records.markers[0:2] = [replace(start, timestamp=first.end + 1), replace(end, timestamp=records.ranges[0].end + 10)]
+    assert [k.kernel.name for k in match(records).disagreements()] == ["k1"]

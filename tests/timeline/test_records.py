@@ -41,7 +41,7 @@ def test_empty() -> None:
 
 
 def test_only_the_launches_external_ids_are_kept() -> None:
-    from attndbg.timeline.collector import LaunchExternalIds
+    from attndbg.timeline.convert import LaunchExternalIds
     from attndbg.timeline.records import ExternalId
 
     keep = LaunchExternalIds()
