@@ -172,8 +172,8 @@ def parse_devices(spec: str | None) -> tuple[int, ...] | None:
 def timeline(command: str) -> Callable[[F], F]:
     """--timeline FILE (replay, check): the command runs inside attndbg.timeline's recording, which
     writes the Chrome trace and its summary when the command ends, however it ends. Refused (exit
-    2, one line) before any work where it cannot run: no cupti-python, no GPU. Put it just above
-    `def`, under @handles_bad_input, which turns the refusal into exit 2."""
+    2, one line) before any work where it cannot run: no cupti-python, no GPU, CUPTI that will not
+    start. Put it just above `def`, under @handles_bad_input, which turns the refusal into exit 2."""
 
     def decorate(func: F) -> F:
         @functools.wraps(func)
@@ -187,8 +187,14 @@ def timeline(command: str) -> Callable[[F], F]:
             refusal = availability.refusal()
             if refusal is not None:
                 raise BadInput(refusal)
-            with session.recording(timeline_path, command=command):
+            try:
+                recording = session.start(timeline_path, command=command)
+            except availability.Unavailable as e:
+                raise BadInput(str(e)) from None
+            try:
                 return func(*args, **kwargs)
+            finally:
+                recording.finish()
 
         return _option(
             "--timeline", "timeline_path", type=click.Path(dir_okay=False), default=None,

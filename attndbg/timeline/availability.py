@@ -10,6 +10,11 @@ PACKAGE = "cupti-python"
 INSTALL = "pip install 'attndbg[timeline]'"
 
 
+class Unavailable(Exception):
+    """CUPTI would not start in this process (found only by trying): the command is refused as
+    bad input, like a missing package."""
+
+
 def refusal() -> str | None:
     """One line saying why `--timeline` cannot run here, or None."""
     if importlib.util.find_spec("cupti") is None:

@@ -23,7 +23,8 @@ class _Collector:
         self.pushed: list[str] = []
 
     def start(self) -> None:
-        pass
+        if self.label == "attndbg broken":
+            raise OSError("libcupti.so.13: cannot open shared object file")
 
     def push(self, message: str) -> None:
         self.pushed.append(message)
@@ -42,11 +43,12 @@ def test_recording_merges_this_process_and_its_workers(tmp_path: Path, monkeypat
     monkeypatch.setattr(session, "Collector", lambda label: made.append(_Collector(label)) or made[-1])
     monkeypatch.delenv(profiling.TIMELINE_VARIABLE, raising=False)
     out = tmp_path / "timeline.json"
-    with session.recording(str(out), command="check"):
-        directory = Path(os.environ[profiling.TIMELINE_VARIABLE])
-        (directory / "worker-77.jsonl").write_text(json.dumps(to_json(replay_step(pid=77, step=3))) + "\n")
-        with profiling.phase("data", "step=9"):
-            pass
+    recording = session.start(str(out), command="check")
+    directory = Path(os.environ[profiling.TIMELINE_VARIABLE])
+    (directory / "worker-77.jsonl").write_text(json.dumps(to_json(replay_step(pid=77, step=3))) + "\n")
+    with profiling.phase("data", "step=9"):
+        pass
+    recording.finish()
     assert profiling.TIMELINE_VARIABLE not in os.environ and not directory.exists()
     assert made[0].pushed == ["attndbg/data step=9"] and made[0].label == "attndbg check"
     doc = json.loads(out.read_text())
@@ -74,3 +76,10 @@ def test_refused_without_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
     line = availability.refusal()
     assert line is not None and "\n" not in line
     assert "cupti-python" in line and "pip install 'attndbg[timeline]'" in line
+
+
+def test_cupti_that_does_not_start_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(session, "Collector", _Collector)
+    with pytest.raises(availability.Unavailable, match=r"^--timeline: CUPTI did not start here: OSError: libcupti.so.13: cannot open"):
+        session.start("t.json", command="broken")
+    assert profiling.TIMELINE_VARIABLE not in os.environ
