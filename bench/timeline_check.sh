@@ -10,7 +10,7 @@
 #     run(command="bash .gpu/env.sh bash bench/timeline_check.sh $OUT test", carry=[".gpu"], timeout_s=600)
 #     run(command="bash .gpu/env.sh bash bench/timeline_check.sh $OUT cost", carry=[".gpu"], timeout_s=600)
 # Back in $OUT: from `test`, replay_traces_all_eager.json, replay_traces_all_graph.json,
-# check_traces_jobs2.json (open in https://ui.perfetto.dev), timeline_check.txt (per command: the
+# check_traces_jobs2.json (open in https://ui.perfetto.dev; .json.gz when over 4 MB), timeline_check.txt (per command: the
 # counts the test checked, any problem, the printed summary), pytest.log; from `cost`,
 # timeline_cost.txt.
 set -uo pipefail

@@ -10,6 +10,7 @@ worker. Set ATTNDBG_TIMELINE_OUT=DIR to keep the files and the counts (bench/tim
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import os
@@ -39,7 +40,12 @@ def _run(args: list[str], timeline: Path, name: str) -> dict:
     keep = os.environ.get("ATTNDBG_TIMELINE_OUT")
     if keep:
         Path(keep).mkdir(parents=True, exist_ok=True)
-        shutil.copy(timeline, Path(keep) / f"{name}.json")
+        # What comes back from the device is at most 16 MiB a file: a large timeline travels gzipped (Perfetto opens .json.gz).
+        if timeline.stat().st_size > 4 << 20:
+            with open(timeline, "rb") as src, gzip.open(Path(keep) / f"{name}.json.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        else:
+            shutil.copy(timeline, Path(keep) / f"{name}.json")
         summary = proc.stderr[proc.stderr.index("timeline: "):]
         with open(Path(keep) / "timeline_check.txt", "a") as f:
             f.write(f"== {name}: attndbg {' '.join(args)}\n{report.line()}\n" + "".join(f"PROBLEM {p}\n" for p in report.problems) + summary + "\n")
