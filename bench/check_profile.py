@@ -49,10 +49,12 @@ def main() -> int:
 
     start = time.perf_counter()
     per_step = []
+    by_mode: dict[str, list[float]] = {}
     for path in measured:
         t = time.perf_counter()
-        check_one(path, only, options)
+        mode = check_one(path, only, options).report.mode
         per_step.append(time.perf_counter() - t)
+        by_mode.setdefault(mode, []).append(per_step[-1])
     wall = time.perf_counter() - start
 
     text = io.StringIO()
@@ -65,6 +67,8 @@ def main() -> int:
         f"measured: {len(measured)} steps in {wall:.2f} s without the profiler: {1000 * wall / max(1, len(measured)):.1f} ms/step "
         f"(median {1000 * per_step[len(per_step) // 2]:.1f}, max {1000 * per_step[-1]:.1f})\n"
     )
+    for mode, times in sorted(by_mode.items()):
+        summary += f"  {mode}: {len(times)} steps, {1000 * sum(times) / len(times):.1f} ms/step (max {1000 * max(times):.1f})\n"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"check_profile{args.tag}.txt").write_text(summary + "\n" + text.getvalue())
