@@ -69,39 +69,44 @@ def minimize(trace: str, backend_spec: str, finding_spec: str | None, output: st
 
 @main.command()
 @click.argument("trace", type=click.Path(), metavar="TRACE|DIR")
-@options.backend("the backend whose calls the script makes (triton or flashinfer)", default="triton")
+@options.backend("the backend whose calls the script makes (triton, flashinfer, fa3 or mla)", default="triton")
 @click.option("--step", "step_number", type=int, default=None, help="a recording's step, by its number (default: a file's only step; a DIR needs it)")
 @click.option("--plan", "plan_source", type=click.Choice(["recorded", "derived"]), default=None, help="the plan the script runs (default: the recorded one when the trace holds one of this backend, else derived)")
+@click.option("--graph/--eager", "graph", default=None, help="replay the step in a CUDA graph padded as the engine padded it (default for a step recorded as a graph replay), or run it eagerly")
 @options.layer()
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="the script to write (its tensors go beside it as .pt when too large to embed)")
 @handles_bad_input
-def repro(trace: str, backend_spec: str, step_number: int | None, plan_source: str | None, layer: int | None, output: str) -> None:
+def repro(trace: str, backend_spec: str, step_number: int | None, plan_source: str | None, graph: bool | None, layer: int | None, output: str) -> None:
     """Write a standalone script (torch and the kernel library only, no attndbg) that makes the
     library calls the adapter makes for one step and checks them against an inline float64
-    reference: exit 1 when it reproduces, 0 when not.
+    reference: exit 1 when it reproduces, 0 when not. A step recorded as a CUDA-graph replay is
+    scripted as one (the padded batch through the library's graph wrappers) unless --eager.
 
     \b
     Example:
       attndbg synth decode-mha --inject invariants:wrong-req-row -o bad.pt
       attndbg repro bad.pt --backend triton -o repro.py && python repro.py
     """
-    from attndbg.repro.script import build, write
+    from attndbg.repro.script import Mode, build, write
     from attndbg.trace import io
 
     names = parse_backends(backend_spec)
     if len(names) != 1:
-        raise BadInput(f"--backend {backend_spec}: a script calls one library; name one (triton or flashinfer)")
+        raise BadInput(f"--backend {backend_spec}: a script calls one library; name one (triton, flashinfer, fa3 or mla)")
     check_outputs(output=output)
     path = _repro_step(trace, step_number)
     loaded = io.load(path)
     chosen_layer, _ = data_layer(loaded, layer, str(path), single=True)
     try:
-        script = build(loaded, names[0], plan_source=plan_source, layer=chosen_layer, source_name=str(path))
+        mode = None if graph is None else Mode.GRAPH if graph else Mode.EAGER
+        script = build(loaded, names[0], plan_source=plan_source, layer=chosen_layer, source_name=str(path), mode=mode)
     except (ValueError, NotImplementedError) as e:
         raise BadInput(f"{path}: {e}") from None
     written = write(script, output)
     where = "embedded" if script.embedded else f"in {written[-1]}"
-    click.echo(f"wrote {output} ({script.plan_source} plan, tensors {where}): python {output} exits 1 when it reproduces, 0 when not")
+    if script.note:
+        click.echo(f"repro: {script.note}", err=True)
+    click.echo(f"wrote {output} ({script.mode.value}, {script.plan_source} plan, tensors {where}): python {output} exits 1 when it reproduces, 0 when not")
 
 
 def _repro_step(target: str, step_number: int | None) -> Path:

@@ -178,3 +178,23 @@ def _scalar(name: str, value, was: dict[int, Plan], now: dict[int, Plan], curren
     if isinstance(value, int) and not isinstance(value, bool) and isinstance(before, int) and isinstance(after, int):
         return after + (value - before)  # the mistake's size is kept
     return value
+
+
+def pad_plan(recorded: Plan, padded: Plan, *, bs: int, capture_bs: int) -> Plan:
+    """`recorded` (a plan of a graph step's `bs` real requests, mistakes included) grown to
+    `capture_bs` requests: each per-request tensor that covers the real requests only gets the
+    padded requests' pieces of `padded` (the adapter's plan for the padded batch) appended; a
+    tensor that already covers capture_bs rows (the engine's padded buffer, as it was) or has no
+    per-request structure is kept as recorded, and so are the scalars."""
+    tensors: dict[str, Tensor] = {}
+    for name, tensor in recorded.tensors.items():
+        cut = _cut_of(name, tensor, recorded, bs)
+        tail = _pieces_like(cut, name, padded, capture_bs) if cut is not None else None
+        # Already capture_bs rows of the same cut (a [bs+1] indptr reads as capture_bs rows when
+        # capture_bs = bs + 1: only the same cut at both sizes means it is padded already).
+        if cut is None or tail is None or _cut_of(name, tensor, recorded, capture_bs) is cut:
+            tensors[name] = tensor
+            continue
+        head = 1 if cut is _Cut.OFFSETS else 0
+        tensors[name] = _assemble(cut, [*_pieces(cut, name, tensor, recorded), *tail[bs + head :]], tensor)
+    return Plan(backend=recorded.backend, tensors=tensors, scalars=dict(recorded.scalars))
