@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -14,6 +14,9 @@ from attndbg.cli import options
 from attndbg.cli.common import EXIT_FAILED, EXIT_NOT_RUN, EXIT_OK, BadInput, check_outputs, handles_bad_input, make_console, write_json
 from attndbg.cli.group import main
 from attndbg.cli.options import parse_backend_options, parse_backends, parse_devices, parse_jobs, parse_max_memory, parse_step_selection
+
+if TYPE_CHECKING:
+    from attndbg.detector_api.findings import FindingClass
 
 
 class _CheckCommand(click.Command):
@@ -80,21 +83,14 @@ def check(
       attndbg check rec --jobs 8 --steps 100:200 --backend triton,flashinfer
     """
     from attndbg import machine
-    from attndbg.checks.run import check_steps, detectors_of, parse_only, select_paths
+    from attndbg.checks.run import check_steps, select_paths
     from attndbg.detector_api.context import CheckOptions
-    from attndbg.detectors.registry import LoadError
     from attndbg.report.checks import check_verdict, checks_to_json, render_step, render_summary
     from attndbg.report.progress import CheckProgress
     from rich.text import Text
     from attndbg.trace import io
 
-    try:
-        classes = parse_only(only)
-        detectors_of(classes)  # one that cannot be loaded is bad input, before any step runs
-    except ValueError as e:
-        raise BadInput(f"--only: {e}") from None
-    except LoadError as e:
-        raise BadInput(str(e)) from None
+    classes = _detectors(only)
     names = tuple(parse_backends(backend_spec)) if backend_spec else None
     backend_options = parse_backend_options(backend_option_specs)
     if cuda_graph and not machine.cuda_available():
@@ -164,14 +160,10 @@ def compile_kernels(target: str, only: str | None, backend_spec: str | None, ste
     """
     from attndbg import machine
     from attndbg.checks.precompile import precompile
-    from attndbg.checks.run import detectors_of, parse_only, select_paths
+    from attndbg.checks.run import select_paths
     from attndbg.detector_api.context import CheckOptions
 
-    try:
-        classes = parse_only(only)
-        detectors_of(classes)
-    except ValueError as e:
-        raise BadInput(f"--only: {e}") from None
+    classes = _detectors(only)
     paths = select_paths(target, parse_step_selection(steps_spec, None))
     if not paths:
         raise BadInput(f"{target}: no steps")
@@ -185,3 +177,19 @@ def compile_kernels(target: str, only: str | None, backend_spec: str | None, ste
         sys.exit(EXIT_OK)
     click.echo(f"attndbg compile: {done.modules} module{'s' * (done.modules != 1)} compiled for {done.shapes} kernel shape{'s' * (done.shapes != 1)} in {done.seconds:.0f} s")
     sys.exit(EXIT_NOT_RUN if done.problem else EXIT_OK)
+
+
+def _detectors(only: str | None) -> list[FindingClass]:
+    """`--only` as detector kinds; an unknown one, or one that cannot be loaded, is bad input
+    before any step runs."""
+    from attndbg.checks.run import detectors_of, parse_only
+    from attndbg.detectors.registry import LoadError
+
+    try:
+        classes = parse_only(only)
+        detectors_of(classes)
+    except ValueError as e:
+        raise BadInput(f"--only: {e}") from None
+    except LoadError as e:
+        raise BadInput(str(e)) from None
+    return classes

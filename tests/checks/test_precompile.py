@@ -120,3 +120,12 @@ def test_modules_are_built_in_one_ninja_with_progress(tmp_path: Path) -> None:
     broken = [_module(jit, "bad", "echo nvcc said no >&2 && false")]
     with pytest.raises(RuntimeError, match=r"ninja failed \(exit 1\) building 1 FlashInfer modules:(.|\n)*nvcc said no"):
         flashinfer_jit.build(broken, jobs=1)
+
+
+def test_compile_refuses_an_unknown_detector_in_one_line(tmp_path: Path) -> None:
+    _save(tmp_path, [make_trace("decode-mha", "kv_lens=3,2", *SMALL, plan=True)])
+    result = CliRunner().invoke(main, ["compile", str(tmp_path), "--only", "invariants,nosuch"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        "error: --only: unknown detector 'nosuch'; detectors: invariants, fill-value, tree-mask, split-merge, batch-invariance, exposure"
+    ]
