@@ -26,8 +26,9 @@ from attndbg.suggest import did_you_mean
 @options.backend_option()
 @handles_bad_input
 def minimize(trace: str, backend_spec: str, finding_spec: str | None, output: str, jobs: int, only: str | None, backend_option_specs: tuple[str, ...]) -> None:
-    """Shrink a failing step (requests, padded rows, heads, cached columns) while it shows the same
-    failure, of the same kind: a crash stays the same crash, a finding the same class and check.
+    """Shrink a failing step (requests, padded rows, heads, page size, draft tree, new tokens,
+    cached columns) while it shows the same failure, of the same kind: a crash stays the same
+    crash, a finding the same class and check.
     Each candidate is checked in a fresh worker process; a recorded plan keeps its mistakes.
 
     \b

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from attndbg.backends import registry
 from attndbg.backends.base import Padding
+from attndbg.trace.mask_geometry import MaskGeometry
 from attndbg.trace.schema import Plan, Trace
 
 # Flat tensors that hold per-request segments, and the offsets that cut them (beyond X_indices -> X_indptr).
@@ -46,7 +47,7 @@ def _offsets_of(name: str) -> str | None:
     return None
 
 
-def _derived(trace: Trace, backend_name: str) -> dict[int, Plan]:
+def derived_plans(trace: Trace, backend_name: str) -> dict[int, Plan]:
     """The plans a correct engine backend derives for `trace`, by the rows they cover: the batch,
     and on a graph step the capture size too (padded as the graph section says)."""
     try:
@@ -128,7 +129,7 @@ def carry_plan(current: Trace, smaller: Trace, rows: Sequence[int]) -> Plan:
     rows first, then padded ones)."""
     recorded = current.plan
     assert recorded is not None
-    was, now = _derived(current, recorded.backend), _derived(smaller, recorded.backend)
+    was, now = derived_plans(current, recorded.backend), derived_plans(smaller, recorded.backend)
     bs = current.batch.batch_size
     sizes = [bs] + ([current.graph.capture_bs] if current.graph is not None and current.graph.capture_bs > bs else [])
     tensors: dict[str, Tensor] = {}
@@ -198,3 +199,28 @@ def pad_plan(recorded: Plan, padded: Plan, *, bs: int, capture_bs: int) -> Plan:
         head = 1 if cut is _Cut.OFFSETS else 0
         tensors[name] = _assemble(cut, [*_pieces(cut, name, tensor, recorded), *tail[bs + head :]], tensor)
     return Plan(backend=recorded.backend, tensors=tensors, scalars=dict(recorded.scalars))
+
+
+def cut_mask_blocks(current: Trace, plan: Plan | None, cut: Callable[[int, Tensor], Tensor]) -> Plan | None:
+    """`plan` (carried onto a smaller verify step) with `current`'s recorded FULL bool tree mask
+    (custom_mask at mask_indptr: SGLang's Triton plan, FlashInfer's derived one) cut block by
+    block, `cut(b, [n, width] block)`: carry_plan keeps a wrong block as recorded, at the old
+    width, so a reduction that drops rows or columns drops them from it too. None: the recorded
+    blocks do not have the tree's shape (they cannot be cut); `plan` as it is without such a mask."""
+    recorded = current.plan
+    if plan is None or recorded is None or "custom_mask" not in recorded.tensors or "mask_indptr" not in recorded.tensors or current.spec is None:
+        return plan
+    n = current.spec.draft_token_num
+    mask = recorded.tensors["custom_mask"]
+    geometry = MaskGeometry.from_indptr(recorded.tensors["mask_indptr"], rows=n, prefix_lens=current.batch.prefix_lens)
+    blocks = []
+    for b in range(current.batch.batch_size):
+        start, end = geometry.span(b)
+        if end > mask.numel() or int(geometry.columns[b]) < n or end - start != n * int(geometry.columns[b]):
+            return None
+        blocks.append(cut(b, geometry.block(mask, b)).flatten())
+    flat = torch.cat(blocks).to(mask.dtype) if blocks else mask[:0]
+    ends = plan.tensors.get("mask_indptr")
+    if ends is None or int(ends[current.batch.batch_size]) != flat.numel():
+        return None
+    return Plan(backend=plan.backend, tensors={**plan.tensors, "custom_mask": flat}, scalars=dict(plan.scalars))

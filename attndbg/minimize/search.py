@@ -8,6 +8,10 @@ the same kind:
                complements, then finer partitions
     padding    one padded row of a graph step, then half of them
     heads      one KV head with one query head, then one KV head with its GQA group
+    pages      page size 1, then half the page size (whole pages: a divisor)
+    drafts     a verify step's trees cut to 2 draft tokens, then half, then one fewer; then
+               pruned to topk 1, 2, ... children per node
+    extends    a request's new tokens cut to 1, then half (a shorter chunk)
     columns    a request's whole cached prefix, then half of it (whole pages)
 
 until a pass over all of them removes nothing. Every candidate is written as a trace (validated:
@@ -28,7 +32,7 @@ from attndbg.checks.run import parse_only
 from attndbg.checks.workers import check_in_workers
 from attndbg.detector_api.context import CheckOptions
 from attndbg.detector_api.findings import FindingClass
-from attndbg.minimize import shrink
+from attndbg.minimize import shrink, tokens
 from attndbg.minimize.probe import probe_one
 from attndbg.minimize.target import REPLAY, Failure, FailureKind, choose, failure_of, reproduces
 from attndbg.trace import io
@@ -128,7 +132,7 @@ class _Search:
         current, removed = original, []
         for _ in range(MAX_PASSES):
             before = len(removed)
-            for reduction in (self._requests, self._padding, self._heads, self._columns):
+            for reduction in (self._requests, self._padding, self._heads, self._pages, self._drafts, self._extends, self._columns):
                 current = reduction(current, removed)
             if len(removed) == before:
                 break
@@ -158,17 +162,17 @@ class _Search:
             n = min(2 * n, bs)
         return current
 
-    def _padding(self, current: Trace, removed: list[str]) -> Trace:
+    def _rounds(self, current: Trace, removed: list[str], cuts: Callable[[Trace], Iterable[Callable[[], shrink.Reduced]]]) -> Trace:
+        """Keep the first of `cuts(current)` that reproduces, again on what it leaves, until none does."""
         for _ in range(MAX_ROUNDS):
-            graph = current.graph
-            pad = graph.capture_bs - current.batch.batch_size if graph is not None else 0
-            if pad <= 1:
-                break
-            hit = self.first_reproducing((lambda k=k, t=current: shrink.keep_padding(t, k) for k in dict.fromkeys([1, pad // 2])))
+            hit = self.first_reproducing(cuts(current))
             if hit is None:
                 break
             current = self._keep(hit, removed)
         return current
+
+    def _padding(self, current: Trace, removed: list[str]) -> Trace:
+        return self._rounds(current, removed, self._padding_cuts)
 
     def _heads(self, current: Trace, removed: list[str]) -> Trace:
         model = current.model
@@ -176,13 +180,55 @@ class _Search:
         hit = self.first_reproducing((lambda s=s, t=current: shrink.fewer_heads(t, *s) for s in shapes))
         return self._keep(hit, removed) if hit is not None else current
 
+    def _pages(self, current: Trace, removed: list[str]) -> Trace:
+        return self._rounds(current, removed, self._page_cuts)
+
+    def _drafts(self, current: Trace, removed: list[str]) -> Trace:
+        return self._rounds(current, removed, self._draft_cuts)
+
+    def _extends(self, current: Trace, removed: list[str]) -> Trace:
+        return self._rounds(current, removed, self._extend_cuts)
+
     def _columns(self, current: Trace, removed: list[str]) -> Trace:
-        for _ in range(MAX_ROUNDS):
-            hit = self.first_reproducing(self._column_cuts(current))
-            if hit is None:
-                break
-            current = self._keep(hit, removed)
-        return current
+        return self._rounds(current, removed, self._column_cuts)
+
+    @staticmethod
+    def _padding_cuts(trace: Trace) -> Iterator[Callable[[], shrink.Reduced]]:
+        graph = trace.graph
+        pad = graph.capture_bs - trace.batch.batch_size if graph is not None else 0
+        if pad > 1:
+            for k in dict.fromkeys([1, pad // 2]):
+                yield lambda k=k: shrink.keep_padding(trace, k)
+
+    @staticmethod
+    def _page_cuts(trace: Trace) -> Iterator[Callable[[], shrink.Reduced]]:
+        page = trace.model.page_size
+        for size in dict.fromkeys([1, page // 2]):
+            if 1 <= size < page and page % size == 0:
+                yield lambda size=size: shrink.smaller_pages(trace, size)
+
+    @staticmethod
+    def _draft_cuts(trace: Trace) -> Iterator[Callable[[], shrink.Reduced]]:
+        spec = trace.spec
+        if spec is None or not trace.is_tree_verify:
+            return
+        n = spec.draft_token_num
+        for count in dict.fromkeys([2, (n + 1) // 2, n - 1]):  # fewer tokens, then fewer children per node
+            if 1 <= count < n:
+                yield lambda count=count: tokens.fewer_drafts(trace, count)
+        for topk in range(1, spec.topk):
+            yield lambda topk=topk: tokens.fewer_drafts(trace, n, topk)
+
+    @staticmethod
+    def _extend_cuts(trace: Trace) -> Iterator[Callable[[], shrink.Reduced]]:
+        if trace.spec is not None:
+            return
+        lengths = trace.batch.extend_lens.tolist()
+        for half in (False, True):  # one new token, then half of them, of each request in turn
+            for b, extend in enumerate(lengths):
+                keep = extend // 2 if half else 1
+                if 1 <= keep < extend and not (half and keep == 1):
+                    yield lambda b=b, keep=keep: tokens.shorter_extend(trace, b, keep)
 
     @staticmethod
     def _column_cuts(trace: Trace) -> Iterator[Callable[[], shrink.Reduced]]:

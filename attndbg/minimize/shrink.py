@@ -5,6 +5,8 @@ step in every other respect, or raises `NotApplicable` saying why it cannot appl
     keep_padding    fewer of a CUDA-graph step's padded rows (capture_bs shrinks with them)
     fewer_heads     fewer KV heads, and query heads with them (the GQA group kept, or 1)
     drop_columns    a request's first cached KV columns (whole pages): its row starts later
+    smaller_pages   KV pages of a divisor of the page size (toward 1)
+(tokens.py: fewer draft tokens of a verify step's trees, fewer new tokens of an extend.)
 
 The batch, the draft tree, the graph section and the recorded layer tensors change here; the
 recorded plan goes along through `plan.carry_plan`, given which row of the step each row of the
@@ -19,7 +21,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from attndbg.minimize.plan import carry_plan
+from attndbg.backends import registry
+from attndbg.minimize.plan import carry_plan, cut_mask_blocks, derived_plans
 from attndbg.trace.mask_geometry import MaskGeometry
 from attndbg.trace.schema import AttentionKind, Graph, LayerTensors, MaskLayout, Trace, indptr
 from attndbg.trace.subbatch import sub_batch
@@ -36,7 +39,7 @@ class Reduced:
     rows: tuple[int, ...]  # per plan row of the smaller step (real, then padded): the step's row it is
 
 
-def _padded_count(trace: Trace) -> int:
+def padded_count(trace: Trace) -> int:
     graph = trace.graph
     return max(0, graph.capture_bs - trace.batch.batch_size) if graph is not None else 0
 
@@ -53,7 +56,7 @@ def _graph_rows(trace: Trace, keep: list[int], token_rows: Tensor, padded: int) 
     if graph is None:
         return None
     bs, tokens = trace.batch.batch_size, trace.batch.num_tokens
-    pad = _padded_count(trace)
+    pad = padded_count(trace)
     per_row = (graph.padded_out_cache_loc.numel() - tokens) // pad if pad else 0
     rows = torch.tensor(keep + list(range(bs, bs + padded)), dtype=torch.int64)
     tail = torch.arange(tokens, tokens + padded * per_row)
@@ -84,7 +87,7 @@ def keep_requests(trace: Trace, keep: list[int]) -> Reduced:
     if len(keep) >= bs:
         raise NotApplicable("keeps every request")
     part = sub_batch(trace, keep)
-    pad = _padded_count(trace)
+    pad = padded_count(trace)
     smaller = replace(part.trace, graph=_graph_rows(trace, list(keep), part.rows, pad))
     dropped = [b for b in range(bs) if b not in keep]
     rows = (*keep, *range(bs, bs + pad))
@@ -93,7 +96,7 @@ def keep_requests(trace: Trace, keep: list[int]) -> Reduced:
 
 def keep_padding(trace: Trace, padded: int) -> Reduced:
     """The first `padded` of the step's padded rows."""
-    pad = _padded_count(trace)
+    pad = padded_count(trace)
     if not 0 < padded < pad:
         raise NotApplicable(f"the step has {pad} padded rows")
     bs = trace.batch.batch_size
@@ -133,7 +136,7 @@ def fewer_heads(trace: Trace, num_qo_heads: int, num_kv_heads: int) -> Reduced:
         model=replace(model, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads),
         tensors={k: layer(t) for k, t in trace.tensors.items()},
     )
-    rows = tuple(range(trace.batch.batch_size + _padded_count(trace)))
+    rows = tuple(range(trace.batch.batch_size + padded_count(trace)))
     return _with_plan(trace, smaller, rows, f"heads {model.num_qo_heads}:{model.num_kv_heads} -> {num_qo_heads}:{num_kv_heads}")
 
 
@@ -182,5 +185,44 @@ def drop_columns(trace: Trace, request: int, count: int) -> Reduced:
         positions[: batch.num_tokens] -= shift[: positions.numel()]
         graph = replace(graph, padded_seq_lens=seq_lens, padded_positions=positions)
     smaller = replace(trace, batch=smaller_batch, spec=spec, graph=graph, buffers={})
-    rows = tuple(range(batch.batch_size + _padded_count(trace)))
-    return _with_plan(trace, smaller, rows, f"request {request}: {count} of {prefix} cached columns")
+    rows = tuple(range(batch.batch_size + padded_count(trace)))
+    reduced = _with_plan(trace, smaller, rows, f"request {request}: {count} of {prefix} cached columns")
+    plan = cut_mask_blocks(trace, reduced.trace.plan, lambda b, block: block[:, count:] if b == request else block)
+    if plan is None:
+        raise NotApplicable("the recorded plan's mask blocks do not have the tree's shape: their columns cannot be cut")
+    return replace(reduced, trace=replace(reduced.trace, plan=plan))
+
+
+def smaller_pages(trace: Trace, page_size: int) -> Reduced:
+    """The same step with KV pages of `page_size` (a divisor of the step's: every page splits into
+    whole smaller ones, so each slot keeps its column's page offset). A recorded plan that names
+    pages goes along only when it is the adapter's own (derived again at the new size): a
+    mistake in page ids of the old size has no meaning at the new one."""
+    model = trace.model
+    if not 1 <= page_size < model.page_size or model.page_size % page_size:
+        raise NotApplicable(f"page size {page_size} does not divide the step's {model.page_size} into smaller pages")
+    if trace.graph is not None and trace.graph.padded_block_table is not None:
+        raise NotApplicable("the graph's block table lists pages of the step's size")
+    smaller = replace(trace, model=replace(model, page_size=page_size), buffers={})
+    rows = tuple(range(trace.batch.batch_size + padded_count(trace)))
+    reduced = _with_plan(trace, smaller, rows, f"page size {model.page_size} -> {page_size}")
+    if trace.plan is not None and not _plan_in_slots(trace) and not _is_derived(reduced.trace):
+        raise NotApplicable("the recorded plan names pages and differs from the adapter's: its page ids cannot be carried to another size")
+    return reduced
+
+
+def _plan_in_slots(trace: Trace) -> bool:
+    """The recorded plan lists KV slots (SGLang's Triton backend), whatever the page size."""
+    try:
+        layout = registry.create(trace.plan.backend).plan_layout(trace, trace.plan)
+    except (KeyError, ValueError):
+        return False
+    return layout is not None and layout.page_size == 1
+
+
+def _is_derived(trace: Trace) -> bool:
+    plan = trace.plan
+    derived = derived_plans(trace, plan.backend).get(trace.batch.batch_size)
+    return derived is not None and derived.tensors.keys() == plan.tensors.keys() and all(
+        torch.equal(plan.tensors[k].to(torch.float64), derived.tensors[k].to(torch.float64)) for k in plan.tensors
+    )

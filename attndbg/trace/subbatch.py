@@ -70,7 +70,7 @@ def sub_batch(trace: Trace, requests: Sequence[int]) -> SubBatch:
         spec=_spec(trace, chosen),
         graph=None,
         plan=None,
-        tensors={layer: _layer(t, rows) for layer, t in trace.tensors.items()},
+        tensors={layer: layer_rows(t, rows) for layer, t in trace.tensors.items()},
         buffers={},
     )
     return SubBatch(trace=part, requests=chosen, rows=rows)
@@ -90,7 +90,8 @@ def _spec(trace: Trace, chosen: tuple[int, ...]) -> Spec | None:
     return replace(spec, parents=spec.parents[list(chosen)], custom_mask=mask)
 
 
-def _layer(t: LayerTensors, rows: Tensor) -> LayerTensors:
+def layer_rows(t: LayerTensors, rows: Tensor) -> LayerTensors:
+    """Query rows `rows` of one layer's recorded per-token tensors (the KV rows stay whole)."""
     return replace(
         t,
         q=t.q[rows],

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from attndbg.checks.run import check_one
 from attndbg.cli import main
@@ -54,6 +55,41 @@ def test_injected_mistake_shrinks_to_at_most_two_requests(tmp_path: Path, spec: 
     assert outcome.trace.model.num_qo_heads < outcome.original.model.num_qo_heads
     small = io.save(outcome.trace, tmp_path / "small.pt")  # valid, and checked again here, in this process
     assert tuple(expected.split("/")) in _findings(small, cls)
+
+
+# One step per shrink dimension beyond requests and heads, already at one KV head: page size (a
+# Triton plan lists slots, so its mistake goes along), the draft tree (the sibling bit stays where
+# its row and column stay), extend lengths (the base-2 prefix LSE merge stays wrong on fewer tokens).
+DIMENSIONS = [
+    (("decode-mha", "heads=1:1", "head_dim=16", "kv_lens=17,20", "page_size=16"), "invariants:wrong-req-row", "invariants/kv-index", lambda t: t.model.page_size == 1),
+    (("verify", "heads=1:1", "head_dim=16", "prefix_lens=2", "topk=3", "steps=2", "draft_tokens=5"), "tree-mask:sibling-visible", "tree-mask/mask-mismatch", lambda t: t.spec.draft_token_num < 5),
+    (("extend-prefix", "heads=1:1", "head_dim=16", "prefix_lens=2", "extend_lens=5"), "split-merge:cascade-lse-base-2", "split-merge/merge-lse-base-confusion", lambda t: int(t.batch.extend_lens.max()) == 1),
+]
+
+
+@pytest.mark.parametrize(("spec", "mistake", "expected", "shrunk"), DIMENSIONS, ids=["page-size", "draft-tree", "extend-lengths"])
+def test_each_dimension_shrinks_with_the_same_finding(tmp_path: Path, spec: tuple[str, ...], mistake: str, expected: str, shrunk) -> None:
+    bad = _injected(tmp_path, spec, mistake)
+    outcome = minimize(str(bad), MinimizeOptions("triton", parse_wanted(expected), TRITON))
+    assert shrunk(outcome.trace), outcome.removed
+    small = io.save(outcome.trace, tmp_path / "small.pt")
+    assert tuple(expected.split("/")) in _findings(small, expected.split("/")[0])
+
+
+def test_draft_tree_cut_keeps_a_prefix_closed_tree(tmp_path: Path) -> None:
+    """Kept tokens keep their ancestors; a correct recorded mask stays the tree's mask; the smaller step loads."""
+    from attndbg.minimize import tokens
+    from attndbg.trace import tree
+
+    trace = make_trace(*VERIFY, plan=True)
+    for count, topk in [(3, None), (8, 2), (8, 1)]:
+        small = tokens.fewer_drafts(trace, count, topk).trace
+        parents = small.spec.parents
+        assert all(int(p) < i for row in parents for i, p in enumerate(row.tolist()) if i)
+        assert topk != 1 or tree.is_chain(parents)
+        expected = tree.build_mask(small.spec.mask_layout, parents, small.batch.prefix_lens)
+        assert torch.equal(small.spec.custom_mask, expected.to(small.spec.custom_mask.dtype))
+        assert io.load(io.save(small, tmp_path / "small.pt")).spec.draft_token_num == small.spec.draft_token_num
 
 
 def test_a_failure_that_becomes_a_crash_is_not_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
