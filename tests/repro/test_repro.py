@@ -291,3 +291,15 @@ def test_library_scripts_on_the_gpu(tmp_path: Path, backend: str, spec: tuple[st
     assert ran.returncode == code, ran.stdout + ran.stderr
     assert "flashinfer " in ran.stdout and "GPU " in ran.stdout
     assert ("padded rows: 0 NaN/Inf" in ran.stdout) == (mode is Mode.GRAPH)
+
+
+def test_a_graph_step_the_backend_cannot_capture_is_written_eagerly_and_says_why(tmp_path: Path) -> None:
+    """FlashInfer's graph wrappers merge splits for some head dims only: a graph step of head_dim
+    16 is scripted eagerly by default, with the reason on stderr; asked for --graph, exit 2."""
+    trace_file = io.save(make_trace(*DECODE[:-2], "head_dim=16", "kv_lens=5,20", "capture_bs=4"), tmp_path / "step.pt")
+    script = tmp_path / "repro.py"
+    result = CliRunner().invoke(main, ["repro", str(trace_file), "--backend", "flashinfer", "-o", str(script)])
+    assert result.exit_code == 0 and "(eager, derived plan" in result.stdout, result.output
+    assert "a graph replay written as an eager run" in result.stderr and "head_dim" in result.stderr
+    forced = CliRunner().invoke(main, ["repro", str(trace_file), "--backend", "flashinfer", "--graph", "-o", str(script)])
+    assert forced.exit_code == 2 and "--graph:" in forced.output, forced.output
