@@ -209,10 +209,13 @@ def build(
     writer = _Writer({f'X["{n}"]': getattr(inputs, n) for n in INPUTS}, plan, on_device=backend_name == "triton")
     lines = writer.calls(calls)
     output = writer.find(result.output)
+    merge: dict[str, torch.Tensor] = {}
+    if output is None and backend_name == "fa3" and plan.scalars.get("verify_path") == "two-call":
+        output, merge = _two_call_merge(writer, calls, plan, lines)
     if output is None:
         raise NotImplementedError(f"{backend_name}: this step's output is computed outside the library's calls (a merge in torch); not scripted yet")
     source = "recorded" if use_recorded else "derived"
-    tensors = _tensors(trace, inputs, writer.saved)
+    tensors = {**_tensors(trace, inputs, writer.saved), **merge}
     data, embedded = _embed(tensors)
     text = template.render(
         trace, backend_name, defs=writer.defs, calls=lines, output=output, plan_source=source, source_name=source_name, data=data
@@ -248,6 +251,23 @@ def _graph(backend: Backend, trace: Trace, inputs: AttentionInputs, use_recorded
         graph=template.GraphParts(load=load_lines, forward=forward_lines, padding=step.padding, used=got.used, static_mla=mla),
     )
     return Repro(text=text, tensors=tensors, embedded=embedded, plan_source=source, mode=Mode.GRAPH)
+
+
+def _two_call_merge(writer: _Writer, calls: list[Call], plan: Plan, lines: list[str]) -> tuple[str, dict[str, torch.Tensor]]:
+    """fa3's two-call tree verify: the prefix call and the draft call merged in torch, as the
+    adapter merges them (backends/fa3.py run: base-2 LSEs to natural log, a request with no
+    prefix weighs 0 on the prefix side; numerics.merge_states, whose source the script carries)."""
+    main, expand = [writer.names[id(c.result[0])][: -len("[0]")] for c in calls if c.target.endswith(".run")]
+    q_lens = plan.tensors["cu_seqlens_q"].diff().to(torch.int64)
+    lines += [
+        "",
+        "# fa3's two calls merged as the adapter merges them: natural-log LSEs, an empty prefix weighs 0",
+        'empty = (T["MAIN_CACHE_SEQLENS"] == 0).repeat_interleave(T["MAIN_Q_LENS"]).to(DEVICE)',
+        f'main_lse = ({main}[1].float() * math.log(2.0)).masked_fill(empty[:, None], float("-inf"))',
+        f"merged_output, _ = merge_states(torch.stack([{main}[0].float(), {expand}[0].float()]), torch.stack([main_lse, {expand}[1].float() * math.log(2.0)]))",
+        'merged_output = merged_output.to(X["q"].dtype)',
+    ]
+    return "merged_output", {"MAIN_CACHE_SEQLENS": plan.tensors["cache_seqlens"].to(torch.int64), "MAIN_Q_LENS": q_lens}
 
 
 def _recorded_loc(trace: Trace, loc: torch.Tensor, used: int) -> torch.Tensor:

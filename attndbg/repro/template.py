@@ -146,6 +146,10 @@ def render(
     else:
         header = "import flashinfer\n" + ("import flashinfer.mla\n" if mla else "")
         library_code = ""
+        if backend == "fa3":
+            from attndbg import numerics
+
+            library_code = f"\n# attndbg's merge of partial attention states (attndbg/numerics.py), for fa3's two-call verify.\n{inspect.getsource(numerics.merge_states)}\n"
         if mla:
             library_code = '\n# FlashInfer\'s MLA kernels for this GPU, chosen as attndbg\'s mla adapter chooses them.\nMLA_BACKEND = "fa3" if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) else "fa2"\n'
         version = "getattr(flashinfer, '__version__', 'unknown')"

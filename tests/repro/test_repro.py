@@ -232,6 +232,27 @@ def test_library_script_makes_the_adapters_plan_call(tmp_path: Path, backend: st
     _assert_same_call(call, *_adapter_plan_call(backend, trace, plan), repro.tensors, nested)
 
 
+def test_fa3_two_call_verify_script_makes_both_calls_and_merges_them(tmp_path: Path) -> None:
+    """fa3's tree verify (SGLang's FA3 backend: a prefix call and a draft call, merged): both plan()
+    calls are the adapter's, and the script merges them with attndbg's merge_states source."""
+    from attndbg.backends import fa3
+
+    trace = make_trace("verify", "heads=4:2", "head_dim=64", "prefix_lens=5,12,0")
+    trace = replace(trace, plan=_plan_of("fa3", trace))
+    assert trace.plan.scalars["verify_path"] == "two-call"
+    repro = build(trace, "fa3")
+    script = write(repro, tmp_path / "repro.py")[0]
+    subprocess.run([sys.executable, "-m", "py_compile", str(script)], check=True)
+    assert "attndbg" not in _imports(repro.text) and "def merge_states(" in repro.text
+    calls = _calls_named(repro.text, "plan")
+    assert len(calls) == 2
+    for node, prefix in zip(calls, ("", "expand_")):
+        wrapper = _PlanCalls()
+        with mock.patch.object(fa3, "wait_for_pending_plans", lambda: None):
+            fa3._flashinfer_plan(wrapper, trace.model, fa3.FA3Call.from_plan(trace.plan, prefix))
+        _assert_same_call(node, *wrapper.calls[0], repro.tensors, {})
+
+
 def test_bad_input(tmp_path: Path) -> None:
     trace_file = io.save(make_trace(*DECODE, plan=True), tmp_path / "step.pt")
     for args, words in [
@@ -266,6 +287,8 @@ GPU_CASES = [
     ("fa3", ("decode-gqa", "kv_lens=5,40,300,17"), None, Mode.EAGER, 0),
     ("fa3", ("decode-gqa", "kv_lens=5,40,300,17"), "invariants:wrong-req-row", Mode.EAGER, 1),
     ("fa3", ("verify-chain", "heads=8:2", "head_dim=128", "prefix_lens=5,40,17"), None, Mode.EAGER, 0),
+    ("fa3", ("verify", "heads=8:2", "head_dim=128", "prefix_lens=5,40,0"), None, Mode.EAGER, 0),
+    ("fa3", ("verify", "heads=8:2", "head_dim=128", "prefix_lens=5,40,0"), "tree-mask:sibling-visible", Mode.EAGER, 1),
     ("fa3", ("decode-gqa", "kv_lens=5,40,300,17", "capture_bs=8"), None, Mode.GRAPH, 0),
     ("fa3", ("decode-gqa", "kv_lens=5,40,300,17", "capture_bs=8"), "fill-value:padded-kv-write", Mode.GRAPH, 1),
     ("mla", ("mla-decode", "kv_lens=5,40,300"), None, Mode.EAGER, 0),
