@@ -274,13 +274,17 @@ FAKE_CASES = [
     ("fa3", ("decode-gqa", "heads=4:2", "head_dim=64", "kv_lens=5,40,30,17", "capture_bs=6"), None, Mode.GRAPH, 0),
     ("fa3", ("verify", "heads=4:2", "head_dim=64", "prefix_lens=5,12,0"), None, Mode.EAGER, 0),
     ("fa3", ("verify", "heads=4:2", "head_dim=64", "prefix_lens=5,12,0"), "tree-mask:sibling-visible", Mode.EAGER, 1),
+    ("mla", MLA_DECODE, None, None, 0),
+    ("mla", MLA_DECODE, "invariants:wrong-req-row", None, 1),
+    ("mla", (*MLA_DECODE, "capture_bs=4"), None, Mode.GRAPH, 0),
+    ("mla", (*MLA_DECODE, "capture_bs=4"), "fill-value:padded-kv-write", Mode.GRAPH, 1),
 ]
 
 
 @pytest.mark.parametrize(("backend", "spec", "mistake", "mode", "code"), FAKE_CASES, ids=[f"{c[0]}-{c[1][0]}-{c[2] or 'clean'}-{c[3].value if c[3] else 'default'}" for c in FAKE_CASES])
 def test_library_scripts_run_end_to_end_on_a_torch_flashinfer(tmp_path: Path, backend: str, spec: tuple[str, ...], mistake: str | None, mode: Mode | None, code: int) -> None:
-    """The flashinfer and fa3 scripts run whole, isolated, against a torch stand-in for FlashInfer's
-    paged wrappers (tests/repro/fake_library: same signatures, base-2 LSE): clean steps pass, a plan
+    """The flashinfer, fa3 and mla scripts run whole, isolated, against a torch stand-in for FlashInfer's
+    paged and MLA wrappers (tests/repro/fake_library: same signatures, base-2 LSE): clean steps pass, a plan
     reading another request's row, padded tokens writing over live KV (graph), a sibling made
     visible (fa3's two calls merged in the script) reproduce. What the GPU tests then add is the
     real library and the real capture."""

@@ -10,6 +10,8 @@ import math
 
 import torch
 
+from flashinfer import mla  # noqa: E402,F401  (flashinfer.mla, as FlashInfer's own __init__ makes it an attribute)
+
 __version__ = "fake (tests/repro/fake_library)"
 
 _DECODE = ("indptr", "indices", "last_page_len", "num_qo_heads", "num_kv_heads", "head_dim", "page_size")
