@@ -10,12 +10,21 @@ import math
 
 import torch
 
-from flashinfer import mla  # noqa: E402,F401  (flashinfer.mla, as FlashInfer's own __init__ makes it an attribute)
-
 __version__ = "fake (tests/repro/fake_library)"
 
 _DECODE = ("indptr", "indices", "last_page_len", "num_qo_heads", "num_kv_heads", "head_dim", "page_size")
 _PREFILL = ("qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len", "num_qo_heads", "num_kv_heads", "head_dim_qk", "page_size")
+
+
+def hand_back(o, s, *, out, lse, return_lse):
+    """What run() returns: the output (and base-2 LSE), written into `out`/`lse` when given."""
+    if out is not None:
+        out.copy_(o.to(out.device))
+        o = out
+    if lse is not None:
+        lse.copy_(s.to(lse.device))
+        s = lse
+    return (o, s) if return_lse else o
 
 
 class _Paged:
@@ -73,13 +82,7 @@ class _Paged:
                 logits = logits.masked_fill(~seen, float("-inf"))
                 s[t] = torch.logsumexp(logits, -1).float() / math.log(2.0)
                 o[t] = torch.einsum("hn,nhd->hd", torch.softmax(logits, -1), values).to(q.dtype)
-        if out is not None:
-            out.copy_(o.to(out.device))
-            o = out
-        if lse is not None:
-            lse.copy_(s.to(lse.device))
-            s = lse
-        return (o, s) if return_lse else o
+        return hand_back(o, s, out=out, lse=lse, return_lse=return_lse)
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_Paged):
@@ -88,3 +91,6 @@ class BatchPrefillWithPagedKVCacheWrapper(_Paged):
 
 class BatchDecodeWithPagedKVCacheWrapper(_Paged):
     names = _DECODE
+
+
+from flashinfer import mla  # noqa: E402,F401  (an attribute, as FlashInfer's own __init__ makes it)

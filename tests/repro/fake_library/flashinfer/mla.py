@@ -9,6 +9,8 @@ from types import SimpleNamespace
 
 import torch
 
+from flashinfer import hand_back
+
 
 class MLAPlanMetadata:
     @staticmethod
@@ -43,10 +45,4 @@ class BatchMLAPagedAttentionWrapper:
                     continue
                 s[t] = torch.logsumexp(logits, -1).float() / math.log(2.0)
                 o[t] = (torch.softmax(logits, -1) @ latent).to(o.dtype)
-        if out is not None:
-            out.copy_(o.to(out.device))
-            o = out
-        if lse is not None:
-            lse.copy_(s.to(lse.device))
-            s = lse
-        return (o, s) if return_lse else o
+        return hand_back(o, s, out=out, lse=lse, return_lse=return_lse)
