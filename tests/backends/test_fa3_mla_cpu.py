@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -272,64 +271,6 @@ def test_merge_of_disjoint_halves_is_attention_over_the_union() -> None:
     empty = fa3.AttentionResult(output=torch.full_like(full, float("nan")), lse=torch.full((2, 3), float("-inf"), dtype=torch.float64))
     alone = fa3.merge_states(empty, part(slice(0, 10)), dtype=torch.float64)
     assert torch.allclose(alone.output, full, atol=1e-6)  # an empty side's NaN output is ignored
-
-
-# -- fa3 run through a plain-torch stand-in for flash_attn_with_kvcache -----------------------
-
-
-def _torch_flash_attn_with_kvcache(
-    *, q, k_cache, v_cache, page_table, cache_seqlens, cu_seqlens_q, max_seqlen_q, softmax_scale, causal, window_size, softcap, return_softmax_lse
-):
-    """FA3's documented semantics in float64: paged KV, causal aligned bottom-right, window (left, right)."""
-    page_size, heads = k_cache.shape[1], q.shape[1]
-    out = torch.zeros(q.shape[0], heads, v_cache.shape[-1], dtype=torch.float64)
-    lse = torch.full((heads, q.shape[0]), float("-inf"), dtype=torch.float64)
-    for b in range(cache_seqlens.numel()):
-        rows = slice(int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]))
-        kv_len, q_len = int(cache_seqlens[b]), rows.stop - rows.start
-        cols = torch.arange(kv_len)
-        pages = page_table[b, cols // page_size].long()
-        group = heads // k_cache.shape[2]
-        k = k_cache[pages, cols % page_size].double().repeat_interleave(group, 1)  # [kv, H, D]
-        v = v_cache[pages, cols % page_size].double().repeat_interleave(group, 1)
-        s = torch.einsum("qhd,khd->hqk", q[rows].double(), k) * softmax_scale
-        if softcap > 0:
-            s = softcap * torch.tanh(s / softcap)
-        diag = kv_len - q_len + torch.arange(q_len)[:, None]  # bottom-right aligned
-        visible = torch.ones(q_len, kv_len, dtype=torch.bool)
-        if causal:
-            visible &= cols[None, :] <= diag
-        if window_size[0] >= 0:
-            visible &= cols[None, :] >= diag - window_size[0]
-        s = s.masked_fill(~visible, float("-inf"))
-        out[rows] = torch.nan_to_num(torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v))
-        lse[:, rows] = torch.logsumexp(s, -1)
-    return out.to(q.dtype), lse.float(), None
-
-
-@pytest.mark.parametrize(
-    "spec",
-    [
-        ("verify", "heads=4:2", "head_dim=64", "prefix_lens=9,0,33", "topk=3", "steps=3", "draft_tokens=7"),
-        ("verify", "heads=4:2", "head_dim=64", "prefix_lens=20,17", "page_size=4", "draft_tokens=6"),
-        ("verify-chain", "heads=4:2", "head_dim=64"),
-        ("extend-prefix", "heads=4:2", "head_dim=64", "page_size=16"),
-        ("window", "heads=4:2", "head_dim=64"),
-    ],
-)
-def test_fa3_plan_and_merge_pass_the_reference_through_fa3_semantics(monkeypatch: pytest.MonkeyPatch, spec) -> None:
-    fake = types.ModuleType("sgl_kernel.flash_attn")
-    fake.flash_attn_with_kvcache = _torch_flash_attn_with_kvcache
-    monkeypatch.setitem(sys.modules, "sgl_kernel", types.ModuleType("sgl_kernel"))
-    monkeypatch.setitem(sys.modules, "sgl_kernel.flash_attn", fake)
-    monkeypatch.setattr(fa3, "select_impl", lambda: Impl.SGL_KERNEL)
-    monkeypatch.setattr(FA3Backend, "unavailable_reason", lambda self: None)
-    monkeypatch.setattr(FA3Backend, "device", lambda self: "cpu")
-    result = replay(make_trace(*spec), "x", ["fa3"])
-    run = result.runs[0]
-    assert run.status is RunStatus.PASSED, (run.reason, run.comparison)
-    if "verify" in spec[0] and "verify-chain" not in spec:
-        assert run.plan.scalars["verify_path"] == "two-call"
 
 
 # -- mla plans --------------------------------------------------------------------------------
