@@ -3,8 +3,8 @@
 The plans are checked on small hand-built batches whose expected page tables, lengths and
 draft-block orderings are written out below from the definitions (FA3: page ids of each
 request's row; SGLang's two-call verify: allowed draft columns first), not from the code.
-The two-call math (prefix call + draft-block call + merge) runs on the CPU through a plain-torch
-stand-in for `flash_attn_with_kvcache` and must match the float64 reference.
+The two-call merge is checked on its own (disjoint halves merge to attention over the union); the
+kernels themselves are judged on the real library only (tests/gpu/test_fa3.py).
 """
 
 from __future__ import annotations
