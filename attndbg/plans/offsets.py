@@ -15,7 +15,8 @@ from attndbg.trace.schema import Trace
 KIND = FindingClass.INVARIANT  # what a broken offsets list is: the invariants detector's finding
 
 
-def _first(mask: Tensor) -> int:
+def first_true(mask: Tensor) -> int:
+    """The flat index of the first True in `mask`, -1 when there is none."""
     return int(torch.nonzero(mask.flatten())[0]) if bool(mask.any()) else -1
 
 
@@ -45,7 +46,7 @@ def indptr_shape(trace: Trace, name: str, values: Tensor, out: list[Finding]) ->
             )
         )
         return False
-    i = _first(values[1:] < values[:-1]) + 1
+    i = first_true(values[1:] < values[:-1]) + 1
     if i > 0:
         out.append(
             finding(
