@@ -94,7 +94,12 @@ class Unbuilt:
 
     @property
     def library(self) -> Path:
-        return Path(self.jit_dir) / self.name / f"{self.name}.so"
+        return _library(Path(self.jit_dir), self.name)
+
+
+def _library(jit_dir: Path, name: str) -> Path:
+    """Where FlashInfer's JIT build puts a module's library (JitSpecNvcc.jit_library_path)."""
+    return jit_dir / name / f"{name}.so"
 
 
 def build_files(watch: ModuleWatch) -> list[Unbuilt]:
@@ -115,7 +120,7 @@ def compiled(names: set[str] | list[str]) -> bool:
     """Whether every named module is on disk (FlashInfer's JIT directory, or its AOT one)."""
     from flashinfer.jit import env
 
-    return all((env.FLASHINFER_JIT_DIR / name / f"{name}.so").exists() or env.get_aot_path(name).exists() for name in names)
+    return all(_library(env.FLASHINFER_JIT_DIR, name).exists() or env.get_aot_path(name).exists() for name in names)
 
 
 def build(modules: list[Unbuilt], on_built: Callable[[str, float], None] = lambda name, seconds: None, jobs: int | None = None) -> None:
