@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from attndbg.backends import registry
+from attndbg.backends.base import Backend
 from attndbg.backends.options import BackendOptions
 from attndbg.replay.runner import ReplayOptions, ReplayResult, replay
 from attndbg.replay.step_data import StepData
@@ -37,6 +38,9 @@ class CheckContext:
     options: CheckOptions = CheckOptions()
     _replays: dict[ReplayOptions, ReplayResult] = field(default_factory=dict)
     _backends: tuple[str, ...] | None = None
+    # The step's adapters, one per (backend, its options): made by `adapter`, the one place a
+    # detector gets one (to ask what it can run, to derive a plan); the runner makes its own.
+    _adapters: dict[tuple[str, object], Backend] = field(default_factory=dict)
     _data: dict[int | None, StepData] = field(default_factory=dict)
     # Kernel backends whose runs were compared with the reference on this step, in order of first run.
     _compared: dict[str, None] = field(default_factory=dict)
@@ -53,11 +57,20 @@ class CheckContext:
             for name in names:
                 if name == "reference" or name in self.options.exclude:
                     continue
-                backend = registry.create(name, options=self.options.backend_options)
+                backend = self.adapter(name)
                 if backend.unavailable_reason() is None and backend.unsupported_reason(self.trace) is None:
                     usable.append(name)
             self._backends = tuple(usable)
         return self._backends
+
+    def adapter(self, name: str, options: BackendOptions | None = None) -> Backend:
+        """The adapter named `name` with its entry of `options` (None: the step's --backend-option;
+        `BackendOptions()`: its defaults), made once per step. KeyError when no adapter has that name."""
+        options = self.options.backend_options if options is None else options
+        key = (name, options.of(name))
+        if key not in self._adapters:
+            self._adapters[key] = registry.create(name, options=options)
+        return self._adapters[key]
 
     def backends_consulted(self) -> tuple[str, ...]:
         """The kernel backends whose kernels ran on this step and were compared with the reference

@@ -132,7 +132,7 @@ def test_broken_merge_is_found_by_split_count(monkeypatch: pytest.MonkeyPatch, b
 
 def test_vllm_v2_partitions_are_one_more_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
     trace = make_trace("decode-long", *SMALL, "kv_lens=1,1100", plan=True)
-    configs, lengths = counts.split_configs(trace)
+    configs, lengths = counts.split_configs(CheckContext(trace=trace, path="t"))
     v2 = [c for c in configs if c.vllm_v2]
     assert len(v2) == 1 and v2[0].splits == (1, 3) and lengths == [1, 1100]
     # Our kernels split 1100 tokens into 3 x cdiv(367, 32) * 32 = 384-token splits, not 512.
@@ -143,7 +143,7 @@ def test_vllm_v2_partitions_are_one_more_configuration(monkeypatch: pytest.Monke
 
 
 def test_short_requests_dedupe_v2_into_one_split() -> None:
-    configs, _ = counts.split_configs(make_trace(*DECODES["gqa"], plan=True))
+    configs, _ = counts.split_configs(CheckContext(trace=make_trace(*DECODES["gqa"], plan=True), path="t"))
     assert not any(c.vllm_v2 for c in configs)  # every request <= 512 tokens: v2 == 1 split
     assert [c.splits for c in configs][:2] == [(1, 1), (2, 2)] and (16, 16) in [c.splits for c in configs]
 

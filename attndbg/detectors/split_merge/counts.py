@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 # This detector studies num_kv_splits, which our Triton split-KV kernels take as an option: it
-# drives them by their class, the one backend whose splits it can set.
+# drives them by their options, the one backend whose splits it can set.
 from attndbg.backends.options import BackendOptions
 from attndbg.backends.triton import DEFAULT_MAX_KV_SPLITS, TritonBackend, TritonOptions
 from attndbg.backends.triton_kernels.split_rule import MIN_BLOCK_KV, empty_splits
@@ -24,7 +24,7 @@ from attndbg.detectors.split_merge.base import KIND, _location, _request_of
 from attndbg.detectors.split_merge.vllm import _vllm_v2_available, _vllm_v2_run
 from attndbg.replay import runner
 from attndbg.replay.runner import PlanSource, ReplayOptions, RunStatus
-from attndbg.trace.schema import ForwardMode, Trace
+from attndbg.trace.schema import ForwardMode, Plan
 
 
 MAX_KV_SPLITS = 16
@@ -39,10 +39,16 @@ class SplitConfig:
     vllm_v2: bool = False
 
 
-def split_configs(trace: Trace) -> tuple[list[SplitConfig], list[int]]:
+def _heuristic_plan(ctx: CheckContext) -> Plan:
+    """The plan our Triton adapter derives with its default options: SGLang's split heuristic."""
+    return ctx.adapter(TritonBackend.name, BackendOptions()).derive_plan(ctx.trace)
+
+
+def split_configs(ctx: CheckContext) -> tuple[list[SplitConfig], list[int]]:
     """Distinct split configurations to run (first label wins for equal vectors), and the KV length
     each request's split kernel sees (the window's slots only, under a sliding window)."""
-    heuristic = TritonBackend(TritonOptions()).derive_plan(trace)
+    trace = ctx.trace
+    heuristic = _heuristic_plan(ctx)
     lengths = heuristic.tensors["kv_indptr"].to(torch.int64).diff().tolist()
     bs = len(lengths)
     candidates = [SplitConfig(f"num_kv_splits={k}", (k,) * bs, forced=k) for k in FORCED_SPLITS]
@@ -58,7 +64,7 @@ def split_configs(trace: Trace) -> tuple[list[SplitConfig], list[int]]:
     configs, seen = [], set()
     for c in candidates:
         # vLLM's own kernel is a different computation even where its split vector repeats one of ours.
-        key = ("vllm", c.splits) if c.vllm_v2 and _vllm_v2_available(trace) else c.splits
+        key = ("vllm", c.splits) if c.vllm_v2 and _vllm_v2_available(ctx) else c.splits
         if key not in seen:
             seen.add(key)
             configs.append(c)
@@ -72,7 +78,7 @@ def split_counts(ctx: CheckContext) -> list[Finding]:
     trace = ctx.trace
     if trace.batch.forward_mode is not ForwardMode.DECODE or TritonBackend.name not in ctx.backends():
         return []
-    configs, lengths = split_configs(trace)
+    configs, lengths = split_configs(ctx)
     results = [_run_config(ctx, c) for c in configs]
     base = next((r for c, r in results if c.forced == 1 and isinstance(r, runner.BackendRun)), None)
     base_passes = base is not None and base.comparison is not None and base.comparison.passed
@@ -119,8 +125,7 @@ def _drift_finding(ctx: CheckContext, *, config: SplitConfig, run, base, toleran
 def _run_config(ctx: CheckContext, config: SplitConfig) -> tuple[SplitConfig, runner.BackendRun | str | None]:
     """The eager run of one configuration: a failure message when the kernels raised, None when
     the backend could not run the step at all."""
-    trace = ctx.trace
-    if config.vllm_v2 and _vllm_v2_available(trace):
+    if config.vllm_v2 and _vllm_v2_available(ctx):
         run = _vllm_v2_run(ctx)
         if not isinstance(run, str):
             return config, run
@@ -137,8 +142,9 @@ def _run_triton(ctx: CheckContext, config: SplitConfig) -> runner.BackendRun | s
         forced = BackendOptions(((TritonBackend.name, opts),))
         result = ctx.replay(ReplayOptions(layer=ctx.options.layer, backend_options=forced), (TritonBackend.name,))
     else:
-        # A per-request vector: planted in the plan derived from the batch, run as a recorded plan.
-        plan = TritonBackend(TritonOptions()).derive_plan(trace)
+        # A per-request vector: planted in the plan derived from the batch, run as a recorded plan
+        # (so the runner's plan guard judges it before launch).
+        plan = _heuristic_plan(ctx)
         plan = replace(
             plan,
             tensors={**plan.tensors, "num_kv_splits": torch.tensor(config.splits, dtype=torch.int32)},

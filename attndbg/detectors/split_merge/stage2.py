@@ -83,7 +83,7 @@ def empty_split_merge(ctx: CheckContext) -> list[Finding]:
     trace = ctx.trace
     if trace.batch.forward_mode is not ForwardMode.DECODE or TritonBackend.name not in ctx.backends():
         return []
-    configs, lengths = split_configs(trace)
+    configs, lengths = split_configs(ctx)
     short = [(b, c) for c in configs for b, n in enumerate(lengths) if empty_splits(n, c.splits[b]) > 0]
     graph = trace.graph
     no_kv = [b for b, n in enumerate(lengths) if n == 0]

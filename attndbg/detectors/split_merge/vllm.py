@@ -5,16 +5,18 @@ through exp_sums/max_logits) run on the step through the runner, as the `vllm_pa
 
 from __future__ import annotations
 
+from attndbg.backends.options import BackendOptions
 from attndbg.backends.vllm_paged import VllmPagedBackend
 from attndbg.detector_api.context import CheckContext
 from attndbg.replay import runner
 from attndbg.replay.runner import ReplayOptions, RunStatus
-from attndbg.trace.schema import Trace
 
 
-def _vllm_v2_available(trace: Trace) -> bool:
-    backend = VllmPagedBackend()
-    return backend.unavailable_reason() is None and backend.unsupported_reason(trace) is None
+def _vllm_v2_available(ctx: CheckContext) -> bool:
+    """Whether vLLM's kernel can run the step here (asked of the adapter with its default options,
+    whichever backends the check was asked for: v2 is one of this detector's split configurations)."""
+    backend = ctx.adapter(VllmPagedBackend.name, BackendOptions())
+    return backend.unavailable_reason() is None and backend.unsupported_reason(ctx.trace) is None
 
 
 def _vllm_v2_run(ctx: CheckContext) -> runner.BackendRun | str:
