@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from attndbg.backends import registry
 from attndbg.backends.base import Backend
 from attndbg.backends.options import BackendOptions
-from attndbg.replay.runner import ReplayOptions, ReplayResult, replay
+from attndbg.replay.runner import BackendRun, ReplayOptions, ReplayResult, replay, run_derived
 from attndbg.replay.step_data import StepData
 from attndbg.trace.schema import Trace
 
@@ -101,3 +101,11 @@ class CheckContext:
         if key not in self._replays:
             self._replays[key] = self._note_compared(replay(self.trace, self.path, list(names), options, data=self.data(options.layer)))
         return self._replays[key]
+
+    def run_derived(self, name: str, options: BackendOptions, *, what: str) -> BackendRun:
+        """One eager run of `name`'s derived plan with `options` forced (over --backend-option), on
+        the step's shared data, announced as `what`: a detector's own run of one configuration.
+        Not counted among the backends consulted: those are the step's replays (these runs were
+        the detector's own before they went through the runner, and the report stays as it was)."""
+        options = self.options.backend_options.overridden_by(options)
+        return run_derived(self.trace, self.adapter(name, options), data=self.data(self.options.layer), what=what)

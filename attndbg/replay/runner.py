@@ -126,6 +126,27 @@ def replay(
     return ReplayResult(trace=trace, trace_path=trace_path, reference=ctx.data.reference, runs=runs, layer=options.layer)
 
 
+def run_derived(trace: Trace, backend: Backend, *, data: StepData, what: str) -> BackendRun:
+    """One eager run of the plan `backend` derives from the batch, compared with `data`'s reference.
+
+    For a detector that runs one adapter it holds, configured its own way, and names the launch
+    itself (split-merge runs FlashInfer's cascade and paged extend paths one after the other,
+    announced as 'extend_path=cascade' so a crash names the path): the same checks, derived plan,
+    announced launch and comparison as `replay`'s eager variant, without its per-step memo (the
+    adapter and its options are the caller's)."""
+    ctx = _Context(trace, ReplayOptions(layer=data.layer), data)
+    reason = backend.unavailable_reason()
+    if reason:
+        return BackendRun(backend.name, RunStatus.UNAVAILABLE, "", reason=reason)
+    reason = backend.unsupported_reason(trace)
+    if reason:
+        return BackendRun(backend.name, RunStatus.UNSUPPORTED, "", reason=reason)
+    with phase(f"backend/{backend.name}", ctx.label):
+        with phase("plan", f"{ctx.label} backend={backend.name} variant={EAGER.label} {what}"):
+            plan = backend.derive_plan(trace)
+        return _eager(backend, ctx, ctx.data.on(backend.device()), plan, backend.describe(), EAGER, 1, what)
+
+
 def _runs_of(backend: Backend, ctx: _Context) -> list[BackendRun]:
     reason = backend.unavailable_reason()
     if reason:
@@ -175,9 +196,10 @@ def _announce_first_use(backend: Backend, trace: Trace) -> None:
     sys.stderr.flush()
 
 
-def _execute(backend: Backend, ctx: _Context, inputs: AttentionInputs, plan: Plan, variant: Variant) -> tuple[AttentionResult, float]:
+def _execute(backend: Backend, ctx: _Context, inputs: AttentionInputs, plan: Plan, variant: Variant, what: str | None = None) -> tuple[AttentionResult, float]:
+    """One run; the launch is announced as `what` (default: the variant's label)."""
     start = time.perf_counter()
-    with phase("run", f"{ctx.label} backend={backend.name} variant={variant.label}"), activity.launching(backend.name, variant.label):
+    with phase("run", f"{ctx.label} backend={backend.name} variant={variant.label}"), activity.launching(backend.name, what or variant.label):
         result = backend.run(ctx.trace, inputs, plan)
         if inputs.q.is_cuda:
             torch.cuda.synchronize()
@@ -185,12 +207,14 @@ def _execute(backend: Backend, ctx: _Context, inputs: AttentionInputs, plan: Pla
     return AttentionResult(output=result.output.cpu(), lse=result.lse.cpu()), seconds
 
 
-def _eager(backend: Backend, ctx: _Context, inputs: AttentionInputs, plan: Plan, description: str, variant: Variant, repeat: int) -> BackendRun:
+def _eager(
+    backend: Backend, ctx: _Context, inputs: AttentionInputs, plan: Plan, description: str, variant: Variant, repeat: int, what: str | None = None
+) -> BackendRun:
     try:
-        result, seconds = _execute(backend, ctx, inputs, plan, variant)
+        result, seconds = _execute(backend, ctx, inputs, plan, variant, what)
         problems = []
         for run in range(2, repeat + 1):
-            again, _ = _execute(backend, ctx, inputs, plan, variant)
+            again, _ = _execute(backend, ctx, inputs, plan, variant, what)
             if not (torch.equal(again.output, result.output) and torch.equal(again.lse, result.lse)):
                 differing = int((again.output != result.output).sum() + (again.lse != result.lse).sum())
                 problems.append(f"run {run} differs from run 1 in {differing} elements (not deterministic)")

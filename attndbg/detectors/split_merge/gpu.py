@@ -10,10 +10,10 @@ import functools
 import torch
 
 from attndbg import machine
-from attndbg.backends.base import AttentionResult, KernelError
 from attndbg.backends.engine_names import merge_path
 # FlashInfer's cascade is what this module runs (its module imports FlashInfer only when a kernel runs).
-from attndbg.backends.flashinfer import FlashInferBackend
+from attndbg.backends.flashinfer import FlashInferBackend, FlashInferOptions
+from attndbg.backends.options import BackendOptions
 from attndbg.detector_api.context import CheckContext
 from attndbg.detector_api.findings import Finding
 from attndbg.detectors.split_merge.base import KIND, _location
@@ -38,21 +38,13 @@ def cascade_vs_single_pass(ctx: CheckContext) -> list[Finding]:
         or not _flashinfer_ready(ctx)
     ):
         return []
-    from attndbg.backends.flashinfer import FlashInferBackend, FlashInferOptions
-
-    data = ctx.data(ctx.options.layer)
     runs = {}
     for path in ("cascade", "paged"):
-        backend = FlashInferBackend(FlashInferOptions(extend_path=path))
-        try:
-            with activity.launching(backend.name, f"extend_path={path}"):
-                result = backend.run(trace, data.on("cuda"), backend.derive_plan(trace))
-        except KernelError as e:
-            runs[path] = str(e)
-            continue
-        runs[path] = data.compare(AttentionResult(result.output.cpu(), result.lse.cpu()))
+        forced = BackendOptions(((FlashInferBackend.name, FlashInferOptions(extend_path=path)),))
+        runs[path] = ctx.run_derived(FlashInferBackend.name, forced, what=f"extend_path={path}").comparison
     cascade, paged = runs["cascade"], runs["paged"]
-    if isinstance(cascade, str) or cascade.passed or isinstance(paged, str) or not paged.passed:
+    # No comparison: the path did not run (the kernels raised, or it cannot take this step).
+    if cascade is None or cascade.passed or paged is None or not paged.passed:
         return []
     worst = cascade.worst
     # The empty-prefix mechanism is named only where merge_state itself is shown to mishandle it
