@@ -63,6 +63,29 @@ class AttentionResult:
 
 
 @dataclass(frozen=True)
+class PartialStates:
+    """Partial attention states given to a backend's merge on their own: a detector's probe of the
+    merge with crafted states (split-merge's empty-split cases), launched by the runner's `merge`.
+
+    Each row has up to `parts` states, each a normalised output with its LSE, in the backend's own
+    LSE base (`capabilities().lse_base`; nothing is converted: a probe judges the kernel in its own
+    convention). With `kv_lens` and `num_splits` the kernel tells a row's empty splits by the split
+    rule, as our stage 2 does (row b: `num_splits[b]` splits of `kv_lens[b]` tokens); without them
+    every state is merged by its LSE alone (FlashInfer's merge_state)."""
+
+    output: Tensor  # [rows, Hq, parts, Dv]
+    lse: Tensor  # [rows, Hq, parts] float32
+    kv_lens: Tensor | None = None  # [rows] int64
+    num_splits: Tensor | None = None  # [rows] int64, each in [1, parts]
+
+    def to(self, device: str) -> PartialStates:
+        def moved(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(device)
+
+        return PartialStates(self.output.to(device), self.lse.to(device), moved(self.kv_lens), moved(self.num_splits))
+
+
+@dataclass(frozen=True)
 class Padding:
     """How a CUDA-graph batch is padded, the way engines pad (SGLang's CudaGraphRunner).
 
@@ -204,6 +227,12 @@ class Backend(abc.ABC):
 
         None: this backend declares no layout, so the plan detectors cannot read its plans."""
         return None
+
+    def merge_states(self, states: PartialStates) -> AttentionResult:
+        """The library's merge of `states` (on this backend's device) alone: per row, the merged
+        output [rows, Hq, Dv] and LSE [rows, Hq] in the backend's LSE base. Errors propagate as the
+        library raised them. Only the runner calls it (replay/runner.py's `merge`)."""
+        raise KernelUnsupported(f"{self.name} has no merge of partial states of its own")
 
     @classmethod
     def merge_path(cls, trace: Trace) -> str | None:

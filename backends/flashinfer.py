@@ -42,6 +42,7 @@ from attndbg.backends.base import (
     KernelError,
     KernelUnsupported,
     Padding,
+    PartialStates,
     coerce_option,
 )
 from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, HALF_DTYPES, MHA_ALL_MODES, Capabilities, HeadDims
@@ -574,6 +575,16 @@ class FlashInferBackend(Backend):
         _plan_paged(wrapper, trace.model, plan, q_dtype=inputs.q.dtype, kv_dtype=inputs.k_cache.dtype)
         o_prefix, s_prefix = wrapper.run(inputs.q, _paged_kv(inputs, int(plan.scalars["page_size"])), return_lse=True)
         return fi.cascade.merge_state(o_new, s_new, o_prefix, s_prefix)
+
+    def merge_states(self, states: PartialStates) -> AttentionResult:
+        """flashinfer.cascade.merge_state on the two states of each row (base-2 LSEs in and out),
+        merged by their LSEs alone."""
+        if states.output.shape[2] != 2:
+            raise KernelUnsupported(f"merge_state merges two states per row; these rows have {states.output.shape[2]}")
+        v_a, v_b = (states.output[:, :, i].contiguous() for i in (0, 1))
+        s_a, s_b = (states.lse[:, :, i].contiguous() for i in (0, 1))
+        out, lse = _flashinfer().cascade.merge_state(v_a, s_a, v_b, s_b)
+        return AttentionResult(output=out, lse=lse)
 
     # -- CUDA graphs ----------------------------------------------------------------------------
 

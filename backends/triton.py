@@ -22,7 +22,9 @@ from attndbg.backends.base import (
     GraphCapacity,
     GraphState,
     KernelError,
+    KernelUnsupported,
     Padding,
+    PartialStates,
 )
 from attndbg.backends.capabilities import ALL_MODES, ENGINE_GRAPH_MODES, Capabilities
 from attndbg.backends import plan_layout as pl
@@ -266,6 +268,27 @@ class TritonBackend(Backend):
         lse = torch.full((tokens, model.num_qo_heads), float("nan"), dtype=torch.float32, device=device)
         scratch = _split_scratch(model, tokens, int(plan.scalars.get("max_kv_splits", 0)), device)
         _launch(model, tensors, plan.scalars, inputs, out, lse, scratch)
+        return AttentionResult(output=out, lse=lse)
+
+    def merge_states(self, states: PartialStates) -> AttentionResult:
+        """Stage 2 alone (decode_stage2) on `states` as stage 1's scratch: each row's non-empty
+        splits merged by SGLang's rule, natural-log LSEs; outputs NaN-filled before it writes."""
+        if states.kv_lens is None or states.num_splits is None:
+            raise KernelUnsupported("our stage 2 tells empty splits by each row's KV length and split count; the states give none")
+        decode, _ = _kernels()
+        rows, heads, parts, dv = states.output.shape
+        device = states.output.device
+        out = torch.full((rows, heads, dv), float("nan"), dtype=states.output.dtype, device=device)
+        lse = torch.full((rows, heads), float("nan"), dtype=torch.float32, device=device)
+        decode.decode_stage2(
+            attn_logits=states.output,
+            attn_lse=states.lse,
+            o=out,
+            lse=lse,
+            kv_indptr=indptr(states.kv_lens).to(torch.int32),
+            num_kv_splits=states.num_splits.to(torch.int32),
+            max_kv_splits=parts,
+        )
         return AttentionResult(output=out, lse=lse)
 
     # -- CUDA graphs ----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from attndbg.backends import registry
-from attndbg.backends.base import Backend
+from attndbg.backends.base import Backend, PartialStates
 from attndbg.backends.plan_view import USUAL_OFFSETS, Bound, Entries, Equals, Extents, Offsets, PlanUnreadable, PlanView, PlanViewError, RequestRows
 from attndbg.trace.schema import Plan, Trace
 
@@ -129,6 +129,28 @@ def refusal(trace: Trace, plan: Plan, backend: Backend | None = None) -> Refusal
         if problem:
             return Refusal(f"recorded plan {problem}", _field_of(bound))
     return None
+
+
+def merge_refusal(states: PartialStates) -> str | None:
+    """None when a merge kernel given `states` reads only inside them: one LSE per state and, where
+    the split rule tells the empty states, one KV length and one split count per row, each count in
+    [1, parts] (the kernel merges a row's first num_splits states). Else why not."""
+    output, lse = states.output, states.lse
+    if output.dim() != 4 or tuple(lse.shape) != tuple(output.shape[:3]):
+        return f"lse {tuple(lse.shape)} does not hold one LSE per state of output {tuple(output.shape)} ([rows, heads, parts, dv])"
+    if states.kv_lens is None and states.num_splits is None:
+        return None
+    if states.kv_lens is None or states.num_splits is None:
+        return "kv_lens and num_splits: the split rule needs both"
+    rows, _, parts, _ = output.shape
+    kv_lens, splits = states.kv_lens.to(torch.int64), states.num_splits.to(torch.int64)
+    bounds: list[Bound] = [
+        Equals("kv_lens.numel()", kv_lens.numel(), rows, "one KV length per row"),
+        Equals("num_splits.numel()", splits.numel(), rows, "one split count per row"),
+        Entries("kv_lens", kv_lens, None, 0, INT64_MAX, "KV lengths"),
+        Entries("num_splits", splits, None, 1, parts + 1, f"split counts the states hold ({parts} per row)"),
+    ]
+    return next((problem for problem in map(violation, bounds) if problem), None)
 
 
 def _field_of(bound: Bound) -> str:

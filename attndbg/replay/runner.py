@@ -18,14 +18,14 @@ import torch
 
 from attndbg import machine
 from attndbg.backends import registry
-from attndbg.backends.base import AttentionInputs, AttentionResult, Backend, KernelError, KernelUnsupported, Padding
+from attndbg.backends.base import AttentionInputs, AttentionResult, Backend, KernelError, KernelUnsupported, Padding, PartialStates
 from attndbg.backends.options import BackendOptions
 from attndbg.compare.tolerance import Comparison
 from attndbg.profiling import phase, step_label
 from attndbg.replay import activity
 from attndbg.replay import graph as graph_replay
 from attndbg.replay.step_data import StepData
-from attndbg.replay.plan_guard import Refusal, real_requests_only, refusal
+from attndbg.replay.plan_guard import Refusal, merge_refusal, real_requests_only, refusal
 from attndbg.replay.variants import EAGER, RECORDED, Graph, Variant
 from attndbg.trace.errors import TraceError
 from attndbg.trace.schema import Plan, Trace
@@ -145,6 +145,21 @@ def run_derived(trace: Trace, backend: Backend, *, data: StepData, what: str) ->
         with phase("plan", f"{ctx.label} backend={backend.name} variant={EAGER.label} {what}"):
             plan = backend.derive_plan(trace)
         return _eager(backend, ctx, ctx.data.on(backend.device()), plan, backend.describe(), EAGER, 1, what)
+
+
+def merge(backend: Backend, states: PartialStates, *, what: str) -> AttentionResult:
+    """`backend`'s merge of `states` alone (CPU copies), for a detector that probes a merge kernel
+    with crafted states (split-merge's empty splits): no step's plan reaches such a launch, so it
+    has no place in `replay`, but it is guarded and announced like every launch here, so a fault
+    in it is that backend's crash (replay/activity.py). Nothing is compared, and what the kernel
+    raises propagates (a probe that cannot run is its detector's failure). States the kernel would
+    read outside of are never launched: ValueError (they are the caller's own)."""
+    problem = merge_refusal(states)
+    if problem is not None:
+        raise ValueError(f"{backend.name} merge not launched ({what}): {problem}")
+    with phase("merge", f"backend={backend.name} {what}"), activity.launching(backend.name, what):
+        result = backend.merge_states(states.to(backend.device()))
+    return AttentionResult(output=result.output.cpu(), lse=result.lse.cpu())
 
 
 def _runs_of(backend: Backend, ctx: _Context) -> list[BackendRun]:

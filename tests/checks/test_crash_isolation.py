@@ -202,7 +202,7 @@ def _lost_in(call) -> activity.Launch:
 
 
 def test_split_merges_own_launches_are_announced(dead_context: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its probes call kernels directly (not through the runner): a fault in them names the backend."""
+    """Its probes launch merge kernels through the runner's `merge`: a fault in them names the backend."""
     import sys
     import types
 
@@ -221,10 +221,12 @@ def test_split_merges_own_launches_are_announced(dead_context: None, monkeypatch
     crash = _lost_in(lambda: stage2.stage2_probe.__wrapped__(64))
     assert (crash.backend, crash.what, crash.detector) == ("triton", "decode_stage2 on crafted partials", "split-merge")
 
-    # FlashInfer's merge_state, without FlashInfer or a GPU: the library faults, tensors stay put.
+    # FlashInfer's merge_state, without FlashInfer or a GPU: the library faults, tensors stay on the CPU.
+    from attndbg.backends.flashinfer import FlashInferBackend
+
     flashinfer = types.SimpleNamespace(cascade=types.SimpleNamespace(merge_state=merge_state))
     monkeypatch.setitem(sys.modules, "flashinfer", flashinfer)
-    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    monkeypatch.setattr(FlashInferBackend, "device", lambda self: "cpu")
     crash = _lost_in(lambda: gpu.merge_state_probe.__wrapped__(torch.float16))
     assert (crash.backend, crash.what, crash.error) == ("flashinfer", "cascade.merge_state on crafted states", cuda_fault_detector.ILLEGAL)
 

@@ -1,14 +1,18 @@
 """The runner's entry points for a detector's own launches (split-merge's): `run_derived`, one eager
-run of an adapter the detector configured, announced under the detector's own name for it."""
+run of an adapter the detector configured, and `merge`, a backend's merge kernel on crafted partial
+states, guarded; both announced under the detector's own name for the launch."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from attndbg.backends import registry
+from attndbg.backends.base import KernelUnsupported, PartialStates
 from attndbg.backends.options import BackendOptions
 from attndbg.backends.triton import TritonBackend, TritonOptions
 from attndbg.detector_api.context import CheckContext
+from attndbg.backends.triton_kernels import decode
 from attndbg.replay import activity, runner
 from attndbg.replay.runner import ReplayOptions, RunStatus
 from tests.checks.shapes import SMALL
@@ -56,3 +60,52 @@ def test_run_derived_does_not_launch_a_step_the_adapter_cannot_take(launches: li
     run = runner.run_derived(trace, Unsupported(), data=data, what="probe")
     assert (run.status, run.reason, run.comparison) == (RunStatus.UNSUPPORTED, "not this step", None)
     assert launches == []
+
+
+def _states(num_splits: list[int], kv_lens: list[int], parts: int = 2, dv: int = 8) -> PartialStates:
+    g = torch.Generator().manual_seed(1)
+    rows = len(kv_lens)
+    return PartialStates(
+        torch.randn(rows, 1, parts, dv, generator=g),
+        torch.randn(rows, 1, parts, generator=g),
+        kv_lens=torch.tensor(kv_lens),
+        num_splits=torch.tensor(num_splits),
+    )
+
+
+def test_merge_runs_our_stage_2_announced_under_the_callers_name(launches: list[tuple[str, str]]) -> None:
+    states = _states([2, 1], [64, 20])  # row 0: two 32-token splits; row 1: one split
+    merged = runner.merge(registry.create(TritonBackend.name), states, what="stage 2 probe")
+    assert launches == [("triton", "stage 2 probe")]
+    lse = states.lse.double()
+    w = torch.softmax(lse[0, 0], 0)
+    assert torch.allclose(merged.output[0, 0].double(), (w[:, None] * states.output[0, 0].double()).sum(0), atol=1e-5)
+    assert torch.allclose(merged.lse[0].double(), torch.logsumexp(lse[0, 0], 0).view(1), atol=1e-5)
+    assert torch.allclose(merged.output[1, 0], states.output[1, 0, 0], atol=1e-6)  # one split: itself
+
+
+@pytest.mark.parametrize(
+    ("states", "problem"),
+    [
+        (_states([3, 1], [64, 20]), "num_splits[0] = 3 is outside [1, 3): split counts the states hold (2 per row)"),
+        (_states([2, 0], [64, 20]), "num_splits[1] = 0 is outside [1, 3)"),
+        (_states([2], [64, 20]), "num_splits.numel() = 1, expected 2 (one split count per row)"),
+        (PartialStates(torch.zeros(2, 1, 2, 8), torch.zeros(2, 1, 3)), "lse (2, 1, 3) does not hold one LSE per state of output (2, 1, 2, 8)"),
+        (PartialStates(torch.zeros(2, 1, 2, 8), torch.zeros(2, 1, 2), kv_lens=torch.tensor([1, 2])), "the split rule needs both"),
+    ],
+)
+def test_merge_never_launches_states_the_kernel_would_read_outside_of(
+    states: PartialStates, problem: str, launches: list[tuple[str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def launched(**kwargs):
+        raise AssertionError("stage 2 launched")
+
+    monkeypatch.setattr(decode, "decode_stage2", launched)
+    with pytest.raises(ValueError, match="triton merge not launched") as refused:
+        runner.merge(registry.create(TritonBackend.name), states, what="probe")
+    assert problem in str(refused.value) and launches == []
+
+
+def test_merge_of_a_backend_without_one_is_unsupported() -> None:
+    with pytest.raises(KernelUnsupported, match="reference has no merge of partial states"):
+        runner.merge(registry.create("reference"), _states([2, 1], [64, 20]), what="probe")

@@ -10,6 +10,8 @@ import functools
 import torch
 
 from attndbg import machine
+from attndbg.backends import registry
+from attndbg.backends.base import PartialStates
 from attndbg.backends.engine_names import merge_path
 # FlashInfer's cascade is what this module runs (its module imports FlashInfer only when a kernel runs).
 from attndbg.backends.flashinfer import FlashInferBackend, FlashInferOptions
@@ -17,7 +19,7 @@ from attndbg.backends.options import BackendOptions
 from attndbg.detector_api.context import CheckContext
 from attndbg.detector_api.findings import Finding
 from attndbg.detectors.split_merge.base import KIND, _location
-from attndbg.replay import activity
+from attndbg.replay import runner
 from attndbg.replay.runner import ReplayOptions, RunStatus
 from attndbg.replay.variants import Graph
 from attndbg.trace.schema import DTYPES, ForwardMode, Trace
@@ -114,8 +116,6 @@ def _probe_dtype(trace: Trace) -> torch.dtype:
 @functools.cache
 def merge_state_probe(dtype: torch.dtype) -> dict[str, str | None]:
     """FlashInfer's merge_state (base-2 LSEs) on crafted states; None per case when right."""
-    import flashinfer
-
     g = torch.Generator().manual_seed(0)
     heads, dim = 2, 128
     v = torch.randn(3, heads, dim, generator=g).to(dtype)
@@ -124,9 +124,10 @@ def merge_state_probe(dtype: torch.dtype) -> dict[str, str | None]:
     s_b[0] = float("-inf")  # row 0: state + empty
     s_a[1], s_b[1] = float("-inf"), float("-inf")  # row 1: empty + empty
     s_a[2] = float("inf")  # row 2: FA2's empty marker + state
-    with activity.launching(FlashInferBackend.name, "cascade.merge_state on crafted states"):
-        out, lse = flashinfer.cascade.merge_state(v_a.cuda(), s_a.cuda(), v_b.cuda(), s_b.cuda())
-    out, lse = out.float().cpu(), lse.float().cpu()
+    states = PartialStates(torch.stack((v_a, v_b), dim=2), torch.stack((s_a, s_b), dim=2))
+    # The probe is per process (cached), not per step: its adapter comes from the registry itself.
+    merged = runner.merge(registry.create(FlashInferBackend.name), states, what="cascade.merge_state on crafted states")
+    out, lse = merged.output.float(), merged.lse.float()
     cases = {}
     err = float(torch.nan_to_num((out[0] - v_a[0].float()).abs(), nan=float("inf")).max())
     cases["state + empty state (-inf)"] = None if err <= 1e-2 and torch.allclose(lse[0], s_a[0], atol=1e-3) else f"output off by {err:.3e}, LSE {lse[0].tolist()}"

@@ -8,14 +8,15 @@ import functools
 
 import torch
 
-from attndbg import machine
+from attndbg.backends import registry
+from attndbg.backends.base import PartialStates
 from attndbg.backends.triton import TritonBackend
 from attndbg.backends.triton_kernels.split_rule import MIN_BLOCK_KV, empty_splits
 from attndbg.detector_api.context import CheckContext
 from attndbg.detector_api.findings import Finding
 from attndbg.detectors.split_merge.base import KIND, _location
 from attndbg.detectors.split_merge.counts import split_configs
-from attndbg.replay import activity
+from attndbg.replay import runner
 from attndbg.trace.schema import ForwardMode
 
 
@@ -36,10 +37,6 @@ def stage2_probe(dv: int) -> dict[str, str | None]:
     and 3 must equal the float64 merge of their non-empty splits, row 2 must be 0 with LSE -inf.
     A failing control means the merge is wrong with or without empty states.
     """
-    machine.select_triton_mode()
-    from attndbg.backends.triton_kernels import decode
-
-    device = machine.kernel_device()
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 1, PROBE_SPLITS, dv, generator=g)
     lse = torch.randn(4, 1, PROBE_SPLITS, generator=g) + 3.0
@@ -51,19 +48,10 @@ def stage2_probe(dv: int) -> dict[str, str | None]:
     logits[2], lse[2] = float("nan"), float("-inf")
     lengths = [PROBE_LEN, PROBE_LEN, 0, 2 * MIN_BLOCK_KV]
     splits = [PROBE_SPLITS, PROBE_SPLITS, 2, 2]
-    o = torch.full((4, 1, dv), float("nan"), device=device)
-    out_lse = torch.full((4, 1), float("nan"), device=device)
-    with activity.launching(TritonBackend.name, "decode_stage2 on crafted partials"):
-        decode.decode_stage2(
-            attn_logits=logits.to(device),
-            attn_lse=lse.to(device),
-            o=o,
-            lse=out_lse,
-            kv_indptr=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device),
-            num_kv_splits=torch.tensor(splits, dtype=torch.int32, device=device),
-            max_kv_splits=PROBE_SPLITS,
-        )
-    o, out_lse = o.cpu().double(), out_lse.cpu().double()
+    states = PartialStates(logits, lse, kv_lens=torch.tensor(lengths), num_splits=torch.tensor(splits))
+    # The probe is per process (cached), not per step: its adapter comes from the registry itself.
+    merged = runner.merge(registry.create(TritonBackend.name), states, what="decode_stage2 on crafted partials")
+    o, out_lse = merged.output.double(), merged.lse.double()
     cases = {}
     for row, name in ((3, CONTROL), (0, "empty splits marked -inf"), (1, "empty splits marked +inf (FA2's convention)")):
         n = splits[row] - empty_splits(lengths[row], splits[row])
