@@ -7,7 +7,9 @@ Every step it allocates on the GPU and synchronises, so a step taken by a proces
 poisoned fails in it. On the step numbered ATTNDBG_TEST_FAULT_STEP it faults the way
 ATTNDBG_TEST_FAULT says: `launch` inside a launch it announces (as triton, the runner's way),
 `kernel` in its own code, not announced and not synchronised (the fault surfaces later, as in
-split-merge's own launch on the H100, issue 21), `assert` a device-side assert, not announced."""
+split-merge's own launch on the H100, issue 21), `assert` a device-side assert, not announced,
+`merge` in split-merge's stage-2 probe, launched through the runner's `merge` (our stage 2 swapped,
+in this process only, for a kernel that reads far past its tensors)."""
 
 from __future__ import annotations
 
@@ -43,6 +45,17 @@ def detect(ctx) -> list:
             return []  # left out after its crash: the detector launches only the step's backends
         with activity.launching("triton", WHAT):
             _read_far[(1,)](x, x, FAR)
+    elif how == "merge":
+        if "triton" not in ctx.backends():
+            return []  # left out after its crash, as above
+        from attndbg.backends.triton_kernels import decode
+        from attndbg.detectors.split_merge import stage2
+
+        def faulting_stage2(*, o, **kwargs) -> None:
+            _read_far[(1,)](o, o, FAR)  # asynchronous: surfaces when the runner's launch synchronises
+
+        decode.decode_stage2 = faulting_stage2  # the worker ends on the fault: nothing to restore
+        stage2.stage2_probe.__wrapped__(64)  # the probe itself, not its per-process cache
     elif how == "kernel":
         _read_far[(1,)](x, x, FAR)  # asynchronous: nothing raises here
     else:

@@ -1,7 +1,8 @@
 """Crash isolation for a detector's own launch on a real GPU (issue 21, item 5): on the H100 an
 illegal memory access in split-merge's own launch poisoned its worker's CUDA context, and the next
 4 steps that worker took came back "not checked: ... illegal memory access". Here a test detector
-(tests/gpu/fault_detector.py) really poisons the context on step 1 of a 4-step recording, checked by
+(tests/gpu/fault_detector.py) really poisons the context on step 1 of a 4-step recording (in its
+own kernel, announced or not, or in split-merge's stage-2 probe launched through the runner), checked by
 one worker (--jobs 1, so the same worker would take steps 2 and 3): step 1 gets one backend-crash
 finding, and every later step is still checked, Triton's kernels compared on each. The same logic
 runs on the CPU with a simulated fault in tests/checks/test_crash_isolation.py."""
@@ -42,6 +43,7 @@ def _recording(directory: Path) -> Path:
         ("launch", "triton", "without-backend", "an illegal memory access was encountered"),
         ("kernel", "", "without-detector", "an illegal memory access was encountered"),  # split-merge's H100 case
         ("assert", "", "without-detector", "device-side assert triggered"),
+        ("merge", "triton", "without-backend", "an illegal memory access was encountered"),  # split-merge's probe, through the runner
     ],
 )
 def test_a_detectors_own_launch_that_poisons_the_context_costs_only_its_step(
@@ -62,6 +64,8 @@ def test_a_detectors_own_launch_that_poisons_the_context_costs_only_its_step(
     data = crashes[0]["data"]
     assert (data["backend"], data["detector"], data["rechecked"]) == (backend, "gpu-fault", rechecked)
     assert error in data["error"], data
+    if how == "merge":
+        assert data["variant"] == "decode_stage2 on crafted partials", data
     assert all(not s["findings"] for i, s in enumerate(steps) if i != FAULT_STEP)
     # Triton compared on every step: on step 1 too unless it was the backend left out after its crash.
     assert f"triton ({3 if backend == 'triton' else 4} steps)" in result.output, result.output
