@@ -24,7 +24,8 @@ from attndbg.backends import flashinfer_jit
 from attndbg.checks.run import check_one, parse_only
 from attndbg.detector_api.context import CheckOptions
 path = sys.argv[1]
-only = parse_only("invariants")
+# fill-value replays the step on the backend (invariants alone reads metadata and launches nothing)
+only = parse_only("fill-value")
 options = CheckOptions(backends=("flashinfer",))
 with flashinfer_jit.watching_modules() as first:
     cold = check_one(path, only, options).report
