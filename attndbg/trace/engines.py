@@ -1,0 +1,111 @@
+"""What an engine's recorded fields mean, declared as data per engine, and the one lookup from a
+trace's `source.engine` to them. No detector compares an engine's name: each asks
+`engine_conventions(trace)`.
+
+The trace keeps what engines disagree on as recorded (DESIGN.md "The trace": the raw `seq_lens`,
+the padded rows as the runner filled them, the engine's own metadata in the plan); how to read it
+is declared here, the way backends/capabilities.py declares what a backend's kernels take. Only
+what a checker reads today is declared. Sources: ../shared/reference/engines.md (SGLang A2, A3:
+verify seq_lens exclude the drafts; vLLM B2, B5) and attndbg/record/vllm/fields.py (the plan names
+the vLLM recorder writes).
+
+An engine not in the table (synth, transformers, the importers' engines) is read with SGLang's
+conventions: the trace's fields are named after SGLang's (DESIGN.md "The trace").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from attndbg.trace.schema import Trace
+
+
+@dataclass(frozen=True)
+class VerifySeqLens:
+    """What a tree-verify step's raw `seq_lens` (`batch.seq_lens_raw`) count."""
+
+    includes_drafts: bool  # prefix + draft tokens; False: the prefix only
+    rule: str  # the convention as a seq-lens finding states it
+    # Why a verify step's seq_lens follow the other convention (drafts counted, or not, wrongly).
+    mixup_cause: str
+
+
+@dataclass(frozen=True)
+class MetadataFields:
+    """Where an engine that records its own attention metadata keeps it in the plan. Each field
+    lists the names to read, first present wins: the verbatim evidence, then the names a backend's
+    builder passes the same tensor through under (recordings made before the evidence was kept)."""
+
+    query_start_loc: tuple[str, ...]  # plan.tensors: [rows + 1] query offsets, the padded tail included
+    seq_lens: tuple[str, ...]  # plan.tensors: [rows] KV lengths, padded rows included
+    block_table: tuple[str, ...]  # plan.tensors: [rows, width] block ids
+    slot_mapping: tuple[str, ...]  # plan.tensors: [num_actual_tokens] the KV slot each token writes
+    # Host mirrors the builder plans from (plan.tensors), each with what it must hold.
+    query_start_loc_cpu: str  # == query_start_loc
+    seq_lens_cpu: str  # == seq_lens (real rows)
+    num_computed_tokens_cpu: str  # == seq_lens - query lengths (real rows)
+    seq_lens_cpu_upper_bound: str  # >= seq_lens (real rows)
+    num_actual_tokens: tuple[str, ...]  # plan.scalars: the step's query tokens
+    max_seq_len: tuple[str, ...]  # plan.scalars: the longest seq_len kernels are sized for
+    num_blocks: tuple[str, ...]  # plan.scalars: blocks in the KV pool (from the engine's config)
+
+
+@dataclass(frozen=True)
+class EngineConventions:
+    """One engine's conventions, as data."""
+
+    verify_seq_lens: VerifySeqLens
+    # Padded rows carry request-pool rows (graph.padded_req_pool_indices, SGLang's req_to_token)
+    # worth judging. False: the engine has no request pool; what a trace holds there is made up.
+    request_pool: bool
+    # The runner leaves padded rows' positions stale by design (not a finding).
+    stale_padded_positions: bool
+    # Its own attention metadata kept in the plan (None: it keeps none).
+    metadata: MetadataFields | None = None
+
+
+SGLANG = EngineConventions(
+    verify_seq_lens=VerifySeqLens(
+        includes_drafts=False,
+        rule="SGLang verify: the prefix only",
+        mixup_cause="the engine's verify seq_lens include the draft tokens; SGLang backends add draft_token_num themselves, so the drafts are counted twice",
+    ),
+    request_pool=True,
+    stale_padded_positions=False,
+)
+
+# vLLM v1: no request pool (a request's KV row is its block-table row), padded positions left stale
+# (engines.md B5), seq_lens count the speculative tokens; its CommonAttentionMetadata is recorded
+# verbatim as `common.*` (record/vllm/fields.py), and the builders' outputs pass some of it through.
+VLLM = EngineConventions(
+    verify_seq_lens=VerifySeqLens(
+        includes_drafts=True,
+        rule="vLLM: prefix + draft tokens",
+        mixup_cause="vLLM's seq_lens count the speculative tokens; these exclude them",
+    ),
+    request_pool=False,
+    stale_padded_positions=True,
+    metadata=MetadataFields(
+        query_start_loc=("common.query_start_loc", "query_start_loc"),
+        seq_lens=("common.seq_lens", "seq_lens"),
+        block_table=("common.block_table_tensor", "block_table_tensor", "block_table"),
+        slot_mapping=("common.slot_mapping", "slot_mapping"),
+        query_start_loc_cpu="common.query_start_loc_cpu",
+        seq_lens_cpu="common.seq_lens_cpu",
+        num_computed_tokens_cpu="common.num_computed_tokens_cpu",
+        seq_lens_cpu_upper_bound="common.seq_lens_cpu_upper_bound",
+        num_actual_tokens=("common.num_actual_tokens", "vllm.num_actual_tokens"),
+        max_seq_len=("common.max_seq_len", "vllm.max_seq_len"),
+        num_blocks=("vllm.num_gpu_blocks",),
+    ),
+)
+
+ENGINES: Mapping[str, EngineConventions] = MappingProxyType({"sglang": SGLANG, "vllm": VLLM})
+DEFAULT = SGLANG  # an engine not in ENGINES
+
+
+def engine_conventions(trace: Trace) -> EngineConventions:
+    """The conventions of the engine that recorded `trace` (DEFAULT for one not in ENGINES)."""
+    return ENGINES.get(trace.source.engine, DEFAULT)
