@@ -402,3 +402,19 @@ def _entry_counts(trace: Trace) -> list[int]:
 
 def _covered_start(trace: Trace, b: int) -> int:
     return plan_kv.kv_coverage(trace)[b][0]
+
+
+@pytest.mark.parametrize("request_", [0, 2])
+def test_seq_lens_raw_per_vllm_semantics(request_: int) -> None:
+    """vLLM's verify seq_lens count the draft tokens (attndbg/trace/engines.py): kv_len is clean,
+    SGLang's prefix-only seq_lens are the finding."""
+    trace = build("verify")
+    trace = dataclasses.replace(trace, source=dataclasses.replace(trace.source, engine="vllm"))
+    batch = trace.batch
+    assert findings(dataclasses.replace(trace, batch=dataclasses.replace(batch, seq_lens_raw=batch.kv_lens.clone())), "seq-lens") == []
+    raw = batch.kv_lens.clone()
+    raw[request_] = batch.prefix_lens[request_]
+    finding = one(dataclasses.replace(trace, batch=dataclasses.replace(batch, seq_lens_raw=raw)), "seq-lens")
+    assert finding.location.request == request_
+    says(finding, f"batch.seq_lens_raw[{request_}] = {int(raw[request_])}", f"expected {int(batch.kv_lens[request_])} (vLLM: prefix + draft tokens)")
+    assert finding.cause == "vLLM's seq_lens count the speculative tokens; these exclude them"

@@ -10,6 +10,7 @@ from torch import Tensor
 from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND, _first, _request_of
 from attndbg.trace import tree
+from attndbg.trace.engines import engine_conventions
 from attndbg.trace.schema import ForwardMode, Trace
 
 
@@ -73,9 +74,10 @@ def _check_positions(trace: Trace, out: list[Finding]) -> None:
 
 
 def expected_seq_lens(trace: Trace) -> Tensor:
-    """The raw seq_lens a correct engine records: SGLang verify = prefix, else (and vLLM) kv_len."""
+    """The raw seq_lens a correct engine records: kv_len, except a verify step's of an engine whose
+    verify seq_lens exclude the drafts (SGLang's): the prefix."""
     batch = trace.batch
-    if trace.is_tree_verify and trace.source.engine != "vllm":
+    if trace.is_tree_verify and not engine_conventions(trace).verify_seq_lens.includes_drafts:
         return batch.prefix_lens.clone()
     return batch.kv_lens.clone()
 
@@ -87,16 +89,14 @@ def _check_seq_lens(trace: Trace, out: list[Finding]) -> None:
     b = _first(found != expected)
     if b >= 0:
         kv, prefix = int(batch.kv_lens[b]), int(batch.prefix_lens[b])
-        if trace.is_tree_verify:
-            rule = "SGLang verify: the prefix only" if trace.source.engine != "vllm" else "vLLM: prefix + draft tokens"
-        else:
-            rule = f"{batch.forward_mode.value}: prefix + extend = {kv}"
-        if trace.is_tree_verify and int(found[b]) == kv and trace.source.engine != "vllm":
-            cause = "the engine's verify seq_lens include the draft tokens; SGLang backends add draft_token_num themselves, so the drafts are counted twice"
+        verify = engine_conventions(trace).verify_seq_lens
+        rule = verify.rule if trace.is_tree_verify else f"{batch.forward_mode.value}: prefix + extend = {kv}"
+        # A verify step's seq_lens that follow the other convention: the prefix where the drafts
+        # belong, or the whole row where they do not (a verify step is never a decode).
+        if trace.is_tree_verify and int(found[b]) == (prefix if verify.includes_drafts else kv):
+            cause = verify.mixup_cause
         elif batch.forward_mode is ForwardMode.DECODE and int(found[b]) == kv - 1:
             cause = "seq_lens were taken before the decode step's seq_lens += 1 (the current token is missing)"
-        elif trace.is_tree_verify and int(found[b]) == prefix and trace.source.engine == "vllm":
-            cause = "vLLM's seq_lens count the speculative tokens; these exclude them"
         else:
             cause = "the engine's seq_lens buffer holds another step's or another request's lengths"
         out.append(

@@ -7,6 +7,7 @@ The batch is the ground truth (validated on load); what the engine *recorded* is
                        verify: prefix + depth of the draft token
     seq-lens           the engine's raw seq_lens, per SGLang's semantics (decode/extend: kv_len;
                        verify: prefix only, the backend adds draft_token_num); vLLM: always kv_len
+                       (each engine's convention: attndbg/trace/engines.py)
     seq-lens-sum       a `seq_lens_sum` plan scalar equals the sum of those seq_lens (with graph
                        padding, sum + pad * fill_value; one that ignores padding is fill-value's)
     plan-dtype         index tensors of the plan are integers
