@@ -1,7 +1,8 @@
 """The shape rule of a recorded plan's offsets (`*indptr`, `cu_seqlens_*`): one dimension, a
 leading 0, never decreasing. Read by the per-request KV reading (kv.py) and judged by the
-invariants detector (detectors/invariants/indptr.py also checks where each list ends); a broken
-list is reported as the invariants detector's finding.
+invariants detector (detectors/invariants/indptr.py also checks where each list ends; vllm.py
+judges vLLM's query_start_loc by the same rule, in its own words); a broken list is reported as
+the invariants detector's finding.
 """
 
 from __future__ import annotations
@@ -18,6 +19,13 @@ KIND = FindingClass.INVARIANT  # what a broken offsets list is: the invariants d
 def first_true(mask: Tensor) -> int:
     """The flat index of the first True in `mask`, -1 when there is none."""
     return int(torch.nonzero(mask.flatten())[0]) if bool(mask.any()) else -1
+
+
+def first_decrease(values: Tensor) -> int:
+    """The first index i with values[i] < values[i - 1] (an offsets list that decreases there), -1
+    when there is none."""
+    i = first_true(values[1:] < values[:-1])
+    return i + 1 if i >= 0 else -1
 
 
 def is_indptr(name: str) -> bool:
@@ -46,7 +54,7 @@ def indptr_shape(trace: Trace, name: str, values: Tensor, out: list[Finding]) ->
             )
         )
         return False
-    i = first_true(values[1:] < values[:-1]) + 1
+    i = first_decrease(values)
     if i > 0:
         out.append(
             finding(

@@ -1,5 +1,7 @@
 """invariants over vLLM's own metadata: the `CommonAttentionMetadata` the recorder keeps verbatim
 (`plan.tensors["common.*"]`, see attndbg/record/vllm/fields.py) against the batch built from it.
+Checked for a step whose engine keeps its metadata in the plan; where each field lies is the
+engine's convention (attndbg/trace/engines.py `MetadataFields`).
 
     indptr-start, indptr-decreases, indptr-end
                         query_start_loc starts at 0, never decreases, padded tail included (vLLM
@@ -21,7 +23,8 @@
 The engine's raw seq_lens against the batch, positions against columns, and padded rows' fills and
 slots are checked by the generic invariants (`seq-lens`, `positions`) and by fill-value.
 Recordings made before the evidence was kept read the same fields from the builder's output where
-it passes them through (TritonAttentionMetadata, FlashAttentionMetadata).
+it passes them through (TritonAttentionMetadata, FlashAttentionMetadata): the conventions list
+those names after the evidence's.
 """
 
 from __future__ import annotations
@@ -33,24 +36,19 @@ from torch import Tensor
 
 from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND, _first
+from attndbg.plans.offsets import first_decrease
+from attndbg.trace.engines import MetadataFields, engine_conventions
 from attndbg.trace.schema import Trace
 
-COMMON = "common."
 NULL_BLOCK = 0  # vLLM's NULL_BLOCK_ID
 SKIPPED_SLOT = -1  # vLLM's slot for a token whose K/V write is skipped (padding)
-# Builder fields that are the common metadata's own tensors, for recordings without `common.*`.
-BUILDER_NAMES = {
-    "query_start_loc": ("query_start_loc",),
-    "seq_lens": ("seq_lens",),
-    "block_table_tensor": ("block_table_tensor", "block_table"),
-    "slot_mapping": ("slot_mapping",),
-}
 
 
 @dataclass(frozen=True)
 class _Common:
     """The engine's fields (int64), each with the plan name findings cite."""
 
+    names: MetadataFields  # where the engine keeps them, its host mirrors and scalars
     qsl: Tensor
     qsl_name: str
     seq: Tensor
@@ -61,10 +59,10 @@ class _Common:
     slots_name: str
 
 
-def _field(trace: Trace, name: str) -> tuple[Tensor, str] | None:
+def _field(trace: Trace, keys: tuple[str, ...]) -> tuple[Tensor, str] | None:
     plan = trace.plan
     assert plan is not None
-    for key in (COMMON + name, *BUILDER_NAMES.get(name, ())):
+    for key in keys:
         value = plan.tensors.get(key)
         if value is not None and not value.is_floating_point() and value.dtype is not torch.bool:
             return value.to(torch.int64), f"plan.{key}"
@@ -81,16 +79,19 @@ def _scalar(trace: Trace, *names: str) -> int | None:
 
 
 def check_vllm(trace: Trace, out: list[Finding]) -> None:
-    """Every vLLM-specific invariant of a step recorded from vLLM (nothing without a plan)."""
-    if trace.source.engine != "vllm" or trace.plan is None:
+    """Every invariant of the engine's own metadata, for a step of an engine that keeps it in the
+    plan (vLLM; nothing without a plan)."""
+    names = engine_conventions(trace).metadata
+    if names is None or trace.plan is None:
         return
-    qsl, seq = _field(trace, "query_start_loc"), _field(trace, "seq_lens")
+    qsl, seq = _field(trace, names.query_start_loc), _field(trace, names.seq_lens)
     if qsl is None or seq is None:
         return
-    table, slots = _field(trace, "block_table_tensor"), _field(trace, "slot_mapping")
+    table, slots = _field(trace, names.block_table), _field(trace, names.slot_mapping)
     if table is not None and table[0].dim() != 2:
         table = None
     common = _Common(
+        names=names,
         qsl=qsl[0].reshape(-1),
         qsl_name=qsl[1],
         seq=seq[0].reshape(-1),
@@ -139,7 +140,7 @@ def _query_start_loc(trace: Trace, c: _Common, out: list[Finding]) -> None:
                 found=int(qsl[0]),
             )
         )
-    i = _first(qsl[1:] < qsl[:-1]) + 1
+    i = first_decrease(qsl)
     if i > 0:
         padded = i - 1 >= bs
         out.append(
@@ -161,7 +162,7 @@ def _query_start_loc(trace: Trace, c: _Common, out: list[Finding]) -> None:
                 found=int(qsl[i]),
             )
         )
-    tokens = c.slots.numel() if c.slots is not None else _scalar(trace, COMMON + "num_actual_tokens", "vllm.num_actual_tokens")
+    tokens = c.slots.numel() if c.slots is not None else _scalar(trace, *c.names.num_actual_tokens)
     end = int(qsl.max())
     if tokens is not None and end > tokens:
         at = int(torch.nonzero(qsl == end)[0])
@@ -199,14 +200,15 @@ def _host_mirrors(trace: Trace, c: _Common, out: list[Finding]) -> None:
     assert trace.plan is not None
     # query_start_loc's padded tail is read by the kernels; padded rows' lengths are fill-value's.
     real = trace.batch.batch_size
+    names = c.names
     pairs = (
-        ("query_start_loc_cpu", c.qsl, c.qsl_name, "=="),
-        ("seq_lens_cpu", c.seq[:real], c.seq_name, "=="),
-        ("num_computed_tokens_cpu", (c.seq - _query_lens(c))[:real], c.seq_name + " - query lengths", "=="),
-        ("seq_lens_cpu_upper_bound", c.seq[:real], c.seq_name, ">="),
+        (names.query_start_loc_cpu, c.qsl, c.qsl_name, "=="),
+        (names.seq_lens_cpu, c.seq[:real], c.seq_name, "=="),
+        (names.num_computed_tokens_cpu, (c.seq - _query_lens(c))[:real], c.seq_name + " - query lengths", "=="),
+        (names.seq_lens_cpu_upper_bound, c.seq[:real], c.seq_name, ">="),
     )
     for mirror, device, device_name, rule in pairs:
-        host = trace.plan.tensors.get(COMMON + mirror)
+        host = trace.plan.tensors.get(mirror)
         if host is None or host.is_floating_point():
             continue
         host = host.to(torch.int64).reshape(-1)
@@ -221,8 +223,8 @@ def _host_mirrors(trace: Trace, c: _Common, out: list[Finding]) -> None:
                 "host-mirror",
                 step=trace.source.step,
                 request=i,
-                field=f"plan.{COMMON}{mirror}[{i}]",
-                evidence=f"plan.{COMMON}{mirror}[{i}] = {int(host[i])}, expected {rule} {device_name}[{i}] = {int(device[i])}",
+                field=f"plan.{mirror}[{i}]",
+                evidence=f"plan.{mirror}[{i}] = {int(host[i])}, expected {rule} {device_name}[{i}] = {int(device[i])}",
                 cause="the host copy the builder plans from (split_decodes_and_prefills, max lengths) was not updated with the device tensor the kernel reads",
                 expected=int(device[i]),
                 found=int(host[i]),
@@ -238,7 +240,7 @@ def _query_lens(c: _Common) -> Tensor:
 
 
 def _max_seq_len(trace: Trace, c: _Common, out: list[Finding]) -> None:
-    bound = _scalar(trace, COMMON + "max_seq_len", "vllm.max_seq_len")
+    bound = _scalar(trace, *c.names.max_seq_len)
     if bound is None:
         return
     b = _first(c.seq > bound)
@@ -274,8 +276,8 @@ def _read_columns(trace: Trace, c: _Common, b: int) -> tuple[int, int]:
 def _block_table(trace: Trace, c: _Common, out: list[Finding]) -> None:
     table, name = c.table, c.table_name
     assert table is not None
-    bound = _scalar(trace, COMMON + "max_seq_len", "vllm.max_seq_len")
-    pool = _scalar(trace, "vllm.num_gpu_blocks")
+    bound = _scalar(trace, *c.names.max_seq_len)
+    pool = _scalar(trace, *c.names.num_blocks)
     page = trace.model.page_size
     outside: list[tuple[int, int]] = []
     null: list[tuple[int, int]] = []
@@ -347,7 +349,7 @@ def _block_table(trace: Trace, c: _Common, out: list[Finding]) -> None:
 def _slot_mapping(trace: Trace, c: _Common, out: list[Finding]) -> None:
     table, slots, batch = c.table, c.slots, trace.batch
     assert table is not None and slots is not None
-    page, pool = trace.model.page_size, _scalar(trace, "vllm.num_gpu_blocks")
+    page, pool = trace.model.page_size, _scalar(trace, *c.names.num_blocks)
     rows = c.seq.numel()
     qsl = c.qsl[: rows + 1]
     t = 0
@@ -369,7 +371,7 @@ def _slot_mapping(trace: Trace, c: _Common, out: list[Finding]) -> None:
 def _slot_finding(trace: Trace, c: _Common, *, b: int, t: int, col: int, engine: int, expected: int, found: int | None) -> Finding:
     table, name, page = c.table, c.slots_name, trace.model.page_size
     assert table is not None
-    pool = _scalar(trace, "vllm.num_gpu_blocks")
+    pool = _scalar(trace, *c.names.num_blocks)
     position = int(trace.batch.positions[t])
     if found is None:
         cause = f"slot_mapping has {c.slots.numel() if c.slots is not None else 0} entries: it was sliced to fewer tokens than the batch has"
