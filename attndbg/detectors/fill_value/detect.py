@@ -17,9 +17,10 @@ When stale padded values are harmless, and so are not reported: a padded req_poo
 padded seq_len is 0 (nothing is read through it), or that is the row of a live request of this
 batch at least as long as the padded seq_len (the backend reads that row's first slot ids, which
 are valid); any padded req_pool_index or position of a vLLM step (vLLM has no request pool and
-leaves positions stale by design, engines.md B5). Zero is what SGLang's newer runner writes. Other
-non-zero values are hazards: a row that no live request holds may never have been written
-(req_to_token allocated with torch.empty, SGLang #1779), and stale positions broke FlashInfer's
+leaves positions stale by design, engines.md B5; each engine's conventions:
+attndbg/trace/engines.py). Zero is what SGLang's newer runner writes. Other non-zero values are
+hazards: a row that no live request holds may never have been written (req_to_token allocated
+with torch.empty, SGLang #1779), and stale positions broke FlashInfer's
 verify plan (SGLang #24361: a defect on a FlashInfer verify step, whose plan reads them). A row id
 outside any plausible request pool is a defect when it is read (padded seq_len >= 1):
 req_to_token is read out of bounds. A step that records no padded req_pool_indices (None: the
@@ -50,6 +51,7 @@ from attndbg.detector_api.findings import Finding, FindingClass, Severity, findi
 from attndbg.replay import graph as graph_replay
 from attndbg.replay.runner import BackendRun, ReplayOptions, RunStatus
 from attndbg.replay.variants import Eager, Graph
+from attndbg.trace.engines import engine_conventions
 from attndbg.trace.schema import ForwardMode, Trace
 
 KIND = FindingClass.FILL_VALUE
@@ -283,7 +285,7 @@ def _padded_req_pool_indices(trace: Trace) -> list[Finding]:
     graph, batch = trace.graph, trace.batch
     # Not recorded (an engine without a request pool: vLLM, graph.padded_req_pool_indices None)
     # means not judged. vLLM traces written before that field could be None hold made-up indices.
-    if graph.padded_req_pool_indices is None or trace.source.engine == "vllm":
+    if graph.padded_req_pool_indices is None or not engine_conventions(trace).request_pool:
         return []
     bs, cap = batch.batch_size, graph.capture_bs
     live = graph.padded_req_pool_indices[:bs].tolist()
@@ -337,8 +339,8 @@ def _padded_req_pool_indices(trace: Trace) -> list[Finding]:
 
 def _padded_positions(trace: Trace) -> list[Finding]:
     graph, batch = trace.graph, trace.batch
-    if trace.source.engine == "vllm":
-        return []
+    if engine_conventions(trace).stale_padded_positions:
+        return []  # stale by design (vLLM, engines.md B5)
     tokens = batch.num_tokens
     per_req = max(tokens // max(batch.batch_size, 1), 1)
     tail = graph.padded_positions[tokens:]
