@@ -105,7 +105,11 @@ class CheckContext:
     def run_derived(self, name: str, options: BackendOptions, *, what: str) -> BackendRun:
         """One eager run of `name`'s derived plan with `options` forced (over --backend-option), on
         the step's shared data, announced as `what`: a detector's own run of one configuration.
-        Not counted among the backends consulted: those are the step's replays (these runs were
-        the detector's own before they went through the runner, and the report stays as it was)."""
+        Counted among the backends consulted when it was compared with the reference: the verdict
+        says which steps no kernel was compared on, and a step whose only kernel runs are these
+        (split-merge's cascade on an extend) was compared."""
         options = self.options.backend_options.overridden_by(options)
-        return run_derived(self.trace, self.adapter(name, options), data=self.data(self.options.layer), what=what)
+        run = run_derived(self.trace, self.adapter(name, options), data=self.data(self.options.layer), what=what)
+        if run.comparison is not None:
+            self._compared.setdefault(name)
+        return run

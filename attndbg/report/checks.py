@@ -132,6 +132,9 @@ class CheckVerdict:
     # "<class>/<check>" -> hazard findings (Severity.HAZARD): they fail only `check --strict`
     hazards: dict[str, int] = field(default_factory=dict)
     selection: Selection | None = None  # `--steps`/`--sample`: which steps of how many
+    # mode -> checked steps on which no backend's kernel was compared with the reference, while
+    # other steps' were: those steps were judged on metadata and recorded tensors only
+    unreplayed: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,13 @@ def check_verdict(
         parts[0] += f" selected from {selection.recording_steps} ({_step_numbers(selection.steps)}; {selection.options})"
     parts.append(f"detectors: {', '.join(d.value for d in detectors)}")
     parts.append(f"kernels compared with the float64 reference: {kernels}" if kernels else "no kernel ran (metadata and recorded tensors only)")
+    # A count of steps per backend hides which steps no backend replayed (no detector replays a
+    # plain extend): said by mode, so "checked" is never read as "compared" for those steps.
+    unreplayed = Counter(r.mode for r in checked if not r.backends) if kernels else Counter()
+    if unreplayed:
+        total = sum(unreplayed.values())
+        by_mode = ", ".join(f"{mode} {n}" for mode, n in sorted(unreplayed.items()))
+        parts.append(f"no kernel compared on {total} step{'s' if total != 1 else ''} ({by_mode}: metadata and recorded tensors only)")
     parts += [f"{name} {why}" for name, why in skipped.items()]
     # Not a finding (nothing is wrong in the step) and not incomplete (nothing asked for failed to
     # run), but the plan detectors checked less than the plan: said, never silent.
@@ -191,6 +201,7 @@ def check_verdict(
         defects=defects,
         hazards=dict(sorted(hazards.items())),
         selection=selection,
+        unreplayed=dict(sorted(unreplayed.items())),
     )
 
 
@@ -234,6 +245,7 @@ def checks_to_json(reports: list[StepReport], verdict: CheckVerdict | None = Non
             "compared": verdict.backends_ran,
             "skipped": verdict.backends_skipped,
             "plans_unread": verdict.plans_unread,
+            "not_compared_by_mode": verdict.unreplayed,
             "findings": verdict.findings,
             "defects": verdict.defects,
             "hazards": sum(verdict.hazards.values()),

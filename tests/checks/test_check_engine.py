@@ -267,3 +267,27 @@ def test_an_early_step_far_down_the_recording_does_not_stall_the_workers(tmp_pat
         signal.alarm(0)
     assert [r.report.path for r in results] == [str(p) for p in paths]
     assert results[45].report.mode == "TARGET_VERIFY" and all(r.report.checked for r in results)
+
+
+def test_the_verdict_names_the_steps_no_kernel_was_compared_on() -> None:
+    """A per-backend step count hides which steps no backend replayed (a plain extend, which no
+    detector replays): the verdict says how many by mode, and says nothing when every step was."""
+    from attndbg.checks.run import StepReport
+    from attndbg.detector_api.findings import FindingClass
+    from attndbg.report.checks import check_verdict
+
+    steps = [
+        StepReport("a.pt", 0, "DECODE", [], backends=("triton",)),
+        StepReport("b.pt", 1, "EXTEND", []),
+        StepReport("c.pt", 2, "EXTEND", []),
+        StepReport("d.pt", 3, "MIXED", []),
+        StepReport("e.pt", 4, "EXTEND", [], error="worker died"),  # not checked: counted as such, not here
+    ]
+    verdict = check_verdict(steps, [FindingClass.SPLIT_MERGE], ("triton",))
+    assert "kernels compared with the float64 reference: triton (1 step)" in verdict.line
+    assert "no kernel compared on 3 steps (EXTEND 2, MIXED 1: metadata and recorded tensors only)" in verdict.line
+    assert verdict.unreplayed == {"EXTEND": 2, "MIXED": 1}
+    every = check_verdict(steps[:1], [FindingClass.SPLIT_MERGE], ("triton",))
+    assert "no kernel compared on" not in every.line and every.unreplayed == {}
+    none = check_verdict(steps[1:4], [FindingClass.INVARIANT], None)
+    assert "no kernel ran (metadata and recorded tensors only)" in none.line and "no kernel compared on" not in none.line
