@@ -11,7 +11,10 @@ from __future__ import annotations
 import enum
 import os
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -170,21 +173,21 @@ def _runs_of(backend: Backend, ctx: _Context) -> list[BackendRun]:
     reason = backend.unsupported_reason(ctx.trace)
     if reason:
         return [BackendRun(backend.name, RunStatus.UNSUPPORTED, description, reason=reason)]
-    _announce_first_use(backend, ctx.trace)
-    inputs = ctx.data.on(backend.device())
-    runs = []
-    if ctx.options.plan is not PlanSource.RECORDED:
-        # The eager run of the derived plan is the same for every variant of the step: run once.
-        key = (backend.name, ctx.options.backend_options.of(backend.name), ctx.options.repeat)
-        if key not in ctx.data.eager_runs:
-            with phase("plan", f"{ctx.label} backend={backend.name} variant={EAGER.label}"):
-                plan = backend.derive_plan(ctx.trace)
-            ctx.data.eager_runs[key] = _eager(backend, ctx, inputs, plan, description, EAGER, ctx.options.repeat)
-        runs.append(ctx.data.eager_runs[key])
-    if ctx.options.plan is not PlanSource.DERIVED:
-        runs.append(_recorded(backend, ctx, inputs, description))
-    if ctx.options.cuda_graph:
-        runs.append(_graph(backend, ctx, inputs, description))
+    with _explained_if_slow(backend, ctx.trace):
+        inputs = ctx.data.on(backend.device())
+        runs = []
+        if ctx.options.plan is not PlanSource.RECORDED:
+            # The eager run of the derived plan is the same for every variant of the step: run once.
+            key = (backend.name, ctx.options.backend_options.of(backend.name), ctx.options.repeat)
+            if key not in ctx.data.eager_runs:
+                with phase("plan", f"{ctx.label} backend={backend.name} variant={EAGER.label}"):
+                    plan = backend.derive_plan(ctx.trace)
+                ctx.data.eager_runs[key] = _eager(backend, ctx, inputs, plan, description, EAGER, ctx.options.repeat)
+            runs.append(ctx.data.eager_runs[key])
+        if ctx.options.plan is not PlanSource.DERIVED:
+            runs.append(_recorded(backend, ctx, inputs, description))
+        if ctx.options.cuda_graph:
+            runs.append(_graph(backend, ctx, inputs, description))
     return runs
 
 
@@ -192,23 +195,36 @@ _ANNOUNCED: set[tuple] = set()
 # Set (by check's compile phase, for its workers) when the kernels were built up front: the note
 # below would only repeat what that phase said.
 PREBUILT_VARIABLE = "ATTNDBG_KERNELS_PREBUILT"
+# How long a kernel shape's first runs in a process may take before the note says why. Warm disk
+# caches load in milliseconds: said up front, the note repeated ~270 times per process on a server
+# recording whose kernels were all on disk (bench/results/server_sweep_h200_session8.md).
+FIRST_USE_NOTE_AFTER_S = 5.0
 
 
-def _announce_first_use(backend: Backend, trace: Trace) -> None:
-    """Say once per process and kernel shape that a library may be compiling, so a long first step is explained."""
+@contextmanager
+def _explained_if_slow(backend: Backend, trace: Trace) -> Iterator[None]:
+    """Run the body; if it is a kernel shape's first runs in this process and they take longer than
+    FIRST_USE_NOTE_AFTER_S, say (once per process and shape, while they still run) that the library
+    may be compiling, so a long first step is explained and a fast one is not noise."""
     note = backend.first_use_note()
-    if os.environ.get(PREBUILT_VARIABLE):
-        return  # check's compile phase has built what the recording needs, and said so
     m = trace.model
     key = (backend.name, trace.batch.forward_mode, m.head_dim, m.v_head_dim, m.q_dtype, m.kv_dtype, m.page_size, m.gqa_group)
-    if note is None or key in _ANNOUNCED:
+    if note is None or key in _ANNOUNCED or os.environ.get(PREBUILT_VARIABLE):
+        yield  # nothing to explain, said already, or check's compile phase built it and said so
         return
     _ANNOUNCED.add(key)
-    sys.stderr.write(
+    line = (
         f"attndbg: {backend.name}: first {trace.batch.forward_mode.value} step with head_dim {m.head_dim}, "
-        f"{m.q_dtype} (KV {m.kv_dtype}), page {m.page_size}, GQA group {m.gqa_group} in this process: {note}\n"
+        f"{m.q_dtype} (KV {m.kv_dtype}), page {m.page_size}, GQA group {m.gqa_group} in this process, "
+        f"still running after {FIRST_USE_NOTE_AFTER_S:.0f} s: {note}\n"
     )
-    sys.stderr.flush()
+    timer = threading.Timer(FIRST_USE_NOTE_AFTER_S, lambda: (sys.stderr.write(line), sys.stderr.flush()))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def _execute(backend: Backend, ctx: _Context, inputs: AttentionInputs, plan: Plan, variant: Variant, what: str | None = None) -> tuple[AttentionResult, float]:
@@ -278,8 +294,12 @@ def _graph(backend: Backend, ctx: _Context, inputs: AttentionInputs, description
     if options.graph_capture and not capture:
         return BackendRun(backend.name, RunStatus.UNAVAILABLE, description, variant, reason="CUDA graphs need a CUDA GPU and a backend running on it")
     try:
-        # variant=graph capture_bs=N fill=V, not the variant's label: its "bs=" would read as the step's batch size.
-        with phase("capture+replay", f"{ctx.label} backend={backend.name} variant=graph capture_bs={capture_bs} fill={fill}"), activity.launching(backend.name, variant.label):
+        # variant=graph capture_bs=N fill=V, not the variant's label: its "bs=" would read as the step's
+        # batch size. variant=padded where nothing is captured (check without --cuda-graph runs the
+        # padded sequence eagerly on the static buffers): its `capture` and `replay` ranges launch
+        # kernels one by one, and a timeline must not look there for a cudaGraphLaunch.
+        padded = "graph" if capture else "padded"
+        with phase("capture+replay", f"{ctx.label} backend={backend.name} variant={padded} capture_bs={capture_bs} fill={fill}"), activity.launching(backend.name, variant.label):
             start = time.perf_counter()
             outcome = graph_replay.graph_replay(
                 backend, trace, inputs, padding=Padding(capture_bs=capture_bs, fill_value=fill), capture=capture, seed=trace.seed
