@@ -2,14 +2,18 @@
 # bench/server_sweep.py on the device, within its per-call limit and resumable across calls.
 #
 # The device machine keeps /tmp while it stays warm (it is handed back 30 s after a call ends), so
-# calls made one after another continue where the last one stopped: the recording is made once, the
-# compile phase (attndbg compile) runs until it finishes, then the check runs in slices that are
-# each checked once (server_sweep.py --slice-steps). Each call copies what it has to OUT.
+# calls made one after another continue where the last one stopped: the recording is made once, then
+# the check runs in slices that are each checked once (server_sweep.py --slice-steps); a slice cut
+# by the call's limit is checked again from its start, so keep slices small while caches are cold.
+# With COMPILE=1 the compile phase (attndbg compile) runs first, until it finishes: on the H200 in
+# session 8 it did not pay (two calls, 1,090 s, unfinished; without it the 1,000 eager steps took
+# 521 s once FlashInfer's modules were on disk: bench/results/server_sweep_h200_session8.md).
+# Each call copies what it has to OUT.
 #
 #     run(command="bash .gpu/env.sh bash bench/server_sweep_gpu.sh $OUT eager,graph", carry=[".gpu"], timeout_s=600)
 #
 # Environment: LIMIT (seconds this call may use, default 560), STEPS (1000), SEED (0),
-# BACKENDS (triton,flashinfer,fa3,mla), SLICE (500), PROFILE=1 (also bench/check_profile.py on a
+# BACKENDS (triton,flashinfer,fa3,mla), SLICE (100), COMPILE=1, PROFILE=1 (also bench/check_profile.py on a
 # sample of the recording, once). Results in OUT: sweep.tgz (summaries, JSON and logs, no steps).
 set -u
 out=${1:?usage: server_sweep_gpu.sh OUT RUNS}
@@ -19,7 +23,7 @@ LIMIT=${LIMIT:-560}
 STEPS=${STEPS:-1000}
 SEED=${SEED:-0}
 BACKENDS=${BACKENDS:-triton,flashinfer,fa3,mla}
-SLICE=${SLICE:-500}
+SLICE=${SLICE:-100}
 work=/tmp/attndbg_server_sweep
 rec=$work/server_sweep_${STEPS}_seed${SEED}
 res=/tmp/server_sweep_results
@@ -33,7 +37,7 @@ if [ ! -d "$rec" ]; then
   python bench/server_sweep.py make -o "$rec" --steps "$STEPS" --seed "$SEED" > "$res/make.log" 2>&1
   tail -12 "$res/make.log"
 fi
-if [ ! -f "$res/compile.done" ]; then
+if [ "${COMPILE:-0}" = 1 ] && [ ! -f "$res/compile.done" ]; then
   s=$(date +%s)
   timeout $(( $(left) - 20 )) attndbg compile "$rec" --backend "$BACKENDS" >> "$res/compile.log" 2>&1
   rc=$?
