@@ -25,7 +25,13 @@ looked at the shapes one after another in one process: bench/server_sweep.py's 1
 kernel shapes; the first pass noted 34 modules and built them at once (all done 150 s into one
 ninja, on 16 cores, against ~8 min one after another in session 6), but each look is a whole check of
 a step, about a second, and the passes over 278 shapes did not finish within a device call. Looking
-in the check workers, in parallel, is this form; it has not run on a GPU yet.
+in the check workers, in parallel, is this form. On the H200 in session 8
+(bench/results/server_sweep_h200_session8.md) it did not pay either: pass 1 in 8 workers over 182
+shapes, the 34 modules in 211 s, then pass 2 over 155 shapes, unfinished after two calls (1,090 s);
+the whole eager check without it took 521 s once the modules were on disk. A look costs a whole
+check (every backend and detector, Triton compiling for real) and pass 2 repeats it for every shape
+whose look hit an unbuilt module. What would pay: naming a shape's modules without running it (each
+adapter declaring the JIT specs its plan loads), so one pass and one build suffice.
 """
 
 from __future__ import annotations
