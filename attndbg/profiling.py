@@ -58,6 +58,14 @@ def step_label(trace: Trace) -> str:
     return f"step={trace.source.step} mode={trace.batch.forward_mode.value} bs={trace.batch.batch_size}"
 
 
+def step_range(path: str | os.PathLike[str], trace: Trace) -> contextlib.AbstractContextManager[None]:
+    """The range around all of one step file's work in replay and check: `attndbg/step
+    trace=decode_gqa.pt step=0 mode=DECODE bs=3`. Every range inside inherits the file's name (a
+    timeline reads it from the enclosing ranges), which a replay of a folder needs: step numbers
+    repeat from file to file (most shipped traces are step 0)."""
+    return phase("step", f"trace={os.path.basename(os.fspath(path))} {step_label(trace)}")
+
+
 @contextlib.contextmanager
 def phase(name: str, detail: str = "") -> Iterator[None]:
     message = f"{PREFIX}{name}" + (f" {detail}" if detail else "")

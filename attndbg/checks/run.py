@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from attndbg.detector_api.context import CheckContext, CheckOptions
 from attndbg.detector_api.findings import Finding, FindingClass
 from attndbg.detectors import registry
 from attndbg.detectors.base import Detector
+from attndbg.profiling import phase, step_range
 from attndbg.replay import activity
 from attndbg.suggest import did_you_mean
 from attndbg.trace import io
@@ -122,21 +124,24 @@ def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions)
     failures: list[str] = []
     activity.begin_step()
     crash: activity.Launch | None = None
-    for kind, detector in detectors.items():
-        try:
-            with activity.detector(kind.value):
-                findings.extend(detector.run(ctx))
-                activity.check_context()  # a fault some code swallowed, or raised outside any launch
-        except TraceError as e:  # valid, but cannot be replayed here (e.g. its KV pool does not fit)
-            return StepResult(StepReport(str(path), trace.source.step, trace.batch.forward_mode.value, [], error=f"{e.field}: {e.message}", bad_input=True))
-        except Exception as e:  # noqa: BLE001 - a detector that cannot read this step must not end the check
+    with step_range(path, trace):
+        for kind, detector in detectors.items():
             try:
-                activity.check_error(e, kind.value)  # a poisoned CUDA context: a worker ends here
-            except activity.CudaContextLost as lost:
-                crash = lost.crash
-                break
-            first = (str(e).strip().splitlines() or [""])[0][:200]
-            failures.append(f"the {kind.value} detector failed on this step ({type(e).__name__}: {first})")
+                with activity.detector(kind.value):
+                    findings.extend(detector.run(ctx))
+                    with _context_probe(kind):
+                        activity.check_context()  # a fault some code swallowed, or raised outside any launch
+            except TraceError as e:  # valid, but cannot be replayed here (e.g. its KV pool does not fit)
+                return StepResult(StepReport(str(path), trace.source.step, trace.batch.forward_mode.value, [], error=f"{e.field}: {e.message}", bad_input=True))
+            except Exception as e:  # noqa: BLE001 - a detector that cannot read this step must not end the check
+                try:
+                    with _context_probe(kind):
+                        activity.check_error(e, kind.value)  # a poisoned CUDA context: a worker ends here
+                except activity.CudaContextLost as lost:
+                    crash = lost.crash
+                    break
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                failures.append(f"the {kind.value} detector failed on this step ({type(e).__name__}: {first})")
     if crash is not None:
         return StepResult(_crashed_in_process(ctx, findings, failures, crash, [k.value for k in detectors], start))
     digests = {kind: detector.digest(ctx) for kind, detector in detectors.items()}
@@ -151,6 +156,12 @@ def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions)
         plan_unread=_plan_unread(trace, detectors),
     )
     return StepResult(report, {k: d for k, d in digests.items() if d is not None})
+
+
+def _context_probe(kind: FindingClass) -> AbstractContextManager[None]:
+    """The range of the CUDA-context probe after a detector (activity.probe: one tiny kernel, its
+    tensor made once): attndbg's own launches, named, so a timeline places them too."""
+    return phase("context-probe", f"detector={kind.value}")
 
 
 def _crashed_in_process(ctx: CheckContext, findings: list[Finding], failures: list[str], crash: activity.Launch, names: list[str], start: float) -> StepReport:

@@ -77,6 +77,7 @@ def replay(
 
     from rich.text import Text
 
+    from attndbg.profiling import step_range
     from attndbg.replay import activity
     from attndbg.replay.runner import PlanSource, ReplayOptions, replay as run_replay
     from attndbg.report.progress import StepProgress
@@ -101,7 +102,8 @@ def replay(
             notes += _ignored_options(loaded, names, backend_options, num_kv_splits_flag=num_kv_splits is not None)
             progress.show(f"{number}/{len(paths)} {path}: {', '.join(names)}")
             try:
-                result = run_replay(loaded, str(path), names, replace(options, layer=step_layer))
+                with step_range(path, loaded):
+                    result = run_replay(loaded, str(path), names, replace(options, layer=step_layer))
             except activity.CudaContextLost as e:  # nothing runs on the GPU again in this process
                 progress.print(console, Text(f"{path}: {e}; replay stopped here (this process's CUDA context cannot be recovered)", style="red"))
                 sys.exit(EXIT_FAILED)

@@ -160,7 +160,9 @@ def merge(backend: Backend, states: PartialStates, *, what: str) -> AttentionRes
     problem = merge_refusal(states)
     if problem is not None:
         raise ValueError(f"{backend.name} merge not launched ({what}): {problem}")
-    with phase("merge", f"backend={backend.name} {what}"), activity.launching(backend.name, what):
+    # probe=<what>: a word of its own (a bare word would extend backend=), and in place of a
+    # variant, which names how a step's run was made: crafted states are no run of the step.
+    with phase("merge", f"backend={backend.name} probe={what}"), activity.launching(backend.name, what):
         result = backend.merge_states(states.to(backend.device()))
     return AttentionResult(output=result.output.cpu(), lse=result.lse.cpu())
 

@@ -39,7 +39,8 @@ def describe_phases(phases: Sequence[str]) -> str:
         elif kind == "run":
             word = fields.get("variant", "run")
         elif kind == "capture+replay":
-            word = f"graph bs={fields['capture_bs']}" if "capture_bs" in fields else "graph"
+            kind = fields.get("variant", "graph")  # "padded": the graph's sequence run eagerly, nothing captured
+            word = f"{kind} bs={fields['capture_bs']}" if "capture_bs" in fields else kind
         else:
             word = _WORDS.get(kind, kind)
         if word and (not words or words[-1] != word):

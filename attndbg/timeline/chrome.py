@@ -58,6 +58,10 @@ def events(processes: Sequence[Matched]) -> list[dict[str, Any]]:
                 "message": range_.message, "range_id": range_.id, "parent_id": range_.parent,
                 "phase": named.phase, "step": named.step, "backend": named.backend, "variant": named.variant,
             }
+            if named.trace:
+                args["trace"] = named.trace
+            if named.probe:
+                args["probe"] = named.probe
             if named.detector:
                 args["detector"] = named.detector
             if named.batch:
@@ -68,8 +72,10 @@ def events(processes: Sequence[Matched]) -> list[dict[str, Any]]:
             captured = matched.unexecuted.get(range_.id, [])
             if captured:
                 args["captured_launches"] = len(captured)
+            # The step range is named for its file: it is what tells the steps of a folder apart.
+            name = f"{named.label()} · {named.trace}" if named.phase == "step" and named.trace else named.label()
             out.append({
-                "ph": "X", "cat": "attndbg", "name": named.label(), "pid": pid, "tid": range_.thread_id,
+                "ph": "X", "cat": "attndbg", "name": name, "pid": pid, "tid": range_.thread_id,
                 "ts": _us(range_.start, origin), "dur": _us(range_.end, range_.start), "args": args,
             })
         rows: dict[tuple[int, int], int] = {}

@@ -1,9 +1,13 @@
 """What an attndbg range names: step, backend, variant, phase, read from its NVTX messages.
 
 `profiling.phase(name, detail)` writes `attndbg/<name> <detail>`, where detail is `key=value`
-words: the step's label (`step=0 mode=DECODE bs=3`, `profiling.step_label`) and what the phase adds
-(`backend=triton variant=eager`, `variant=graph capture_bs=8 fill=1`). A word without `=` belongs
-to the value before it (`variant=recorded plan`). A range names what its own message says and what
+words: the step's label (`step=0 mode=DECODE bs=3`, `profiling.step_label`), the step file's name
+on the range around all of its work (`attndbg/step trace=decode_gqa.pt ...`, `profiling.step_range`:
+step numbers repeat from file to file) and what the phase adds
+(`backend=triton variant=eager`, `variant=graph capture_bs=8 fill=1`; `variant=padded ...` where the
+graph's padded sequence ran eagerly, nothing captured; `probe=decode_stage2 on crafted partials`
+on a launch that is no run of the step: a detector's merge of crafted states). A word without `=`
+belongs to the value before it (`variant=recorded plan`). A range names what its own message says and what
 its enclosing ranges say (a `plan` range inside `backend/triton` is triton's), the inner words
 winning.
 """
@@ -43,16 +47,18 @@ class Names:
 
     phase: str  # the range's own name: "run", "plan", "replay", "reference", "backend/triton", "detector/split-merge"
     step: str = ""
+    trace: str = ""  # the step file's name ("decode_gqa.pt"), from the enclosing `step` range
     mode: str = ""
     batch_size: str = ""
     backend: str = ""
-    variant: str = ""  # "eager", "recorded plan", "graph bs=8 fill=1"
+    variant: str = ""  # "eager", "recorded plan", "graph bs=8 fill=1", "padded bs=8 fill=1" (not captured)
+    probe: str = ""  # a launch on crafted inputs, in place of a variant: "decode_stage2 on crafted partials"
     detector: str = ""
     batch: str = ""  # inside a graph replay: which batch was replayed ("decoy", "real")
 
     def label(self) -> str:
         """'run · triton · eager', what a summary line or trace event is called."""
-        return " · ".join(part for part in (self.phase, self.backend, self.variant, self.batch) if part)
+        return " · ".join(part for part in (self.phase, self.backend, self.variant, self.probe, self.batch) if part)
 
 
 def names(range_: Range, by_id: Mapping[int, Range]) -> Names:
@@ -69,15 +75,17 @@ def names(range_: Range, by_id: Mapping[int, Range]) -> Names:
         words.update(parse(outer.message)[1])
     phase, _ = parse(range_.message)
     variant = words.get("variant", "")
-    if variant == "graph" and "capture_bs" in words:
-        variant = f"graph bs={words['capture_bs']}" + (f" fill={words['fill']}" if "fill" in words else "")
+    if variant in ("graph", "padded") and "capture_bs" in words:
+        variant = f"{variant} bs={words['capture_bs']}" + (f" fill={words['fill']}" if "fill" in words else "")
     return Names(
         phase=phase,
         step=words.get("step", ""),
+        trace=words.get("trace", ""),
         mode=words.get("mode", ""),
         batch_size=words.get("bs", ""),
         backend=words.get("backend", ""),
         variant=variant,
+        probe=words.get("probe", ""),
         detector=words.get("detector", ""),
         batch=words.get("batch", ""),
     )

@@ -2,10 +2,14 @@
 the GPU test (tests/gpu/test_timeline.py) and its CPU test (test_enclosure.py) read the same.
 
 Claims checked:
-- every kernel was launched inside an attndbg range (its `range_id`), which names the step and
-  its phase; a range inside a backend's (plan, run, capture+replay and a graph replay's parts)
-  names the backend and the variant (eager, recorded plan, graph bs=N fill=V). The step's shared
-  data and float64 reference (`data`, `reference`) belong to no backend;
+- every kernel was launched inside an attndbg range (its `range_id`), which names the step, the
+  step file (`trace`, from the `step` range around the file's work: step numbers repeat across
+  files) and its phase; a range inside a backend's (plan, run, capture+replay and a graph replay's
+  parts) names the backend and the variant (eager, recorded plan, graph bs=N fill=V, or padded
+  bs=N fill=V where the padded sequence ran eagerly, nothing captured), or, for a launch on crafted
+  inputs that is no run of the step (a detector's merge probe), the probe. The step's shared data
+  and float64 reference (`data`, `reference`) belong to no backend; attndbg's own CUDA-context
+  probe after each detector (`context-probe`) is in a range of its own;
 - CUPTI's NVTX records (what nsys draws) put every kernel's launch in the same range;
 - each graph replay range holds exactly one cudaGraphLaunch, the kernels carrying its correlation
   id are graph nodes, the same node set for every replay of one capture, as many as the launches
@@ -58,7 +62,9 @@ def check(doc: dict[str, Any]) -> Report:
         report.kernels_by_phase[a["phase"]] += 1
         if not a["step"]:
             report.problems.append(f"{where} ran in {a['message']!r}, which names no step")
-        if a["backend"] and a["phase"] not in SHARED_PHASES and not a["phase"].startswith(("backend/", "detector/")) and not a["variant"]:
+        if not a.get("trace"):
+            report.problems.append(f"{where} ran in {a['message']!r}, which is in no step file's range (no trace= named)")
+        if a["backend"] and a["phase"] not in SHARED_PHASES and not a["phase"].startswith(("backend/", "detector/")) and not (a["variant"] or a.get("probe")):
             report.problems.append(f"{where} ran in {a['message']!r} of backend {a['backend']}, which names no variant")
         if k["args"].get("graph_id") and not (a["phase"] == "replay" and a["variant"].startswith("graph")):
             report.problems.append(f"{where} is a graph node but ran in {a['message']!r}, not a graph replay range")

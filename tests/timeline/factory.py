@@ -70,6 +70,7 @@ class Builder:
 def replay_step(pid: int = 1000, step: int = 0) -> ProcessRecords:
     b = Builder(pid=pid)
     label = LABEL.replace("step=0", f"step={step}")
+    b.push("step", f"trace=step_{step}.pt {label}")
     b.push("data", label)
     b.kernel(b.call("cudaLaunchKernel_v7000"), "_ZN2at6native18elementwise_kernelILi128ELi2EEEviPf")
     b.pop()
@@ -91,6 +92,7 @@ def replay_step(pid: int = 1000, step: int = 0) -> ProcessRecords:
         b.kernel(launch, "_fwd_kernel_stage1", node=1)
         b.kernel(launch, "_fwd_kernel_stage2", node=2)
         b.pop()
+    b.pop()
     b.pop()
     b.pop()
     return b.records
