@@ -34,6 +34,8 @@ def describe_phases(phases: Sequence[str]) -> str:
         name, _, detail = message.removeprefix("attndbg/").partition(" ")
         fields = dict(part.split("=", 1) for part in detail.split() if "=" in part)
         kind, _, what = name.partition("/")
+        if kind == "step":
+            continue  # the file's range around all of its work: the line names the step already
         if kind in ("detector", "backend"):
             word = what
         elif kind == "run":

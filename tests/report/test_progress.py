@@ -47,12 +47,14 @@ TRACE = str(Path(__file__).resolve().parents[2] / "traces" / "decode_gqa.pt")
 
 def test_phases_are_named_as_detector_backend_variant() -> None:
     phases = (
+        "attndbg/step trace=decode_gqa.pt step=0 mode=DECODE bs=3",
         "attndbg/detector/split-merge step=0 mode=DECODE bs=3",
         "attndbg/backend/triton step=0 mode=DECODE bs=3",
         "attndbg/run step=0 mode=DECODE bs=3 backend=triton variant=eager",
     )
     assert describe_phases(phases) == "split-merge › triton › eager"
     assert describe_phases(("attndbg/backend/flashinfer x", "attndbg/capture+replay s backend=flashinfer capture_bs=8")) == "flashinfer › graph bs=8"
+    assert describe_phases(("attndbg/backend/triton x", "attndbg/capture+replay s backend=triton variant=padded capture_bs=8")) == "triton › padded bs=8"
     assert describe_phases(("attndbg/reference step=0",)) == "float64 reference"
     assert describe_phases(()) == ""
 
