@@ -142,6 +142,9 @@ def write(path: str | Path, doc: dict[str, Any]) -> None:
     """Written whole, then renamed into place: a reader never sees half a file."""
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    # dumps, then one write: json.dump encodes chunk by chunk through Python (measured 2-3x slower
+    # on an 80 MB timeline, bench/timeline_processing.py).
+    text = json.dumps(doc, separators=(",", ":"))
     with open(tmp, "w") as f:
-        json.dump(doc, f, separators=(",", ":"))
+        f.write(text)
     os.replace(tmp, target)

@@ -2,7 +2,8 @@
 (cupti-python, NVIDIA's Python bindings of CUPTI's C API: `pip install 'attndbg[timeline]'`).
 
 What it enables: CONCURRENT_KERNEL (each kernel's GPU start/end, stream, graph and node id),
-RUNTIME and DRIVER (the API calls, whose correlation id the kernel carries), EXTERNAL_CORRELATION
+RUNTIME and DRIVER (the API calls, whose correlation id the kernel carries; only the calls that
+launch a kernel or a graph are recorded, `_only_launches`), EXTERNAL_CORRELATION
 (which attndbg range each call was made in) and MARKER / MARKER_DATA (the NVTX ranges, as nsys would
 see them). Each attndbg phase (`profiling.phase`) pushes its own external correlation id while it
 is open, so every API call made in it is tied to it by CUPTI itself (`matching.py`).
@@ -24,10 +25,14 @@ import threading
 from typing import Any
 
 from attndbg.timeline.convert import Converter, Kinds, LaunchExternalIds
-from attndbg.timeline.records import ProcessRecords, Range
+from attndbg.timeline.records import ProcessRecords, Range, launches_graph, launches_kernel
 
 BUFFER_BYTES = 8 << 20  # per CUPTI buffer; CUPTI asks for another when one fills
 INJECTION_VARIABLE = "NVTX_INJECTION64_PATH"
+# Callback ids are dense from 1 in each API domain (cupti_runtime_cbid.h, cupti_driver_cbid.h):
+# this many unnamed ids in a row end the domain; the cap bounds the walk whatever CUPTI answers.
+CBID_GAP = 16
+CBID_CAP = 8192
 
 
 
@@ -82,7 +87,34 @@ class Collector:
         self._kinds = [kinds.CONCURRENT_KERNEL, kinds.RUNTIME, kinds.DRIVER, kinds.EXTERNAL_CORRELATION, kinds.MARKER, kinds.MARKER_DATA]
         for kind in self._kinds:
             cupti.activity_enable(kind)
+        self._only_launches(cupti)  # after activity_enable, which resets the per-call switches
         self._inject_nvtx()
+
+    def _only_launches(self, cupti: Any) -> None:
+        """Switch off the RUNTIME and DRIVER records of every call that launches neither a kernel
+        nor a graph. torch makes many calls per launch (device, stream and capture queries, error
+        checks), and each recorded one costs CUPTI a record and us a Python object in the buffer
+        callback, where it places nothing (convert.py drops it). Kept: the launches, whose
+        correlation id a kernel carries, and cudaGraphLaunch, which a replay's kernels carry."""
+        domains = cupti.CallbackDomain
+        switches = [(domains.RUNTIME_API, getattr(cupti, "activity_enable_runtime_api", None)), (domains.DRIVER_API, getattr(cupti, "activity_enable_driver_api", None))]
+        if any(switch is None for _, switch in switches):
+            self._note("this cupti-python cannot record single API calls: every runtime and driver call is recorded (a slower --timeline)")
+            return
+        for domain, switch in switches:
+            misses, cbid = 0, 1
+            while misses < CBID_GAP and cbid < CBID_CAP:
+                try:
+                    name = cupti.get_callback_name(domain, cbid)
+                except cupti.cuptiError:  # an id past the domain's last
+                    name = None
+                if not name:
+                    misses += 1
+                else:
+                    misses = 0
+                    if not (launches_kernel(name) or launches_graph(name)):
+                        switch(cbid, 0)
+                cbid += 1
 
     def _inject_nvtx(self) -> None:
         path = loaded_cupti()

@@ -79,8 +79,17 @@ class Matched:
     # a graph being captured (the graph's replays run them), or kernels whose records were lost.
     unexecuted: dict[int | None, list[ApiCall]] = field(default_factory=dict)
 
+    _by_range: dict[int, list[Launched]] | None = field(default=None, repr=False)
+
     def in_range(self, range_id: int) -> list[Launched]:
-        return [k for k in self.launched if k.range is not None and k.range.id == range_id]
+        # Indexed once: asked for every range, a scan of every kernel was ranges x kernels (22 s of
+        # trace writing for 86k kernels in 13k ranges: bench/timeline_processing.py).
+        if self._by_range is None:
+            self._by_range = defaultdict(list)
+            for k in self.launched:
+                if k.range is not None:
+                    self._by_range[k.range.id].append(k)
+        return self._by_range.get(range_id, [])
 
     def outside(self) -> list[Launched]:
         return [k for k in self.launched if k.range is None]

@@ -61,11 +61,13 @@ def summarize(processes: Sequence[Matched]) -> Summary:
     for matched in processes:
         summary.markers += len(matched.records.markers)
         summary.notes.extend(n for n in matched.records.notes if n not in summary.notes)
+        line_of: dict[int, Line] = {}  # range id -> its line: a range's names are read once, not once per kernel
         for range_ in matched.records.ranges:
             names = range_names.names(range_, matched.ranges)
             key = (names.label(), names.detector)
             line = lines.setdefault(key, Line(label=key[0], detector=key[1]))
             line.ranges += 1
+            line_of[range_.id] = line
         for launched in matched.launched:
             summary.kernels += 1
             summary.gpu_ns += launched.kernel.duration
@@ -74,18 +76,15 @@ def summarize(processes: Sequence[Matched]) -> Summary:
             if launched.range is None:
                 summary.outside += 1
                 continue
-            names = range_names.names(launched.range, matched.ranges)
-            line = lines[(names.label(), names.detector)]
+            line = line_of[launched.range.id]
             line.kernels += 1
             line.gpu_ns += launched.kernel.duration
         for range_id, calls in matched.unexecuted.items():
-            if range_id is not None and range_id in matched.ranges:
-                names = range_names.names(matched.ranges[range_id], matched.ranges)
-                lines[(names.label(), names.detector)].captured += len(calls)
+            if range_id is not None and range_id in line_of:
+                line_of[range_id].captured += len(calls)
         for launch in matched.graph_launches:
             if launch.range is not None:
-                names = range_names.names(launch.range, matched.ranges)
-                lines[(names.label(), names.detector)].graph_launches += 1
+                line_of[launch.range.id].graph_launches += 1
     summary.lines = sorted(lines.values(), key=lambda ln: (-ln.gpu_ns, -ln.kernels, ln.detector, ln.label))
     return summary
 
