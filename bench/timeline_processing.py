@@ -4,8 +4,10 @@ A `--timeline` file keeps the records it placed (ranges, kernels, their launch c
 be rebuilt as the collector's records (`records_from_chrome`) and pushed through what runs after
 the command: matching, summary, trace events, the JSON write; and, per record, the conversion the
 collector's buffer callback makes (`convert.Converter`, on stand-in record objects) and a worker's
-JSON-lines round trip. `--scale N` repeats the records N times (fresh ids, later times) to reach a
-server-shaped run's size (the 200-step cost run placed 84,875 kernels).
+JSON-lines round trip. `--scale N` repeats each process's records N times (fresh ids, later times)
+to reach a server-shaped run's size (the 200-step cost run placed 84,875 kernels, over 4 workers:
+a cost that grows with a process's ranges times its kernels is ~4x smaller there than in the 2
+processes of a scaled check_traces_jobs2.json).
 
     python bench/timeline_processing.py /tmp/timeline_gpu_session8/check_traces_jobs2.json --scale 60
 
