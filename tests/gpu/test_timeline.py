@@ -2,8 +2,8 @@
 
 Each command runs in its own process (CUPTI is per process) over every shipped trace with
 `--backend all`, eager and under `--cuda-graph`, and the file it writes is read by
-tests/timeline/enclosure.py: every kernel launched inside exactly one attndbg range naming step,
-backend, variant and phase; CUPTI's NVTX records agreeing; each graph replay one cudaGraphLaunch
+tests/timeline/enclosure.py: every kernel launched inside exactly one attndbg range naming step file,
+step, backend, variant and phase; CUPTI's NVTX records agreeing; each graph replay one cudaGraphLaunch
 running the captured node set. A check over worker processes writes one file with a pid per
 worker. Set ATTNDBG_TIMELINE_OUT=DIR to keep the files and the counts (bench/timeline_check.sh).
 """
