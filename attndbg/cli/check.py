@@ -13,7 +13,7 @@ import click
 from attndbg.cli import options
 from attndbg.cli.common import EXIT_FAILED, EXIT_NOT_RUN, EXIT_OK, BadInput, check_outputs, handles_bad_input, make_console, write_json
 from attndbg.cli.group import main
-from attndbg.cli.options import parse_backend_options, parse_backends, parse_devices, parse_jobs, parse_max_memory, parse_step_selection
+from attndbg.cli.options import parse_backend_options, parse_backends, parse_devices, parse_jobs, parse_max_memory, parse_step_selection, require_gpu_for_cuda_graph
 
 if TYPE_CHECKING:
     from attndbg.detector_api.findings import FindingClass
@@ -41,8 +41,8 @@ class _CheckCommand(click.Command):
 @click.argument("target", type=click.Path())
 @options.only("detectors to run, by kind (listed below; default: all but the opt-in ones, which run only when named here)")
 @options.backend("kernel backends the detectors may use (default: all that run here)")
-@click.option("--cuda-graph", is_flag=True, help="detectors also replay under CUDA graphs (GPU)")
-@options.steps("only steps A <= step < B of a recording (A:B, A:, :B)")
+@options.cuda_graph("detectors also replay under CUDA graphs (GPU)")
+@options.steps()
 @options.sample()
 @options.jobs()
 @options.devices()
@@ -82,7 +82,6 @@ def check(
       attndbg synth verify --inject tree-mask:bit-order -o bad.pt && attndbg check bad.pt --only tree-mask
       attndbg check rec --jobs 8 --steps 100:200 --backend triton,flashinfer
     """
-    from attndbg import machine
     from attndbg.checks.run import check_steps, select_paths
     from attndbg.detector_api.context import CheckOptions
     from attndbg.report.checks import check_verdict, checks_to_json, render_step, render_summary
@@ -93,8 +92,7 @@ def check(
     classes = _detectors(only)
     names = tuple(parse_backends(backend_spec)) if backend_spec else None
     backend_options = parse_backend_options(backend_option_specs)
-    if cuda_graph and not machine.cuda_available():
-        raise BadInput("--cuda-graph needs a CUDA GPU, and this machine has none")
+    require_gpu_for_cuda_graph(cuda_graph)
     selection = parse_step_selection(steps_spec, sample)
     max_memory = parse_max_memory(max_memory_spec)
     devices = parse_devices(devices_spec)
@@ -149,7 +147,7 @@ def _selection_note(target: str, paths: list[Path], steps_spec: str | None, samp
 @click.argument("target", type=click.Path())
 @options.only("the detectors check will run (their kernels are compiled too)")
 @options.backend("kernel backends check will use (default: all that run here)")
-@options.steps("only steps A <= step < B of a recording (A:B, A:, :B)")
+@options.steps()
 @handles_bad_input
 def compile_kernels(target: str, only: str | None, backend_spec: str | None, steps_spec: str | None) -> None:
     """Compile the kernels a recording's steps need (one step of each kernel shape), all at once.

@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from attndbg.cli import options
 from attndbg.cli.common import EXIT_NOT_RUN, EXIT_OK, F, handles_bad_input
 from attndbg.cli.group import main
 
@@ -26,10 +27,9 @@ def import_group() -> None:
 
 
 def _import_options(func: F) -> F:
-    """-o and --overwrite, and bad input as one line (exit 2): what every import takes."""
+    """-o/--output and --overwrite, and bad input as one line (exit 2): what every import takes."""
     func = handles_bad_input(func)
-    func = click.option("--overwrite", is_flag=True, help="replace an existing recording in the directory")(func)
-    return click.option("-o", "out_dir", required=True, type=click.Path(file_okay=False), help="recording directory to write")(func)  # type: ignore[return-value]
+    return options.output_dir("recording directory to write")(options.overwrite()(func))
 
 
 def _import(what: str, reader: Callable[[Path], Any], source: str, out_dir: str, overwrite: bool) -> None:
@@ -97,7 +97,7 @@ def export_group() -> None:
 
 @export_group.command("fib")
 @click.argument("target", type=click.Path())
-@click.option("-o", "out_dir", required=True, type=click.Path(file_okay=False), help="new trace-set directory to write")
+@options.output_dir("new trace-set directory to write")
 @handles_bad_input
 def export_fib(target: str, out_dir: str) -> None:
     """A trace or recording as flashinfer-bench definitions and workloads (safetensors blobs; q and

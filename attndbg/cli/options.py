@@ -1,7 +1,13 @@
 """The options more than one command takes, declared once (each with the parser of its value):
 --backend, --backend-option, --json, --steps/--sample, --max-memory, --jobs/--devices, --only,
---layer, --timeline. What differs between commands is the help (what the option means there)
-and, for --backend, the default; both are arguments.
+--layer, --cuda-graph, -o/--output, --overwrite, --timeline. What differs between commands is the
+help (what the option means there) and, for --backend, -o/--output and --steps, what the command
+passes; each is an argument, and each difference is said where the option is declared.
+
+Options of one name that mean different things keep their own declarations: minimize's --jobs
+(candidates at once, a number, default 2) beside check's (worker processes per step, N or auto)
+and repro's --plan (the one plan a script runs, recorded|derived) beside replay's
+(derived|recorded|both); each says why where it is declared.
 """
 
 from __future__ import annotations
@@ -21,7 +27,12 @@ def _option(*decls: str, **attrs: Any) -> Callable[[F], F]:
 
 
 def backend(help: str, default: str | None = None) -> Callable[[F], F]:
-    """--backend NAME[,NAME...]|all (parse_backends): the kernel backends a command runs; a default is shown."""
+    """--backend NAME[,NAME...]|all (parse_backends): the kernel backends a command runs; a default is shown.
+
+    The defaults differ on purpose: replay, bench, minimize and repro run triton unless told (one
+    backend that runs on any machine, a CPU included, under Triton's interpreter; minimize and repro
+    take exactly one), check and compile pass none: every backend that runs here, which the
+    detectors choose among."""
     shown = {"show_default": True} if default is not None else {}
     return _option("--backend", "backend_spec", default=default, help=help, **shown)
 
@@ -43,8 +54,9 @@ def json_report(what: str, schema: str) -> Callable[[F], F]:
     )
 
 
-def steps(help: str) -> Callable[[F], F]:
-    """--steps A:B (parse_step_selection; record parses its own with record.options.parse_steps)."""
+def steps(help: str = "only steps A <= step < B of a recording (A:B, A:, :B)") -> Callable[[F], F]:
+    """--steps A:B (parse_step_selection; record parses its own with record.options.parse_steps):
+    a recording's steps for check and compile, the engine's steps to record for record."""
     return _option("--steps", "steps_spec", default=None, help=help)
 
 
@@ -54,7 +66,8 @@ def sample() -> Callable[[F], F]:
 
 
 def max_memory(help: str) -> Callable[[F], F]:
-    """--max-memory SIZE (parse_max_memory)."""
+    """--max-memory SIZE (parse_max_memory). The help is the command's: replay refuses such a step
+    (exit 2), check leaves it unchecked in a recording and refuses it only as its one file."""
     return _option("--max-memory", "max_memory_spec", default=None, metavar="SIZE", help=help)
 
 
@@ -78,6 +91,40 @@ def only(help: str) -> Callable[[F], F]:
 def layer() -> Callable[[F], F]:
     """--layer N: whose recorded tensors a step is replayed with (replay.data_layer)."""
     return _option("--layer", type=int, default=None, help="use this recorded layer's tensors (default: the first recorded layer, else seeded data)")
+
+
+def cuda_graph(help: str) -> Callable[[F], F]:
+    """--cuda-graph (replay, check): replays also run inside a real CUDA graph; refused without a GPU
+    by require_gpu_for_cuda_graph. repro's --graph/--eager is another option: it picks how the one
+    scripted step runs, and its default follows the recording."""
+    return _option("--cuda-graph", is_flag=True, help=help)
+
+
+def require_gpu_for_cuda_graph(cuda_graph: bool) -> None:
+    """--cuda-graph on a machine without a CUDA GPU is bad input."""
+    from attndbg import machine
+
+    if cuda_graph and not machine.cuda_available():
+        raise BadInput("--cuda-graph needs a CUDA GPU, and this machine has none")
+
+
+def output_file(help: str, *, required: bool = True) -> Callable[[F], F]:
+    """-o/--output FILE: the one file a command writes (synth, minimize, repro). synth's is not
+    required: synth --list writes nothing, and synth without either says so itself."""
+    return _option("-o", "--output", "output", required=required, type=click.Path(dir_okay=False), help=help)
+
+
+def output_dir(help: str, *, default: str | None = None) -> Callable[[F], F]:
+    """-o/--output DIR: the directory a command writes (record, import, export). Only record has a
+    default (./recording, documented as `record [-o DIR]`); import and export require one. Kept as
+    they were: neither is wrong, and changing either changes which command lines are accepted."""
+    shown = {"default": default, "show_default": True} if default is not None else {"required": True}
+    return _option("-o", "--output", "out_dir", type=click.Path(file_okay=False), help=help, **shown)
+
+
+def overwrite() -> Callable[[F], F]:
+    """--overwrite (record, import): replace the recording already in the output directory."""
+    return _option("--overwrite", is_flag=True, help="replace an existing recording in the directory")
 
 
 def parse_backends(spec: str) -> list[str]:

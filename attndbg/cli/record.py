@@ -13,9 +13,9 @@ from attndbg.suggest import did_you_mean
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("-o", "--output", "out_dir", default="recording", show_default=True, type=click.Path(file_okay=False), help="recording directory (manifest.jsonl + one .pt per step)")
+@options.output_dir("recording directory (manifest.jsonl + one .pt per step)", default="recording")
 @click.option("--append", is_flag=True, help="add this run's steps to an existing recording (files named run<N>_step_*.pt)")
-@click.option("--overwrite", is_flag=True, help="replace an existing recording in the directory")
+@options.overwrite()
 @click.option("--every", type=click.IntRange(min=1), default=1, show_default=True, help="record every N-th step")
 @options.steps("record only steps A <= step < B (A:B, A:, :B)")
 @click.option("--layers", default=None, help="also record real tensors (q, new k/v, KV rows read, output) of these layers, e.g. 0,5")

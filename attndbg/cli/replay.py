@@ -12,7 +12,7 @@ import click
 from attndbg.cli import options
 from attndbg.cli.common import EXIT_FAILED, EXIT_NOT_RUN, EXIT_OK, BadInput, check_outputs, handles_bad_input, make_console, write_json
 from attndbg.cli.group import main
-from attndbg.cli.options import parse_backend_options, parse_backends, parse_max_memory
+from attndbg.cli.options import parse_backend_options, parse_backends, parse_max_memory, require_gpu_for_cuda_graph
 
 
 @main.command()
@@ -25,7 +25,7 @@ from attndbg.cli.options import parse_backend_options, parse_backends, parse_max
 @options.backend_option()
 @click.option("--plan", "plan_source", type=click.Choice(["derived", "recorded", "both"]), default="derived", show_default=True, help="run the plan derived from the batch, the one the engine recorded, or both")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True, help="eager runs per backend; any bit difference between them fails")
-@click.option("--cuda-graph", is_flag=True, help="also replay inside a real CUDA graph, padded as engines pad")
+@options.cuda_graph("also replay inside a real CUDA graph, padded as engines pad")
 @click.option("--capture-bs", type=click.IntRange(min=1), default=None, help="graph capture batch size (with --cuda-graph; default: next SGLang size above the batch)")
 @click.option("--fill-value", type=click.IntRange(min=0), default=None, help="seq_len of padded rows (with --cuda-graph; default: each backend's own)")
 @options.max_memory("refuse (exit 2) a step whose data would need more than SIZE, e.g. 8G or 512M (default: what the device has free)")
@@ -66,14 +66,12 @@ def replay(
         for flag, value in (("--capture-bs", capture_bs), ("--fill-value", fill_value)):
             if value is not None:
                 raise BadInput(f"{flag} shapes the CUDA-graph replay: add --cuda-graph, or drop {flag}")
-    from attndbg import machine
     from attndbg.trace import io
 
     paths = io.trace_paths(trace)
     if save_path and len(paths) != 1:
         raise BadInput("--save takes a single step file, not a recording directory")
-    if cuda_graph and not machine.cuda_available():
-        raise BadInput("--cuda-graph needs a CUDA GPU, and this machine has none")
+    require_gpu_for_cuda_graph(cuda_graph)
 
     from rich.text import Text
 

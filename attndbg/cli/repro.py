@@ -20,7 +20,9 @@ from attndbg.suggest import did_you_mean
 @click.argument("trace", type=click.Path())
 @options.backend("the one backend whose failure to keep", default="triton")
 @click.option("--finding", "finding_spec", default=None, metavar="CLASS[/check]", help="the failure to keep: a detector's class (and check), backend-crash, or replay (the replay fails the float64 reference); default: the step's first crash, else its first defect, hazard, replay failure")
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="the smallest step, as a trace file")
+@options.output_file("the smallest step, as a trace file")
+# Not options.jobs: check's workers each take steps of a recording (N or auto, sized by steps and
+# cores); minimize's each check one candidate of one step, so it takes a number (default 2).
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=2, show_default=True, help="candidates checked at once, each in a fresh worker process")
 @options.only("detectors the step's first check runs (as check --only; default: the --finding class's, else every default detector and the replay)")
 @options.backend_option()
@@ -72,10 +74,12 @@ def minimize(trace: str, backend_spec: str, finding_spec: str | None, output: st
 @click.argument("trace", type=click.Path(), metavar="TRACE|DIR")
 @options.backend("the backend whose calls the script makes (triton, flashinfer, fa3 or mla)", default="triton")
 @click.option("--step", "step_number", type=int, default=None, help="a recording's step, by its number (default: a file's only step; a DIR needs it)")
+# Not replay's --plan (derived|recorded|both, default derived): a script makes one plan's calls,
+# and a step that recorded this backend's plan is scripted with it unless told.
 @click.option("--plan", "plan_source", type=click.Choice(["recorded", "derived"]), default=None, help="the plan the script runs (default: the recorded one when the trace holds one of this backend, else derived)")
 @click.option("--graph/--eager", "graph", default=None, help="replay the step in a CUDA graph padded as the engine padded it (default for a step recorded as a graph replay), or run it eagerly")
 @options.layer()
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="the script to write (its tensors go beside it as .pt when too large to embed)")
+@options.output_file("the script to write (its tensors go beside it as .pt when too large to embed)")
 @handles_bad_input
 def repro(trace: str, backend_spec: str, step_number: int | None, plan_source: str | None, graph: bool | None, layer: int | None, output: str) -> None:
     """Write a standalone script (torch and the kernel library only, no attndbg) that makes the

@@ -19,7 +19,7 @@ from attndbg.suggest import did_you_mean
 
 @main.command()
 @click.argument("spec", nargs=-1)
-@click.option("-o", "--output", "output", type=click.Path(dir_okay=False), help="trace file to write")
+@options.output_file("trace file to write", required=False)
 @click.option("--list", "list_presets", is_flag=True, help="list presets, spec keys and injectable mistakes")
 @click.option("--inject", "inject_kind", default=None, metavar="KIND:MISTAKE", help="carry a realistic mistake a detector finds, e.g. tree-mask:bit-order (see --list)")
 @handles_bad_input
