@@ -1,4 +1,5 @@
-"""Backend names -> adapters: the built-in ones, plus third parties through an entry point.
+"""Backend names -> adapters: the built-in ones (one table, ADAPTERS), plus third parties through
+an entry point.
 
 A third-party package registers `[project.entry-points."attndbg.backends"] NAME = "pkg.mod:Class"`;
 the class follows `attndbg.backends.base.Backend`. An adapter still in development, not packaged,
@@ -14,23 +15,25 @@ from typing import TYPE_CHECKING
 
 from attndbg.backends import environment
 from attndbg.backends.base import Backend
-from attndbg.backends.reference import ReferenceBackend
-from attndbg.backends.triton import TritonBackend
 from attndbg.trace.schema import Plan
 
 if TYPE_CHECKING:
     from attndbg.backends.options import BackendOptions
 
 ENTRY_POINT_GROUP = "attndbg.backends"
-BUILTIN = ("reference", "triton", "flashinfer", "fa3", "mla", "vllm_paged")
-# Adapters of optional libraries: module and class, imported only when asked for. Their modules
-# import nothing heavy at import time; each says why it cannot run when its library is missing.
-_LAZY = {
-    "flashinfer": ("attndbg.backends.flashinfer", "FlashInferBackend"),
-    "fa3": ("attndbg.backends.fa3", "FA3Backend"),
-    "mla": ("attndbg.backends.mla", "MLABackend"),
-    "vllm_paged": ("attndbg.backends.vllm_paged", "VllmPagedBackend"),
+# The built-in adapters: name -> "module:Class", in the form a plugin names one, imported when first
+# asked for (vLLM's backend enum holds class paths the same way). The order is the listing's
+# (`attndbg backends`, `--backend all`). An adapter of an optional library imports nothing heavy at
+# import time and says why it cannot run when its library is missing.
+ADAPTERS = {
+    "reference": "attndbg.backends.reference:ReferenceBackend",
+    "triton": "attndbg.backends.triton:TritonBackend",
+    "flashinfer": "attndbg.backends.flashinfer:FlashInferBackend",
+    "fa3": "attndbg.backends.fa3:FA3Backend",
+    "mla": "attndbg.backends.mla:MLABackend",
+    "vllm_paged": "attndbg.backends.vllm_paged:VllmPagedBackend",
 }
+BUILTIN = tuple(ADAPTERS)
 
 
 ENVIRONMENT_VARIABLE = environment.VARIABLE
@@ -53,21 +56,21 @@ def create(name: str, *, options: BackendOptions | None = None) -> Backend:
 def adapter_class(name: str) -> type[Backend]:
     """The class of the adapter named `name`, without creating one (its capabilities are class
     attributes); KeyError when no adapter has that name."""
-    if name == "reference":
-        return ReferenceBackend
-    if name == "triton":
-        return TritonBackend
-    if name in _LAZY:
-        module, cls = _LAZY[name]
-        return getattr(importlib.import_module(module), cls)
+    if name in ADAPTERS:
+        return _load(ADAPTERS[name])
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
             return ep.load()
     target = environment.ENVIRONMENT.named().get(name)
     if target is not None:
-        module, _, cls = target.partition(":")
-        return getattr(importlib.import_module(module), cls)
+        return _load(target)
     raise KeyError(name)
+
+
+def _load(target: str) -> type[Backend]:
+    """The class a "pkg.module:Class" path names, its module imported now."""
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def adapter_of(plan: Plan) -> Backend | None:
