@@ -12,7 +12,7 @@ import abc
 import enum
 from dataclasses import dataclass
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import Tensor
 
@@ -20,6 +20,9 @@ from attndbg.backends.capabilities import Capabilities
 from attndbg.backends.plan_layout import PlanLayout
 from attndbg.backends.plan_view import PlanView
 from attndbg.trace.schema import Plan, Trace
+
+if TYPE_CHECKING:
+    from attndbg.backends.flashinfer_modules import Target
 
 
 def coerce_option(options: Any, field: str, kind: type[enum.Enum]) -> None:
@@ -227,6 +230,13 @@ class Backend(abc.ABC):
 
         None: this backend declares no layout, so the plan detectors cannot read its plans."""
         return None
+
+    def jit_specs(self, trace: Trace, at: Target) -> list[Any]:
+        """The FlashInfer JIT specs (`flashinfer.jit.JitSpec`) running `trace`'s step with this
+        adapter's options would load on the machine `at` (backends/flashinfer_modules.py), named
+        without running it: check's compile phase builds them all at once before the first step.
+        Empty for a backend that compiles nothing on first use, or cannot take the step."""
+        return []
 
     def merge_states(self, states: PartialStates) -> AttentionResult:
         """The library's merge of `states` (on this backend's device) alone: per row, the merged

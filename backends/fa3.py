@@ -36,6 +36,7 @@ from attndbg.backends.base import (
     Padding,
     coerce_option,
 )
+from attndbg.backends import flashinfer_modules as fm
 from attndbg.backends import plan_layout as pl
 from attndbg.backends.tables import build_page_table, padded_requests
 from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, MHA_ALL_MODES, Capabilities, HeadDims
@@ -74,12 +75,17 @@ SM90 = (9, 0)
 def select_impl() -> Impl | None:
     """The implementation this machine runs: the first installed in FA3's order; FlashInfer last, on SM90."""
     info = machine.gpu_info()
-    if info is None:
+    return None if info is None else impl_on(info.capability)
+
+
+def impl_on(capability: tuple[int, int] | None) -> Impl | None:
+    """The implementation a GPU of `capability` would run with the libraries installed here."""
+    if capability is None:
         return None
     for impl in (Impl.FLASH_ATTN_INTERFACE, Impl.SGL_KERNEL, Impl.VLLM):
         if machine.module_available(_PROBE[impl]):
             return impl
-    if machine.module_available(_PROBE[Impl.FLASHINFER]) and info.capability == SM90:
+    if machine.module_available(_PROBE[Impl.FLASHINFER]) and capability == SM90:
         return Impl.FLASHINFER
     return None
 
@@ -355,6 +361,27 @@ class FA3Backend(Backend):
             window="window_left",
             expand=pl.ExpandTables("expand_page_table", "expand_cache_seqlens", "expand_cu_seqlens_k"),
         )
+
+    # -- JIT modules ----------------------------------------------------------------------------
+
+    def jit_specs(self, trace: Trace, at: fm.Target) -> list:
+        """Where FlashInfer's backend='fa3' wrapper is the implementation on `at`: its SM90 prefill
+        module, for the derived plan's window and the recorded plan's (both calls of a two-call
+        verify load the same one); the head dims it is instantiated for only."""
+        model = trace.model
+        if impl_on(at.capability) is not Impl.FLASHINFER or (model.head_dim, model.v_head_dim) not in FLASHINFER_FA3_HEAD_DIMS:
+            return []
+        if self.unsupported_reason(trace):
+            return []
+        windows = {model.sliding_window}
+        if trace.plan is not None and trace.plan.backend == self.name and "window_left" in trace.plan.scalars:
+            windows.add(int(trace.plan.scalars["window_left"]))
+        specs: list = []
+        for window in sorted(windows):
+            specs += fm.prefill(
+                "fa3", q_dtype=model.q_dtype, kv_dtype=model.kv_dtype, head_dim_qk=model.head_dim, head_dim_vo=model.v_head_dim, window_left=window, logits_soft_cap=model.logit_cap
+            )
+        return specs
 
     # -- run ------------------------------------------------------------------------------------
 

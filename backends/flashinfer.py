@@ -46,6 +46,7 @@ from attndbg.backends.base import (
     coerce_option,
 )
 from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, HALF_DTYPES, MHA_ALL_MODES, Capabilities, HeadDims
+from attndbg.backends import flashinfer_modules as fm
 from attndbg.backends import plan_layout as pl
 from attndbg.backends import plan_view as pv
 from attndbg.trace import tree
@@ -511,6 +512,33 @@ class FlashInferBackend(Backend):
             packed_mask=PACKED_MASK,
         )
 
+    # -- JIT modules --------------------------------------------------------------------------
+
+    def jit_specs(self, trace: Trace, at: fm.Target) -> list:
+        """The modules of the derived plan's wrappers (its graph replays load the same), and of
+        the recorded plan's when this backend built it (its own path, tensor cores, window)."""
+        if not fm.available() or self.unsupported_reason(trace):
+            return []
+        m = trace.model
+        path = PlanPath.DECODE if trace.batch.forward_mode is ForwardMode.DECODE else PlanPath.PAGED
+        masked = trace.is_tree_verify or trace.batch.selective
+        if path is PlanPath.PAGED and not masked:
+            path = self.extend_path(trace)
+        # A mask folds the window in: those plans pass window_left = -1 (_verify_plan, _extend_plan).
+        calls = {(path, self.use_tensor_cores(trace), -1 if masked else m.sliding_window, m.logit_cap, masked)}
+        plan = trace.plan
+        if plan is not None and plan.backend == self.name:
+            try:
+                s = plan.scalars
+                mask = "custom_mask" in plan.tensors or PACKED_MASK.tensor in plan.tensors
+                calls.add((PlanPath(s["path"]), bool(s.get("use_tensor_cores", False)), int(s["window_left"]), float(s["logits_soft_cap"]), mask))
+            except (KeyError, ValueError, TypeError):
+                pass  # an unreadable plan is refused before launch: it loads nothing
+        specs: list = []
+        for call in sorted(calls, key=repr):
+            specs += _call_specs(m, at, *call)
+        return specs
+
     # -- run ----------------------------------------------------------------------------------
 
     def _workspace(self) -> Tensor:
@@ -718,6 +746,26 @@ class _FlashInferGraphState(FlashInferGraphState):
 
 
 # -- planning helpers (kernel vocabulary) -------------------------------------------------------
+
+
+def _call_specs(m: Model, at: fm.Target, path: PlanPath, tensor_cores: bool, window_left: int, logits_soft_cap: float, mask: bool) -> list:
+    """The JIT specs one `run` of a plan with these scalars loads (FlashInfer's choices: flashinfer_modules.py)."""
+    both = {"window_left": window_left, "logits_soft_cap": logits_soft_cap}
+    if path is PlanPath.DECODE:
+        if not tensor_cores:
+            return fm.decode(q_dtype=m.q_dtype, kv_dtype=m.kv_dtype, head_dim=m.head_dim, **both)
+        family = fm.tensor_core_decode_family(at, q_dtype=m.q_dtype, kv_dtype=m.kv_dtype)
+        return fm.prefill(family, q_dtype=m.q_dtype, kv_dtype=m.kv_dtype, head_dim_qk=m.head_dim, head_dim_vo=m.head_dim, **both)
+    # The paged wrapper is backend="fa2"; _paged_kv hands K and V over as separate caches, whose
+    # strides differ when head_dim != v_head_dim. plan() packs a bool mask with segment_packbits.
+    paged = fm.prefill("fa2", q_dtype=m.q_dtype, kv_dtype=m.kv_dtype, head_dim_qk=m.head_dim, head_dim_vo=m.v_head_dim, paged_strides_differ=m.head_dim != m.v_head_dim, **both)
+    paged += fm.quantization() if mask else []
+    if path is PlanPath.PAGED:
+        return paged
+    # The ragged wrapper is backend "auto"; its K/V are this step's, in q's dtype (_ragged).
+    family = fm.prefill_family(at, q_dtype=m.q_dtype, kv_dtype=m.q_dtype, head_dim_qk=m.head_dim, head_dim_vo=m.v_head_dim)
+    ragged = fm.prefill(family, q_dtype=m.q_dtype, kv_dtype=m.q_dtype, head_dim_qk=m.head_dim, head_dim_vo=m.v_head_dim, **both)
+    return ragged if path is PlanPath.RAGGED else ragged + paged + fm.cascade()
 
 
 def wait_for_pending_plans() -> None:

@@ -40,6 +40,7 @@ from attndbg.backends.base import (
     Padding,
     coerce_option,
 )
+from attndbg.backends import flashinfer_modules as fm
 from attndbg.backends import plan_layout as pl
 from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, Capabilities, LatentDims
 from attndbg.backends import plan_view as pv
@@ -76,7 +77,11 @@ class MLAOptions:
 def _flashinfer_backend_name() -> str:
     """FlashInfer's MLA kernel family for this GPU, named explicitly: its 'auto' would fall back silently."""
     info = machine.gpu_info()
-    return "fa3" if info is not None and info.capability == SM90 else "fa2"
+    return _flashinfer_family(info.capability if info is not None else None)
+
+
+def _flashinfer_family(capability: tuple[int, int] | None) -> str:
+    return "fa3" if capability == SM90 else "fa2"
 
 
 class MLABackend(Backend):
@@ -260,6 +265,20 @@ class MLABackend(Backend):
         return pl.PlanLayout(
             kv=kv, ids=ids, count=count, length=length, length_field=length, page_size=None, ends=(pl.KvEnd.KV,), mask=pl.MaskReading.CAUSAL, window="window_left"
         )
+
+    # -- JIT modules ----------------------------------------------------------------------------
+
+    def jit_specs(self, trace: Trace, at: fm.Target) -> list:
+        """Where FlashInfer's MLA wrapper is the implementation on `at` ("auto" picks it from SM80
+        with flashinfer installed): its module for the step's dtypes and latent/rope dims, FA3's
+        family on SM90, FA2's elsewhere (as `_flashinfer_backend_name` names it at run time)."""
+        chosen = self.options.impl
+        if chosen not in (MLAImpl.AUTO, MLAImpl.FLASHINFER) or not fm.available() or at.capability is None or at.capability < SM80:
+            return []
+        if MLABackend(MLAOptions(impl=MLAImpl.FLASHINFER)).unsupported_reason(trace):
+            return []
+        m = trace.model
+        return fm.mla(_flashinfer_family(at.capability), q_dtype=m.q_dtype, kv_dtype=m.kv_dtype, head_dim_ckv=m.kv_lora_rank, head_dim_kpe=m.qk_rope_head_dim)
 
     # -- run ------------------------------------------------------------------------------------
 
