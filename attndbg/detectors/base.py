@@ -60,6 +60,10 @@ class Detector:
     # For detectors that judge the recorded plan through its backend's plan view: why they could
     # not read this step's plan (the check's verdict names it), None when they could.
     plan_unread: Callable[[Trace], str | None] | str | None = None
+    # (trace) -> the (backend name, its options object) runs this detector makes of a step beyond
+    # the check's own replays, where that backend is among the check's (split-merge forces
+    # FlashInfer's cascade and paged extend paths): check's compile phase builds their kernels too.
+    forced_runs: Callable[[Trace], list[tuple[str, Any]]] | str | None = None
     # Run only when named in `check --only`: for detectors whose cost is out of proportion to a
     # default check (batch-invariance replays every request alone: bs + 3 launches per backend).
     opt_in: bool = False
@@ -88,6 +92,9 @@ class Detector:
 
     def unread(self, trace: Trace) -> str | None:
         return _hook(self.plan_unread)(trace) if self.plan_unread is not None else None
+
+    def forced_runs_of(self, trace: Trace) -> list[tuple[str, Any]]:
+        return _hook(self.forced_runs)(trace) if self.forced_runs is not None else []
 
     def injection_table(self) -> Mapping[str, Injection]:
         """Its injections, imported."""

@@ -8,4 +8,5 @@ DETECTOR = Detector(
     summary="partial states and their merge: decode through every split count, empty splits, the engine's recorded output and LSE (base confusion, NaN rows), cascade and graph merges",
     detect="attndbg.detectors.split_merge.detect:detect",
     injections="attndbg.detectors.split_merge.injections",
+    forced_runs="attndbg.detectors.split_merge.gpu:forced_runs",
 )

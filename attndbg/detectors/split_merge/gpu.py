@@ -29,21 +29,30 @@ def _flashinfer_ready(ctx: CheckContext) -> bool:
     return FlashInferBackend.name in ctx.backends()
 
 
-def cascade_vs_single_pass(ctx: CheckContext) -> list[Finding]:
-    """FlashInfer's cascade (ragged + paged prefix merged) against one paged pass, both against the reference."""
-    trace, batch = ctx.trace, ctx.trace.batch
+def forced_runs(trace: Trace) -> list[tuple[str, FlashInferOptions]]:
+    """The FlashInfer runs `cascade_vs_single_pass` makes of this step when FlashInfer is among the
+    check's backends, each with the options it forces (the compile phase builds their kernels)."""
+    batch = trace.batch
     if (
         batch.forward_mode not in (ForwardMode.EXTEND, ForwardMode.MIXED)
         or batch.selective
         or trace.model.sliding_window >= 0
         or not bool((batch.prefix_lens > 0).any())
-        or not _flashinfer_ready(ctx)
     ):
         return []
+    return [(FlashInferBackend.name, FlashInferOptions(extend_path=path)) for path in ("cascade", "paged")]
+
+
+def cascade_vs_single_pass(ctx: CheckContext) -> list[Finding]:
+    """FlashInfer's cascade (ragged + paged prefix merged) against one paged pass, both against the reference."""
+    trace, batch = ctx.trace, ctx.trace.batch
+    forced_paths = forced_runs(trace)
+    if not forced_paths or not _flashinfer_ready(ctx):
+        return []
     runs = {}
-    for path in ("cascade", "paged"):
-        forced = BackendOptions(((FlashInferBackend.name, FlashInferOptions(extend_path=path)),))
-        runs[path] = ctx.run_derived(FlashInferBackend.name, forced, what=f"extend_path={path}").comparison
+    for name, options in forced_paths:
+        path = options.extend_path.value
+        runs[path] = ctx.run_derived(name, BackendOptions(((name, options),)), what=f"extend_path={path}").comparison
     cascade, paged = runs["cascade"], runs["paged"]
     # No comparison: the path did not run (the kernels raised, or it cannot take this step).
     if cascade is None or cascade.passed or paged is None or not paged.passed:
