@@ -1,19 +1,18 @@
-"""FlashInfer's JIT modules: which ones a step loads, and building many of them at once, up front.
+"""FlashInfer's JIT modules: building many of them at once, up front, and watching which a run loads.
 
 FlashInfer compiles each kernel module the first time a call needs it (7-60 s each on an H100,
 minutes for SM90 prefill at head_dim 256), one after another as a step reaches them, each with its
 own ninja. A recording of a server's mix needs dozens (dtype x head dims x window x soft-cap x decode
 / FA2 prefill and its per-stride paged module / SM90 prefill / MLA / cascade / quantization).
 
-Which modules a call needs is FlashInfer's own decision (backend "auto", the FA2 primary module and
-the paged-stride module it loads lazily, tensor-core decode through the prefill module, ...). Rather
-than restate it, `watching_modules` runs code with `JitSpecNvcc.build_and_load` answering
-`ModuleNotBuilt` for any module that is not on disk: the call fails before any kernel of that module
-runs, and the module's spec is noted; `build_files` writes each noted module's build file. `build`
-then compiles them together, as `flashinfer.jit.build_jit_specs` does (one ninja over every source of
-every module, on every core), in whatever process gathered them (check's parent, which never starts
-CUDA). A failed call hides the modules it would have loaded after the missing one, so callers repeat
-until nothing new is noted (attndbg/checks/precompile.py).
+The adapters name the modules a step needs without running it (`Backend.jit_specs`, through
+backends/flashinfer_modules.py); `unbuilt` writes the build file of each one not on disk, and `build`
+compiles them together, as `flashinfer.jit.build_jit_specs` does (one ninja over every source of
+every module, on every core), in whatever process gathered them (attndbg/checks/precompile.py).
+
+`watching_modules` checks a declaration against a real run (the GPU test, bench/flashinfer_module_names.py
+--watch): within it, a module that is not on disk is noted and its load fails with `ModuleNotBuilt`
+before any of its kernels runs; built ones load as usual and are noted as used.
 
 flashinfer is imported only inside these functions: this module imports on a machine without it.
 """
@@ -21,8 +20,6 @@ flashinfer is imported only inside these functions: this module imports on a mac
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import json
 import os
 import subprocess
 import threading
@@ -33,11 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from attndbg import machine
+
 # How often `build` looks for finished modules to report.
 POLL_S = 1.0
-# What attndbg remembers, in FlashInfer's own JIT directory (per version and GPU arch, so it goes
-# when that cache is cleared): the modules each kernel shape of a recording loaded.
-MEMO_FILE = "attndbg_modules_by_shape.json"
 
 
 class ModuleNotBuilt(RuntimeError):
@@ -45,7 +41,7 @@ class ModuleNotBuilt(RuntimeError):
 
 
 def available() -> bool:
-    return importlib.util.find_spec("flashinfer") is not None
+    return machine.module_available("flashinfer")
 
 
 @dataclass
@@ -85,11 +81,11 @@ def watching_modules() -> Iterator[ModuleWatch]:
 
 @dataclass(frozen=True)
 class Unbuilt:
-    """A module a look found missing, as the build needs it: plain paths, so a check worker can hand
-    it to its parent (FlashInfer's JitSpec holds callables and does not pickle)."""
+    """A module not on disk, as the build needs it: plain paths (FlashInfer's JitSpec holds
+    callables and does not pickle)."""
 
     name: str
-    ninja_file: str  # the module's build.ninja, written by the worker that noted it
+    ninja_file: str  # the module's build.ninja, written by `unbuilt`
     jit_dir: str  # FlashInfer's JIT directory, where its library appears as NAME/NAME.so
 
     @property
@@ -102,25 +98,21 @@ def _library(jit_dir: Path, name: str) -> Path:
     return jit_dir / name / f"{name}.so"
 
 
-def build_files(watch: ModuleWatch) -> list[Unbuilt]:
-    """Write the build file of each module `watch` noted (under FlashInfer's lock for that module,
-    as flashinfer.jit.build_jit_specs does), for a build elsewhere."""
+def unbuilt(specs: list[Any]) -> list[Unbuilt]:
+    """The FlashInfer specs (JitSpec) whose library is not on disk (its JIT directory, or its AOT
+    one), once each, by name, with each one's build file written (under FlashInfer's lock for that
+    module, as flashinfer.jit.build_jit_specs does), for `build`."""
     from filelock import FileLock
     from flashinfer.jit import env
 
-    out = []
-    for name, spec in sorted(watch.unbuilt.items()):
+    out: dict[str, Unbuilt] = {}
+    for spec in specs:
+        if spec.name in out or spec.is_compiled:
+            continue
         with FileLock(spec.lock_path, thread_local=False):
             spec.write_ninja()
-        out.append(Unbuilt(name, str(spec.ninja_path), str(env.FLASHINFER_JIT_DIR)))
-    return out
-
-
-def compiled(names: set[str] | list[str]) -> bool:
-    """Whether every named module is on disk (FlashInfer's JIT directory, or its AOT one)."""
-    from flashinfer.jit import env
-
-    return all(_library(env.FLASHINFER_JIT_DIR, name).exists() or env.get_aot_path(name).exists() for name in names)
+        out[spec.name] = Unbuilt(spec.name, str(spec.ninja_path), str(env.FLASHINFER_JIT_DIR))
+    return [out[name] for name in sorted(out)]
 
 
 def build(modules: list[Unbuilt], on_built: Callable[[str, float], None] = lambda name, seconds: None, jobs: int | None = None) -> None:
@@ -169,32 +161,3 @@ def build(modules: list[Unbuilt], on_built: Callable[[str, float], None] = lambd
     if done.returncode != 0:
         tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
         raise RuntimeError(f"ninja failed (exit {done.returncode}) building {len(modules)} FlashInfer modules:\n{tail}")
-
-
-def _memo_path() -> Path:
-    from flashinfer.jit import env
-
-    return env.FLASHINFER_JIT_DIR / MEMO_FILE
-
-
-def read_memo() -> dict[str, list[str]]:
-    """Shape key -> the modules a step of that shape loaded, as remembered from earlier checks."""
-    try:
-        memo = json.loads(_memo_path().read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(memo, dict):
-        return {}
-    return {k: v for k, v in memo.items() if isinstance(k, str) and isinstance(v, list) and all(isinstance(n, str) for n in v)}
-
-
-def remember(learnt: dict[str, list[str]]) -> None:
-    """Add `learnt` to the memo (written whole, through a rename, so readers never see half of it)."""
-    if not learnt:
-        return
-    path = _memo_path()
-    memo = {**read_memo(), **learnt}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(memo, indent=1, sort_keys=True))
-    os.replace(tmp, path)

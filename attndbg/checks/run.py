@@ -262,7 +262,7 @@ def check_steps(
         from attndbg.checks.workers import check_in_workers
 
         if compile_first and machine.cuda_available():
-            precompile(paths, only, options, jobs=jobs if jobs > 1 else None, devices=devices)
+            precompile(paths, only, options)
         first = first_of_each_shape(paths) if jobs > 1 else []
         if len(first) > 1:
             sys.stderr.write(f"attndbg: checking one step of each of {len(first)} kernel shapes first, in parallel (kernels compile on first use)\n")

@@ -51,7 +51,7 @@ class _CheckCommand(click.Command):
 @options.backend_option()
 @options.json_output("findings", "attndbg.check/1")
 @click.option("--strict", is_flag=True, help="hazards fail the check too (exit 1): findings correct on this step, wrong under the condition each states")
-@click.option("--compile-first", is_flag=True, help="on a GPU, first compile the FlashInfer modules of every kernel shape in the recording, all at once (as `attndbg compile`; shapes whose modules are built are skipped)")
+@click.option("--compile-first", is_flag=True, help="on a GPU, first compile the FlashInfer modules the recording's steps need, named without running them, all at once (as `attndbg compile`; modules on disk are skipped)")
 @handles_bad_input
 @options.timeline("check")
 def check(
@@ -150,7 +150,7 @@ def _selection_note(target: str, paths: list[Path], steps_spec: str | None, samp
 @options.steps()
 @handles_bad_input
 def compile_kernels(target: str, only: str | None, backend_spec: str | None, steps_spec: str | None) -> None:
-    """Compile the kernels a recording's steps need (one step of each kernel shape), all at once.
+    """Compile the FlashInfer modules a recording's steps need, named without running them, all at once.
 
     What `check --compile-first` does before its first step; on its own it warms a fresh machine. Exit 0
     when done, 3 when nothing could be compiled here (no CUDA GPU, no FlashInfer) or the phase ended
@@ -173,7 +173,7 @@ def compile_kernels(target: str, only: str | None, backend_spec: str | None, ste
     if done is None:
         click.echo("attndbg compile: nothing to compile: no FlashInfer here, or every kernel shape's modules are already built")
         sys.exit(EXIT_OK)
-    click.echo(f"attndbg compile: {done.modules} module{'s' * (done.modules != 1)} compiled for {done.shapes} kernel shape{'s' * (done.shapes != 1)} in {done.seconds:.0f} s")
+    click.echo(f"attndbg compile: {done.modules} of the {done.needed} FlashInfer modules the steps need compiled in {done.seconds:.0f} s (the rest were on disk)")
     sys.exit(EXIT_NOT_RUN if done.problem else EXIT_OK)
 
 

@@ -1,10 +1,10 @@
-"""check's compile phase (checks/precompile.py, issue 24 item 1): which steps it looks at, and what it
-does where nothing can be compiled. The discovery itself (FlashInfer's loads watched, modules built
-at once) needs FlashInfer on a GPU: tests/gpu/test_precompile.py."""
+"""check's compile phase (checks/precompile.py, issue 24 item 1): which steps it reads, what it does
+where nothing can be compiled, and one build with progress. What each adapter declares:
+tests/backends/test_flashinfer_modules.py; declared modules built, then loaded by a check without a
+build: tests/gpu/test_precompile.py."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -12,7 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from attndbg.backends import flashinfer_jit
-from attndbg.checks.precompile import kernel_shape, precompile, representatives
+from attndbg.checks import precompile as phase
+from attndbg.checks.precompile import precompile, scanned
 from attndbg.checks.run import parse_only
 from attndbg.cli import main
 from attndbg.detector_api.context import CheckOptions
@@ -31,25 +32,11 @@ def _save(directory: Path, traces) -> list[Path]:
     return paths
 
 
-def test_one_step_per_kernel_shape_the_smallest(tmp_path: Path) -> None:
-    steps = [
-        make_trace("decode-mha", "kv_lens=30,20,50", *SMALL, plan=True),
-        make_trace("decode-mha", "kv_lens=3,2", *SMALL, plan=True),  # same shape, less work: picked
-        make_trace("decode-mha", "kv_lens=9", *SMALL, plan=True),
-        make_trace("extend-prefix", "prefix_lens=0,9", "extend_lens=5,3", *SMALL, plan=True),  # another mode
-        make_trace("decode-mha", "kv_lens=3,2", "heads=2:1", "head_dim=64", plan=True),  # another head dim
-    ]
-    paths = _save(tmp_path, steps)
-    picked = representatives(paths)
-    assert len({kernel_shape(t) for t in steps}) == 3
-    assert sorted(p.name for p in picked.values()) == ["step_001.pt", "step_003.pt", "step_004.pt"]
-
-
-def test_an_unreadable_step_is_left_to_the_check(tmp_path: Path) -> None:
-    paths = _save(tmp_path, [make_trace("decode-mha", "kv_lens=3,2", *SMALL, plan=True)])
-    bad = tmp_path / "step_999.pt"
-    bad.write_bytes(b"not a trace")
-    assert list(representatives([bad, *paths]).values()) == paths
+def test_every_step_is_read_up_to_the_scan_then_spread(monkeypatch: pytest.MonkeyPatch) -> None:
+    paths = [Path(f"step_{i:03d}.pt") for i in range(10)]
+    assert scanned(paths) == paths
+    monkeypatch.setattr(phase, "SHAPE_SCAN", 4)
+    assert [p.name for p in scanned(paths)] == ["step_000.pt", "step_003.pt", "step_006.pt", "step_009.pt"]
 
 
 @pytest.mark.skipif(flashinfer_jit.available(), reason="FlashInfer is installed here")
@@ -69,34 +56,6 @@ def test_compile_command_says_nothing_was_compiled_without_a_gpu(tmp_path: Path)
     result = CliRunner().invoke(main, ["compile", str(tmp_path)])
     assert result.exit_code == 3, result.output
     assert "nothing compiled: no CUDA GPU here" in result.output
-
-
-def test_memo_is_written_whole_and_read_defensively(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    memo = tmp_path / "jit" / flashinfer_jit.MEMO_FILE
-    monkeypatch.setattr(flashinfer_jit, "_memo_path", lambda: memo)
-    assert flashinfer_jit.read_memo() == {}
-    flashinfer_jit.remember({"shape a": ["m1", "m2"]})
-    flashinfer_jit.remember({"shape b": ["m3"]})
-    assert flashinfer_jit.read_memo() == {"shape a": ["m1", "m2"], "shape b": ["m3"]}
-    assert [p.name for p in memo.parent.iterdir()] == [memo.name]  # no temporary left behind
-    memo.write_text(json.dumps({"shape a": "not a list", "shape c": ["m4"]}))
-    assert flashinfer_jit.read_memo() == {"shape c": ["m4"]}
-    memo.write_text("{ torn")
-    assert flashinfer_jit.read_memo() == {}
-
-
-def test_a_look_comes_back_from_a_check_worker(tmp_path: Path) -> None:
-    """The looks run in check workers: their results (a StepResult subclass with what FlashInfer
-    loaded) cross the process boundary. Without FlashInfer nothing is watched: an empty look."""
-    from attndbg.checks.precompile import LookResult, look_one
-    from attndbg.checks.workers import check_in_workers
-
-    paths = _save(tmp_path, [make_trace("decode-mha", "kv_lens=3,2", *SMALL, plan=True), make_trace("extend-prefix", "prefix_lens=0,9", "extend_lens=5,3", *SMALL, plan=True)])
-    results = list(check_in_workers(paths, parse_only("invariants"), CheckOptions(), jobs=2, devices=None, check=look_one))
-    assert [type(r) for r in results] == [LookResult, LookResult]
-    assert [r.report.step for r in results] == [0, 0] and all(r.report.checked for r in results)
-    if not flashinfer_jit.available():
-        assert all(r.look.used == () and r.look.unbuilt == () for r in results)
 
 
 def _module(jit: Path, name: str, command: str) -> flashinfer_jit.Unbuilt:
@@ -120,6 +79,23 @@ def test_modules_are_built_in_one_ninja_with_progress(tmp_path: Path) -> None:
     broken = [_module(jit, "bad", "echo nvcc said no >&2 && false")]
     with pytest.raises(RuntimeError, match=r"ninja failed \(exit 1\) building 1 FlashInfer modules:(.|\n)*nvcc said no"):
         flashinfer_jit.build(broken, jobs=1)
+
+
+@pytest.mark.skipif(shutil.which("ninja") is None, reason="ninja is not installed")
+def test_the_phase_builds_what_is_not_on_disk_once_with_progress(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Declared modules (here stand-ins for FlashInfer's build files) are built in one ninja; a
+    second run finds them on disk and has nothing to do."""
+    jit = tmp_path / "cached_ops"
+    modules = [_module(jit, f"m{i}", "touch $out") for i in range(2)]
+    monkeypatch.setattr(flashinfer_jit, "available", lambda: True)
+    monkeypatch.setattr(phase, "declared", lambda paths, only, options, at: {m.name: m for m in modules})
+    monkeypatch.setattr(flashinfer_jit, "unbuilt", lambda specs: [m for m in specs if not m.library.exists()])
+    said: list[str] = []
+    done = precompile([tmp_path / "step_000.pt"], parse_only(None), CheckOptions(), say=said.append)
+    assert done is not None and (done.modules, done.needed, done.problem) == (2, 2, None)
+    assert said[0].startswith("attndbg: compile phase: 2 FlashInfer modules named by the steps' kernels, 2 not on disk")
+    assert sorted(line.split(": ")[-1] for line in said if "compiled " in line and "/2" in line) == ["m0", "m1"]
+    assert precompile([tmp_path / "step_000.pt"], parse_only(None), CheckOptions(), say=said.append) is None
 
 
 def test_compile_refuses_an_unknown_detector_in_one_line(tmp_path: Path) -> None:

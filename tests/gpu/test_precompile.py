@@ -1,5 +1,5 @@
-"""check's compile phase on the real FlashInfer (GPU only): a module a step needs is noted, never
-half-run, while it is not on disk; once built, the same step loads it and passes.
+"""check's compile phase on the real FlashInfer (GPU only): the modules the adapters declare for a step
+are built up front, and a check of that step then loads only declared modules, none of them unbuilt.
 
 A fresh FlashInfer cache is set up through FLASHINFER_WORKSPACE_BASE in a subprocess, so this run's
 own cache is untouched: the test compiles one decode module (tens of seconds on an H100)."""
@@ -20,28 +20,29 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not module_available("flashinf
 
 _CHILD = r"""
 import json, sys
-from attndbg.backends import flashinfer_jit
+from pathlib import Path
+from attndbg.backends import flashinfer_jit, flashinfer_modules
+from attndbg.checks.precompile import declared
 from attndbg.checks.run import check_one, parse_only
 from attndbg.detector_api.context import CheckOptions
 path = sys.argv[1]
 # fill-value replays the step on the backend (invariants alone reads metadata and launches nothing)
 only = parse_only("fill-value")
 options = CheckOptions(backends=("flashinfer",))
-with flashinfer_jit.watching_modules() as first:
-    cold = check_one(path, only, options).report
-flashinfer_jit.build(flashinfer_jit.build_files(first))
-with flashinfer_jit.watching_modules() as second:
+specs = declared([Path(path)], only, options, flashinfer_modules.target())
+missing = flashinfer_jit.unbuilt(list(specs.values()))
+flashinfer_jit.build(missing)
+with flashinfer_jit.watching_modules() as seen:
     warm = check_one(path, only, options).report
 print(json.dumps({
-    "noted": sorted(first.unbuilt), "cold_backends": list(cold.backends),
-    "unbuilt_after": sorted(second.unbuilt), "used_after": sorted(second.used),
+    "declared": sorted(specs), "built": sorted(m.name for m in missing if m.library.exists()),
+    "unbuilt_after": sorted(seen.unbuilt), "used_after": sorted(seen.used),
     "warm_backends": list(warm.backends), "warm_findings": [f.check for f in warm.findings],
-    "compiled": flashinfer_jit.compiled(first.unbuilt),
 }))
 """
 
 
-def test_a_missing_module_is_noted_then_built_and_used(tmp_path: Path) -> None:
+def test_declared_modules_are_built_and_the_check_loads_nothing_else(tmp_path: Path) -> None:
     from attndbg.trace import io, synth
 
     path = tmp_path / "decode.pt"
@@ -50,16 +51,14 @@ def test_a_missing_module_is_noted_then_built_and_used(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", _CHILD, str(path)], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["noted"], got  # a fresh cache has nothing: the decode module is noted...
-    assert got["cold_backends"] == []  # ...and no FlashInfer kernel ran on the cold pass
-    assert got["compiled"] and got["unbuilt_after"] == []
-    assert set(got["noted"]) <= set(got["used_after"])
+    assert got["declared"] and got["built"] == got["declared"], got  # a fresh cache: every declared module built
+    assert got["unbuilt_after"] == [] and set(got["used_after"]) <= set(got["declared"]), got  # nothing missed
     assert got["warm_backends"] == ["flashinfer"] and got["warm_findings"] == []
 
 
 def test_compile_command_then_check_compiles_nothing(tmp_path: Path) -> None:
-    """`attndbg compile` on a fresh cache, looking in workers, then `check` of the same steps: the
-    check's log has no FlashInfer build, and a second `compile` has nothing to do."""
+    """`attndbg compile` on a fresh cache (modules declared, built at once), then `check` of the same
+    steps: the check's log has no FlashInfer build, and a second `compile` has nothing to do."""
     from attndbg.trace import io, synth
 
     rec = tmp_path / "rec"
@@ -70,7 +69,7 @@ def test_compile_command_then_check_compiles_nothing(tmp_path: Path) -> None:
     run = lambda *args: subprocess.run([sys.executable, "-m", "attndbg", *args], env=env, capture_output=True, text=True, timeout=1200)  # noqa: E731
     first = run("compile", str(rec), "--backend", "flashinfer,fa3")
     assert first.returncode == 0, first.stdout + first.stderr[-3000:]
-    assert "compile phase done" in first.stderr and "modules compiled for" in first.stdout
+    assert "compile phase done" in first.stderr and "FlashInfer modules the steps need compiled" in first.stdout
     check = run("check", str(rec), "--backend", "flashinfer,fa3", "--jobs", "2")
     assert check.returncode == 0, check.stdout + check.stderr[-3000:]
     assert "Building JIT module" not in check.stderr
