@@ -7,7 +7,9 @@
 # by the call's limit is checked again from its start, so keep slices small while caches are cold.
 # With COMPILE=1 the compile phase (attndbg compile) runs first, until it finishes: on the H200 in
 # session 8 it did not pay (two calls, 1,090 s, unfinished; without it the 1,000 eager steps took
-# 521 s once FlashInfer's modules were on disk: bench/results/server_sweep_h200_session8.md).
+# 521 s once FlashInfer's modules were on disk: bench/results/server_sweep_h200_session8.md). That
+# form ran a step per shape to find the modules; it now names them without running anything (one
+# build), not yet measured on a GPU: COMPILE=1 measures it.
 # Each call copies what it has to OUT.
 #
 #     run(command="bash .gpu/env.sh bash bench/server_sweep_gpu.sh $OUT eager,graph", carry=[".gpu"], timeout_s=600)
@@ -42,7 +44,7 @@ if [ "${COMPILE:-0}" = 1 ] && [ ! -f "$res/compile.done" ]; then
   timeout $(( $(left) - 20 )) attndbg compile "$rec" --backend "$BACKENDS" >> "$res/compile.log" 2>&1
   rc=$?
   echo "compile: exit $rc after $(( $(date +%s) - s )) s" | tee -a "$res/compile.log"
-  grep -E "pass|compiling|compile phase|attndbg compile" "$res/compile.log" | tail -8
+  grep -E "compiling|compile phase|attndbg compile" "$res/compile.log" | tail -8
   [ $rc -eq 0 ] && touch "$res/compile.done"
   [ $rc -eq 0 ] || exit 0  # the next call resumes the phase (its modules half-built stay on disk)
 fi
