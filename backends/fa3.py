@@ -37,11 +37,11 @@ from attndbg.backends.base import (
     coerce_option,
 )
 from attndbg.backends import flashinfer_modules as fm
+from attndbg.backends.flashinfer_runtime import FIRST_USE_NOTE, KERNEL_ERRORS, WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error, wait_for_pending_plans
 from attndbg.backends import plan_layout as pl
 from attndbg.backends.tables import build_page_table, padded_requests
 from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, MHA_ALL_MODES, Capabilities, HeadDims
 from attndbg.backends import plan_view as pv
-from attndbg.backends.flashinfer import WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error, wait_for_pending_plans
 from attndbg.trace import tree
 from attndbg.trace.tree import is_chain
 from attndbg.trace.schema import DTYPES, LseBase, Plan, Trace, indptr
@@ -50,9 +50,6 @@ from attndbg.trace.schema import DTYPES, LseBase, Plan, Trace, indptr
 # (flashinfer/utils.py, is_fa3_prefill_head_dim_supported).
 FLASHINFER_FA3_HEAD_DIMS = {(64, 64), (128, 128), (256, 256), (192, 128)}
 INSTALL_HINT = "pip install flash-attn-3 (flash_attn_interface), sgl-kernel, vllm, or flashinfer-python (SM90)"
-# What the kernels raise on bad arguments or a refused launch (FlashInfer's TVM-FFI checks
-# surface as RuntimeError, its argument checks as ValueError/NotImplementedError).
-KERNEL_ERRORS = (RuntimeError, ValueError, NotImplementedError)
 
 
 class Impl(enum.Enum):
@@ -169,8 +166,6 @@ class FA3Backend(Backend):
         return "cuda"
 
     def first_use_note(self) -> str | None:
-        from attndbg.backends.flashinfer import FIRST_USE_NOTE
-
         return FIRST_USE_NOTE if select_impl() is Impl.FLASHINFER else None
 
     def describe(self) -> str:

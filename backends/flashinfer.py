@@ -39,7 +39,6 @@ from attndbg.backends.base import (
     FillRequirement,
     GraphCapacity,
     GraphState,
-    KernelError,
     KernelUnsupported,
     Padding,
     PartialStates,
@@ -47,28 +46,22 @@ from attndbg.backends.base import (
 )
 from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, HALF_DTYPES, MHA_ALL_MODES, Capabilities, HeadDims
 from attndbg.backends import flashinfer_modules as fm
+from attndbg.backends.flashinfer_runtime import FIRST_USE_NOTE, KERNEL_ERRORS, WORKSPACE_BYTES, FlashInferGraphState, library_error, wait_for_pending_plans
 from attndbg.backends import plan_layout as pl
 from attndbg.backends import plan_view as pv
 from attndbg.trace import tree
 from attndbg.trace.schema import DTYPES, ForwardMode, LseBase, Model, Plan, Trace, indptr
 
-# FlashInfer's recommended float workspace (split-KV partial outputs); zeroed before first use.
-WORKSPACE_BYTES = 128 * 1024 * 1024
 INSTALL_HINT = "flashinfer is not installed (pip install 'attndbg[flashinfer]')"
 # FlashInfer's FA2 prefill kernels (bf16, tensor-core decode) need Ampere or newer.
 MIN_CAPABILITY = (8, 0)
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
-# All-ones bytes read as NaN in fp32, fp16 and bf16: what scratch holds before a replay.
-NAN_BYTE = 0xFF
 # Group size above which SGLang's should_use_tensor_core picks tensor-core decode for fp16/bf16 KV.
 SGLANG_TENSOR_CORE_MIN_GROUP = 4
 
 
 # Head dims FlashInfer's split-KV merge (cascade.cuh VariableLengthMergeStates) is compiled for.
 MERGE_HEAD_DIMS = (64, 128, 256, 512)
-
-# Measured on the H200 (FlashInfer 0.7.2): 7-60 s per kernel, then served from ~/.cache/flashinfer.
-FIRST_USE_NOTE = "FlashInfer compiles each kernel on first use (7-60 s each, cached on disk for later runs)"
 
 
 class ExtendPath(enum.Enum):
@@ -164,43 +157,6 @@ def _flashinfer():
     import flashinfer
 
     return flashinfer
-
-
-def _kernel_error(e: BaseException) -> KernelError:
-    first = (str(e).strip().splitlines() or [""])[0]
-    return KernelError(f"{type(e).__name__}: {first[:300]}")
-
-
-# How a failed JIT build reads. FlashInfer compiles each kernel variant on first use; its run_ninja
-# (flashinfer/jit/cpp_ext.py) raises RuntimeError("Ninja build failed. Ninja output:\n<log>") from
-# the CalledProcessError. Versions that built through torch.utils.cpp_extension raised
-# "Error building extension '<name>'".
-JIT_FAILURE_PREFIXES = ("Ninja build failed", "Error building extension")
-REASON_CHARS = 200
-
-
-def compile_failure(e: BaseException) -> str | None:
-    """When `e` is a failed JIT build: its first line, and the compiler's first error line from the
-    build log when there is one (the first line alone says only that ninja failed). Else None."""
-    lines = str(e).strip().splitlines()
-    if not isinstance(e, RuntimeError) or not lines or not lines[0].startswith(JIT_FAILURE_PREFIXES):
-        return None
-    error = next((line.strip() for line in lines[1:] if "error" in line.lower()), None)
-    return lines[0][:REASON_CHARS] + (f"; {error[:REASON_CHARS]}" if error else "")
-
-
-def library_error(e: BaseException, model: Model, library: str = "FlashInfer") -> KernelError:
-    """A library exception as a KernelError; a kernel that does not compile for this model is
-    KernelUnsupported (a configuration the library lacks, like a head_dim it has no template for)."""
-    reason = compile_failure(e)
-    if reason is None:
-        return _kernel_error(e)
-    dims = str(model.head_dim) if model.head_dim == model.v_head_dim else f"{model.head_dim}/{model.v_head_dim}"
-    return KernelUnsupported(f"{library} does not compile head_dim {dims} ({reason})")
-
-
-# Exceptions FlashInfer raises for problems it detects (C++ checks arrive as RuntimeError/ValueError).
-_LIBRARY_ERRORS = (RuntimeError, ValueError, NotImplementedError)
 
 
 class FlashInferBackend(Backend):
@@ -564,7 +520,7 @@ class FlashInferBackend(Backend):
                 out, lse = self._ragged(fi, trace, plan, inputs)
             else:
                 out, lse = self._cascade(fi, trace, plan, inputs)
-        except _LIBRARY_ERRORS as e:
+        except KERNEL_ERRORS as e:
             raise library_error(e, trace.model) from e
         return AttentionResult(output=out, lse=lse * numerics.LN2)
 
@@ -631,31 +587,6 @@ class FlashInferBackend(Backend):
         if reason:
             raise NotImplementedError(reason)
         return _FlashInferGraphState(trace=trace, capacity=capacity, use_tensor_cores=self.use_tensor_cores(trace))
-
-
-class FlashInferGraphState(GraphState):
-    """What every graph state built on a FlashInfer wrapper owns (flashinfer, fa3, mla).
-
-    The float workspace the wrapper schedules split-KV partials in: the graph owns it, so nothing an
-    eager run does between replays can move or reuse it. Static outputs, NaN until a kernel writes
-    them: the output, the kernel's LSE (base 2) and ours (natural log)."""
-
-    def __init__(self, *, max_tokens: int, num_heads: int, v_head_dim: int, q_dtype: torch.dtype):
-        cuda = "cuda"
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=cuda)
-        self.out = torch.full((max_tokens, num_heads, v_head_dim), float("nan"), dtype=q_dtype, device=cuda)
-        self.lse_base2 = torch.full((max_tokens, num_heads), float("nan"), dtype=torch.float32, device=cuda)
-        self.lse = torch.full((max_tokens, num_heads), float("nan"), dtype=torch.float32, device=cuda)
-
-    def result(self, tokens: int) -> AttentionResult:
-        """After the wrapper wrote `out`/`lse_base2[:tokens]`: the result, LSE in natural log."""
-        torch.mul(self.lse_base2[:tokens], numerics.LN2, out=self.lse[:tokens])
-        return AttentionResult(output=self.out[:tokens], lse=self.lse[:tokens])
-
-    def poison_scratch(self) -> None:
-        # The float workspace holds only split-KV partials (tmp_v/tmp_s, partial_o/partial_lse),
-        # written before they are read; the plan lives in each wrapper's int workspace, left alone.
-        self.workspace.fill_(NAN_BYTE)
 
 
 class _FlashInferGraphState(FlashInferGraphState):
@@ -736,7 +667,7 @@ class _FlashInferGraphState(FlashInferGraphState):
         try:
             planner = _plan_decode if self.decode else _plan_paged
             planner(self.wrapper, self.model, plan, q_dtype=q_dtype, kv_dtype=kv_dtype)
-        except _LIBRARY_ERRORS as e:
+        except KERNEL_ERRORS as e:
             raise library_error(e, self.model) from e
 
     def forward(self, inputs: AttentionInputs) -> AttentionResult:
@@ -766,24 +697,6 @@ def _call_specs(m: Model, at: fm.Target, path: PlanPath, tensor_cores: bool, win
     family = fm.prefill_family(at, q_dtype=m.q_dtype, kv_dtype=m.q_dtype, head_dim_qk=m.head_dim, head_dim_vo=m.v_head_dim)
     ragged = fm.prefill(family, q_dtype=m.q_dtype, kv_dtype=m.q_dtype, head_dim_qk=m.head_dim, head_dim_vo=m.v_head_dim, **both)
     return ragged if path is PlanPath.RAGGED else ragged + paged + fm.cascade()
-
-
-def wait_for_pending_plans() -> None:
-    """Call before every FlashInfer wrapper plan() (ours, fa3's and mla's).
-
-    plan() writes its schedule into the wrapper's pinned host buffer, then queues a cudaMemcpyAsync
-    from it to the GPU (scheduler.cuh) that torch's caching host allocator knows nothing of. Until
-    that copy has run, the buffer must not be written again, but the next plan() writes it: the
-    same wrapper re-planned (a graph state's load_plan), or a new wrapper handed the same pinned
-    block once the last one was dropped (each eager run makes its own). fa3 and mla guarded their
-    plans this way already; FlashInfer's own did not. Waiting for the stream lets every earlier
-    copy land; check synchronises after each run anyway, so it costs little.
-
-    Not shown to be the cause of issue 21's cascade rows: bench/flashinfer_cascade_rows.py --churn
-    (the GPU busy while wrappers are made, planned and dropped) passed with and without this wait
-    on the H100, as did every shape of that issue run alone.
-    """
-    torch.cuda.current_stream().synchronize()
 
 
 def _plan_decode(wrapper, m: Model, plan: Plan, *, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:

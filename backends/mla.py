@@ -41,13 +41,15 @@ from attndbg.backends.base import (
     coerce_option,
 )
 from attndbg.backends import flashinfer_modules as fm
+from attndbg.backends.flashinfer_runtime import FIRST_USE_NOTE, KERNEL_ERRORS, WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error, wait_for_pending_plans
 from attndbg.backends import plan_layout as pl
 from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, Capabilities, LatentDims
 from attndbg.backends import plan_view as pv
-from attndbg.backends.fa3 import KERNEL_ERRORS
 from attndbg.backends.tables import build_page_table, padded_requests
-from attndbg.backends.flashinfer import WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error, wait_for_pending_plans
-from attndbg.backends.triton import TritonBackend, triton_plan_layout, triton_plan_view
+# Delegation by composition, the one adapter-to-adapter import allowed (tests/test_import_graph.py):
+# impl=triton is the triton adapter itself, run on the MLA-shaped cache (its plan, plan view and
+# layout, run and graph state), so it is held as `self._triton` and asked, never re-implemented.
+from attndbg.backends.triton import TritonBackend
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, LseBase, Plan, Trace, indptr
 
 # FlashMLA reads the cache in 64-token blocks (SGLang's flashmla_backend PAGE_SIZE).
@@ -119,8 +121,6 @@ class MLABackend(Backend):
         return self._triton.device() if self.impl() is MLAImpl.TRITON else "cuda"
 
     def first_use_note(self) -> str | None:
-        from attndbg.backends.flashinfer import FIRST_USE_NOTE
-
         return {MLAImpl.TRITON: self._triton.first_use_note(), MLAImpl.FLASHINFER: FIRST_USE_NOTE}.get(self.impl())
 
     def describe(self) -> str:
@@ -217,7 +217,7 @@ class MLABackend(Backend):
         except ValueError:
             raise pv.PlanUnreadable(f"plan scalar impl = {plan.scalars.get('impl')!r}, expected one of triton, flashinfer, flashmla", field="scalars.impl") from None
         if impl is MLAImpl.TRITON:
-            return triton_plan_view(trace, plan)
+            return self._triton.plan_view(trace, plan)
         batch = trace.batch
         if impl is MLAImpl.FLASHMLA:
             pv.require(plan, "causal", "q_len")
@@ -255,7 +255,7 @@ class MLABackend(Backend):
         None for an unknown impl."""
         impl = plan.scalars.get("impl")
         if impl == MLAImpl.TRITON.value:
-            return triton_plan_layout(plan)
+            return self._triton.plan_layout(trace, plan)
         if impl == MLAImpl.FLASHINFER.value:
             kv, ids, count, length = pl.KvIds.PAGES_LENGTHS, "kv_indices", "kv_indptr", "kv_len_arr"
         elif impl == MLAImpl.FLASHMLA.value:

@@ -148,6 +148,39 @@ def test_no_import_cycle_between_top_level_packages() -> None:
     assert not problems, "\n".join(problems)
 
 
+# The built-in adapters may share helpers (backends/flashinfer_runtime.py, plan_view.py, ...) but not
+# import each other (issue 23, item 5), except where one adapter runs another by composition.
+ADAPTER_EDGES = {
+    ("mla", "triton"): "mla's impl=triton is the triton adapter, held as MLABackend._triton and delegated to",
+}
+
+
+def _adapter_modules() -> dict[str, str]:
+    """Adapter name -> its dotted module, read from registry.ADAPTERS's literal (nothing imported)."""
+    tree = ast.parse((BACKENDS / "registry.py").read_text())
+    table = next(
+        node.value for node in tree.body if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "ADAPTERS" for t in node.targets)
+    )
+    return {name: path.partition(":")[0] for name, path in ast.literal_eval(table).items()}
+
+
+def test_no_adapter_module_imports_another() -> None:
+    adapters = _adapter_modules()
+    assert {"triton", "flashinfer", "fa3", "mla"} <= adapters.keys()
+    by_module = {module: name for name, module in adapters.items()}
+    found: dict[tuple[str, str], str] = {}
+    for name, module in adapters.items():
+        path = BACKENDS / (module.rpartition(".")[2] + ".py")
+        for target, line in _imported(module, path, ast.parse(path.read_text(), str(path))):
+            other = by_module.get(target) or by_module.get(target.rpartition(".")[0])
+            if other is not None and other != name:
+                found.setdefault((name, other), f"{path.relative_to(ROOT)}:{line}")
+    for edge in ADAPTER_EDGES:
+        assert edge in found, f"{edge[0]} -> {edge[1]} is gone: remove it from ADAPTER_EDGES"
+    problems = [f"adapter {a} imports adapter {b} ({where})" for (a, b), where in sorted(found.items()) if (a, b) not in ADAPTER_EDGES]
+    assert not problems, "\n".join(problems) + "\nshared helpers belong in a module of their own (e.g. backends/flashinfer_runtime.py)"
+
+
 def test_the_rule_sees_lazy_relative_and_string_imports(tmp_path: Path) -> None:
     """A function-local import, a relative one, a 'module:attribute' string and import_module each
     make an edge; a dotted string that is not loaded does not."""

@@ -127,8 +127,9 @@ def stand_ins(backend: Backend, library: Library) -> Iterator[None]:
             stack.enter_context(mock.patch.object(triton_adapter, "_kernels", lambda: (library.decode, library.extend)))
         elif backend.name in ("flashinfer", "fa3", "mla"):
             import attndbg.backends.flashinfer as flashinfer_adapter
+            from attndbg.backends.flashinfer_runtime import WORKSPACE_BYTES
 
-            workspace = torch.zeros(flashinfer_adapter.WORKSPACE_BYTES, dtype=torch.uint8)
+            workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
             setattr(workspace, CUDA_TAG, True)
             module = library.flashinfer
             stack.enter_context(mock.patch.dict(sys.modules, {"flashinfer": module, "flashinfer.mla": module.mla}))

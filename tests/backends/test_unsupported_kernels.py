@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 
 from attndbg.backends.base import KernelError, KernelUnsupported
-from attndbg.backends.flashinfer import compile_failure, library_error
+from attndbg.backends.flashinfer_runtime import compile_failure, library_error
 from attndbg.backends.mla import MLABackend, MLAOptions
 from attndbg.replay.runner import PlanSource, ReplayOptions, RunStatus, replay
 from tests.factories import make_trace
