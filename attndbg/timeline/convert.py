@@ -5,12 +5,18 @@ Only what a timeline places is kept: kernels, the API calls that launch kernels 
 calls are most of the records and place nothing), attndbg's external correlation ids, and attndbg's
 NVTX range edges. `Kinds` carries the enum values the collector reads from `cupti`, so this module
 never imports it.
+
+This runs once per record, on the run's critical path (the callback holds the GIL while the
+command's thread waits for it), so a kernel, launch or external id costs one C-level read of its
+attributes (`operator.attrgetter`, a tuple) and one named-tuple build, nothing per field: cupti-python's
+attributes are Python ints and strs already.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from attndbg.profiling import DOMAIN, PREFIX
@@ -20,6 +26,11 @@ from attndbg.timeline.records import ApiCall, Edge, ExternalId, Kernel, Marker, 
 # END 1 << 2); cupti-python 13.0's ActivityFlag enum has no MARKER_END member.
 MARKER_START = 1 << 1
 MARKER_END = 1 << 2
+
+# cupti-python's attribute names, in the order of our records' fields.
+_KERNEL_FIELDS = attrgetter("name", "correlation_id", "device_id", "stream_id", "start", "end", "graph_id", "graph_node_id")
+_API_FIELDS = attrgetter("cbid", "correlation_id", "start", "end", "thread_id")
+_EXTERNAL_FIELDS = attrgetter("external_kind", "correlation_id", "external_id")
 
 
 @dataclass(frozen=True)
@@ -44,26 +55,28 @@ class Converter:
 
     def convert(self, activities: list[Any], out: ProcessRecords) -> None:
         k = self.kinds
+        kernel, runtime, driver, external_correlation, marker, ours = k.kernel, k.runtime, k.driver, k.external_correlation, k.marker, k.external_kind
+        kernels, calls, external_ids = out.kernels.append, out.api_calls.append, out.external_ids.append
+        names = self._launch_names
+        new = tuple.__new__
         for a in activities:
-            kind = int(a.kind)
-            if kind == k.kernel:
-                out.kernels.append(
-                    Kernel(
-                        name=str(a.name), correlation_id=int(a.correlation_id), device=int(a.device_id), stream=int(a.stream_id),
-                        start=int(a.start), end=int(a.end), graph_id=int(a.graph_id), graph_node_id=int(a.graph_node_id),
-                    )
-                )
-            elif kind in (k.runtime, k.driver):
-                name = self._launch_name(kind, int(a.cbid))
+            kind = a.kind
+            if kind == kernel:
+                kernels(new(Kernel, _KERNEL_FIELDS(a)))
+            elif kind == runtime or kind == driver:
+                cbid, correlation_id, start, end, thread_id = _API_FIELDS(a)
+                key = (kind, cbid)
+                name = names[key] if key in names else self._launch_name(*key)
                 if name is not None:
-                    out.api_calls.append(ApiCall(correlation_id=int(a.correlation_id), name=name, start=int(a.start), end=int(a.end), thread_id=int(a.thread_id)))
-            elif kind == k.external_correlation:
-                if int(a.external_kind) == k.external_kind:
-                    out.external_ids.append(ExternalId(correlation_id=int(a.correlation_id), external_id=int(a.external_id)))
-            elif kind == k.marker:
-                marker = self._marker(a)
-                if marker is not None:
-                    out.markers.append(marker)
+                    calls(new(ApiCall, (correlation_id, name, start, end, thread_id)))
+            elif kind == external_correlation:
+                external_kind, correlation_id, external_id = _EXTERNAL_FIELDS(a)
+                if external_kind == ours:
+                    external_ids(new(ExternalId, (correlation_id, external_id)))
+            elif kind == marker:
+                found = self._marker(a)
+                if found is not None:
+                    out.markers.append(found)
 
     def _launch_name(self, kind: int, cbid: int) -> str | None:
         key = (kind, cbid)

@@ -4,10 +4,12 @@ and the enum values are stand-in numbers: the conversion reads both as given."""
 
 from __future__ import annotations
 
+import enum
+import json
 from types import SimpleNamespace as Record
 
 from attndbg.timeline.convert import MARKER_END, MARKER_START, Converter, Kinds
-from attndbg.timeline.records import ApiCall, Edge, ExternalId, Kernel, Marker, ProcessRecords
+from attndbg.timeline.records import ApiCall, Edge, ExternalId, Kernel, Marker, ProcessRecords, to_json
 
 KINDS = Kinds(kernel=10, runtime=5, driver=6, external_correlation=20, marker=30, external_kind=7, thread_object=2)
 NAMES = {(True, 211): "cudaLaunchKernel_v7000", (True, 311): "cudaGraphLaunch_v10000", (True, 41): "cudaMemcpyAsync_v3020", (False, 307): "cuLaunchKernelEx"}
@@ -59,3 +61,20 @@ def test_only_launches_and_our_ranges_are_kept() -> None:
     assert asked == [(True, 41), (True, 311)]  # a call's name is asked once
     assert out.external_ids == []
     assert out.markers == [Marker(3, Edge.START, 2, 0, "", "")]
+
+
+def test_kinds_as_cupti_enums_and_records_as_tuples() -> None:
+    # cupti-python hands its enum members (IntEnum) as `kind`; the records are named tuples, written
+    # to JSON as the lists they are.
+    class Kind(enum.IntEnum):
+        RUNTIME = 5
+        KERNEL = 10
+
+    out, asked = _convert(
+        Record(kind=Kind.KERNEL, name="k", correlation_id=3, device_id=0, stream_id=7, start=100, end=180, graph_id=0, graph_node_id=0),
+        Record(kind=Kind.RUNTIME, cbid=211, correlation_id=3, start=90, end=95, thread_id=77),
+        Record(kind=Kind.RUNTIME, cbid=211, correlation_id=4, start=96, end=97, thread_id=77),
+    )
+    assert out.kernels == [Kernel("k", 3, 0, 7, 100, 180)] and [c.correlation_id for c in out.api_calls] == [3, 4]
+    assert asked == [(True, 211)]
+    assert json.loads(json.dumps(to_json(out)))["kernels"] == [["k", 3, 0, 7, 100, 180, 0, 0]]
