@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from attndbg.timeline import names as kernel_names
-from attndbg.timeline import ranges as range_names
 from attndbg.timeline.matching import Matched
+from attndbg.timeline.records import Range
 from attndbg.timeline.summary import Summary
 
 # GPU rows sit above every Linux thread id (pid_max is at most 2**22), so they never share a row
@@ -39,95 +39,127 @@ def _origin(processes: Sequence[Matched]) -> int:
     return min(stamps, default=0)
 
 
+# The events there is one of per kernel (the kernel, its launch call, the flow arrow's two ends:
+# ~4 x 85,000 in a 200-step check), written from these templates instead of a dict each and
+# json.dumps of the whole list: 45 us a kernel down to ~8 on the 2-core CPU
+# (bench/timeline_processing.py). The same JSON as the dicts the other events are: `events()`
+# reads every event back from its text, and tests/timeline/test_chrome.py compares both forms.
+# Times: "%.3f" of (ns - origin) / 1e3 reads back as round(..., 3) does: ns are integers.
+_KERNEL = '{"ph":"X","cat":"%s","name":%s,"pid":%d,"tid":%d,"ts":%.3f,"dur":%.3f,"args":{"correlation_id":%d,"device":%d,"stream":%d,%s%s%s%s}}'
+_GRAPH_ARGS = ',"graph_id":%d,"graph_node_id":%d'
+_LAUNCH = '{"ph":"X","cat":"cuda_api","name":%s,"pid":%d,"tid":%d,"ts":%.3f,"dur":%.3f,"args":{"correlation_id":%d,"range_id":%d}}'
+_FLOW_START = '{"ph":"s","cat":"launch","name":"launch","id":%d,"pid":%d,"tid":%d,"ts":%.3f}'
+_FLOW_END = '{"ph":"f","bp":"e","cat":"launch","name":"launch","id":%d,"pid":%d,"tid":%d,"ts":%.3f}'
+_OUTSIDE = '"range":null,"range_id":null'
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def events(processes: Sequence[Matched]) -> list[dict[str, Any]]:
+    return [json.loads(text) for text in event_texts(processes)]
+
+
+def event_texts(processes: Sequence[Matched]) -> list[str]:
+    """Each trace event as its JSON text, in file order."""
     origin = _origin(processes)
-    out: list[dict[str, Any]] = []
+    out: list[str] = []
     flow = 0
     for matched in processes:
-        records = matched.records
-        pid = records.pid
-        out.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"{records.label} (pid {pid})"}})
-        host_threads = sorted({r.thread_id for r in records.ranges})
-        for tid in host_threads:
-            out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": "host: attndbg ranges, launches"}})
-        for range_ in records.ranges:
-            named = range_names.names(range_, matched.ranges)
-            # range_id / parent_id: unique in their process (pid); messages are not (a graph replay's
-            # `replay batch=real` reads the same under every backend).
-            args = {
-                "message": range_.message, "range_id": range_.id, "parent_id": range_.parent,
-                "phase": named.phase, "step": named.step, "backend": named.backend, "variant": named.variant,
-            }
-            if named.trace:
-                args["trace"] = named.trace
-            if named.probe:
-                args["probe"] = named.probe
-            if named.detector:
-                args["detector"] = named.detector
-            if named.batch:
-                args["batch"] = named.batch
-            launched = matched.in_range(range_.id)
-            args["kernels"] = len(launched)
-            args["kernel_time_us"] = round(sum(k.kernel.duration for k in launched) / 1e3, 3)
-            captured = matched.unexecuted.get(range_.id, [])
-            if captured:
-                args["captured_launches"] = len(captured)
-            # The step range is named for its file: it is what tells the steps of a folder apart.
-            name = f"{named.label()} · {named.trace}" if named.phase == "step" and named.trace else named.label()
-            out.append({
-                "ph": "X", "cat": "attndbg", "name": name, "pid": pid, "tid": range_.thread_id,
-                "ts": _us(range_.start, origin), "dur": _us(range_.end, range_.start), "args": args,
-            })
-        rows: dict[tuple[int, int], int] = {}
-        # Launches sit on the host row of the range they were made in (CUPTI's thread numbering is
-        # not Python's, so the range's row is the one to use), a kernel on its stream's row.
-        launch_rows: dict[int, int] = {}
-        for launched in matched.launched:
-            kernel = launched.kernel
-            row = rows.setdefault((kernel.device, kernel.stream), GPU_ROW_BASE + len(rows))
-            args = {
-                "correlation_id": kernel.correlation_id, "device": kernel.device, "stream": kernel.stream,
-                "range": launched.range.message if launched.range is not None else None,
-                "range_id": launched.range.id if launched.range is not None else None,
-            }
-            if kernel.graph_id:
-                args["graph_id"] = kernel.graph_id
-                args["graph_node_id"] = kernel.graph_node_id
-            if launched.launch is not None:
-                args["launch"] = launched.launch.name
-            demangled = kernel_names.demangle(kernel.name)
-            if demangled != kernel.name:
-                args["mangled"] = kernel.name
-            out.append({
-                "ph": "X", "cat": "kernel,graph" if kernel.graph_id else "kernel", "name": kernel_names.short(kernel.name, width=120),
-                "pid": pid, "tid": row, "ts": _us(kernel.start, origin), "dur": _us(kernel.end, kernel.start), "args": args,
-            })
-            call = launched.launch
-            if call is None or launched.range is None:
-                continue
-            if call.correlation_id not in launch_rows:
-                launch_rows[call.correlation_id] = launched.range.thread_id
-                out.append({
-                    "ph": "X", "cat": "cuda_api", "name": call.name, "pid": pid, "tid": launched.range.thread_id,
-                    "ts": _us(call.start, origin), "dur": _us(call.end, call.start),
-                    "args": {"correlation_id": call.correlation_id, "range_id": launched.range.id},
-                })
-                flow += 1
-                out.append({"ph": "s", "cat": "launch", "name": "launch", "id": flow, "pid": pid, "tid": launched.range.thread_id, "ts": _us(call.start, origin)})
-                out.append({"ph": "f", "bp": "e", "cat": "launch", "name": "launch", "id": flow, "pid": pid, "tid": row, "ts": _us(kernel.start, origin)})
-        for range_id, calls in matched.unexecuted.items():
-            range_ = matched.ranges.get(range_id) if range_id is not None else None
-            if range_ is None:
-                continue
-            for call in calls:  # recorded into a graph under capture: its replays run the kernel
-                out.append({
-                    "ph": "X", "cat": "cuda_api,captured", "name": call.name, "pid": pid, "tid": range_.thread_id,
-                    "ts": _us(call.start, origin), "dur": _us(call.end, call.start), "args": {"correlation_id": call.correlation_id, "range_id": range_.id, "captured": True},
-                })
-        for (device, stream), row in rows.items():
-            out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": row, "args": {"name": f"GPU {device} stream {stream}"}})
-            out.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": row, "args": {"sort_index": row}})
+        flow = _process(matched, origin, flow, out)
     return out
+
+
+def _process(matched: Matched, origin: int, flow: int, out: list[str]) -> int:
+    """One process's events appended to `out`; returns the last flow arrow's id."""
+    records = matched.records
+    pid = records.pid
+    out.append(_encode({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"{records.label} (pid {pid})"}}))
+    host_threads = sorted({r.thread_id for r in records.ranges})
+    for tid in host_threads:
+        out.append(_encode({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": "host: attndbg ranges, launches"}}))
+    for range_ in records.ranges:
+        out.append(_encode(_range_event(matched, range_, pid, origin)))
+    rows: dict[tuple[int, int], int] = {}
+    # Launches sit on the host row of the range they were made in (CUPTI's thread numbering is
+    # not Python's, so the range's row is the one to use), a kernel on its stream's row.
+    launched_calls: set[int] = set()
+    range_args: dict[int, str] = {}  # range id -> '"range":"attndbg/run ...","range_id":7'
+    event_names: dict[str, tuple[str, str]] = {}  # kernel name -> (its event's name quoted, ',"mangled":...' or "")
+    call_names: dict[str, str] = {}  # call name -> '"cudaLaunchKernel_v7000"'
+    append = out.append
+    for launched in matched.launched:
+        kernel, range_, call = launched.kernel, launched.range, launched.launch
+        name, graph_id, device, stream, start, end = kernel.name, kernel.graph_id, kernel.device, kernel.stream, kernel.start, kernel.end
+        row = rows.get((device, stream))
+        if row is None:
+            row = rows[(device, stream)] = GPU_ROW_BASE + len(rows)
+        if range_ is None:
+            in_range = _OUTSIDE
+        else:
+            in_range = range_args.get(range_.id) or range_args.setdefault(range_.id, f'"range":{_encode(range_.message)},"range_id":{range_.id}')
+        named = event_names.get(name)
+        if named is None:
+            demangled = kernel_names.demangle(name)
+            named = event_names[name] = (_encode(kernel_names.short(name, width=120)), f',"mangled":{_encode(name)}' if demangled != name else "")
+        if call is None:
+            launch = ""
+        else:
+            quoted = call_names.get(call.name) or call_names.setdefault(call.name, _encode(call.name))
+            launch = ',"launch":' + quoted
+        append(_KERNEL % (
+            "kernel,graph" if graph_id else "kernel", named[0], pid, row, (start - origin) / 1e3, (end - start) / 1e3,
+            kernel.correlation_id, device, stream, in_range, _GRAPH_ARGS % (graph_id, kernel.graph_node_id) if graph_id else "", launch, named[1],
+        ))
+        if call is None or range_ is None or call.correlation_id in launched_calls:
+            continue
+        launched_calls.add(call.correlation_id)
+        tid, call_ts = range_.thread_id, (call.start - origin) / 1e3
+        flow += 1
+        append(_LAUNCH % (quoted, pid, tid, call_ts, (call.end - call.start) / 1e3, call.correlation_id, range_.id))
+        append(_FLOW_START % (flow, pid, tid, call_ts))
+        append(_FLOW_END % (flow, pid, row, (start - origin) / 1e3))
+    for range_id, calls in matched.unexecuted.items():
+        captured_in = matched.ranges.get(range_id) if range_id is not None else None
+        if captured_in is None:
+            continue
+        for c in calls:  # recorded into a graph under capture: its replays run the kernel
+            out.append(_encode({
+                "ph": "X", "cat": "cuda_api,captured", "name": c.name, "pid": pid, "tid": captured_in.thread_id,
+                "ts": _us(c.start, origin), "dur": _us(c.end, c.start), "args": {"correlation_id": c.correlation_id, "range_id": captured_in.id, "captured": True},
+            }))
+    for (device, stream), row in rows.items():
+        out.append(_encode({"ph": "M", "name": "thread_name", "pid": pid, "tid": row, "args": {"name": f"GPU {device} stream {stream}"}}))
+        out.append(_encode({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": row, "args": {"sort_index": row}}))
+    return flow
+
+
+def _range_event(matched: Matched, range_: Range, pid: int, origin: int) -> dict[str, Any]:
+    named = matched.names(range_)
+    # range_id / parent_id: unique in their process (pid); messages are not (a graph replay's
+    # `replay batch=real` reads the same under every backend).
+    args = {
+        "message": range_.message, "range_id": range_.id, "parent_id": range_.parent,
+        "phase": named.phase, "step": named.step, "backend": named.backend, "variant": named.variant,
+    }
+    if named.trace:
+        args["trace"] = named.trace
+    if named.probe:
+        args["probe"] = named.probe
+    if named.detector:
+        args["detector"] = named.detector
+    if named.batch:
+        args["batch"] = named.batch
+    launched = matched.in_range(range_.id)
+    args["kernels"] = len(launched)
+    args["kernel_time_us"] = round(sum(k.kernel.duration for k in launched) / 1e3, 3)
+    captured = matched.unexecuted.get(range_.id, [])
+    if captured:
+        args["captured_launches"] = len(captured)
+    # The step range is named for its file: it is what tells the steps of a folder apart.
+    name = f"{named.label()} · {named.trace}" if named.phase == "step" and named.trace else named.label()
+    return {
+        "ph": "X", "cat": "attndbg", "name": name, "pid": pid, "tid": range_.thread_id,
+        "ts": _us(range_.start, origin), "dur": _us(range_.end, range_.start), "args": args,
+    }
 
 
 def document(processes: Sequence[Matched], summary: Summary, *, command: str) -> dict[str, Any]:
@@ -138,13 +170,19 @@ def document(processes: Sequence[Matched], summary: Summary, *, command: str) ->
     }
 
 
-def write(path: str | Path, doc: dict[str, Any]) -> None:
-    """Written whole, then renamed into place: a reader never sees half a file."""
+def text(processes: Sequence[Matched], summary: Summary, *, command: str) -> str:
+    """`document(...)` as the file's JSON text, without building a dict per event."""
+    other = _encode({"schema": SCHEMA, "command": command, "attndbg": summary.as_json()})
+    return '{"traceEvents":[' + ",".join(event_texts(processes)) + '],"displayTimeUnit":"ms","otherData":' + other + "}"
+
+
+def write(path: str | Path, doc: dict[str, Any] | str) -> None:
+    """A document (or its `text`), written whole, then renamed into place: a reader never sees half a file."""
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     # dumps, then one write: json.dump encodes chunk by chunk through Python (measured 2-3x slower
     # on an 80 MB timeline, bench/timeline_processing.py).
-    text = json.dumps(doc, separators=(",", ":"))
+    body = doc if isinstance(doc, str) else _encode(doc)
     with open(tmp, "w") as f:
-        f.write(text)
+        f.write(body)
     os.replace(tmp, target)

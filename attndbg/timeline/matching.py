@@ -17,8 +17,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
+from attndbg.timeline import ranges as range_names
 from attndbg.timeline.records import ApiCall, Edge, Kernel, Marker, ProcessRecords, Range
 
 T = TypeVar("T")
@@ -35,8 +36,9 @@ class Span:
     end: int
 
 
-@dataclass(frozen=True)
-class Launched:
+class Launched(NamedTuple):
+    """One kernel with where it was launched. A named tuple: there is one per kernel (records.py)."""
+
     kernel: Kernel
     launch: ApiCall | None  # the API call with the kernel's correlation id (None: its record is missing)
     range: Range | None  # the attndbg range it was launched in (external correlation); None: outside every range
@@ -80,6 +82,14 @@ class Matched:
     unexecuted: dict[int | None, list[ApiCall]] = field(default_factory=dict)
 
     _by_range: dict[int, list[Launched]] | None = field(default=None, repr=False)
+    _names: dict[int, range_names.Names] = field(default_factory=dict, repr=False)
+
+    def names(self, range_: Range) -> range_names.Names:
+        """What `range_` names (ranges.names), read once: the summary and the trace events both ask."""
+        found = self._names.get(range_.id)
+        if found is None:
+            found = self._names[range_.id] = range_names.names(range_, self.ranges)
+        return found
 
     def in_range(self, range_id: int) -> list[Launched]:
         # Indexed once: asked for every range, a scan of every kernel was ranges x kernels (22 s of
@@ -130,9 +140,10 @@ def _enclosing(items: Sequence[tuple[Hashable, int, int]], intervals: Sequence[t
             stack.remove(index)
         else:
             key, _, end = items[index]
-            inner = next((i for i in reversed(stack) if intervals[i][1] >= end), None)
-            if inner is not None:
-                found[key] = intervals[inner][2]
+            for i in reversed(stack):  # the innermost first; usually the top encloses
+                if intervals[i][1] >= end:
+                    found[key] = intervals[i][2]
+                    break
     return found
 
 
@@ -168,25 +179,24 @@ def match(records: ProcessRecords) -> Matched:
     # are taken just outside NVTX's push and pop (profiling.phase).
     pushed_for = _enclosing([(s.id, s.start, s.end) for s in nvtx_spans], [(r.start, r.end, r) for r in records.ranges])
 
-    def range_of(correlation_id: int) -> Range | None:
-        rid = external.get(correlation_id)
-        return ranges.get(rid) if rid is not None else None
-
+    # correlation id -> the range its call was made in (the external id names no range: None)
+    range_of = {correlation_id: ranges.get(range_id) for correlation_id, range_id in external.items()}
     launched = []
     for k in records.kernels:
-        span = nvtx.get(k.correlation_id)
-        launched.append(Launched(k, calls.get(k.correlation_id), range_of(k.correlation_id), span, pushed_for.get(span.id) if span is not None else None))
+        correlation_id = k.correlation_id
+        span = nvtx.get(correlation_id)
+        launched.append(Launched(k, calls.get(correlation_id), range_of.get(correlation_id), span, pushed_for.get(span.id) if span is not None else None))
     by_call: dict[int, list[Kernel]] = defaultdict(list)
     for k in records.kernels:
         by_call[k.correlation_id].append(k)
     graph_launches = [
-        GraphLaunch(call, range_of(call.correlation_id), tuple(sorted(by_call.get(call.correlation_id, []), key=lambda k: k.start)))
+        GraphLaunch(call, range_of.get(call.correlation_id), tuple(sorted(by_call.get(call.correlation_id, []), key=lambda k: k.start)))
         for call in sorted(calls.values(), key=lambda c: c.start)
         if call.launches_graph
     ]
     unexecuted: dict[int | None, list[ApiCall]] = defaultdict(list)
     for call in sorted(calls.values(), key=lambda c: c.start):
         if call.launches_kernel and call.correlation_id not in by_call:
-            r = range_of(call.correlation_id)
+            r = range_of.get(call.correlation_id)
             unexecuted[r.id if r is not None else None].append(call)
     return Matched(records=records, ranges=ranges, launched=launched, graph_launches=graph_launches, unexecuted=dict(unexecuted))

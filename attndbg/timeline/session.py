@@ -44,7 +44,7 @@ class Recording:
         shutil.rmtree(self.directory, ignore_errors=True)
         processes = [match(records) for records in [own, *workers] if records is own or not records.empty() or records.notes]
         result = summary.summarize(processes)
-        chrome.write(self.path, chrome.document(processes, result, command=self.command))
+        chrome.write(self.path, chrome.text(processes, result, command=self.command))
         for line in summary.render(result, self.path):
             sys.stderr.write(line + "\n")
         sys.stderr.flush()

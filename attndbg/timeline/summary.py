@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from attndbg.timeline import ranges as range_names
 from attndbg.timeline.matching import Matched
 
 
@@ -63,22 +62,39 @@ def summarize(processes: Sequence[Matched]) -> Summary:
         summary.notes.extend(n for n in matched.records.notes if n not in summary.notes)
         line_of: dict[int, Line] = {}  # range id -> its line: a range's names are read once, not once per kernel
         for range_ in matched.records.ranges:
-            names = range_names.names(range_, matched.ranges)
+            names = matched.names(range_)
             key = (names.label(), names.detector)
             line = lines.setdefault(key, Line(label=key[0], detector=key[1]))
             line.ranges += 1
             line_of[range_.id] = line
+        # Per kernel: summed into locals, each line's once (a dataclass field's += per kernel cost
+        # more than the rest of the loop: bench/timeline_processing.py).
+        gpu_ns, disagreements, outside = 0, 0, 0
+        per_range: dict[int, list[int]] = {}  # range id -> [kernels, GPU ns]
         for launched in matched.launched:
-            summary.kernels += 1
-            summary.gpu_ns += launched.kernel.duration
+            kernel, range_ = launched.kernel, launched.range
+            duration = kernel.end - kernel.start
+            if duration < 0:
+                duration = 0
+            gpu_ns += duration
             if not launched.agrees:
-                summary.disagreements += 1
-            if launched.range is None:
-                summary.outside += 1
+                disagreements += 1
+            if range_ is None:
+                outside += 1
                 continue
-            line = line_of[launched.range.id]
-            line.kernels += 1
-            line.gpu_ns += launched.kernel.duration
+            counts = per_range.get(range_.id)
+            if counts is None:
+                per_range[range_.id] = [1, duration]
+            else:
+                counts[0] += 1
+                counts[1] += duration
+        summary.kernels += len(matched.launched)
+        summary.gpu_ns += gpu_ns
+        summary.disagreements += disagreements
+        summary.outside += outside
+        for range_id, (kernels, ns) in per_range.items():
+            line_of[range_id].kernels += kernels
+            line_of[range_id].gpu_ns += ns
         for range_id, calls in matched.unexecuted.items():
             if range_id is not None and range_id in line_of:
                 line_of[range_id].captured += len(calls)

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from attndbg.timeline import chrome, summary
-from attndbg.timeline.matching import match
+from attndbg.timeline import chrome, names, summary
+from attndbg.timeline.matching import Matched, match
+from attndbg.timeline.records import from_json
 from tests.timeline.factory import replay_step
+
+DATA = Path(__file__).parent / "data"
 
 
 def _doc(*processes):
@@ -82,3 +85,43 @@ def test_summary_says_what_could_not_be_placed() -> None:
     text = summary.render(summary.summarize([match(records)]), "t.json")
     assert "  1 kernels were launched outside every attndbg range" in text
     assert any(line.startswith("  no NVTX range reached CUPTI") for line in text)
+
+
+def _kernel_events_as_dicts(processes: list[Matched]) -> list[dict]:
+    """What each kernel's event is, written out field by field (chrome.py formats them from templates)."""
+    origin = min([r.start for m in processes for r in m.records.ranges] + [k.start for m in processes for k in m.records.kernels] + [c.start for m in processes for c in m.records.api_calls])
+    out = []
+    for m in processes:
+        for launched in m.launched:
+            k, r = launched.kernel, launched.range
+            args = {"correlation_id": k.correlation_id, "device": k.device, "stream": k.stream, "range": r.message if r else None, "range_id": r.id if r else None}
+            if k.graph_id:
+                args |= {"graph_id": k.graph_id, "graph_node_id": k.graph_node_id}
+            if launched.launch is not None:
+                args["launch"] = launched.launch.name
+            if names.demangle(k.name) != k.name:
+                args["mangled"] = k.name
+            out.append({"ph": "X", "cat": "kernel,graph" if k.graph_id else "kernel", "name": names.short(k.name, width=120), "pid": m.records.pid,
+                        "ts": round((k.start - origin) / 1e3, 3), "dur": round((k.end - k.start) / 1e3, 3), "args": args})
+    return out
+
+
+def test_the_text_reads_back_as_each_event_written_out(tmp_path: Path) -> None:
+    records = [from_json(json.loads(line)) for file in sorted(DATA.glob("*.jsonl")) for line in file.read_text().splitlines()]
+    odd = replay_step(pid=5)
+    odd.kernels[0] = odd.kernels[0]._replace(name='k<"a\\b">\t…')  # escaped, not pasted
+    odd.external_ids = odd.external_ids[1:]  # a kernel outside every range: "range": null
+    matched = [match(p) for p in [*records, odd]]
+    result = summary.summarize(matched)
+    chrome.write(tmp_path / "t.json", chrome.text(matched, result, command="check"))
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert doc == chrome.document(matched, result, command="check")
+    kernels = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"].startswith("kernel")]
+    assert [{key: e[key] for key in e if key != "tid"} for e in kernels] == _kernel_events_as_dicts(matched)
+    assert any(e["name"] == 'k<"a\\b">\t…' for e in kernels) and any(e["args"]["range"] is None for e in kernels)
+    launches = {(e["pid"], e["args"]["correlation_id"]): e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "cuda_api"}
+    for m in matched:
+        for launched in m.launched:
+            if launched.launch is not None and launched.range is not None:
+                e = launches[(m.records.pid, launched.launch.correlation_id)]
+                assert e["name"] == launched.launch.name and e["tid"] == launched.range.thread_id and e["args"]["range_id"] == launched.range.id

@@ -118,3 +118,9 @@ def test_nvtx_ranges_without_names_are_told_by_time() -> None:
     start, end = records.markers[0], records.markers[1]
     records.markers[0:2] = [replace(start, timestamp=first.end + 1), replace(end, timestamp=records.ranges[0].end + 10)]
     assert [k.kernel.name for k in match(records).disagreements()] == ["k1"]
+
+
+def test_a_range_is_named_once_for_summary_and_trace() -> None:
+    matched = match(replay_step())
+    for r in matched.records.ranges:
+        assert matched.names(r) == ranges.names(r, matched.ranges) and matched.names(r) is matched.names(r)
