@@ -77,4 +77,5 @@ def test_kinds_as_cupti_enums_and_records_as_tuples() -> None:
     )
     assert out.kernels == [Kernel("k", 3, 0, 7, 100, 180)] and [c.correlation_id for c in out.api_calls] == [3, 4]
     assert asked == [(True, 211)]
-    assert json.loads(json.dumps(to_json(out)))["kernels"] == [["k", 3, 0, 7, 100, 180, 0, 0]]
+    written = json.loads(json.dumps(to_json(out)))
+    assert written["kernels"] == [[0, 3, 0, 7, 100, 180, 0, 0]] and written["kernel_names"] == ["k"]

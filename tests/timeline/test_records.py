@@ -51,3 +51,21 @@ def test_only_the_launches_external_ids_are_kept() -> None:
     second = keep.keep([ExternalId(2, 10), ExternalId(5, 11)], [4])
     assert second == [ExternalId(4, 11), ExternalId(2, 10)]
     assert keep.keep([], [3, 5]) == [ExternalId(5, 11)]  # 3 waited once and was dropped; 5 waits one batch
+
+
+def test_kernel_names_are_written_once() -> None:
+    records = replay_step()
+    data = json.loads(json.dumps(to_json(records)))
+    assert sorted(data["kernel_names"]) == sorted({k.name for k in records.kernels}) and all(isinstance(row[0], int) for row in data["kernels"])
+    data["kernels"][0][0] = len(data["kernel_names"])
+    with pytest.raises(ValueError, match=f"names entry {len(data['kernel_names'])} of {len(data['kernel_names'])} kernel_names"):
+        from_json(data)
+
+
+def test_rows_that_carry_their_kernel_names_are_read() -> None:
+    # The form before kernel_names (tests/timeline/data's files, a worker of an older attndbg).
+    records = replay_step()
+    data = json.loads(json.dumps(to_json(records)))
+    table = data.pop("kernel_names")
+    data["kernels"] = [[table[row[0]], *row[1:]] for row in data["kernels"]]
+    assert from_json(data) == records
