@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import Tensor
 
+from attndbg.backends import plan_declaration
 from attndbg.backends.capabilities import Capabilities
+from attndbg.backends.plan_declaration import PlanDeclaration
 from attndbg.backends.plan_layout import PlanLayout
 from attndbg.backends.plan_view import PlanView
 from attndbg.trace.schema import Plan, Trace
@@ -212,24 +214,28 @@ class Backend(abc.ABC):
     def run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
         """Run the real kernels with `plan`; output in q's dtype, LSE natural log."""
 
-    def plan_view(self, trace: Trace, plan: Plan) -> PlanView | None:
-        """What `plan` (in this backend's layout, possibly recorded by an engine) makes the kernels
-        read: every index tensor with its bound, in checking order. Raises PlanUnreadable when the
-        plan lacks a field its layout declares or holds one that cannot be read (the plan is not
-        read, not launched, not a finding), PlanViewError when a field holds a value no kernel could
-        take.
+    def plan_declaration(self, trace: Trace, plan: Plan) -> PlanDeclaration | None:
+        """`plan` (in this backend's layout, possibly recorded by an engine) declared once, as data
+        (backends/plan_declaration.py): which tensors are offsets, ids, lengths, tables and masks,
+        what each indexes, the scalars the launch reads, the kernel's quirks. Read leniently: from
+        the plan's scalars and which tensors it holds, never their values, so it exists for any plan.
 
-        None: this backend declares no plan view, so a recorded plan for it cannot be guarded and
-        is never launched."""
+        None: this backend declares no plan, so a recorded plan for it cannot be guarded (never
+        launched) and the plan detectors cannot read it."""
         return None
+
+    def plan_view(self, trace: Trace, plan: Plan) -> PlanView | None:
+        """The declaration read strictly, for the replay guard: every index tensor the kernels read
+        with its bound, in checking order. Raises PlanUnreadable when the plan lacks a declared field
+        or holds one that cannot be read (the plan is not read, not launched, not a finding),
+        PlanViewError when a field holds a value no kernel could take. None: no declaration."""
+        return plan_declaration.view(self.plan_declaration(trace, plan), trace, plan)
 
     def plan_layout(self, trace: Trace, plan: Plan) -> PlanLayout | None:
-        """How the detectors read `plan` (in this backend's layout): each request's KV ids and
-        length, the columns they cover, the encoding of a verify step's visibility. Lenient where
-        plan_view is strict: a plan missing a field still has a layout.
-
-        None: this backend declares no layout, so the plan detectors cannot read its plans."""
-        return None
+        """The declaration read leniently, for the detectors: each request's KV ids and length, the
+        columns they cover, the encoding of a verify step's visibility; a plan missing a field
+        still has one. None: no declaration (or one whose form is unknown)."""
+        return plan_declaration.layout(self.plan_declaration(trace, plan))
 
     def jit_specs(self, trace: Trace, at: Target) -> list[Any]:
         """The FlashInfer JIT specs (`flashinfer.jit.JitSpec`) running `trace`'s step with this

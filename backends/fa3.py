@@ -38,6 +38,7 @@ from attndbg.backends.base import (
 )
 from attndbg.backends import flashinfer_modules as fm
 from attndbg.backends.flashinfer_runtime import FIRST_USE_NOTE, KERNEL_ERRORS, WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error, wait_for_pending_plans
+from attndbg.backends import plan_declaration as pd
 from attndbg.backends import plan_layout as pl
 from attndbg.backends.tables import build_page_table, padded_requests
 from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, MHA_ALL_MODES, Capabilities, HeadDims
@@ -296,42 +297,28 @@ class FA3Backend(Backend):
         )
         return Plan(backend=self.name, tensors=tensors, scalars=scalars)
 
-    def plan_view(self, trace: Trace, plan: Plan) -> pv.PlanView:
-        """SGLang's FlashAttentionBackend metadata as `FA3Call`s read it: per call a page table whose
-        row b is read up to ceil(cache_seqlens[b] / page) pages, cu_seqlens_q over query rows; the
-        two-call tree verify adds the expand_ call (page size 1: its table holds slot ids; one row
-        per draft token), and its torch merge reads every query row of both calls, so each call's
-        cu_seqlens_q must end at the step's token count. cu_seqlens_k is recorded but not read by
-        a paged call, so it is not bounded here."""
-        pv.require(plan, "window_left", "verify_path")
-        two_call = plan.scalars["verify_path"] == "two-call"
-        calls = ("", "expand_") if two_call else ("",)
-        tokens = trace.batch.num_tokens
-        requests, kv = 0, None
-        bounds: list[pv.Bound] = []
-        layout = [_call_layout("", 1)]
+    def plan_declaration(self, trace: Trace, plan: Plan) -> pd.PlanDeclaration:
+        """SGLang's FlashAttentionBackend metadata as `FA3Call`s read it: per call a page table
+        whose row b is read up to ceil(cache_seqlens[b] / page) pages, cu_seqlens_q over query rows
+        (cu_seqlens_k is recorded but not read by a paged call, so it is not bounded). The two-call
+        tree verify's first call lists the prefix only; its expand_ call (page size 1: its table
+        holds slot ids; one row per draft token) lists, per draft token, the draft slots it sees,
+        and its torch merge reads every query row of both calls."""
+        two_call = plan.scalars.get("verify_path") == VerifyPath.TWO_CALL.value
+        rows = [_call_layout("", 1)]
         if two_call and trace.spec is not None:
-            layout.append(_call_layout("expand_", trace.spec.draft_token_num))
-        for prefix in calls:
-            pv.require(plan, *(f"{prefix}{name}" for name in ("max_seqlen_q", "max_seqlen_k", "causal")))
-            ps = pv.page_size(plan, f"{prefix}page_size")
-            rows, call_bounds, call_kv = pv.page_table_bounds(
-                plan,
-                table=f"{prefix}page_table",
-                lens=f"{prefix}cache_seqlens",
-                cu_seqlens_q=f"{prefix}cu_seqlens_q",
-                tokens=tokens,
-                kv_cache_size=trace.batch.kv_cache_size,
-                page_size=ps,
-            )
-            bounds += call_bounds
-            cu = pv.index(plan, f"{prefix}cu_seqlens_q")
-            if two_call and cu.numel():
-                # Short of the step's rows, the merge's masks no longer match the outputs' shape.
-                bounds.append(pv.Equals(f"{prefix}cu_seqlens_q[-1]", int(cu[-1]), tokens, "the two-call merge reads every query row of the step from both calls"))
-            if not prefix:
-                requests, kv = rows, call_kv
-        return pv.PlanView(requests, tuple(bounds), kv, layout=tuple(layout))
+            rows.append(_call_layout("expand_", trace.spec.draft_token_num))
+        return pd.PlanDeclaration(
+            call=_call(""),
+            scalars=("window_left", "verify_path"),
+            second_call=_call("expand_") if two_call else None,
+            merged_rows="the two-call merge reads every query row of the step from both calls" if two_call else None,
+            ends=(pl.KvEnd.PREFIX,) if two_call and trace.is_tree_verify else (pl.KvEnd.KV,),
+            mask=pl.MaskReading.EXPAND_CALL if two_call else pl.MaskReading.CAUSAL,
+            window="window_left",
+            expand=pl.ExpandTables("expand_page_table", "expand_cache_seqlens", "expand_cu_seqlens_k"),
+            rows=tuple(rows),
+        )
 
     @classmethod
     def merge_path(cls, trace: Trace) -> str | None:
@@ -339,23 +326,6 @@ class FA3Backend(Backend):
         if trace.source.backend == SGLANG_NAME and trace.is_tree_verify and trace.spec.topk > 1:
             return "FA3 two-call verify (prefix and draft partials merged with merge_state_v2)"
         return None
-
-    def plan_layout(self, trace: Trace, plan: Plan) -> pl.PlanLayout:
-        """A page table row per request read up to cache_seqlens; the two-call tree verify's first
-        call lists the prefix only and its expand_ call, per draft token, the draft slots it sees."""
-        two_call = plan.scalars.get("verify_path") == VerifyPath.TWO_CALL.value
-        return pl.PlanLayout(
-            kv=pl.KvIds.TABLE,
-            ids="page_table",
-            count="cache_seqlens",
-            length="cache_seqlens",
-            length_field="cache_seqlens",
-            page_size=None,
-            ends=(pl.KvEnd.PREFIX,) if two_call and trace.is_tree_verify else (pl.KvEnd.KV,),
-            mask=pl.MaskReading.EXPAND_CALL if two_call else pl.MaskReading.CAUSAL,
-            window="window_left",
-            expand=pl.ExpandTables("expand_page_table", "expand_cache_seqlens", "expand_cu_seqlens_k"),
-        )
 
     # -- JIT modules ----------------------------------------------------------------------------
 
@@ -526,6 +496,19 @@ class _FlashInferFA3Graph(FlashInferGraphState):
 
 
 # -- translation helpers ----------------------------------------------------------------------
+
+
+def _call(prefix: str) -> pd.Call:
+    """One FA3Call's KV as its kernel reads it: a page table row per request up to cache_seqlens."""
+    return pd.Call(
+        pl.KvIds.TABLE,
+        ids=f"{prefix}page_table",
+        count=f"{prefix}cache_seqlens",
+        length=f"{prefix}cache_seqlens",
+        page_size=f"{prefix}page_size",
+        queries=f"{prefix}cu_seqlens_q",
+        scalars=tuple(f"{prefix}{name}" for name in ("max_seqlen_q", "max_seqlen_k", "causal")),
+    )
 
 
 def _call_layout(prefix: str, per_request: int) -> pv.RequestRows:

@@ -47,6 +47,7 @@ from attndbg.backends.base import (
 from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, HALF_DTYPES, MHA_ALL_MODES, Capabilities, HeadDims
 from attndbg.backends import flashinfer_modules as fm
 from attndbg.backends.flashinfer_runtime import FIRST_USE_NOTE, KERNEL_ERRORS, WORKSPACE_BYTES, FlashInferGraphState, library_error, wait_for_pending_plans
+from attndbg.backends import plan_declaration as pd
 from attndbg.backends import plan_layout as pl
 from attndbg.backends import plan_view as pv
 from attndbg.trace import tree
@@ -377,62 +378,40 @@ class FlashInferBackend(Backend):
         # Only the cascade's prefix pass is non-causal (every new token sees the whole prefix).
         return Plan(backend=self.name, tensors=tensors, scalars=self._scalars(trace, path, causal=path is not PlanPath.CASCADE))
 
-    def plan_view(self, trace: Trace, plan: Plan) -> pv.PlanView:
+    def plan_declaration(self, trace: Trace, plan: Plan) -> pd.PlanDeclaration:
         """SGLang's FlashInferAttnBackend plan as the wrappers read it, by `path`.
 
-        Paged KV (decode, paged, the cascade's prefix pass): kv_indptr over kv_indices (page ids),
-        kv_last_page_len in [0, page] (FlashInfer reads (pages - 1) * page + last tokens), the plan's
-        page size that of the cache (the cache is handed over as pages of the model's size).
-        Queries: qo_indptr over query rows (ragged: over this step's K/V rows too). A custom mask:
-        per request a [q_len, kv_len] block, one after the other."""
+        Paged KV (decode, paged, the cascade's prefix pass): page ids over kv_indptr, a request's
+        tokens (pages - 1) * page + kv_last_page_len (each in [0, page]), the plan's page size that
+        of the cache (the cache is handed over as pages of the model's size). Queries: qo_indptr
+        over query rows (ragged: over this step's K/V rows too, and all its kernel reads). A custom
+        mask: per request a [q_len, kv_len] block over exactly the KV listed, one after the other.
+        An extend lists by `path`: paged the whole row, ragged and cascade the prefix (the new
+        tokens go through the ragged wrapper), an unknown path either; a verify step the whole row."""
+        scalar = plan.scalars.get("path")
         try:
-            path = PlanPath(plan.scalars.get("path"))
+            path: PlanPath | None = PlanPath(scalar)
         except ValueError:
-            raise pv.PlanUnreadable(f"plan scalar path = {plan.scalars.get('path')!r}, expected one of {', '.join(p.value for p in PlanPath)}", field="scalars.path") from None
-        pv.require(plan, "window_left", "logits_soft_cap", *({PlanPath.DECODE: ("use_tensor_cores",), PlanPath.PAGED: ("causal",), PlanPath.CASCADE: ("causal",)}.get(path, ())))
-        tokens = trace.batch.num_tokens
-        if path is PlanPath.RAGGED:
-            qo_indptr = pv.index(plan, "qo_indptr")
-            return pv.PlanView(pv.requests_of(qo_indptr, "qo_indptr"), (pv.query_offsets("qo_indptr", qo_indptr, tokens),))
-        ps = pv.page_size(plan)
-        kv_indptr = pv.index(plan, "kv_indptr")
-        kv_indices = pv.index(plan, "kv_indices")
-        last = pv.index(plan, "kv_last_page_len")
-        requests = pv.requests_of(kv_indptr, "kv_indptr")
-        bounds: list[pv.Bound] = [
-            pv.Equals("kv_last_page_len.numel()", last.numel(), requests, "one entry per request of kv_indptr"),
-            pv.offsets_into("kv_indptr", kv_indptr, "kv_indices", kv_indices.numel()),
-            pv.Entries("kv_indices", kv_indices, pv.used_prefix(kv_indices, kv_indptr), 0, trace.batch.kv_cache_size // ps, f"pages of the KV cache ({trace.batch.kv_cache_size} slots / page {ps})"),
-            pv.Entries("kv_last_page_len", last, None, 0, ps + 1, f"tokens of a last page (page_size {ps})"),
-        ]
-        pages = pv.counts(kv_indptr)
-        lens = torch.where(pages > 0, (pages - 1) * ps + last[:requests].clamp(0, ps) if last.numel() >= requests else pages * ps, 0)
-        qo_indptr = None if path is PlanPath.DECODE else pv.index(plan, "qo_indptr")
-        if qo_indptr is not None:
-            bounds += [
-                pv.Equals("qo_indptr.numel()", qo_indptr.numel(), requests + 1, "one offset per request of kv_indptr, plus one"),
-                pv.query_offsets("qo_indptr", qo_indptr, tokens),
-            ]
-            if "custom_mask" in plan.tensors:
-                # FlashInfer's plan() ignores any recorded mask_indptr: it computes the blocks'
-                # offsets as cumsum(q_len * kv_len) (prefill.py, _compute_page_mask_indptr) and
-                # packs the mask segment by segment, so the blocks must fit in custom_mask.
-                sizes = pv.counts(qo_indptr)[:requests] * lens[: max(qo_indptr.numel() - 1, 0)]
-                starts = torch.nn.functional.pad(sizes.cumsum(0), (1, 0))[:-1]
-                bounds.append(pv.Extents(None, starts, sizes, plan.tensors["custom_mask"].numel(), "q_len x kv_len mask block", "custom_mask"))
-            elif PACKED_MASK.tensor in plan.tensors:
-                # The mask as plan() left it (recorded from the wrapper): the kernel finds block b's
-                # bytes at packed_mask_indptr[b], ceil(q_len x kv_len / 8) of them.
-                packed = plan.tensors[PACKED_MASK.tensor].numel()
-                offsets = pv.index(plan, PACKED_MASK.indptr)
-                bounds += [
-                    pv.Equals(f"{PACKED_MASK.indptr}.numel()", offsets.numel(), requests + 1, "one byte offset per request of kv_indptr, plus one"),
-                    pv.offsets_into(PACKED_MASK.indptr, offsets, PACKED_MASK.tensor, packed),
-                ]
-                if offsets.numel() == requests + 1 and qo_indptr.numel() == requests + 1:
-                    sizes = pv.counts(qo_indptr) * lens
-                    bounds.append(pv.Extents(PACKED_MASK.indptr, offsets[:-1], pl.PackedMask.byte_sizes(sizes), packed, "packed q_len x kv_len mask block (bytes)", PACKED_MASK.tensor))
-        return pv.PlanView(pv.covered(offsets=(kv_indptr, qo_indptr), rows=(last,)), tuple(bounds), pv.csr_kv(kv_indices, kv_indptr, lens, ps), layout=PLAN_ROWS)
+            path = None
+        ends = (pl.KvEnd.KV,)
+        if not trace.is_tree_verify:
+            ends = {PlanPath.PAGED: (pl.KvEnd.KV,), PlanPath.RAGGED: (pl.KvEnd.PREFIX,), PlanPath.CASCADE: (pl.KvEnd.PREFIX,)}.get(path, (pl.KvEnd.KV, pl.KvEnd.PREFIX))
+        return pd.PlanDeclaration(
+            call=pd.Call(
+                pl.KvIds.PAGES_LAST_PAGE_LEN, ids="kv_indices", count="kv_indptr", length="kv_last_page_len", page_size="page_size", queries=None if path is PlanPath.DECODE else "qo_indptr"
+            ),
+            unknown=pd.UnknownSetting("path", scalar, tuple(p.value for p in PlanPath)) if path is None else None,
+            scalars=("window_left", "logits_soft_cap", *{PlanPath.DECODE: ("use_tensor_cores",), PlanPath.PAGED: ("causal",), PlanPath.CASCADE: ("causal",)}.get(path, ())),
+            queries_only=path is PlanPath.RAGGED,
+            ends=ends,
+            # FlashInfer's plan() ignores any recorded mask_indptr: it computes the blocks' offsets
+            # as cumsum(q_len * kv_len) (prefill.py, _compute_page_mask_indptr).
+            mask=pl.MaskReading.COVERED_BLOCKS if "custom_mask" in plan.tensors or PACKED_MASK.tensor in plan.tensors else pl.MaskReading.CAUSAL,
+            mask_offsets=None,
+            packed_mask=PACKED_MASK,
+            window="window_left",
+            rows=None if path is PlanPath.RAGGED else PLAN_ROWS,
+        )
 
     @classmethod
     def merge_path(cls, trace: Trace) -> str | None:
@@ -445,28 +424,6 @@ class FlashInferBackend(Backend):
         if batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and cached and not batch.selective:
             return "FlashInfer cascade (ragged new tokens + paged prefix merged with merge_state)"
         return None
-
-    def plan_layout(self, trace: Trace, plan: Plan) -> pl.PlanLayout:
-        """Page ids over kv_indptr, a request's tokens (pages - 1) * page + kv_last_page_len. An
-        extend lists by `path`: paged the whole row, ragged and cascade the prefix (the new tokens
-        go through the ragged wrapper), an unknown path either; a verify step the whole row, with
-        a mask block per request over exactly the KV it lists (plan() sizes blocks q_len x kv_len)."""
-        ends = (pl.KvEnd.KV,)
-        if not trace.is_tree_verify:
-            path = str(plan.scalars.get("path"))
-            ends = {PlanPath.PAGED.value: (pl.KvEnd.KV,), PlanPath.RAGGED.value: (pl.KvEnd.PREFIX,), PlanPath.CASCADE.value: (pl.KvEnd.PREFIX,)}.get(path, (pl.KvEnd.KV, pl.KvEnd.PREFIX))
-        return pl.PlanLayout(
-            kv=pl.KvIds.PAGES_LAST_PAGE_LEN,
-            ids="kv_indices",
-            count="kv_indptr",
-            length="kv_last_page_len",
-            length_field="kv_indptr/kv_last_page_len",
-            page_size=None,
-            ends=ends,
-            mask=pl.MaskReading.COVERED_BLOCKS if "custom_mask" in plan.tensors or PACKED_MASK.tensor in plan.tensors else pl.MaskReading.CAUSAL,
-            window="window_left",
-            packed_mask=PACKED_MASK,
-        )
 
     # -- JIT modules --------------------------------------------------------------------------
 

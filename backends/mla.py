@@ -42,9 +42,9 @@ from attndbg.backends.base import (
 )
 from attndbg.backends import flashinfer_modules as fm
 from attndbg.backends.flashinfer_runtime import FIRST_USE_NOTE, KERNEL_ERRORS, WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error, wait_for_pending_plans
+from attndbg.backends import plan_declaration as pd
 from attndbg.backends import plan_layout as pl
 from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, Capabilities, LatentDims
-from attndbg.backends import plan_view as pv
 from attndbg.backends.tables import build_page_table, padded_requests
 # Delegation by composition, the one adapter-to-adapter import allowed (tests/test_import_graph.py):
 # impl=triton is the triton adapter itself, run on the MLA-shaped cache (its plan, plan view and
@@ -208,62 +208,31 @@ class MLABackend(Backend):
             scalars={"impl": impl.value, "page_size": page_size, "causal": causal},
         )
 
-    def plan_view(self, trace: Trace, plan: Plan) -> pv.PlanView:
-        """By the plan's own `impl`: triton is the triton backend's layout (slot ids); flashinfer is
-        FlashInfer MLA's CSR (kv_indices are page ids, kv_len_arr[b] tokens of request b's pages,
-        qo_indptr over query rows); flashmla a block_table of 64-token blocks with cache_seqlens."""
-        try:
-            impl = MLAImpl(plan.scalars.get("impl"))
-        except ValueError:
-            raise pv.PlanUnreadable(f"plan scalar impl = {plan.scalars.get('impl')!r}, expected one of triton, flashinfer, flashmla", field="scalars.impl") from None
-        if impl is MLAImpl.TRITON:
-            return self._triton.plan_view(trace, plan)
-        batch = trace.batch
-        if impl is MLAImpl.FLASHMLA:
-            pv.require(plan, "causal", "q_len")
-            # flash_mla_with_kvcache reads the cache as 64-token blocks whatever the plan says.
-            ps = pv.page_size(plan)
-            rows, bounds, kv = pv.page_table_bounds(
-                plan, table="block_table", lens="cache_seqlens", cu_seqlens_q=None, tokens=batch.num_tokens, kv_cache_size=batch.kv_cache_size, page_size=FLASHMLA_PAGE_SIZE
-            )
-            head = [pv.Equals("scalars.page_size", ps, FLASHMLA_PAGE_SIZE, "FlashMLA reads the cache in 64-token blocks")]
-            return pv.PlanView(rows, tuple(head + bounds), kv)
-        pv.require(plan, "causal")
-        ps = pv.page_size(plan)
-        qo_indptr = pv.index(plan, "qo_indptr")
-        kv_indptr = pv.index(plan, "kv_indptr")
-        kv_indices = pv.index(plan, "kv_indices")
-        kv_len_arr = pv.index(plan, "kv_len_arr")
-        requests = pv.requests_of(kv_indptr, "kv_indptr")
-        pages = pv.counts(kv_indptr)
-        holds = (pages[: kv_len_arr.numel()] * ps + 1) if kv_len_arr.numel() <= requests else kv_len_arr.new_ones(kv_len_arr.shape)
-        bounds: list[pv.Bound] = [
-            pv.Equals("qo_indptr.numel()", qo_indptr.numel(), requests + 1, "one offset per request of kv_indptr, plus one"),
-            pv.Equals("kv_len_arr.numel()", kv_len_arr.numel(), requests, "one length per request of kv_indptr"),
-            pv.query_offsets("qo_indptr", qo_indptr, batch.num_tokens),
-            pv.offsets_into("kv_indptr", kv_indptr, "kv_indices", kv_indices.numel()),
-            pv.Entries("kv_indices", kv_indices, pv.used_prefix(kv_indices, kv_indptr), 0, batch.kv_cache_size // ps, f"pages of the KV cache ({batch.kv_cache_size} slots / page {ps})"),
-            pv.Entries("kv_len_arr", kv_len_arr, None, 0, holds, f"tokens the request's kv_indptr pages hold (page_size {ps})"),
-        ]
-        lens = kv_len_arr[:requests].clamp(min=0) if kv_len_arr.numel() >= requests else pages * ps
-        return pv.PlanView(pv.covered(offsets=(kv_indptr, qo_indptr), rows=(kv_len_arr,)), tuple(bounds), pv.csr_kv(kv_indices, kv_indptr, lens, ps))
-
-    def plan_layout(self, trace: Trace, plan: Plan) -> pl.PlanLayout | None:
-        """By the plan's own `impl`: triton's layout; FlashInfer MLA's page ids over kv_indptr with
-        kv_len_arr tokens each; FlashMLA's block_table rows read up to cache_seqlens. Both of the
-        latter read whole rows and run verify steps causal, with no mask (SGLang: topk 1 only).
-        None for an unknown impl."""
+    def plan_declaration(self, trace: Trace, plan: Plan) -> pd.PlanDeclaration:
+        """By the plan's own `impl`: triton is the triton backend's declaration (slot ids);
+        flashinfer is FlashInfer MLA's CSR (kv_indices are page ids, kv_len_arr[b] tokens of request
+        b's pages, qo_indptr over query rows); flashmla a block_table of 64-token blocks read up to
+        cache_seqlens. Both of the latter read whole rows and run verify steps causal, with no mask
+        (SGLang: topk 1 only). An unknown impl declares no layout and cannot be read."""
         impl = plan.scalars.get("impl")
         if impl == MLAImpl.TRITON.value:
-            return self._triton.plan_layout(trace, plan)
+            return self._triton.plan_declaration(trace, plan)
         if impl == MLAImpl.FLASHINFER.value:
-            kv, ids, count, length = pl.KvIds.PAGES_LENGTHS, "kv_indices", "kv_indptr", "kv_len_arr"
+            call, scalars = pd.Call(pl.KvIds.PAGES_LENGTHS, ids="kv_indices", count="kv_indptr", length="kv_len_arr", page_size="page_size", queries="qo_indptr"), ("causal",)
         elif impl == MLAImpl.FLASHMLA.value:
-            kv, ids, count, length = pl.KvIds.TABLE, "block_table", "cache_seqlens", "cache_seqlens"
+            # flash_mla_with_kvcache reads the cache as 64-token blocks whatever the plan says.
+            cache_page = (FLASHMLA_PAGE_SIZE, "FlashMLA reads the cache in 64-token blocks")
+            call = pd.Call(pl.KvIds.TABLE, ids="block_table", count="cache_seqlens", length="cache_seqlens", page_size="page_size", cache_page=cache_page)
+            scalars = ("causal", "q_len")
         else:
-            return None
-        return pl.PlanLayout(
-            kv=kv, ids=ids, count=count, length=length, length_field=length, page_size=None, ends=(pl.KvEnd.KV,), mask=pl.MaskReading.CAUSAL, window="window_left"
+            call, scalars = None, ()
+        return pd.PlanDeclaration(
+            call=call,
+            scalars=scalars,
+            unknown=pd.UnknownSetting("impl", impl, ("triton", "flashinfer", "flashmla")) if call is None else None,
+            ends=(pl.KvEnd.KV,),
+            mask=pl.MaskReading.CAUSAL,
+            window="window_left",
         )
 
     # -- JIT modules ----------------------------------------------------------------------------

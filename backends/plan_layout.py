@@ -1,13 +1,14 @@
-"""How the detectors read a plan, as data each backend declares: which tensors hold a request's KV
-ids and its length, which columns of its KV row they cover, and how a verify step's visibility is
-encoded (a mask, a second call's tables, or none).
+"""How the detectors read a plan, as data: which tensors hold a request's KV ids and its length,
+which columns of its KV row they cover, and how a verify step's visibility is encoded (a mask, a
+second call's tables, or none).
 
-`plan_view.py` bounds what a kernel reads, for the replay guard, and is strict: a plan lacking a
-field cannot be viewed. This is the same layout read leniently, for the invariants and tree-mask
+A backend declares its plan once (`Backend.plan_declaration`, backends/plan_declaration.py); the
+strict reading of that declaration is the replay guard's `plan_view.PlanView` (a plan lacking a
+field cannot be viewed), the lenient one this `PlanLayout`, for the invariants and tree-mask
 detectors and the injections that plant mistakes in it: a plan missing a field still has a
-layout, and the detectors say what is missing or wrong in it. A backend's `plan_layout` returns
-one per plan, since a plan's own scalars choose among its layouts (FlashInfer's `path`, FA3's
-`verify_path`, MLA's `impl`). The detectors switch on these enums, never on a backend's name.
+layout, and the detectors say what is missing or wrong in it. There is one per plan, since a
+plan's own scalars choose among its forms (FlashInfer's `path`, FA3's `verify_path`, MLA's
+`impl`). The detectors switch on these enums, never on a backend's name.
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
 """What a plan will make a kernel read, as data: every index tensor with the bound it must respect.
 
-Each backend turns its own plan layout (kv_indices, page tables, block tables, MLA page indices,
-qo/kv/mask indptrs) into a `PlanView`. The plan guard (attndbg/replay/plan_guard.py) checks a
+Each backend declares its plan once (`Backend.plan_declaration`, backends/plan_declaration.py:
+kv_indices, page tables, block tables, MLA page indices, qo/kv/mask indptrs), from which shared
+code derives a `PlanView` with the bounds and helpers here. The plan guard (attndbg/replay/plan_guard.py) checks a
 recorded plan's view before launching it, and knows no backend: a wrong engine plan is evidence,
 but a kernel handed indices past an allocation reads arbitrary device memory or faults.
 
 Views are built from untrusted plans: building one never indexes with the plan's own values
 (offsets are clamped before slicing), so a hostile plan gives a view whose bounds name its first
 bad element, never an exception. A plan that cannot be viewed raises `PlanViewError`, naming the
-field: `PlanUnreadable` where a field the layout declares is missing or cannot be read as its
+field: `PlanUnreadable` where a field the declaration names is missing or cannot be read as its
 kernel takes it (wrong rank or type, an unknown setting), which makes the plan incomplete, not
 unsafe: it is not read and not launched, and no claim about memory is made; the base class where
 a field holds a value no kernel could be handed safely (a page size past any page).

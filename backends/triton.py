@@ -27,8 +27,8 @@ from attndbg.backends.base import (
     PartialStates,
 )
 from attndbg.backends.capabilities import ALL_MODES, ENGINE_GRAPH_MODES, Capabilities
+from attndbg.backends import plan_declaration as pd
 from attndbg.backends import plan_layout as pl
-from attndbg.backends import plan_view as pv
 from attndbg.trace import tree
 from attndbg.trace.mask_geometry import MaskGeometry
 from attndbg.trace.schema import DTYPES, Q_DTYPES, AttentionKind, ForwardMode, MaskLayout, Plan, Trace, indptr
@@ -244,11 +244,8 @@ class TritonBackend(Backend):
         tensors["kv_indices"] = torch.cat(rows).to(torch.int64)
         return Plan(backend=self.name, tensors=tensors, scalars=scalars)
 
-    def plan_view(self, trace: Trace, plan: Plan) -> pv.PlanView:
-        return triton_plan_view(trace, plan)
-
-    def plan_layout(self, trace: Trace, plan: Plan) -> pl.PlanLayout:
-        return triton_plan_layout(plan)
+    def plan_declaration(self, trace: Trace, plan: Plan) -> pd.PlanDeclaration:
+        return triton_plan_declaration(plan)
 
     # -- run ----------------------------------------------------------------------------------
 
@@ -297,72 +294,31 @@ class TritonBackend(Backend):
         return _TritonGraphState(trace, capacity, self.options)
 
 
-def triton_plan_layout(plan: Plan) -> pl.PlanLayout:
-    """SGLang's Triton ForwardMetadata: slot ids, so a request's length is its count of ids; extend
-    and verify list the prefix only (extend.py takes this step's K/V rows separately); a verify
-    mask is the FULL [n, prefix + n] block per request, read from the first listed column by
-    `window_kv_offsets` and, unless `skip_prefix_custom_mask` is false, only over the draft
-    columns. Sliding-window layers read SGLang's window list instead of kv_indices."""
-    return pl.PlanLayout(
-        kv=pl.KvIds.SLOTS,
-        ids="kv_indices",
-        count="kv_indptr",
-        length=None,
-        length_field="kv_indptr",
-        page_size=1,
+def triton_plan_declaration(plan: Plan) -> pd.PlanDeclaration:
+    """SGLang's Triton ForwardMetadata as `_launch` hands it to the kernels.
+
+    Slot ids over kv_indptr, both kernels, so a request's length is its count of ids. Decode (a
+    plan with num_kv_splits): one query row per request, and split counts in [1, max_kv_splits]
+    (stage 1 writes one partial per split into scratch sized by max_kv_splits). Extend and verify:
+    qo_indptr over query rows (and this step's K/V rows, which extend.py takes separately: the ids
+    list the prefix only); a verify mask is the FULL [q_len, kv_len + q_len] block per request at
+    mask_indptr[b] (extend.py reads all of it, the prefix columns unless skipped too), read by the
+    detectors from the first listed column by `window_kv_offsets` and, unless
+    `skip_prefix_custom_mask` is false, only over the draft columns. Sliding-window layers read
+    SGLang's window list instead of kv_indices.
+    """
+    decode = "num_kv_splits" in plan.tensors
+    return pd.PlanDeclaration(
+        call=pd.Call(pl.KvIds.SLOTS, ids="kv_indices", count="kv_indptr", length=None, page_size=1, queries=None if decode else "qo_indptr"),
+        scalars=() if decode else ("is_causal", "max_extend_len", "skip_prefix_custom_mask", "sliding_window"),
+        splits=pd.SplitCounts("num_kv_splits", "max_kv_splits") if decode else None,
         ends=(pl.KvEnd.PREFIX,),
         mask=pl.MaskReading.FULL_BLOCKS if "custom_mask" in plan.tensors else pl.MaskReading.CAUSAL,
+        mask_offsets="mask_indptr",
         window="sliding_window",
         window_list=pl.WindowList("window_kv_indptr", "window_kv_indices", "window_kv_offsets"),
         skip_prefix="skip_prefix_custom_mask",
     )
-
-
-def triton_plan_view(trace: Trace, plan: Plan) -> pv.PlanView:
-    """SGLang's Triton ForwardMetadata as `_launch` hands it to the kernels.
-
-    kv_indptr/kv_indices over slot ids, both kernels. Decode (a plan with num_kv_splits): one query
-    row per request, and split counts in [1, max_kv_splits] (stage 1 writes one partial per split
-    into scratch sized by max_kv_splits). Extend: qo_indptr over query rows (and this step's K/V
-    rows); a custom mask holds, per request, a row-major [q_len, kv_len + q_len] block at
-    mask_indptr[b] (extend.py reads all of it, the prefix columns unless skipped too).
-    """
-    kv_indptr = pv.index(plan, "kv_indptr")
-    kv_indices = pv.index(plan, "kv_indices")
-    requests = pv.requests_of(kv_indptr, "kv_indptr")
-    covered = [requests]
-    bounds: list[pv.Bound] = [
-        pv.offsets_into("kv_indptr", kv_indptr, "kv_indices", kv_indices.numel()),
-        pv.Entries("kv_indices", kv_indices, pv.used_prefix(kv_indices, kv_indptr), 0, trace.batch.kv_cache_size, "slots of the KV cache"),
-    ]
-    kv_lens = pv.counts(kv_indptr)
-    if "num_kv_splits" in plan.tensors:
-        splits = pv.index(plan, "num_kv_splits")
-        top = pv.scalar(plan, "max_kv_splits")
-        covered.append(splits.numel())
-        bounds += [
-            pv.Equals("num_kv_splits.numel()", splits.numel(), requests, "one split count per request of kv_indptr"),
-            pv.Entries("num_kv_splits", splits, None, 1, top + 1, f"split counts the stage-1 scratch holds (max_kv_splits {top})"),
-        ]
-    else:
-        pv.require(plan, "is_causal", "max_extend_len", "skip_prefix_custom_mask", "sliding_window")
-        qo_indptr = pv.index(plan, "qo_indptr")
-        covered.append(qo_indptr.numel() - 1)
-        bounds += [
-            pv.Equals("qo_indptr.numel()", qo_indptr.numel(), requests + 1, "one offset per request of kv_indptr, plus one"),
-            pv.query_offsets("qo_indptr", qo_indptr, trace.batch.num_tokens),
-        ]
-        if "custom_mask" in plan.tensors:
-            mask_len = plan.tensors["custom_mask"].numel()
-            mask_indptr = pv.index(plan, "mask_indptr")  # the kernel reads a mask only with its offsets
-            q_lens = pv.counts(qo_indptr)[:requests]
-            covered.append(mask_indptr.numel() - 1)
-            bounds += [
-                pv.Equals("mask_indptr.numel()", mask_indptr.numel(), requests + 1, "one offset per request of kv_indptr, plus one"),
-                pv.offsets_into("mask_indptr", mask_indptr, "custom_mask", mask_len),
-                pv.Extents("mask_indptr", mask_indptr[:requests], q_lens * (kv_lens[: q_lens.numel()] + q_lens), mask_len, "q_len x (kv_len + q_len) mask block", "custom_mask"),
-            ]
-    return pv.PlanView(max(covered), tuple(bounds), pv.csr_kv(kv_indices, kv_indptr, kv_lens, 1))
 
 
 def _split_scratch(model, tokens: int, max_kv_splits: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:

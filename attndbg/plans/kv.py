@@ -1,5 +1,6 @@
 """The per-request KV view of a recorded plan: the slot or page ids each request's kernel reads,
-read by the layout its backend declares (`Backend.plan_layout`, backends/plan_layout.py), and the
+read by the layout of its backend's plan declaration (`Backend.plan_layout`, derived in
+backends/plan_declaration.py), and the
 columns of the request's KV row they cover (`kv_coverage`, used by invariants and tree-mask).
 A plan whose KV structure is broken is reported as the invariants detector's finding.
 """

@@ -4,10 +4,10 @@ or one of its own tensors?
 A wrong engine plan is what users bring us to find, but handing a kernel indices past an
 allocation turns a finding into an illegal memory access that kills the process (and on a GPU the
 CUDA context), or a read of arbitrary device memory. The guard knows no backend: each backend's
-plan view (attndbg/backends/plan_view.py) lists what its kernels read and the bound of each; the
-guard checks them in order and names the first bad element. A plan it cannot view is refused too:
-never launched unchecked. A plan it cannot read (a field its layout declares missing or unreadable,
-`PlanUnreadable`) is refused as *not read*: incomplete, which says nothing about memory, so no
+plan view (attndbg/backends/plan_view.py, derived from its plan declaration) lists what its kernels
+read and the bound of each; the guard checks them in order and names the first bad element. A plan
+it cannot view is refused too: never launched unchecked. A plan it cannot read (a field its
+declaration names missing or unreadable, `PlanUnreadable`) is refused as *not read*: incomplete, which says nothing about memory, so no
 detector reports it as a finding and the check's verdict names it. The invariants and tree-mask
 detectors explain what is wrong.
 """

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from attndbg.backends import plan_declaration as pd
 from attndbg.backends import plan_layout as pl
 from attndbg.backends import plan_view as pv
 from attndbg.backends.base import AttentionInputs, AttentionResult, Backend, FillRequirement, Padding
@@ -73,25 +74,16 @@ class ToyBackend(Backend):
             scalars={},
         )
 
-    def plan_view(self, trace: Trace, plan: Plan) -> pv.PlanView:
-        """Row b's first ceil(seq_lens[b] / page_size) blocks are read, each a block of the KV cache."""
-        batch = trace.batch
-        requests, bounds, kv = pv.page_table_bounds(
-            plan, table="block_table", lens="seq_lens", cu_seqlens_q=None, tokens=batch.num_tokens, kv_cache_size=batch.kv_cache_size, page_size=trace.model.page_size
-        )
-        return pv.PlanView(requests, tuple(bounds), kv, layout=(pv.RequestRows(1, ("block_table", "seq_lens")),))
-
-    def plan_layout(self, trace: Trace, plan: Plan) -> pl.PlanLayout:
-        return pl.PlanLayout(
-            kv=pl.KvIds.TABLE,
-            ids="block_table",
-            count="seq_lens",
-            length="seq_lens",
-            length_field="seq_lens",
-            page_size=None,  # the model's: the toy's plan carries none
+    def plan_declaration(self, trace: Trace, plan: Plan) -> pd.PlanDeclaration:
+        """The whole plan, once: row b of block_table is read up to seq_lens[b] tokens, in blocks of
+        the model's page size (the plan carries none), each a block of the KV cache; decode only,
+        so every row is read whole and no mask or window exists. Both tensors have a row per request."""
+        return pd.PlanDeclaration(
+            call=pd.Call(pl.KvIds.TABLE, ids="block_table", count="seq_lens", length="seq_lens", page_size=None),
             ends=(pl.KvEnd.KV,),
             mask=pl.MaskReading.CAUSAL,
             window="sliding_window",  # no such scalar: the toy runs no window (capabilities)
+            rows=(pv.RequestRows(1, ("block_table", "seq_lens")),),
         )
 
     def run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:

@@ -1,5 +1,6 @@
 """A test adapter registered through ATTNDBG_BACKENDS: it runs (our Triton kernels) but declares
-neither a plan view nor a plan layout, as a new adapter does before its author writes them."""
+no plan (neither a plan view nor a plan layout follows), as a new adapter does before its author
+writes its declaration."""
 
 from __future__ import annotations
 
@@ -9,5 +10,4 @@ from attndbg.backends.triton import TritonBackend
 
 class ViewlessBackend(TritonBackend):
     name = "viewless"
-    plan_view = Backend.plan_view  # the contract's default: no view
-    plan_layout = Backend.plan_layout
+    plan_declaration = Backend.plan_declaration  # the contract's default: no declaration
