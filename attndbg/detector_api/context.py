@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from attndbg import machine
 from attndbg.backends import registry
 from attndbg.backends.base import Backend
 from attndbg.backends.options import BackendOptions
 from attndbg.replay.runner import BackendRun, ReplayOptions, ReplayResult, replay, run_derived
 from attndbg.replay.step_data import StepData
 from attndbg.trace.schema import Trace
+from attndbg.trace.subbatch import SubBatch
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,7 @@ class CheckContext:
     _replays: dict[ReplayOptions, ReplayResult] = field(default_factory=dict)
     _backends: tuple[str, ...] | None = None
     # The step's adapters, one per (backend, its options): made by `adapter`, the one place a
-    # detector gets one (to ask what it can run, to derive a plan); the runner makes its own.
+    # detector gets one (to ask what it can run, to derive a plan) and the runner runs them.
     _adapters: dict[tuple[str, object], Backend] = field(default_factory=dict)
     _data: dict[int | None, StepData] = field(default_factory=dict)
     # Kernel backends whose runs were compared with the reference on this step, in order of first run.
@@ -89,18 +91,49 @@ class CheckContext:
             self._data[layer] = StepData(self.trace, layer=layer, max_memory=self.options.max_memory, cuda_graph=self.options.cuda_graph)
         return self._data[layer]
 
+    def graph_options(self, *, capture_bs: int | None = None, fill_value: int | None = None) -> ReplayOptions:
+        """The replay options of a detector's padded (graph) runs of the step: padded to `capture_bs`
+        (None: the next SGLang capture size above the batch) with `fill_value` (None: each
+        backend's own). Every detector's graph replays take these, so --cuda-graph means one thing."""
+        return ReplayOptions(
+            layer=self.options.layer,
+            cuda_graph=True,
+            # A real capture only with --cuda-graph on a GPU. Otherwise the same padded sequence runs
+            # eagerly on the static buffers: it still judges what padding does to the real rows (fill
+            # values, a sub-batch padded to its own capture size), and the CPU tests run it so.
+            graph_capture=self.options.cuda_graph and machine.cuda_available(),
+            capture_bs=capture_bs,
+            fill_value=fill_value,
+        )
+
     def replay(self, options: ReplayOptions | None = None, backends: tuple[str, ...] | None = None, *, trace: Trace | None = None) -> ReplayResult:
         """Replay the step (or `trace`, the same batch with another plan) with the step's shared data.
         Replays of the step itself are memoized per (options, backends)."""
-        options = options or ReplayOptions(layer=self.options.layer)
-        options = replace(options, backend_options=self.options.backend_options.overridden_by(options.backend_options))
+        options = self._with_backend_options(options)
         names = backends if backends is not None else self.backends()
         if trace is not None:
-            return self._note_compared(replay(trace, self.path, list(names), options, data=self.data(options.layer)))
+            return self._replay(trace, options, names, self.data(options.layer))
         key = (options, names)
         if key not in self._replays:
-            self._replays[key] = self._note_compared(replay(self.trace, self.path, list(names), options, data=self.data(options.layer)))
+            self._replays[key] = self._replay(self.trace, options, names, self.data(options.layer))
         return self._replays[key]
+
+    def replay_sub_batch(self, sub: SubBatch, options: ReplayOptions, backends: tuple[str, ...], *, part: str) -> ReplayResult:
+        """Replay `sub`, a sub-batch of the step (attndbg.trace.subbatch), on its rows of the step's
+        data, as `replay` replays the step: the step's adapters and --backend-option, each launch
+        announced with `part` ("request 3 alone"), so a crash in it names the sub-batch."""
+        options = self._with_backend_options(options)
+        return self._replay(sub.trace, options, backends, self.data(options.layer).sub_batch(sub), part=part)
+
+    def _with_backend_options(self, options: ReplayOptions | None) -> ReplayOptions:
+        options = options or ReplayOptions(layer=self.options.layer)
+        return replace(options, backend_options=self.options.backend_options.overridden_by(options.backend_options))
+
+    def _replay(self, trace: Trace, options: ReplayOptions, names: tuple[str, ...], data: StepData, part: str | None = None) -> ReplayResult:
+        def adapter(name: str) -> Backend:
+            return self.adapter(name, options.backend_options)
+
+        return self._note_compared(replay(trace, self.path, list(names), options, data=data, adapter=adapter, part=part))
 
     def run_derived(self, name: str, options: BackendOptions, *, what: str) -> BackendRun:
         """One eager run of `name`'s derived plan with `options` forced (over --backend-option), on

@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -95,13 +95,20 @@ class ReplayOptions:
 
 
 class _Context:
-    """What every backend run of one step shares: the step's data and references (`StepData`)."""
+    """What every backend run of one step shares: the step's data and references (`StepData`), and
+    what of the step it runs when not all of it (`part`, announced with each launch)."""
 
-    def __init__(self, trace: Trace, options: ReplayOptions, data: StepData | None = None):
+    def __init__(self, trace: Trace, options: ReplayOptions, data: StepData | None = None, part: str | None = None):
         self.trace = trace
         self.options = options
         self.label = step_label(trace)
         self.data = data if data is not None and data.layer == options.layer else StepData(trace, layer=options.layer, max_memory=options.max_memory, cuda_graph=options.cuda_graph)
+        self.part = part
+
+    def announced(self, label: str) -> str:
+        """What a launch of the variant `label` is announced as: 'eager', or 'eager, request 3 alone'
+        in a detector's replay of part of the step (a crash then names the sub-batch)."""
+        return label if self.part is None else f"{label}, {self.part}"
 
     def compare(self, result: AttentionResult) -> Comparison:
         return self.data.compare(result)
@@ -114,15 +121,20 @@ def replay(
     options: ReplayOptions = ReplayOptions(),
     *,
     data: StepData | None = None,
+    adapter: Callable[[str], Backend] | None = None,
+    part: str | None = None,
 ) -> ReplayResult:
     """Run `backend_names` on one step. `data`: the step's inputs and references when the caller
-    already built them (a check shares one per step); it must come from the same batch and seed."""
-    ctx = _Context(trace, options, data)
+    already built them (a check shares one per step); it must come from the same batch and seed.
+    `adapter`: name -> the adapter to run, configured with `options.backend_options` (a check's
+    context hands out one per step; default: a new one from the registry). `part`: what of a step
+    `trace` is, when a detector replays part of it ("request 3 alone"), announced with each launch."""
+    ctx = _Context(trace, options, data, part)
     runs: list[BackendRun] = []
     try:
         for name in backend_names:
             with phase(f"backend/{name}", ctx.label):  # creating a backend may launch kernels (its workspace): inside its range
-                backend = registry.create(name, options=options.backend_options)
+                backend = registry.create(name, options=options.backend_options) if adapter is None else adapter(name)
                 runs.extend(_runs_of(backend, ctx))
     except TraceError as e:  # the step cannot be replayed here (its data does not fit)
         raise (e if e.path else e.in_file(trace_path)) from None
@@ -230,9 +242,9 @@ def _explained_if_slow(backend: Backend, trace: Trace) -> Iterator[None]:
 
 
 def _execute(backend: Backend, ctx: _Context, inputs: AttentionInputs, plan: Plan, variant: Variant, what: str | None = None) -> tuple[AttentionResult, float]:
-    """One run; the launch is announced as `what` (default: the variant's label)."""
+    """One run; the launch is announced as `what` (default: the variant's label, and the part of the step replayed)."""
     start = time.perf_counter()
-    with phase("run", f"{ctx.label} backend={backend.name} variant={variant.label}"), activity.launching(backend.name, what or variant.label):
+    with phase("run", f"{ctx.label} backend={backend.name} variant={variant.label}"), activity.launching(backend.name, what or ctx.announced(variant.label)):
         result = backend.run(ctx.trace, inputs, plan)
         if inputs.q.is_cuda:
             torch.cuda.synchronize()
@@ -301,7 +313,7 @@ def _graph(backend: Backend, ctx: _Context, inputs: AttentionInputs, description
         # padded sequence eagerly on the static buffers): its `capture` and `replay` ranges launch
         # kernels one by one, and a timeline must not look there for a cudaGraphLaunch.
         padded = "graph" if capture else "padded"
-        with phase("capture+replay", f"{ctx.label} backend={backend.name} variant={padded} capture_bs={capture_bs} fill={fill}"), activity.launching(backend.name, variant.label):
+        with phase("capture+replay", f"{ctx.label} backend={backend.name} variant={padded} capture_bs={capture_bs} fill={fill}"), activity.launching(backend.name, ctx.announced(variant.label)):
             start = time.perf_counter()
             outcome = graph_replay.graph_replay(
                 backend, trace, inputs, padding=Padding(capture_bs=capture_bs, fill_value=fill), capture=capture, seed=trace.seed

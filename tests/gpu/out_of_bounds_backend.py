@@ -4,6 +4,8 @@ registered through ATTNDBG_BACKENDS, so check's worker processes can create it t
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -28,4 +30,18 @@ class OutOfBoundsBackend(TritonBackend):
         sink = torch.empty(1, dtype=inputs.q.dtype, device=inputs.q.device)
         _read_far[(1,)](inputs.q, sink, FAR)
         torch.cuda.synchronize()  # the fault surfaces here, inside the launch the runner names
+        return super().run(trace, inputs, plan)
+
+
+class SubBatchOutOfBoundsBackend(TritonBackend):
+    """Triton, except on a batch of one request of the step numbered ATTNDBG_TEST_FAULT_STEP (what
+    batch-invariance replays a request alone as), where it first reads far out of bounds."""
+
+    name = "oob-alone"
+
+    def run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
+        if trace.batch.batch_size == 1 and str(trace.source.step) == os.environ.get("ATTNDBG_TEST_FAULT_STEP"):
+            sink = torch.empty(1, dtype=inputs.q.dtype, device=inputs.q.device)
+            _read_far[(1,)](inputs.q, sink, FAR)
+            torch.cuda.synchronize()  # inside the sub-batch's launch, which the runner announces
         return super().run(trace, inputs, plan)

@@ -4,8 +4,10 @@ illegal memory access in split-merge's own launch poisoned its worker's CUDA con
 (tests/gpu/fault_detector.py) really poisons the context on step 1 of a 4-step recording (in its
 own kernel, announced or not, or in split-merge's stage-2 probe launched through the runner), checked by
 one worker (--jobs 1, so the same worker would take steps 2 and 3): step 1 gets one backend-crash
-finding, and every later step is still checked, Triton's kernels compared on each. The same logic
-runs on the CPU with a simulated fault in tests/checks/test_crash_isolation.py."""
+finding, and every later step is still checked, Triton's kernels compared on each. Batch-invariance's
+sub-batch replays go through the runner too: a backend that faults only on a request alone is that
+step's crash, named with the sub-batch. The same logic runs on the CPU with a simulated fault in
+tests/checks/test_crash_isolation.py."""
 
 from __future__ import annotations
 
@@ -69,6 +71,23 @@ def test_a_detectors_own_launch_that_poisons_the_context_costs_only_its_step(
     assert all(not s["findings"] for i, s in enumerate(steps) if i != FAULT_STEP)
     # Triton compared on every step: on step 1 too unless it was the backend left out after its crash.
     assert f"triton ({3 if backend == 'triton' else 4} steps)" in result.output, result.output
+
+
+def test_a_crash_in_a_batch_invariance_sub_batch_costs_only_its_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATTNDBG_BACKENDS", "oob-alone=tests.gpu.out_of_bounds_backend:SubBatchOutOfBoundsBackend")
+    monkeypatch.setenv("ATTNDBG_TEST_FAULT_STEP", str(FAULT_STEP))
+    rec = _recording(tmp_path / "rec")
+    report = tmp_path / "r.json"
+    args = ["check", str(rec), "--only", "batch-invariance", "--backend", "oob-alone,triton", "--jobs", "1", "--json", str(report)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output  # the crash is a finding
+    steps = json.loads(report.read_text())["steps"]
+    assert all(s["checked"] for s in steps), [s["error"] for s in steps]
+    [crash] = [f for f in steps[FAULT_STEP]["findings"] if f["class"] == "backend-crash"]
+    data = crash["data"]
+    assert (data["backend"], data["variant"], data["detector"], data["rechecked"]) == ("oob-alone", "eager, request 0 alone", "batch-invariance", "without-backend"), data
+    assert "an illegal memory access was encountered" in data["error"], data
+    assert all(not s["findings"] for i, s in enumerate(steps) if i != FAULT_STEP)
 
 
 def test_in_one_process_a_poisoned_context_leaves_the_later_steps_not_checked_for_one_reason(tmp_path: Path) -> None:

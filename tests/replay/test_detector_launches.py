@@ -1,6 +1,8 @@
 """The runner's entry points for a detector's own launches (split-merge's): `run_derived`, one eager
 run of an adapter the detector configured, and `merge`, a backend's merge kernel on crafted partial
-states, guarded; both announced under the detector's own name for the launch."""
+states, guarded; both announced under the detector's own name for the launch. Batch-invariance's
+sub-batches replay through the context too (`replay_sub_batch`): the step's adapter, each launch
+announced with the sub-batch. And `graph_options`, the one rule for a detector's graph replays."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ from attndbg.backends import registry
 from attndbg.backends.base import KernelUnsupported, PartialStates
 from attndbg.backends.options import BackendOptions
 from attndbg.backends.triton import TritonBackend, TritonOptions
-from attndbg.detector_api.context import CheckContext
+from attndbg.detector_api.context import CheckContext, CheckOptions
+from attndbg.detectors.batch_invariance import detect as batch_invariance
 from attndbg.backends.triton_kernels import decode
+from attndbg import machine
 from attndbg.replay import activity, runner
 from attndbg.replay.runner import ReplayOptions, RunStatus
 from tests.checks.shapes import SMALL
@@ -109,3 +113,30 @@ def test_merge_never_launches_states_the_kernel_would_read_outside_of(
 def test_merge_of_a_backend_without_one_is_unsupported() -> None:
     with pytest.raises(KernelUnsupported, match="reference has no merge of partial states"):
         runner.merge(registry.create("reference"), _states([2, 1], [64, 20]), what="probe")
+
+
+def test_batch_invariances_sub_batches_run_the_steps_adapter_announced_with_the_sub_batch(
+    launches: list[tuple[str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[str] = []
+    create = registry.create
+
+    def counted(name, **kwargs):
+        made.append(name)
+        return create(name, **kwargs)
+
+    monkeypatch.setattr(registry, "create", counted)
+    ctx = CheckContext(trace=make_trace(*TRACE), path="t", options=CheckOptions(backends=(TritonBackend.name,)))
+    assert batch_invariance.detect(ctx) == []
+    # The whole batch's eager run, then each request alone, each launch naming it (a crash there
+    # is the step's backend-crash finding, naming the sub-batch), all on the step's one adapter.
+    assert launches == [("triton", "eager"), ("triton", "eager, request 0 alone"), ("triton", "eager, request 1 alone")]
+    assert made == [TritonBackend.name] and ctx.backends_consulted() == (TritonBackend.name,)
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_graph_replays_capture_only_under_cuda_graph_on_a_gpu(cuda_graph: bool) -> None:
+    ctx = CheckContext(trace=make_trace(*TRACE), path="t", options=CheckOptions(cuda_graph=cuda_graph, layer=None))
+    options = ctx.graph_options(capture_bs=8, fill_value=1)
+    assert (options.cuda_graph, options.capture_bs, options.fill_value) == (True, 8, 1)
+    assert options.graph_capture is (cuda_graph and machine.cuda_available())

@@ -29,16 +29,15 @@ reads).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from attndbg import machine
 from attndbg.detector_api.context import CheckContext
 from attndbg.detector_api.findings import Finding, FindingClass, finding
 from attndbg.replay import graph as graph_replay
-from attndbg.replay.runner import BackendRun, ReplayOptions, RunStatus, replay
+from attndbg.replay.runner import BackendRun, ReplayOptions, RunStatus
 from attndbg.replay.step_data import StepData
 from attndbg.replay.variants import Eager, Variant, run_name
 from attndbg.trace.subbatch import SubBatch, sub_batch
@@ -72,21 +71,21 @@ def detect(ctx: CheckContext) -> list[Finding]:
     if trace.batch.batch_size < 2 or not ctx.backends():
         return []
     graphs = ctx.options.cuda_graph and graph_replay.supports_graph(trace)
-    # With graphs each run pads to its own batch's capture size (capture_bs None), a real capture
-    # on a GPU; without, the options of the eager run every detector shares.
-    options = ReplayOptions(layer=ctx.options.layer, cuda_graph=True, graph_capture=machine.cuda_available()) if graphs else ReplayOptions(layer=ctx.options.layer)
+    # With graphs each run pads to its own batch's capture size (capture_bs None); without, the
+    # options of the eager run every detector shares.
+    options = ctx.graph_options() if graphs else ReplayOptions(layer=ctx.options.layer)
     # The whole batch: without graphs, the eager run the other detectors share (memoized by the context).
     whole = {_key(run): run for run in ctx.replay(options).runs if run.status in (RunStatus.PASSED, RunStatus.FAILED) and run.result is not None}
     if not whole:
         return []  # nothing ran: the step's own report says why
     data = ctx.data(ctx.options.layer)
-    names = sorted({name for name, _ in whole}, key=ctx.backends().index)
-    # ctx.replay folds --backend-option into the whole batch's options: the sub-batches get the same.
-    options = replace(options, backend_options=ctx.options.backend_options)
+    names = tuple(sorted({name for name, _ in whole}, key=ctx.backends().index))
     findings: list[Finding] = []
     for part in parts(trace.batch.batch_size):
         sub = sub_batch(trace, part.requests)
-        for run in replay(sub.trace, ctx.path, names, options, data=data.sub_batch(sub)).runs:
+        # Through the context, as the whole batch: its adapters and --backend-option, each launch
+        # announced with the part, so a kernel that crashes on a sub-batch is that step's crash.
+        for run in ctx.replay_sub_batch(sub, options, names, part=part.label).runs:
             if _key(run) in whole:
                 findings += _judge(ctx, data, part, sub, whole[_key(run)], run)
     return findings

@@ -42,14 +42,13 @@ from dataclasses import dataclass
 
 import torch
 
-from attndbg import machine
 from attndbg.backends import engine_names, registry
 from attndbg.backends.base import FillRequirement
 from attndbg.backends.plan_view import USUAL_OFFSETS, Offsets, PlanViewError
 from attndbg.detector_api.context import CheckContext
 from attndbg.detector_api.findings import Finding, FindingClass, Severity, finding
 from attndbg.replay import graph as graph_replay
-from attndbg.replay.runner import BackendRun, ReplayOptions, RunStatus
+from attndbg.replay.runner import BackendRun, RunStatus
 from attndbg.replay.variants import Eager, Graph
 from attndbg.trace.engines import engine_conventions
 from attndbg.trace.schema import ForwardMode, Trace
@@ -405,7 +404,7 @@ def padded_replays(ctx: CheckContext) -> list[Finding]:
     findings = []
     engine_adapter = engine_names.adapter_for(trace.source.backend)
     for name in ctx.backends():
-        backend = registry.create(name, options=ctx.options.backend_options)
+        backend = ctx.adapter(name)
         if backend.graph_unsupported_reason(trace) is not None:
             continue
         runs = []
@@ -417,16 +416,9 @@ def padded_replays(ctx: CheckContext) -> list[Finding]:
             # nothing about this step: replayed only with its own fill.
             fills = [f for f in fills if f == backend.cuda_graph_fill_value]
         for fill in fills:
-            options = ReplayOptions(
-                layer=ctx.options.layer,
-                cuda_graph=True,
-                # A real capture only when asked (--cuda-graph); otherwise the same padded
-                # sequence runs eagerly on the static buffers, which judges the fill values.
-                graph_capture=ctx.options.cuda_graph and machine.cuda_available(),
-                capture_bs=capture_bs,
-                fill_value=fill,
-            )
-            result = ctx.replay(options, (name,))
+            # Captured only under --cuda-graph on a GPU; else the same padded sequence runs eagerly
+            # on the static buffers, which judges the fill values all the same (ctx.graph_options).
+            result = ctx.replay(ctx.graph_options(capture_bs=capture_bs, fill_value=fill), (name,))
             eager = next((r for r in result.runs if isinstance(r.variant, Eager)), None)
             graphed = next((r for r in result.runs if isinstance(r.variant, Graph)), None)
             runs.append(_Padded(fill, eager, graphed))

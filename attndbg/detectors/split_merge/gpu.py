@@ -20,7 +20,7 @@ from attndbg.detector_api.context import CheckContext
 from attndbg.detector_api.findings import Finding
 from attndbg.detectors.split_merge.base import KIND, _location
 from attndbg.replay import runner
-from attndbg.replay.runner import ReplayOptions, RunStatus
+from attndbg.replay.runner import RunStatus
 from attndbg.replay.variants import Graph
 from attndbg.trace.schema import DTYPES, ForwardMode, Trace
 
@@ -151,9 +151,8 @@ def merge_in_capture(ctx: CheckContext) -> list[Finding]:
     trace = ctx.trace
     if not (machine.cuda_available() and ctx.options.cuda_graph) or merge_path(trace) is None:
         return []
-    options = ReplayOptions(layer=ctx.options.layer, cuda_graph=True, graph_capture=True)
     findings = []
-    for run in ctx.replay(options).runs:
+    for run in ctx.replay(ctx.graph_options()).runs:
         if not isinstance(run.variant, Graph) or run.status is not RunStatus.FAILED:
             continue
         if run.graph is None or run.graph.eager_bitwise_equal:
