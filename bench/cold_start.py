@@ -9,7 +9,9 @@ caches (~/.cache/flashinfer, ~/.triton/cache) empty; the caches' sizes before ea
 
     python bench/cold_start.py SRC_RECORDING OUT_DIR --backend triton,flashinfer,fa3,mla --form default --form compile-first
 
-A later form runs on the caches the earlier ones filled: only the first form of a call is cold.
+With --fresh-caches each form gets empty caches of its own (FLASHINFER_WORKSPACE_BASE and
+TRITON_CACHE_DIR pointed at new folders), so every form is measured cold in one call; without it a
+later form runs on the caches the earlier ones filled.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ from pathlib import Path
 MODES = ("DECODE", "TARGET_VERIFY", "EXTEND", "MIXED")
 FORMS = {"default": [], "compile-first": ["--compile-first"]}
 CACHES = ("~/.cache/flashinfer", "~/.triton/cache")
+
+
+def fresh_caches(root: Path) -> dict[str, str]:
+    """Environment pointing FlashInfer's JIT workspace and Triton's cache at empty folders."""
+    root.mkdir(parents=True, exist_ok=False)
+    return {"FLASHINFER_WORKSPACE_BASE": str(root), "TRITON_CACHE_DIR": str(root / "triton")}
 
 
 def four_steps(source: Path, out: Path) -> list[dict]:
@@ -58,12 +66,12 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 TICKING = re.compile(r"[\u2800-\u28ff]|\d+:\d\d:\d\d|[\d.]+ s/step|ETA|-:--:--")
 
 
-def timed(command: list[str], log: Path) -> tuple[int, float, float]:
+def timed(command: list[str], log: Path, extra_env: dict[str, str]) -> tuple[int, float, float]:
     """Run `command` on a pseudo-terminal, so its progress display shows as a user sees it; log
     each distinct line of what it shows, stamped with the seconds since the start. (exit code,
     seconds, longest time the display's text, its clocks aside, stood still in seconds)."""
     master, slave = pty.openpty()
-    env = dict(os.environ, COLUMNS="160", TERM="xterm")
+    env = dict(os.environ, COLUMNS="160", TERM="xterm", **extra_env)
     start = last_change = time.monotonic()
     still = 0.0
     shown = ""
@@ -103,14 +111,16 @@ def main() -> None:
     p.add_argument("out", type=Path)
     p.add_argument("--backend", default="triton,flashinfer,fa3,mla")
     p.add_argument("--form", action="append", choices=sorted(FORMS), help="command forms, in order (default: default)")
+    p.add_argument("--fresh-caches", action="store_true", help="each form with empty JIT caches of its own")
     args = p.parse_args()
     rec = args.out / "cold4"
     steps = four_steps(args.source, rec)
     rows = []
     for form in args.form or ["default"]:
-        caches = {c: cache_bytes(c) for c in CACHES}
+        extra_env = fresh_caches(args.out / f"caches_{form}") if args.fresh_caches else {}
+        caches = {c: cache_bytes(c) for c in (extra_env.values() or CACHES)}
         command = ["attndbg", "check", str(rec), "--backend", args.backend, "--json", str(args.out / f"cold_{form}.json"), *FORMS[form]]
-        rc, seconds, silence = timed(command, args.out / f"cold_{form}.log")
+        rc, seconds, silence = timed(command, args.out / f"cold_{form}.log", extra_env)
         rows.append({"form": form, "exit": rc, "seconds": round(seconds, 1), "longest_still_display_s": round(silence, 1), "caches_before_bytes": caches})
         print(json.dumps(rows[-1]), flush=True)
     summary = {"steps": [{k: s[k] for k in ("file", "mode", "batch_size", "graph")} for s in steps], "backend": args.backend, "runs": rows}
