@@ -40,36 +40,46 @@ def _origin(processes: Sequence[Matched]) -> int:
 
 
 # The events there is one of per kernel (the kernel, its launch call, the flow arrow's two ends:
-# ~4 x 85,000 in a 200-step check), written from these templates instead of a dict each and
-# json.dumps of the whole list: 45 us a kernel down to ~8 on the 2-core CPU
-# (bench/timeline_processing.py). The same JSON as the dicts the other events are: `events()`
-# reads every event back from its text, and tests/timeline/test_chrome.py compares both forms.
+# ~4 x 85,000 in a 200-step check) are written from templates instead of a dict each and json.dumps
+# of the whole list (bench/timeline_processing.py, events and write: 74-100 ms per 1,000 kernels
+# down to 22-29 on the loaded 2-core CPU, bench/results/timeline_processing_cpu_session9.txt). What
+# is the same for many kernels is formatted once: a kernel event's head (name, row) and the end of
+# its args (launch, device, stream, mangled name) per kernel name, stream and launch call's name; a
+# range's args and its launch events' head per range. `events()` reads the text back, so there is
+# one definition of the format, and tests/timeline/test_chrome.py checks each kernel event against
+# its fields written out one by one.
 # Times: "%.3f" of (ns - origin) / 1e3 reads back as round(..., 3) does: ns are integers.
-_KERNEL = '{"ph":"X","cat":"%s","name":%s,"pid":%d,"tid":%d,"ts":%.3f,"dur":%.3f,"args":{"correlation_id":%d,"device":%d,"stream":%d,%s%s%s%s}}'
+_KERNEL_HEAD = '{"ph":"X","cat":"%s","name":%s,"pid":%d,"tid":%d,'
+_KERNEL_TAIL = '%s,"device":%d,"stream":%d%s}}'  # launch, device, stream, mangled
+_KERNEL = '%s"ts":%s,"dur":%.3f,"args":{"correlation_id":%d,%s%s%s'  # head, ts, dur, correlation id, range, graph, tail
 _GRAPH_ARGS = ',"graph_id":%d,"graph_node_id":%d'
-_LAUNCH = '{"ph":"X","cat":"cuda_api","name":%s,"pid":%d,"tid":%d,"ts":%.3f,"dur":%.3f,"args":{"correlation_id":%d,"range_id":%d}}'
-_FLOW_START = '{"ph":"s","cat":"launch","name":"launch","id":%d,"pid":%d,"tid":%d,"ts":%.3f}'
-_FLOW_END = '{"ph":"f","bp":"e","cat":"launch","name":"launch","id":%d,"pid":%d,"tid":%d,"ts":%.3f}'
+_LAUNCH_HEAD = '{"ph":"X","cat":"cuda_api","name":%s,"pid":%d,"tid":%d,'
+# A launch call, and the arrow from it to its kernel: head, ts, dur, correlation id, range id; flow id, tid, ts; flow id, kernel row, kernel ts
+_LAUNCH = (
+    ',%s"ts":%s,"dur":%.3f,"args":{"correlation_id":%d,"range_id":%d}}'
+    ',{"ph":"s","cat":"launch","name":"launch","id":%d,"pid":%d,"tid":%d,"ts":%s}'
+    ',{"ph":"f","bp":"e","cat":"launch","name":"launch","id":%d,"pid":%d,"tid":%d,"ts":%s}'
+)
 _OUTSIDE = '"range":null,"range_id":null'
 _encode = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def events(processes: Sequence[Matched]) -> list[dict[str, Any]]:
-    return [json.loads(text) for text in event_texts(processes)]
+    return json.loads("[" + event_text(processes) + "]")
 
 
-def event_texts(processes: Sequence[Matched]) -> list[str]:
-    """Each trace event as its JSON text, in file order."""
+def event_text(processes: Sequence[Matched]) -> str:
+    """The trace events in file order, as JSON texts joined by commas (the inside of a list)."""
     origin = _origin(processes)
     out: list[str] = []
     flow = 0
     for matched in processes:
         flow = _process(matched, origin, flow, out)
-    return out
+    return ",".join(out)
 
 
 def _process(matched: Matched, origin: int, flow: int, out: list[str]) -> int:
-    """One process's events appended to `out`; returns the last flow arrow's id."""
+    """One process's events appended to `out` (an item may hold a kernel's several); returns the last flow arrow's id."""
     records = matched.records
     pid = records.pid
     out.append(_encode({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"{records.label} (pid {pid})"}}))
@@ -83,40 +93,39 @@ def _process(matched: Matched, origin: int, flow: int, out: list[str]) -> int:
     # not Python's, so the range's row is the one to use), a kernel on its stream's row.
     launched_calls: set[int] = set()
     range_args: dict[int, str] = {}  # range id -> '"range":"attndbg/run ...","range_id":7'
-    event_names: dict[str, tuple[str, str]] = {}  # kernel name -> (its event's name quoted, ',"mangled":...' or "")
-    call_names: dict[str, str] = {}  # call name -> '"cudaLaunchKernel_v7000"'
+    pieces: dict[tuple[str, int, int, int, str | None], tuple[str, str]] = {}  # (kernel name, device, stream, graph?, call name) -> head, tail
+    launch_heads: dict[tuple[str, int], str] = {}  # (call name, range id) -> the launch event's head
     append = out.append
-    for launched in matched.launched:
-        kernel, range_, call = launched.kernel, launched.range, launched.launch
-        name, graph_id, device, stream, start, end = kernel.name, kernel.graph_id, kernel.device, kernel.stream, kernel.start, kernel.end
-        row = rows.get((device, stream))
-        if row is None:
-            row = rows[(device, stream)] = GPU_ROW_BASE + len(rows)
+    for kernel, call, range_, _, _ in matched.launched:
+        name, correlation_id, device, stream, start, end, graph_id, graph_node_id = kernel
+        call_name = call.name if call is not None else None
+        key = (name, device, stream, graph_id != 0, call_name)
+        piece = pieces.get(key)
+        if piece is None:
+            row = rows.get((device, stream))
+            if row is None:
+                row = rows[(device, stream)] = GPU_ROW_BASE + len(rows)
+            mangled = f',"mangled":{_encode(name)}' if kernel_names.demangle(name) != name else ""
+            piece = pieces[key] = (
+                _KERNEL_HEAD % ("kernel,graph" if graph_id else "kernel", _encode(kernel_names.short(name, width=120)), pid, row),
+                _KERNEL_TAIL % (f',"launch":{_encode(call_name)}' if call_name is not None else "", device, stream, mangled),
+            )
         if range_ is None:
             in_range = _OUTSIDE
         else:
             in_range = range_args.get(range_.id) or range_args.setdefault(range_.id, f'"range":{_encode(range_.message)},"range_id":{range_.id}')
-        named = event_names.get(name)
-        if named is None:
-            demangled = kernel_names.demangle(name)
-            named = event_names[name] = (_encode(kernel_names.short(name, width=120)), f',"mangled":{_encode(name)}' if demangled != name else "")
-        if call is None:
-            launch = ""
-        else:
-            quoted = call_names.get(call.name) or call_names.setdefault(call.name, _encode(call.name))
-            launch = ',"launch":' + quoted
-        append(_KERNEL % (
-            "kernel,graph" if graph_id else "kernel", named[0], pid, row, (start - origin) / 1e3, (end - start) / 1e3,
-            kernel.correlation_id, device, stream, in_range, _GRAPH_ARGS % (graph_id, kernel.graph_node_id) if graph_id else "", launch, named[1],
-        ))
-        if call is None or range_ is None or call.correlation_id in launched_calls:
-            continue
-        launched_calls.add(call.correlation_id)
-        tid, call_ts = range_.thread_id, (call.start - origin) / 1e3
-        flow += 1
-        append(_LAUNCH % (quoted, pid, tid, call_ts, (call.end - call.start) / 1e3, call.correlation_id, range_.id))
-        append(_FLOW_START % (flow, pid, tid, call_ts))
-        append(_FLOW_END % (flow, pid, row, (start - origin) / 1e3))
+        ts = "%.3f" % ((start - origin) / 1e3)
+        text = _KERNEL % (piece[0], ts, (end - start) / 1e3, correlation_id, in_range, _GRAPH_ARGS % (graph_id, graph_node_id) if graph_id else "", piece[1])
+        if call is not None and range_ is not None and call.correlation_id not in launched_calls:
+            launched_calls.add(call.correlation_id)
+            tid = range_.thread_id
+            head = launch_heads.get((call.name, range_.id))
+            if head is None:
+                head = launch_heads[(call.name, range_.id)] = _LAUNCH_HEAD % (_encode(call.name), pid, tid)
+            call_ts = "%.3f" % ((call.start - origin) / 1e3)
+            flow += 1
+            text += _LAUNCH % (head, call_ts, (call.end - call.start) / 1e3, call.correlation_id, range_.id, flow, pid, tid, call_ts, flow, pid, rows[(device, stream)], ts)
+        append(text)
     for range_id, calls in matched.unexecuted.items():
         captured_in = matched.ranges.get(range_id) if range_id is not None else None
         if captured_in is None:
@@ -173,7 +182,7 @@ def document(processes: Sequence[Matched], summary: Summary, *, command: str) ->
 def text(processes: Sequence[Matched], summary: Summary, *, command: str) -> str:
     """`document(...)` as the file's JSON text, without building a dict per event."""
     other = _encode({"schema": SCHEMA, "command": command, "attndbg": summary.as_json()})
-    return '{"traceEvents":[' + ",".join(event_texts(processes)) + '],"displayTimeUnit":"ms","otherData":' + other + "}"
+    return '{"traceEvents":[' + event_text(processes) + '],"displayTimeUnit":"ms","otherData":' + other + "}"
 
 
 def write(path: str | Path, doc: dict[str, Any] | str) -> None:
