@@ -1,5 +1,6 @@
 """Plugins named in an environment variable, "NAME=pkg.module:attr,...": ATTNDBG_BACKENDS and
-ATTNDBG_DETECTORS read the same way.
+ATTNDBG_DETECTORS read the same way; and `load`, the one import of a "pkg.module:attr" string
+(those variables' entries, the built-in tables of both registries, a Detector's hooks).
 
 Free of torch, and nothing is imported to validate a value, so that every command, `--help`
 included, can refuse a malformed one in one line before it starts.
@@ -7,9 +8,20 @@ included, can refuse a malformed one in one line before it starts.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
+from typing import Any
+
+
+def load(target: str) -> Any:
+    """The object "pkg.module:attr" names, its module imported now. ImportError when the module
+    cannot be imported, AttributeError when it has no such attribute or `target` names none."""
+    module, colon, attr = target.partition(":")
+    if not colon or not attr:
+        raise AttributeError(f"{target!r} names no attribute: expected pkg.module:attr")
+    return getattr(importlib.import_module(module), attr)
 
 
 @dataclass(frozen=True)

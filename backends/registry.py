@@ -9,10 +9,10 @@ worker processes inherit it).
 
 from __future__ import annotations
 
-import importlib
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
+from attndbg import plugins
 from attndbg.backends import environment
 from attndbg.backends.base import Backend
 from attndbg.trace.schema import Plan
@@ -57,20 +57,14 @@ def adapter_class(name: str) -> type[Backend]:
     """The class of the adapter named `name`, without creating one (its capabilities are class
     attributes); KeyError when no adapter has that name."""
     if name in ADAPTERS:
-        return _load(ADAPTERS[name])
+        return plugins.load(ADAPTERS[name])
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
             return ep.load()
     target = environment.ENVIRONMENT.named().get(name)
     if target is not None:
-        return _load(target)
+        return plugins.load(target)
     raise KeyError(name)
-
-
-def _load(target: str) -> type[Backend]:
-    """The class a "pkg.module:Class" path names, its module imported now."""
-    module, _, cls = target.partition(":")
-    return getattr(importlib.import_module(module), cls)
 
 
 def adapter_of(plan: Plan) -> Backend | None:

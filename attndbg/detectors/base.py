@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from attndbg import plugins
 from attndbg.detector_api.findings import Finding, FindingClass
 from attndbg.profiling import phase, step_label
 
@@ -32,14 +33,8 @@ class RecordingState(Protocol):
     def observe(self, digest: Any) -> list[Finding]: ...
 
 
-def load_target(target: str) -> Any:
-    """The object "pkg.module:attr" names, imported now."""
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
 def _hook(value: Any) -> Any:
-    return load_target(value) if isinstance(value, str) else value
+    return plugins.load(value) if isinstance(value, str) else value
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
 from attndbg.detector_api.findings import FindingClass
-from attndbg.detectors.base import Detector, Injection, load_target
+from attndbg.detectors.base import Detector, Injection
 from attndbg.detectors.catalog import injection_lines
+from attndbg import plugins
 from attndbg.plugins import PluginVariable
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ class LoadError(Exception):
 @cache  # one object per (kind, target) and process: loading imports the package once
 def _load(name: str, target: str) -> Detector:
     try:
-        detector = load_target(target)
+        detector = plugins.load(target)
     except (ImportError, AttributeError) as e:
         raise LoadError(f"detector {name!r}: cannot load {target} ({type(e).__name__}: {e})") from None
     if not isinstance(detector, Detector):
