@@ -10,6 +10,17 @@ a cost that grows with a process's ranges times its kernels is ~4x smaller there
 processes of a scaled check_traces_jobs2.json).
 
     python bench/timeline_processing.py /tmp/timeline_gpu_session8/check_traces_jobs2.json --scale 60
+    python bench/timeline_processing.py      # no file: tests/timeline/data's records, scaled to --kernels 85000
+
+Without a file, the records are the trimmed real ones of tests/timeline/data (a check worker's
+and a graph replay's, 208 kernels, 200 launch calls, 29 ranges) repeated to ~85,000 kernels, the
+200-step cost run's count, so the numbers need no GPU run's file. Each stage says its time per
+1,000 kernels; the totals split what a process pays while the command runs (the buffer callback's
+conversion, the collector's take, a worker's JSON lines; spread over the check's workers) from
+what the parent pays alone once it ends (reading the workers' lines, match, summary, trace events,
+the write). The code timed is the checkout's: run this file from another
+checkout's root (`cp bench/timeline_processing.py OLD/bench/; cd OLD; python bench/...`) for a
+before/after (a checkout without `chrome.text` has its document built and json-dumped instead).
 
 `--fixture OUT` instead writes a trimmed copy of a file's records, in the worker's JSON-lines
 format (records.to_json), for tests/timeline/data/.
@@ -31,11 +42,12 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attndbg.timeline import chrome, summary  # noqa: E402
-from attndbg.timeline.convert import Converter, Kinds  # noqa: E402
+from attndbg.timeline.convert import Converter, Kinds, LaunchExternalIds  # noqa: E402
 from attndbg.timeline.matching import match  # noqa: E402
 from attndbg.timeline.records import ApiCall, Edge, ExternalId, Kernel, Marker, ProcessRecords, Range, from_json, to_json  # noqa: E402
 
 MARKER_ID_BASE = 1 << 20  # marker ids apart from range ids, as CUPTI's own numbering is
+DATA = Path(__file__).resolve().parents[1] / "tests" / "timeline" / "data"
 
 
 def _ns(us: float) -> int:
@@ -116,12 +128,21 @@ def scaled(records: ProcessRecords, times: int) -> ProcessRecords:
     return out
 
 
-def _timed(what: str, fn, per: int):  # type: ignore[no-untyped-def]
+def _timed(what: str, fn, per: int, totals: list[float] | None = None):  # type: ignore[no-untyped-def]
     start = time.perf_counter()
     result = fn()
     seconds = time.perf_counter() - start
-    print(f"  {what:<44} {seconds:8.3f} s  {seconds / max(per, 1) * 1e6:8.2f} µs per kernel")
+    if totals is not None:
+        totals.append(seconds)
+    print(f"  {what:<46} {seconds:8.3f} s  {seconds / max(per, 1) * 1e6:8.2f} ms per 1,000 kernels")
     return result
+
+
+def recorded(kernels: int) -> tuple[str, list[ProcessRecords]]:
+    """tests/timeline/data's processes, each repeated to reach about `kernels` kernels in all."""
+    processes = [from_json(json.loads(line)) for file in sorted(DATA.glob("*.jsonl")) for line in file.read_text().splitlines() if line.strip()]
+    times = max(1, round(kernels / max(sum(len(p.kernels) for p in processes), 1)))
+    return f"tests/timeline/data x{times}", [scaled(p, times) for p in processes]
 
 
 def _activities(records: ProcessRecords, kinds: Kinds, api_per_launch: int) -> list[SimpleNamespace]:
@@ -139,14 +160,15 @@ def _activities(records: ProcessRecords, kinds: Kinds, api_per_launch: int) -> l
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("timeline", type=Path)
-    parser.add_argument("--scale", type=int, default=1)
+    parser.add_argument("timeline", type=Path, nargs="?", help="a --timeline file (default: tests/timeline/data's records, scaled to --kernels)")
+    parser.add_argument("--scale", type=int, default=1, help="with a file: repeat each process's records this many times")
+    parser.add_argument("--kernels", type=int, default=85_000, help="without a file: about this many kernels in all")
     parser.add_argument("--api-per-launch", type=int, default=10, help="API records CUPTI delivers per kernel launch when every call is recorded")
     parser.add_argument("--fixture", type=Path, help="write a trimmed copy of the records here instead (JSON lines)")
     parser.add_argument("--keep", default="", help="with --fixture: pid:range_id,... to keep (default: all)")
     args = parser.parse_args()
-    processes = records_from_chrome(json.loads(args.timeline.read_text()))
     if args.fixture:
+        processes = records_from_chrome(json.loads(args.timeline.read_text()))
         keep: dict[int, set[int]] = {}
         for item in filter(None, args.keep.split(",")):
             pid, rid = item.split(":")
@@ -159,23 +181,41 @@ def main() -> None:
                 f.write(json.dumps(to_json(cut), separators=(",", ":")) + "\n")
         print(f"{args.fixture}: {args.fixture.stat().st_size} bytes")
         return
-    processes = [scaled(p, args.scale) for p in processes]
+    if args.timeline:
+        source, processes = f"{args.timeline.name} x{args.scale}", [scaled(p, args.scale) for p in records_from_chrome(json.loads(args.timeline.read_text()))]
+    else:
+        source, processes = recorded(args.kernels)
     kernels = sum(len(p.kernels) for p in processes)
-    print(f"{args.timeline.name} x{args.scale}: {kernels} kernels, {sum(len(p.api_calls) for p in processes)} launch calls, {sum(len(p.ranges) for p in processes)} ranges")
+    print(f"{source}: {kernels} kernels, {sum(len(p.api_calls) for p in processes)} launch calls, {sum(len(p.ranges) for p in processes)} ranges, {len(processes)} processes")
     kinds = Kinds(kernel=10, runtime=5, driver=6, external_correlation=20, marker=30, external_kind=7, thread_object=2)
     names = {211: "cudaLaunchKernel_v7000", 1: "cudaGetDevice_v3020"}
+    worker: list[float] = []
     for per_launch in (args.api_per_launch, 1):
         acts = [a for p in processes for a in _activities(p, kinds, per_launch)]
         converter = Converter(kinds, callback_name=lambda runtime, cbid: names[cbid])
-        _timed(f"convert {len(acts)} records ({per_launch} API a launch)", lambda: converter.convert(acts, ProcessRecords(pid=1, label="b")), kernels)
-    lines = _timed("worker JSON lines: write + read", lambda: [from_json(json.loads(json.dumps(to_json(p)))) for p in processes], kernels)
-    matched = _timed("match", lambda: [match(p) for p in lines], kernels)
-    result = _timed("summarize", lambda: summary.summarize(matched), kernels)
-    doc = _timed("trace events", lambda: chrome.document(matched, result, command="check"), kernels)
+        _timed(f"convert {len(acts)} records ({per_launch} API a launch)", lambda: converter.convert(acts, ProcessRecords(pid=1, label="b")), kernels, worker if per_launch == 1 else None)
+
+    def take() -> None:  # Collector.take's work on a batch: keep the launches' external ids
+        for p in processes:
+            LaunchExternalIds().keep(p.external_ids, [c.correlation_id for c in p.api_calls] + [k.correlation_id for k in p.kernels])
+
+    _timed("collector take (external ids of launches)", take, kernels, worker)
+    written = _timed("worker JSON lines: write", lambda: [json.dumps(to_json(p), separators=(",", ":")) for p in processes], kernels, worker)
+    parent: list[float] = []
+    lines = _timed("worker JSON lines: read (the parent)", lambda: [from_json(json.loads(line)) for line in written], kernels, parent)
+    matched = _timed("match", lambda: [match(p) for p in lines], kernels, parent)
+    result = _timed("summarize", lambda: summary.summarize(matched), kernels, parent)
+    fast = hasattr(chrome, "text")
+    doc = _timed("trace events" + (" (as text)" if fast else ""), lambda: chrome.text(matched, result, command="check") if fast else chrome.document(matched, result, command="check"), kernels, parent)
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / "t.json"
-        _timed("write JSON", lambda: chrome.write(target, doc), kernels)
-        print(f"  file: {target.stat().st_size / 1e6:.1f} MB, {target.stat().st_size / max(kernels, 1):.0f} bytes per kernel")
+        _timed("write JSON", lambda: chrome.write(target, doc), kernels, parent)
+        size = target.stat().st_size
+    print(f"  file: {size / 1e6:.1f} MB, {size / max(kernels, 1):.0f} bytes per kernel")
+    per = 1e6 / max(kernels, 1)
+    print(f"  while the command runs, in each process (convert, 1 API a launch; take; JSON write): {sum(worker) * per:8.2f} ms per 1,000 kernels")
+    print(f"  after it ends, in the parent (JSON read, match, summarize, trace events, write):     {sum(parent) * per:8.2f} ms per 1,000 kernels")
+    print(f"  in all:                                                                             {(sum(worker) + sum(parent)) * per:8.2f} ms per 1,000 kernels")
 
 
 if __name__ == "__main__":
