@@ -1,7 +1,8 @@
 """A timeline without nsys (`--timeline FILE`, issue 25): attndbg's ranges and the kernels they
 launched, from CUPTI activity records, as a Chrome trace-event file.
 
-    records.py       CUPTI's records copied into plain dataclasses (and JSON lines between processes)
+    records.py       CUPTI's records copied into named tuples (one per kernel) and frozen dataclasses
+                     (and JSON lines between processes)
     convert.py       cupti-python's record objects into those, keeping what a timeline places
     collector.py     the only code that imports cupti: enables the activity kinds, one external
                      correlation id per open phase, NVTX routed to the same libcupti
@@ -10,7 +11,7 @@ launched, from CUPTI activity records, as a Chrome trace-event file.
                      the NVTX ranges CUPTI saw; graph replays and captured launches
     ranges.py        what a range names (step, backend, variant, phase) from its NVTX messages
     summary.py       per kind of range: kernels, GPU time; what could not be placed
-    chrome.py        the trace-event JSON (Perfetto, chrome://tracing)
+    chrome.py        the trace-event JSON (Perfetto, chrome://tracing), per-kernel events from templates
     names.py         demangled kernel names
     availability.py  whether --timeline can run here (package, GPU), before any work
     session.py       the CLI's context manager around one command
