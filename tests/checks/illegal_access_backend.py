@@ -25,14 +25,23 @@ def _probe() -> str | None:
 class IllegalAccessBackend(TritonBackend):
     name = "illegal_access"
     engine_names = {}  # no engine ran it: it answers to no recorded backend name
+    alone_only = False  # fault on the step's every run (True: only on a batch of one request)
 
     def _run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
         global _poisoned
-        if _poisoned or str(trace.source.step) == os.environ.get("ATTNDBG_TEST_FAULT_STEP"):
+        faulting = str(trace.source.step) == os.environ.get("ATTNDBG_TEST_FAULT_STEP") and (not self.alone_only or trace.batch.batch_size == 1)
+        if _poisoned or faulting:
             _poisoned = True
             activity.probe = _probe  # the context of this process is gone from now on
             raise RuntimeError(ILLEGAL)
         return super()._run(trace, inputs, plan)
+
+
+class IllegalAloneBackend(IllegalAccessBackend):
+    """Faults only on a request of the step run alone, as batch-invariance replays each one."""
+
+    name = "illegal_alone"
+    alone_only = True
 
 
 def reset() -> None:

@@ -174,6 +174,20 @@ def test_a_kernel_fault_the_adapter_wraps_as_a_kernel_error_still_ends_the_worke
     assert all(not _crashes(r) for i, r in enumerate(reports) if i != FAULT_STEP)
 
 
+def test_a_fault_in_a_batch_invariance_sub_batch_is_its_steps_crash_naming_the_sub_batch(illegal_backend, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Batch-invariance replays each request alone through the runner: a kernel that faults only
+    there is the step's one crash, announced with the sub-batch; the step is checked again without it."""
+    monkeypatch.setenv("ATTNDBG_BACKENDS", "illegal_alone=tests.checks.illegal_access_backend:IllegalAloneBackend")
+    rec = _recording(tmp_path / "rec")
+    options = CheckOptions(backends=("illegal_alone",))
+    reports = [r for r in check_steps(str(rec), parse_only("batch-invariance"), options, jobs=1, isolate=True) if r.mode != "recording"]
+    assert all(r.checked for r in reports), [r.error for r in reports]
+    [crash] = _crashes(reports[FAULT_STEP])
+    assert (crash.data["backend"], crash.data["variant"], crash.data["detector"], crash.data["rechecked"]) == ("illegal_alone", "eager, request 0 alone", "batch-invariance", "without-backend")
+    assert [r.backends for r in reports] == [("illegal_alone",), (), ("illegal_alone",), ("illegal_alone",)]
+    assert all(not r.findings for i, r in enumerate(reports) if i != FAULT_STEP)
+
+
 def test_replay_stops_in_one_line_when_the_context_is_lost(illegal_backend, tmp_path: Path) -> None:
     rec = _recording(tmp_path / "rec")
     result = CliRunner().invoke(main, ["replay", str(rec), "--backend", "illegal_access"])
