@@ -205,9 +205,8 @@ class RecordedPlanKV(MistakeModel):
 def _plan_kv(trace: Trace):
     """The recorded plan's per-request KV ids (plan_view.RequestKV) for the step's real requests, or
     None when the plan cannot be read safely (the plan guard refuses it) or its view gives none."""
-    try:
-        backend = registry.create(trace.plan.backend)
-    except KeyError:
+    backend = registry.adapter_of(trace.plan)
+    if backend is None:
         return None
     plan = plan_guard.real_requests_only(trace, trace.plan, backend)
     if plan_guard.refusal(trace, plan, backend) is not None:
