@@ -8,11 +8,26 @@ included, can refuse a malformed one in one line before it starts.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
+
+
+def installed(group: str) -> tuple[EntryPoint, ...]:
+    """The entry points of `group` that the distributions on sys.path declare. Read once per
+    sys.path: importlib.metadata scans every distribution's metadata on each call (12 ms here), and
+    the registries ask per step and per plan (a third of a metadata-only check's time was this)."""
+    return _installed(group, tuple(sys.path))
+
+
+@functools.lru_cache(maxsize=16)
+def _installed(group: str, path: tuple[str, ...]) -> tuple[EntryPoint, ...]:
+    return tuple(entry_points(group=group))
 
 
 def load(target: str) -> Any:

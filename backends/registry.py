@@ -9,7 +9,6 @@ worker processes inherit it).
 
 from __future__ import annotations
 
-from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
 from attndbg import plugins
@@ -41,7 +40,7 @@ ENVIRONMENT_VARIABLE = environment.VARIABLE
 
 def backend_names() -> list[str]:
     names = list(BUILTIN)
-    names += sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name not in names)
+    names += sorted(ep.name for ep in plugins.installed(ENTRY_POINT_GROUP) if ep.name not in names)
     names += [name for name in environment.ENVIRONMENT.named() if name not in names]
     return names
 
@@ -58,7 +57,7 @@ def adapter_class(name: str) -> type[Backend]:
     attributes); KeyError when no adapter has that name."""
     if name in ADAPTERS:
         return plugins.load(ADAPTERS[name])
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
+    for ep in plugins.installed(ENTRY_POINT_GROUP):
         if ep.name == name:
             return ep.load()
     target = environment.ENVIRONMENT.named().get(name)

@@ -13,7 +13,6 @@ them imports nothing they run.
 from __future__ import annotations
 
 from functools import cache
-from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
 from attndbg.detector_api.findings import FindingClass
@@ -38,7 +37,7 @@ def _builtin_target(kind: FindingClass) -> str:
 def names() -> list[str]:
     """Every detector kind here: the built-in ones, then entry points, then the environment's."""
     out = [kind.value for kind in BUILTIN]
-    out += sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name not in out)
+    out += sorted(ep.name for ep in plugins.installed(ENTRY_POINT_GROUP) if ep.name not in out)
     out += [name for name in ENVIRONMENT.named() if name not in out]
     return out
 
@@ -62,7 +61,7 @@ def load(kind: FindingClass | str) -> Detector:
 def _target(name: str) -> str:
     if name in (kind.value for kind in BUILTIN):
         return _builtin_target(FindingClass(name))
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
+    for ep in plugins.installed(ENTRY_POINT_GROUP):
         if ep.name == name:
             return ep.value
     target = ENVIRONMENT.named().get(name)
