@@ -15,7 +15,8 @@
 #     run(command="bash .gpu/env.sh bash bench/server_sweep_gpu.sh $OUT eager,graph", carry=[".gpu"], timeout_s=600)
 #
 # Environment: LIMIT (seconds this call may use, default 560), STEPS (1000), SEED (0),
-# BACKENDS (triton,flashinfer,fa3,mla), SLICE (100), COMPILE=1, PROFILE=1 (also bench/check_profile.py on a
+# BACKENDS (triton,flashinfer,fa3,mla), SLICE (100), JOBS (check --jobs, default 8: check's auto gives
+# one worker per 50 steps, so a slice of 20 steps ran on one worker of 16 cores in session 9), COMPILE=1, PROFILE=1 (also bench/check_profile.py on a
 # sample of the recording, once). Results in OUT: sweep.tgz (summaries, JSON and logs, no steps).
 set -u
 out=${1:?usage: server_sweep_gpu.sh OUT RUNS}
@@ -26,6 +27,7 @@ STEPS=${STEPS:-1000}
 SEED=${SEED:-0}
 BACKENDS=${BACKENDS:-triton,flashinfer,fa3,mla}
 SLICE=${SLICE:-100}
+JOBS=${JOBS:-8}
 work=/tmp/attndbg_server_sweep
 rec=$work/server_sweep_${STEPS}_seed${SEED}
 res=/tmp/server_sweep_results
@@ -57,7 +59,7 @@ for r in ${runs//,/ }; do
   [ $L -gt 60 ] || break
   graph=(); [ "$r" = graph ] && graph=(--cuda-graph)
   python bench/server_sweep.py run "$rec" --backend "$BACKENDS" "${graph[@]}" --json "$res/server_sweep_$r.json" \
-    --slice-steps "$SLICE" --timeout "$L" > "$res/run_$r.log" 2>&1
+    --jobs "$JOBS" --slice-steps "$SLICE" --timeout "$L" > "$res/run_$r.log" 2>&1
   tail -30 "$res/run_$r.log"
 done
 echo "FlashInfer JIT builds during the checks: $(cat "$res"/*.steps-*.log 2>/dev/null | grep -c 'Building JIT module')"
