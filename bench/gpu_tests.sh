@@ -11,7 +11,8 @@
 #
 # Parts: dumps (make real FlashInfer dumps, then tests/interop/test_real_flashinfer_dumps.py on them),
 # crash (crash isolation: a runner's and a detector's own launches poisoning the context), repro
-# (tests/repro on the GPU), plans (recorded SGLang plans, the plan guard, the compile phase),
+# (tests/repro on the GPU), plans (recorded SGLang plans, the plan guard, the compile phase: up to 480 s,
+# since test_precompile builds a module in a fresh FlashInfer cache; 300 s cut it in session 9),
 # timeline (bench/timeline_check.sh test), all (every test marked gpu). LIMIT: seconds this call may
 # use (default 570).
 set -u
@@ -55,7 +56,7 @@ for p in ${parts//,/ }; do
       run_part dumps 240 "${pytest_q[@]}" tests/interop/test_real_flashinfer_dumps.py ;;
     crash) run_part crash 240 "${pytest_q[@]}" -m gpu tests/gpu/test_detector_crash.py tests/gpu/test_crash_isolation.py ;;
     repro) run_part repro 400 "${pytest_q[@]}" -m gpu tests/repro ;;
-    plans) run_part plans 300 "${pytest_q[@]}" -m gpu tests/gpu/test_recorded_sglang_plans.py tests/gpu/test_plan_guard_gpu.py tests/gpu/test_precompile.py ;;
+    plans) run_part plans 480 "${pytest_q[@]}" -m gpu tests/gpu/test_recorded_sglang_plans.py tests/gpu/test_plan_guard_gpu.py tests/gpu/test_precompile.py ;;
     timeline) mkdir -p "$res/timeline"; run_part timeline 560 bash bench/timeline_check.sh "$res/timeline" test ;;
     all) run_part all 560 "${pytest_q[@]}" -m gpu tests ;;
     *) echo "unknown part $p"; exit 2 ;;
