@@ -7,8 +7,9 @@ own ninja. A recording of a server's mix needs dozens (dtype x head dims x windo
 
 The adapters name the modules a step needs without running it (`Backend.jit_specs`, through
 backends/flashinfer_modules.py); `unbuilt` writes the build file of each one not on disk, and `build`
-compiles them together, as `flashinfer.jit.build_jit_specs` does (one ninja over every source of
-every module, on every core), in whatever process gathered them (attndbg/checks/precompile.py).
+compiles them together, each module's ninja in its own build directory as FlashInfer runs it (so
+FlashInfer finds them up to date at the first load), several at a time on every core, in whatever
+process gathered them (attndbg/checks/precompile.py).
 
 `watching_modules` checks a declaration against a real run (the GPU test, bench/flashinfer_module_names.py
 --watch): within it, a module that is not on disk is noted and its load fails with `ModuleNotBuilt`
@@ -31,9 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from attndbg import machine
-
-# How often `build` looks for finished modules to report.
-POLL_S = 1.0
 
 
 class ModuleNotBuilt(RuntimeError):
@@ -115,49 +113,89 @@ def unbuilt(specs: list[Any]) -> list[Unbuilt]:
     return [out[name] for name in sorted(out)]
 
 
-def build(modules: list[Unbuilt], on_built: Callable[[str, float], None] = lambda name, seconds: None, jobs: int | None = None) -> None:
-    """Compile `modules` at once: one ninja over all their sources (`subninja` of each module's own
-    build file, as flashinfer.jit.build_jit_specs does), `jobs` at a time (default: MAX_JOBS, else
-    every core). `on_built(name, seconds)` is called, from a watcher thread, as each module's library
-    appears. Runs ninja itself, without importing flashinfer (the caller may be a process that must
-    not start CUDA); takes FlashInfer's build lock when `filelock` (a FlashInfer dependency) is there.
-    RuntimeError with ninja's last lines when the build fails."""
-    if not modules:
-        return
-    jit_dir = Path(modules[0].jit_dir)
-    tmp = jit_dir / "tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
-    ninja_file = tmp / f"attndbg_compile_{os.getpid()}.ninja"
-    ninja_file.write_text("\n".join(["ninja_required_version = 1.3", *(f"subninja {m.ninja_file}" for m in modules), ""]))
-    jobs = jobs or int(os.environ.get("MAX_JOBS", "0") or 0) or os.cpu_count() or 1
-    start = time.monotonic()
-    pending = {m.name: m for m in modules if not m.library.exists()}
-    stop = threading.Event()
+def _objects(ninja_file: str) -> int:
+    """How many compile steps a module's build file has (its `build` lines but the library's link):
+    the share of the jobs its ninja gets."""
+    try:
+        lines = Path(ninja_file).read_text().splitlines()
+    except OSError:
+        return 1
+    return max(1, sum(1 for line in lines if line.startswith("build ")) - 1)
 
-    def watch() -> None:
-        while pending and not stop.wait(POLL_S):
-            for name in [n for n, m in pending.items() if m.library.exists()]:
-                del pending[name]
-                on_built(name, time.monotonic() - start)
 
+def _module_lock(module: Unbuilt) -> Any:
+    """FlashInfer's lock for one module (JitSpec.lock_path: JIT_DIR/tmp/NAME.lock), which its
+    build_and_load holds while it builds: a check worker loading the module waits for this build
+    instead of starting its own. Without `filelock` (a FlashInfer dependency), no lock."""
     try:
         from filelock import FileLock
-
-        lock: Any = FileLock(tmp / "flashinfer_jit.lock", thread_local=False)  # the lock build_jit_specs takes
     except ImportError:
-        lock = contextlib.nullcontext()
-    watcher = threading.Thread(target=watch, name="flashinfer-build-watch", daemon=True)
-    watcher.start()
-    try:
-        with lock:
-            done = subprocess.run(["ninja", "-C", str(jit_dir), "-f", str(ninja_file), "-j", str(jobs)], capture_output=True, text=True)
-    finally:
-        stop.set()
-        watcher.join()
-        ninja_file.unlink(missing_ok=True)
-    for name, m in list(pending.items()):  # finished between the watcher's last look and the end
-        if m.library.exists():
-            on_built(name, time.monotonic() - start)
-    if done.returncode != 0:
+        return contextlib.nullcontext()
+    tmp = Path(module.jit_dir) / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    return FileLock(tmp / f"{module.name}.lock", thread_local=False)
+
+
+def build(modules: list[Unbuilt], on_built: Callable[[str, float], None] = lambda name, seconds: None, jobs: int | None = None) -> None:
+    """Compile `modules` at once: each with its own ninja, run in the module's own build directory
+    exactly as FlashInfer's build_and_load runs it, several modules at a time, the biggest first,
+    sharing `jobs` compile jobs (default: MAX_JOBS, else every core) by each module's number of
+    compile steps. `on_built(name, seconds)` is called as each module's ninja finishes. Runs ninja
+    itself, without importing flashinfer (the caller may be a process that must not start CUDA);
+    holds FlashInfer's lock for each module while it builds. RuntimeError with ninja's last lines
+    when a module fails (the others are still built).
+
+    Why not one ninja over every module's build file (`subninja`, as flashinfer.jit.build_jit_specs
+    does): ninja keeps its log in the directory it runs in, and the log is how the module's own ninja,
+    which FlashInfer runs at the first load, knows an object is up to date. An output with no entry
+    in that log is rebuilt ("command line not found in log"), so every module built by one combined
+    ninja was compiled a second time, silently (FlashInfer prints "Building JIT module" only when the
+    library is missing), by the first check that loaded it: on an H100 in session 10, 41 modules took
+    818 s up front and the check's workers then rebuilt them all. FlashInfer's own build_jit_specs,
+    in the 0.7.2 we run, has the same shape; upstream it now runs one ninja per module too
+    (flashinfer-ai/flashinfer#2339)."""
+    if not modules:
+        return
+    jobs = jobs or int(os.environ.get("MAX_JOBS", "0") or 0) or os.cpu_count() or 1
+    start = time.monotonic()
+    need = {m.name: min(jobs, _objects(m.ninja_file)) for m in modules}
+    pending = sorted(modules, key=lambda m: (-need[m.name], m.name))
+    free = jobs
+    turn = threading.Condition()
+    failed: list[tuple[Unbuilt, subprocess.CompletedProcess]] = []
+
+    def run(module: Unbuilt) -> None:
+        nonlocal free
+        done: subprocess.CompletedProcess | None = None
+        try:
+            with _module_lock(module):
+                build_dir = str(Path(module.ninja_file).parent)
+                done = subprocess.run(["ninja", "-C", build_dir, "-f", module.ninja_file, "-j", str(need[module.name])], capture_output=True, text=True)
+        finally:
+            with turn:
+                free += need[module.name]
+                if done is not None and done.returncode == 0:
+                    on_built(module.name, time.monotonic() - start)
+                elif done is not None:
+                    failed.append((module, done))
+                turn.notify_all()
+
+    threads: list[threading.Thread] = []
+    with turn:
+        while pending:
+            module = next((m for m in pending if need[m.name] <= free), None)
+            if module is None:
+                turn.wait()
+                continue
+            pending.remove(module)
+            free -= need[module.name]
+            thread = threading.Thread(target=run, args=(module,), name=f"flashinfer-build-{module.name[:40]}", daemon=True)
+            thread.start()
+            threads.append(thread)
+    for thread in threads:
+        thread.join()
+    if failed:
+        module, done = failed[0]
         tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
-        raise RuntimeError(f"ninja failed (exit {done.returncode}) building {len(modules)} FlashInfer modules:\n{tail}")
+        names = ", ".join(m.name for m, _ in failed)
+        raise RuntimeError(f"ninja failed (exit {done.returncode}) building {len(failed)} FlashInfer modules: {names}\n{tail}")

@@ -9,8 +9,11 @@ before the steps are handed out, in one pass and one build:
    with the check's backend options: backends/flashinfer_modules.py holds FlashInfer's choices), and
    so does each detector for the runs it forces (`Detector.forced_runs`: split-merge's cascade and
    paged extend paths). Nothing runs: naming a module costs microseconds;
-2. the modules not on disk are built together, one ninja over all their sources on every core
-   (`flashinfer_jit.build`), with a line per module as it lands.
+2. the modules not on disk are built together, on every core, each by its own ninja in its own build
+   directory as FlashInfer builds it (`flashinfer_jit.build`), with a line per module as it lands.
+   Until session 10 they were built by one ninja over all of them, and ninja's log then lived where
+   FlashInfer's first load does not look: the check rebuilt every module a second time (H100: 41
+   modules, 818 s up front, then the whole first slice of the sweep spent compiling them again).
 
 A module the declaration misses (a FlashInfer choice not read into flashinfer_modules.py) still
 compiles on first use in the check, as before: a miss costs time, never a verdict. Triton's kernels

@@ -6,6 +6,7 @@ build: tests/gpu/test_precompile.py."""
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -68,22 +69,40 @@ def _module(jit: Path, name: str, command: str) -> flashinfer_jit.Unbuilt:
     return flashinfer_jit.Unbuilt(name, str(build / "build.ninja"), str(jit))
 
 
+def _module_ninja_has_work(module: flashinfer_jit.Unbuilt) -> str:
+    """What the module's own ninja would do, run as FlashInfer's build_and_load runs it at the first
+    load (in the module's build directory): ninja's dry run."""
+    build_dir = str(Path(module.ninja_file).parent)
+    return subprocess.run(["ninja", "-C", build_dir, "-f", module.ninja_file, "-n"], capture_output=True, text=True, check=True).stdout
+
+
 @pytest.mark.skipif(shutil.which("ninja") is None, reason="ninja is not installed")
-def test_modules_are_built_in_one_ninja_with_progress(tmp_path: Path) -> None:
+def test_modules_are_built_so_that_flashinfers_own_ninja_finds_them_up_to_date(tmp_path: Path) -> None:
+    """Session 10 on an H100: modules built by one combined ninja (run in the JIT directory) were all
+    rebuilt by the check's first load, since ninja's log lived in the wrong directory. Each module's
+    own ninja must now find nothing to do, and a module with several objects gets that many jobs."""
     jit = tmp_path / "cached_ops"
     modules = [_module(jit, f"m{i}", f"sleep 0.{i} && touch $out") for i in range(3)]
+    big = jit / "big"
+    big.mkdir(parents=True)
+    objects = "".join(f"build {big}/o{k}.o: cc\n" for k in range(4))
+    (big / "build.ninja").write_text(f"rule cc\n  command = touch $out\nrule link\n  command = touch $out\n{objects}build {big}/big.so: link {' '.join(f'{big}/o{k}.o' for k in range(4))}\n")
+    modules.append(flashinfer_jit.Unbuilt("big", str(big / "build.ninja"), str(jit)))
+    assert flashinfer_jit._objects(str(big / "build.ninja")) == 4
     seen: list[str] = []
     flashinfer_jit.build(modules, lambda name, seconds: seen.append(name), jobs=3)
-    assert sorted(seen) == ["m0", "m1", "m2"] and all(m.library.exists() for m in modules)
-    assert not list((jit / "tmp").glob("*.ninja"))  # the combined build file is not left behind
-    broken = [_module(jit, "bad", "echo nvcc said no >&2 && false")]
-    with pytest.raises(RuntimeError, match=r"ninja failed \(exit 1\) building 1 FlashInfer modules:(.|\n)*nvcc said no"):
+    assert sorted(seen) == ["big", "m0", "m1", "m2"] and all(m.library.exists() for m in modules)
+    for module in modules:
+        assert "no work to do" in _module_ninja_has_work(module), module.name
+    broken = [_module(jit, "bad", "echo nvcc said no >&2 && false"), _module(jit, "good", "touch $out")]
+    with pytest.raises(RuntimeError, match=r"ninja failed \(exit 1\) building 1 FlashInfer modules: bad\n(.|\n)*nvcc said no"):
         flashinfer_jit.build(broken, jobs=1)
+    assert broken[1].library.exists()  # one module's failure does not stop the others
 
 
 @pytest.mark.skipif(shutil.which("ninja") is None, reason="ninja is not installed")
 def test_the_phase_builds_what_is_not_on_disk_once_with_progress(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Declared modules (here stand-ins for FlashInfer's build files) are built in one ninja; a
+    """Declared modules (here stand-ins for FlashInfer's build files) are built at once; a
     second run finds them on disk and has nothing to do."""
     jit = tmp_path / "cached_ops"
     modules = [_module(jit, f"m{i}", "touch $out") for i in range(2)]

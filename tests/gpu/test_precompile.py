@@ -58,7 +58,9 @@ def test_declared_modules_are_built_and_the_check_loads_nothing_else(tmp_path: P
 
 def test_compile_command_then_check_compiles_nothing(tmp_path: Path) -> None:
     """`attndbg compile` on a fresh cache (modules declared, built at once), then `check` of the same
-    steps: the check's log has no FlashInfer build, and a second `compile` has nothing to do."""
+    steps: the check rebuilds nothing (no library is rewritten: FlashInfer's own ninja, run at the
+    first load, found every module up to date; it rebuilt them all in session 10 and, the libraries
+    being there, said nothing), and a second `compile` has nothing to do."""
     from attndbg.trace import io, synth
 
     rec = tmp_path / "rec"
@@ -70,8 +72,12 @@ def test_compile_command_then_check_compiles_nothing(tmp_path: Path) -> None:
     first = run("compile", str(rec), "--backend", "flashinfer,fa3")
     assert first.returncode == 0, first.stdout + first.stderr[-3000:]
     assert "compile phase done" in first.stderr and "FlashInfer modules the steps need compiled" in first.stdout
+    libraries = lambda: {p: p.stat().st_mtime_ns for p in (tmp_path / "fi").rglob("*.so")}  # noqa: E731
+    built = libraries()
+    assert built, "the compile phase left no library"
     check = run("check", str(rec), "--backend", "flashinfer,fa3", "--jobs", "2")
     assert check.returncode == 0, check.stdout + check.stderr[-3000:]
     assert "Building JIT module" not in check.stderr
+    assert libraries() == built  # nothing rebuilt, nothing new
     again = run("compile", str(rec), "--backend", "flashinfer,fa3")
     assert again.returncode == 0 and "nothing to compile" in again.stdout
