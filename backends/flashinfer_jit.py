@@ -20,10 +20,9 @@ flashinfer is imported only inside these functions: this module imports on a mac
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
-import threading
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -32,6 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from attndbg import machine
+
+# How often `build` looks at the steps its ninjas run, to start the next module.
+POLL_S = 0.2
 
 
 class ModuleNotBuilt(RuntimeError):
@@ -126,76 +128,104 @@ def _objects(ninja_file: str) -> int:
 def _module_lock(module: Unbuilt) -> Any:
     """FlashInfer's lock for one module (JitSpec.lock_path: JIT_DIR/tmp/NAME.lock), which its
     build_and_load holds while it builds: a check worker loading the module waits for this build
-    instead of starting its own. Without `filelock` (a FlashInfer dependency), no lock."""
+    instead of starting its own, and this build leaves alone a module a worker is building. Without
+    `filelock` (a FlashInfer dependency), None."""
     try:
         from filelock import FileLock
     except ImportError:
-        return contextlib.nullcontext()
+        return None
     tmp = Path(module.jit_dir) / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     return FileLock(tmp / f"{module.name}.lock", thread_local=False)
 
 
+def _steps_running(ninjas: set[int]) -> int | None:
+    """How many build steps the ninja processes `ninjas` are running now: their child processes (ninja
+    runs each step as one). None where /proc cannot tell (not Linux)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return None
+    count = 0
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue  # ended meanwhile
+        fields = text[text.rfind(")") + 2 :].split()  # after "PID (COMM) ": COMM may hold spaces and parentheses
+        if len(fields) > 1 and int(fields[1]) in ninjas:
+            count += 1
+    return count
+
+
+@dataclass
+class _Building:
+    module: Unbuilt
+    ninja: subprocess.Popen
+    log: Any  # the ninja's output, a temporary file
+    lock: Any
+
+
 def build(modules: list[Unbuilt], on_built: Callable[[str, float], None] = lambda name, seconds: None, jobs: int | None = None) -> None:
-    """Compile `modules` at once: each with its own ninja, run in the module's own build directory
-    exactly as FlashInfer's build_and_load runs it, several modules at a time, the biggest first,
-    sharing `jobs` compile jobs (default: MAX_JOBS, else every core) by each module's number of
-    compile steps. `on_built(name, seconds)` is called as each module's ninja finishes. Runs ninja
-    itself, without importing flashinfer (the caller may be a process that must not start CUDA);
-    holds FlashInfer's lock for each module while it builds. RuntimeError with ninja's last lines
-    when a module fails (the others are still built).
+    """Compile `modules` at once, on `jobs` cores (default: MAX_JOBS, else every core): each with its
+    own ninja, run in the module's own build directory exactly as FlashInfer's build_and_load runs it
+    (`-j` its number of compile steps), the biggest first, and the next module starts whenever the
+    steps running leave room for half of its own. `on_built(name, seconds)` is called as each
+    module's ninja finishes. Runs ninja itself, without importing flashinfer (the caller may be a
+    process that must not start CUDA); holds FlashInfer's lock for each module while it builds, and
+    skips for now one that another process holds. RuntimeError with ninja's last lines when a module
+    fails (the others are still built).
 
     Why not one ninja over every module's build file (`subninja`, as flashinfer.jit.build_jit_specs
-    does): ninja keeps its log in the directory it runs in, and the log is how the module's own ninja,
-    which FlashInfer runs at the first load, knows an object is up to date. An output with no entry
-    in that log is rebuilt ("command line not found in log"), so every module built by one combined
-    ninja was compiled a second time, silently (FlashInfer prints "Building JIT module" only when the
-    library is missing), by the first check that loaded it: on an H100 in session 10, 41 modules took
-    818 s up front and the check's workers then rebuilt them all. FlashInfer's own build_jit_specs,
-    in the 0.7.2 we run, has the same shape; upstream it now runs one ninja per module too
-    (flashinfer-ai/flashinfer#2339)."""
+    does): ninja keeps its log and its record of header dependencies in the directory it runs in,
+    and those are how the module's own ninja, which FlashInfer runs at the first load, knows an object
+    is up to date. An output with no entry there is rebuilt ("command line not found in log"), so
+    every module built by one combined ninja was compiled a second time, silently (FlashInfer prints
+    "Building JIT module" only when the library is missing), by the first check that loaded it: on an
+    H100 in session 10, 41 modules took 818 s up front and the check's first 100 steps then spent
+    825 s unfinished. FlashInfer's own build_jit_specs, in the 0.7.2 we run, has the same shape;
+    upstream it now runs one ninja per module too (flashinfer-ai/flashinfer#2339), one at a time.
+
+    Why start modules by the steps running rather than by reserving each module's `-j`: a module's
+    compile steps end at different times (FA3's ten take 40-95 s), so reserved cores sit idle. On
+    the H100, reserving built one FA3 module at a time on 8-10 of 16 cores (34 of 41 modules in
+    1,023 s); bench/compile_schedule.py replays that build's step times to compare the two."""
     if not modules:
         return
     jobs = jobs or int(os.environ.get("MAX_JOBS", "0") or 0) or os.cpu_count() or 1
     start = time.monotonic()
     need = {m.name: min(jobs, _objects(m.ninja_file)) for m in modules}
     pending = sorted(modules, key=lambda m: (-need[m.name], m.name))
-    free = jobs
-    turn = threading.Condition()
-    failed: list[tuple[Unbuilt, subprocess.CompletedProcess]] = []
-
-    def run(module: Unbuilt) -> None:
-        nonlocal free
-        done: subprocess.CompletedProcess | None = None
-        try:
-            with _module_lock(module):
-                build_dir = str(Path(module.ninja_file).parent)
-                done = subprocess.run(["ninja", "-C", build_dir, "-f", module.ninja_file, "-j", str(need[module.name])], capture_output=True, text=True)
-        finally:
-            with turn:
-                free += need[module.name]
-                if done is not None and done.returncode == 0:
-                    on_built(module.name, time.monotonic() - start)
-                elif done is not None:
-                    failed.append((module, done))
-                turn.notify_all()
-
-    threads: list[threading.Thread] = []
-    with turn:
-        while pending:
-            module = next((m for m in pending if need[m.name] <= free), None)
-            if module is None:
-                turn.wait()
-                continue
+    building: list[_Building] = []
+    failed: list[tuple[Unbuilt, int, str]] = []
+    while pending or building:
+        for b in [b for b in building if b.ninja.poll() is not None]:
+            building.remove(b)
+            if b.lock is not None:
+                b.lock.release()
+            if b.ninja.returncode == 0:
+                on_built(b.module.name, time.monotonic() - start)
+            else:
+                b.log.seek(0)
+                failed.append((b.module, b.ninja.returncode, b.log.read().decode(errors="replace")))
+            b.log.close()
+        steps = _steps_running({b.ninja.pid for b in building})
+        busy = sum(need[b.module.name] for b in building) if steps is None else steps
+        for module in [m for m in pending if not building or busy + (need[m.name] + 1) // 2 <= jobs]:
+            lock = _module_lock(module)
+            if lock is not None:
+                try:
+                    lock.acquire(timeout=0)
+                except Exception:  # filelock.Timeout: another process is building it; try again later
+                    continue
             pending.remove(module)
-            free -= need[module.name]
-            thread = threading.Thread(target=run, args=(module,), name=f"flashinfer-build-{module.name[:40]}", daemon=True)
-            thread.start()
-            threads.append(thread)
-    for thread in threads:
-        thread.join()
+            log = tempfile.TemporaryFile()
+            build_dir = str(Path(module.ninja_file).parent)
+            ninja = subprocess.Popen(["ninja", "-C", build_dir, "-f", module.ninja_file, "-j", str(need[module.name])], stdout=log, stderr=subprocess.STDOUT)
+            building.append(_Building(module, ninja, log, lock))
+            break  # look at the steps again once this ninja has started its own
+        time.sleep(POLL_S)
     if failed:
-        module, done = failed[0]
-        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
-        names = ", ".join(m.name for m, _ in failed)
-        raise RuntimeError(f"ninja failed (exit {done.returncode}) building {len(failed)} FlashInfer modules: {names}\n{tail}")
+        module, code, output = failed[0]
+        tail = "\n".join(output.strip().splitlines()[-15:])
+        names = ", ".join(m.name for m, _, _ in failed)
+        raise RuntimeError(f"ninja failed (exit {code}) building {len(failed)} FlashInfer modules: {names}\n{tail}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,45 @@ def test_modules_are_built_so_that_flashinfers_own_ninja_finds_them_up_to_date(t
     with pytest.raises(RuntimeError, match=r"ninja failed \(exit 1\) building 1 FlashInfer modules: bad\n(.|\n)*nvcc said no"):
         flashinfer_jit.build(broken, jobs=1)
     assert broken[1].library.exists()  # one module's failure does not stop the others
+
+
+def _logged_module(jit: Path, name: str, steps: int, log: Path) -> flashinfer_jit.Unbuilt:
+    """A module of `steps` compile steps and a link, each step logging "NAME start|end TIME"."""
+    build = jit / name
+    build.mkdir(parents=True)
+    step = f'echo "{name} start $$(date +%s.%N)" >> {log} && sleep 1 && echo "{name} end $$(date +%s.%N)" >> {log} && touch $out'
+    objects = [f"{build}/o{i}.o" for i in range(steps)]
+    text = f"rule step\n  command = {step}\nrule link\n  command = touch $out\n" + "".join(f"build {o}: step\n" for o in objects)
+    (build / "build.ninja").write_text(text + f"build {build}/{name}.so: link {' '.join(objects)}\n")
+    return flashinfer_jit.Unbuilt(name, str(build / "build.ninja"), str(jit))
+
+
+def _times(log: Path, name: str, what: str) -> list[float]:
+    return [float(t) for n, w, t in (line.split() for line in log.read_text().splitlines()) if (n, w) == (name, what)]
+
+
+@pytest.mark.skipif(shutil.which("ninja") is None, reason="ninja is not installed")
+def test_a_module_starts_while_another_builds_and_one_locked_elsewhere_waits_for_its_lock(tmp_path: Path) -> None:
+    """Modules build side by side when the steps running leave room (a two-step module and a
+    one-step one on 4 jobs overlap), and a module whose FlashInfer lock another process holds (a
+    check worker building it) is built only once the lock is released."""
+    import threading
+
+    from filelock import FileLock
+
+    jit, log = tmp_path / "cached_ops", tmp_path / "steps.log"
+    big, small = _logged_module(jit, "big", 2, log), _logged_module(jit, "small", 1, log)
+    flashinfer_jit.build([big, small], jobs=4)
+    assert min(_times(log, "small", "start")) < max(_times(log, "big", "end"))
+    locked = _logged_module(jit, "locked", 1, log)
+    held = FileLock(jit / "tmp" / "locked.lock", thread_local=False)
+    held.acquire()
+    released: list[float] = []
+    timer = threading.Timer(0.6, lambda: (released.append(time.time()), held.release()))
+    timer.start()
+    flashinfer_jit.build([locked], jobs=2)
+    timer.join()
+    assert locked.library.exists() and _times(log, "locked", "start")[0] >= released[0]
 
 
 @pytest.mark.skipif(shutil.which("ninja") is None, reason="ninja is not installed")
