@@ -186,9 +186,9 @@ def build(modules: list[Unbuilt], on_built: Callable[[str, float], None] = lambd
     upstream it now runs one ninja per module too (flashinfer-ai/flashinfer#2339), one at a time.
 
     Why start modules by the steps running rather than by reserving each module's `-j`: a module's
-    compile steps end at different times (FA3's ten take 40-95 s), so reserved cores sit idle. On
-    the H100, reserving built one FA3 module at a time on 8-10 of 16 cores (34 of 41 modules in
-    1,023 s); bench/compile_schedule.py replays that build's step times to compare the two."""
+    compile steps end at different times (an FA3 module's ten take 9 to 94 s), so reserved cores sit idle. On
+    the H100, reserving built one FA3 module at a time on 8-10 of 16 cores (34 of 41 modules built
+    after two calls of 553 and 550 s); bench/compile_schedule.py replays that build's step times to compare the two."""
     if not modules:
         return
     jobs = jobs or int(os.environ.get("MAX_JOBS", "0") or 0) or os.cpu_count() or 1
