@@ -5,11 +5,12 @@
 # calls made one after another continue where the last one stopped: the recording is made once, then
 # the check runs in slices that are each checked once (server_sweep.py --slice-steps); a slice cut
 # by the call's limit is checked again from its start, so keep slices small while caches are cold.
-# With COMPILE=1 the compile phase (attndbg compile) runs first, until it finishes: on the H200 in
-# session 8 it did not pay (two calls, 1,090 s, unfinished; without it the 1,000 eager steps took
-# 521 s once FlashInfer's modules were on disk: bench/results/server_sweep_h200_session8.md). That
-# form ran a step per shape to find the modules; it now names them without running anything (one
-# build), not yet measured on a GPU: COMPILE=1 measures it.
+# With COMPILE=1 the compile phase (attndbg compile) runs first, until it finishes; it resumes across
+# calls (each module's finished objects stay on disk). Until session 10 it built every module in one
+# ninja, and the check then rebuilt each module at its first load (bench/results/gpu_session10.md);
+# now each module builds in its own directory. The recording's 41 modules need ~800 s of a 16-core
+# machine either way (bench/compile_schedule.py). Without COMPILE the check's workers build them as
+# their steps need them.
 # Each call copies what it has to OUT.
 #
 #     run(command="bash .gpu/env.sh bash bench/server_sweep_gpu.sh $OUT eager,graph", carry=[".gpu"], timeout_s=600)
