@@ -213,9 +213,11 @@ def build(modules: list[Unbuilt], on_built: Callable[[str, float], None] = lambd
         for module in [m for m in pending if not building or busy + (need[m.name] + 1) // 2 <= jobs]:
             lock = _module_lock(module)
             if lock is not None:
+                from filelock import Timeout
+
                 try:
                     lock.acquire(timeout=0)
-                except Exception:  # filelock.Timeout: another process is building it; try again later
+                except Timeout:  # another process is building it: try again later
                     continue
             pending.remove(module)
             log = tempfile.TemporaryFile()
