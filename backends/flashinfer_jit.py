@@ -197,35 +197,45 @@ def build(modules: list[Unbuilt], on_built: Callable[[str, float], None] = lambd
     pending = sorted(modules, key=lambda m: (-need[m.name], m.name))
     building: list[_Building] = []
     failed: list[tuple[Unbuilt, int, str]] = []
-    while pending or building:
-        for b in [b for b in building if b.ninja.poll() is not None]:
-            building.remove(b)
-            if b.lock is not None:
-                b.lock.release()
-            if b.ninja.returncode == 0:
-                on_built(b.module.name, time.monotonic() - start)
-            else:
-                b.log.seek(0)
-                failed.append((b.module, b.ninja.returncode, b.log.read().decode(errors="replace")))
-            b.log.close()
-        steps = _steps_running({b.ninja.pid for b in building})
-        busy = sum(need[b.module.name] for b in building) if steps is None else steps
-        for module in [m for m in pending if not building or busy + (need[m.name] + 1) // 2 <= jobs]:
-            lock = _module_lock(module)
-            if lock is not None:
-                from filelock import Timeout
+    try:
+        while pending or building:
+            for b in [b for b in building if b.ninja.poll() is not None]:
+                building.remove(b)
+                if b.lock is not None:
+                    b.lock.release()
+                if b.ninja.returncode == 0:
+                    on_built(b.module.name, time.monotonic() - start)
+                else:
+                    b.log.seek(0)
+                    failed.append((b.module, b.ninja.returncode, b.log.read().decode(errors="replace")))
+                b.log.close()
+            steps = _steps_running({b.ninja.pid for b in building})
+            busy = sum(need[b.module.name] for b in building) if steps is None else steps
+            for module in [m for m in pending if not building or busy + (need[m.name] + 1) // 2 <= jobs]:
+                lock = _module_lock(module)
+                if lock is not None:
+                    from filelock import Timeout
 
-                try:
-                    lock.acquire(timeout=0)
-                except Timeout:  # another process is building it: try again later
-                    continue
-            pending.remove(module)
-            log = tempfile.TemporaryFile()
-            build_dir = str(Path(module.ninja_file).parent)
-            ninja = subprocess.Popen(["ninja", "-C", build_dir, "-f", module.ninja_file, "-j", str(need[module.name])], stdout=log, stderr=subprocess.STDOUT)
-            building.append(_Building(module, ninja, log, lock))
-            break  # look at the steps again once this ninja has started its own
-        time.sleep(POLL_S)
+                    try:
+                        lock.acquire(timeout=0)
+                    except Timeout:  # another process is building it: try again later
+                        continue
+                pending.remove(module)
+                log = tempfile.TemporaryFile()
+                build_dir = str(Path(module.ninja_file).parent)
+                ninja = subprocess.Popen(["ninja", "-C", build_dir, "-f", module.ninja_file, "-j", str(need[module.name])], stdout=log, stderr=subprocess.STDOUT)
+                building.append(_Building(module, ninja, log, lock))
+                break  # look at the steps again once this ninja has started its own
+            time.sleep(POLL_S)
+    except BaseException:  # interrupted: no ninja is left compiling into a directory another build may take next
+        for b in building:
+            b.ninja.terminate()  # ninja passes SIGTERM on to its steps (each runs in its own process group)
+        for b in building:
+            try:
+                b.ninja.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                b.ninja.kill()
+        raise
     if failed:
         module, code, output = failed[0]
         tail = "\n".join(output.strip().splitlines()[-15:])
