@@ -187,7 +187,7 @@ def build(modules: list[Unbuilt], on_built: Callable[[str, float], None] = lambd
 
     Why start modules by the steps running rather than by reserving each module's `-j`: a module's
     compile steps end at different times (an FA3 module's ten take 9 to 94 s), so reserved cores sit idle. On
-    the H100, reserving built one FA3 module at a time on 8-10 of 16 cores (34 of 41 modules built
+    the H100, reserving built one ten-step prefill module at a time on 8-10 of 16 cores (34 of 41 modules built
     after two calls of 553 and 550 s); bench/compile_schedule.py replays that build's step times to compare the two."""
     if not modules:
         return
