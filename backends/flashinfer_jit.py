@@ -117,7 +117,7 @@ def unbuilt(specs: list[Any]) -> list[Unbuilt]:
 
 def _objects(ninja_file: str) -> int:
     """How many compile steps a module's build file has (its `build` lines but the library's link):
-    the share of the jobs its ninja gets."""
+    its ninja's `-j`, and what `build` counts on it running at once."""
     try:
         lines = Path(ninja_file).read_text().splitlines()
     except OSError:
