@@ -42,5 +42,12 @@ run() { local s=$EPOCHREALTIME; timeout 110 attndbg check "$rec" --backend trito
     echo "--timeline $i:   $(run --timeline /tmp/timeline_cost.json)"
     grep -A12 '^timeline: ' /tmp/timeline_err.txt | head -14
   done
+  # Per step or per process? The same on a quarter of the steps and the same 4 workers (--jobs auto
+  # gives 200 steps 4): what --timeline adds to both lengths alike is start-up (CUPTI in each
+  # worker, the parent's merge), what grows with the steps is the per-step cost issue 25 bounds.
+  for i in 1 2; do
+    echo "plain, steps 0-49, --jobs 4, $i:      $(run --jobs 4 --steps 0:50)"
+    echo "--timeline, steps 0-49, --jobs 4, $i: $(run --jobs 4 --steps 0:50 --timeline /tmp/timeline_cost50.json)"
+  done
   ls -la /tmp/timeline_cost.json
 } 2>&1 | tee "$out/timeline_cost.txt"
