@@ -9,8 +9,8 @@
 # (~800 s of 16 cores: two calls), then the FlashInfer libraries' mtimes; the eager sweep (slices of
 # 250, --jobs 8); the check's cost before/after (bench/check_cost_before_after.sh: the before tree in
 # .gpu/tree, see there); the --cuda-graph sweep; the crash and plans GPU tests (bench/gpu_tests.sh);
-# the warm server mix's profile (bench/check_profile.py); the libraries' mtimes again (the checks
-# must rebuild none). Everything in OUT/evidence.tgz.
+# the warm server mix's profile (bench/check_profile.py); --timeline's cost (bench/timeline_check.sh);
+# the libraries' mtimes again (the checks must rebuild none). Everything in OUT/evidence.tgz.
 # Environment: LIMIT (seconds this call may use, default 575), BACKENDS (triton,flashinfer,fa3,mla).
 set -u
 out=${1:?usage: gpu_evidence.sh OUT}
@@ -56,6 +56,11 @@ if [ -f "$res/compile.done" ]; then
     # Issue 24: where a warm worker's time goes on the server mix (one process, 60 steps profiled).
     timeout $(( $(left) - 10 )) python bench/check_profile.py "$rec" --backend "$BACKENDS" --warmup 30 --steps 60 --out "$res" --tag _server > "$res/profile.log" 2>&1
     tail -4 "$res/profile.log"
+  fi
+  if [ -f "$res/check_profile_server.txt" ] && [ ! -f "$res/timeline/timeline_cost.txt" ] && [ "$(left)" -gt 300 ]; then
+    # Issue 25: --timeline's cost, split into start-up and per step (needs cupti-python in .gpu).
+    timeout $(( $(left) - 10 )) bash bench/timeline_check.sh "$res/timeline" cost > "$res/timeline.log" 2>&1
+    tail -12 "$res/timeline.log"
   fi
   libraries > "$res/libraries_after_checks.txt"
   [ -f "$res/libraries_after_compile.txt" ] && if cmp -s "$res/libraries_after_compile.txt" "$res/libraries_after_checks.txt"; then
