@@ -239,5 +239,5 @@ def build(modules: list[Unbuilt], on_built: Callable[[str, float], None] = lambd
     if failed:
         module, code, output = failed[0]
         tail = "\n".join(output.strip().splitlines()[-15:])
-        names = ", ".join(m.name for m, _, _ in failed)
+        names = ", ".join(m.name for m, _, _ in failed[:3]) + (f" and {len(failed) - 3} more" if len(failed) > 3 else "")
         raise RuntimeError(f"ninja failed (exit {code}) building {len(failed)} FlashInfer modules: {names}\n{tail}")
