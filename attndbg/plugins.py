@@ -30,6 +30,20 @@ def _installed(group: str, path: tuple[str, ...]) -> tuple[EntryPoint, ...]:
     return tuple(entry_points(group=group))
 
 
+def entry_point(group: str, name: str) -> EntryPoint | None:
+    """The installed entry point of `group` called `name`, if any."""
+    return next((ep for ep in installed(group) if ep.name == name), None)
+
+
+def registered_names(builtin: list[str], group: str, environment: PluginVariable) -> list[str]:
+    """A registry's names in the order it looks them up: the built-in ones, then the entry points of
+    `group` (sorted), then those `environment` names; each once, the first one winning."""
+    names = list(builtin)
+    names += sorted(ep.name for ep in installed(group) if ep.name not in names)
+    names += [name for name in environment.named() if name not in names]
+    return names
+
+
 def load(target: str) -> Any:
     """The object "pkg.module:attr" names, its module imported now. ImportError when the module
     cannot be imported, AttributeError when it has no such attribute or `target` names none."""

@@ -39,10 +39,7 @@ ENVIRONMENT_VARIABLE = environment.VARIABLE
 
 
 def backend_names() -> list[str]:
-    names = list(BUILTIN)
-    names += sorted(ep.name for ep in plugins.installed(ENTRY_POINT_GROUP) if ep.name not in names)
-    names += [name for name in environment.ENVIRONMENT.named() if name not in names]
-    return names
+    return plugins.registered_names(list(BUILTIN), ENTRY_POINT_GROUP, environment.ENVIRONMENT)
 
 
 def create(name: str, *, options: BackendOptions | None = None) -> Backend:
@@ -57,9 +54,8 @@ def adapter_class(name: str) -> type[Backend]:
     attributes); KeyError when no adapter has that name."""
     if name in ADAPTERS:
         return plugins.load(ADAPTERS[name])
-    for ep in plugins.installed(ENTRY_POINT_GROUP):
-        if ep.name == name:
-            return ep.load()
+    if (ep := plugins.entry_point(ENTRY_POINT_GROUP, name)) is not None:
+        return ep.load()
     target = environment.ENVIRONMENT.named().get(name)
     if target is not None:
         return plugins.load(target)

@@ -36,10 +36,7 @@ def _builtin_target(kind: FindingClass) -> str:
 
 def names() -> list[str]:
     """Every detector kind here: the built-in ones, then entry points, then the environment's."""
-    out = [kind.value for kind in BUILTIN]
-    out += sorted(ep.name for ep in plugins.installed(ENTRY_POINT_GROUP) if ep.name not in out)
-    out += [name for name in ENVIRONMENT.named() if name not in out]
-    return out
+    return plugins.registered_names([kind.value for kind in BUILTIN], ENTRY_POINT_GROUP, ENVIRONMENT)
 
 
 def kinds() -> list[FindingClass]:
@@ -61,9 +58,8 @@ def load(kind: FindingClass | str) -> Detector:
 def _target(name: str) -> str:
     if name in (kind.value for kind in BUILTIN):
         return _builtin_target(FindingClass(name))
-    for ep in plugins.installed(ENTRY_POINT_GROUP):
-        if ep.name == name:
-            return ep.value
+    if (ep := plugins.entry_point(ENTRY_POINT_GROUP, name)) is not None:
+        return ep.value
     target = ENVIRONMENT.named().get(name)
     if target is None:
         raise KeyError(name)
