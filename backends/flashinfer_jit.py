@@ -92,6 +92,12 @@ class Unbuilt:
     def library(self) -> Path:
         return _library(Path(self.jit_dir), self.name)
 
+    @property
+    def lock_path(self) -> Path:
+        """FlashInfer's lock for this module (JitSpec.lock_path: JIT_DIR/tmp/NAME.lock), which its
+        build_and_load holds while it builds."""
+        return Path(self.jit_dir) / "tmp" / f"{self.name}.lock"
+
 
 def _library(jit_dir: Path, name: str) -> Path:
     """Where FlashInfer's JIT build puts a module's library (JitSpecNvcc.jit_library_path)."""
@@ -125,18 +131,22 @@ def _objects(ninja_file: str) -> int:
     return max(1, sum(1 for line in lines if line.startswith("build ")) - 1)
 
 
+def default_jobs() -> int:
+    """How many compile steps `build` runs at once unless told: MAX_JOBS (as FlashInfer reads it),
+    else every core."""
+    return int(os.environ.get("MAX_JOBS", "0") or 0) or os.cpu_count() or 1
+
+
 def _module_lock(module: Unbuilt) -> Any:
-    """FlashInfer's lock for one module (JitSpec.lock_path: JIT_DIR/tmp/NAME.lock), which its
-    build_and_load holds while it builds: a check worker loading the module waits for this build
-    instead of starting its own, and this build leaves alone a module a worker is building. Without
-    `filelock` (a FlashInfer dependency), None."""
+    """FlashInfer's lock for the module: a check worker loading it waits for this build instead of
+    starting its own, and this build leaves alone a module a worker is building. Without `filelock`
+    (a FlashInfer dependency), None."""
     try:
         from filelock import FileLock
     except ImportError:
         return None
-    tmp = Path(module.jit_dir) / "tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
-    return FileLock(tmp / f"{module.name}.lock", thread_local=False)
+    module.lock_path.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(module.lock_path, thread_local=False)
 
 
 def _steps_running(ninjas: set[int]) -> int | None:
@@ -163,6 +173,12 @@ class _Building:
     ninja: subprocess.Popen
     log: Any  # the ninja's output, a temporary file
     lock: Any
+
+    def end(self) -> None:
+        """Release the module's lock and drop the output (read it first if it is wanted)."""
+        if self.lock is not None:
+            self.lock.release()
+        self.log.close()
 
 
 def build(modules: list[Unbuilt], on_built: Callable[[str, float], None] = lambda name, seconds: None, jobs: int | None = None) -> None:
@@ -191,7 +207,7 @@ def build(modules: list[Unbuilt], on_built: Callable[[str, float], None] = lambd
     after two calls of 553 and 550 s); bench/compile_schedule.py replays that build's step times to compare the two."""
     if not modules:
         return
-    jobs = jobs or int(os.environ.get("MAX_JOBS", "0") or 0) or os.cpu_count() or 1
+    jobs = jobs or default_jobs()
     start = time.monotonic()
     need = {m.name: min(jobs, _objects(m.ninja_file)) for m in modules}
     pending = sorted(modules, key=lambda m: (-need[m.name], m.name))
@@ -201,14 +217,12 @@ def build(modules: list[Unbuilt], on_built: Callable[[str, float], None] = lambd
         while pending or building:
             for b in [b for b in building if b.ninja.poll() is not None]:
                 building.remove(b)
-                if b.lock is not None:
-                    b.lock.release()
-                if b.ninja.returncode == 0:
-                    on_built(b.module.name, time.monotonic() - start)
-                else:
+                if b.ninja.returncode != 0:
                     b.log.seek(0)
                     failed.append((b.module, b.ninja.returncode, b.log.read().decode(errors="replace")))
-                b.log.close()
+                b.end()
+                if b.ninja.returncode == 0:
+                    on_built(b.module.name, time.monotonic() - start)
             steps = _steps_running({b.ninja.pid for b in building})
             busy = sum(need[b.module.name] for b in building) if steps is None else steps
             for module in [m for m in pending if not building or busy + (need[m.name] + 1) // 2 <= jobs]:
@@ -235,6 +249,7 @@ def build(modules: list[Unbuilt], on_built: Callable[[str, float], None] = lambd
                 b.ninja.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 b.ninja.kill()
+            b.end()
         raise
     if failed:
         module, code, output = failed[0]

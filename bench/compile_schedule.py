@@ -15,7 +15,8 @@ recorded step times (scaled down), and three ways of building them are timed on 
 
 Each step logs its start and end, so the result shows the wall time and how many steps ran at once
 (mean over the wall time, and the peak). Sleeping steps use no CPU: oversubscribing costs nothing
-here, so a peak above --jobs is shown, not penalised.
+here, so a peak above --jobs is shown, not penalised. Keep --scale at 0.025 or above: `build` looks at
+its ninjas every 0.2 s, which at --scale 0.01 is 20 recorded seconds (1,010 s instead of 782).
 
     python bench/compile_schedule.py bench/results/flashinfer_jit_steps_h100_session10.json --jobs 16 --scale 0.025
 

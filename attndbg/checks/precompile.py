@@ -142,7 +142,7 @@ def precompile(paths: list[Path], only: list[FindingClass], options: CheckOption
     total = len(missing)
     say(
         f"attndbg: compile phase: {len(specs)} FlashInfer module{'s' * (len(specs) != 1)} named by the steps' kernels, "
-        f"{total} not on disk: compiling them at once ({os.environ.get('MAX_JOBS') or os.cpu_count()} jobs)"
+        f"{total} not on disk: compiling them at once ({flashinfer_jit.default_jobs()} jobs)"
     )
     count = iter(range(1, total + 1))
     problem: str | None = None
