@@ -7,8 +7,8 @@
 #
 # In order: the recording (bench/server_sweep.py make, 1,000 steps); the compile phase until done
 # (~800 s of 16 cores: two calls), then the FlashInfer libraries' mtimes; the eager sweep (slices of
-# 250, --jobs 8); the check's cost before/after (bench/check_cost_before_after.sh: the before tree in
-# .gpu/tree, see there); the --cuda-graph sweep; the crash and plans GPU tests (bench/gpu_tests.sh);
+# 250, --jobs 8); the --cuda-graph sweep; the crash and plans GPU tests (bench/gpu_tests.sh); the
+# check's cost before/after (bench/check_cost_before_after.sh: the before tree in .gpu/tree, see there);
 # the warm server mix's profile (bench/check_profile.py); --timeline's cost (bench/timeline_check.sh);
 # the libraries' mtimes again (the checks must rebuild none). Everything in OUT/evidence.tgz.
 # Environment: LIMIT (seconds this call may use, default 575), BACKENDS (triton,flashinfer,fa3,mla).
@@ -43,16 +43,16 @@ sweep() { # LABEL [--cuda-graph]: true once all four slices are in
 }
 if [ -f "$res/compile.done" ]; then
   [ -f "$res/eager.done" ] || { sweep eager && touch "$res/eager.done"; }
-  if [ -f "$res/eager.done" ] && [ ! -f "$res/cost.done" ] && [ "$(left)" -gt 230 ]; then
+  [ -f "$res/eager.done" ] && [ ! -f "$res/graph.done" ] && { sweep graph --cuda-graph && touch "$res/graph.done"; }
+  if [ -f "$res/graph.done" ] && [ ! -f "$res/tests.done" ] && [ "$(left)" -gt 90 ]; then
+    mkdir -p "$res/tests"; LIMIT=$(( $(left) - 5 )) bash bench/gpu_tests.sh "$res/tests" crash,plans > "$res/gpu_tests.log" 2>&1 && touch "$res/tests.done"
+    tail -8 "$res/gpu_tests.log"
+  fi
+  if [ -f "$res/graph.done" ] && [ ! -f "$res/cost.done" ] && [ "$(left)" -gt 230 ]; then
     bash bench/check_cost_before_after.sh "$res/cost" > "$res/cost.log" 2>&1 && touch "$res/cost.done"
     say "cost before/after: done at $(( $(date +%s) - T0 )) s"; tail -5 "$res/cost/cost.txt"
   fi
-  [ -f "$res/cost.done" ] && [ ! -f "$res/graph.done" ] && { sweep graph --cuda-graph && touch "$res/graph.done"; }
-  if [ -f "$res/graph.done" ] && [ "$(left)" -gt 90 ]; then
-    mkdir -p "$res/tests"; LIMIT=$(( $(left) - 5 )) bash bench/gpu_tests.sh "$res/tests" crash,plans > "$res/gpu_tests.log" 2>&1
-    tail -8 "$res/gpu_tests.log"
-  fi
-  if [ -f "$res/graph.done" ] && [ ! -f "$res/check_profile_server.txt" ] && [ "$(left)" -gt 200 ]; then
+  if [ -f "$res/cost.done" ] && [ ! -f "$res/check_profile_server.txt" ] && [ "$(left)" -gt 200 ]; then
     # Issue 24: where a warm worker's time goes on the server mix (one process, 60 steps profiled).
     timeout $(( $(left) - 10 )) python bench/check_profile.py "$rec" --backend "$BACKENDS" --warmup 30 --steps 60 --out "$res" --tag _server > "$res/profile.log" 2>&1
     tail -4 "$res/profile.log"
