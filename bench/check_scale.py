@@ -180,11 +180,17 @@ def main() -> int:
     parser.add_argument("--work", default="/tmp/attndbg_scale")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="")
+    parser.add_argument("--recording", type=Path, default=None, help="time this recording (e.g. server_sweep.py make's) instead of building the decode-only one")
+    parser.add_argument(
+        "--system-caches", action="store_true", help="use the JIT caches a user's check uses (filled by `attndbg compile`) instead of empty ones under --work"
+    )
     args = parser.parse_args()
     runs = set(args.runs.split(","))
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rec = work / f"rec{args.steps}"
+    rec = args.recording or work / f"rec{args.steps}"
+    if args.recording:
+        args.steps = sum(1 for line in (rec / "manifest.jsonl").read_text().splitlines() if line.strip())
     rows = []
 
     def record(label: str, check_args: list[str], steps: int, cwd: str | None = None) -> None:
@@ -193,12 +199,13 @@ def main() -> int:
         rows.append(row)
         print(row, flush=True)
 
-    if not (rec / "manifest.jsonl").exists():
+    if not args.recording and not (rec / "manifest.jsonl").exists():
         built = build_parallel(rec, args.steps, min(16, os.cpu_count() or 1))
         print(f"built {args.steps} steps in {built:.1f} s", flush=True)
     base = ["--backend", args.backends]
     # One JIT cache directory for every run: the cold run fills it, as a new user's first run does.
-    os.environ.update({"FLASHINFER_WORKSPACE_BASE": str(work / "fi_cache"), "TRITON_CACHE_DIR": str(work / "triton_cache")})
+    if not args.system_caches:
+        os.environ.update({"FLASHINFER_WORKSPACE_BASE": str(work / "fi_cache"), "TRITON_CACHE_DIR": str(work / "triton_cache")})
     jobs_list = [int(j) for j in args.jobs.split(",") if j]
     if "cold" in runs:
         record("cold", [str(rec), *base, "--sample", str(args.cold_sample)], args.cold_sample)

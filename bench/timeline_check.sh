@@ -33,9 +33,10 @@ fi
 # alternating), wall time of the whole command.
 rec=/tmp/timeline_rec
 [ -d "$rec" ] || python3 bench/scale_recording.py "$rec" --steps 200 >/dev/null
-run() { local s=$EPOCHREALTIME; timeout 110 attndbg check "$rec" --backend triton,flashinfer,fa3 "$@" >/dev/null 2>/tmp/timeline_err.txt; local rc=$?; awk -v a="$s" -v b="$EPOCHREALTIME" -v rc=$rc 'BEGIN { printf "%.1f s (exit %d)", b - a, rc }'; }
+B=${BACKENDS:-triton,flashinfer,fa3}
+run() { local s=$EPOCHREALTIME; timeout 110 attndbg check "$rec" --backend "$B" "$@" >/dev/null 2>/tmp/timeline_err.txt; local rc=$?; awk -v a="$s" -v b="$EPOCHREALTIME" -v rc=$rc 'BEGIN { printf "%.1f s (exit %d)", b - a, rc }'; }
 {
-  echo "attndbg check $rec (200 steps) --backend triton,flashinfer,fa3: wall seconds"
+  echo "attndbg check $rec (200 steps) --backend $B: wall seconds"
   echo "warm-up:        $(run)"
   for i in 1 2; do
     echo "plain $i:        $(run)"
