@@ -5,18 +5,31 @@
 #
 #     run(command="bash .gpu/env.sh bash bench/gpu_evidence.sh $OUT", carry=[".gpu"], timeout_s=600)
 #
-# In order: the recording (bench/server_sweep.py make, 1,000 steps); the compile phase until done
-# (~800 s of 16 cores: two calls), then the FlashInfer libraries' mtimes; the eager sweep (slices of
-# 250, --jobs 8); the --cuda-graph sweep; the crash and plans GPU tests (bench/gpu_tests.sh); the
-# check's cost before/after (bench/check_cost_before_after.sh: the before tree in .gpu/tree, see there);
-# the warm server mix's profile (bench/check_profile.py); --timeline's cost (bench/timeline_check.sh);
-# the libraries' mtimes again (the checks must rebuild none). Everything in OUT/evidence.tgz.
-# Environment: LIMIT (seconds this call may use, default 575), BACKENDS (triton,flashinfer,fa3,mla).
+# First the recording (bench/server_sweep.py make, 1,000 steps) and the compile phase until done
+# (~900 s of 16 cores with all four backends: two calls), then the FlashInfer libraries' mtimes; then
+# the PARTS, in their order, a call stopping at the first it cannot finish:
+#   eager     the eager sweep (slices of 250, --jobs 8)
+#   graph     the --cuda-graph sweep
+#   tests     the crash and plans GPU tests (bench/gpu_tests.sh)
+#   cost      the check's cost before/after (bench/check_cost_before_after.sh: the before tree in .gpu/tree)
+#   profile   the warm server mix's profile (bench/check_profile.py)
+#   timeline  --timeline's cost, start-up against per step (bench/timeline_check.sh cost)
+#   scale     the default command on the 1,000 steps, and memory from 1,000 to 5,000 steps
+#             (bench/check_scale.py --recording --runs default,long)
+# and last the libraries' mtimes again (the checks must rebuild none). Everything in OUT/evidence.tgz.
+# A part is finished when it ran to its end, whatever its verdict (its log says), not when its call's
+# time cut it. Environment: LIMIT (seconds this call may use, default 575), PARTS (default
+# eager,graph,tests,cost,profile,timeline), BACKENDS (triton,flashinfer,fa3,mla), TIMELINE_BACKENDS
+# (triton,flashinfer,fa3). Issues 24/25's measurements alone, without fa3 (its 12 SM90 modules are
+# 3/4 of the compile), about 900 s held:
+#
+#     PARTS=profile,timeline,scale BACKENDS=triton,flashinfer,mla TIMELINE_BACKENDS=triton,flashinfer bash bench/gpu_evidence.sh $OUT
 set -u
 out=${1:?usage: gpu_evidence.sh OUT}
 T0=$(date +%s)
 LIMIT=${LIMIT:-575}
 BACKENDS=${BACKENDS:-triton,flashinfer,fa3,mla}
+PARTS=${PARTS:-eager,graph,tests,cost,profile,timeline}
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 rec=/tmp/attndbg_server_sweep/server_sweep_1000_seed0
 res=/tmp/gpu_evidence; mkdir -p "$res"
@@ -25,43 +38,53 @@ trap pack EXIT
 say() { echo "$*" | tee -a "$res/summary.txt"; }
 [ -f "$res/env.txt" ] || attndbg env > "$res/env.txt" 2>&1
 [ -d "$rec" ] || python bench/server_sweep.py make -o "$rec" --steps 1000 --seed 0 > "$res/make.log" 2>&1
+libraries() { find ~/.cache/flashinfer -name '*.so' -printf '%T@ %p\n' 2>/dev/null | sort -k2; }
+# attempt PART SECONDS CMD...: CMD when more than SECONDS are left, under a timeout of what is left,
+# its output in res/PART.log; the part is finished unless the timeout cut it.
+attempt() {
+  local part=$1 need=$2; shift 2
+  [ "$(left)" -gt "$need" ] || return 1
+  timeout $(( $(left) - 10 )) "$@" > "$res/$part.log" 2>&1; local rc=$?
+  say "$part: exit $rc at $(( $(date +%s) - T0 )) s"; tail -12 "$res/$part.log"
+  [ $rc -ne 124 ] && touch "$res/$part.done"
+}
+sweep() { # LABEL [--cuda-graph]: finished once all four slices are in
+  local L=$(( $(left) - 10 )); [ $L -gt 60 ] || return 1
+  python bench/server_sweep.py run "$rec" --backend "$BACKENDS" ${2:-} --json "$res/$1.json" --jobs 8 --slice-steps 250 --timeout $L > "$res/run_$1.log" 2>&1
+  say "$1 sweep: call ended at $(( $(date +%s) - T0 )) s with $(ls "$res/$1".steps-*.json 2>/dev/null | wc -l) of 4 slices"
+  tail -14 "$res/run_$1.log"
+  [ "$(ls "$res/$1".steps-*.json 2>/dev/null | wc -l)" -ge 4 ] && touch "$res/$1.done"
+}
+part_eager() { sweep eager; }
+part_graph() { sweep graph --cuda-graph; }
+part_tests() { # gpu_tests.sh resumes its own parts across calls: finished when both are
+  [ "$(left)" -gt 90 ] || return 1
+  mkdir -p "$res/tests"; LIMIT=$(( $(left) - 5 )) bash bench/gpu_tests.sh "$res/tests" crash,plans > "$res/gpu_tests.log" 2>&1
+  tail -8 "$res/gpu_tests.log"
+  ! grep -q -e ': exit 124 ' -e ': not started' "$res/gpu_tests.log" && touch "$res/tests.done"
+}
+part_cost() { attempt cost 230 bash bench/check_cost_before_after.sh "$res/cost"; }
+# Issue 24: where a warm worker's time goes on the server mix (one process, 60 steps profiled).
+part_profile() { attempt profile 200 python bench/check_profile.py "$rec" --backend "$BACKENDS" --warmup 30 --steps 60 --out "$res" --tag _server; }
+# Issue 25: --timeline's cost, split into start-up and per step (needs cupti-python in .gpu).
+part_timeline() { attempt timeline 300 env BACKENDS="${TIMELINE_BACKENDS:-triton,flashinfer,fa3}" bash bench/timeline_check.sh "$res/timeline" cost; }
+# Issue 24: the command as a user runs it on the whole mix, and host/GPU memory at 1,000 and 5,000 steps.
+part_scale() { attempt scale 150 python bench/check_scale.py --recording "$rec" --system-caches --backends "$BACKENDS" --runs default,long --out "$res/scale" --work /tmp/gpu_evidence_scale --tag _server; }
+for part in ${PARTS//,/ }; do
+  declare -F "part_$part" >/dev/null || { echo "gpu_evidence.sh: no part $part (PARTS=$PARTS)"; exit 2; }
+done
 ( while true; do echo "$(date +%T) nvcc=$(pgrep -c nvcc) ninja=$(pgrep -c ninja) load=$(cut -d' ' -f1 /proc/loadavg) so=$(ls ~/.cache/flashinfer/*/*/cached_ops/*/*.so 2>/dev/null | wc -l) gpu=$(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader | tr -d ' ' | tr '\n' ' ')"; sleep 10; done ) >> "$res/sampler.txt" 2>&1 &
 sampler=$!
-libraries() { find ~/.cache/flashinfer -name '*.so' -printf '%T@ %p\n' 2>/dev/null | sort -k2; }
 if [ ! -f "$res/compile.done" ]; then
   s=$(date +%s)
   timeout $(( $(left) - 10 )) attndbg compile "$rec" --backend "$BACKENDS" >> "$res/compile.log" 2>&1; rc=$?
   say "compile: exit $rc after $(( $(date +%s) - s )) s"
   [ $rc -eq 0 ] && touch "$res/compile.done" && libraries > "$res/libraries_after_compile.txt"
 fi
-sweep() { # LABEL [--cuda-graph]: true once all four slices are in
-  local L=$(( $(left) - 10 )); [ $L -gt 60 ] || return 1
-  python bench/server_sweep.py run "$rec" --backend "$BACKENDS" ${2:-} --json "$res/$1.json" --jobs 8 --slice-steps 250 --timeout $L > "$res/run_$1.log" 2>&1
-  say "$1 sweep: call ended at $(( $(date +%s) - T0 )) s with $(ls "$res/$1".steps-*.json 2>/dev/null | wc -l) of 4 slices"
-  tail -14 "$res/run_$1.log"
-  [ "$(ls "$res/$1".steps-*.json 2>/dev/null | wc -l)" -ge 4 ]
-}
 if [ -f "$res/compile.done" ]; then
-  [ -f "$res/eager.done" ] || { sweep eager && touch "$res/eager.done"; }
-  [ -f "$res/eager.done" ] && [ ! -f "$res/graph.done" ] && { sweep graph --cuda-graph && touch "$res/graph.done"; }
-  if [ -f "$res/graph.done" ] && [ ! -f "$res/tests.done" ] && [ "$(left)" -gt 90 ]; then
-    mkdir -p "$res/tests"; LIMIT=$(( $(left) - 5 )) bash bench/gpu_tests.sh "$res/tests" crash,plans > "$res/gpu_tests.log" 2>&1 && touch "$res/tests.done"
-    tail -8 "$res/gpu_tests.log"
-  fi
-  if [ -f "$res/graph.done" ] && [ ! -f "$res/cost.done" ] && [ "$(left)" -gt 230 ]; then
-    bash bench/check_cost_before_after.sh "$res/cost" > "$res/cost.log" 2>&1 && touch "$res/cost.done"
-    say "cost before/after: done at $(( $(date +%s) - T0 )) s"; tail -5 "$res/cost/cost.txt"
-  fi
-  if [ -f "$res/cost.done" ] && [ ! -f "$res/check_profile_server.txt" ] && [ "$(left)" -gt 200 ]; then
-    # Issue 24: where a warm worker's time goes on the server mix (one process, 60 steps profiled).
-    timeout $(( $(left) - 10 )) python bench/check_profile.py "$rec" --backend "$BACKENDS" --warmup 30 --steps 60 --out "$res" --tag _server > "$res/profile.log" 2>&1
-    tail -4 "$res/profile.log"
-  fi
-  if [ -f "$res/check_profile_server.txt" ] && [ ! -f "$res/timeline/timeline_cost.txt" ] && [ "$(left)" -gt 300 ]; then
-    # Issue 25: --timeline's cost, split into start-up and per step (needs cupti-python in .gpu).
-    timeout $(( $(left) - 10 )) bash bench/timeline_check.sh "$res/timeline" cost > "$res/timeline.log" 2>&1
-    tail -12 "$res/timeline.log"
-  fi
+  for part in ${PARTS//,/ }; do
+    [ -f "$res/$part.done" ] || "part_$part" || break
+  done
   libraries > "$res/libraries_after_checks.txt"
   [ -f "$res/libraries_after_compile.txt" ] && if cmp -s "$res/libraries_after_compile.txt" "$res/libraries_after_checks.txt"; then
     say "FlashInfer libraries: none rewritten or added since the compile phase"

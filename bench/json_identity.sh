@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # `check --json` before and after a change, on the CPU (issue 23's identity): the shipped traces
-# (Triton interpreted), every synth preset with every injectable mistake that applies to it, and
-# 200 server-shaped steps (bench/server_sweep.py), the last two with --backend fa3 (no GPU here:
-# every detector on metadata and recorded tensors). The before tree is a `git archive` of the older
-# commit in BEFORE (default .gpu/tree, as bench/check_cost_before_after.sh uses it).
+# (Triton interpreted), every synth preset with every injectable mistake that applies to it
+# (bench/injected_traces.py), and 200 server-shaped steps (bench/server_sweep.py), the last two with
+# --backend fa3 (no GPU here: every detector on metadata and recorded tensors). The before tree is a
+# `git archive` of the older commit in BEFORE (default .gpu/tree, as bench/check_cost_before_after.sh
+# uses it).
 #
 #     bash bench/json_identity.sh OUT_DIR
 #
@@ -13,15 +14,8 @@ out=${1:?usage: json_identity.sh OUT_DIR}
 here=$(pwd)
 before=$(cd "${BEFORE:-.gpu/tree}" && pwd)
 ln -sfn ../backends "$before/attndbg/backends"  # the before tree's adapters, as its install would place them
-mkdir -p "$out/injected"
 export TRITON_INTERPRET=1
-presets=$(attndbg synth --list | sed -n 's/^  \([a-z][a-z0-9-]*\) \+mode=.*/\1/p')
-mistakes=$(attndbg synth --list | sed -n 's/^  \([a-z-]*:[a-z0-9-]*\) .*/\1/p')
-for p in $presets; do
-  for m in $mistakes; do
-    attndbg synth "$p" --inject "$m" -o "$out/injected/${p}__${m/:/_}.pt" >/dev/null 2>&1 || true  # a mistake that does not apply: no file
-  done
-done
+[ -d "$out/injected" ] || python bench/injected_traces.py "$out/injected" >/dev/null
 [ -d "$out/server200" ] || python bench/server_sweep.py make -o "$out/server200" --steps 200 --seed 0 >/dev/null
 for side in after before; do
   dir=$here; [ $side = before ] && dir=$before
