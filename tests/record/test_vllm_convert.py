@@ -109,6 +109,18 @@ def test_graph_padded_decode(tmp_path: Path) -> None:
     assert lists(graph.padded_block_table) == [[7, 3, 0], [5, 1, 9], [0, 0, 0], [0, 0, 0]]
 
 
+def test_a_one_token_prompt_among_decodes_is_a_decode_step_as_vllm_runs_it(tmp_path: Path) -> None:
+    """vLLM takes a batch of query length 1 throughout as a uniform decode and replays it in its FULL
+    graph, a request's first (one-token) prefill among them; SGLang's rule would call the step MIXED,
+    and fill-value, which replays graphs of decode and verify steps only, would skip its padding."""
+    layout = make_layout([20, 1, 33], [1, 1, 1], seed=5, pad_reqs=1, pad_tokens=1)
+    trace = usable(trace_of(convert_common(layout.cm, block_size=BLOCK_SIZE, kv_cache_size=NUM_BLOCKS * BLOCK_SIZE)), tmp_path / "p.pt")
+    assert trace.batch.forward_mode is ForwardMode.DECODE
+    assert lists(trace.batch.prefix_lens) == [19, 0, 32] and lists(trace.batch.extend_lens) == [1, 1, 1]
+    assert trace.graph is not None and trace.graph.capture_bs == 4
+    assert_rows(trace, layout)
+
+
 def test_a_row_without_tokens_before_a_real_row_is_recorded() -> None:
     # Padding before a real row is the engine's mistake (vLLM pads only after): recorded, not refused.
     layout = make_layout([20, 33], [1, 1], blocks=[[7, 3], [5, 1, 9]])

@@ -201,6 +201,18 @@ def _is_verify(extend: Tensor, prefix: Tensor, prefilling: Tensor | None, specul
     return prefilling is None or not bool(prefilling.any())
 
 
+def vllm_mode(extend: Tensor, prefix: Tensor) -> ForwardMode:
+    """DECODE when every request has one query token, whatever its prefix: vLLM has no forward mode,
+    and its runner takes a batch of query length 1 throughout (a one-token prompt among decodes
+    included) as a uniform decode, the batch its FULL CUDA graphs are captured for. SGLang's rule
+    (`mode_from_lengths`: a one-token prompt is a prefill) would make such a step MIXED, and
+    fill-value replays graphs only for decode and verify steps: the padding of the graph vLLM ran
+    would go unchecked."""
+    if extend.numel() and bool((extend == 1).all()):
+        return ForwardMode.DECODE
+    return mode_from_lengths(extend, prefix)
+
+
 def convert_common(
     cm: Any,
     *,
@@ -261,7 +273,7 @@ def convert_common(
         mode = ForwardMode.TARGET_VERIFY
         derived_positions = token_prefix + _depths(spec.parents[0]).repeat(n)
     else:
-        mode = mode_from_lengths(extend, prefix)
+        mode = vllm_mode(extend, prefix)
         derived_positions = token_prefix + token_index
     positions = _gather(positions_all, engine_token, derived_positions)
 
