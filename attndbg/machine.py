@@ -25,6 +25,15 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+def host_cores() -> int:
+    """The cores this process may run on: its CPU affinity (taskset, a container's cpuset), which
+    os.cpu_count() ignores, so that workers and threads are sized by what they can use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity API (macOS)
+        return max(1, os.cpu_count() or 1)
+
+
 @functools.cache
 def cuda_available() -> bool:
     import torch

@@ -12,7 +12,6 @@ every number of jobs.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -293,7 +292,7 @@ WORKERS_PER_GPU = 8
 def auto_jobs(steps: int, devices: tuple[int, ...] | None) -> int:
     """Worker processes for `steps` steps: two host cores each (a worker's Python and the kernel
     launches it waits on), at most WORKERS_PER_GPU per GPU, one per STEPS_PER_WORKER steps."""
-    cores = max(1, (os.cpu_count() or 1) // 2)
+    cores = max(1, machine.host_cores() // 2)
     per_device = WORKERS_PER_GPU * max(1, len(devices or ()))
     return max(1, min(cores, per_device, steps // STEPS_PER_WORKER))
 

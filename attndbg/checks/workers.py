@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+from attndbg import machine
 from attndbg.checks.crashes import Recheck, crash_finding, with_crashes
 from attndbg.checks.run import StepReport, StepResult, check_one, step_of
 from attndbg.detector_api.context import CheckOptions
@@ -145,7 +146,7 @@ def check_in_workers(
     slots = [devices[i % len(devices)] if devices else None for i in range(min(jobs, max(1, len(paths))))]
     # A little under an equal share of each GPU per worker on it (the CUDA context lives outside it).
     share = {d: 0.9 / slots.count(d) for d in set(slots)}
-    threads = max(1, (os.cpu_count() or 1) // len(slots))
+    threads = max(1, machine.host_cores() // len(slots))
     workers = [_Worker(ctx, device, share[device], threads, only, options, check) for device in slots]
     done: dict[int, StepResult] = {}
     crashes: dict[int, list[Finding]] = {}  # per step: its crashes, in order

@@ -115,12 +115,12 @@ def test_a_backend_that_crashes_is_a_finding_and_the_step_is_checked_without_it(
 def test_jobs_auto_spreads_only_long_recordings(monkeypatch: pytest.MonkeyPatch) -> None:
     from attndbg.checks import run
 
-    monkeypatch.setattr(run.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(run.machine, "host_cores", lambda: 16)
     assert run.auto_jobs(10, (0,)) == 1  # worker start-up would cost more than it saves
     assert run.auto_jobs(1000, (0,)) == 8  # 8 cores' worth, 8 per GPU
     assert run.auto_jobs(1000, (0, 1)) == 8  # still two cores a worker
     assert run.auto_jobs(120, None) == 2
-    monkeypatch.setattr(run.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(run.machine, "host_cores", lambda: 2)
     assert run.auto_jobs(1000, None) == 1  # a 2-core machine checks in one process
 
 
@@ -291,3 +291,15 @@ def test_the_verdict_names_the_steps_no_kernel_was_compared_on() -> None:
     assert "no kernel compared on" not in every.line and every.unreplayed == {}
     none = check_verdict(steps[1:4], [FindingClass.INVARIANT], None)
     assert "no kernel ran (metadata and recorded tensors only)" in none.line and "no kernel compared on" not in none.line
+
+
+def test_jobs_auto_counts_the_cores_the_process_may_use() -> None:
+    """A check started under `taskset -c 0` (or in a container's cpuset) on a many-core host sizes its
+    workers by the one core it has, not by os.cpu_count()."""
+    import subprocess
+    import sys
+
+    # os.cpu_count() says 64, as on a 4-GPU host: only the affinity can give 1.
+    code = "import os; os.cpu_count = lambda: 64; from attndbg.checks import run; print(run.auto_jobs(1000, (0,)))"
+    out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "1"
