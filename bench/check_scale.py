@@ -89,7 +89,8 @@ def lengthen(src: Path, dst: Path, steps: int) -> None:
 
 
 class GpuMemorySampler:
-    """Peak `memory.used` of every GPU, from nvidia-smi, while a command runs."""
+    """Peak `memory.used` of the GPUs this process sees (CUDA_VISIBLE_DEVICES, as indices, else
+    every GPU), from nvidia-smi, while a command runs."""
 
     def __init__(self) -> None:
         self.peak_mib = 0
@@ -99,8 +100,12 @@ class GpuMemorySampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
                 out = subprocess.run(
-                    ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=5
+                    ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", *(["-i", visible] if visible else [])],
+                    capture_output=True,
+                    text=True,
+                    timeout=5,
                 ).stdout
                 self.peak_mib = max([self.peak_mib] + [int(x) for x in out.split() if x.strip().isdigit()])
             except (OSError, subprocess.TimeoutExpired):
@@ -124,20 +129,20 @@ _WRAPPER = (
 )
 
 
-RUN_TIMEOUT = 300  # seconds; a run past it is recorded as timed out (exit -9), the others go on
+RUN_TIMEOUT = 300  # seconds (--run-timeout); a run past it is recorded as timed out (exit -9), the others go on
 
 
-def timed_check(label: str, args: list[str], log_dir: Path, cwd: str | None = None) -> dict:
+def timed_check(label: str, args: list[str], log_dir: Path, cwd: str | None = None, timeout: float = RUN_TIMEOUT) -> dict:
     """Run `attndbg check ARGS` in a fresh process; wall time, exit code, peaks, verdict line."""
     command = [sys.executable, "-c", _WRAPPER, sys.executable, "-m", "attndbg", "check", *args]
     with GpuMemorySampler() as gpu:
         start = time.perf_counter()
         try:
-            proc = subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=RUN_TIMEOUT)
+            proc = subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=timeout)
         except subprocess.TimeoutExpired as e:
             out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
             err = (e.stderr or b"").decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-            proc = subprocess.CompletedProcess(command, -9, out, err + f"\ntimed out after {RUN_TIMEOUT} s")
+            proc = subprocess.CompletedProcess(command, -9, out, err + f"\ntimed out after {timeout:.0f} s")
         seconds = time.perf_counter() - start
     (log_dir / f"check_{''.join(c if c.isalnum() else '_' for c in label)}.log").write_text(proc.stdout + proc.stderr)
     rss = [int(line.split()[1]) for line in proc.stderr.splitlines() if line.startswith("PEAK_RSS_KIB")]
@@ -176,6 +181,7 @@ def main() -> int:
     parser.add_argument("--before-steps", type=int, default=10)
     parser.add_argument("--profile-sample", type=int, default=100)
     parser.add_argument("--runs", default="cold,before,warm,profile,jobs,graph,long")
+    parser.add_argument("--run-timeout", type=float, default=RUN_TIMEOUT, help="seconds one timed check may take")
     parser.add_argument("--devices", default=None, help="also time --jobs J --devices D (e.g. 0,1) for the multi-GPU speed-up")
     parser.add_argument("--work", default="/tmp/attndbg_scale")
     parser.add_argument("--out", default="bench/results")
@@ -194,7 +200,7 @@ def main() -> int:
     rows = []
 
     def record(label: str, check_args: list[str], steps: int, cwd: str | None = None) -> None:
-        row = timed_check(label, check_args, out, cwd)
+        row = timed_check(label, check_args, out, cwd, timeout=args.run_timeout)
         row["steps_checked"] = steps
         rows.append(row)
         print(row, flush=True)

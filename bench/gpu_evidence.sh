@@ -19,7 +19,9 @@
 # and last the libraries' mtimes again (the checks must rebuild none). Everything in OUT/evidence.tgz.
 # A part is finished when it ran to its end, whatever its verdict (its log says), not when its call's
 # time cut it. Environment: LIMIT (seconds this call may use, default 575), PARTS (default
-# eager,graph,tests,cost,profile,timeline), BACKENDS (triton,flashinfer,fa3,mla), TIMELINE_BACKENDS
+# eager,graph,tests,cost,profile,timeline), LANES (instead of PARTS, on a host of several GPUs:
+# space-separated lists of parts, lane i on GPU i with 1/N of the cores, the lanes at once; the
+# recording and the compile phase use the whole host first), BACKENDS (triton,flashinfer,fa3,mla), TIMELINE_BACKENDS
 # (triton,flashinfer,fa3). Issues 24/25's measurements alone, without fa3 (its 12 SM90 modules are
 # 3/4 of the compile), about 900 s held:
 #
@@ -67,11 +69,12 @@ part_cost() { attempt cost 230 bash bench/check_cost_before_after.sh "$res/cost"
 # Issue 24: where a warm worker's time goes on the server mix (one process, 60 steps profiled).
 part_profile() { attempt profile 200 python bench/check_profile.py "$rec" --backend "$BACKENDS" --warmup 30 --steps 60 --out "$res" --tag _server; }
 # Issue 25: --timeline's cost, split into start-up and per step (needs cupti-python in .gpu).
-part_timeline() { attempt timeline 300 env BACKENDS="${TIMELINE_BACKENDS:-triton,flashinfer,fa3}" bash bench/timeline_check.sh "$res/timeline" cost; }
-# Issue 24: the command as a user runs it on the whole mix, and host/GPU memory at 1,000 and 5,000 steps.
-part_scale() { attempt scale 150 python bench/check_scale.py --recording "$rec" --system-caches --backends "$BACKENDS" --runs default,long --out "$res/scale" --work /tmp/gpu_evidence_scale --tag _server; }
-for part in ${PARTS//,/ }; do
-  declare -F "part_$part" >/dev/null || { echo "gpu_evidence.sh: no part $part (PARTS=$PARTS)"; exit 2; }
+part_timeline() { attempt timeline 300 env REC="$rec" BACKENDS="${TIMELINE_BACKENDS:-triton,flashinfer,fa3}" bash bench/timeline_check.sh "$res/timeline" cost; }
+# Issue 24: the command as a user runs it on the whole mix, and host/GPU memory at 1,000 and 5,000 steps
+# (SCALE_RUNS: check_scale.py's --runs; with jobs, --jobs SCALE_JOBS too).
+part_scale() { attempt scale 150 python bench/check_scale.py --recording "$rec" --system-caches --backends "$BACKENDS" --runs "${SCALE_RUNS:-default,long}" --jobs "${SCALE_JOBS:-16}" --run-timeout "$(( $(left) - 20 ))" --out "$res/scale" --work /tmp/gpu_evidence_scale --tag _server; }
+for part in $(tr ',' ' ' <<< "${LANES:-$PARTS}"); do
+  declare -F "part_$part" >/dev/null || { echo "gpu_evidence.sh: no part $part (PARTS=$PARTS LANES=${LANES:-})"; exit 2; }
 done
 ( while true; do echo "$(date +%T) nvcc=$(pgrep -c nvcc) ninja=$(pgrep -c ninja) load=$(cut -d' ' -f1 /proc/loadavg) so=$(ls ~/.cache/flashinfer/*/*/cached_ops/*/*.so 2>/dev/null | wc -l) gpu=$(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader | tr -d ' ' | tr '\n' ' ')"; sleep 10; done ) >> "$res/sampler.txt" 2>&1 &
 sampler=$!
@@ -81,10 +84,28 @@ if [ ! -f "$res/compile.done" ]; then
   say "compile: exit $rc after $(( $(date +%s) - s )) s"
   [ $rc -eq 0 ] && touch "$res/compile.done" && libraries > "$res/libraries_after_compile.txt"
 fi
-if [ -f "$res/compile.done" ]; then
-  for part in ${PARTS//,/ }; do
+# run_parts LIST: LIST's parts in order, stopping at the first it cannot finish.
+run_parts() {
+  local part
+  for part in ${1//,/ }; do
     [ -f "$res/$part.done" ] || "part_$part" || break
   done
+}
+if [ -f "$res/compile.done" ]; then
+  if [ -n "${LANES:-}" ]; then
+    # Lane i on GPU i and its own share of the cores (a 16-core one-GPU machine's on a 4-GPU host
+    # of 64), all lanes at once; --jobs auto counts the affinity, so it picks what it would there.
+    read -ra lanes <<< "$LANES"; per=$(( $(nproc) / ${#lanes[@]} )); pids=()
+    for i in "${!lanes[@]}"; do
+      ( taskset -cp "$(( i * per ))-$(( (i + 1) * per - 1 ))" $BASHPID > /dev/null
+        export CUDA_VISIBLE_DEVICES=$i MAX_JOBS=$per
+        run_parts "${lanes[$i]}" ) &
+      pids+=($!)
+    done
+    wait "${pids[@]}"  # not the sampler
+  else
+    run_parts "$PARTS"
+  fi
   libraries > "$res/libraries_after_checks.txt"
   [ -f "$res/libraries_after_compile.txt" ] && if cmp -s "$res/libraries_after_compile.txt" "$res/libraries_after_checks.txt"; then
     say "FlashInfer libraries: none rewritten or added since the compile phase"

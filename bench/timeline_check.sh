@@ -28,19 +28,20 @@ if [ "$what" = test ]; then
   exit 0
 fi
 
-# 2. The cost of --timeline per step: a server-shaped recording (metadata-only decode steps, bs 1-64,
-# kv 1-8192), checked as users run it, without and with --timeline (a warm-up run first, then
-# alternating), wall time of the whole command.
-rec=/tmp/timeline_rec
+# 2. The cost of --timeline per step: on REC (the server mix, bench/server_sweep.py make's) when
+# given, else a recording of metadata-only decode steps (bs 1-64, kv 1-8192); its first 200 steps,
+# checked as users run it, without and with --timeline (a warm-up run first, then alternating), wall
+# time of the whole command.
+rec=${REC:-/tmp/timeline_rec}
 [ -d "$rec" ] || python3 bench/scale_recording.py "$rec" --steps 200 >/dev/null
 B=${BACKENDS:-triton,flashinfer,fa3}
 run() { local s=$EPOCHREALTIME; timeout 110 attndbg check "$rec" --backend "$B" "$@" >/dev/null 2>/tmp/timeline_err.txt; local rc=$?; awk -v a="$s" -v b="$EPOCHREALTIME" -v rc=$rc 'BEGIN { printf "%.1f s (exit %d)", b - a, rc }'; }
 {
-  echo "attndbg check $rec (200 steps) --backend $B: wall seconds"
-  echo "warm-up:        $(run)"
+  echo "attndbg check $rec --steps 0:200 --backend $B: wall seconds"
+  echo "warm-up:        $(run --steps 0:200)"
   for i in 1 2; do
-    echo "plain $i:        $(run)"
-    echo "--timeline $i:   $(run --timeline /tmp/timeline_cost.json)"
+    echo "plain $i:        $(run --steps 0:200)"
+    echo "--timeline $i:   $(run --steps 0:200 --timeline /tmp/timeline_cost.json)"
     grep -A12 '^timeline: ' /tmp/timeline_err.txt | head -14
   done
   # Per step or per process? The same on a quarter of the steps and the same 4 workers (--jobs auto
