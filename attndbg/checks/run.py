@@ -27,7 +27,7 @@ from attndbg.detector_api.findings import Finding, FindingClass
 from attndbg.detectors import registry
 from attndbg.detectors.base import Detector
 from attndbg.profiling import phase, step_range
-from attndbg.replay import activity
+from attndbg.replay import activity, memory_share
 from attndbg.suggest import did_you_mean
 from attndbg.trace import io
 from attndbg.trace.schema import Trace
@@ -71,6 +71,9 @@ class StepResult:
 
     report: StepReport
     digests: dict[FindingClass, Any] = field(default_factory=dict)
+    # Not checked: over this worker's share of the GPU, and would fit the workers' whole part of it
+    # (memory_share.OverShare). The worker pool checks it again, alone.
+    over_share: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,7 +134,8 @@ def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions)
                     with _context_probe(kind):
                         activity.check_context()  # a fault some code swallowed, or raised outside any launch
             except TraceError as e:  # valid, but cannot be replayed here (e.g. its KV pool does not fit)
-                return StepResult(StepReport(str(path), trace.source.step, trace.batch.forward_mode.value, [], error=f"{e.field}: {e.message}", bad_input=True))
+                report = StepReport(str(path), trace.source.step, trace.batch.forward_mode.value, [], error=f"{e.field}: {e.message}", bad_input=True)
+                return StepResult(report, over_share=isinstance(e, memory_share.OverShare))
             except Exception as e:  # noqa: BLE001 - a detector that cannot read this step must not end the check
                 try:
                     with _context_probe(kind):

@@ -38,12 +38,14 @@ from attndbg.checks.crashes import Recheck, crash_finding, with_crashes
 from attndbg.checks.run import StepReport, StepResult, check_one, step_of
 from attndbg.detector_api.context import CheckOptions
 from attndbg.detector_api.findings import Finding, FindingClass
-from attndbg.replay import activity
+from attndbg.replay import activity, memory_share
 
 # What a worker may write about the launch it is in (backend, what, an error's first line, detector).
 ACTIVITY_BYTES = 1024
 
 WINDOW_PER_JOB = 4
+# The task index that asks a worker to empty its GPU cache (before another checks a step alone).
+RELEASE = -1
 # How often the parent reads the awaited step's worker for a progress display (`now`).
 NOW_EVERY_S = 0.5
 
@@ -74,17 +76,25 @@ def _worker_main(
     torch.set_num_threads(threads)
     if device is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
-        if torch.cuda.is_available():
-            # Workers share the GPU: each keeps to its part, so the caching allocators of several
-            # workers never take the card between them (an allocator at its limit frees its cache).
-            torch.cuda.set_per_process_memory_fraction(share)
+    # Workers share the GPU (with --devices or not): each keeps to its part, so the caching
+    # allocators of several workers never take the card between them.
+    memory_share.take(share)
     while True:
         task = conn.recv()
         if task is None:
             return
-        index, path, exclude, skip = task
+        index, path, exclude, skip, alone = task
+        if index == RELEASE:  # another worker will check a step alone: give back this one's cache
+            memory_share.take(share)
+            conn.send((index, None))
+            continue
+        if alone:
+            memory_share.take(memory_share.WORKERS_PART)
         detectors = [kind for kind in only if kind.value not in skip]
-        conn.send((index, check(path, detectors, replace(options, exclude=tuple(exclude)) if exclude else options)))
+        result = check(path, detectors, replace(options, exclude=tuple(exclude)) if exclude else options)
+        if alone:
+            memory_share.take(share)
+        conn.send((index, result))
 
 
 class _Worker:
@@ -97,11 +107,17 @@ class _Worker:
         self.process.start()
         child.close()
         self.task: tuple[int, Path] | None = None
+        self.alone = False  # its task is a step checked alone (over a worker's share of the GPU)
 
-    def send(self, index: int, path: Path, exclude: tuple[str, ...], skip: tuple[str, ...]) -> None:
-        self.task = (index, path)
+    def send(self, index: int, path: Path, exclude: tuple[str, ...], skip: tuple[str, ...], alone: bool = False) -> None:
+        self.task, self.alone = (index, path), alone
         self.launch.value = b""
-        self.conn.send((index, str(path), exclude, skip))
+        self.conn.send((index, str(path), exclude, skip, alone))
+
+    def release(self) -> None:
+        """Have the worker empty its GPU cache (it answers when done)."""
+        self.task = (RELEASE, Path())
+        self.conn.send((RELEASE, "", (), (), False))
 
     def last_launch(self) -> activity.Launch | None:
         """What the worker was running when it ended (launch, detector, CUDA error), if anything."""
@@ -145,12 +161,17 @@ def check_in_workers(
     early = set(first)
     slots = [devices[i % len(devices)] if devices else None for i in range(min(jobs, max(1, len(paths))))]
     # A little under an equal share of each GPU per worker on it (the CUDA context lives outside it).
-    share = {d: 0.9 / slots.count(d) for d in set(slots)}
+    share = {d: memory_share.WORKERS_PART / slots.count(d) if len(slots) > 1 else None for d in set(slots)}
     threads = max(1, machine.host_cores() // len(slots))
     workers = [_Worker(ctx, device, share[device], threads, only, options, check) for device in slots]
     done: dict[int, StepResult] = {}
     crashes: dict[int, list[Finding]] = {}  # per step: its crashes, in order
     retry: deque[int] = deque()  # steps to check again without the backends (or detectors) that crashed on them
+    # Steps over a worker's share of the GPU that fit the workers' whole part: each is checked by
+    # one worker while the others, their caches emptied, wait. Rare (a step of gigabytes), so the
+    # whole pool waits rather than track which workers share which card.
+    alone: deque[int] = deque()
+    released = False  # the other workers have emptied their caches since the last ordinary step
     next_task, next_out = 0, 0  # next_task indexes `order`; next_out the recording
     window = WINDOW_PER_JOB * len(workers)
 
@@ -164,9 +185,18 @@ def check_in_workers(
 
     try:
         while next_out < len(paths):
+            if alone and all(w.task is None for w in workers):
+                if not released and len(workers) > 1:
+                    for worker in workers[1:]:
+                        worker.release()
+                    released = True
+                else:
+                    index = alone.popleft()
+                    workers[0].send(index, paths[index], excluded(index), skipped(index), alone=True)
             for worker in workers:
-                if worker.task is not None:
+                if worker.task is not None or alone:
                     continue
+                released = False
                 if retry:
                     index = retry.popleft()
                     worker.send(index, paths[index], excluded(index), skipped(index))
@@ -195,11 +225,20 @@ def check_in_workers(
                     except (EOFError, OSError):
                         pass  # it died while sending: handled below
                     else:
+                        was_alone, worker.task, worker.alone = worker.alone, None, False
+                        if index == RELEASE:
+                            continue
+                        if result.over_share and not was_alone:
+                            alone.append(index)
+                            continue
                         done[index] = replace(result, report=with_crashes(result.report, crashes.pop(index, [])))
-                        worker.task = None
                         continue
                 if worker.process.sentinel in ready and not worker.process.is_alive():
                     index, path = worker.task
+                    if index == RELEASE:  # it died emptying its cache: no step of it is lost
+                        worker.conn.close()
+                        workers[i] = _Worker(ctx, worker.device, *worker.setup)
+                        continue
                     death = _death(worker.process)
                     crash = worker.last_launch()
                     recheck = _recheck(crash, excluded(index), skipped(index))

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from attndbg.backends.base import AttentionInputs
 from attndbg.backends.reference import GROUP_BYTES
+from attndbg.replay import memory_share
 from attndbg.trace.errors import TraceError
 from attndbg.trace.schema import DTYPES, AttentionKind, Trace
 
@@ -95,9 +96,10 @@ def _driving_field(trace: Trace, need: Footprint) -> tuple[str, str]:
 
 
 def available_bytes(device: torch.device) -> int:
-    """Free memory where the data will live: the GPU's free memory, or the host's MemAvailable."""
+    """Room where the data will live: this process's room on the GPU (its share, when workers
+    share the card), or the host's MemAvailable."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        return memory_share.room(device)
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
@@ -112,8 +114,11 @@ def check_fits(trace: Trace, device: torch.device, *, max_bytes: int | None = No
     """Refuse, before allocating, a step whose data could not fit in what `device` has free, or in
     `max_bytes` (--max-memory) when that is less: a TraceError naming the field that drives the size."""
     need, free = footprint(trace, device, cuda_graph=cuda_graph), available_bytes(device)
-    if max_bytes is not None and max_bytes < free:
+    by_room = max_bytes is None or max_bytes >= free
+    if not by_room:
         limit, whose = max_bytes, f"--max-memory {human_bytes(max_bytes)}"
+    elif device.type == "cuda" and memory_share.share() is not None:
+        limit, whose = free, f"{human_bytes(free)} left in this worker's share of {device.type}"
     else:
         limit, whose = free, f"{human_bytes(free)} free on {device.type}"
     if need.total <= limit:
@@ -122,7 +127,8 @@ def check_fits(trace: Trace, device: torch.device, *, max_bytes: int | None = No
     if need.graph:
         parts.append(f"CUDA-graph copy of the pool {human_bytes(need.graph)}")
     field, value = _driving_field(trace, need)
-    raise TraceError(
+    over_share = by_room and memory_share.fits_alone(device, need.total)
+    raise (memory_share.OverShare if over_share else TraceError)(
         field,
         f"= {value}: replaying this step needs {human_bytes(need.total)} on {device.type} ({', '.join(parts)}), "
         f"more than {whose}; not replayed",

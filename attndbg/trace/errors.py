@@ -22,4 +22,4 @@ class TraceError(ValueError):
         super().__init__(printable(f"{path + ': ' if path else ''}{field}: {message}"))
 
     def in_file(self, path: str) -> "TraceError":
-        return TraceError(self.field, self.message, path)
+        return type(self)(self.field, self.message, path)

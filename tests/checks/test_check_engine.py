@@ -303,3 +303,23 @@ def test_jobs_auto_counts_the_cores_the_process_may_use() -> None:
     code = "import os; os.cpu_count = lambda: 64; from attndbg.checks import run; print(run.auto_jobs(1000, (0,)))"
     out = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "1"
+
+
+def test_a_step_over_a_workers_share_of_the_gpu_is_checked_alone_with_the_whole_part(tmp_path: Path) -> None:
+    """Workers on one GPU each keep to 0.9/N of it; a step that fits the card but not a share is
+    handed back and checked once more, alone, with the workers' whole part (as with --jobs 1),
+    instead of being refused as not fitting (754 of 1,000 server steps were, with 8 workers)."""
+    from tests.checks.share_worker import check_with_a_big_step
+
+    rec = _recording(tmp_path / "rec")
+    paths = select_paths(rec)
+    big = paths[3].with_name("big.pt")
+    shutil.copy(paths[3], big)
+    paths[3] = big
+    results = list(check_in_workers(paths, METADATA, CheckOptions(backends=("reference",)), jobs=3, devices=None, check=check_with_a_big_step))
+    assert [r.report.path for r in results] == [str(p) for p in paths]
+    assert all(r.report.checked and not r.over_share for r in results)
+    runs = [line.split() for line in (big.parent / "shares.txt").read_text().splitlines()]
+    assert [float(share) for name, share in runs if name == "big.pt"] == [0.3, 0.9]  # its share, then alone
+    assert {float(share) for name, share in runs if name != "big.pt"} == {0.3}
+    assert len(runs) == len(paths) + 1

@@ -73,3 +73,46 @@ def test_in_a_recording_only_the_step_over_max_memory_is_not_checked(tmp_path: P
     assert "step_000001.pt: batch.kv_cache_size: = 65536 slots" in result.output and "more than --max-memory 1.0 MiB" in result.output
     assert "checked 2 of 3 steps" in result.output
     assert invoke("check", str(rec), "--only", "split-merge", "--backend", "triton", "--max-memory", "16M").exit_code == 0
+
+
+def _card(monkeypatch: pytest.MonkeyPatch, *, free: int, total: int, held: int, cached: int, share: float | None) -> None:
+    """A CUDA card as the allocator and the driver would report it, on a machine without one."""
+    from attndbg.replay import memory_share
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: held)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: cached)
+    monkeypatch.setattr(memory_share, "_share", share)
+
+
+def test_a_workers_room_is_its_share_less_what_it_holds_and_counts_its_own_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The card's free memory counts the other workers' caches and this one's unused cache as taken:
+    a worker's room is its share less what it holds, and alone on the card, free plus its cache."""
+    from attndbg.replay import memory_share
+
+    cuda, gib = torch.device("cuda"), 1 << 30
+    _card(monkeypatch, free=1 * gib, total=80 * gib, held=2 * gib, cached=6 * gib, share=0.9 / 8)
+    assert memory_share.room(cuda) == min(1 * gib + 4 * gib, int(0.9 / 8 * 80 * gib) - 2 * gib)
+    _card(monkeypatch, free=1 * gib, total=80 * gib, held=2 * gib, cached=6 * gib, share=None)
+    assert memory_share.room(cuda) == 5 * gib  # free, and the 4 GiB cached but not held
+
+
+def test_a_step_over_a_workers_share_but_within_the_card_is_handed_back_not_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from attndbg.replay import memory_share
+
+    cuda = torch.device("cuda")
+    _, big = _big_pool()
+    need = footprint(big, cuda).total
+    # Over a share of 0.6 of the need, within the workers' part (10.8 needs): OverShare, to be checked alone.
+    _card(monkeypatch, free=100 * need, total=12 * need, held=0, cached=0, share=0.05)
+    with pytest.raises(memory_share.OverShare) as handed_back:
+        check_fits(big, cuda)
+    assert "left in this worker's share of cuda" in handed_back.value.message
+    # The same step over the workers' whole part (0.9 of the card): refused as not fitting.
+    _card(monkeypatch, free=100 * need, total=need, held=0, cached=0, share=0.1)
+    with pytest.raises(TraceError) as refused:
+        check_fits(big, cuda)
+    assert type(refused.value) is TraceError
+    # Alone (no share): the card's room decides.
+    _card(monkeypatch, free=need, total=2 * need, held=0, cached=0, share=None)
+    check_fits(big, cuda)
