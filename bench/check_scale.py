@@ -89,8 +89,9 @@ def lengthen(src: Path, dst: Path, steps: int) -> None:
 
 
 class GpuMemorySampler:
-    """Peak `memory.used` of the GPUs this process sees (CUDA_VISIBLE_DEVICES, as indices, else
-    every GPU), from nvidia-smi, while a command runs."""
+    """Peak `memory.used` of the GPUs this process sees (CUDA_VISIBLE_DEVICES, as nvidia-smi -i takes
+    it: UUIDs, or indices when CUDA_DEVICE_ORDER=PCI_BUS_ID; else every GPU), from nvidia-smi, while
+    a command runs."""
 
     def __init__(self) -> None:
         self.peak_mib = 0

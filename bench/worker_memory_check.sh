@@ -3,7 +3,9 @@
 #
 # Session 12 measured, on an H200, 754 of 1,000 server-shaped steps "not replayed: more than 124 MiB
 # free on cuda" with the default 8 workers: without --devices the workers took no share of the
-# card, and a step's room was the card's free memory, which counts the other workers' caches. On a
+# card, and a step's room was the card's free memory, which counts the other workers' caches. (That
+# run, and this script's first, had every lane's workers on GPU 0: a worker took physical GPU N for
+# the parent's GPU N, whatever the parent's CUDA_VISIBLE_DEVICES; fixed since.) On a
 # host of four GPUs (one command, ~6 min held with BACKENDS without fa3, whose modules take 7 of the
 # compile's minutes):
 #
@@ -28,6 +30,9 @@ T0=$EPOCHREALTIME; S0=$SECONDS
 LIMIT=${LIMIT:-380}  # seconds for the whole command: the lanes are stopped at it, the results kept
 left() { local l=$(( LIMIT - (SECONDS - S0) )); echo $(( l > 5 ? l : 5 )); }
 since() { awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }'; }
+# Bytecode for the wheels .gpu/env.sh installed with --no-compile, as pip's install writes it for
+# users: else every process compiles FlashInfer's sources again (3.2 s of a worker's start, session 12).
+python -m compileall -q -j 0 /tmp/site attndbg backends > /dev/null 2>&1 || true
 [ -d "$rec" ] || python bench/server_sweep.py make -o "$rec" --steps 1000 --seed 0 > "$res/make.log" 2>&1
 echo "recording: $(since "$T0") s"
 s=$EPOCHREALTIME; timeout "$(left)" attndbg compile "$rec" --backend "$BACKENDS" > "$res/compile.log" 2>&1
@@ -40,7 +45,7 @@ timed() {
 }
 lane() { # GPU CMD...: CMD on GPU and its quarter of the cores
   local gpu=$1 per=$(( $(nproc) / 4 )); shift
-  ( taskset -cp "$(( gpu * per ))-$(( (gpu + 1) * per - 1 ))" $BASHPID > /dev/null; export CUDA_VISIBLE_DEVICES=$gpu CUDA_DEVICE_ORDER=PCI_BUS_ID; "$@" ) > "$res/lane$gpu.txt" 2>&1 &
+  ( taskset -cp "$(( gpu * per ))-$(( (gpu + 1) * per - 1 ))" $BASHPID > /dev/null; export CUDA_VISIBLE_DEVICES=$(nvidia-smi --query-gpu=uuid --format=csv,noheader -i "$gpu"); "$@" ) > "$res/lane$gpu.txt" 2>&1 &
   lanes+=($!)
 }
 identity() {

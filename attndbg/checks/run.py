@@ -71,8 +71,8 @@ class StepResult:
 
     report: StepReport
     digests: dict[FindingClass, Any] = field(default_factory=dict)
-    # Not checked: over this worker's share of the GPU, and would fit the workers' whole part of it
-    # (memory_share.OverShare). The worker pool checks it again, alone.
+    # Not checked: over this worker's share of the GPU but within the workers' whole part of it
+    # (memory_share.OverShare), or out of GPU memory in a worker. The worker pool checks it again, alone.
     over_share: bool = False
 
 
@@ -143,6 +143,9 @@ def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions)
                 except activity.CudaContextLost as lost:
                     crash = lost.crash
                     break
+                if memory_share.shared() and memory_share.out_of_memory(e):  # checked again, alone: not a verdict
+                    report = StepReport(str(path), trace.source.step, trace.batch.forward_mode.value, [], error=f"the {kind.value} detector ran out of GPU memory in a worker")
+                    return StepResult(report, over_share=True)
                 first = (str(e).strip().splitlines() or [""])[0][:200]
                 failures.append(f"the {kind.value} detector failed on this step ({type(e).__name__}: {first})")
     if crash is not None:

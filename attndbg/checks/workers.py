@@ -75,7 +75,7 @@ def _worker_main(
     # one another (measured: 4 workers slower than 1 on a 16-core host).
     torch.set_num_threads(threads)
     if device is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
+        os.environ["CUDA_VISIBLE_DEVICES"] = worker_devices(device, os.environ.get("CUDA_VISIBLE_DEVICES"))
     # Workers share the GPU (with --devices or not): each keeps to its part, so the caching
     # allocators of several workers never take the card between them.
     memory_share.take(share)
@@ -95,6 +95,19 @@ def _worker_main(
         if alone:
             memory_share.take(share)
         conn.send((index, result))
+
+
+def worker_devices(device: int, visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for a worker on GPU `device`, numbered as its parent sees the GPUs: under
+    the parent's own CUDA_VISIBLE_DEVICES (a scheduler's, a user's "=3"), the device'th entry of
+    it, not physical GPU `device` (which put every worker of `CUDA_VISIBLE_DEVICES=3 attndbg check`
+    on GPU 0)."""
+    if visible is None or not visible.strip():
+        return str(device)
+    entries = [entry.strip() for entry in visible.split(",")]
+    if not 0 <= device < len(entries):
+        raise ValueError(f"GPU {device} is not among the {len(entries)} of CUDA_VISIBLE_DEVICES={visible}")
+    return entries[device]
 
 
 class _Worker:

@@ -213,6 +213,12 @@ def parse_devices(spec: str | None) -> tuple[int, ...] | None:
         raise BadInput(f"--devices: expected comma-separated GPU numbers such as 0,1, got {spec!r}") from None
     if not devices or min(devices) < 0:
         raise BadInput(f"--devices: expected comma-separated GPU numbers such as 0,1, got {spec!r}")
+    if machine.cuda_available():
+        import torch
+
+        visible = torch.cuda.device_count()  # numbered as CUDA_VISIBLE_DEVICES leaves them, as the workers number them
+        if max(devices) >= visible:
+            raise BadInput(f"--devices {spec}: GPU {max(devices)} is not here ({visible} visible, numbered from 0)")
     return devices
 
 

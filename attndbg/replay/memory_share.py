@@ -6,8 +6,8 @@ card and every later worker's step is refused as not fitting (measured on an H20
 server-shaped steps refused with 8 workers). The room a step may use (`room`) is then this
 process's share less what it holds, not the card's free memory, which counts the other workers'
 caches and this process's own unused cache as taken. A step over the share that fits the card
-(`fits_alone`) is checked alone: its worker takes the whole workers' part of the card while the
-others wait with their caches emptied (checks/workers.py).
+(`fits_alone`), or that ran out of memory in a worker, is checked alone: its worker takes the
+workers' whole part of the card while the others wait with their caches emptied (checks/workers.py).
 """
 
 from __future__ import annotations
@@ -48,10 +48,22 @@ def room(device: torch.device) -> int:
     return max(0, bytes_)
 
 
+def shared() -> bool:
+    """Whether this process keeps to a share smaller than the workers' whole part (a step it
+    cannot fit may be checked again alone)."""
+    return _share is not None and _share < WORKERS_PART
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """A CUDA allocation that failed: over this worker's share, or on a card the other workers'
+    caches and CUDA contexts filled (their contexts and kernel modules live outside any share)."""
+    return isinstance(error, torch.cuda.OutOfMemoryError)
+
+
 def fits_alone(device: torch.device, need: int) -> bool:
     """Whether `need` bytes, over this worker's share, would fit in the workers' whole part of the
     card: then the step is worth checking alone rather than refusing."""
-    if _share is None or _share >= WORKERS_PART or device.type != "cuda":
+    if not shared() or device.type != "cuda":
         return False
     total = torch.cuda.mem_get_info(device)[1]
     return need <= int(WORKERS_PART * total) - torch.cuda.memory_allocated(device)

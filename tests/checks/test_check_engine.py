@@ -323,3 +323,33 @@ def test_a_step_over_a_workers_share_of_the_gpu_is_checked_alone_with_the_whole_
     assert [float(share) for name, share in runs if name == "big.pt"] == [0.3, 0.9]  # its share, then alone
     assert {float(share) for name, share in runs if name != "big.pt"} == {0.3}
     assert len(runs) == len(paths) + 1
+
+
+def test_a_step_out_of_gpu_memory_in_a_worker_is_checked_again_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An out-of-memory error in a worker (its share, or a card the other workers' caches and
+    contexts filled) is no verdict on the step: it is checked again alone, and only then reported."""
+    log = tmp_path / "oom.log"
+    monkeypatch.setenv("ATTNDBG_DETECTORS", "oom=tests.checks.oom_detector:DETECTOR")
+    monkeypatch.setenv("ATTNDBG_TEST_OOM_STEP", "12")
+    monkeypatch.setenv("ATTNDBG_TEST_OOM_LOG", str(log))
+    rec = _recording(tmp_path / "rec")
+    paths = select_paths(rec)
+    results = list(check_in_workers(paths, parse_only("invariants,oom"), CheckOptions(backends=("reference",)), jobs=3, devices=None))
+    assert [r.report.path for r in results] == [str(p) for p in paths]
+    assert all(r.report.checked for r in results), [r.report.error for r in results if not r.report.checked]
+    runs = [line.split() for line in log.read_text().splitlines()]
+    assert [float(share) for step, share in runs if step == "12"] == [0.3, 0.9]  # its share, then alone
+    assert len(runs) == len(paths) + 1
+
+
+def test_a_worker_numbers_its_gpu_as_its_parent_does() -> None:
+    """Under CUDA_VISIBLE_DEVICES=3 the parent's GPU 0 is physical GPU 3: a worker on GPU 0 must see
+    GPU 3 alone, not physical GPU 0 (another job's card)."""
+    from attndbg.checks.workers import worker_devices
+
+    assert worker_devices(0, None) == "0" and worker_devices(1, "") == "1"
+    assert worker_devices(0, "3") == "3"
+    assert worker_devices(1, "2, 5") == "5"
+    assert worker_devices(0, "GPU-8f1c2d3e-aaaa-bbbb-cccc-0123456789ab") == "GPU-8f1c2d3e-aaaa-bbbb-cccc-0123456789ab"
+    with pytest.raises(ValueError, match="GPU 2 is not among the 2"):
+        worker_devices(2, "2,5")
