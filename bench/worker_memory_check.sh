@@ -11,12 +11,13 @@
 #
 #     run(command="bash .gpu/env.sh bash bench/worker_memory_check.sh $OUT", carry=[".gpu"], kind="nvidia-h100-x4")
 #
-# LIMIT (default 380) bounds the whole command: what is still running then is stopped (exit 124 in
+# LIMIT (default 560) bounds the whole command: what is still running then is stopped (exit 124 in
 # its line) and the results so far come back.
 #
 # The server recording (bench/server_sweep.py make, 1,000 steps) and the compile phase on the whole
 # host, then at once, each on its GPU and a quarter of the cores (as a 16-core one-GPU machine):
-#   lane 0  the default command on the 1,000 steps
+#   lane 0  the default command on the 1,000 steps, then bench/worker_utilisation.py (where the
+#           workers' time goes: start-up, steps, waiting, tail)
 #   lane 1  --jobs 1 and the default --jobs on steps 0-149: the JSON must be identical
 #   lane 2  --jobs 16 on the 1,000 steps, then bench/worker_startup.py (a worker's fixed cost, split)
 #   lane 3  --cuda-graph, default --jobs, on the 1,000 steps
@@ -27,7 +28,7 @@ BACKENDS=${BACKENDS:-triton,flashinfer,mla}
 rec=/tmp/attndbg_server_sweep/server_sweep_1000_seed0
 res=$out/worker_memory; mkdir -p "$res"
 T0=$EPOCHREALTIME; S0=$SECONDS
-LIMIT=${LIMIT:-380}  # seconds for the whole command: the lanes are stopped at it, the results kept
+LIMIT=${LIMIT:-560}  # seconds for the whole command: the lanes are stopped at it, the results kept
 left() { local l=$(( LIMIT - (SECONDS - S0) )); echo $(( l > 5 ? l : 5 )); }
 since() { awk -v a="$1" -v b="$EPOCHREALTIME" 'BEGIN { printf "%.1f", b - a }'; }
 # Bytecode for the wheels .gpu/env.sh installed with --no-compile, as pip's install writes it for
@@ -58,7 +59,12 @@ print("JSON of steps 0-149, --jobs 1 and default:", "identical" if a == b else "
 EOF
 }
 lanes=()
-lane 0 timed default
+default_and_utilisation() {
+  timed default
+  timeout "$(left)" python bench/worker_utilisation.py "$rec" --backend "$BACKENDS" --out "$res" > "$res/worker_utilisation.log" 2>&1
+  cat "$res/worker_utilisation.txt"
+}
+lane 0 default_and_utilisation
 lane 1 identity
 startup16() {
   timed jobs16 --jobs 16

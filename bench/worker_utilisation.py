@@ -1,0 +1,103 @@
+"""Where a multi-worker check's wall time goes: start-up, steps, waiting, tail (issue 24).
+
+Session 12 (bench/results/gpu_session12.md) found ~59 s of a 1,000-step server-mix check that does
+not grow with the steps (5,000 steps took 2.2x the time of 1,000), while one worker's own start-up
+(worker_startup.py) is ~15-20 s. This runs the check's worker pool as `attndbg check` does (same
+workers, order, window and kernel-shapes-first dispatch) with a check function that logs, in each
+worker, when each step started and ended, and reports per worker:
+
+  start-up   from the pool's start to the worker's first step (process start, imports, CUDA)
+  busy       the sum of its steps (the first ones pay kernel loads)
+  waiting    between its first step's start and its last step's end, not in a step (dispatch,
+             the window, the parent reading results)
+  tail       from its last step's end to the end of the check
+
+    bash .gpu/env.sh python bench/worker_utilisation.py REC --backend triton,flashinfer,mla --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+_LOG = "ATTNDBG_UTILISATION_LOG"
+
+
+def logged_check(path, only, options):
+    """check_one, with its start and end (wall clock, shared by the processes) appended to the log."""
+    from attndbg.checks.run import check_one
+
+    start = time.time()
+    result = check_one(path, only, options)
+    with open(os.environ[_LOG], "a") as log:
+        log.write(json.dumps({"pid": os.getpid(), "path": str(path), "mode": result.report.mode, "start": start, "end": time.time()}) + "\n")
+    return result
+
+
+def summarise(rows: list[dict], begin: float, end: float) -> list[str]:
+    """Per worker and overall: start-up, busy, waiting, tail, in seconds."""
+    by_pid: dict[int, list[dict]] = {}
+    for row in rows:
+        by_pid.setdefault(row["pid"], []).append(row)
+    wall = end - begin
+    lines = [f"wall {wall:.1f} s, {len(rows)} steps, {len(by_pid)} workers"]
+    totals = dict(startup=0.0, busy=0.0, waiting=0.0, tail=0.0)
+    for pid, steps in sorted(by_pid.items(), key=lambda item: min(r["start"] for r in item[1])):
+        steps.sort(key=lambda r: r["start"])
+        busy = sum(r["end"] - r["start"] for r in steps)
+        part = dict(startup=steps[0]["start"] - begin, busy=busy, waiting=steps[-1]["end"] - steps[0]["start"] - busy, tail=end - steps[-1]["end"])
+        for key, value in part.items():
+            totals[key] += value
+        first = steps[0]["end"] - steps[0]["start"]
+        lines.append(f"  worker {pid}: {len(steps)} steps; " + ", ".join(f"{k} {v:.1f} s" for k, v in part.items()) + f"; first step {first:.1f} s")
+    share = {k: v / max(1e-9, wall * len(by_pid)) for k, v in totals.items()}
+    lines.append("worker time: " + ", ".join(f"{k} {100 * v:.0f} %" for k, v in share.items()))
+    modes: dict[str, list[float]] = {}
+    for row in rows:
+        modes.setdefault(row["mode"], []).append(row["end"] - row["start"])
+    lines.append("step seconds in workers: " + ", ".join(f"{m} {len(v)} x {1000 * sum(v) / len(v):.0f} ms" for m, v in sorted(modes.items())))
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recording")
+    parser.add_argument("--backend", default="triton,flashinfer,fa3")
+    parser.add_argument("--jobs", type=int, default=None, help="workers (default: as --jobs auto)")
+    parser.add_argument("--cuda-graph", action="store_true")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--tag", default="")
+    args = parser.parse_args()
+
+    from attndbg.checks.run import auto_jobs, first_of_each_shape, parse_only, select_paths
+    from attndbg.checks.workers import check_in_workers
+    from attndbg.cli.options import parse_devices
+    from attndbg.detector_api.context import CheckOptions
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / f"worker_utilisation{args.tag}.jsonl"
+    log.unlink(missing_ok=True)
+    os.environ[_LOG] = str(log.resolve())  # the workers inherit it
+    paths = select_paths(args.recording)
+    devices = parse_devices(None)
+    jobs = args.jobs or auto_jobs(len(paths), devices)
+    options = CheckOptions(backends=tuple(args.backend.split(",")), cuda_graph=args.cuda_graph)
+    begin = time.time()
+    first = first_of_each_shape(paths)
+    for _ in check_in_workers(paths, parse_only(None), options, jobs=jobs, devices=devices, check=logged_check, first=first):
+        pass
+    end = time.time()
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    lines = [f"{args.recording}: --backend {args.backend}{' --cuda-graph' if args.cuda_graph else ''}, {jobs} workers", *summarise(rows, begin, end)]
+    (out / f"worker_utilisation{args.tag}.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
