@@ -3,6 +3,8 @@
 `check_scale.py` times the command as a user runs it; this profiles the steady state that timing is
 made of. In one process: check `--warmup` steps (kernels compile, caches fill), then check the
 next `--steps` steps under cProfile, and the same steps again without it for the wall time per step.
+`--timeline FILE` does all of it inside `--timeline`'s CUPTI collection (issue 25: where its cost
+per step goes; the file is written at the end, timed apart). Run it with and without, same steps.
 
     bash .gpu/env.sh python bench/check_profile.py REC --backend triton,flashinfer,fa3 --out $OUT
 """
@@ -30,7 +32,13 @@ def main() -> int:
     parser.add_argument("--cuda-graph", action="store_true")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="")
+    parser.add_argument("--timeline", metavar="FILE", help="collect --timeline's records throughout (needs cupti-python)")
     args = parser.parse_args()
+    recording = None
+    if args.timeline:
+        from attndbg.timeline import session
+
+        recording = session.start(args.timeline, command="check")
 
     paths = select_paths(args.recording)
     warm, measured = paths[: args.warmup], paths[args.warmup : args.warmup + args.steps]
@@ -69,6 +77,10 @@ def main() -> int:
     )
     for mode, times in sorted(by_mode.items()):
         summary += f"  {mode}: {len(times)} steps, {1000 * sum(times) / len(times):.1f} ms/step (max {1000 * max(times):.1f})\n"
+    if recording is not None:
+        start = time.perf_counter()
+        recording.finish()
+        summary += f"--timeline {args.timeline}: collected throughout; matching and writing it took {time.perf_counter() - start:.1f} s\n"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"check_profile{args.tag}.txt").write_text(summary + "\n" + text.getvalue())

@@ -13,6 +13,7 @@
 #   tests     the crash and plans GPU tests (bench/gpu_tests.sh)
 #   cost      the check's cost before/after (bench/check_cost_before_after.sh: the before tree in .gpu/tree)
 #   profile   the warm server mix's profile (bench/check_profile.py)
+#   tlprofile the same inside --timeline's CUPTI collection (issue 25: its cost per step, by function)
 #   timeline  --timeline's cost, start-up against per step (bench/timeline_check.sh cost)
 #   scale     the default command on the 1,000 steps, and memory from 1,000 to 5,000 steps
 #             (bench/check_scale.py --recording --runs default,long)
@@ -71,6 +72,8 @@ part_tests() { # gpu_tests.sh resumes its own parts across calls: finished when 
 part_cost() { attempt cost 230 bash bench/check_cost_before_after.sh "$res/cost"; }
 # Issue 24: where a warm worker's time goes on the server mix (one process, 60 steps profiled).
 part_profile() { attempt profile 200 python bench/check_profile.py "$rec" --backend "$BACKENDS" --warmup 30 --steps 60 --out "$res" --tag _server; }
+# Issue 25: the same profile inside --timeline's collection: where its per-step cost goes.
+part_tlprofile() { attempt tlprofile 200 python bench/check_profile.py "$rec" --backend "$BACKENDS" --warmup 30 --steps 60 --out "$res" --tag _server_timeline --timeline /tmp/profile_timeline.json; }
 # Issue 25: --timeline's cost, split into start-up and per step (needs cupti-python in .gpu).
 part_timeline() { attempt timeline 300 env REC="$rec" BACKENDS="${TIMELINE_BACKENDS:-triton,flashinfer,fa3}" bash bench/timeline_check.sh "$res/timeline" cost; }
 # Issue 24: the command as a user runs it on the whole mix, and host/GPU memory at 1,000 and 5,000 steps
