@@ -17,6 +17,13 @@
 #   timeline  --timeline's cost, start-up against per step (bench/timeline_check.sh cost)
 #   scale     the default command on the 1,000 steps, and memory from 1,000 to 5,000 steps
 #             (bench/check_scale.py --recording --runs default,long)
+#   memdefault, memjobs16, memgraph, memidentity
+#             workers sharing one GPU: the default command, --jobs 16, --cuda-graph, and --jobs 1
+#             against the default on steps 0-149 (identical JSON); each says how many steps were
+#             refused for memory (session 12: 754 of 1,000 before the memory share)
+#   utilisation, startup
+#             where the workers' wall time goes (bench/worker_utilisation.py), and one worker's fixed
+#             cost split (bench/worker_startup.py)
 # and last the libraries' mtimes again (the checks must rebuild none). Everything in OUT/evidence.tgz.
 # A part is finished when it ran to its end, whatever its verdict (its log says), not when its call's
 # time cut it. Environment: LIMIT (seconds this call may use, default 575), PARTS (default
@@ -27,6 +34,10 @@
 # 3/4 of the compile), about 900 s held:
 #
 #     PARTS=profile,timeline,scale BACKENDS=triton,flashinfer,mla TIMELINE_BACKENDS=triton,flashinfer bash bench/gpu_evidence.sh $OUT
+#
+# The workers-and-memory evidence on a 4-GPU host, one call (~6 min held without fa3):
+#
+#     LANES="memdefault,utilisation memidentity memjobs16,startup memgraph" BACKENDS=triton,flashinfer,mla bash bench/gpu_evidence.sh $OUT
 set -u
 out=${1:?usage: gpu_evidence.sh OUT}
 T0=$(date +%s)
@@ -48,10 +59,10 @@ libraries() { find ~/.cache/flashinfer -name '*.so' -printf '%T@ %p\n' 2>/dev/nu
 # attempt PART SECONDS CMD...: CMD when more than SECONDS are left, under a timeout of what is left,
 # its output in res/PART.log; the part is finished unless the timeout cut it.
 attempt() {
-  local part=$1 need=$2; shift 2
+  local part=$1 need=$2 s; shift 2
   [ "$(left)" -gt "$need" ] || return 1
-  timeout $(( $(left) - 10 )) "$@" > "$res/$part.log" 2>&1; local rc=$?
-  say "$part: exit $rc at $(( $(date +%s) - T0 )) s"; tail -12 "$res/$part.log"
+  s=$(date +%s); timeout $(( $(left) - 10 )) "$@" > "$res/$part.log" 2>&1; local rc=$?
+  say "$part: exit $rc after $(( $(date +%s) - s )) s, at $(( $(date +%s) - T0 )) s"; tail -12 "$res/$part.log"
   [ $rc -ne 124 ] && touch "$res/$part.done"
 }
 sweep() { # LABEL [--cuda-graph]: finished once all four slices are in
@@ -79,6 +90,27 @@ part_timeline() { attempt timeline 300 env REC="$rec" BACKENDS="${TIMELINE_BACKE
 # Issue 24: the command as a user runs it on the whole mix, and host/GPU memory at 1,000 and 5,000 steps
 # (SCALE_RUNS: check_scale.py's --runs; with jobs, --jobs SCALE_JOBS too).
 part_scale() { attempt scale 150 python bench/check_scale.py --recording "$rec" --system-caches --backends "$BACKENDS" --runs "${SCALE_RUNS:-default,long}" --jobs "${SCALE_JOBS:-16}" --run-timeout "$(( $(left) - 20 ))" --out "$res/scale" --work /tmp/gpu_evidence_scale --tag _server; }
+# Issue 24: workers sharing one GPU. Each check's line: exit, wall, steps refused for memory, verdict.
+checked() { # LABEL ARGS...: attndbg check REC ARGS as the part LABEL
+  attempt "$1" 60 attndbg check "$rec" --backend "$BACKENDS" "${@:2}" || return 1
+  say "$1: refused for memory $(grep -c 'not replayed' "$res/$1.log"); $(grep '^checked ' "$res/$1.log" | cut -c1-300)"
+}
+part_memdefault() { checked memdefault; }
+part_memjobs16() { checked memjobs16 --jobs 16; }
+part_memgraph() { checked memgraph --cuda-graph; }
+part_memidentity() { # --jobs 1 and the default --jobs (3 workers) on steps 0-149: identical JSON
+  [ -f "$res/jobs1_150.done" ] || checked jobs1_150 --steps 0:150 --jobs 1 --json "$res/jobs1_150.json" || return 1
+  [ -f "$res/default_150.done" ] || checked default_150 --steps 0:150 --json "$res/default_150.json" || return 1
+  if cmp -s <(python -m json.tool --sort-keys "$res/jobs1_150.json") <(python -m json.tool --sort-keys "$res/default_150.json"); then
+    say "memidentity: JSON of steps 0-149, --jobs 1 and default: identical"
+  else
+    say "memidentity: JSON of steps 0-149, --jobs 1 and default: DIFFERENT"
+  fi
+  touch "$res/memidentity.done"
+}
+# Where the workers' wall time goes (start-up, busy, waiting, tail), and one worker's fixed cost split.
+part_utilisation() { attempt utilisation 120 python bench/worker_utilisation.py "$rec" --backend "$BACKENDS" --out "$res"; }
+part_startup() { attempt startup 60 python bench/worker_startup.py "$rec" --backend "$BACKENDS" --out "$res"; }
 for part in $(tr ',' ' ' <<< "${LANES:-$PARTS}"); do
   declare -F "part_$part" >/dev/null || { echo "gpu_evidence.sh: no part $part (PARTS=$PARTS LANES=${LANES:-})"; exit 2; }
 done

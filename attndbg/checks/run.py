@@ -122,6 +122,10 @@ def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions)
     except TraceError as e:
         return StepResult(StepReport(str(path), -1, "unreadable", [], error=f"{e.field}: {e.message}", bad_input=True))
     ctx = CheckContext(trace=trace, path=str(path), options=options)
+
+    def not_checked(error: str, *, bad_input: bool = False) -> StepReport:
+        return StepReport(str(path), trace.source.step, trace.batch.forward_mode.value, [], error=error, bad_input=bad_input)
+
     findings: list[Finding] = []
     failures: list[str] = []
     activity.begin_step()
@@ -134,8 +138,7 @@ def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions)
                     with _context_probe(kind):
                         activity.check_context()  # a fault some code swallowed, or raised outside any launch
             except TraceError as e:  # valid, but cannot be replayed here (e.g. its KV pool does not fit)
-                report = StepReport(str(path), trace.source.step, trace.batch.forward_mode.value, [], error=f"{e.field}: {e.message}", bad_input=True)
-                return StepResult(report, over_share=isinstance(e, memory_share.OverShare))
+                return StepResult(not_checked(f"{e.field}: {e.message}", bad_input=True), over_share=isinstance(e, memory_share.OverShare))
             except Exception as e:  # noqa: BLE001 - a detector that cannot read this step must not end the check
                 try:
                     with _context_probe(kind):
@@ -144,8 +147,7 @@ def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions)
                     crash = lost.crash
                     break
                 if memory_share.shared() and memory_share.out_of_memory(e):  # checked again, alone: not a verdict
-                    report = StepReport(str(path), trace.source.step, trace.batch.forward_mode.value, [], error=f"the {kind.value} detector ran out of GPU memory in a worker")
-                    return StepResult(report, over_share=True)
+                    return StepResult(not_checked(f"the {kind.value} detector ran out of GPU memory in a worker"), over_share=True)
                 first = (str(e).strip().splitlines() or [""])[0][:200]
                 failures.append(f"the {kind.value} detector failed on this step ({type(e).__name__}: {first})")
     if crash is not None:

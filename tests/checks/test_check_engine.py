@@ -43,6 +43,16 @@ def _recording(directory: Path) -> Path:
     return directory
 
 
+def _recording_with(tmp_path: Path, index: int, name: str) -> tuple[list[Path], Path]:
+    """The test recording's steps with step `index` copied under the file name `name` (the test
+    check functions act on a step by its name): the paths to check, and the renamed one."""
+    paths = select_paths(_recording(tmp_path / "rec"))
+    renamed = paths[index].with_name(name)
+    shutil.copy(paths[index], renamed)
+    paths[index] = renamed
+    return paths, renamed
+
+
 def _json(reports) -> str:
     from attndbg.report.checks import checks_to_json
 
@@ -75,11 +85,7 @@ def test_cli_jobs_json_identical(tmp_path: Path) -> None:
 
 
 def test_a_worker_that_dies_loses_only_its_step(tmp_path: Path) -> None:
-    rec = _recording(tmp_path / "rec")
-    paths = select_paths(rec)
-    crash = paths[2].with_name("segfault.pt")
-    shutil.copy(paths[2], crash)
-    paths[2] = crash
+    paths, _ = _recording_with(tmp_path, 2, "segfault.pt")
     results = list(check_in_workers(paths, METADATA, CheckOptions(backends=("reference",)), jobs=2, devices=None, check=check_or_segfault))
     assert [r.report.path for r in results] == [str(p) for p in paths]  # every step, in order
     dead = results[2].report
@@ -93,11 +99,7 @@ def test_a_backend_that_crashes_is_a_finding_and_the_step_is_checked_without_it(
     backend, variant and signal, and is checked again in a fresh worker without that backend."""
     from attndbg.detector_api.findings import FindingClass
 
-    rec = _recording(tmp_path / "rec")
-    paths = select_paths(rec)
-    crash = paths[1].with_name("kernelcrash.pt")  # the step with the injected tree-mask mistake
-    shutil.copy(paths[1], crash)
-    paths[1] = crash
+    paths, _ = _recording_with(tmp_path, 1, "kernelcrash.pt")  # the step with the injected tree-mask mistake
     results = list(check_in_workers(paths, METADATA, CheckOptions(backends=("reference",)), jobs=2, devices=None, check=check_with_a_crashing_backend))
     assert [r.report.path for r in results] == [str(p) for p in paths]
     report = results[1].report
@@ -311,11 +313,7 @@ def test_a_step_over_a_workers_share_of_the_gpu_is_checked_alone_with_the_whole_
     instead of being refused as not fitting (754 of 1,000 server steps were, with 8 workers)."""
     from tests.checks.share_worker import check_with_a_big_step
 
-    rec = _recording(tmp_path / "rec")
-    paths = select_paths(rec)
-    big = paths[3].with_name("big.pt")
-    shutil.copy(paths[3], big)
-    paths[3] = big
+    paths, big = _recording_with(tmp_path, 3, "big.pt")
     results = list(check_in_workers(paths, METADATA, CheckOptions(backends=("reference",)), jobs=3, devices=None, check=check_with_a_big_step))
     assert [r.report.path for r in results] == [str(p) for p in paths]
     assert all(r.report.checked and not r.over_share for r in results)
