@@ -86,7 +86,15 @@ part_profile() { attempt profile 200 python bench/check_profile.py "$rec" --back
 # Issue 25: the same profile inside --timeline's collection: where its per-step cost goes.
 part_tlprofile() { attempt tlprofile 200 python bench/check_profile.py "$rec" --backend "$BACKENDS" --warmup 30 --steps 60 --out "$res" --tag _server_timeline --timeline /tmp/profile_timeline.json; }
 # Issue 25: --timeline's cost, split into start-up and per step (needs cupti-python in .gpu).
-part_timeline() { attempt timeline 300 env REC="$rec" BACKENDS="${TIMELINE_BACKENDS:-triton,flashinfer,fa3}" bash bench/timeline_check.sh "$res/timeline" cost; }
+# With a before tree in .gpu/tree (check_cost_before_after.sh's), its --timeline is timed in the same
+# alternation, against this tree's.
+part_timeline() {
+  local before=; [ -d .gpu/tree/attndbg ] && ln -sfn ../backends .gpu/tree/attndbg/backends && before=$(cd .gpu/tree && pwd)
+  attempt timeline 300 env REC="$rec" BACKENDS="${TIMELINE_BACKENDS:-triton,flashinfer,fa3}" BEFORE="$before" bash bench/timeline_check.sh "$res/timeline" cost
+}
+# Issue 25: the GPU enclosure test (tests/gpu/test_timeline.py on traces/, --backend all, eager and
+# graph; the shipped traces' modules are built in the compile phase when this part is asked for).
+part_tltest() { attempt tltest 400 bash bench/timeline_check.sh "$res/timeline_test" test; }
 # Issue 24: the command as a user runs it on the whole mix, and host/GPU memory at 1,000 and 5,000 steps
 # (SCALE_RUNS: check_scale.py's --runs; with jobs, --jobs SCALE_JOBS too).
 part_scale() { attempt scale 150 python bench/check_scale.py --recording "$rec" --system-caches --backends "$BACKENDS" --runs "${SCALE_RUNS:-default,long}" --jobs "${SCALE_JOBS:-16}" --run-timeout "$(( $(left) - 20 ))" --out "$res/scale" --work /tmp/gpu_evidence_scale --tag _server; }
@@ -120,8 +128,15 @@ if [ ! -f "$res/compile.done" ]; then
   s=$(date +%s)
   timeout $(( $(left) - 10 )) attndbg compile "$rec" --backend "$BACKENDS" >> "$res/compile.log" 2>&1; rc=$?
   say "compile: exit $rc after $(( $(date +%s) - s )) s"
-  [ $rc -eq 0 ] && touch "$res/compile.done" && libraries > "$res/libraries_after_compile.txt"
+  [ $rc -eq 0 ] && touch "$res/compile.done"
 fi
+if [ -f "$res/compile.done" ] && [ ! -f "$res/compile_traces.done" ] && grep -qw tltest <<< "${LANES:-$PARTS}"; then
+  s=$(date +%s)
+  timeout $(( $(left) - 10 )) attndbg compile traces >> "$res/compile_traces.log" 2>&1; rc=$?
+  say "compile traces/ (--backend all): exit $rc after $(( $(date +%s) - s )) s"
+  [ $rc -eq 0 ] && touch "$res/compile_traces.done"
+fi
+[ -f "$res/compile.done" ] && [ ! -f "$res/libraries_after_compile.txt" ] && libraries > "$res/libraries_after_compile.txt"
 # run_parts LIST: LIST's parts in order, stopping at the first it cannot finish.
 run_parts() {
   local part

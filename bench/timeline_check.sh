@@ -31,11 +31,11 @@ fi
 # 2. The cost of --timeline per step: on REC (the server mix, bench/server_sweep.py make's) when
 # given, else a recording of metadata-only decode steps (bs 1-64, kv 1-8192); its first 200 steps,
 # checked as users run it, without and with --timeline (a warm-up run first, then alternating), wall
-# time of the whole command.
+# time of the whole command. BEFORE: a before tree whose --timeline is timed in the same alternation.
 rec=${REC:-/tmp/timeline_rec}
 [ -d "$rec" ] || python3 bench/scale_recording.py "$rec" --steps 200 >/dev/null
 B=${BACKENDS:-triton,flashinfer,fa3}
-run() { local s=$EPOCHREALTIME; timeout 110 attndbg check "$rec" --backend "$B" "$@" >/dev/null 2>/tmp/timeline_err.txt; local rc=$?; awk -v a="$s" -v b="$EPOCHREALTIME" -v rc=$rc 'BEGIN { printf "%.1f s (exit %d)", b - a, rc }'; }
+run() { local s=$EPOCHREALTIME; timeout 110 ${ATTNDBG:-attndbg} check "$rec" --backend "$B" "$@" >/dev/null 2>/tmp/timeline_err.txt; local rc=$?; awk -v a="$s" -v b="$EPOCHREALTIME" -v rc=$rc 'BEGIN { printf "%.1f s (exit %d)", b - a, rc }'; }
 {
   echo "attndbg check $rec --steps 0:200 --backend $B: wall seconds"
   echo "warm-up:        $(run --steps 0:200)"
@@ -43,11 +43,15 @@ run() { local s=$EPOCHREALTIME; timeout 110 attndbg check "$rec" --backend "$B" 
     echo "plain $i:        $(run --steps 0:200)"
     echo "--timeline $i:   $(run --steps 0:200 --timeline /tmp/timeline_cost.json)"
     grep -A12 '^timeline: ' /tmp/timeline_err.txt | head -14
+    # BEFORE (a tree, as check_cost_before_after.sh's .gpu/tree): --timeline of that code too, in
+    # the same alternation, so a change to the collection is timed against what it replaces.
+    [ -n "${BEFORE:-}" ] && echo "--timeline before ($(cat .gpu/before_commit 2>/dev/null)) $i: $(ATTNDBG="env PYTHONPATH=$BEFORE:${PYTHONPATH:-} python3 -m attndbg" run --steps 0:200 --timeline /tmp/timeline_cost_before.json)"
   done
   # Per step or per process? The same on a quarter of the steps and the same 4 workers (--jobs auto
   # gives 200 steps 4): what --timeline adds to both lengths alike is start-up (CUPTI in each
   # worker, the parent's merge), what grows with the steps is the per-step cost issue 25 bounds.
-  for i in 1 2; do
+  # (Skipped with BEFORE: that call's question is before against after.)
+  [ -z "${BEFORE:-}" ] && for i in 1 2; do
     echo "plain, steps 0-49, --jobs 4, $i:      $(run --jobs 4 --steps 0:50)"
     echo "--timeline, steps 0-49, --jobs 4, $i: $(run --jobs 4 --steps 0:50 --timeline /tmp/timeline_cost50.json)"
   done
