@@ -4,10 +4,10 @@ launched, from CUPTI activity records, as a Chrome trace-event file.
     records.py       CUPTI's records copied into named tuples (one per kernel) and frozen dataclasses
                      (and JSON lines between processes)
     convert.py       cupti-python's record objects into those, keeping what a timeline places
-    collector.py     the only code that imports cupti: enables the activity kinds, a range per
-                     open phase on CUPTI's clock, NVTX routed to the same libcupti
+    collector.py     the only code that imports cupti: enables the activity kinds, one external
+                     correlation id per open phase, NVTX routed to the same libcupti
     worker.py        a check worker's collection, written to a file the parent merges
-    matching.py      kernel -> launch call -> range (by time on its thread), cross-checked against
+    matching.py      kernel -> launch call -> range (external correlation), cross-checked against
                      the NVTX ranges CUPTI saw; graph replays and captured launches
     ranges.py        what a range names (step, backend, variant, phase) from its NVTX messages
     summary.py       per kind of range: kernels, GPU time; what could not be placed

@@ -3,12 +3,10 @@
 
 What it enables: CONCURRENT_KERNEL (each kernel's GPU start/end, stream, graph and node id),
 RUNTIME and DRIVER (the API calls, whose correlation id the kernel carries; only the calls that
-launch a kernel or a graph are recorded, `_only_launches`) and MARKER / MARKER_DATA (the NVTX
-ranges, as nsys would see them). Each attndbg phase (`profiling.phase`) is a Range with its thread
-and CUPTI timestamps, which place each launch call made in it (`matching.py`). Not enabled:
-EXTERNAL_CORRELATION, which ties calls to pushed ids but writes a record for every API call made
-inside a pushed id, launch or not (tens of thousands a step), each a Python object in the buffer
-callback, where the time placement needs none.
+launch a kernel or a graph are recorded, `_only_launches`), EXTERNAL_CORRELATION
+(which attndbg range each call was made in) and MARKER / MARKER_DATA (the NVTX ranges, as nsys would
+see them). Each attndbg phase (`profiling.phase`) pushes its own external correlation id while it
+is open, so every API call made in it is tied to it by CUPTI itself (`matching.py`).
 
 NVTX reaches CUPTI only through `NVTX_INJECTION64_PATH`, read by NVTX at the process's first NVTX
 call, and it must name the very libcupti.so that cupti-python loaded: torch's environment ships its
@@ -26,7 +24,7 @@ import os
 import threading
 from typing import Any
 
-from attndbg.timeline.convert import Converter, Kinds
+from attndbg.timeline.convert import Converter, Kinds, LaunchExternalIds
 from attndbg.timeline.records import ProcessRecords, Range, launches_graph, launches_kernel
 
 BUFFER_BYTES = 8 << 20  # per CUPTI buffer; CUPTI asks for another when one fills
@@ -63,6 +61,7 @@ class Collector:
         self._next_id = 1
         self._cupti: Any = None
         self._kinds: list[Any] = []
+        self._external_ids = LaunchExternalIds()
         self._converter: Converter | None = None
         self._external_kind = 0  # ExternalCorrelationKind.CUSTOM0, read in start()
 
@@ -85,7 +84,7 @@ class Collector:
         )
         # Callbacks before enabling: CUPTI asks for a buffer as soon as a kind is on.
         cupti.activity_register_callbacks(self._requested, self._completed)
-        self._kinds = [kinds.CONCURRENT_KERNEL, kinds.RUNTIME, kinds.DRIVER, kinds.MARKER, kinds.MARKER_DATA]
+        self._kinds = [kinds.CONCURRENT_KERNEL, kinds.RUNTIME, kinds.DRIVER, kinds.EXTERNAL_CORRELATION, kinds.MARKER, kinds.MARKER_DATA]
         for kind in self._kinds:
             cupti.activity_enable(kind)
         self._only_launches(cupti)  # after activity_enable, which resets the per-call switches
@@ -133,6 +132,9 @@ class Collector:
             self._cupti.activity_flush_all(int(self._cupti.ActivityFlag.FLUSH_FORCED))  # buffers not yet full too
         with self._lock:
             batch, self._batch = self._batch, ProcessRecords(pid=os.getpid(), label=self.label)
+            # A kernel's own correlation id counts too: a launch call of a name we do not know still places its kernel.
+            launched = [c.correlation_id for c in batch.api_calls] + [k.correlation_id for k in batch.kernels]
+            batch.external_ids = self._external_ids.keep(batch.external_ids, launched)
         return batch
 
     @property
@@ -152,18 +154,20 @@ class Collector:
             if text not in self._batch.notes:
                 self._batch.notes.append(text)
 
-    # -- profiling observer: a range per open phase, on CUPTI's clock ----------------------------
+    # -- profiling observer: one external correlation id per open phase --------------------------
 
     def push(self, message: str) -> None:
         cupti = self._cupti
         range_id = self._next_id
         self._next_id += 1
         parent = self._open[-1].id if self._open else None
+        cupti.activity_push_external_correlation_id(self._external_kind, range_id)
         self._open.append(Range(id=range_id, parent=parent, message=message, thread_id=threading.get_native_id(), start=cupti.get_timestamp(), end=0))
 
     def pop(self) -> None:
         cupti = self._cupti
         end = cupti.get_timestamp()
+        cupti.activity_pop_external_correlation_id(self._external_kind)
         opened = self._open.pop()
         closed = Range(id=opened.id, parent=opened.parent, message=opened.message, thread_id=opened.thread_id, start=opened.start, end=end)
         with self._lock:

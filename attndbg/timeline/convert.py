@@ -2,9 +2,8 @@
 (`records.py`), inside the buffer callback: its buffer is reused afterwards.
 
 Only what a timeline places is kept: kernels, the API calls that launch kernels or graphs (the other
-calls are most of the records and place nothing), attndbg's NVTX range edges, and external
-correlation records of attndbg's kind (the collector no longer enables them: matching.py places
-launches by time). `Kinds` carries the enum values the collector reads from `cupti`, so this module
+calls are most of the records and place nothing), attndbg's external correlation ids, and attndbg's
+NVTX range edges. `Kinds` carries the enum values the collector reads from `cupti`, so this module
 never imports it.
 
 This runs once per record, on the run's critical path (the callback holds the GIL while the
@@ -96,3 +95,26 @@ class Converter:
             return None
         thread = int(a.object_id.pt.thread_id) if int(a.object_kind) == self.kinds.thread_object else 0
         return Marker(id=int(a.id), edge=edge, timestamp=int(a.timestamp), thread_id=thread, name=name, domain=domain)
+
+
+class LaunchExternalIds:
+    """CUPTI writes an external-correlation record for every API call made inside a range (tens of
+    thousands a step), and a placed kernel needs only its launch's: keep those of the launch calls
+    and kernels seen. One whose launch or kernel has not arrived yet (another buffer) waits for the
+    next batch, once."""
+
+    def __init__(self) -> None:
+        self._launches: set[int] = set()  # correlation ids of the launches and kernels seen so far
+        self._waiting: list[ExternalId] = []
+
+    def keep(self, external_ids: list[ExternalId], launch_ids: list[int]) -> list[ExternalId]:
+        self._launches.update(launch_ids)
+        waited = {e.correlation_id for e in self._waiting}
+        kept, waiting = [], []
+        for e in self._waiting + external_ids:
+            if e.correlation_id in self._launches:
+                kept.append(e)
+            elif e.correlation_id not in waited:
+                waiting.append(e)
+        self._waiting = waiting
+        return kept

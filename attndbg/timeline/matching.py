@@ -3,15 +3,9 @@
 A kernel runs after its range may have closed (without a sync, only 1-2 of 6 replayed kernels had
 finished when their range popped: measured on the H100, issue 25), so "range encloses kernel" is
 decided where the kernel was launched: the kernel record carries the correlation id of the API call
-that launched it, and that call ran on one thread, between two CUPTI timestamps; the attndbg range
-is the innermost one open on that thread around the call (ranges carry CUPTI timestamps and the
-native thread id, taken around their NVTX push and pop). Every kernel of one CUDA-graph replay
-carries the correlation id of its cudaGraphLaunch.
-
-Records that carry CUPTI external-correlation ids (`cuptiActivityPushExternalCorrelationId`, what
-the collector recorded before: one record per API call made in a range, tens of thousands a step)
-are placed by those ids instead. On the H200's recorded records (tests/timeline/data) both place
-all 200 launch calls in the same range.
+that launched it, and CUPTI's external-correlation record of that call names the attndbg range
+whose id was pushed on the thread at the time (`cuptiActivityPushExternalCorrelationId`). Every
+kernel of one CUDA-graph replay carries the correlation id of its cudaGraphLaunch.
 
 Independently, the NVTX ranges CUPTI recorded (MARKER edges: what nsys draws) are matched to the
 same launch call by time on its thread; a kernel whose innermost NVTX range is not the range the
@@ -47,14 +41,13 @@ class Launched(NamedTuple):
 
     kernel: Kernel
     launch: ApiCall | None  # the API call with the kernel's correlation id (None: its record is missing)
-    range: Range | None  # the attndbg range it was launched in (by time on its thread, or external id); None: outside every range
+    range: Range | None  # the attndbg range it was launched in (external correlation); None: outside every range
     nvtx: Span | None  # the innermost NVTX range enclosing the launch call on its thread (MARKER records)
     nvtx_range: Range | None = None  # the attndbg range that NVTX range was pushed for (the tightest enclosing it in time)
 
     @property
     def agrees(self) -> bool:
-        """The NVTX range and the launch's placement (by time on its thread, or by external id)
-        put it in the same range (or in none).
+        """The NVTX range and the external id place the launch in the same range (or in none).
         Told by time, not by name alone: CUPTI may leave a registered string's name empty."""
         if self.range is None or self.nvtx is None:
             return self.range is None and self.nvtx is None
@@ -170,24 +163,6 @@ def _nvtx_of_calls(calls: list[ApiCall], spans_: list[Span]) -> dict[int, Span]:
     return found
 
 
-def _ranges_of_calls(calls: list[ApiCall], ranges: list[Range]) -> dict[int, Range]:
-    """The innermost attndbg range open on each call's thread from before it started until after it
-    ended; a call between ranges is outside every range. Where CUPTI numbers the threads otherwise
-    than the native ids the ranges carry (no range on the call's thread), every range is a candidate,
-    as for the NVTX spans: attndbg pushes its ranges and launches from one thread per process."""
-    by_thread: dict[int, list[tuple[int, int, Range]]] = defaultdict(list)
-    for r in ranges:
-        by_thread[r.thread_id].append((r.start, r.end, r))
-    every = [(r.start, r.end, r) for r in ranges]
-    calls_by_thread: dict[int, list[ApiCall]] = defaultdict(list)
-    for c in calls:
-        calls_by_thread[c.thread_id].append(c)
-    found: dict[int, Range] = {}
-    for thread, thread_calls in calls_by_thread.items():
-        found.update(_enclosing([(c.correlation_id, c.start, c.end) for c in thread_calls], by_thread.get(thread) or every))  # type: ignore[misc]
-    return found
-
-
 def match(records: ProcessRecords) -> Matched:
     ranges = {r.id: r for r in records.ranges}
     calls: dict[int, ApiCall] = {}
@@ -197,17 +172,15 @@ def match(records: ProcessRecords) -> Matched:
         known = calls.get(call.correlation_id)
         if known is None or (call.name.startswith("cuda") and not known.name.startswith("cuda")):
             calls[call.correlation_id] = call
+    external = {e.correlation_id: e.external_id for e in records.external_ids}
     nvtx_spans = spans(records.markers)
     nvtx = _nvtx_of_calls(list(calls.values()), nvtx_spans)
     # Each NVTX range sits inside the attndbg range it was pushed for: the observer's timestamps
     # are taken just outside NVTX's push and pop (profiling.phase).
     pushed_for = _enclosing([(s.id, s.start, s.end) for s in nvtx_spans], [(r.start, r.end, r) for r in records.ranges])
 
-    # correlation id -> the range its call was made in (absent, or an external id naming no range: outside every range)
-    if records.external_ids:
-        range_of = {e.correlation_id: ranges.get(e.external_id) for e in records.external_ids}
-    else:
-        range_of = _ranges_of_calls(list(calls.values()), records.ranges)
+    # correlation id -> the range its call was made in (the external id names no range: None)
+    range_of = {correlation_id: ranges.get(range_id) for correlation_id, range_id in external.items()}
     launched = []
     for k in records.kernels:
         correlation_id = k.correlation_id

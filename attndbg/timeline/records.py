@@ -100,10 +100,10 @@ class Marker:
 
 @dataclass(frozen=True)
 class Range:
-    """An attndbg phase (`profiling.phase`) as the collector saw it: its NVTX message, its thread and
-    its CUPTI timestamps, which place the API calls made in it (matching.py)."""
+    """An attndbg phase (`profiling.phase`) as the collector saw it: its NVTX message, and the
+    external correlation id pushed while it was open, which CUPTI ties to every API call made in it."""
 
-    id: int  # unique in its process (records from earlier collectors: the external correlation id pushed for it)
+    id: int  # the external correlation id pushed for it; unique in its process
     parent: int | None  # the enclosing range's id
     message: str  # the NVTX message: "attndbg/run step=0 mode=DECODE bs=3 backend=triton variant=eager"
     thread_id: int  # the Python thread's native id

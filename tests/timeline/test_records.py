@@ -40,6 +40,19 @@ def test_empty() -> None:
     assert ProcessRecords(pid=1, label="x").empty() and not replay_step().empty()
 
 
+def test_only_the_launches_external_ids_are_kept() -> None:
+    from attndbg.timeline.convert import LaunchExternalIds
+    from attndbg.timeline.records import ExternalId
+
+    keep = LaunchExternalIds()
+    # 1 and 2 are launches; 3 is another call (a memcpy); 4's launch record comes in the next batch.
+    first = keep.keep([ExternalId(1, 10), ExternalId(3, 10), ExternalId(4, 11)], [1, 2])
+    assert first == [ExternalId(1, 10)]
+    second = keep.keep([ExternalId(2, 10), ExternalId(5, 11)], [4])
+    assert second == [ExternalId(4, 11), ExternalId(2, 10)]
+    assert keep.keep([], [3, 5]) == [ExternalId(5, 11)]  # 3 waited once and was dropped; 5 waits one batch
+
+
 def test_kernel_names_are_written_once() -> None:
     records = replay_step()
     data = json.loads(json.dumps(to_json(records)))
