@@ -21,9 +21,10 @@
 #             workers sharing one GPU: the default command, --jobs 16, --cuda-graph, and --jobs 1
 #             against the default on steps 0-149 (identical JSON); each says how many steps were
 #             refused for memory (session 12: 754 of 1,000 before the memory share)
-#   utilisation, startup
-#             where the workers' wall time goes (bench/worker_utilisation.py), and one worker's fixed
-#             cost split (bench/worker_startup.py)
+#   utilisation, command, startup
+#             where the workers' wall time goes (bench/worker_utilisation.py; command: in `attndbg
+#             check` itself, with its own start-up and report), and one worker's fixed cost split
+#             (bench/worker_startup.py)
 # and last the libraries' mtimes again (the checks must rebuild none). Everything in OUT/evidence.tgz.
 # A part is finished when it ran to its end, whatever its verdict (its log says), not when its call's
 # time cut it. Environment: LIMIT (seconds this call may use, default 575), PARTS (default
@@ -118,6 +119,8 @@ part_memidentity() { # --jobs 1 and the default --jobs (3 workers) on steps 0-14
 }
 # Where the workers' wall time goes (start-up, busy, waiting, tail), and one worker's fixed cost split.
 part_utilisation() { attempt utilisation 120 python bench/worker_utilisation.py "$rec" --backend "$BACKENDS" --out "$res"; }
+# The same split for `attndbg check` itself: start-up, before the pool, the pool, the report, exit.
+part_command() { attempt command 120 python bench/worker_utilisation.py "$rec" --backend "$BACKENDS" --cli --out "$res"; }
 part_startup() { attempt startup 60 python bench/worker_startup.py "$rec" --backend "$BACKENDS" --out "$res"; }
 for part in $(tr ',' ' ' <<< "${LANES:-$PARTS}"); do
   declare -F "part_$part" >/dev/null || { echo "gpu_evidence.sh: no part $part (PARTS=$PARTS LANES=${LANES:-})"; exit 2; }

@@ -13,6 +13,12 @@ worker, when each step started and ended, and reports per worker:
   tail       from its last step's end to the end of the check
 
     bash .gpu/env.sh python bench/worker_utilisation.py REC --backend triton,flashinfer,mla --out $OUT
+
+With --cli, the pool is the one `attndbg check REC --backend ...` runs (the command itself, in a
+child process, its pool's check function swapped for the logging one), and the command's wall time
+is split too: start-up (interpreter and imports, to the command's first line), before the pool
+(reading the recording, the kernel shapes), the pool, and after it (the report). Session 13: this
+script's pool took 47 s of 1,000 steps where the command took 63 s.
 """
 
 from __future__ import annotations
@@ -71,7 +77,10 @@ def main() -> int:
     parser.add_argument("--cuda-graph", action="store_true")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="")
+    parser.add_argument("--cli", action="store_true", help="time `attndbg check` itself (see above)")
     args = parser.parse_args()
+    if args.cli:
+        return time_the_command(args)
 
     from attndbg.checks.run import auto_jobs, first_of_each_shape, parse_only, select_paths
     from attndbg.checks.workers import check_in_workers
@@ -99,5 +108,70 @@ def main() -> int:
     return 0
 
 
+_MARKS = "ATTNDBG_UTILISATION_MARKS"
+
+
+def command_child(argv: list[str]) -> None:
+    """In the child: `attndbg check argv` with the pool's steps logged and its edges marked."""
+    import attndbg.checks.workers as workers
+    from attndbg.cli import main as cli
+
+    marks = open(os.environ[_MARKS], "a")
+
+    def mark(what: str) -> None:
+        marks.write(json.dumps({"mark": what, "t": time.time()}) + "\n")
+        marks.flush()
+
+    pool = workers.check_in_workers
+
+    def logged_pool(*a, **k):
+        mark("pool start")
+        k["check"] = logged_check
+        yield from pool(*a, **k)
+        mark("pool end")
+
+    workers.check_in_workers = logged_pool  # checks.run imports it when the check starts
+    mark("command start")
+    try:
+        cli.main(["check", *argv], standalone_mode=False)
+    except SystemExit:
+        pass
+    mark("command end")
+
+
+def time_the_command(args) -> int:
+    import subprocess
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log, marks = out / f"command_utilisation{args.tag}.jsonl", out / f"command_marks{args.tag}.jsonl"
+    log.unlink(missing_ok=True)
+    marks.unlink(missing_ok=True)
+    argv = [args.recording, "--backend", args.backend] + (["--cuda-graph"] if args.cuda_graph else []) + ([f"--jobs={args.jobs}"] if args.jobs else [])
+    env = dict(os.environ, **{_LOG: str(log.resolve()), _MARKS: str(marks.resolve())})
+    begin = time.time()
+    code = subprocess.run([sys.executable, __file__, "--child", *argv], env=env, stdout=subprocess.DEVNULL).returncode
+    end = time.time()
+    at = {}
+    for line in marks.read_text().splitlines():
+        row = json.loads(line)
+        at.setdefault(row["mark"], row["t"])
+    rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    edges = [("start-up (interpreter, imports)", begin, at.get("command start")), ("before the pool (options, steps, shapes)", at.get("command start"), at.get("pool start")),
+             ("the pool", at.get("pool start"), at.get("pool end")), ("after the pool (report)", at.get("pool end"), at.get("command end")),
+             ("exit", at.get("command end"), end)]  # fmt: skip
+    lines = [f"attndbg check {' '.join(argv)}: exit {code}, wall {end - begin:.1f} s"]
+    lines += [f"  {name}: {b - a:.1f} s" if a and b else f"  {name}: not reached" for name, a, b in edges]
+    if rows and at.get("pool start") and at.get("pool end"):
+        lines += ["the pool:", *summarise(rows, at["pool start"], at["pool end"])]
+    (out / f"command_utilisation{args.tag}.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--child"]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    command_child(sys.argv[2:])
+    sys.exit(0)
 if __name__ == "__main__":
     sys.exit(main())

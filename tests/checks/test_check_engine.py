@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -351,3 +352,18 @@ def test_a_worker_numbers_its_gpu_as_its_parent_does() -> None:
     assert worker_devices(0, "GPU-8f1c2d3e-aaaa-bbbb-cccc-0123456789ab") == "GPU-8f1c2d3e-aaaa-bbbb-cccc-0123456789ab"
     with pytest.raises(ValueError, match="GPU 2 is not among the 2"):
         worker_devices(2, "2,5")
+
+
+def test_workers_exit_together_at_the_end(tmp_path: Path) -> None:
+    """The pool's end waits for its workers' exits at once, not one after another (8 workers of a
+    1,000-step check on an H200 spent their last ~8 s stopped in turn)."""
+    from tests.checks.slow_exit_worker import SLOW_EXIT_S, check_then_exit_slowly
+
+    paths = select_paths(_recording(tmp_path / "rec"))
+    results = iter(check_in_workers(paths, METADATA, CheckOptions(backends=("reference",)), jobs=4, devices=None, check=check_then_exit_slowly))
+    *_, last = (next(results) for _ in paths)  # every step's result, the workers still up
+    start = time.monotonic()
+    assert next(results, None) is None  # the pool's end: its workers stopped
+    stopped = time.monotonic() - start
+    assert last.report.checked
+    assert SLOW_EXIT_S <= stopped < 3 * SLOW_EXIT_S, stopped  # one by one: at least 4 x SLOW_EXIT_S
