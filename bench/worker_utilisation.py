@@ -102,7 +102,7 @@ def main() -> int:
         pass
     end = time.time()
     rows = [json.loads(line) for line in log.read_text().splitlines()]
-    lines = [f"{args.recording}: --backend {args.backend}{' --cuda-graph' if args.cuda_graph else ''}, {jobs} workers", *summarise(rows, begin, end)]
+    lines = [f"{args.recording}: --backend {args.backend}{' --cuda-graph' if args.cuda_graph else ''}, {jobs} workers, {len(first)} steps sent first (one per kernel shape)", *summarise(rows, begin, end)]
     (out / f"worker_utilisation{args.tag}.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -44,7 +44,11 @@ from attndbg.replay import activity, memory_share
 # What a worker may write about the launch it is in (backend, what, an error's first line, detector).
 ACTIVITY_BYTES = 1024
 
-WINDOW_PER_JOB = 4
+# Steps a worker may run ahead of the oldest unfinished one, per worker. A slow step at the front
+# (an EXTEND of seconds) idles the others once the window is used: on an H200's 1,000 server steps in
+# 8 workers, 4 left each worker ~3 s waiting; replayed on those step times (bench/dispatch_window.py),
+# 8 ends the last step 2.9 s sooner and more gains nothing. The results held meanwhile are small.
+WINDOW_PER_JOB = 8
 # The task index that asks a worker to empty its GPU cache (before another checks a step alone).
 RELEASE = -1
 # How often the parent reads the awaited step's worker for a progress display (`now`).
