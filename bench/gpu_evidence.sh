@@ -61,7 +61,8 @@ libraries() { find ~/.cache/flashinfer -name '*.so' -printf '%T@ %p\n' 2>/dev/nu
 # its output in res/PART.log; the part is finished unless the timeout cut it.
 attempt() {
   local part=$1 need=$2 s; shift 2
-  [ "$(left)" -gt "$need" ] || return 1
+  # Said, not silent: session 13's enclosure test never started, and no line told.
+  [ "$(left)" -gt "$need" ] || { say "$part: not started (needs $need s, $(left) s left in this call)"; return 1; }
   s=$(date +%s); timeout $(( $(left) - 10 )) "$@" > "$res/$part.log" 2>&1; local rc=$?
   say "$part: exit $rc after $(( $(date +%s) - s )) s, at $(( $(date +%s) - T0 )) s"; tail -12 "$res/$part.log"
   [ $rc -ne 124 ] && touch "$res/$part.done"
@@ -76,7 +77,7 @@ sweep() { # LABEL [--cuda-graph]: finished once all four slices are in
 part_eager() { sweep eager; }
 part_graph() { sweep graph --cuda-graph; }
 part_tests() { # gpu_tests.sh resumes its own parts across calls: finished when both are
-  [ "$(left)" -gt 90 ] || return 1
+  [ "$(left)" -gt 90 ] || { say "tests: not started (needs 90 s, $(left) s left in this call)"; return 1; }
   mkdir -p "$res/tests"; LIMIT=$(( $(left) - 5 )) bash bench/gpu_tests.sh "$res/tests" crash,plans > "$res/gpu_tests.log" 2>&1
   tail -8 "$res/gpu_tests.log"
   ! grep -q -e ': exit 124 ' -e ': not started' "$res/gpu_tests.log" && touch "$res/tests.done"
