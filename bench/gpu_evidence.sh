@@ -68,7 +68,7 @@ attempt() {
   [ $rc -ne 124 ] && touch "$res/$part.done"
 }
 sweep() { # LABEL [--cuda-graph]: finished once all four slices are in
-  local L=$(( $(left) - 10 )); [ $L -gt 60 ] || return 1
+  local L=$(( $(left) - 10 )); [ $L -gt 60 ] || { say "$1 sweep: not started ($(left) s left in this call)"; return 1; }
   python bench/server_sweep.py run "$rec" --backend "$BACKENDS" ${2:-} --json "$res/$1.json" --jobs 8 --slice-steps 250 --timeout $L > "$res/run_$1.log" 2>&1
   say "$1 sweep: call ended at $(( $(date +%s) - T0 )) s with $(ls "$res/$1".steps-*.json 2>/dev/null | wc -l) of 4 slices"
   tail -14 "$res/run_$1.log"
