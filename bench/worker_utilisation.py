@@ -116,7 +116,7 @@ def command_child(argv: list[str]) -> None:
     import attndbg.checks.workers as workers
     from attndbg.cli import main as cli
 
-    marks = open(os.environ[_MARKS], "a")
+    marks = open(os.environ[_MARKS], "a")  # open until the child exits: a mark is flushed as written
 
     def mark(what: str) -> None:
         marks.write(json.dumps({"mark": what, "t": time.time()}) + "\n")
@@ -170,7 +170,6 @@ def time_the_command(args) -> int:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--child"]:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     command_child(sys.argv[2:])
     sys.exit(0)
 if __name__ == "__main__":
