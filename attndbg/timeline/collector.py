@@ -15,7 +15,9 @@ the path is taken from this process's mappings (/proc/self/maps) once CUPTI is l
 before the first phase pushes its range.
 
 Records arrive in buffers (`activity_register_callbacks`) and are copied into ours inside the
-callback (`convert.py`: only what a timeline places).
+callback (`convert.py`: only what a timeline places, read from each record's memory at the offsets
+of cupti-python's dtypes for the classes `_record_types` names, not through its numpy-backed
+attributes).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import os
 import threading
 from typing import Any
 
-from attndbg.timeline.convert import Converter, Kinds, LaunchExternalIds
+from attndbg.timeline.convert import Converter, Kinds, LaunchExternalIds, RecordTypes
 from attndbg.timeline.records import ProcessRecords, Range, launches_graph, launches_kernel
 
 BUFFER_BYTES = 8 << 20  # per CUPTI buffer; CUPTI asks for another when one fills
@@ -47,6 +49,23 @@ def loaded_cupti() -> str | None:
     except OSError:
         return None
     return None
+
+
+def _record_types(cupti: Any) -> RecordTypes:
+    """The record classes this cupti-python delivers for the kinds enabled, with their C layouts,
+    for `convert.py` to read from memory. A class or dtype of another name (another cupti-python's
+    struct version) is left out: its records are read by attribute, slower but all there."""
+
+    def known(cls_name: str, dtype_name: str) -> tuple[type, Any] | None:
+        cls, dtype = getattr(cupti, cls_name, None), getattr(cupti, dtype_name, None)
+        return None if cls is None or dtype is None else (cls, dtype)
+
+    return RecordTypes(
+        kernel=known("ActivityKernel10", "activity_kernel10_dtype"),
+        api=known("ActivityAPI", "activity_api_dtype"),
+        external_correlation=known("ActivityExternalCorrelation", "activity_external_correlation_dtype"),
+        marker=known("ActivityMarker2", "activity_marker2_dtype"),
+    )
 
 
 class Collector:
@@ -81,6 +100,7 @@ class Collector:
                 external_kind=self._external_kind, thread_object=int(cupti.ActivityObjectKind.THREAD),
             ),
             callback_name=lambda runtime, cbid: cupti.get_callback_name(domains.RUNTIME_API if runtime else domains.DRIVER_API, cbid),
+            record_types=_record_types(cupti),
         )
         # Callbacks before enabling: CUPTI asks for a buffer as soon as a kind is on.
         cupti.activity_register_callbacks(self._requested, self._completed)

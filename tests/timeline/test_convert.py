@@ -4,11 +4,15 @@ and the enum values are stand-in numbers: the conversion reads both as given."""
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import json
 from types import SimpleNamespace as Record
+from typing import Any
 
-from attndbg.timeline.convert import MARKER_END, MARKER_START, Converter, Kinds
+import pytest
+
+from attndbg.timeline.convert import MARKER_END, MARKER_START, Converter, Kinds, RecordTypes
 from attndbg.timeline.records import ApiCall, Edge, ExternalId, Kernel, Marker, ProcessRecords, to_json
 
 KINDS = Kinds(kernel=10, runtime=5, driver=6, external_correlation=20, marker=30, external_kind=7, thread_object=2)
@@ -79,3 +83,63 @@ def test_kinds_as_cupti_enums_and_records_as_tuples() -> None:
     assert asked == [(True, 211)]
     written = json.loads(json.dumps(to_json(out)))
     assert written["kernels"] == [[0, 3, 0, 7, 100, 180, 0, 0]] and written["kernel_names"] == ["k"]
+
+
+# A C layout like cupti-python's dtypes for ActivityAPI and ActivityMarker2 (object_id: a union of
+# a thread's and a stream's ids; name, domain: char pointers), for the memory path without cupti.
+_PT = {"names": ["process_id", "thread_id"], "formats": ["<u4", "<u4"], "offsets": [0, 4], "itemsize": 8}
+_DCS = {"names": ["device_id", "context_id", "stream_id"], "formats": ["<u4", "<u4", "<u4"], "offsets": [0, 4, 8], "itemsize": 12}
+_API = {"names": ["kind", "cbid", "start", "end", "process_id", "thread_id", "correlation_id", "return_value"],
+        "formats": ["<i4", "<u4", "<u8", "<u8", "<u4", "<u4", "<u4", "<u4"], "offsets": [0, 4, 8, 16, 24, 28, 32, 36], "itemsize": 40}
+
+
+def _marker_dtype(np: Any) -> Any:
+    object_id = np.dtype({"names": ["pt", "dcs"], "formats": [np.dtype(_PT), np.dtype(_DCS)], "offsets": [0, 0], "itemsize": 12})
+    return np.dtype({"names": ["kind", "flags_", "timestamp", "id", "object_kind", "object_id", "pad", "name", "domain"],
+                     "formats": ["<i4", "<i4", "<u8", "<u4", "<i4", object_id, "<u4", "<i8", "<i8"], "offsets": [0, 4, 8, 16, 20, 24, 36, 40, 48], "itemsize": 56})
+
+
+class Held:
+    """A record class keeping its C struct in `_data`, as cupti-python's do."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Any):
+        self._data = data
+
+
+class Addressed:
+    """A record class giving only its struct's address."""
+
+    def __init__(self, data: Any):
+        self.ptr, self.data = data.ctypes.data, data
+
+
+def test_a_class_with_a_layout_is_read_from_its_memory() -> None:
+    np = pytest.importorskip("numpy")
+    marker_dtype, api_dtype = _marker_dtype(np), np.dtype(_API)
+    strings = [ctypes.create_string_buffer(text) for text in (b"attndbg/run step=0", b"attndbg", b"torch/op")]
+    name, domain, other = (ctypes.addressof(s) for s in strings)
+    markers = np.zeros(3, dtype=marker_dtype)
+    markers[["kind", "flags_", "id", "timestamp", "object_kind", "name", "domain"]] = [
+        (30, MARKER_START, 5, 80, 2, name, domain), (30, MARKER_END, 5, 99, 2, 0, 0), (30, MARKER_START, 6, 81, 2, other, 0)]
+    markers["object_id"]["pt"]["thread_id"] = 77
+    calls = np.zeros(2, dtype=api_dtype)
+    calls[["kind", "cbid", "correlation_id", "start", "end", "thread_id"]] = [(5, 211, 3, 90, 95, 77), (5, 41, 4, 96, 97, 77)]
+    expected = ([ApiCall(3, "cudaLaunchKernel_v7000", 90, 95, 77)], [Marker(5, Edge.START, 80, 77, "attndbg/run step=0", "attndbg"), Marker(5, Edge.END, 99, 77, "", "")])
+    for held in (Held, Addressed):
+        api, marker = type("Api", (held,), {}), type("Marker", (held,), {})  # a class per struct, as cupti-python's
+        out = ProcessRecords(pid=1, label="t")
+        records = [marker(markers[0:1]), api(calls[0:1]), api(calls[1:2]), marker(markers[1:2]), marker(markers[2:3])]
+        types = RecordTypes(api=(api, api_dtype), marker=(marker, marker_dtype))
+        Converter(KINDS, callback_name=lambda runtime, cbid: NAMES[(runtime, cbid)], record_types=types).convert(records, out)
+        assert (out.api_calls, out.markers) == expected, held.__name__
+
+
+def test_a_layout_the_dtype_cannot_give_leaves_the_class_to_its_attributes() -> None:
+    np = pytest.importorskip("numpy")
+    renamed = np.dtype({"names": ["kind", "callback_id"], "formats": ["<i4", "<u4"], "offsets": [0, 4], "itemsize": 8})
+    out = ProcessRecords(pid=1, label="t")
+    Converter(KINDS, callback_name=lambda runtime, cbid: NAMES[(runtime, cbid)], record_types=RecordTypes(api=(Record, renamed))).convert(
+        [Record(kind=5, cbid=211, correlation_id=3, start=90, end=95, thread_id=77)], out)
+    assert out.api_calls == [ApiCall(3, "cudaLaunchKernel_v7000", 90, 95, 77)]
