@@ -74,7 +74,7 @@ class Records:
 
 def _convert(activities: list[Any], record_types: RecordTypes | None) -> ProcessRecords:
     out = ProcessRecords(pid=1, label="t")
-    Converter(KINDS, callback_name=lambda runtime, cbid: NAMES[(runtime, cbid)], record_types=record_types or RecordTypes()).convert(activities, out)
+    Converter(KINDS, callback_name=lambda runtime, cbid: NAMES.get((runtime, cbid), ""), record_types=record_types or RecordTypes()).convert(activities, out)
     return out
 
 
@@ -87,6 +87,7 @@ def _step(r: Records) -> list[Any]:
                  name=b"attndbg/run step=0 mode=DECODE bs=3", domain=DOMAIN.encode()),
         r.api(kind=KINDS.runtime, cbid=211, correlation_id=3, start=90, end=95, process_id=9, thread_id=140001, return_value=0),
         r.api(kind=KINDS.runtime, cbid=41, correlation_id=4, start=96, end=97, thread_id=140001),  # a memcpy: no launch
+        r.api(kind=KINDS.driver, cbid=9999, correlation_id=5, start=96, end=97, thread_id=140001),  # a callback id CUPTI names not
         r.api(kind=KINDS.driver, cbid=307, correlation_id=6, start=big, end=big + 5, thread_id=(1 << 32) - 1),
         r.external(external_kind=KINDS.external_kind, correlation_id=3, external_id=(1 << 64) - 2),
         r.external(external_kind=KINDS.external_kind + 1, correlation_id=3, external_id=1),  # another tool's id
