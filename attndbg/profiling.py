@@ -24,6 +24,8 @@ PREFIX = "attndbg/"  # every range's message starts with it
 # Set by `--timeline` for the worker processes a check spawns: a directory where each worker writes
 # its own CUPTI records (CUPTI is per process), which the parent merges.
 TIMELINE_VARIABLE = "ATTNDBG_TIMELINE_DIR"
+# What those processes are called in the timeline ("attndbg check worker", "engine process"), set with it.
+TIMELINE_LABEL_VARIABLE = "ATTNDBG_TIMELINE_LABEL"
 
 
 class Observer(Protocol):
@@ -43,15 +45,15 @@ def observe(observer: Observer | None) -> None:
 
 
 def _observe_from_environment() -> None:
-    """In a check worker (a spawned process the CLI never ran in), start the timeline's collection
-    when the parent asked for one. Here, because CUPTI must be set up before the process's first
+    """In a check worker or an engine's process under `record` (a process the CLI never ran in),
+    start the timeline's collection when the parent asked for one. Here, because CUPTI must be set up before the process's first
     NVTX call, and the first phase makes it; imported by name, so this module imports nothing of
     the timeline (nor cupti) unless asked."""
     global _environment_read
     _environment_read = True
     directory = os.environ.get(TIMELINE_VARIABLE)
     if directory:
-        importlib.import_module("attndbg.timeline.worker").attach(directory)
+        importlib.import_module("attndbg.timeline.worker").attach(directory, label=os.environ.get(TIMELINE_LABEL_VARIABLE) or None)
 
 
 def step_label(trace: Trace) -> str:

@@ -222,11 +222,13 @@ def parse_devices(spec: str | None) -> tuple[int, ...] | None:
     return devices
 
 
-def timeline(command: str) -> Callable[[F], F]:
-    """--timeline FILE (replay, check): the command runs inside attndbg.timeline's recording, which
-    writes the Chrome trace and its summary when the command ends, however it ends. Refused (exit
-    2, one line) before any work where it cannot run: no cupti-python, no GPU, CUPTI that will not
-    start. Put it just above `def`, under @handles_bad_input, which turns the refusal into exit 2."""
+def timeline(command: str, *, spawned: str | None = None, collect_here: bool = True) -> Callable[[F], F]:
+    """--timeline FILE (replay, check, record): the command runs inside attndbg.timeline's recording,
+    which writes the Chrome trace and its summary when the command ends, however it ends. Refused
+    (exit 2, one line) before any work where it cannot run: no cupti-python, no GPU, CUPTI that will
+    not start. `spawned` names the processes the command starts that collect too; `collect_here`
+    False for a command that launches no kernel itself (record: its engine's processes do). Put it
+    just above `def`, under @handles_bad_input, which turns the refusal into exit 2."""
 
     def decorate(func: F) -> F:
         @functools.wraps(func)
@@ -241,7 +243,7 @@ def timeline(command: str) -> Callable[[F], F]:
             if refusal is not None:
                 raise BadInput(refusal)
             try:
-                recording = session.start(timeline_path, command=command)
+                recording = session.start(timeline_path, command=command, spawned_label=spawned, collect_here=collect_here)
             except availability.Unavailable as e:
                 raise BadInput(str(e)) from None
             try:

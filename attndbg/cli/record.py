@@ -23,6 +23,7 @@ from attndbg.suggest import did_you_mean
 @click.option("--engine", "engines", default="transformers,sglang,vllm", show_default=True, help="engines to hook")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 @handles_bad_input
+@options.timeline("record", spawned="engine process", collect_here=False)
 def record(
     out_dir: str,
     append: bool,
@@ -45,6 +46,7 @@ def record(
     Examples:
       attndbg record -o rec -- python -m sglang.launch_server --model-path ...
       attndbg record -o rec --layers 0 --steps 0:20 -- python my_generate.py
+      attndbg record -o rec --timeline rec.json -- python my_generate.py   (GPU: each recorded step's kernels)
       attndbg check rec && attndbg replay rec/step_000003.pt --backend all
     """
     from attndbg.record.launch import missing_layers, prepare_directory, run_recorded

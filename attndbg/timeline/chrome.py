@@ -151,6 +151,10 @@ def _range_event(matched: Matched, range_: Range, pid: int, origin: int) -> dict
     }
     if named.trace:
         args["trace"] = named.trace
+    if named.mode:
+        args["mode"] = named.mode
+    if named.batch_size:
+        args["bs"] = named.batch_size
     if named.probe:
         args["probe"] = named.probe
     if named.detector:

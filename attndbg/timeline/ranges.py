@@ -6,7 +6,10 @@ on the range around all of its work (`attndbg/step trace=decode_gqa.pt ...`, `pr
 step numbers repeat from file to file) and what the phase adds
 (`backend=triton variant=eager`, `variant=graph capture_bs=8 fill=1`; `variant=padded ...` where the
 graph's padded sequence ran eagerly, nothing captured; `probe=decode_stage2 on crafted partials`
-on a launch that is no run of the step: a detector's merge of crafted states). A word without `=`
+on a launch that is no run of the step: a detector's merge of crafted states). Under `record`, an
+engine's recorded step is one range, `attndbg/engine engine=transformers step=3 mode=DECODE bs=3
+graph=replay graph_bs=8` (graph: eager, capture or replay), its variant read as `graph replay bs=8`.
+A word without `=`
 belongs to the value before it (`variant=recorded plan`). A range names what its own message says and what
 its enclosing ranges say (a `plan` range inside `backend/triton` is triton's), the inner words
 winning.
@@ -77,6 +80,8 @@ def names(range_: Range, by_id: Mapping[int, Range]) -> Names:
     variant = words.get("variant", "")
     if variant in ("graph", "padded") and "capture_bs" in words:
         variant = f"{variant} bs={words['capture_bs']}" + (f" fill={words['fill']}" if "fill" in words else "")
+    elif not variant and "graph" in words:  # an engine's step (record)
+        variant = words["graph"] if words["graph"] == "eager" else f"graph {words['graph']} bs={words.get('graph_bs', '?')}"
     return Names(
         phase=phase,
         step=words.get("step", ""),

@@ -1,5 +1,6 @@
-"""`--timeline FILE` around one command: collect in this process and in the check workers it
-spawns, then match, summarise and write the Chrome trace (`chrome.py`).
+"""`--timeline FILE` around one command: collect in this process and in the processes it spawns
+(check workers; under `record`, the engine's processes, and not this one: it launches no kernel),
+then match, summarise and write the Chrome trace (`chrome.py`).
 
     refusal = availability.refusal()      # before any work: exit 2 with this line
     timeline = start(path, command="replay")   # Unavailable: CUPTI would not start (exit 2 too)
@@ -28,37 +29,47 @@ from attndbg.timeline.matching import match
 class Recording:
     path: str
     command: str
-    collector: Collector
-    directory: str  # where the check workers write their records
-    previous: str | None  # the worker variable as it was before
+    collector: Collector | None  # None: nothing is collected in this process (record)
+    directory: str  # where the spawned processes write their records
+    previous: dict[str, str | None]  # the variables the spawned processes read, as they were before
 
     def finish(self) -> None:
         """Stop collecting, merge the workers' records, write the file, print the summary on stderr."""
-        if self.previous is None:
-            os.environ.pop(profiling.TIMELINE_VARIABLE, None)
-        else:
-            os.environ[profiling.TIMELINE_VARIABLE] = self.previous
-        profiling.observe(None)
-        own = self.collector.stop()
-        workers = worker.read(self.directory)
+        for name, value in self.previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        own = None
+        if self.collector is not None:
+            profiling.observe(None)
+            own = self.collector.stop()
+        spawned = worker.read(self.directory)
         shutil.rmtree(self.directory, ignore_errors=True)
-        processes = [match(records) for records in [own, *workers] if records is own or not records.empty() or records.notes]
+        processes = [match(records) for records in [own, *spawned] if records is not None and (records is own or not records.empty() or records.notes)]
         result = summary.summarize(processes)
+        if self.collector is None and not spawned:
+            result.notes.append("no process the command started opened an attndbg range: nothing was collected (did the engine record a step, on a GPU?)")
         chrome.write(self.path, chrome.text(processes, result, command=self.command))
         for line in summary.render(result, self.path):
             sys.stderr.write(line + "\n")
         sys.stderr.flush()
 
 
-def start(path: str, *, command: str) -> Recording:
-    collector = Collector(f"attndbg {command}")
-    try:
-        collector.start()
-    except Exception as e:  # noqa: BLE001 - cupti's errors (cuptiError, NotSupportedError) live in the optional package
-        raise Unavailable(f"--timeline: CUPTI did not start here: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")) from None
-    # This process's observer first, then the variable: the parent must not start a worker's collection too.
-    profiling.observe(collector)
+def start(path: str, *, command: str, spawned_label: str | None = None, collect_here: bool = True) -> Recording:
+    """Collect in this process (unless `collect_here` is False) and in each process it spawns that
+    opens an attndbg range, those named `spawned_label` in the timeline (default: check workers)."""
+    collector = None
+    if collect_here:
+        collector = Collector(f"attndbg {command}")
+        try:
+            collector.start()
+        except Exception as e:  # noqa: BLE001 - cupti's errors (cuptiError, NotSupportedError) live in the optional package
+            raise Unavailable(f"--timeline: CUPTI did not start here: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")) from None
+        # This process's observer first, then the variable: the parent must not start a worker's collection too.
+        profiling.observe(collector)
     directory = tempfile.mkdtemp(prefix="attndbg-timeline-")
-    previous = os.environ.get(profiling.TIMELINE_VARIABLE)
-    os.environ[profiling.TIMELINE_VARIABLE] = directory  # spawned workers inherit it
+    variables = {profiling.TIMELINE_VARIABLE: directory, profiling.TIMELINE_LABEL_VARIABLE: spawned_label or worker.LABEL}
+    previous = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)  # spawned processes inherit them
     return Recording(path=path, command=command, collector=collector, directory=directory, previous=previous)

@@ -1,6 +1,8 @@
-"""A check worker's side of `--timeline`: CUPTI is per process, so each worker collects its own
-records and appends them, as JSON lines, to `<dir>/worker-<pid>.jsonl`; the parent merges the
-files (`read`) into one timeline with a pid per worker.
+"""The side of `--timeline` in a process the command spawned (a check worker; an engine's process
+under `record`): CUPTI is per process, so each collects its own records and appends them, as JSON
+lines, to `<dir>/worker-<pid>.jsonl`; the parent merges the files (`read`) into one timeline with a
+pid per process. Collection starts at the process's first attndbg range (`profiling.phase`): an
+engine's process that never records a step starts no CUPTI.
 
 A worker writes when no phase is open and a second has passed since its last write (between
 detectors, between steps), and once more at exit: a worker killed by a crash loses at most the
@@ -20,7 +22,7 @@ from attndbg.timeline.collector import Collector
 from attndbg.timeline.records import ProcessRecords, from_json, to_json
 
 WRITE_EVERY_S = 1.0
-LABEL = "attndbg check worker"
+LABEL = "attndbg check worker"  # unless the parent names its processes otherwise (profiling.TIMELINE_LABEL_VARIABLE)
 
 
 class _Writer:
@@ -51,14 +53,15 @@ class _Writer:
         self.write(self.collector.stop())
 
 
-def attach(directory: str) -> None:
-    """Start collecting in this worker (called by its first phase, before any NVTX call)."""
+def attach(directory: str, label: str | None = None) -> None:
+    """Start collecting in this process (called by its first phase, before any NVTX call)."""
+    label = label or LABEL
     path = Path(directory) / f"worker-{os.getpid()}.jsonl"
-    collector = Collector(LABEL)
+    collector = Collector(label)
     try:
         collector.start()
     except Exception as e:  # noqa: BLE001 - cupti's own error types live in the optional package; a timeline must never stop a check
-        failed = ProcessRecords(pid=os.getpid(), label=LABEL, notes=[f"worker {os.getpid()}: CUPTI did not start: {type(e).__name__}: {e}"])
+        failed = ProcessRecords(pid=os.getpid(), label=label, notes=[f"{label} {os.getpid()}: CUPTI did not start: {type(e).__name__}: {e}"])
         _Writer(collector, path).write(failed)
         return
     writer = _Writer(collector, path)

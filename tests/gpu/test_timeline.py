@@ -5,12 +5,16 @@ Each command runs in its own process (CUPTI is per process) over every shipped t
 tests/timeline/enclosure.py: every kernel launched inside exactly one attndbg range naming step file,
 step, backend, variant and phase; CUPTI's NVTX records agreeing; each graph replay one cudaGraphLaunch
 running the captured node set. A check over worker processes writes one file with a pid per
-worker. Set ATTNDBG_TIMELINE_OUT=DIR to keep the files and the counts (bench/timeline_check.sh).
+worker. Under `attndbg record`, a live transformers engine with CUDA graphs: one range per recorded
+step naming step, mode, batch size, graph batch size and capture/replay/eager, holding that step's
+kernels (tests/timeline/engine_enclosure.py). Set ATTNDBG_TIMELINE_OUT=DIR to keep the files and the
+counts (bench/timeline_check.sh).
 """
 
 from __future__ import annotations
 
 import gzip
+import importlib
 import importlib.util
 import json
 import os
@@ -21,14 +25,33 @@ from pathlib import Path
 
 import pytest
 
-from tests.timeline import enclosure
+from attndbg.trace.io import read_manifest
+from tests.timeline import engine_enclosure, enclosure
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(importlib.util.find_spec("cupti") is None, reason="needs cupti-python (pip install 'attndbg[timeline]')"),
 ]
 
-TRACES = Path(__file__).resolve().parents[2] / "traces"
+ROOT = Path(__file__).resolve().parents[2]
+TRACES = ROOT / "traces"
+ENGINE_SCRIPT = ROOT / "tests" / "record" / "transformers_generate.py"
+
+
+def _keep(timeline: Path, name: str, header: str, report_line: str, problems: list[str], stderr: str) -> None:
+    keep = os.environ.get("ATTNDBG_TIMELINE_OUT")
+    if not keep:
+        return
+    Path(keep).mkdir(parents=True, exist_ok=True)
+    # What comes back from the device is at most 16 MiB a file: a large timeline travels gzipped (Perfetto opens .json.gz).
+    if timeline.stat().st_size > 4 << 20:
+        with open(timeline, "rb") as src, gzip.open(Path(keep) / f"{name}.json.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    else:
+        shutil.copy(timeline, Path(keep) / f"{name}.json")
+    summary = stderr[stderr.index("timeline: "):]
+    with open(Path(keep) / "timeline_check.txt", "a") as f:
+        f.write(f"== {name}: {header}\n{report_line}\n" + "".join(f"PROBLEM {p}\n" for p in problems) + summary + "\n")
 
 
 def _run(args: list[str], timeline: Path, name: str) -> dict:
@@ -37,18 +60,7 @@ def _run(args: list[str], timeline: Path, name: str) -> dict:
     assert "timeline: " in proc.stderr, proc.stderr[-3000:]
     doc = json.loads(timeline.read_text())
     report = enclosure.check(doc)
-    keep = os.environ.get("ATTNDBG_TIMELINE_OUT")
-    if keep:
-        Path(keep).mkdir(parents=True, exist_ok=True)
-        # What comes back from the device is at most 16 MiB a file: a large timeline travels gzipped (Perfetto opens .json.gz).
-        if timeline.stat().st_size > 4 << 20:
-            with open(timeline, "rb") as src, gzip.open(Path(keep) / f"{name}.json.gz", "wb") as dst:
-                shutil.copyfileobj(src, dst)
-        else:
-            shutil.copy(timeline, Path(keep) / f"{name}.json")
-        summary = proc.stderr[proc.stderr.index("timeline: "):]
-        with open(Path(keep) / "timeline_check.txt", "a") as f:
-            f.write(f"== {name}: attndbg {' '.join(args)}\n{report.line()}\n" + "".join(f"PROBLEM {p}\n" for p in report.problems) + summary + "\n")
+    _keep(timeline, name, f"attndbg {' '.join(args)}", report.line(), report.problems, proc.stderr)
     print(name, report.line())
     return {"doc": doc, "report": report}
 
@@ -81,3 +93,33 @@ def test_check_workers_merge_into_one_file(tmp_path: Path) -> None:
     assert report.kernels > 0
     files = {e["args"].get("trace") for e in result["doc"]["traceEvents"] if e.get("cat") == "attndbg"}
     assert files >= {p.name for p in TRACES.glob("*.pt")}, files  # every shipped file checked, in one worker or the other
+
+
+def _continuous_batching() -> str | None:
+    """Why transformers' continuous batching cannot run here, or None (the adapter needs >= 5.20)."""
+    try:
+        generation = importlib.import_module("transformers.generation")
+    except ImportError as e:
+        return f"needs transformers >= 5.20 with continuous batching ({e})"
+    return None if hasattr(generation, "ContinuousBatchingConfig") else "needs transformers >= 5.20 (no ContinuousBatchingConfig)"
+
+
+@pytest.mark.skipif(_continuous_batching() is not None, reason=str(_continuous_batching()))
+def test_record_ranges_on_a_live_engine_with_cuda_graphs(tmp_path: Path) -> None:
+    """`attndbg record --timeline` around transformers' continuous batching with CUDA graphs (its
+    warm-up forward, captures, replays): one range per recorded step, labelled as the recorded file
+    says, holding that step's kernels; a replay one cudaGraphLaunch running its graph's nodes."""
+    rec, timeline = tmp_path / "rec", tmp_path / "t.json"
+    args = ["record", "-o", str(rec), "--timeline", str(timeline), "--", sys.executable, str(ENGINE_SCRIPT), "--device", "cuda", "--cuda-graph", "--dtype", "bfloat16", "--new-tokens", "8"]
+    proc = subprocess.run([sys.executable, "-m", "attndbg", *args], capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    entries = read_manifest(rec)
+    doc = json.loads(timeline.read_text())
+    report = engine_enclosure.check(doc, entries)
+    _keep(timeline, "record_transformers_cuda_graph", "attndbg " + " ".join(args[4:6]) + " -- transformers_generate.py --device cuda --cuda-graph --dtype bfloat16 --new-tokens 8", report.line(), report.problems, proc.stderr)
+    print("record_transformers_cuda_graph", report.line())
+    assert report.problems == [], "\n".join(report.problems[:40])
+    assert report.steps == len(entries) >= 8  # a prefill and 7 decode steps at least (transformers' warm-up forwards are steps too)
+    assert report.by_variant["graph capture"] >= 1 and report.by_variant["graph replay"] >= 1, dict(report.by_variant)
+    processes = [e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
+    assert len(processes) == 1 and processes[0].startswith("engine process"), processes

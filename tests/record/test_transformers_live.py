@@ -20,6 +20,7 @@ from tests.record.engines import import_engine
 
 import_engine("transformers.generation.continuous_batching")
 
+from attndbg import profiling  # noqa: E402
 from attndbg.checks.run import check_steps, parse_only  # noqa: E402
 from attndbg.detector_api.context import CheckContext, CheckOptions  # noqa: E402
 from attndbg.detectors.split_merge.recorded import recorded_tensors  # noqa: E402
@@ -145,3 +146,33 @@ def test_every_field_the_table_says_is_recorded_is_in_each_step(recording) -> No
             value = getattr(trace.batch, where.removeprefix("batch."))
             assert value.numel() > 0, (entry.file, engine, where)
         assert trace.plan is None and trace.graph is None  # the table's "not recorded" rows: the engine builds neither
+
+
+def test_each_recorded_step_is_one_range_naming_it(tmp_path: Path) -> None:
+    """The range around each recorded step (what nsys and `record --timeline` show): one per recorded
+    step, none for a step not recorded, labelled before the step runs with what the recorded file
+    says after it (mode and batch size), and eager here (no CUDA graph on the CPU)."""
+    pushed: list[str] = []
+
+    class Observer:
+        def push(self, message: str) -> None:
+            pushed.append(message)
+
+        def pop(self) -> None:
+            pass
+
+    model = live.tiny_llama()
+    out = tmp_path / "rec"
+    start_session(RecordOptions(out_dir=str(out), first_step=0, last_step=5, every=2, writer="thread"))
+    transformers_cb.install()
+    profiling.observe(Observer())
+    try:
+        live.generate(model, max_new_tokens=NEW_TOKENS)
+    finally:
+        profiling.observe(None)
+        end_session()
+        transformers_cb.uninstall()
+    entries = io.read_manifest(out)
+    assert [e.step for e in entries] == [0, 2, 4]
+    assert pushed == [f"attndbg/engine engine=transformers step={e.step} mode={e.mode} bs={e.batch_size} graph=eager" for e in entries]
+    assert [e.mode for e in entries] == ["EXTEND", "DECODE", "DECODE"] and all(e.batch_size == 3 for e in entries)

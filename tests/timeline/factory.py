@@ -96,3 +96,33 @@ def replay_step(pid: int = 1000, step: int = 0) -> ProcessRecords:
     b.pop()
     b.pop()
     return b.records
+
+
+def engine_steps(pid: int = 2000) -> ProcessRecords:
+    """An engine's process under `record --timeline` (transformers' CUDA graphs): step 0 captures a
+    graph for 8 padded tokens (its warm-up forward runs eagerly, then 2 launches are captured),
+    steps 1-2 replay it, step 3 runs eagerly (a prefill, no graph for it); between steps the engine
+    launches a kernel of its own, outside every range (preparing the next batch)."""
+    b = Builder(pid=pid)
+    b.records.label = "engine process"
+
+    def words(step: int, mode: str, bs: int, graph: str) -> str:
+        return f"engine=transformers step={step} mode={mode} bs={bs} graph={graph}" + ("" if graph == "eager" else " graph_bs=8")
+
+    b.push("engine", words(0, "DECODE", 3, "capture"))
+    b.kernel(b.call("cudaLaunchKernel_v7000"), "attention_warmup")
+    b.kernel(b.call("cudaLaunchKernel_v7000"), "lm_head_warmup")
+    b.call("cudaLaunchKernel_v7000")  # captured: no kernel runs now
+    b.call("cudaLaunchKernel_v7000")
+    b.pop()
+    for step in (1, 2):
+        b.kernel(b.call("cudaLaunchKernel_v7000", in_range=False), "fill_static_inputs")
+        b.push("engine", words(step, "DECODE", 3, "replay"))
+        launch = b.call("cudaGraphLaunch_v10000")
+        b.kernel(launch, "attention", node=1)
+        b.kernel(launch, "lm_head", node=2)
+        b.pop()
+    b.push("engine", words(3, "EXTEND", 1, "eager"))
+    b.kernel(b.call("cudaLaunchKernel_v7000"), "attention_prefill")
+    b.pop()
+    return b.records

@@ -27,3 +27,11 @@ def test_refused_on_a_machine_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_an_output_folder_that_does_not_exist_is_refused_first() -> None:
     one_line_error(invoke("replay", "traces/decode_gqa.pt", "--timeline", "no/such/dir/t.json"), "--timeline no/such/dir/t.json: the folder no/such/dir does not exist")
+
+
+def test_record_is_refused_before_the_engine_starts(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001 - pytest's tmp_path
+    monkeypatch.setattr(availability.importlib.util, "find_spec", lambda name: None)
+    ran = tmp_path / "engine_ran"
+    result = invoke("record", "-o", str(tmp_path / "rec"), "--timeline", "t.json", "--", "python", "-c", f"open({str(ran)!r}, 'w')")
+    one_line_error(result, "--timeline needs the cupti-python package", "pip install 'attndbg[timeline]'")
+    assert not ran.exists() and not (tmp_path / "rec").exists()

@@ -60,15 +60,17 @@ def test_recording_merges_this_process_and_its_workers(tmp_path: Path, monkeypat
 
 
 def test_a_worker_starts_collecting_at_its_first_phase(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """A spawned worker never runs the CLI: its first phase reads the variable the parent set."""
-    attached: list[str] = []
-    monkeypatch.setattr(worker, "attach", attached.append)
+    """A spawned worker never runs the CLI: its first phase reads the variables the parent set (the
+    directory, and what the timeline calls the process: an engine's, under record)."""
+    attached: list[tuple[str, str | None]] = []
+    monkeypatch.setattr(worker, "attach", lambda directory, label=None: attached.append((directory, label)))
     monkeypatch.setattr(profiling, "_environment_read", False)
     monkeypatch.setattr(profiling, "_observer", None)
     monkeypatch.setenv(profiling.TIMELINE_VARIABLE, str(tmp_path))
+    monkeypatch.setenv(profiling.TIMELINE_LABEL_VARIABLE, "engine process")
     with profiling.phase("data"), profiling.phase("reference"):
         pass
-    assert attached == [str(tmp_path)]
+    assert attached == [(str(tmp_path), "engine process")]
 
 
 def test_refused_without_the_package(monkeypatch: pytest.MonkeyPatch) -> None:

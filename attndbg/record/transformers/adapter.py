@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attndbg import profiling
 from attndbg.record.build import batch_from_rows, mode_from_lengths, source
 from attndbg.record.session import RecordingSession, capturing, current_session
 from attndbg.trace.schema import AttentionKind, LayerTensors, LseBase, Model, Trace
@@ -139,6 +140,48 @@ class _StepState:
 _local = threading.local()
 
 
+def _current_io(io: Any, side: str) -> Any:
+    """The IO object this step uses: async batching (CUDA graphs without an attention mask)
+    alternates two host/device IO pairs; the host side was prepared with the step's requests, the
+    device side holds its graphs and padded sizes. Sync batching has one object for both."""
+    pairs = getattr(io, "io_pairs", None)
+    return getattr(pairs[io.current_pair], f"{side}_io") if pairs is not None else io
+
+
+def step_words(runner: Any, step: int) -> str:
+    """What the range around one recorded step names, read before the step runs, from the host side
+    alone (no device read: the range must not change the engine's timing):
+    `engine=transformers step=3 mode=DECODE bs=3 graph=replay graph_bs=8`.
+
+    mode and bs from the requests the batch was prepared for (query length, and the cached length
+    before the step); `graph` is what compute_batch is about to do: run eagerly, capture a CUDA graph
+    (its warm-up forward runs eagerly first), or replay one, keyed as transformers keys its graphs;
+    `graph_bs` the padded query-token count the graph was captured for (= padded requests on the
+    decode fast path, one token each). A field that this transformers does not expose reads `?`:
+    the range is a label and never stops the recording."""
+    words = [f"engine={ENGINE}", f"step={step}"]
+    io = runner.inputs_and_outputs
+    try:
+        requests = list(_current_io(io, "host").requests_in_batch)
+        query = [int(r.query_length) for r in requests]
+        # prepare_batch_tensors already advanced position_offset by the step's query length
+        prefix = [int(r.state.position_offset) - q for r, q in zip(requests, query)]
+        words += [f"mode={mode_from_lengths(query, prefix).value}", f"bs={len(requests)}"]
+    except Exception:  # noqa: BLE001 - another transformers' request states: say so in the label
+        words += ["mode=?", "bs=?"]
+    try:
+        _, use_graph = runner._get_forward_fn(use_block_table=io.use_block_table)
+        if not use_graph:
+            words.append("graph=eager")
+        else:
+            graph_io = _current_io(io, "device")
+            captured = graph_io.graphs.get_graph(graph_io._get_graph_key()) is not None
+            words += [f"graph={'replay' if captured else 'capture'}", f"graph_bs={int(graph_io.num_q_tokens)}"]
+    except Exception:  # noqa: BLE001 - as above
+        words.append("graph=?")
+    return " ".join(words)
+
+
 def _on_step(session: RecordingSession, runner: Any, model: Any, batch_data: dict[str, Any], call: Any) -> Any:
     start = time.perf_counter()
     step = session.next_step()
@@ -149,9 +192,13 @@ def _on_step(session: RecordingSession, runner: Any, model: Any, batch_data: dic
     with session.guard("transformers compute_batch (before)"):
         state = _StepState(step=step, geometry=cache_geometry(batch_data["cache"]))
     _local.state = state
+    words = step_words(runner, step)
     session.stats.hook_seconds += time.perf_counter() - start
     try:
-        result = call()
+        # One range per recorded step, around all of the step's launches: what `nsys profile
+        # attndbg record ...` shows, and what `record --timeline` collects the step's kernels by.
+        with profiling.phase("engine", words):
+            result = call()
     finally:
         _local.state = None
     if state is None:
@@ -164,7 +211,7 @@ def _on_step(session: RecordingSession, runner: Any, model: Any, batch_data: dic
 
 
 def _submit(session: RecordingSession, runner: Any, model: Any, batch_data: dict[str, Any], state: _StepState) -> None:
-    io = runner.inputs_and_outputs
+    io = _current_io(runner.inputs_and_outputs, "host")
     num_requests = int(getattr(io, "num_request_in_batch", len(io.requests_in_batch)))
     a = state.geometry.allocator_index
     write_size = int(io.true_write_sizes[a]) if hasattr(io, "true_write_sizes") else None
