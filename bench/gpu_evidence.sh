@@ -21,6 +21,11 @@
 #             workers sharing one GPU: the default command, --jobs 16, --cuda-graph, and --jobs 1
 #             against the default on steps 0-149 (identical JSON); each says how many steps were
 #             refused for memory (session 12: 754 of 1,000 before the memory share)
+#   rectl     issue 25: `attndbg record --timeline` around a live transformers engine with CUDA graphs
+#             (tests/gpu/test_timeline.py -k record; needs transformers >= 5.20 carried in .gpu/whl)
+#   coldstart issue 24: bench/cold_start.py on the recording's first step of each mode, both forms,
+#             fresh JIT caches each, --backend COLD_BACKENDS (triton,flashinfer,mla): on a lane's share
+#             of the cores, as a one-GPU machine has them
 #   utilisation, command, startup
 #             where the workers' wall time goes (bench/worker_utilisation.py; command: in `attndbg
 #             check` itself, with its own start-up and report), and one worker's fixed cost split
@@ -30,7 +35,8 @@
 # time cut it. Environment: LIMIT (seconds this call may use, default 575), PARTS (default
 # eager,graph,tests,cost,profile,timeline), LANES (instead of PARTS, on a host of several GPUs:
 # space-separated lists of parts, lane i on GPU i with 1/N of the cores, the lanes at once; the
-# recording and the compile phase use the whole host first), BACKENDS (triton,flashinfer,fa3,mla), TIMELINE_BACKENDS
+# recording and the compile phase use the whole host first), DURING_COMPILE (parts that need no
+# FlashInfer module, run on GPU 0 while the compile phase builds: rectl), BACKENDS (triton,flashinfer,fa3,mla), TIMELINE_BACKENDS
 # (triton,flashinfer,fa3). Issues 24/25's measurements alone, without fa3 (its 12 SM90 modules are
 # 3/4 of the compile), about 900 s held:
 #
@@ -122,12 +128,20 @@ part_memidentity() { # --jobs 1 and the default --jobs (3 workers) on steps 0-14
 part_utilisation() { attempt utilisation 120 python bench/worker_utilisation.py "$rec" --backend "$BACKENDS" --out "$res"; }
 # The same split for `attndbg check` itself: start-up, before the pool, the pool, the report, exit.
 part_command() { attempt command 120 python bench/worker_utilisation.py "$rec" --backend "$BACKENDS" --cli --out "$res"; }
+# Issue 25: record --timeline on a live engine (no FlashInfer: it can run during the compile phase).
+part_rectl() { attempt rectl 120 env ATTNDBG_TIMELINE_OUT="$res/rectl" python -m pytest -q -s -p no:cacheprovider tests/gpu/test_timeline.py -k record; }
+# Issue 24: the cold start, each form on empty caches of its own (the lane's cores compile).
+part_coldstart() { attempt coldstart 300 python bench/cold_start.py "$rec" "$res/coldstart" --backend "${COLD_BACKENDS:-triton,flashinfer,mla}" --form default --form compile-first --fresh-caches; }
 part_startup() { attempt startup 60 python bench/worker_startup.py "$rec" --backend "$BACKENDS" --out "$res"; }
-for part in $(tr ',' ' ' <<< "${LANES:-$PARTS}"); do
+for part in $(tr ',' ' ' <<< "${LANES:-$PARTS} ${DURING_COMPILE:-}"); do
   declare -F "part_$part" >/dev/null || { echo "gpu_evidence.sh: no part $part (PARTS=$PARTS LANES=${LANES:-})"; exit 2; }
 done
 ( while true; do echo "$(date +%T) nvcc=$(pgrep -c nvcc) ninja=$(pgrep -c ninja) load=$(cut -d' ' -f1 /proc/loadavg) so=$(ls ~/.cache/flashinfer/*/*/cached_ops/*/*.so 2>/dev/null | wc -l) gpu=$(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader | tr -d ' ' | tr '\n' ' ')"; sleep 10; done ) >> "$res/sampler.txt" 2>&1 &
 sampler=$!
+early=(); during=${DURING_COMPILE:-}
+for part in ${during//,/ }; do
+  [ -f "$res/$part.done" ] || { "part_$part" & early+=($!); }
+done
 if [ ! -f "$res/compile.done" ]; then
   s=$(date +%s)
   timeout $(( $(left) - 10 )) attndbg compile "$rec" --backend "$BACKENDS" >> "$res/compile.log" 2>&1; rc=$?
@@ -140,6 +154,7 @@ if [ -f "$res/compile.done" ] && [ ! -f "$res/compile_traces.done" ] && grep -qw
   say "compile traces/ (--backend all): exit $rc after $(( $(date +%s) - s )) s"
   [ $rc -eq 0 ] && touch "$res/compile_traces.done"
 fi
+[ ${#early[@]} -gt 0 ] && wait "${early[@]}"
 [ -f "$res/compile.done" ] && [ ! -f "$res/libraries_after_compile.txt" ] && libraries > "$res/libraries_after_compile.txt"
 # run_parts LIST: LIST's parts in order, stopping at the first it cannot finish.
 run_parts() {
