@@ -32,11 +32,23 @@ def _us(ns: int, origin: int) -> float:
     return round((ns - origin) / 1e3, 3)
 
 
+def earliest(matched: Matched) -> int | None:
+    """The process's earliest time (ns) that an event is placed at; None: it has no such record."""
+    records = matched.records
+    stamps = [min(r.start for r in records.ranges)] if records.ranges else []
+    stamps += [min(k.start for k in records.kernels)] if records.kernels else []
+    stamps += [min(c.start for c in records.api_calls)] if records.api_calls else []
+    return min(stamps, default=None)
+
+
 def _origin(processes: Sequence[Matched]) -> int:
-    stamps = [r.start for m in processes for r in m.records.ranges]
-    stamps += [k.start for m in processes for k in m.records.kernels]
-    stamps += [c.start for m in processes for c in m.records.api_calls]
-    return min(stamps, default=0)
+    return min((t for t in map(earliest, processes) if t is not None), default=0)
+
+
+def arrows(matched: Matched) -> int:
+    """How many launch arrows (flow events) `process_text` draws for the process: one per launch
+    call with a kernel, made inside a range."""
+    return len({k.launch.correlation_id for k in matched.launched if k.launch is not None and k.range is not None})
 
 
 # The events there is one of per kernel (the kernel, its launch call, the flow arrow's two ends:
@@ -75,6 +87,15 @@ def event_text(processes: Sequence[Matched]) -> str:
     flow = 0
     for matched in processes:
         flow = _process(matched, origin, flow, out)
+    return ",".join(out)
+
+
+def process_text(matched: Matched, origin: int, first_flow: int) -> str:
+    """One process's part of `event_text`, given what the processes before it in the file decide:
+    the origin of all (the earliest `earliest`) and how many arrows come before its own (`arrows`).
+    Joined by commas in file order, the parts are `event_text`'s text (merge.py writes them so)."""
+    out: list[str] = []
+    _process(matched, origin, first_flow, out)
     return ",".join(out)
 
 
@@ -185,8 +206,13 @@ def document(processes: Sequence[Matched], summary: Summary, *, command: str) ->
 
 def text(processes: Sequence[Matched], summary: Summary, *, command: str) -> str:
     """`document(...)` as the file's JSON text, without building a dict per event."""
+    return assemble(event_text(processes), summary, command=command)
+
+
+def assemble(events_text: str, summary: Summary, *, command: str) -> str:
+    """The file's JSON text around `event_text`'s (or merge.py's) events."""
     other = _encode({"schema": SCHEMA, "command": command, "attndbg": summary.as_json()})
-    return '{"traceEvents":[' + event_text(processes) + '],"displayTimeUnit":"ms","otherData":' + other + "}"
+    return '{"traceEvents":[' + events_text + '],"displayTimeUnit":"ms","otherData":' + other + "}"
 
 
 def write(path: str | Path, doc: dict[str, Any] | str) -> None:

@@ -19,10 +19,9 @@ import tempfile
 from dataclasses import dataclass
 
 from attndbg import profiling
-from attndbg.timeline import chrome, summary, worker
+from attndbg.timeline import chrome, merge, summary, worker
 from attndbg.timeline.availability import Unavailable
 from attndbg.timeline.collector import Collector
-from attndbg.timeline.matching import match
 
 
 @dataclass
@@ -44,13 +43,14 @@ class Recording:
         if self.collector is not None:
             profiling.observe(None)
             own = self.collector.stop()
-        spawned = worker.read(self.directory)
+        files = worker.files(self.directory)
+        events, result, note = merge.render(own, files)
         shutil.rmtree(self.directory, ignore_errors=True)
-        processes = [match(records) for records in [own, *spawned] if records is not None and (records is own or not records.empty() or records.notes)]
-        result = summary.summarize(processes)
-        if self.collector is None and not spawned:
+        if note is not None:
+            result.notes.append(note)
+        if self.collector is None and not files:
             result.notes.append("no process the command started opened an attndbg range: nothing was collected (did the engine record a step, on a GPU?)")
-        chrome.write(self.path, chrome.text(processes, result, command=self.command))
+        chrome.write(self.path, chrome.assemble(events, result, command=self.command))
         for line in summary.render(result, self.path):
             sys.stderr.write(line + "\n")
         sys.stderr.flush()

@@ -9,7 +9,7 @@ Counts are the range's own launches (a `backend/triton` line counts what ran in 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from attndbg.timeline.matching import Matched
@@ -101,8 +101,36 @@ def summarize(processes: Sequence[Matched]) -> Summary:
         for launch in matched.graph_launches:
             if launch.range is not None:
                 line_of[launch.range.id].graph_launches += 1
-    summary.lines = sorted(lines.values(), key=lambda ln: (-ln.gpu_ns, -ln.kernels, ln.detector, ln.label))
+    summary.lines = _sorted(lines.values())
     return summary
+
+
+def merge(parts: Sequence[Summary]) -> Summary:
+    """One summary of the processes that `parts` summarise (each `summarize` of some of them), as
+    `summarize` of all of them gives it."""
+    merged = Summary()
+    lines: dict[tuple[str, str], Line] = {}
+    for part in parts:
+        merged.processes += part.processes
+        merged.markers += part.markers
+        merged.kernels += part.kernels
+        merged.gpu_ns += part.gpu_ns
+        merged.outside += part.outside
+        merged.disagreements += part.disagreements
+        merged.notes.extend(n for n in part.notes if n not in merged.notes)
+        for ln in part.lines:
+            line = lines.setdefault((ln.label, ln.detector), Line(label=ln.label, detector=ln.detector))
+            line.ranges += ln.ranges
+            line.kernels += ln.kernels
+            line.gpu_ns += ln.gpu_ns
+            line.captured += ln.captured
+            line.graph_launches += ln.graph_launches
+    merged.lines = _sorted(lines.values())
+    return merged
+
+
+def _sorted(lines: Iterable[Line]) -> list[Line]:
+    return sorted(lines, key=lambda ln: (-ln.gpu_ns, -ln.kernels, ln.detector, ln.label))
 
 
 def _ms(ns: int) -> str:

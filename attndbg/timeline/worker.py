@@ -69,16 +69,34 @@ def attach(directory: str, label: str | None = None) -> None:
     atexit.register(writer.close)
 
 
-def read(directory: str | Path) -> list[ProcessRecords]:
-    """Every worker's records, one per pid. A line cut short (a worker killed while writing) is skipped."""
+def files(directory: str | Path) -> list[Path]:
+    """The processes' files, in the order of their pids (a file per process)."""
+    def pid(file: Path) -> tuple[int, str]:
+        digits = file.stem.removeprefix("worker-")
+        return (int(digits) if digits.isdigit() else -1, file.name)
+
+    return sorted(Path(directory).glob("worker-*.jsonl"), key=pid)
+
+
+def read_file(file: str | Path) -> list[ProcessRecords]:
+    """One file's records, one per pid (one pid, as each process writes its own). A line cut short
+    (a process killed while writing) is skipped."""
     by_pid: dict[int, ProcessRecords] = {}
-    for file in sorted(Path(directory).glob("worker-*.jsonl")):
-        for line in file.read_text().splitlines():
-            if not line.strip():
-                continue
-            try:
-                batch = from_json(json.loads(line))
-            except (ValueError, KeyError, TypeError):
-                continue
-            by_pid.setdefault(batch.pid, ProcessRecords(pid=batch.pid, label=batch.label)).extend(batch)
+    for line in Path(file).read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            batch = from_json(json.loads(line))
+        except (ValueError, KeyError, TypeError):
+            continue
+        by_pid.setdefault(batch.pid, ProcessRecords(pid=batch.pid, label=batch.label)).extend(batch)
+    return [by_pid[pid] for pid in sorted(by_pid)]
+
+
+def read(directory: str | Path) -> list[ProcessRecords]:
+    """Every process's records, one per pid, in pid order."""
+    by_pid: dict[int, ProcessRecords] = {}
+    for file in files(directory):
+        for records in read_file(file):
+            by_pid.setdefault(records.pid, ProcessRecords(pid=records.pid, label=records.label)).extend(records)
     return [by_pid[pid] for pid in sorted(by_pid)]
