@@ -116,7 +116,7 @@ def test_record_ranges_on_a_live_engine_with_cuda_graphs(tmp_path: Path) -> None
     entries = read_manifest(rec)
     doc = json.loads(timeline.read_text())
     report = engine_enclosure.check(doc, entries)
-    _keep(timeline, "record_transformers_cuda_graph", "attndbg " + " ".join(args[4:6]) + " -- transformers_generate.py --device cuda --cuda-graph --dtype bfloat16 --new-tokens 8", report.line(), report.problems, proc.stderr)
+    _keep(timeline, "record_transformers_cuda_graph", "attndbg record -o REC --timeline T -- " + " ".join([ENGINE_SCRIPT.name, *args[8:]]), report.line(), report.problems, proc.stderr)
     print("record_transformers_cuda_graph", report.line())
     assert report.problems == [], "\n".join(report.problems[:40])
     assert report.steps == len(entries) >= 8  # a prefill and 7 decode steps at least (transformers' warm-up forwards are steps too)

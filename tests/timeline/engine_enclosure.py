@@ -10,7 +10,8 @@ Claims checked:
 - an eager step's range launched kernels, and no graph;
 - a capture's range ran its warm-up forward (kernels) and recorded launches into the graph;
 - a replay's range holds exactly one cudaGraphLaunch, its kernels are that launch's graph nodes,
-  and every replay of one graph runs the same node set;
+  every replay of one graph runs the same node set, and as many nodes as the recorded capture of
+  its size (graph_bs) recorded launches, where one was recorded;
 - no graph node runs outside a replay range; CUPTI's NVTX records place every kernel's launch in
   the same range as attndbg's own (what nsys draws agrees).
 Kernels outside every range are the engine's own work between steps: counted, never a problem.
@@ -73,6 +74,11 @@ def check(doc: dict[str, Any], entries: list[ManifestEntry]) -> Report:
         if e["name"].startswith(GRAPH_LAUNCH):
             graph_calls[(e["pid"], e["args"]["range_id"])].append(e)
     node_sets: dict[tuple[int, int], list[tuple[int, frozenset]]] = defaultdict(list)  # (pid, graph id) -> (step, nodes) per replay
+    # (pid, graph size) -> launches each recorded capture of it recorded
+    captured: dict[tuple[int, str], list[int]] = defaultdict(list)
+    for (pid, _), r in ranges.items():
+        if r["args"]["variant"].startswith("graph capture"):
+            captured[(pid, r["args"]["variant"].split("bs=")[-1])].append(int(r["args"].get("captured_launches", 0)))
     for key, r in ranges.items():
         a = r["args"]
         variant, where = a["variant"], f"step {a['step']} ({a['message']!r})"
@@ -101,6 +107,9 @@ def check(doc: dict[str, Any], entries: list[ManifestEntry]) -> Report:
                 continue
             graphs = {k["args"]["graph_id"] for k in launched}
             nodes = frozenset(k["args"]["graph_node_id"] for k in launched)
+            captures = captured.get((key[0], variant.split("bs=")[-1]), [])
+            if len(captures) == 1 and captures[0] != len(launched):
+                report.problems.append(f"{where}: the replay ran {len(launched)} nodes, the recorded capture of its size recorded {captures[0]} launches")
             for graph in graphs:
                 node_sets[(key[0], graph)].append((int(a["step"]), nodes))
         else:

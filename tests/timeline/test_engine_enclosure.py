@@ -98,3 +98,11 @@ def test_record_with_no_engine_range_says_nothing_was_collected(tmp_path: Path, 
     doc = json.loads(out.read_text())
     assert doc["otherData"]["attndbg"]["kernels"] == 0 and doc["otherData"]["attndbg"]["processes"] == 0
     assert "no process the command started opened an attndbg range" in capsys.readouterr().err
+
+
+def test_a_replay_running_fewer_nodes_than_its_capture_recorded_is_named() -> None:
+    records = engine_steps()
+    lost = next(k for k in records.kernels if k.name == "lm_head" and k.graph_node_id == 2)
+    records.kernels.remove(lost)  # step 1's replay: one of its graph's 2 nodes missing
+    problems = engine_enclosure.check(_doc(records), ENTRIES).problems
+    assert any("step 1" in p and "the replay ran 1 nodes, the recorded capture of its size recorded 2 launches" in p for p in problems), problems
