@@ -11,6 +11,7 @@ launched, from CUPTI activity records, as a Chrome trace-event file.
                      the NVTX ranges CUPTI saw; graph replays and captured launches
     ranges.py        what a range names (step, backend, variant, phase) from its NVTX messages
     summary.py       per kind of range: kernels, GPU time; what could not be placed
+    merge.py         the end of a run over several processes: each file matched and written in a helper
     chrome.py        the trace-event JSON (Perfetto, chrome://tracing), per-kernel events from templates
     names.py         demangled kernel names
     availability.py  whether --timeline can run here (package, GPU), before any work
