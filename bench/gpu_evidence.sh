@@ -17,6 +17,7 @@
 #   timeline  --timeline's cost, start-up against per step (bench/timeline_check.sh cost)
 #   scale     the default command on the 1,000 steps, and memory from 1,000 to 5,000 steps
 #             (bench/check_scale.py --recording --runs default,long)
+#   plain     the default command as a user types it (no --backend: every backend here, fa3 too)
 #   memdefault, memjobs16, memgraph, memidentity
 #             workers sharing one GPU: the default command, --jobs 16, --cuda-graph, and --jobs 1
 #             against the default on steps 0-149 (identical JSON); each says how many steps were
@@ -114,6 +115,12 @@ checked() { # LABEL ARGS...: attndbg check REC ARGS as the part LABEL
   say "$1: refused for memory $(grep -c 'not replayed' "$res/$1.log"); $(grep '^checked ' "$res/$1.log" | cut -c1-300)"
 }
 part_memdefault() { checked memdefault; }
+# Issue 24's "default command" as a user types it: no --backend, so every backend that runs here (fa3
+# too: compile with BACKENDS=all first, or its modules compile inside this part's time).
+part_plain() {
+  attempt plain 90 attndbg check "$rec" || return 1
+  say "plain: refused for memory $(grep -c 'not replayed' "$res/plain.log"); $(grep '^checked ' "$res/plain.log" | cut -c1-300)"
+}
 part_memjobs16() { checked memjobs16 --jobs 16; }
 part_memgraph() { checked memgraph --cuda-graph; }
 part_memidentity() { # --jobs 1 and the default --jobs (3 workers) on steps 0-149: identical JSON
