@@ -49,7 +49,10 @@ class Recording:
         if note is not None:
             result.notes.append(note)
         if self.collector is None and not files:
-            result.notes.append("no process the command started opened an attndbg range: nothing was collected (did the engine record a step, on a GPU?)")
+            result.notes.append(
+                "no process the command started opened an attndbg range: nothing was collected (did the engine record a step, on a GPU? "
+                "Only the transformers adapter pushes a range per step so far: SGLang and vLLM steps are recorded without one)"
+            )
         chrome.write(self.path, chrome.assemble(events, result, command=self.command))
         for line in summary.render(result, self.path):
             sys.stderr.write(line + "\n")
