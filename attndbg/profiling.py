@@ -46,9 +46,9 @@ def observe(observer: Observer | None) -> None:
 
 def _observe_from_environment() -> None:
     """In a check worker or an engine's process under `record` (a process the CLI never ran in),
-    start the timeline's collection when the parent asked for one. Here, because CUPTI must be set up before the process's first
-    NVTX call, and the first phase makes it; imported by name, so this module imports nothing of
-    the timeline (nor cupti) unless asked."""
+    start the timeline's collection when the parent asked for one. Here, because CUPTI must be
+    set up before the process's first NVTX call, and the first phase makes it; imported by name,
+    so this module imports nothing of the timeline (nor cupti) unless asked."""
     global _environment_read
     _environment_read = True
     directory = os.environ.get(TIMELINE_VARIABLE)

@@ -33,13 +33,14 @@ HELPERS_FROM_BYTES = 4 << 20
 HELPER_TIMEOUT_S = 600.0
 
 
-def _kept(records: ProcessRecords) -> bool:
-    return not records.empty() or bool(records.notes)
+def _matched(file: str | Path) -> list[Matched]:
+    """A file's processes, matched; one with nothing in it but notes is kept for its notes."""
+    return [match(records) for records in worker.read_file(file) if not records.empty() or records.notes]
 
 
 def _serve(connection: Connection, file: str) -> None:
     """A helper: round 1 and round 2 of the module docstring for one file."""
-    processes = [match(records) for records in worker.read_file(file) if _kept(records)]
+    processes = _matched(file)
     connection.send([(m.records.pid, chrome.earliest(m), chrome.arrows(m), summary.summarize([m])) for m in processes])
     origin, first_flows = connection.recv()
     connection.send([chrome.process_text(m, origin, flow) for m, flow in zip(processes, first_flows)])
@@ -66,7 +67,7 @@ def _cores() -> int:
 
 
 def _here(local: list[Matched], files: Sequence[Path]) -> tuple[str, summary.Summary]:
-    processes = local + [match(records) for file in files for records in worker.read_file(file) if _kept(records)]
+    processes = local + [m for file in files for m in _matched(file)]
     return chrome.event_text(processes), summary.summarize(processes)
 
 

@@ -1,7 +1,7 @@
 """The side of `--timeline` in a process the command spawned (a check worker; an engine's process
 under `record`): CUPTI is per process, so each collects its own records and appends them, as JSON
-lines, to `<dir>/worker-<pid>.jsonl`; the parent merges the files (`read`) into one timeline with a
-pid per process. Collection starts at the process's first attndbg range (`profiling.phase`): an
+lines, to `<dir>/worker-<pid>.jsonl`; the parent merges the files (`files`, `read_file`: merge.py)
+into one timeline with a pid per process. Collection starts at the process's first attndbg range (`profiling.phase`): an
 engine's process that never records a step starts no CUPTI.
 
 A worker writes when no phase is open and a second has passed since its last write (between

@@ -68,13 +68,21 @@ def check(doc: dict[str, Any]) -> Report:
             report.problems.append(f"{where} ran in {a['message']!r} of backend {a['backend']}, which names no variant")
         if k["args"].get("graph_id") and not (a["phase"] == "replay" and a["variant"].startswith("graph")):
             report.problems.append(f"{where} is a graph node but ran in {a['message']!r}, not a graph replay range")
-    attndbg = doc["otherData"]["attndbg"]
-    if kernels and not attndbg["nvtx_markers"]:
-        report.problems.append("no NVTX marker reached CUPTI: the NVTX ranges were not checked against the launches")
-    if attndbg["nvtx_disagreements"]:
-        report.problems.append(f"{attndbg['nvtx_disagreements']} kernels sit in another NVTX range than the one attndbg pushed for them")
+    report.problems += nvtx_problems(doc, bool(kernels))
     _check_graphs(ranges, kernels, launches, report)
     return report
+
+
+def nvtx_problems(doc: dict[str, Any], any_kernel: bool) -> list[str]:
+    """What CUPTI's NVTX records (what nsys draws) say against attndbg's own ranges, from the
+    file's summary: none reached CUPTI at all, or kernels whose NVTX range is another."""
+    attndbg = doc["otherData"]["attndbg"]
+    problems = []
+    if any_kernel and not attndbg["nvtx_markers"]:
+        problems.append("no NVTX marker reached CUPTI: the NVTX ranges were not checked against the launches")
+    if attndbg["nvtx_disagreements"]:
+        problems.append(f"{attndbg['nvtx_disagreements']} kernels sit in another NVTX range than the one attndbg pushed for them")
+    return problems
 
 
 def _check_graphs(ranges: dict, kernels: list, launches: list, report: Report) -> None:

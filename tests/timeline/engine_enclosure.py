@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from attndbg.trace.io import ManifestEntry
+from tests.timeline import enclosure
 
 GRAPH_LAUNCH = ("cudaGraphLaunch", "cuGraphLaunch")
 
@@ -117,9 +118,5 @@ def check(doc: dict[str, Any], entries: list[ManifestEntry]) -> Report:
     for (pid, graph), replays in node_sets.items():
         if any(nodes != replays[0][1] for _, nodes in replays):
             report.problems.append(f"graph {graph} (pid {pid}): its replays ran different node sets ({[(s, len(n)) for s, n in replays]})")
-    attndbg = doc["otherData"]["attndbg"]
-    if report.kernels and not attndbg["nvtx_markers"]:
-        report.problems.append("no NVTX marker reached CUPTI: the NVTX ranges were not checked against the launches")
-    if attndbg["nvtx_disagreements"]:
-        report.problems.append(f"{attndbg['nvtx_disagreements']} kernels sit in another NVTX range than the one attndbg pushed for them")
+    report.problems += enclosure.nvtx_problems(doc, report.kernels > 0)
     return report
