@@ -1,6 +1,8 @@
 """The buffer callback's conversion per CUPTI record, on the CPU with real cupti-python objects:
 by attribute (each read a numpy record-array field access: what --timeline did before) against
-from the record's memory (one struct unpack at cupti-python's dtype offsets, convert._Layout).
+from the record's memory (one struct unpack at cupti-python's dtype offsets, convert._Layout);
+and what making each object costs against reading the record from a buffer of records as CUPTI
+hands it over (timeline/buffers.py, Converter.convert_buffer).
 
 The objects are cupti-python's own classes (ActivityKernel10, ActivityAPI, ActivityExternalCorrelation,
 ActivityMarker2) made with `from_data` over numpy records of its dtypes, names through C strings:
@@ -56,6 +58,10 @@ def _records(cls: type, dtype: Any, count: int, **fields: Any) -> list[Any]:
     return made
 
 
+KEPT: list[list[Any]] = []  # objects from_data made in a timing: never freed, as _records' (their __dealloc__ prints a KeyError)
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(KEPT))  # one reference no one drops, even at exit
+
+
 def _best(run: Callable[[], Any], count: int, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -95,6 +101,24 @@ def main() -> None:
         old = _best(lambda: by_attribute.convert(records, ProcessRecords(pid=1, label="b")), n, args.repeats)
         new = _best(lambda: by_memory.convert(records, ProcessRecords(pid=1, label="b")), n, args.repeats)
         print(f"{label:12s} {old:11.2f} {new:8.2f} {old / new:6.1f}")
+    # CUPTI's buffer read as memory (buffers.py + Converter.convert_buffer) against the objects: the
+    # records' bytes one after another, as in CUPTI's buffer, and what making the objects costs
+    # (cupti-python's from_data over each record's numpy row: a stand-in for the construction its
+    # buffer callback does per record, itself not timed here: it needs CUPTI to hand it a buffer).
+    print(f"{'':12s} {'from_data':>11s} {'buffer':>8s}   (us per record: making the object alone; reading it from a buffer of records)")
+    for label, records in kinds.items():
+        rows = [r._data for r in records]
+        data = b"".join(row.tobytes() for row in rows)
+        offsets = [i * rows[0].dtype.itemsize for i in range(n)]
+        from_buffer = ProcessRecords(pid=1, label="b")
+        by_memory.convert_buffer(data, offsets, from_buffer)
+        by_objects = ProcessRecords(pid=1, label="b")
+        by_memory.convert(records, by_objects)
+        assert from_buffer == by_objects, label
+        cls = type(records[0])
+        made = _best(lambda: KEPT.append([cls.from_data(row) for row in rows[:1000]]), 1000, args.repeats)
+        read = _best(lambda: by_memory.convert_buffer(data, offsets, ProcessRecords(pid=1, label="b")), n, args.repeats)
+        print(f"{label:12s} {made:11.2f} {read:8.2f}")
     pointers, cache = [NAME] * n, {NAME: MANGLED.decode()}
     resolve = _best(lambda: [_text(p) for p in pointers], n, args.repeats)
     cached = _best(lambda: [cache[p] for p in pointers], n, args.repeats)

@@ -14,10 +14,12 @@ own copy, and naming the system one gave zero range records (measured on the H10
 the path is taken from this process's mappings (/proc/self/maps) once CUPTI is loaded, and set
 before the first phase pushes its range.
 
-Records arrive in buffers (`activity_register_callbacks`) and are copied into ours inside the
-callback (`convert.py`: only what a timeline places, read from each record's memory at the offsets
-of cupti-python's dtypes for the classes `_record_types` names, not through its numpy-backed
-attributes).
+Records arrive in buffers and are copied into ours inside the callback (`convert.py`: only what a
+timeline places, read from memory at the offsets of cupti-python's dtypes for the record kinds
+`_record_types` names). The buffers' callbacks are registered through CUPTI's C API (buffers.py),
+so that no Python object is built per record; where this cupti-python lacks a layout, or the C
+registration fails, through cupti-python's `activity_register_callbacks`, whose record objects are
+read instead (slower; the timeline's notes say so).
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ import os
 import threading
 from typing import Any
 
+from attndbg.timeline.buffers import Buffers
 from attndbg.timeline.convert import Converter, Kinds, LaunchExternalIds, RecordTypes
 from attndbg.timeline.records import ProcessRecords, Range, launches_graph, launches_kernel
 
-BUFFER_BYTES = 8 << 20  # per CUPTI buffer; CUPTI asks for another when one fills
+BUFFER_BYTES = 8 << 20  # per CUPTI buffer through cupti-python; CUPTI asks for another when one fills
 INJECTION_VARIABLE = "NVTX_INJECTION64_PATH"
 # Callback ids are dense from 1 in each API domain (cupti_runtime_cbid.h, cupti_driver_cbid.h):
 # this many unnamed ids in a row end the domain; the cap bounds the walk whatever CUPTI answers.
@@ -82,6 +85,7 @@ class Collector:
         self._kinds: list[Any] = []
         self._external_ids = LaunchExternalIds()
         self._converter: Converter | None = None
+        self._buffers: Buffers | None = None  # CUPTI's buffers, registered by us (else cupti-python's objects)
         self._external_kind = 0  # ExternalCorrelationKind.CUSTOM0, read in start()
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -103,12 +107,31 @@ class Collector:
             record_types=_record_types(cupti),
         )
         # Callbacks before enabling: CUPTI asks for a buffer as soon as a kind is on.
-        cupti.activity_register_callbacks(self._requested, self._completed)
+        self._register_buffers(cupti)
         self._kinds = [kinds.CONCURRENT_KERNEL, kinds.RUNTIME, kinds.DRIVER, kinds.EXTERNAL_CORRELATION, kinds.MARKER, kinds.MARKER_DATA]
         for kind in self._kinds:
             cupti.activity_enable(kind)
         self._only_launches(cupti)  # after activity_enable, which resets the per-call switches
         self._inject_nvtx()
+
+    def _register_buffers(self, cupti: Any) -> None:
+        """CUPTI's buffers read as memory (buffers.py), where this cupti-python gives a layout for
+        every kind placed; else through cupti-python's record objects, and the timeline says so."""
+        assert self._converter is not None
+        why = "this cupti-python has no layout for one of the record kinds placed" if not self._converter.reads_buffers else ""
+        if not why:
+            cupti.get_timestamp()  # a first call into libcupti, which loads it: its path is what we register on
+            library = loaded_cupti()
+            if library is None:
+                why = "CUPTI's library is not mapped in this process"
+            else:
+                try:
+                    self._buffers = Buffers(library, self._completed_buffer)
+                    return
+                except (OSError, AttributeError) as e:  # AttributeError: a libcupti without the function
+                    why = f"{type(e).__name__}: {e}"
+        self._note(f"CUPTI's records are read through cupti-python's objects, a slower --timeline ({why})")
+        cupti.activity_register_callbacks(self._requested, self._completed)
 
     def _only_launches(self, cupti: Any) -> None:
         """Switch off the RUNTIME and DRIVER records of every call that launches neither a kernel
@@ -150,6 +173,9 @@ class Collector:
         """The records collected since the last take (CUPTI flushed first; ranges still open stay)."""
         if self._cupti is not None:
             self._cupti.activity_flush_all(int(self._cupti.ActivityFlag.FLUSH_FORCED))  # buffers not yet full too
+        if self._buffers is not None:
+            while self._buffers.problems:
+                self._note(self._buffers.problems.pop(0))
         with self._lock:
             batch, self._batch = self._batch, ProcessRecords(pid=os.getpid(), label=self.label)
             # A kernel's own correlation id counts too: a launch call of a name we do not know still places its kernel.
@@ -167,6 +193,11 @@ class Collector:
         if self._cupti is not None:
             for kind in self._kinds:
                 self._cupti.activity_disable(kind)
+            if self._buffers is not None:
+                # Every buffer back from CUPTI now, while Python runs: our callback must not be
+                # called after the interpreter has gone (CUPTI's own teardown would flush the rest).
+                # What came back after the take above is dropped: nothing is recorded any more.
+                self._cupti.activity_flush_all(int(self._cupti.ActivityFlag.FLUSH_FORCED))
         return batch
 
     def _note(self, text: str) -> None:
@@ -197,6 +228,13 @@ class Collector:
 
     def _requested(self) -> tuple[int, int]:
         return BUFFER_BYTES, 0  # 0: as many records as fit
+
+    def _completed_buffer(self, data: bytes, offsets: list[int]) -> None:
+        kept = ProcessRecords(pid=os.getpid(), label=self.label)
+        assert self._converter is not None  # set in start(), before CUPTI can deliver a buffer
+        self._converter.convert_buffer(data, offsets, kept)
+        with self._lock:
+            self._batch.extend(kept)
 
     def _completed(self, activities: list) -> None:
         kept = ProcessRecords(pid=os.getpid(), label=self.label)

@@ -50,6 +50,8 @@ _KERNEL_ATTRIBUTES = attrgetter(*KERNEL_FIELDS[1:])
 _API_ATTRIBUTES = attrgetter(*API_FIELDS[1:])
 _EXTERNAL_ATTRIBUTES = attrgetter(*EXTERNAL_FIELDS[1:])
 
+# Every CUPTI activity record starts with its CUpti_ActivityKind, a 32-bit enum.
+_KIND = Struct("=I")
 # struct codes of the integer fields CUPTI's records hold, by numpy's (kind, itemsize)
 _CODES = {("i", 1): "b", ("u", 1): "B", ("i", 2): "h", ("u", 2): "H", ("i", 4): "i", ("u", 4): "I", ("i", 8): "q", ("u", 8): "Q"}
 
@@ -116,7 +118,14 @@ class _Layout:
         self._memory: Callable[[Any], Any] = attrgetter("_data") if hasattr(cls, "_data") else lambda a: ctypes.string_at(a.ptr, size)
 
     def __call__(self, record: Any) -> tuple:
-        values = self._order(self._unpack(self._memory(record)))
+        return self._finish(self._unpack(self._memory(record)))
+
+    def at(self, data: Any, offset: int) -> tuple:
+        """The record at `offset` in a buffer of records (CUPTI's own: buffers.py)."""
+        return self._finish(self._unpack(data, offset))
+
+    def _finish(self, unpacked: tuple) -> tuple:
+        values = self._order(unpacked)
         if not self._strings:
             return values
         values = list(values)
@@ -134,25 +143,56 @@ class Converter:
     _launch_names: dict[tuple[int, int], str | None] = field(default_factory=dict)
     # record class -> its reader (cupti-python's field values, in the order of the *_FIELDS above)
     _readers: dict[type, Callable[[Any], tuple]] = field(default_factory=dict, init=False)
+    # activity kind -> the layout of the record CUPTI writes for it (a buffer's records: convert_buffer)
+    _by_kind: dict[int, _Layout] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
-        t = self.record_types
-        for known, paths in ((t.kernel, KERNEL_FIELDS), (t.api, API_FIELDS), (t.external_correlation, EXTERNAL_FIELDS), (t.marker, MARKER_FIELDS)):
+        t, k = self.record_types, self.kinds
+        for known, paths, kinds in (
+            (t.kernel, KERNEL_FIELDS, (k.kernel,)), (t.api, API_FIELDS, (k.runtime, k.driver)),
+            (t.external_correlation, EXTERNAL_FIELDS, (k.external_correlation,)), (t.marker, MARKER_FIELDS, (k.marker,)),
+        ):
             if known is not None:
                 try:
-                    self._readers[known[0]] = _Layout(known[0], known[1], paths)
+                    layout = _Layout(known[0], known[1], paths)
                 except (KeyError, ValueError):  # a dtype without one of our fields, or not as ints: by attribute
-                    pass
+                    continue
+                self._readers[known[0]] = layout
+                self._by_kind.update(dict.fromkeys(kinds, layout))
+
+    @property
+    def reads_buffers(self) -> bool:
+        """Whether a buffer's records can be read (`convert_buffer`): a layout for every kind placed."""
+        k = self.kinds
+        return all(kind in self._by_kind for kind in (k.kernel, k.runtime, k.driver, k.external_correlation, k.marker))
 
     def convert(self, activities: list[Any], out: ProcessRecords) -> None:
+        """cupti-python's record objects (its buffer callback's list)."""
+        readers, by_attribute = self._readers.get, self._by_attribute
+        self._place((readers(type(a), by_attribute)(a) for a in activities), out)
+
+    def convert_buffer(self, data: Any, offsets: list[int], out: ProcessRecords) -> None:
+        """The records of one CUPTI buffer (`data`, its bytes), at `offsets` (buffers.py): each read
+        by its kind's layout, a record of another kind (MARKER_DATA) by its kind alone. Needs
+        `reads_buffers`."""
+        by_kind = self._by_kind
+        kind_of = _KIND.unpack_from
+
+        def values() -> Any:
+            for offset in offsets:
+                layout = by_kind.get(kind_of(data, offset)[0])
+                yield layout.at(data, offset) if layout is not None else kind_of(data, offset)
+
+        self._place(values(), out)
+
+    def _place(self, records: Any, out: ProcessRecords) -> None:
+        """Keep what a timeline places of `records`: each the values of the *_FIELDS above (kind first)."""
         k = self.kinds
         kernel, runtime, driver, external_correlation, marker, ours = k.kernel, k.runtime, k.driver, k.external_correlation, k.marker, k.external_kind
         kernels, calls, external_ids = out.kernels.append, out.api_calls.append, out.external_ids.append
         names = self._launch_names
         new = tuple.__new__
-        readers, by_attribute = self._readers.get, self._by_attribute
-        for a in activities:
-            values = readers(type(a), by_attribute)(a)
+        for values in records:
             kind = values[0]
             if kind == kernel:
                 kernels(new(Kernel, values[1:]))

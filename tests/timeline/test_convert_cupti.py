@@ -178,3 +178,22 @@ def test_this_cupti_python_has_a_layout_for_each_kind_enabled() -> None:
         (cupti.ActivityKernel10, cupti.activity_kernel10_dtype), (cupti.ActivityAPI, cupti.activity_api_dtype),
         (cupti.ActivityExternalCorrelation, cupti.activity_external_correlation_dtype), (cupti.ActivityMarker2, cupti.activity_marker2_dtype),
     )
+
+
+def test_a_cupti_buffer_reads_as_its_record_objects() -> None:
+    """The same records laid out as CUPTI lays them in a buffer (8-byte aligned, one after another;
+    buffers.py hands on the bytes and each record's offset): convert_buffer reads each by its kind's
+    layout, and gives what the objects give. The kernel record of kind KERNEL and the MARKER_DATA
+    record are not a timeline's either way."""
+    r = Records()
+    step = _step(r)
+    converter = Converter(KINDS, callback_name=lambda runtime, cbid: NAMES.get((runtime, cbid), ""), record_types=_record_types(cupti))
+    assert converter.reads_buffers
+    data, offsets = b"", []
+    for a in step:
+        offsets.append(len(data))
+        record = a._data.tobytes()
+        data += record + b"\0" * (-len(record) % 8)
+    from_buffer = ProcessRecords(pid=1, label="t")
+    converter.convert_buffer(data, offsets, from_buffer)
+    assert from_buffer == _convert(step, None)
