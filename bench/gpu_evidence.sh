@@ -24,6 +24,7 @@
 #             refused for memory (session 12: 754 of 1,000 before the memory share)
 #   rectl     issue 25: `attndbg record --timeline` around a live transformers engine with CUDA graphs
 #             (tests/gpu/test_timeline.py -k record; needs transformers >= 5.20 carried in .gpu/whl)
+#   launchcost issue 25: --timeline's collection per kernel launch (bench/timeline_launch_cost.py)
 #   coldstart issue 24: bench/cold_start.py on the recording's first step of each mode, both forms,
 #             fresh JIT caches each, --backend COLD_BACKENDS (triton,flashinfer,mla): on a lane's share
 #             of the cores, as a one-GPU machine has them
@@ -139,6 +140,9 @@ part_utilisation() { attempt utilisation 120 python bench/worker_utilisation.py 
 part_command() { attempt command 120 python bench/worker_utilisation.py "$rec" --backend "$BACKENDS" --cli --out "$res"; }
 # Issue 25: record --timeline on a live engine (no FlashInfer: it can run during the compile phase).
 part_rectl() { attempt rectl 120 env ATTNDBG_TIMELINE_OUT="$res/rectl" python -m pytest -q -s -p no:cacheprovider tests/gpu/test_timeline.py -k record; }
+# Issue 25: --timeline's collection per kernel launch, alone: plain, CUPTI's buffers as memory,
+# cupti-python's objects (no FlashInfer either: DURING_COMPILE too).
+part_launchcost() { attempt launchcost 120 python bench/timeline_launch_cost.py --launches 20000 --repeats 3; }
 # Issue 24: the cold start, each form on empty caches of its own (the lane's cores compile).
 part_coldstart() { attempt coldstart 300 python bench/cold_start.py "$rec" "$res/coldstart" --backend "${COLD_BACKENDS:-triton,flashinfer,mla}" --form default --form compile-first --fresh-caches; }
 part_startup() { attempt startup 60 python bench/worker_startup.py "$rec" --backend "$BACKENDS" --out "$res"; }
