@@ -161,7 +161,9 @@ if [ ! -f "$res/compile.done" ]; then
   say "compile: exit $rc after $(( $(date +%s) - s )) s"
   [ $rc -eq 0 ] && touch "$res/compile.done"
 fi
-if [ -f "$res/compile.done" ] && [ ! -f "$res/compile_traces.done" ] && grep -qw tltest <<< "${LANES:-$PARTS}"; then
+# (TRACES_IN_LANE=1: tltest's own compile of traces/ runs in its lane instead, on that lane's cores,
+# while the other lanes measure: session 15's one call on a host of 2 GPUs.)
+if [ -f "$res/compile.done" ] && [ ! -f "$res/compile_traces.done" ] && [ -z "${TRACES_IN_LANE:-}" ] && grep -qw tltest <<< "${LANES:-$PARTS}"; then
   s=$(date +%s)
   timeout $(( $(left) - 10 )) attndbg compile traces >> "$res/compile_traces.log" 2>&1; rc=$?
   say "compile traces/ (--backend all): exit $rc after $(( $(date +%s) - s )) s"

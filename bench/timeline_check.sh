@@ -50,8 +50,8 @@ run() { local s=$EPOCHREALTIME; timeout 110 ${ATTNDBG:-attndbg} check "$rec" --b
   # Per step or per process? The same on a quarter of the steps and the same 4 workers (--jobs auto
   # gives 200 steps 4): what --timeline adds to both lengths alike is start-up (CUPTI in each
   # worker, the parent's merge), what grows with the steps is the per-step cost issue 25 bounds.
-  # (Skipped with BEFORE: that call's question is before against after.)
-  [ -z "${BEFORE:-}" ] && for i in 1 2; do
+  # (With BEFORE, once: that call's question is before against after.)
+  for i in $(seq 1 $([ -n "${BEFORE:-}" ] && echo 1 || echo 2)); do
     echo "plain, steps 0-49, --jobs 4, $i:      $(run --jobs 4 --steps 0:50)"
     echo "--timeline, steps 0-49, --jobs 4, $i: $(run --jobs 4 --steps 0:50 --timeline /tmp/timeline_cost50.json)"
   done
