@@ -37,7 +37,7 @@ from attndbg.backends.base import (
     coerce_option,
 )
 from attndbg.backends import flashinfer_modules as fm
-from attndbg.backends.flashinfer_runtime import FIRST_USE_NOTE, KERNEL_ERRORS, WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error, wait_for_pending_plans
+from attndbg.backends.flashinfer_runtime import KERNEL_ERRORS, WORKSPACE_BYTES, FlashInferGraphState, compile_failure, compiling_note, library_error, wait_for_pending_plans
 from attndbg.backends import plan_declaration as pd
 from attndbg.backends import plan_layout as pl
 from attndbg.backends.tables import build_page_table, padded_requests
@@ -167,7 +167,7 @@ class FA3Backend(Backend):
         return "cuda"
 
     def first_use_note(self) -> str | None:
-        return FIRST_USE_NOTE if select_impl() is Impl.FLASHINFER else None
+        return compiling_note() if select_impl() is Impl.FLASHINFER else None
 
     def describe(self) -> str:
         impl = select_impl()

@@ -46,7 +46,7 @@ from attndbg.backends.base import (
 )
 from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, HALF_DTYPES, MHA_ALL_MODES, Capabilities, HeadDims
 from attndbg.backends import flashinfer_modules as fm
-from attndbg.backends.flashinfer_runtime import FIRST_USE_NOTE, KERNEL_ERRORS, WORKSPACE_BYTES, FlashInferGraphState, library_error, wait_for_pending_plans
+from attndbg.backends.flashinfer_runtime import KERNEL_ERRORS, WORKSPACE_BYTES, FlashInferGraphState, compiling_note, library_error, wait_for_pending_plans
 from attndbg.backends import plan_declaration as pd
 from attndbg.backends import plan_layout as pl
 from attndbg.backends import plan_view as pv
@@ -195,7 +195,7 @@ class FlashInferBackend(Backend):
         return "cuda"
 
     def first_use_note(self) -> str | None:
-        return FIRST_USE_NOTE
+        return compiling_note()
 
     def describe(self) -> str:
         version = getattr(_flashinfer(), "__version__", "?")

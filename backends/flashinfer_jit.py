@@ -131,6 +131,36 @@ def _objects(ninja_file: str) -> int:
     return max(1, sum(1 for line in lines if line.startswith("build ")) - 1)
 
 
+# FlashInfer's prebuilt modules: one wheel per CUDA version, whose version is FlashInfer's own plus
+# the CUDA suffix (flashinfer/jit/env.py checks that they match, and ignores a mismatched one).
+PREBUILT_PACKAGE = "flashinfer-jit-cache"
+PREBUILT_INDEX = "https://flashinfer.ai/whl/{cuda}"
+
+
+def prebuilt_hint(flashinfer_version: str | None = None, cuda_version: str | None = None) -> str | None:
+    """How to have FlashInfer load prebuilt modules instead of compiling them, for this FlashInfer
+    and torch's CUDA (versions read here unless given); None when its prebuilt package is installed
+    already (a module it does not hold still compiles), or when the versions are unknown."""
+    if machine.module_available(PREBUILT_PACKAGE.replace("-", "_")):
+        return None
+    if flashinfer_version is None:
+        try:
+            from flashinfer import __version__ as flashinfer_version
+        except ImportError:
+            return None
+    if cuda_version is None:
+        import torch
+
+        cuda_version = torch.version.cuda
+    if not cuda_version or not flashinfer_version or flashinfer_version.startswith("0.0.0"):
+        return None
+    cuda = "cu" + "".join(cuda_version.split(".")[:2])
+    return (
+        f'FlashInfer loads the modules its prebuilt package holds instead of compiling them: '
+        f'pip install "{PREBUILT_PACKAGE}=={flashinfer_version}+{cuda}" --index-url {PREBUILT_INDEX.format(cuda=cuda)}'
+    )
+
+
 def default_jobs() -> int:
     """How many compile steps `build` runs at once unless told: MAX_JOBS (as FlashInfer reads it),
     else every core."""

@@ -11,9 +11,12 @@ flashinfer itself is never imported here: this module imports on a machine witho
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from attndbg import numerics
+from attndbg.backends import flashinfer_jit
 from attndbg.backends.base import AttentionResult, GraphState, KernelError, KernelUnsupported
 from attndbg.trace.schema import Model
 
@@ -24,6 +27,14 @@ NAN_BYTE = 0xFF
 
 # Measured on the H200 (FlashInfer 0.7.2): 7-60 s per kernel, then served from ~/.cache/flashinfer.
 FIRST_USE_NOTE = "FlashInfer compiles each kernel on first use (7-60 s each, cached on disk for later runs)"
+
+
+@functools.cache
+def compiling_note() -> str:
+    """FIRST_USE_NOTE, and how to skip the compiling where FlashInfer's prebuilt package is not
+    installed (asked once per process: the runner asks on every run)."""
+    hint = flashinfer_jit.prebuilt_hint()
+    return FIRST_USE_NOTE + (f"; {hint}" if hint else "")
 
 # What the kernels these adapters call raise on bad arguments or a refused launch: FlashInfer's C++
 # and TVM-FFI checks surface as RuntimeError/ValueError, its argument checks as

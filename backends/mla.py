@@ -41,7 +41,7 @@ from attndbg.backends.base import (
     coerce_option,
 )
 from attndbg.backends import flashinfer_modules as fm
-from attndbg.backends.flashinfer_runtime import FIRST_USE_NOTE, KERNEL_ERRORS, WORKSPACE_BYTES, FlashInferGraphState, compile_failure, library_error, wait_for_pending_plans
+from attndbg.backends.flashinfer_runtime import KERNEL_ERRORS, WORKSPACE_BYTES, FlashInferGraphState, compile_failure, compiling_note, library_error, wait_for_pending_plans
 from attndbg.backends import plan_declaration as pd
 from attndbg.backends import plan_layout as pl
 from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, Capabilities, LatentDims
@@ -121,7 +121,7 @@ class MLABackend(Backend):
         return self._triton.device() if self.impl() is MLAImpl.TRITON else "cuda"
 
     def first_use_note(self) -> str | None:
-        return {MLAImpl.TRITON: self._triton.first_use_note(), MLAImpl.FLASHINFER: FIRST_USE_NOTE}.get(self.impl())
+        return {MLAImpl.TRITON: self._triton.first_use_note(), MLAImpl.FLASHINFER: compiling_note()}.get(self.impl())
 
     def describe(self) -> str:
         impl = self.impl()

@@ -148,6 +148,9 @@ def precompile(paths: list[Path], only: list[FindingClass], options: CheckOption
         f"attndbg: compile phase: {len(specs)} FlashInfer module{'s' * (len(specs) != 1)} named by the steps' kernels, "
         f"{total} not on disk: compiling them at once ({flashinfer_jit.default_jobs()} jobs)"
     )
+    hint = flashinfer_jit.prebuilt_hint()
+    if hint:
+        say(f"attndbg: {hint}")
     count = iter(range(1, total + 1))
     problem: str | None = None
     try:

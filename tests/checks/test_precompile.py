@@ -166,10 +166,12 @@ def test_the_phase_builds_what_is_not_on_disk_once_with_progress(tmp_path: Path,
     monkeypatch.setattr(flashinfer_jit, "available", lambda: True)
     monkeypatch.setattr(phase, "declared", lambda paths, only, options, at: {m.name: m for m in modules})
     monkeypatch.setattr(flashinfer_jit, "unbuilt", lambda specs: [m for m in specs if not m.library.exists()])
+    monkeypatch.setattr(flashinfer_jit, "prebuilt_hint", lambda: "FlashInfer loads the modules its prebuilt package holds ...")
     said: list[str] = []
     done = precompile([tmp_path / "step_000.pt"], parse_only(None), CheckOptions(), say=said.append)
     assert done is not None and (done.modules, done.needed, done.problem) == (2, 2, None)
     assert said[0].startswith("attndbg: compile phase: 2 FlashInfer modules named by the steps' kernels, 2 not on disk")
+    assert said[1] == "attndbg: FlashInfer loads the modules its prebuilt package holds ..."  # before the wait, not after it
     assert sorted(line.split(": ")[-1] for line in said if "compiled " in line and "/2" in line) == ["m0", "m1"]
     assert precompile([tmp_path / "step_000.pt"], parse_only(None), CheckOptions(), say=said.append) is None
 
@@ -181,3 +183,21 @@ def test_compile_refuses_an_unknown_detector_in_one_line(tmp_path: Path) -> None
     assert result.output.strip().splitlines() == [
         "error: --only: unknown detector 'nosuch'; detectors: invariants, fill-value, tree-mask, split-merge, batch-invariance, exposure"
     ]
+
+
+def test_the_prebuilt_package_named_is_the_one_flashinfer_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FlashInfer takes flashinfer-jit-cache only at its own version plus the CUDA suffix
+    (flashinfer/jit/env.py), from the index of that CUDA version; nothing is said where the package
+    is installed already, or where the versions are unknown (a CPU torch, a FlashInfer without its
+    build metadata)."""
+    installed: set[str] = set()
+    monkeypatch.setattr(flashinfer_jit.machine, "module_available", lambda name: name in installed)
+    assert flashinfer_jit.prebuilt_hint("0.7.2.post1", "13.0") == (
+        "FlashInfer loads the modules its prebuilt package holds instead of compiling them: "
+        'pip install "flashinfer-jit-cache==0.7.2.post1+cu130" --index-url https://flashinfer.ai/whl/cu130'
+    )
+    assert "flashinfer-jit-cache==0.6.1+cu129" in (flashinfer_jit.prebuilt_hint("0.6.1", "12.9.1") or "")
+    assert flashinfer_jit.prebuilt_hint("0.7.2.post1", None) is None
+    assert flashinfer_jit.prebuilt_hint("0.0.0+unknown", "13.0") is None
+    installed.add("flashinfer_jit_cache")
+    assert flashinfer_jit.prebuilt_hint("0.7.2.post1", "13.0") is None
