@@ -33,6 +33,8 @@ def main() -> int:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="")
     parser.add_argument("--timeline", metavar="FILE", help="collect --timeline's records throughout (needs cupti-python)")
+    parser.add_argument("--no-profile", dest="profile", action="store_false",
+                        help="the first pass over the measured steps without cProfile (a warm pass only): the per-step time alone, as timeline_check.sh steps compares it")
     args = parser.parse_args()
     recording = None
     if args.timeline:
@@ -50,7 +52,8 @@ def main() -> int:
     warm_s = time.perf_counter() - start
 
     profiler = cProfile.Profile()
-    profiler.enable()
+    if args.profile:
+        profiler.enable()
     for path in measured:
         check_one(path, only, options)
     profiler.disable()
@@ -66,9 +69,10 @@ def main() -> int:
     wall = time.perf_counter() - start
 
     text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats("cumulative").print_stats(60)
-    stats.sort_stats("tottime").print_stats(40)
+    if args.profile:
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("cumulative").print_stats(60)
+        stats.sort_stats("tottime").print_stats(40)
     per_step.sort()
     summary = (
         f"warm-up: {len(warm)} steps in {warm_s:.1f} s\n"

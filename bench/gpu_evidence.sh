@@ -15,6 +15,7 @@
 #   profile   the warm server mix's profile (bench/check_profile.py)
 #   tlprofile the same inside --timeline's CUPTI collection (issue 25: its cost per step, by function)
 #   timeline  --timeline's cost, start-up against per step (bench/timeline_check.sh cost)
+#   tlsteps   --timeline's cost per step in one warm process, against the before tree's (timeline_check.sh steps)
 #   scale     the default command on the 1,000 steps, and memory from 1,000 to 5,000 steps
 #             (bench/check_scale.py --recording --runs default,long)
 #   plain     the default command as a user types it (no --backend: every backend here, fa3 too)
@@ -39,7 +40,8 @@
 # space-separated lists of parts, lane i on GPU i with 1/N of the cores, the lanes at once; the
 # recording and the compile phase use the whole host first), DURING_COMPILE (parts that need no
 # FlashInfer module, run on GPU 0 while the compile phase builds: rectl), BACKENDS (triton,flashinfer,fa3,mla), TIMELINE_BACKENDS
-# (triton,flashinfer,fa3). Issues 24/25's measurements alone, without fa3 (its 12 SM90 modules are
+# (triton,flashinfer,fa3), COMPILE_STEPS (A:B: the compile phase for those steps only; the parts that
+# check other steps compile theirs on first use). Issues 24/25's measurements alone, without fa3 (its 12 SM90 modules are
 # 3/4 of the compile), about 900 s held:
 #
 #     PARTS=profile,timeline,scale BACKENDS=triton,flashinfer,mla TIMELINE_BACKENDS=triton,flashinfer bash bench/gpu_evidence.sh $OUT
@@ -98,9 +100,13 @@ part_tlprofile() { attempt tlprofile 200 python bench/check_profile.py "$rec" --
 # Issue 25: --timeline's cost, split into start-up and per step (needs cupti-python in .gpu).
 # With a before tree in .gpu/tree (check_cost_before_after.sh's), its --timeline is timed in the same
 # alternation, against this tree's.
+before_tree() { [ -d .gpu/tree/attndbg ] && ln -sfn ../backends .gpu/tree/attndbg/backends && (cd .gpu/tree && pwd); }
 part_timeline() {
-  local before=; [ -d .gpu/tree/attndbg ] && ln -sfn ../backends .gpu/tree/attndbg/backends && before=$(cd .gpu/tree && pwd)
-  attempt timeline 240 env REC="$rec" BACKENDS="${TIMELINE_BACKENDS:-triton,flashinfer,fa3}" BEFORE="$before" bash bench/timeline_check.sh "$res/timeline" cost
+  attempt timeline 240 env REC="$rec" BACKENDS="${TIMELINE_BACKENDS:-triton,flashinfer,fa3}" BEFORE="$(before_tree)" bash bench/timeline_check.sh "$res/timeline" cost
+}
+# Issue 25: the cost per step alone, in one warm process (plain, --timeline, the before tree's).
+part_tlsteps() {
+  attempt tlsteps 200 env REC="$rec" BACKENDS="${TIMELINE_BACKENDS:-triton,flashinfer,fa3}" BEFORE="$(before_tree)" bash bench/timeline_check.sh "$res/timeline_steps" steps
 }
 # Issue 25: the GPU enclosure test (tests/gpu/test_timeline.py on traces/, --backend all, eager and
 # graph; the shipped traces' modules are built in the compile phase when this part is asked for).
@@ -157,7 +163,7 @@ for part in ${during//,/ }; do
 done
 if [ ! -f "$res/compile.done" ]; then
   s=$(date +%s)
-  timeout $(( $(left) - 10 )) attndbg compile "$rec" --backend "$BACKENDS" >> "$res/compile.log" 2>&1; rc=$?
+  timeout $(( $(left) - 10 )) attndbg compile "$rec" --backend "$BACKENDS" ${COMPILE_STEPS:+--steps "$COMPILE_STEPS"} >> "$res/compile.log" 2>&1; rc=$?
   say "compile: exit $rc after $(( $(date +%s) - s )) s"
   [ $rc -eq 0 ] && touch "$res/compile.done"
 fi

@@ -14,8 +14,8 @@
 # counts the test checked, any problem, the printed summary), pytest.log; from `cost`,
 # timeline_cost.txt.
 set -uo pipefail
-out=${1:?usage: timeline_check.sh OUT_DIR test|cost}
-what=${2:?usage: timeline_check.sh OUT_DIR test|cost}
+out=${1:?usage: timeline_check.sh OUT_DIR test|cost|steps}
+what=${2:?usage: timeline_check.sh OUT_DIR test|cost|steps}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 ATTNDBG_TIMELINE_OUT="$out"
 python3 -c "import cupti.cupti, importlib.metadata as m; print('cupti-python', m.version('cupti-python'))" || exit 1
@@ -25,6 +25,27 @@ if [ "$what" = test ]; then
   timeout 200 attndbg compile traces 2>&1 | tail -3
   # 1. The enclosure test: replay traces/ --backend all, eager and --cuda-graph; check traces/ --jobs 2.
   timeout 360 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_timeline.py 2>&1 | tee "$out/pytest.log" | tail -15
+  exit 0
+fi
+
+# 3. The cost per step alone (issue 25 bounds it): one warm process each (bench/check_profile.py
+# --no-profile: 30 steps to warm up, then 60 steps twice, the second pass timed step by step), plain,
+# with --timeline, and with BEFORE's --timeline, alternating; REC and BACKENDS as for `cost`.
+if [ "$what" = steps ]; then
+  rec=${REC:?steps needs REC}; B=${BACKENDS:-triton,flashinfer,fa3}
+  one() { # LABEL [PYTHONPATH-FIRST] [ARGS...]
+    local label=$1 first=$2; shift 2
+    env PYTHONPATH="${first:+$first:}${PYTHONPATH:-}" timeout 150 python3 bench/check_profile.py "$rec" --backend "$B" --warmup 30 --steps 60 --no-profile --out "$out/steps" --tag "_$label" "$@" > "$out/steps_$label.log" 2>&1
+    echo "$label (exit $?): $(grep -m1 '^measured:' "$out/steps_$label.log")"
+  }
+  {
+    echo "bench/check_profile.py $rec --backend $B --warmup 30 --steps 60 --no-profile: ms per step, warm, one process"
+    for i in 1 2; do
+      one "plain_$i" ""
+      one "timeline_$i" "" --timeline /tmp/timeline_steps.json
+      [ -n "${BEFORE:-}" ] && one "timeline_before_$i" "$BEFORE" --timeline /tmp/timeline_steps_before.json
+    done
+  } 2>&1 | tee "$out/timeline_steps.txt"
   exit 0
 fi
 
