@@ -85,11 +85,17 @@ def nvtx_problems(doc: dict[str, Any], any_kernel: bool) -> list[str]:
     return problems
 
 
-def _check_graphs(ranges: dict, kernels: list, launches: list, report: Report) -> None:
-    graph_launches = defaultdict(list)
+def graph_launches_by_range(launches: list[dict]) -> dict[tuple[int, int], list[dict]]:
+    """(pid, range_id) -> the graph launch calls among `launches` made in that range."""
+    by_range: dict[tuple[int, int], list[dict]] = defaultdict(list)
     for e in launches:
         if e["name"].startswith(GRAPH_LAUNCH):
-            graph_launches[(e["pid"], e["args"]["range_id"])].append(e)
+            by_range[(e["pid"], e["args"]["range_id"])].append(e)
+    return by_range
+
+
+def _check_graphs(ranges: dict, kernels: list, launches: list, report: Report) -> None:
+    graph_launches = graph_launches_by_range(launches)
     nodes_of = defaultdict(set)
     for k in kernels:
         if k["args"].get("graph_id"):

@@ -26,8 +26,6 @@ from typing import Any
 from attndbg.trace.io import ManifestEntry
 from tests.timeline import enclosure
 
-GRAPH_LAUNCH = ("cudaGraphLaunch", "cuGraphLaunch")
-
 
 @dataclass
 class Report:
@@ -70,10 +68,7 @@ def check(doc: dict[str, Any], entries: list[ManifestEntry]) -> Report:
             continue
         report.kernels += 1
         kernels_in[key].append(k)
-    graph_calls: dict[tuple[int, int], list[dict]] = defaultdict(list)
-    for e in launches:
-        if e["name"].startswith(GRAPH_LAUNCH):
-            graph_calls[(e["pid"], e["args"]["range_id"])].append(e)
+    graph_calls = enclosure.graph_launches_by_range(launches)
     node_sets: dict[tuple[int, int], list[tuple[int, frozenset]]] = defaultdict(list)  # (pid, graph id) -> (step, nodes) per replay
     # (pid, graph size) -> launches each recorded capture of it recorded
     captured: dict[tuple[int, str], list[int]] = defaultdict(list)
