@@ -36,6 +36,7 @@ def compiling_note() -> str:
     hint = flashinfer_jit.prebuilt_hint()
     return FIRST_USE_NOTE + (f"; {hint}" if hint else "")
 
+
 # What the kernels these adapters call raise on bad arguments or a refused launch: FlashInfer's C++
 # and TVM-FFI checks surface as RuntimeError/ValueError, its argument checks as
 # ValueError/NotImplementedError; fa3's other implementations and FlashMLA raise the same.

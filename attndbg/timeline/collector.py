@@ -28,11 +28,10 @@ import os
 import threading
 from typing import Any
 
-from attndbg.timeline.buffers import Buffers
+from attndbg.timeline.buffers import BUFFER_BYTES, Buffers
 from attndbg.timeline.convert import Converter, Kinds, LaunchExternalIds, RecordTypes
 from attndbg.timeline.records import ProcessRecords, Range, launches_graph, launches_kernel
 
-BUFFER_BYTES = 8 << 20  # per CUPTI buffer through cupti-python; CUPTI asks for another when one fills
 INJECTION_VARIABLE = "NVTX_INJECTION64_PATH"
 # Callback ids are dense from 1 in each API domain (cupti_runtime_cbid.h, cupti_driver_cbid.h):
 # this many unnamed ids in a row end the domain; the cap bounds the walk whatever CUPTI answers.
@@ -227,7 +226,7 @@ class Collector:
     # -- CUPTI buffers ------------------------------------------------------------------------------
 
     def _requested(self) -> tuple[int, int]:
-        return BUFFER_BYTES, 0  # 0: as many records as fit
+        return BUFFER_BYTES, 0  # the same size as our own buffers; 0: as many records as fit
 
     def _completed_buffer(self, data: bytes, offsets: list[int]) -> None:
         kept = ProcessRecords(pid=os.getpid(), label=self.label)

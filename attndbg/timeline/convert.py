@@ -180,8 +180,9 @@ class Converter:
 
         def values() -> Any:
             for offset in offsets:
-                layout = by_kind.get(kind_of(data, offset)[0])
-                yield layout.at(data, offset) if layout is not None else kind_of(data, offset)
+                kind = kind_of(data, offset)
+                layout = by_kind.get(kind[0])
+                yield layout.at(data, offset) if layout is not None else kind
 
         self._place(values(), out)
 

@@ -94,9 +94,5 @@ def read_file(file: str | Path) -> list[ProcessRecords]:
 
 
 def read(directory: str | Path) -> list[ProcessRecords]:
-    """Every process's records, one per pid, in pid order."""
-    by_pid: dict[int, ProcessRecords] = {}
-    for file in files(directory):
-        for records in read_file(file):
-            by_pid.setdefault(records.pid, ProcessRecords(pid=records.pid, label=records.label)).extend(records)
-    return [by_pid[pid] for pid in sorted(by_pid)]
+    """Every process's records, one per pid, in pid order (a file per process, `files` in pid order)."""
+    return [records for file in files(directory) for records in read_file(file)]
