@@ -117,16 +117,19 @@ part_tltest() { attempt tltest 200 bash bench/timeline_check.sh "$res/timeline_t
 # (SCALE_RUNS: check_scale.py's --runs; with jobs, --jobs SCALE_JOBS too).
 part_scale() { attempt scale 150 python bench/check_scale.py --recording "$rec" --system-caches --backends "$BACKENDS" --runs "${SCALE_RUNS:-default,long}" --jobs "${SCALE_JOBS:-16}" --run-timeout "$(( $(left) - 20 ))" --out "$res/scale" --work /tmp/gpu_evidence_scale --tag _server; }
 # Issue 24: workers sharing one GPU. Each check's line: exit, wall, steps refused for memory, verdict.
+checked_line() { # LABEL: what the check of part LABEL says, in the summary
+  say "$1: refused for memory $(grep -c 'not replayed' "$res/$1.log"); $(grep '^checked ' "$res/$1.log" | cut -c1-300)"
+}
 checked() { # LABEL ARGS...: attndbg check REC ARGS as the part LABEL
   attempt "$1" 60 attndbg check "$rec" --backend "$BACKENDS" "${@:2}" || return 1
-  say "$1: refused for memory $(grep -c 'not replayed' "$res/$1.log"); $(grep '^checked ' "$res/$1.log" | cut -c1-300)"
+  checked_line "$1"
 }
 part_memdefault() { checked memdefault; }
 # Issue 24's "default command" as a user types it: no --backend, so every backend that runs here (fa3
 # too: compile with BACKENDS=all first, or its modules compile inside this part's time).
 part_plain() {
   attempt plain 90 attndbg check "$rec" || return 1
-  say "plain: refused for memory $(grep -c 'not replayed' "$res/plain.log"); $(grep '^checked ' "$res/plain.log" | cut -c1-300)"
+  checked_line plain
 }
 part_memjobs16() { checked memjobs16 --jobs 16; }
 part_memgraph() { checked memgraph --cuda-graph; }

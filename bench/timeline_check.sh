@@ -28,7 +28,7 @@ if [ "$what" = test ]; then
   exit 0
 fi
 
-# 3. The cost per step alone (issue 25 bounds it): one warm process each (bench/check_profile.py
+# steps: the cost per step alone (issue 25 bounds it): one warm process each (bench/check_profile.py
 # --no-profile: 30 steps to warm up, then 60 steps twice, the second pass timed step by step), plain,
 # with --timeline, and with BEFORE's --timeline, alternating; REC and BACKENDS as for `cost`.
 if [ "$what" = steps ]; then
