@@ -74,7 +74,8 @@ def check(
 
     Exit 0 when clean or with hazards only (findings right on this step, wrong under the condition
     each states; --strict: 1), 1 with defects, 2 on bad input, 3 when a backend named with --backend
-    could not run here (or a step could not be checked) and nothing failed.
+    could not run here (or a step could not be checked) and nothing failed (--backend all skips the
+    backends that cannot run here and names them).
 
     \b
     Examples:
@@ -118,7 +119,8 @@ def check(
         raise BadInput(f"{target}: {reports[0].error}")  # one file that cannot be checked here is bad input
     if len(paths) > 1:
         console.print(render_summary(reports))
-    verdict = check_verdict(reports, classes, names, backend_options, selection=_selection_note(target, paths, steps_spec, sample))
+    every = backend_spec is not None and backend_spec.strip() == "all"
+    verdict = check_verdict(reports, classes, names, backend_options, selection=_selection_note(target, paths, steps_spec, sample), every=every)
     console.print(Text(verdict.line), soft_wrap=True)  # one line whatever the width (logs grep it), never markup
     if json_path:
         write_json(json_path, checks_to_json(reports, verdict))

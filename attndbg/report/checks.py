@@ -147,8 +147,17 @@ class Selection:
 
 
 def check_verdict(
-    reports: list[StepReport], detectors: list[FindingClass], named: tuple[str, ...] | None, backend_options: BackendOptions | None = None, *, selection: Selection | None = None
+    reports: list[StepReport],
+    detectors: list[FindingClass],
+    named: tuple[str, ...] | None,
+    backend_options: BackendOptions | None = None,
+    *,
+    selection: Selection | None = None,
+    every: bool = False,
 ) -> CheckVerdict:
+    """The verdict of a check. `named`: the backends of `--backend`; one that ran on no step is said,
+    and makes the check incomplete unless `every` (`--backend all`: those that cannot run here are
+    skipped and said, as `replay --backend all` does)."""
     from attndbg.backends import registry
 
     steps = [r for r in reports if r.mode != "recording"]
@@ -190,7 +199,7 @@ def check_verdict(
     unchecked = len(steps) - len(checked)
     return CheckVerdict(
         line="; ".join(parts),
-        incomplete=bool(skipped) or unchecked > 0,
+        incomplete=(bool(skipped) and not every) or unchecked > 0,
         checked_steps=len(checked),
         unchecked_steps=unchecked,
         detectors=[d.value for d in detectors],

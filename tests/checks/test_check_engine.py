@@ -167,6 +167,19 @@ def test_clean_check_with_a_named_backend_that_cannot_run_is_not_a_pass(tmp_path
     assert "flashinfer unavailable: no CUDA GPU" in result.output
 
 
+def test_backend_all_names_what_did_not_run_and_is_not_incomplete(tmp_path: Path) -> None:
+    """`--backend all` means "whatever runs here", as in replay: a backend that cannot run on this
+    machine (vLLM not installed, no GPU) is said on the verdict line and in the JSON, and a clean check
+    exits 0, not 3 (session 16: every `check --backend all` on the H200 exited 3 for vllm_paged)."""
+    path = io.save(make_trace("decode-mha", *SMALL, plan=True), tmp_path / "t.pt")
+    report = tmp_path / "r.json"
+    result = CliRunner().invoke(main, ["check", str(path), "--only", "invariants", "--backend", "all", "--json", str(report)])
+    assert result.exit_code == 0, result.output
+    skipped = json.loads(report.read_text())["verdict"]["skipped"]
+    assert "vllm_paged" in skipped and "vllm_paged " in result.output  # ran on no step here, whatever the machine
+    named = CliRunner().invoke(main, ["check", str(path), "--only", "invariants", "--backend", "vllm_paged"])
+    assert named.exit_code == 3, named.output  # named alone, it is still a check that did not run what it asked
+
 def test_verdict_names_the_kernels_that_ran(tmp_path: Path) -> None:
     path = io.save(make_trace("decode-mha", "kv_lens=3,20", *SMALL, plan=True), tmp_path / "t.pt")
     report = tmp_path / "r.json"
