@@ -13,7 +13,7 @@ import click
 from attndbg.cli import options
 from attndbg.cli.common import EXIT_FAILED, EXIT_NOT_RUN, EXIT_OK, BadInput, check_outputs, handles_bad_input, make_console, write_json
 from attndbg.cli.group import main
-from attndbg.cli.options import parse_backend_options, parse_backends, parse_devices, parse_jobs, parse_max_memory, parse_step_selection, require_gpu_for_cuda_graph
+from attndbg.cli.options import is_every_backend, parse_backend_options, parse_backends, parse_devices, parse_jobs, parse_max_memory, parse_step_selection, require_gpu_for_cuda_graph
 
 if TYPE_CHECKING:
     from attndbg.detector_api.findings import FindingClass
@@ -119,8 +119,8 @@ def check(
         raise BadInput(f"{target}: {reports[0].error}")  # one file that cannot be checked here is bad input
     if len(paths) > 1:
         console.print(render_summary(reports))
-    every = backend_spec is not None and backend_spec.strip() == "all"
-    verdict = check_verdict(reports, classes, names, backend_options, selection=_selection_note(target, paths, steps_spec, sample), every=every)
+    selection = _selection_note(target, paths, steps_spec, sample)
+    verdict = check_verdict(reports, classes, names, backend_options, selection=selection, every=is_every_backend(backend_spec))
     console.print(Text(verdict.line), soft_wrap=True)  # one line whatever the width (logs grep it), never markup
     if json_path:
         write_json(json_path, checks_to_json(reports, verdict))

@@ -11,7 +11,7 @@ import click
 from attndbg.cli import options
 from attndbg.cli.common import EXIT_NOT_RUN, EXIT_OK, BadInput, check_outputs, handles_bad_input, make_console, write_json
 from attndbg.cli.group import main
-from attndbg.cli.options import parse_backends
+from attndbg.cli.options import is_every_backend, parse_backends
 
 
 @main.command()
@@ -61,7 +61,7 @@ def bench(trace: str, backend_spec: str, samples: int, json_path: str | None) ->
         copy_gbps=peak,
         timed=tuple(timed),
         skipped=tuple(skipped),
-        named=() if backend_spec.strip() == "all" else tuple(names),
+        named=() if is_every_backend(backend_spec) else tuple(names),
     )
     make_console(stderr=json_path == "-").print(render_bench(result))
     if json_path:

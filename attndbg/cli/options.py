@@ -141,6 +141,12 @@ def parse_backends(spec: str) -> list[str]:
     return names
 
 
+def is_every_backend(spec: str | None) -> bool:
+    """--backend all: whatever runs here. A backend that cannot run is skipped and named, not a
+    backend the user asked for by name (which makes the command incomplete, exit 3)."""
+    return spec is not None and spec.strip() == "all"
+
+
 BACKEND_OPTION_HELP = "NAME.FIELD=VALUE, repeatable: a field of that backend's options, e.g. fa3.verify_path=two-call, flashinfer.extend_path=paged, mla.impl=flashmla, triton.num_kv_splits=1"
 
 

@@ -12,7 +12,7 @@ import click
 from attndbg.cli import options
 from attndbg.cli.common import EXIT_FAILED, EXIT_NOT_RUN, EXIT_OK, BadInput, check_outputs, handles_bad_input, make_console, write_json
 from attndbg.cli.group import main
-from attndbg.cli.options import parse_backend_options, parse_backends, parse_max_memory, require_gpu_for_cuda_graph
+from attndbg.cli.options import is_every_backend, parse_backend_options, parse_backends, parse_max_memory, require_gpu_for_cuda_graph
 
 
 @main.command()
@@ -90,7 +90,7 @@ def replay(
         fill_value=fill_value,
         max_memory=max_memory,
     )
-    named = () if backend_spec.strip() == "all" else tuple(names)
+    named = () if is_every_backend(backend_spec) else tuple(names)
     console = make_console(stderr=json_path == "-")
     steps = []  # each step's JSON only: a folder's tensors are not held until the end
     with StepProgress(len(paths), "replaying") as progress:

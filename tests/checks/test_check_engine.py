@@ -180,6 +180,7 @@ def test_backend_all_names_what_did_not_run_and_is_not_incomplete(tmp_path: Path
     named = CliRunner().invoke(main, ["check", str(path), "--only", "invariants", "--backend", "vllm_paged"])
     assert named.exit_code == 3, named.output  # named alone, it is still a check that did not run what it asked
 
+
 def test_verdict_names_the_kernels_that_ran(tmp_path: Path) -> None:
     path = io.save(make_trace("decode-mha", "kv_lens=3,20", *SMALL, plan=True), tmp_path / "t.pt")
     report = tmp_path / "r.json"
