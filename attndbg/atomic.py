@@ -1,9 +1,12 @@
-"""Atomic writes: a reader sees the old file or the new one, never half of one."""
+"""Atomic writes: a reader sees the old file or the new one, never half of one; and output
+directories that exist only once something was written into them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,3 +29,21 @@ def torch_save_atomically(data: Any, path: str | os.PathLike) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+@contextlib.contextmanager
+def output_directory(path: str | os.PathLike) -> Iterator[Path]:
+    """Around a command that writes into the directory `path` (record, import, export): when it
+    ends, however it ends, having written nothing there, the directory and the parents made for it
+    are removed again if they did not exist before. A failed run leaves no empty folder behind;
+    one that existed before is never removed, and nothing that holds a file is."""
+    path = Path(path)
+    made = [p for p in (path, *path.parents) if not p.exists()]  # deepest first
+    try:
+        yield path
+    finally:
+        for folder in made:
+            try:
+                folder.rmdir()  # only an empty directory: anything written keeps it
+            except OSError:
+                break

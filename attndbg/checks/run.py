@@ -26,6 +26,7 @@ from attndbg.detector_api.context import CheckContext, CheckOptions
 from attndbg.detector_api.findings import Finding, FindingClass
 from attndbg.detectors import registry
 from attndbg.detectors.base import Detector
+from attndbg.plural import counted
 from attndbg.profiling import phase, step_range
 from attndbg.replay import activity, memory_share
 from attndbg.suggest import did_you_mean
@@ -262,7 +263,7 @@ def check_steps(
     if jobs is None:
         jobs = auto_jobs(len(paths), devices)
         if jobs > 1:
-            sys.stderr.write(f"attndbg: checking {len(paths)} steps in {jobs} worker processes (--jobs auto; --jobs 1 for one)\n")
+            sys.stderr.write(f"attndbg: checking {counted(len(paths), 'step')} in {counted(jobs, 'worker process', 'worker processes')} (--jobs auto; --jobs 1 for one)\n")
     if isolate is None:
         isolate = machine.cuda_available()
     if jobs > 1 or isolate:

@@ -14,6 +14,7 @@ import click
 from attndbg.cli import options
 from attndbg.cli.common import EXIT_NOT_RUN, EXIT_OK, F, handles_bad_input
 from attndbg.cli.group import main
+from attndbg.plural import counted
 
 
 @main.group("import")
@@ -33,9 +34,11 @@ def _import_options(func: F) -> F:
 
 
 def _import(what: str, reader: Callable[[Path], Any], source: str, out_dir: str, overwrite: bool) -> None:
+    from attndbg.atomic import output_directory
     from attndbg.interop.recording import write_recording
 
-    result = write_recording(reader(Path(source)), out_dir, overwrite=overwrite)
+    with output_directory(out_dir):  # bad input halfway, or no step: no folder left behind
+        result = write_recording(reader(Path(source)), out_dir, overwrite=overwrite)
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     click.echo(result.summary(what), err=True)
@@ -108,10 +111,12 @@ def export_fib(target: str, out_dir: str) -> None:
     Example:
       attndbg export fib rec -o trace_set
     """
+    from attndbg.atomic import output_directory
     from attndbg.interop.fib_export import export_recording
 
-    result = export_recording(target, out_dir)
+    with output_directory(out_dir):  # bad input halfway, or no step that fits: no folder left behind
+        result = export_recording(target, out_dir)
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
-    click.echo(f"attndbg export fib: {result.workloads} workload(s) of {len(result.definitions)} definition(s) in {result.out_dir}", err=True)
+    click.echo(f"attndbg export fib: {counted(result.workloads, 'workload')} of {counted(len(result.definitions), 'definition')} in {result.out_dir}", err=True)
     sys.exit(EXIT_OK if result.workloads else EXIT_NOT_RUN)

@@ -9,6 +9,7 @@ import click
 from attndbg.cli import options
 from attndbg.cli.common import EXIT_NOT_RECORDED, BadInput, handles_bad_input
 from attndbg.cli.group import main
+from attndbg.plural import counted
 from attndbg.suggest import did_you_mean
 
 
@@ -49,6 +50,8 @@ def record(
       attndbg record -o rec --timeline rec.json -- python my_generate.py   (GPU: each recorded step's kernels)
       attndbg check rec && attndbg replay rec/step_000003.pt --backend all
     """
+    from attndbg.atomic import output_directory
+    from attndbg.record.exit_status import command_exit
     from attndbg.record.launch import missing_layers, prepare_directory, run_recorded
     from attndbg.record.options import OptionError, RecordOptions, parse_layers, parse_size, parse_steps
 
@@ -73,16 +76,22 @@ def record(
     except OptionError as e:
         raise BadInput(str(e)) from None
     try:
-        result = run_recorded(list(command), options)
+        with output_directory(out_dir):  # no step written: no folder left behind
+            result = run_recorded(list(command), options)
     except FileNotFoundError:
         raise BadInput(f"record: command not found: {command[0]}") from None
-    modes = sorted({e.mode for e in result.entries})
-    click.echo(f"attndbg record: {len(result.entries)} step(s) in {result.out_dir} ({', '.join(modes) or 'no steps'}); command exited {result.exit_code}", err=True)
+    ended = command_exit(result.exit_code)
+    if result.entries:
+        modes = ", ".join(sorted({e.mode for e in result.entries}))
+        recorded = f"{counted(len(result.entries), 'step')} in {result.out_dir} ({modes})"
+    else:
+        recorded = "no step recorded" + ("" if result.out_dir.is_dir() else f" ({result.out_dir} not created)")
+    click.echo(f"attndbg record: {recorded}; command {ended.text}", err=True)
     never = missing_layers(options, result.entries)
     if never:
         click.echo(f"attndbg record: note: --layers {','.join(map(str, never))}: no step recorded tensors of these layers (does the model have that many layers?)", err=True)
     if result.problems:
-        more = f" (and {len(result.problems) - 1} more process(es) stopped)" if len(result.problems) > 1 else ""
+        more = f" (and {counted(len(result.problems) - 1, 'more process', 'more processes')} stopped)" if len(result.problems) > 1 else ""
         what = "no step recorded" if not result.entries else "recording stopped early"
         click.echo(f"attndbg record: {what}: {result.problems[0]}{more}", err=True)
-    sys.exit(EXIT_NOT_RECORDED if result.hook_failed_before_any_step else result.exit_code)
+    sys.exit(EXIT_NOT_RECORDED if result.hook_failed_before_any_step else ended.status)

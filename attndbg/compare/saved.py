@@ -31,6 +31,7 @@ from torch import Tensor
 
 from attndbg.trace.archive import read_archive
 from attndbg.trace.io import SAVED_REPLAY_FORMAT, UNREADABLE
+from attndbg.trace.regular import read_regular
 from attndbg.trace.validate import TraceError, check_indptr
 
 FORMAT_NAME = SAVED_REPLAY_FORMAT  # the trace loader recognises it too, to point at `attndbg diff`
@@ -182,10 +183,7 @@ def is_saved_replay(path: str | os.PathLike) -> bool:
 def load_replay(path: str | os.PathLike) -> SavedReplay:
     """Load and check a saved replay; any problem is a one-line `TraceError` naming the file."""
     where = str(path)
-    try:
-        raw = Path(path).read_bytes()
-    except OSError as e:
-        raise TraceError("file", f"cannot read ({e.strerror or e})", where) from None
+    raw = read_regular(path)  # a FIFO or a device: refused, never read
     if not raw:
         raise TraceError("file", "is empty (an interrupted write? save_replay writes atomically)", where)
     try:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,25 +18,13 @@ from torch import Tensor
 from attndbg.trace.archive import read_archive
 from attndbg.trace.errors import TraceError, printable
 from attndbg.trace.io import UNREADABLE, unbacked_tensor
+from attndbg.trace.regular import read_regular, regular_size
 
 # A dump's metadata line is a few kB; a workload line a few hundred bytes. Far past either is not one.
 MAX_LINE_BYTES = 4 << 20
 MAX_JSON_BYTES = 64 << 20
 # Tensor files of a dump hold whole KV pools (interop.md §0.10): large, but not unbounded here.
 MAX_TENSOR_FILE_BYTES = 8 << 30
-
-
-def _regular(path: Path, limit: int) -> int:
-    """The size of `path`, a regular file of at most `limit` bytes."""
-    try:
-        info = path.stat()
-    except OSError as e:
-        raise TraceError("file", f"cannot read ({e.strerror or e})", str(path)) from None
-    if not stat.S_ISREG(info.st_mode):
-        raise TraceError("file", "not a regular file (a FIFO, device or directory): refused", str(path))
-    if info.st_size > limit:
-        raise TraceError("file", f"is {info.st_size} bytes, more than the {limit} this importer reads", str(path))
-    return info.st_size
 
 
 def _finite(value: Any) -> Any:
@@ -52,9 +39,9 @@ def _loads(text: str) -> Any:
 
 
 def read_json(path: Path) -> Any:
-    _regular(path, MAX_JSON_BYTES)
+    raw = read_regular(path, limit=MAX_JSON_BYTES)
     try:
-        return _loads(path.read_text(encoding="utf-8"))
+        return _loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise TraceError("file", f"not UTF-8 (byte {e.object[e.start]:#04x} at offset {e.start})", str(path)) from None
     except (ValueError, RecursionError) as e:
@@ -64,7 +51,7 @@ def read_json(path: Path) -> Any:
 def json_lines(path: Path) -> Iterator[tuple[int, Any]]:
     """(line number, value) of each non-empty line. A last line cut short (a writer killed while
     appending it) ends the file; any other bad line is an error naming it."""
-    _regular(path, 1 << 40)
+    regular_size(path)  # a FIFO would block the open below
     try:
         with open(path, "rb") as f:
             lines = iter(f)
@@ -88,10 +75,9 @@ def json_lines(path: Path) -> Iterator[tuple[int, Any]]:
 
 def load_tensors(path: Path) -> dict[str, Tensor]:
     """A dict of named tensors saved with torch.save (vetted, weights_only) or as safetensors."""
-    _regular(path, MAX_TENSOR_FILE_BYTES)
+    raw = read_regular(path, limit=MAX_TENSOR_FILE_BYTES)
     if path.suffix == ".safetensors":
-        return _load_safetensors(path)
-    raw = path.read_bytes()
+        return _load_safetensors(path, raw)
     try:
         data = read_archive(raw)
     except TraceError as e:
@@ -103,14 +89,14 @@ def load_tensors(path: Path) -> dict[str, Tensor]:
     return _tensor_dict(data, path)
 
 
-def _load_safetensors(path: Path) -> dict[str, Tensor]:
+def _load_safetensors(path: Path, raw: bytes) -> dict[str, Tensor]:
     try:
         from safetensors import SafetensorError
         from safetensors.torch import load
     except ImportError:
         raise TraceError("file", "is a safetensors file: pip install safetensors (or pip install 'attndbg[interop]') to read it", str(path)) from None
     try:
-        data = load(path.read_bytes())
+        data = load(raw)
     except (SafetensorError, ValueError, TypeError, RuntimeError, OverflowError) as e:
         raise TraceError("file", f"not a readable safetensors file ({printable(str(e), 200)})", str(path)) from None
     return _tensor_dict(data, path)

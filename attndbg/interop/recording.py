@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attndbg.plural import counted
 from attndbg.record.launch import prepare_directory
 from attndbg.record.options import OptionError
 from attndbg.trace.errors import TraceError
@@ -27,8 +28,8 @@ class Imported:
 
     def summary(self, what: str) -> str:
         modes = ", ".join(f"{mode} {n}" for mode, n in sorted(self.modes.items())) or "no steps"
-        left = f"; {len(self.notes)} call(s) left out (above)" if self.notes else ""
-        return f"attndbg import {what}: {self.steps} step(s) in {self.out_dir} ({modes}){left}"
+        left = f"; {counted(len(self.notes), 'call')} left out (above)" if self.notes else ""
+        return f"attndbg import {what}: {counted(self.steps, 'step')} in {self.out_dir} ({modes}){left}"
 
 
 def write_recording(items: Iterable[Trace | str], out_dir: str, *, overwrite: bool) -> Imported:

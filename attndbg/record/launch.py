@@ -16,6 +16,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from attndbg.plural import counted
 from attndbg.record import problems
 from attndbg.record.options import ENV_VAR, OptionError, RecordOptions
 from attndbg.trace.io import MANIFEST, ManifestEntry, read_manifest
@@ -73,7 +74,7 @@ def prepare_directory(out_dir: str | os.PathLike, *, append: bool, overwrite: bo
             run += 1
         return f"run{run}_"
     steps = len(read_manifest(directory)) if MANIFEST in present else 0
-    held = f"a recording ({steps} steps)" if MANIFEST in present else f"{len(present)} files"
+    held = f"a recording ({counted(steps, 'step')})" if MANIFEST in present else counted(len(present), "file")
     raise OptionError(f"-o {out_dir}: already holds {held}; add --append to add to it, --overwrite to replace it, or choose another -o")
 
 

@@ -15,6 +15,7 @@ from rich.text import Text
 
 from attndbg.checks.run import StepReport
 from attndbg.detector_api.findings import Finding, FindingClass, Severity
+from attndbg.plural import counted
 from attndbg.trace.errors import printable
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ def render_step(report: StepReport) -> RenderableType:
         return Text(f"{printable(report.path)}: {report.error}", style="yellow")
     if not report.findings:
         return Text(f"{printable(report.path)}: step {report.step} {report.mode}: no findings", style="green")
-    return _StepFindings(f"{printable(report.path)}: step {report.step} {report.mode}: {len(report.findings)} finding(s)", report.findings)
+    return _StepFindings(f"{printable(report.path)}: step {report.step} {report.mode}: {counted(len(report.findings), 'finding')}", report.findings)
 
 
 # Narrower than this, five columns fold identifiers mid-word ("spec.custom_ma/sk[51]") and one
@@ -170,8 +171,8 @@ def check_verdict(
         reason = registry.create(name, options=backend_options).unavailable_reason()
         skipped[name] = f"unavailable: {reason}" if reason else "ran on no step (unsupported by every step, or no detector needed it)"
     findings = sum(len(r.findings) for r in reports)
-    kernels = ", ".join(f"{name} ({count} step{'s' if count != 1 else ''})" for name, count in sorted(ran.items()))
-    parts = [f"checked {len(checked)} of {len(steps)} step{'s' if len(steps) != 1 else ''}"]
+    kernels = ", ".join(f"{name} ({counted(count, 'step')})" for name, count in sorted(ran.items()))
+    parts = [f"checked {len(checked)} of {counted(len(steps), 'step')}"]
     if selection is not None:  # which steps of how many: "selected from 5 (steps 1, 3; --sample 2)"
         parts[0] += f" selected from {selection.recording_steps} ({_step_numbers(selection.steps)}; {selection.options})"
     parts.append(f"detectors: {', '.join(d.value for d in detectors)}")
@@ -182,19 +183,19 @@ def check_verdict(
     if unreplayed:
         total = sum(unreplayed.values())
         by_mode = ", ".join(f"{mode} {n}" for mode, n in sorted(unreplayed.items()))
-        parts.append(f"no kernel compared on {total} step{'s' if total != 1 else ''} ({by_mode}: metadata and recorded tensors only)")
+        parts.append(f"no kernel compared on {counted(total, 'step')} ({by_mode}: metadata and recorded tensors only)")
     parts += [f"{name} {why}" for name, why in skipped.items()]
     # Not a finding (nothing is wrong in the step) and not incomplete (nothing asked for failed to
     # run), but the plan detectors checked less than the plan: said, never silent.
     unread = Counter(r.plan_unread for r in checked if r.plan_unread)
-    parts += [f"recorded plan not read by the plan detectors on {n} step{'s' if n != 1 else ''} ({what})" for what, n in sorted(unread.items())]
+    parts += [f"recorded plan not read by the plan detectors on {counted(n, 'step')} ({what})" for what, n in sorted(unread.items())]
     hazards = Counter(f"{f.kind.value}/{f.check}" for r in reports for f in r.findings if f.severity is Severity.HAZARD)
     defects = findings - sum(hazards.values())
-    count = f"{findings} finding{'s' if findings != 1 else ''}"
+    count = counted(findings, "finding")
     if hazards:
         listed = ", ".join(f"{check} x{n}" if n > 1 else check for check, n in sorted(hazards.items()))
         total = sum(hazards.values())
-        count += f": {defects} defect{'s' if defects != 1 else ''}, {total} hazard{'s' if total != 1 else ''} ({listed}; they fail only --strict)"
+        count += f": {counted(defects, 'defect')}, {counted(total, 'hazard')} ({listed}; they fail only --strict)"
     parts.append(count)
     unchecked = len(steps) - len(checked)
     return CheckVerdict(

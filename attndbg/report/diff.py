@@ -19,6 +19,7 @@ from rich.text import Text
 from attndbg.compare.recording_diff import RecordingDiff, StepDiff
 from attndbg.compare.replay_diff import PairDiff, PairStatus, ReplayDiff, Worst
 from attndbg.compare.trace_diff import SECTIONS, FieldDiff, FieldStatus, TraceDiff
+from attndbg.plural import counted
 from attndbg.trace.errors import printable
 
 SCHEMA = "attndbg.diff/1"  # documented in docs/json.md
@@ -287,7 +288,7 @@ def _step_summary(s: StepDiff) -> str:
 
 
 def render_recording_diff(d: RecordingDiff) -> RenderableType:
-    parts: list[RenderableType] = [Text(f"{printable(d.a_path)} (a) vs {printable(d.b_path)} (b): {len(d.steps)} steps paired in order", style="bold")]
+    parts: list[RenderableType] = [Text(f"{printable(d.a_path)} (a) vs {printable(d.b_path)} (b): {counted(len(d.steps), 'step')} paired in order", style="bold")]
     table = Table(header_style="bold", pad_edge=False)
     for name in ("#", "a", "b", "result"):
         table.add_column(name, overflow="fold")
@@ -299,9 +300,9 @@ def render_recording_diff(d: RecordingDiff) -> RenderableType:
         parts.append(Text(f"… {len(d.differing) - MAX_FIELDS} more differing steps (see --json)", style="dim"))
     first = d.first_difference
     if first is None:
-        parts.append(Text(f"all {len(d.steps)} steps structurally identical", style="green"))
+        parts.append(Text(f"all {counted(len(d.steps), 'step')} structurally identical", style="green"))
     else:
-        parts.append(Text(f"{len(d.differing)} of {len(d.steps)} steps differ; first at #{first.index}: {_step_summary(first)}", style="bold red"))
+        parts.append(Text(f"{len(d.differing)} of {counted(len(d.steps), 'step')} differ; first at #{first.index}: {_step_summary(first)}", style="bold red"))
     return Group(*parts)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from attndbg.minimize.search import Outcome
+from attndbg.plural import counted
 from attndbg.trace.schema import Trace
 
 
@@ -24,6 +25,6 @@ def render_outcome(outcome: Outcome, backend: str, output: str) -> str:
             f"removed: {removed}",
             f"before:  {step_line(outcome.original)}",
             f"after:   {step_line(outcome.trace)}",
-            f"wrote {output}: {outcome.tried} candidates checked, each in a fresh worker process{skipped}; {outcome.seconds:.0f} s",
+            f"wrote {output}: {counted(outcome.tried, 'candidate')} checked, each in a fresh worker process{skipped}; {outcome.seconds:.0f} s",
         ]
     )

@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from attndbg.compare.tolerance import Location
+from attndbg.plural import counted
 from attndbg.replay.runner import BackendRun, ReplayResult, RunStatus
 from attndbg.replay.variants import Eager, parse_variant, run_name
 from attndbg.trace.errors import printable
@@ -167,7 +168,7 @@ def _notes(step: StepReport) -> list[Text]:
             continue
         if c is not None and not c.passed:
             worst = f"; worst at {where(step.result, c.worst)}" if c.worst else ""
-            lines.append(Text(f"{_run_name(run)}: {c.failing_rows} of {c.total_rows} rows miss the reference{worst}", style="bold red"))
+            lines.append(Text(f"{_run_name(run)}: {c.failing_rows} of {counted(c.total_rows, 'row')} miss the reference{worst}", style="bold red"))
         for problem in run.problems:
             lines.append(Text(f"{_run_name(run)}: {problem}", style="bold red"))
     if step.repeat > 1:

@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 from torch import Tensor
 
+from attndbg.plural import counted
 from attndbg.trace import tree
 from attndbg.trace.errors import printable
 from attndbg.trace.mask_geometry import MaskGeometry, word_dtype
@@ -424,7 +425,7 @@ def _tensors(trace: Trace) -> Panel:
             _meta(t.q),
             _meta(t.k_new),
             _meta(t.v_new),
-            f"{t.kv_slots.numel()} rows: {_meta(t.k_rows)} / {_meta(t.v_rows)}",
+            f"{counted(t.kv_slots.numel(), 'row')}: {_meta(t.k_rows)} / {_meta(t.v_rows)}",
             _meta(t.output) if t.output is not None else "—",
             f"{_meta(t.lse)} base {t.lse_base.value}" if t.lse is not None else "—",
         )
@@ -432,7 +433,7 @@ def _tensors(trace: Trace) -> Panel:
     more = _more(min(len(layers), MAX_LAYERS), len(layers), "layers")
     if more is not None:
         body.append(more)
-    return Panel(Group(*body), title=f"tensors ({len(layers)} layers)", title_align="left")
+    return Panel(Group(*body), title=f"tensors ({counted(len(layers), 'layer')})", title_align="left")
 
 
 # --- JSON ---------------------------------------------------------------------------------------

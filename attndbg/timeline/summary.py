@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from attndbg.plural import counted
 from attndbg.timeline.matching import Matched
 
 
@@ -140,7 +141,7 @@ def _ms(ns: int) -> str:
 def render(summary: Summary, path: str, *, limit: int = 24) -> list[str]:
     """The lines printed after the run: the file, the totals, the busiest kinds of range."""
     lines = [
-        f"timeline: {path} (open in https://ui.perfetto.dev or chrome://tracing): {summary.kernels} kernels, "
+        f"timeline: {path} (open in https://ui.perfetto.dev or chrome://tracing): {counted(summary.kernels, 'kernel')}, "
         f"{_ms(summary.gpu_ns)} GPU time, {summary.processes} process{'es' if summary.processes != 1 else ''}"
     ]
     shown = [ln for ln in summary.lines if ln.kernels or ln.captured or ln.graph_launches][:limit]
@@ -156,11 +157,11 @@ def render(summary: Summary, path: str, *, limit: int = 24) -> list[str]:
     if rest > 0:
         lines.append(f"  ... {rest} more kinds of range in the file's otherData.attndbg.ranges")
     if summary.outside:
-        lines.append(f"  {summary.outside} kernels were launched outside every attndbg range")
+        lines.append(f"  {counted(summary.outside, 'kernel')} were launched outside every attndbg range")
     if summary.kernels and not summary.markers:
         lines.append("  no NVTX range reached CUPTI (NVTX_INJECTION64_PATH names another library?): ranges are attndbg's own, not nsys's")
     elif summary.disagreements:
-        lines.append(f"  {summary.disagreements} kernels sit in another NVTX range than the range attndbg pushed for them")
+        lines.append(f"  {counted(summary.disagreements, 'kernel')} sit in another NVTX range than the range attndbg pushed for them")
     lines.extend(f"  note: {n}" for n in summary.notes)
     return lines
 

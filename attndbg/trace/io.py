@@ -12,7 +12,6 @@ import io
 import json
 import os
 import pickle
-import stat
 import struct
 import warnings
 import zipfile
@@ -24,6 +23,7 @@ import torch
 from attndbg.atomic import torch_save_atomically
 from attndbg.trace.archive import read_archive
 from attndbg.trace.errors import printable
+from attndbg.trace.regular import read_regular
 from attndbg.trace.schema import Trace, to_dict
 from attndbg.trace.validate import TraceError, from_dict
 
@@ -50,12 +50,7 @@ def save(trace: Trace, path: str | os.PathLike) -> Path:
 def load(path: str | os.PathLike) -> Trace:
     """Load and validate one step file; any problem is a `TraceError` naming the file."""
     path = Path(path)
-    try:
-        if not stat.S_ISREG(path.stat().st_mode):  # a FIFO blocks forever, /dev/zero never ends
-            raise TraceError("file", "not a regular file (a FIFO, device or directory): refused", str(path))
-        raw = path.read_bytes()
-    except OSError as e:
-        raise TraceError("file", f"cannot read ({e.strerror or e})", str(path)) from None
+    raw = read_regular(path)  # a FIFO blocks forever, /dev/zero never ends: refused, never read
     try:
         data = read_archive(raw)  # bounded and code-free before torch.load sees it
     except TraceError as e:
@@ -153,12 +148,11 @@ def append_to_recording(directory: str | os.PathLike, trace: Trace, file: str | 
 def read_manifest(directory: str | os.PathLike) -> list[ManifestEntry]:
     directory = Path(directory)
     path = directory / MANIFEST
+    raw = read_regular(path)  # a FIFO in its place would block forever: refused, never read
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise TraceError("manifest", f"cannot read ({e.strerror or e})", str(path)) from None
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = text_line(path.read_bytes(), e.start)
+        line = text_line(raw, e.start)
         raise TraceError(f"line {line}", f"not UTF-8 (byte {e.object[e.start]:#04x} at offset {e.start})", str(path)) from None
     lines = text.splitlines()
     entries = []

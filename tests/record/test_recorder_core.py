@@ -149,7 +149,19 @@ def test_record_passes_the_exit_code_on_and_arms_the_startup_hook(tmp_path: Path
     out = tmp_path / "rec"
     done = subprocess.run([sys.executable, "-m", "attndbg", "record", "-o", str(out), "--every", "4", "--", sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 3 and "active True 4" in done.stdout
-    assert "0 step(s)" in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == f"attndbg record: no step recorded ({out} not created); command exited 3"
+    assert not out.exists()  # nothing was written into it: the folder is not left behind
+
+
+@pytest.mark.parametrize(("signal_name", "shell_status"), [("SIGSEGV", 139), ("SIGKILL", 137)])
+def test_a_command_killed_by_a_signal_exits_as_the_shell_says(tmp_path: Path, signal_name: str, shell_status: int) -> None:
+    """128 + N, as `$?` reads after a crash (not Python's sys.exit(-N): 245 for SIGSEGV, 247 for SIGKILL)."""
+    script = f"import os, signal; os.kill(os.getpid(), signal.{signal_name})"
+    out = tmp_path / "rec"
+    done = subprocess.run([sys.executable, "-m", "attndbg", "record", "-o", str(out), "--", sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == shell_status, done.stderr
+    assert done.stderr.strip().splitlines()[-1].endswith(f"; command killed by {signal_name}")
+    assert not out.exists()
 
 
 # A child that runs a hook which fails (through the session's guard, as every adapter's hooks do),
@@ -184,7 +196,7 @@ def test_record_names_a_failed_hook_and_exits_4_when_nothing_was_recorded(tmp_pa
         assert last.startswith("attndbg record: no step recorded: error in toy compute_batch (before)")
     else:  # a step was recorded before the hook failed: the command's exit code, the failure named
         assert done.returncode == 0, done.stderr
-        assert "1 step(s)" in done.stderr and last.startswith("attndbg record: recording stopped early:")
+        assert f"1 step in {out}" in done.stderr and last.startswith("attndbg record: recording stopped early:")
 
 
 def test_a_full_recording_directory_is_not_a_failed_hook(tmp_path: Path) -> None:

@@ -59,7 +59,7 @@ def test_record_runs_the_engine_and_writes_every_step(recording) -> None:
     assert [e.mode for e in entries] == ["EXTEND"] + ["DECODE"] * (NEW_TOKENS - 1)
     assert [e.step for e in entries] == list(range(NEW_TOKENS))
     assert all(e.layers == [0, 1] for e in entries)
-    assert f"{NEW_TOKENS} step(s) in {out}" in done.stderr
+    assert f"{NEW_TOKENS} steps in {out}" in done.stderr
 
 
 def test_recorded_lengths_and_slots_are_the_engines(recording) -> None:
