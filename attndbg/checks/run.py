@@ -38,10 +38,13 @@ def parse_only(spec: str | None) -> list[FindingClass]:
     """`--only`: 'fill-value,tree-mask' -> kinds (None: every detector of the registry but the
     opt-in ones, which run only when named); ValueError naming the first unknown one and the choices."""
     known = registry.names()
-    if not spec:
+    if spec is None:
         return [FindingClass(name) for name in registry.default_names()]
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    if not names:  # `--only ""` (an empty variable, say) is not "every detector"
+        raise ValueError(f"{spec!r} names no detector; detectors: {', '.join(known)} (leave --only out for the default ones)")
     out = []
-    for name in (s.strip() for s in spec.split(",") if s.strip()):
+    for name in names:
         if name not in known:
             raise ValueError(f"unknown detector {name!r}{did_you_mean(name, known)}; detectors: {', '.join(known)}")
         out.append(FindingClass(name))
@@ -86,13 +89,18 @@ class StepSelection:
     sample: int | None = None  # N steps spread evenly over the selection (first and last included)
 
 
-def select_paths(target: str | Path, selection: StepSelection = StepSelection()) -> list[Path]:
-    """The step files of `target` in recording order, restricted to `selection`."""
+def numbered_paths(target: str | Path) -> list[tuple[int, Path]]:
+    """(step number, file) of every step of `target` in recording order: numbered as the manifest
+    numbers them, else by file order (what --steps A:B counts)."""
     target = Path(target)
     if target.is_dir() and (target / io.MANIFEST).exists():
-        numbered = [(e.step, target / e.file) for e in io.read_manifest(target)]
-    else:
-        numbered = list(enumerate(io.trace_paths(target)))
+        return [(e.step, target / e.file) for e in io.read_manifest(target)]
+    return list(enumerate(io.trace_paths(target)))
+
+
+def select_paths(target: str | Path, selection: StepSelection = StepSelection()) -> list[Path]:
+    """The step files of `target` in recording order, restricted to `selection`."""
+    numbered = numbered_paths(target)
     paths = [
         path
         for step, path in numbered

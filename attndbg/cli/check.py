@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from attndbg.cli import options
-from attndbg.cli.common import EXIT_FAILED, EXIT_NOT_RUN, EXIT_OK, BadInput, check_outputs, handles_bad_input, make_console, write_json
+from attndbg.cli.common import EXIT_FAILED, EXIT_NOT_RUN, EXIT_OK, BadInput, NotRunHere, check_outputs, handles_bad_input, make_console, write_json
 from attndbg.cli.group import main
 from attndbg.cli.options import is_every_backend, parse_backend_options, parse_backends, parse_devices, parse_jobs, parse_max_memory, parse_step_selection, require_gpu_for_cuda_graph
 
@@ -107,7 +107,7 @@ def check(
         io.load(target)  # one file: unreadable is bad input (exit 2); in a recording it is one step's error
     paths = select_paths(target, selection)
     if not paths:
-        raise BadInput(f"{target}: no steps to check" + (" in the selection (--steps/--sample)" if steps_spec or sample else ""))
+        raise BadInput(f"{target}: no steps to check" + (f" in the selection (--steps/--sample): {_steps_held(target)}" if steps_spec or sample else ""))
     reports = []
     with CheckProgress(paths) as progress:  # on stderr, only on a terminal
         for report in check_steps(target, classes, options, progress.done, selection=selection, jobs=1 if in_process else jobs, devices=devices, isolate=False if in_process else None, now=progress.now, compile_first=compile_first):
@@ -132,17 +132,26 @@ def check(
 def _selection_note(target: str, paths: list[Path], steps_spec: str | None, sample: int | None) -> Any:
     """For the verdict under --steps/--sample: which steps (by the numbers the selection counts:
     the manifest's, else file order) of how many."""
+    from attndbg.checks.run import numbered_paths
     from attndbg.report.checks import Selection
-    from attndbg.trace import io
 
     flags = " ".join(flag for flag in (f"--steps {steps_spec}" if steps_spec else "", f"--sample {sample}" if sample else "") if flag)
     if not flags:
         return None
-    if Path(target).is_dir() and (Path(target) / io.MANIFEST).exists():
-        numbers = {Path(target) / e.file: e.step for e in io.read_manifest(target)}
-    else:
-        numbers = {path: i for i, path in enumerate(io.trace_paths(target))}
+    numbers = {path: step for step, path in numbered_paths(target)}
     return Selection(recording_steps=len(numbers), steps=tuple(numbers[p] for p in paths if p in numbers), options=flags)
+
+
+def _steps_held(target: str) -> str:
+    """'it has 5 steps, numbered 0-4': what --steps A:B can choose from, for a selection of none."""
+    from attndbg.checks.run import numbered_paths
+    from attndbg.plural import counted
+
+    numbers = [step for step, _ in numbered_paths(target)]
+    if not numbers:
+        return "it has no steps"
+    low, high = min(numbers), max(numbers)
+    return f"it has {counted(len(numbers), 'step')}, numbered {low}" + (f"-{high}" if high != low else "")
 
 
 @main.command("compile")
@@ -166,10 +175,9 @@ def compile_kernels(target: str, only: str | None, backend_spec: str | None, ste
     classes = _detectors(only)
     paths = select_paths(target, parse_step_selection(steps_spec, None))
     if not paths:
-        raise BadInput(f"{target}: no steps")
+        raise BadInput(f"{target}: no steps" + (f" in the selection (--steps {steps_spec}): {_steps_held(target)}" if steps_spec else ""))
     if not machine.cuda_available():
-        click.echo("attndbg compile: nothing compiled: no CUDA GPU here (Triton runs interpreted; FlashInfer needs a GPU)")
-        sys.exit(EXIT_NOT_RUN)
+        raise NotRunHere("compile: nothing compiled: no CUDA GPU here (FlashInfer's modules are built for one; Triton runs interpreted on a CPU)")
     names = tuple(parse_backends(backend_spec)) if backend_spec else None
     done = precompile(paths, classes, CheckOptions(backends=names))
     if done is None:

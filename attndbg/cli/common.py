@@ -31,6 +31,11 @@ class BadInput(Exception):
     """Any user-input problem that is not a TraceError (unknown backend, bad option combination)."""
 
 
+class NotRunHere(Exception):
+    """What was asked for cannot run on this machine (it needs a CUDA GPU, an optional package): the
+    input is fine, nothing ran. One line on stderr, exit 3, as for a named backend that cannot run."""
+
+
 def make_console(*, stderr: bool = False) -> Console:
     """The terminal's width; piped, $COLUMNS when set, else 160. `stderr` when stdout carries JSON."""
     stream = sys.stderr if stderr else sys.stdout
@@ -39,7 +44,8 @@ def make_console(*, stderr: bool = False) -> Console:
 
 
 def handles_bad_input(func: F) -> F:
-    """Turn bad input into one line on stderr and exit code 2, never a traceback."""
+    """Turn bad input into one line on stderr and exit code 2, and what cannot run on this machine
+    into one line and exit code 3; never a traceback."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -48,6 +54,9 @@ def handles_bad_input(func: F) -> F:
         except (TraceError, SpecError, BadInput) as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(EXIT_BAD_INPUT)
+        except NotRunHere as e:
+            click.echo(f"not run: {e}", err=True)
+            sys.exit(EXIT_NOT_RUN)
 
     return wrapper  # type: ignore[return-value]
 

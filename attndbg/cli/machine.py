@@ -9,7 +9,7 @@ import sys
 import click
 
 from attndbg.cli import options
-from attndbg.cli.common import EXIT_NOT_RUN, EXIT_OK, BadInput, check_outputs, handles_bad_input, make_console, write_json
+from attndbg.cli.common import EXIT_NOT_RUN, EXIT_OK, NotRunHere, check_outputs, handles_bad_input, make_console, write_json
 from attndbg.cli.group import main
 from attndbg.cli.options import is_every_backend, parse_backends
 
@@ -23,8 +23,8 @@ from attndbg.cli.options import is_every_backend, parse_backends
 def bench(trace: str, backend_spec: str, samples: int, json_path: str | None) -> None:
     """Time each backend on a trace over CUDA-graph replays; bandwidth against the device's copy peak.
 
-    Exit 0 when every backend was timed, 2 on bad input (or no GPU), 3 when a backend named with
-    --backend could not be timed here.
+    Exit 0 when every backend was timed, 2 on bad input, 3 when it cannot run here (no CUDA GPU) or a
+    backend named with --backend could not be timed here.
 
     \b
     Example:
@@ -37,7 +37,7 @@ def bench(trace: str, backend_spec: str, samples: int, json_path: str | None) ->
 
     loaded = io.load(trace)
     if not machine.cuda_available():
-        raise BadInput("bench times CUDA-graph replays and needs a CUDA GPU, and this machine has none (attndbg replay runs on a CPU)")
+        raise NotRunHere("bench times CUDA-graph replays and needs a CUDA GPU, and this machine has none (attndbg replay runs on a CPU)")
     from attndbg.backends import registry
     from attndbg.replay.data import build_inputs, to_device
     from attndbg.replay.timing import copy_bandwidth_gbps, time_backend

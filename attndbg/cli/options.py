@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from attndbg.cli.common import F, BadInput
+from attndbg.cli.common import F, BadInput, NotRunHere
 from attndbg.suggest import did_you_mean
 
 
@@ -101,11 +101,11 @@ def cuda_graph(help: str) -> Callable[[F], F]:
 
 
 def require_gpu_for_cuda_graph(cuda_graph: bool) -> None:
-    """--cuda-graph on a machine without a CUDA GPU is bad input."""
+    """--cuda-graph on a machine without a CUDA GPU: not run here (exit 3)."""
     from attndbg import machine
 
     if cuda_graph and not machine.cuda_available():
-        raise BadInput("--cuda-graph needs a CUDA GPU, and this machine has none")
+        raise NotRunHere("--cuda-graph needs a CUDA GPU, and this machine has none")
 
 
 def output_file(help: str, *, required: bool = True) -> Callable[[F], F]:
@@ -231,10 +231,10 @@ def parse_devices(spec: str | None) -> tuple[int, ...] | None:
 def timeline(command: str, *, spawned: str | None = None, collect_here: bool = True) -> Callable[[F], F]:
     """--timeline FILE (replay, check, record): the command runs inside attndbg.timeline's recording,
     which writes the Chrome trace and its summary when the command ends, however it ends. Refused
-    (exit 2, one line) before any work where it cannot run: no cupti-python, no GPU, CUPTI that will
-    not start. `spawned` names the processes the command starts that collect too; `collect_here`
+    before any work where it cannot run (not run here: exit 3, one line): no GPU (said first: a
+    CPU user is not sent to install a package first), no cupti-python, CUPTI that will not start. `spawned` names the processes the command starts that collect too; `collect_here`
     False for a command that launches no kernel itself (record: its engine's processes do). Put it
-    just above `def`, under @handles_bad_input, which turns the refusal into exit 2."""
+    just above `def`, under @handles_bad_input, which turns the refusal into exit 3."""
 
     def decorate(func: F) -> F:
         @functools.wraps(func)
@@ -247,11 +247,11 @@ def timeline(command: str, *, spawned: str | None = None, collect_here: bool = T
             check_outputs(timeline=timeline_path)
             refusal = availability.refusal()
             if refusal is not None:
-                raise BadInput(refusal)
+                raise NotRunHere(refusal)
             try:
                 recording = session.start(timeline_path, command=command, spawned_label=spawned, collect_here=collect_here)
             except availability.Unavailable as e:
-                raise BadInput(str(e)) from None
+                raise NotRunHere(str(e)) from None
             try:
                 return func(*args, **kwargs)
             finally:

@@ -54,6 +54,8 @@ def minimize(trace: str, backend_spec: str, finding_spec: str | None, output: st
     if wanted[0] is not None and wanted[0] not in classes:
         raise BadInput(f"--finding: unknown class {wanted[0]!r}{did_you_mean(wanted[0], classes)}; classes: {', '.join(classes)}")
     detector_names = tuple(n.strip() for n in (only or "").split(",") if n.strip())
+    if only is not None and not detector_names:
+        raise BadInput(f"--only {only!r} names no detector; detectors: {', '.join(detectors.names())}, replay (leave --only out for the default ones)")
     unknown = [n for n in detector_names if n not in classes]
     if unknown:
         raise BadInput(f"--only: unknown detector {unknown[0]!r}{did_you_mean(unknown[0], classes)}; detectors: {', '.join(detectors.names())}, replay")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
@@ -136,6 +137,8 @@ class CheckVerdict:
     # mode -> checked steps on which no backend's kernel was compared with the reference, while
     # other steps' were: those steps were judged on metadata and recorded tensors only
     unreplayed: dict[str, int] = field(default_factory=dict)
+    # why steps were not checked (an error's first clause) -> those steps: numbers, or file names
+    not_checked: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,11 @@ def check_verdict(
     parts = [f"checked {len(checked)} of {counted(len(steps), 'step')}"]
     if selection is not None:  # which steps of how many: "selected from 5 (steps 1, 3; --sample 2)"
         parts[0] += f" selected from {selection.recording_steps} ({_step_numbers(selection.steps)}; {selection.options})"
+    not_checked = _not_checked(steps)
+    if not_checked:  # why each step was not checked: its line scrolled away in a long check
+        named = [f"{_step_labels(labels)} ({why})" for why, labels in list(not_checked.items())[:MOST_REASONS]]
+        more = len(not_checked) - MOST_REASONS
+        parts.append("not checked: " + "; ".join(named) + (f"; and {counted(more, 'more reason')} (above)" if more > 0 else ""))
     parts.append(f"detectors: {', '.join(d.value for d in detectors)}")
     parts.append(f"kernels compared with the float64 reference: {kernels}" if kernels else "no kernel ran (metadata and recorded tensors only)")
     # A count of steps per backend hides which steps no backend replayed (no detector replays a
@@ -212,7 +220,35 @@ def check_verdict(
         hazards=dict(sorted(hazards.items())),
         selection=selection,
         unreplayed=dict(sorted(unreplayed.items())),
+        not_checked=not_checked,
     )
+
+
+# Reasons a verdict names for its unchecked steps; the rest are counted (each step's line is above).
+MOST_REASONS = 4
+
+
+def _not_checked(steps: list[StepReport]) -> dict[str, list[str]]:
+    """Why steps were not checked -> the steps (by number; an unreadable file, whose number is not
+    known, by its name), in recording order. The reason is the error's first clause: the numbers
+    and paths in parentheses after it are on the step's own line."""
+    reasons: dict[str, list[str]] = {}
+    for r in steps:
+        if r.error is None:
+            continue
+        why = r.error.removeprefix("not checked: ").split(" (", 1)[0].rstrip(";: ")
+        reasons.setdefault(printable(why, 120), []).append(str(r.step) if r.step >= 0 else Path(r.path).name)
+    return reasons
+
+
+def _step_labels(labels: list[str]) -> str:
+    """'step 3', 'steps 1-4', 'c.pt', 'steps 1, 3 and c.pt'."""
+    numbers = tuple(int(label) for label in labels if label.isdigit())
+    names = [printable(label) for label in labels if not label.isdigit()]
+    named = ", ".join(names[:3]) + (f" and {len(names) - 3} more files" if len(names) > 3 else "")
+    if not numbers:
+        return named
+    return _step_numbers(numbers) + (f" and {named}" if named else "")
 
 
 def _step_numbers(steps: tuple[int, ...], most: int = 12) -> str:
@@ -256,6 +292,7 @@ def checks_to_json(reports: list[StepReport], verdict: CheckVerdict | None = Non
             "skipped": verdict.backends_skipped,
             "plans_unread": verdict.plans_unread,
             "not_compared_by_mode": verdict.unreplayed,
+            "not_checked": verdict.not_checked,
             "findings": verdict.findings,
             "defects": verdict.defects,
             "hazards": sum(verdict.hazards.values()),

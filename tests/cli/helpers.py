@@ -27,6 +27,16 @@ def one_line_error(result: Result, *needles: str) -> None:
         assert needle in result.stderr, result.stderr
 
 
+def one_line_not_run(result: Result, *needles: str) -> None:
+    """What cannot run on this machine (no CUDA GPU, a missing optional package): exit 3, one line
+    on stderr, no traceback."""
+    assert result.exit_code == 3, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert result.stderr.strip().count("\n") == 0 and result.stderr.startswith("not run: "), result.stderr
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+
+
 class NoGpuBackend(ReferenceBackend):
     """A backend that cannot run on this machine, whatever the machine."""
 

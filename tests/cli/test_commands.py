@@ -13,7 +13,7 @@ from attndbg import machine
 from attndbg.record.launch import missing_layers
 from attndbg.record.options import RecordOptions
 from attndbg.trace.io import ManifestEntry
-from tests.cli.helpers import invoke, one_line_error
+from tests.cli.helpers import invoke, one_line_error, one_line_not_run
 from tests.factories import write_trace
 
 NOTHING = [sys.executable, "-c", "pass"]  # a command that records no step
@@ -71,7 +71,7 @@ def test_bench_typo_is_reported_before_the_gpu(tmp_path: Path) -> None:
 @pytest.mark.skipif(machine.cuda_available(), reason="checks the CPU-only answer")
 def test_bench_without_a_gpu_is_one_line(tmp_path: Path) -> None:
     trace = write_trace(tmp_path / "t.pt", "decode-mha")
-    one_line_error(invoke("bench", str(trace)), "needs a CUDA GPU", "attndbg replay runs on a CPU")
+    one_line_not_run(invoke("bench", str(trace)), "needs a CUDA GPU", "attndbg replay runs on a CPU")
 
 
 def test_show_json(tmp_path: Path) -> None:
