@@ -50,7 +50,12 @@ from attndbg.trace.schema import DTYPES, LseBase, Plan, Trace, indptr
 # FlashInfer's SM90 prefill kernels are instantiated for these (head_dim_qk, head_dim_vo) pairs
 # (flashinfer/utils.py, is_fa3_prefill_head_dim_supported).
 FLASHINFER_FA3_HEAD_DIMS = {(64, 64), (128, 128), (256, 256), (192, 128)}
-INSTALL_HINT = "pip install flash-attn-3 (flash_attn_interface), sgl-kernel, vllm, or flashinfer-python (SM90)"
+# Each command in backticks, whole (report/backends.py lists them one a line, to paste). FlashAttention-3's
+# own flash_attn_interface is not on PyPI: it builds from the hopper/ folder of its repository.
+INSTALL_HINT = (
+    "install one: `pip install sgl-kernel`, `pip install vllm`, `pip install flashinfer-python` (its fa3 backend, SM90 only), "
+    "or FlashAttention-3's flash_attn_interface: `git clone https://github.com/Dao-AILab/flash-attention && cd flash-attention/hopper && python setup.py install`"
+)
 
 
 class Impl(enum.Enum):

@@ -53,7 +53,7 @@ from attndbg.backends import plan_view as pv
 from attndbg.trace import tree
 from attndbg.trace.schema import DTYPES, ForwardMode, LseBase, Model, Plan, Trace, indptr
 
-INSTALL_HINT = "flashinfer is not installed (pip install 'attndbg[flashinfer]')"
+INSTALL_HINT = "flashinfer is not installed: `pip install 'attndbg[flashinfer]'`"
 # FlashInfer's FA2 prefill kernels (bf16, tensor-core decode) need Ampere or newer.
 MIN_CAPABILITY = (8, 0)
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")

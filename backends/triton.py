@@ -113,7 +113,7 @@ class TritonBackend(Backend):
 
     def unavailable_reason(self) -> str | None:
         if not machine.module_available("triton"):
-            return "triton is not installed (pip install triton)"
+            return "triton is not installed: `pip install triton`"
         return None
 
     def device(self) -> str:

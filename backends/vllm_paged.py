@@ -31,7 +31,7 @@ from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace
 
 PARTITION_TOKENS = 512  # vLLM's _PARTITION_SIZE for paged_attention_v2
 BLOCK_SIZE = 16  # a KV block size vLLM's v1/v2 kernels are instantiated for
-INSTALL_HINT = "vllm is not installed (pip install vllm, in an environment of its own: vLLM pins its own torch version)"
+INSTALL_HINT = "vllm is not installed: `pip install vllm`, in an environment of its own (vLLM pins its own torch version)"
 
 
 @functools.cache

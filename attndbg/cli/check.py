@@ -5,13 +5,14 @@ recording needs, built before checking it).
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from attndbg.cli import options
-from attndbg.cli.common import EXIT_FAILED, EXIT_NOT_RUN, EXIT_OK, BadInput, NotRunHere, check_outputs, handles_bad_input, make_console, write_json
+from attndbg.cli.common import EXIT_FAILED, EXIT_NOT_RUN, EXIT_OK, BadInput, NotRunHere, check_outputs, handles_bad_input, make_console, print_verdict, write_json
 from attndbg.cli.group import main
 from attndbg.cli.options import is_every_backend, parse_backend_options, parse_backends, parse_devices, parse_jobs, parse_max_memory, parse_step_selection, require_gpu_for_cuda_graph
 
@@ -53,6 +54,7 @@ class _CheckCommand(click.Command):
 @click.option("--strict", is_flag=True, help="hazards fail the check too (exit 1): findings correct on this step, wrong under the condition each states")
 @click.option("--compile-first", is_flag=True, help="on a GPU, first compile the FlashInfer modules the recording's steps need, named without running them, all at once (as `attndbg compile`; modules on disk are skipped)")
 @handles_bad_input
+@options.terminal(quiet=True)
 @options.timeline("check")
 def check(
     target: str,
@@ -83,11 +85,12 @@ def check(
       attndbg synth verify --inject tree-mask:bit-order -o bad.pt && attndbg check bad.pt --only tree-mask
       attndbg check rec --jobs 8 --steps 100:200 --backend triton,flashinfer
     """
+    began = time.monotonic()
     from attndbg.checks.run import check_steps, select_paths
     from attndbg.detector_api.context import CheckOptions
     from attndbg.report.checks import check_verdict, checks_to_json, render_step, render_summary
     from attndbg.report.progress import CheckProgress
-    from rich.text import Text
+    from attndbg.report.terminal import duration
     from attndbg.trace import io
 
     classes = _detectors(only)
@@ -109,7 +112,7 @@ def check(
     if not paths:
         raise BadInput(f"{target}: no steps to check" + (f" in the selection (--steps/--sample): {_steps_held(target)}" if steps_spec or sample else ""))
     reports = []
-    with CheckProgress(paths) as progress:  # on stderr, only on a terminal
+    with CheckProgress(paths, console=make_console(stderr=True)) as progress:  # on stderr, only on a terminal
         for report in check_steps(target, classes, options, progress.done, selection=selection, jobs=1 if in_process else jobs, devices=devices, isolate=False if in_process else None, now=progress.now, compile_first=compile_first):
             reports.append(report)
             single_error = len(paths) == 1 and report.bad_input  # raised as bad input below
@@ -121,7 +124,7 @@ def check(
         console.print(render_summary(reports))
     selection = _selection_note(target, paths, steps_spec, sample)
     verdict = check_verdict(reports, classes, names, backend_options, selection=selection, every=is_every_backend(backend_spec))
-    console.print(Text(verdict.line), soft_wrap=True)  # one line whatever the width (logs grep it), never markup
+    print_verdict(make_console(stderr=json_path == "-", details=False), f"{verdict.line}; took {duration(time.monotonic() - began)}")
     if json_path:
         write_json(json_path, checks_to_json(reports, verdict))
     if verdict.defects or (strict and verdict.hazards):

@@ -1,12 +1,12 @@
 """What every command shares: exit codes, the bad-input error and its one line on stderr (exit 2),
-the console, JSON output. Only click and rich are imported here.
+the console, JSON output. Only click and rich (and report/terminal.py, rich only) are imported here.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +14,10 @@ from typing import Any, TypeVar
 
 import click
 from rich.console import Console
+from rich.text import Text
 
+from attndbg.report.terminal import Terminal
+from attndbg.report.terminal import console as terminal_console
 from attndbg.trace.errors import TraceError
 from attndbg.trace.synth_spec import SpecError
 
@@ -36,11 +39,21 @@ class NotRunHere(Exception):
     input is fine, nothing ran. One line on stderr, exit 3, as for a named backend that cannot run."""
 
 
-def make_console(*, stderr: bool = False) -> Console:
-    """The terminal's width; piped, $COLUMNS when set, else 160. `stderr` when stdout carries JSON."""
-    stream = sys.stderr if stderr else sys.stdout
-    piped_default = None if stream.isatty() or os.environ.get("COLUMNS", "").isdigit() else 160
-    return Console(highlight=False, soft_wrap=False, width=piped_default, stderr=stderr)
+# The --color/--no-color and -q/--quiet of the command running (options.terminal sets them).
+TERMINAL: contextvars.ContextVar[Terminal] = contextvars.ContextVar("attndbg_terminal", default=Terminal())
+
+
+def make_console(*, stderr: bool = False, details: bool = True) -> Console:
+    """The command's console (report/terminal.py): the terminal's width; piped, $COLUMNS when set,
+    else lines as long as their content. `stderr` when stdout carries JSON; `details` False for the
+    verdict line, the one thing -q/--quiet prints."""
+    return terminal_console(stderr=stderr, terminal=TERMINAL.get(), details=details)
+
+
+def print_verdict(console: Console, line: str | Text) -> None:
+    """A command's verdict line: on a terminal wrapped at word boundaries (never cut mid-word by
+    the terminal); piped, one line whatever its length (logs grep it). Never read as markup."""
+    console.print(line if isinstance(line, Text) else Text(line), soft_wrap=not console.is_terminal)
 
 
 def handles_bad_input(func: F) -> F:

@@ -52,6 +52,10 @@ def main() -> None:
     \b
     Example:
       attndbg synth verify -o verify.pt && attndbg replay verify.pt --backend triton
+
+    \b
+    Shell completion (bash; zsh_source and fish_source for those shells), in ~/.bashrc:
+      eval "$(_ATTNDBG_COMPLETE=bash_source attndbg)"
     """
     from attndbg.backends import environment
     from attndbg.detectors import registry as detectors

@@ -20,6 +20,7 @@ from attndbg.cli.options import is_every_backend, parse_backends
 @click.option("--samples", type=click.IntRange(min=3), default=30, show_default=True, help="timed samples (median reported)")
 @options.json_output("timings", "attndbg.bench/1")
 @handles_bad_input
+@options.terminal()
 def bench(trace: str, backend_spec: str, samples: int, json_path: str | None) -> None:
     """Time each backend on a trace over CUDA-graph replays; bandwidth against the device's copy peak.
 
@@ -73,6 +74,7 @@ def bench(trace: str, backend_spec: str, samples: int, json_path: str | None) ->
 @click.option("--capabilities", "show_capabilities", is_flag=True, help="also what each backend declares it can run")
 @options.json_report("each backend's status and capabilities", "attndbg.backends/1")
 @handles_bad_input
+@options.terminal()
 def backends(show_capabilities: bool, json_path: str | None) -> None:
     """List the backends and whether each can run here (and exactly why not).
 
@@ -82,11 +84,17 @@ def backends(show_capabilities: bool, json_path: str | None) -> None:
     """
     check_outputs(json=json_path)
     from attndbg.backends import registry
-    from attndbg.report.backends import backend_status, backends_to_json, render_backends
+    from attndbg.report.backends import backend_status, backends_to_json, install_commands, render_backends
 
     statuses = [backend_status(name, registry.create(name)) for name in registry.backend_names()]
     if json_path != "-":
-        make_console().print(render_backends(statuses, capabilities=show_capabilities))
+        console = make_console()
+        console.print(render_backends(statuses, capabilities=show_capabilities))
+        commands = install_commands(statuses)
+        if commands:
+            console.print("to install (each line a command to paste):")
+            for command in commands:
+                console.print(command, soft_wrap=True)
     if json_path:
         write_json(json_path, backends_to_json(statuses))
 

@@ -1,6 +1,6 @@
 """The options more than one command takes, declared once (each with the parser of its value):
 --backend, --backend-option, --json, --steps/--sample, --max-memory, --jobs/--devices, --only,
---layer, --cuda-graph, -o/--output, --overwrite, --timeline. What differs between commands is the
+--layer, --cuda-graph, -o/--output, --overwrite, --timeline, --color/--no-color and -q/--quiet. What differs between commands is the
 help (what the option means there) and, for --backend, -o/--output and --steps, what the command
 passes; each is an argument, and each difference is said where the option is declared.
 
@@ -18,7 +18,8 @@ from typing import Any
 
 import click
 
-from attndbg.cli.common import F, BadInput, NotRunHere
+from attndbg.cli.common import TERMINAL, F, BadInput, NotRunHere
+from attndbg.report.terminal import Terminal
 from attndbg.suggest import did_you_mean
 
 
@@ -262,5 +263,27 @@ def timeline(command: str, *, spawned: str | None = None, collect_here: bool = T
             help="(GPU) also write a Chrome trace-event timeline of attndbg's ranges and the kernels each launched, from CUPTI "
             "(open in https://ui.perfetto.dev or chrome://tracing), and print a summary per range; needs pip install 'attndbg[timeline]'",
         )(wrapper)  # type: ignore[arg-type]
+
+    return decorate
+
+
+def terminal(*, quiet: bool = False) -> Callable[[F], F]:
+    """--color/--no-color (every command that prints through rich) and, with `quiet`, -q/--quiet
+    (the commands with a verdict line: check, replay): the command runs with them in
+    common.TERMINAL, which make_console reads. Put it just above `def`."""
+
+    def decorate(func: F) -> F:
+        @functools.wraps(func)
+        def wrapper(*args: Any, color: bool | None = None, quiet: bool = False, **kwargs: Any) -> Any:
+            token = TERMINAL.set(Terminal(color=color, quiet=quiet))
+            try:
+                return func(*args, **kwargs)
+            finally:
+                TERMINAL.reset(token)
+
+        decorated = _option("--color/--no-color", "color", default=None, help="colour the output, or not (default: on a terminal only, and never under NO_COLOR)")(wrapper)
+        if quiet:
+            decorated = _option("-q", "--quiet", is_flag=True, help="print the verdict line only (no tables, no progress; errors still go to stderr)")(decorated)
+        return decorated  # type: ignore[return-value]
 
     return decorate

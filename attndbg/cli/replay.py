@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import click
 
 from attndbg.cli import options
-from attndbg.cli.common import EXIT_FAILED, EXIT_NOT_RUN, EXIT_OK, BadInput, check_outputs, handles_bad_input, make_console, write_json
+from attndbg.cli.common import EXIT_FAILED, EXIT_NOT_RUN, EXIT_OK, BadInput, check_outputs, handles_bad_input, make_console, print_verdict, write_json
 from attndbg.cli.group import main
 from attndbg.cli.options import is_every_backend, parse_backend_options, parse_backends, parse_max_memory, require_gpu_for_cuda_graph
 
@@ -30,6 +31,7 @@ from attndbg.cli.options import is_every_backend, parse_backend_options, parse_b
 @click.option("--fill-value", type=click.IntRange(min=0), default=None, help="seq_len of padded rows (with --cuda-graph; default: each backend's own)")
 @options.max_memory("refuse (exit 2) a step whose data would need more than SIZE, e.g. 8G or 512M (default: what the device has free)")
 @handles_bad_input
+@options.terminal(quiet=True)
 @options.timeline("replay")
 def replay(
     trace: str,
@@ -58,6 +60,7 @@ def replay(
       attndbg replay rec --backend all --json - | jq .verdict
       attndbg replay traces/verify_tree.pt --backend fa3 --backend-option fa3.verify_path=two-call
     """
+    began = time.monotonic()
     names = parse_backends(backend_spec)
     backend_options = parse_backend_options(backend_option_specs, num_kv_splits)
     max_memory = parse_max_memory(max_memory_spec)
@@ -80,6 +83,7 @@ def replay(
     from attndbg.replay.runner import PlanSource, ReplayOptions, replay as run_replay
     from attndbg.report.progress import StepProgress
     from attndbg.report.replay import StepReport, overall, render_replay, replay_to_json, step_to_json, verdict_line
+    from attndbg.report.terminal import duration
 
     options = ReplayOptions(
         backend_options=backend_options,
@@ -93,7 +97,7 @@ def replay(
     named = () if is_every_backend(backend_spec) else tuple(names)
     console = make_console(stderr=json_path == "-")
     steps = []  # each step's JSON only: a folder's tensors are not held until the end
-    with StepProgress(len(paths), "replaying") as progress:
+    with StepProgress(len(paths), "replaying", console=make_console(stderr=True)) as progress:
         for number, path in enumerate(paths, start=1):
             loaded = io.load(path)
             step_layer, notes = data_layer(loaded, layer, str(path), single=len(paths) == 1)
@@ -108,7 +112,7 @@ def replay(
             step = StepReport(result=result, layer=step_layer, repeat=repeat, named=named, notes=tuple(notes))
             progress.print(console, render_replay(step))
             steps.append(step_to_json(step))
-    console.print(verdict_line(steps), soft_wrap=True)  # one line whatever the width: logs grep it
+    print_verdict(make_console(stderr=json_path == "-", details=False), verdict_line(steps) + f"; took {duration(time.monotonic() - began)}")
     if json_path:
         write_json(json_path, replay_to_json(steps))
     if save_path:  # a single step (checked above): `result` is its

@@ -82,6 +82,7 @@ def _mistake_hint(kind: str) -> str:
 @click.argument("trace", type=click.Path())
 @options.json_output("summary", "attndbg.show/1")
 @handles_bad_input
+@options.terminal()
 def show(trace: str, json_path: str | None) -> None:
     """Summarise a trace: mode, batch, lengths, slots, plan, tree masks.
 
@@ -105,6 +106,7 @@ def show(trace: str, json_path: str | None) -> None:
 @options.json_output("differences", "attndbg.diff/1")
 @click.option("--pair", "pairs", multiple=True, help="saved replays only: compare backend X of A with Y of B (X:Y)")
 @handles_bad_input
+@options.terminal()
 def diff(a: str, b: str, json_path: str | None, pairs: tuple[str, ...]) -> None:
     """Show what differs between two traces, two recordings (folders, step by step), or two saved
     replays (--save files).

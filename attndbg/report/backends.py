@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rich.console import Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
+from rich.measure import Measurement
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 from attndbg.backends.base import Backend, FillRequirement
 from attndbg.backends.capabilities import Capabilities, dtype_words
+from attndbg.report.terminal import PIPED_WIDTH, unbounded
 from attndbg.trace.schema import AttentionKind
 
 
@@ -74,47 +79,93 @@ def _plain(value: Any) -> Any:
     return value
 
 
+# An install command inside a reason, quoted as `pip install ...` (backends write them so).
+_COMMAND = re.compile(r"`([^`]+)`")
+
+
 def render_backends(statuses: list[BackendStatus], *, capabilities: bool) -> RenderableType:
-    table = Table(title="attndbg backends")
+    """The status table (install commands named in the reasons are listed after it, by
+    `install_commands`); with `capabilities`, what each declares."""
+    table = Table(title="attndbg backends", title_justify="left")
     for column in ("backend", "available", "what runs / why not"):
         table.add_column(column)
     for status in statuses:
-        table.add_row(status.name, "no" if status.unavailable else "yes", status.unavailable or status.description)
-    if not capabilities:
-        return table
-    return Group(table, render_capabilities(statuses))
+        reason = status.unavailable
+        table.add_row(status.name, "no" if reason else "yes", Text(_COMMAND.sub(r"\1", reason) if reason else status.description))  # Text: '[flashinfer]' is not markup
+    return Group(table, _Capabilities(statuses)) if capabilities else table
+
+
+def install_commands(statuses: list[BackendStatus]) -> list[Text]:
+    """'  fa3: pip install sgl-kernel', one line per command a reason names: printed whole whatever
+    the width (soft-wrapped: the terminal may fold it on screen, a copy is one line), never
+    wrapped inside a table cell, where a command cut in two is no command."""
+    return [Text.assemble((f"  {s.name}: ", "dim"), command) for s in statuses for command in _COMMAND.findall(s.unavailable or "")]
 
 
 def _names(values) -> str:
     return ", ".join(sorted(str(getattr(v, "value", v)) for v in values)) or "-"
 
 
+_CAPABILITIES_TITLE = "what each declares (backends/capabilities.py); unavailable backends as configured"
+_CAPABILITY_COLUMNS = ("attention: modes", "CUDA graph", "q / KV dtypes", "head dims", "masks", "window", "soft-cap", "LSE", "padded seq_len")
+
+
+def _capability_cells(status: BackendStatus) -> tuple[str, ...]:
+    c = status.capabilities
+    modes = "; ".join(f"{kind.value}: {_names(m.name.lower() for m in c.modes.get(kind, ()))}" for kind in AttentionKind if kind in c.attention)
+    dims = c.head_dims
+    head = ", ".join(f"{a}/{b}" for a, b in sorted(dims.pairs)) if dims.pairs else "any"
+    if dims.min_outside_decode:
+        head += f"; >= {dims.min_outside_decode} outside decode"
+    masks = ", ".join(word for word, ok in (("tree", c.tree_mask), ("column", c.column_mask)) if ok) or "none"
+    window = f"W+{c.window_extra_keys} keys" + ("" if c.window_in_tree_verify else ", not in tree verify") if c.sliding_window else "no"
+    fill = f">= {status.fill_requirement.min_seq_len}" if status.fill_requirement else "-"
+    return (
+        modes,
+        _names(m.name.lower() for m in c.graph_modes),
+        f"{dtype_words(c.q_dtypes)} / {dtype_words(c.kv_dtypes)}" + (" (one dtype)" if c.kv_dtype_is_q_dtype else ""),
+        head,
+        masks,
+        window,
+        "yes" if c.soft_cap else "no",
+        "base 2" if c.lse_base.value == "2" else "natural",
+        fill,
+    )
+
+
 def render_capabilities(statuses: list[BackendStatus]) -> Table:
-    table = Table(title="what each declares (backends/capabilities.py); unavailable backends as configured")
-    for column in ("backend", "attention: modes", "CUDA graph", "q / KV dtypes", "head dims", "masks", "window", "soft-cap", "LSE", "padded seq_len"):
-        table.add_column(column)
+    """What each backend declares, one row a backend (as wide as the longest declaration)."""
+    table = Table(title=_CAPABILITIES_TITLE, title_justify="left")
+    for column in ("backend", *_CAPABILITY_COLUMNS):
+        table.add_column(column, no_wrap=True)
     for status in statuses:
-        c = status.capabilities
-        modes = "; ".join(
-            f"{kind.value}: {_names(m.name.lower() for m in c.modes.get(kind, ()))}" for kind in AttentionKind if kind in c.attention
-        )
-        dims = c.head_dims
-        head = ", ".join(f"{a}/{b}" for a, b in sorted(dims.pairs)) if dims.pairs else "any"
-        if dims.min_outside_decode:
-            head += f"; >= {dims.min_outside_decode} outside decode"
-        masks = ", ".join(word for word, ok in (("tree", c.tree_mask), ("column", c.column_mask)) if ok) or "none"
-        window = f"W+{c.window_extra_keys} keys" + ("" if c.window_in_tree_verify else ", not in tree verify") if c.sliding_window else "no"
-        fill = f">= {status.fill_requirement.min_seq_len}" if status.fill_requirement else "-"
-        table.add_row(
-            status.name,
-            modes,
-            _names(m.name.lower() for m in c.graph_modes),
-            f"{dtype_words(c.q_dtypes)} / {dtype_words(c.kv_dtypes)}" + (" (one dtype)" if c.kv_dtype_is_q_dtype else ""),
-            head,
-            masks,
-            window,
-            "yes" if c.soft_cap else "no",
-            "base 2" if c.lse_base.value == "2" else "natural",
-            fill,
-        )
+        table.add_row(status.name, *_capability_cells(status))
     return table
+
+
+def render_capabilities_stacked(statuses: list[BackendStatus]) -> Group:
+    """The same, one backend after another, a declaration a line: what reads at 80 columns and in a pipe."""
+    parts: list[RenderableType] = [Text(_CAPABILITIES_TITLE, style="bold")]
+    for status in statuses:
+        parts.append(Padding(Text(status.name, style="bold"), (0, 0, 0, 2)))
+        fields = Table.grid(padding=(0, 1))
+        fields.add_column(style="dim", no_wrap=True)
+        fields.add_column(overflow="fold")
+        for label, value in zip(_CAPABILITY_COLUMNS, _capability_cells(status)):
+            fields.add_row(label, value)
+        parts.append(Padding(fields, (0, 0, 0, 4)))
+    return Group(*parts)
+
+
+@dataclass(frozen=True)
+class _Capabilities:
+    """The capabilities table where the terminal is wide enough for it whole; stacked where it is
+    not (cells cut at 80 columns) and in a pipe (a table there is some 200 columns wide)."""
+
+    statuses: list[BackendStatus]
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        table = render_capabilities(self.statuses)
+        whole = Measurement.get(console, options.update(width=PIPED_WIDTH), table).maximum  # measured unclamped
+        fits = whole <= options.max_width
+        yield table if fits and not unbounded(options) else render_capabilities_stacked(self.statuses)

@@ -17,6 +17,7 @@ from rich.text import Text
 from attndbg.checks.run import StepReport
 from attndbg.detector_api.findings import Finding, FindingClass, Severity
 from attndbg.plural import counted
+from attndbg.report.terminal import unbounded
 from attndbg.trace.errors import printable
 
 if TYPE_CHECKING:
@@ -45,14 +46,16 @@ _HEADERS = ("class", "check", "where", "evidence", "likely cause")
 class _StepFindings:
     """A step's findings laid out for the width they get (rich asks at print time): a table of
     class, check, where, evidence and likely cause, every column at least as wide as its longest
-    word; where that does not fit (or under STACK_BELOW columns), stacked. Identifiers are never
-    split, except one longer than the whole line."""
+    word; where that does not fit (or under STACK_BELOW columns, or piped), stacked. Identifiers are
+    never split, except one longer than the whole line."""
 
     title: str
     findings: list[Finding]
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        widths = self._column_widths(options.max_width)
+        # Piped: stacked, each field whole on its line (a table as wide as its longest evidence
+        # would be hundreds of columns).
+        widths = None if unbounded(options) else self._column_widths(options.max_width)
         yield self._stacked() if widths is None else self._table(widths)
 
     def _cells(self, f: Finding) -> tuple[Text, Text, Text, Text, Text]:

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn, Task, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn, Task
+from rich.table import Column
 from rich.text import Text
 
 from attndbg import profiling
@@ -51,10 +52,11 @@ def describe_phases(phases: Sequence[str]) -> str:
 
 
 class _NowColumn(ProgressColumn):
-    """`<verb> <step>: <phases open now>`, re-read at every refresh."""
+    """`<verb> <step>: <phases open now>`, re-read at every refresh. It takes the width the other
+    columns leave and is cut with '…' where the terminal is narrow: the times stay on the line."""
 
     def __init__(self, verb: str):
-        super().__init__()
+        super().__init__(table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1, min_width=8))
         self.verb = verb
 
     def render(self, task: Task) -> Text:
@@ -66,8 +68,43 @@ class _NowColumn(ProgressColumn):
         return text
 
 
+def _clock(seconds: float) -> str:
+    whole = int(seconds)
+    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
+
+
+class _ElapsedColumn(ProgressColumn):
+    """'elapsed 0:01:23': the time since the display started, labelled (a bare clock beside the
+    ETA reads as either)."""
+
+    def __init__(self) -> None:
+        super().__init__(table_column=Column(no_wrap=True))
+
+    def render(self, task: Task) -> Text:
+        return Text(f"elapsed {_clock(task.finished_time if task.finished else task.elapsed or 0.0)}", style="dim")
+
+
+def eta_seconds(*, total: int, done: int, began: float, last: float, now: float) -> float:
+    """What is left of a folder's check, from completed steps only (never from a burst of steps
+    finishing together): the time per completed step times the steps left, less what the step in
+    progress has run. A step that runs past that share would take the estimate to 0 with work
+    left: its overrun so far is then taken as what it still needs (the longer it has run over, the
+    longer it is expected to run on). At least 1 s while any step is left."""
+    left = total - done
+    if left <= 0:
+        return 0.0
+    per_step = (last - began) / done
+    running = now - last
+    on_schedule = per_step * left - running
+    overrun = per_step * (left - 1) + (running - per_step)
+    return max(1.0, on_schedule, overrun)
+
+
 class _RateColumn(ProgressColumn):
-    """Time per completed step and the ETA from it: '4.1 s/step  ETA 0:00:12'."""
+    """Time per completed step and the ETA from it: '4.1 s/step · ETA 0:00:12'."""
+
+    def __init__(self) -> None:
+        super().__init__(table_column=Column(no_wrap=True))
 
     def render(self, task: Task) -> Text:
         done, began, last = task.fields.get("done", 0), task.fields.get("began"), task.fields.get("last")
@@ -75,8 +112,8 @@ class _RateColumn(ProgressColumn):
             return Text("ETA --", style="dim")
         per_step = (last - began) / done
         rate = f"{1 / per_step:.1f} steps/s" if 0 < per_step < 1 else f"{per_step:.1f} s/step"
-        left = max(0.0, per_step * (task.total - done) - (time.monotonic() - last))
-        return Text(f"{rate}  ETA {int(left) // 3600}:{int(left) % 3600 // 60:02d}:{int(left) % 60:02d}", style="dim")
+        left = eta_seconds(total=int(task.total), done=done, began=began, last=last, now=time.monotonic())
+        return Text(f"{rate} · ETA {_clock(left)}", style="dim")
 
 
 class _Display:
@@ -84,7 +121,8 @@ class _Display:
 
     def __init__(self, columns: list[ProgressColumn], total: int, console: Console | None, first: str = ""):
         console = console or Console(stderr=True)
-        self._progress = Progress(*columns, console=console, transient=True, disable=not console.is_terminal)
+        # expand: the step and phase column takes what the others leave (and is cut, not wrapped)
+        self._progress = Progress(*columns, console=console, transient=True, expand=True, disable=not console.is_terminal or console.quiet)
         self._task = self._progress.add_task(printable(first), total=total, done=0, began=None, last=None)
 
     def __enter__(self) -> _Display:
@@ -112,11 +150,16 @@ class StepProgress(_Display):
     """`replay`: a spinner with the step, the phase and the time elapsed, advanced step by step."""
 
     def __init__(self, total: int, verb: str, *, console: Console | None = None):
-        super().__init__([SpinnerColumn(), _NowColumn(verb), TimeElapsedColumn()], total, console)
+        super().__init__([SpinnerColumn(), _NowColumn(verb), _ElapsedColumn()], total, console)
 
     def print(self, console: Console, renderable: Any) -> None:
         self._progress.advance(self._task)
         super().print(console, renderable)
+
+
+# The narrowest terminal that shows a folder's bar: below, the count, the step, the rate with the
+# ETA and the elapsed time fill an 80-column line.
+BAR_FROM = 100
 
 
 class CheckProgress(_Display):
@@ -125,10 +168,13 @@ class CheckProgress(_Display):
 
     def __init__(self, paths: Sequence[str | Path], *, console: Console | None = None):
         self._paths = [str(p) for p in paths]
+        console = console or Console(stderr=True)
         if len(self._paths) == 1:
-            columns: list[ProgressColumn] = [SpinnerColumn(), _NowColumn("checking"), TimeElapsedColumn()]
+            columns: list[ProgressColumn] = [SpinnerColumn(), _NowColumn("checking"), _ElapsedColumn()]
         else:
-            columns = [SpinnerColumn(), BarColumn(bar_width=20), MofNCompleteColumn(), _NowColumn("checking"), _RateColumn(), TimeElapsedColumn()]
+            # Under BAR_FROM columns the bar goes (the count says as much) and the step keeps room.
+            bar: list[ProgressColumn] = [BarColumn(bar_width=20)] if console.width >= BAR_FROM else []
+            columns = [SpinnerColumn(), *bar, MofNCompleteColumn(), _NowColumn("checking"), _RateColumn(), _ElapsedColumn()]
         super().__init__(columns, len(self._paths), console, first=self._name(0))
         self._done = 0
 

@@ -17,6 +17,7 @@ from rich.text import Text
 from torch import Tensor
 
 from attndbg.plural import counted
+from attndbg.report.terminal import FittedPanel
 from attndbg.trace import tree
 from attndbg.trace.errors import printable
 from attndbg.trace.mask_geometry import MaskGeometry, word_dtype
@@ -118,7 +119,7 @@ def _title(trace: Trace, path: str) -> Text:
 
 def _source(trace: Trace) -> Panel:
     s = trace.source
-    return Panel(
+    return FittedPanel(
         _kv_grid(
             [
                 ("engine", f"{s.engine} {s.engine_version}"),
@@ -151,7 +152,7 @@ def _model(m: Model) -> Panel:
     kind = m.attention.value
     if m.attention is AttentionKind.MLA:
         kind += f" (kv_lora_rank {m.kv_lora_rank}, qk_rope_head_dim {m.qk_rope_head_dim})"
-    return Panel(
+    return FittedPanel(
         _kv_grid(
             [
                 ("heads", f"Q {m.num_qo_heads} : KV {m.num_kv_heads} ({grouping})"),
@@ -237,7 +238,7 @@ def _batch(trace: Trace) -> Panel:
     more = _more(shown, b.batch_size, "requests")
     if more is not None:
         body.append(more)
-    return Panel(Group(*body), title="batch", title_align="left")
+    return FittedPanel(Group(*body), title="batch", title_align="left")
 
 
 # --- tree masks ---------------------------------------------------------------------------------
@@ -365,7 +366,7 @@ def _spec(trace: Trace) -> Panel:
             differing = [b for b in range(shown, batch.batch_size) if not masks[b].same]
             tail = f"; requests {differing[:8]} differ from their parents" if differing else "; all match their parents"
             body.append(Text(f"… {batch.batch_size - shown} more requests' masks not drawn{tail}", style="dim"))
-    return Panel(Group(*body), title="spec", title_align="left")
+    return FittedPanel(Group(*body), title="spec", title_align="left")
 
 
 # --- plan, graph, tensors -----------------------------------------------------------------------
@@ -380,7 +381,7 @@ def _plan(plan: Plan) -> Panel:
     body: list[RenderableType] = [Text(f"built by {plan.backend}"), table]
     if plan.scalars:
         body.append(_kv_grid([(k, repr(v) if isinstance(v, str) else str(v)) for k, v in plan.scalars.items()]))
-    return Panel(Group(*body), title="plan (recorded)", title_align="left")
+    return FittedPanel(Group(*body), title="plan (recorded)", title_align="left")
 
 
 def _graph(graph: Graph, batch: Batch) -> Panel:
@@ -403,13 +404,13 @@ def _graph(graph: Graph, batch: Batch) -> Panel:
         + ([("qo_indptr", split(graph.padded_qo_indptr, real_rows + 1))] if graph.padded_qo_indptr is not None else [])
         + ([("block_table", f"{_meta(graph.padded_block_table)}, padded rows {_values(graph.padded_block_table[real_rows:])}")] if graph.padded_block_table is not None else [])
     )
-    return Panel(body, title="graph", title_align="left")
+    return FittedPanel(body, title="graph", title_align="left")
 
 
 def _capture(capture: CaptureSizes) -> Panel:
     """The sizes the engine captured its graphs with; the ones it did not give are said so."""
     rows = [(name, str(value) if value is not None else "not recorded") for name, value in ((n, getattr(capture, n)) for n in capture.__dataclass_fields__)]
-    return Panel(_kv_grid(rows), title="capture sizes", title_align="left")
+    return FittedPanel(_kv_grid(rows), title="capture sizes", title_align="left")
 
 
 def _tensors(trace: Trace) -> Panel:
@@ -433,7 +434,7 @@ def _tensors(trace: Trace) -> Panel:
     more = _more(min(len(layers), MAX_LAYERS), len(layers), "layers")
     if more is not None:
         body.append(more)
-    return Panel(Group(*body), title=f"tensors ({counted(len(layers), 'layer')})", title_align="left")
+    return FittedPanel(Group(*body), title=f"tensors ({counted(len(layers), 'layer')})", title_align="left")
 
 
 # --- JSON ---------------------------------------------------------------------------------------

@@ -132,8 +132,8 @@ def test_unavailable_without_the_library(monkeypatch):
     monkeypatch.setattr(machine, "cuda_available", lambda: True)
     monkeypatch.setattr(machine, "module_available", lambda name: name != "flashinfer")
     monkeypatch.setattr(machine, "gpu_info", lambda: machine.GpuInfo("H100", (9, 0), 132, 80 << 30))
-    assert FlashInferBackend().unavailable_reason() == "flashinfer is not installed (pip install 'attndbg[flashinfer]')"
-    assert INSTALL_HINT == "flashinfer is not installed (pip install 'attndbg[flashinfer]')"
+    assert FlashInferBackend().unavailable_reason() == "flashinfer is not installed: `pip install 'attndbg[flashinfer]'`"
+    assert INSTALL_HINT == "flashinfer is not installed: `pip install 'attndbg[flashinfer]'`"
 
 
 def test_unavailable_on_a_pre_ampere_gpu(monkeypatch):

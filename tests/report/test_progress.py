@@ -31,6 +31,7 @@ def test_nothing_is_written_when_piped() -> None:
 # -- check (issue 22, item 4) ------------------------------------------------------------------
 
 import os
+import re
 import select
 import subprocess
 import sys
@@ -94,8 +95,62 @@ def test_folder_bar_takes_rate_and_eta_from_completed_steps(monkeypatch: pytest.
         bar.show("step_000003.pt")
     text = stream.getvalue()
     assert "3/6" in text and "checking step_000003.pt" in text
-    assert "3.0 s/step  ETA 0:00:09" in text, text  # 9.02 s for 3 steps, 3 to go: not 122 steps/s
+    assert "3.0 s/step · ETA 0:00:09" in text, text  # 9.02 s for 3 steps, 3 to go: not 122 steps/s
     assert "steps/s" not in text
+
+
+def test_eta_counts_down_and_never_reaches_0_while_a_step_is_left() -> None:
+    # 3 steps done in 9 s (3 s a step), 3 left.
+    eta = lambda now, total=6: progress_module.eta_seconds(total=total, done=3, began=100.0, last=109.0, now=now)  # noqa: E731
+    assert eta(109.0) == 9.0 and eta(111.0) == 7.0  # on schedule: counting down
+    assert eta(112.0) == 6.0  # the step running used its share: 2 steps of 3 s left
+    assert eta(120.0) == 14.0  # 8 s over: as much again expected, then the 2 steps
+    last = [eta(now, total=4) for now in (109.0, 111.0, 111.9, 112.0, 112.5, 130.0)]  # the last step, running long
+    assert last == [3.0, 1.0, 1.0, 1.0, 1.0, 18.0]  # never 0, growing the longer it runs over
+    assert eta(130.0, total=3) == 0.0  # nothing left
+
+
+def _last_line(stream: io.StringIO) -> str:
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", stream.getvalue()).replace("\r", "\n")
+    return [line for line in text.split("\n") if line.strip()][-1]
+
+
+@pytest.mark.parametrize("width", [80, 120, 200])
+def test_the_bar_keeps_its_labelled_times_on_one_line(monkeypatch: pytest.MonkeyPatch, width: int) -> None:
+    """At any width: 'ETA' and 'elapsed' labelled, each beside its own time, on the bar's one line;
+    what gives is the step and phase text, cut with '…' (at 80 columns the bar goes too)."""
+    now = [100.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
+    stream = io.StringIO()
+    paths = [f"rec/step_{i:06d}.pt" for i in range(6)]
+    with CheckProgress(paths, console=Console(file=stream, force_terminal=True, width=width, color_system=None)) as bar:
+        for at in (109.0, 109.01, 109.02):
+            now[0] = at
+            bar.done(None)
+        bar.now(3, "split-merge › flashinfer › extend_path=cascade")
+        bar.show("step_000003.pt")
+    line = _last_line(stream)
+    assert len(line) <= width and " 3/6 checking step_000003.pt" in line, line
+    assert re.search(r" 3\.0 s/step · ETA 0:00:09 elapsed \d:\d\d:\d\d$", line), line
+    assert ("━" in line) == (width >= progress_module.BAR_FROM)
+    assert ("extend_path=cascade" in line) == (width >= 200) and ("…" in line) == (width < 200)
+
+
+def test_one_step_says_elapsed_beside_its_time() -> None:
+    stream = io.StringIO()
+    with CheckProgress(["a.pt"], console=Console(file=stream, force_terminal=True, width=80, color_system=None)) as spinner:
+        spinner.show("a.pt")
+    assert re.search(r"checking a\.pt +elapsed \d:\d\d:\d\d$", _last_line(stream))
+
+
+def test_quiet_shows_no_progress() -> None:
+    stream = io.StringIO()
+    with CheckProgress(["a.pt", "b.pt"], console=Console(file=stream, force_terminal=True, width=80, quiet=True)) as bar:
+        bar.show("a.pt")
+        bar.done(None)
+    assert stream.getvalue() == ""
 
 
 def _run_on_a_pty(argv: list[str]) -> str:
