@@ -62,7 +62,7 @@ def main() -> None:
             seconds = []
             for _ in range(args.repeat):
                 start = time.perf_counter()
-                events, _, note = merge.render(None, files)
+                events, _, _, note = merge.render(None, files)
                 seconds.append(time.perf_counter() - start)
                 assert note is None, note
             texts[label] = events

@@ -55,7 +55,12 @@ def _ns(us: float) -> int:
 
 
 def records_from_chrome(doc: dict) -> list[ProcessRecords]:
-    """The records a `--timeline` file was written from, one per process (see the module's note on markers)."""
+    """The records a `--timeline` file was written from, one per process (see the module's note on
+    markers). Files of schema attndbg.timeline/1 only: they hold every launch call and each kernel's
+    correlation id; a /2 file keeps graph launches only (timeline/chrome.py, SIZE)."""
+    schema = doc["otherData"]["schema"]
+    if schema != "attndbg.timeline/1":
+        raise SystemExit(f"records_from_chrome reads attndbg.timeline/1 files, with every launch call; this one is {schema}")
     events = doc["traceEvents"]
     labels = {e["pid"]: e["args"]["name"].rsplit(" (pid", 1)[0] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     out = {pid: ProcessRecords(pid=pid, label=label) for pid, label in labels.items()}

@@ -7,10 +7,11 @@ Why: done one after another in the command's own process, after its work, this i
 (104,679 kernels in 4 workers' files) spent 4.4 s of its 31 s there, serially: reading the files
 1.6 s, matching 1.1 s, the trace events 1.2 s (cProfile of the command, session 14).
 
-Two rounds, so that the file is the very text one process writes (`chrome.event_text`): each
-helper reads and matches its file and answers, per process, its earliest time, how many launch
-arrows it draws and its summary; then, told the origin of all and where its arrows' ids start, it
-answers its events' text. Small runs (one file, or little to read) stay in this process: starting
+Two rounds, so that the file is the very text one process writes (`chrome.event_parts`): each
+helper reads and matches its file and answers, per process, its kernels' names, its earliest time,
+how many launch arrows it draws and its summary; then, told the origin of all, where its arrows'
+ids start, its processes' numbers and what the file calls each kernel, it answers its events' text
+and its kernel table. Small runs (one file, or little to read) stay in this process: starting
 the helpers costs more than it saves there.
 """
 
@@ -41,16 +42,17 @@ def _matched(file: str | Path) -> list[Matched]:
 def _serve(connection: Connection, file: str) -> None:
     """A helper: round 1 and round 2 of the module docstring for one file."""
     processes = _matched(file)
-    connection.send([(m.records.pid, chrome.earliest(m), chrome.arrows(m), summary.summarize([m])) for m in processes])
-    origin, first_flows = connection.recv()
-    connection.send([chrome.process_text(m, origin, flow) for m, flow in zip(processes, first_flows)])
+    connection.send([(chrome.kernels_of(m), chrome.earliest(m), chrome.arrows(m), summary.summarize([m])) for m in processes])
+    origin, first_flows, numbers, naming = connection.recv()
+    connection.send([chrome.process_part(m, origin, flow, number, naming) for m, flow, number in zip(processes, first_flows, numbers)])
     connection.close()
 
 
-def render(own: ProcessRecords | None, files: Sequence[Path]) -> tuple[str, summary.Summary, str | None]:
-    """The trace events' text and the summary of `own` (this process's records, first in the file)
-    and of the processes whose files these are (in pid order, as `worker.files` lists them), and a
-    note when the helpers failed and it was all done here instead (the same file, later)."""
+def render(own: ProcessRecords | None, files: Sequence[Path]) -> tuple[str, chrome.Tables, summary.Summary, str | None]:
+    """The trace events' text, the kernel tables and the summary of `own` (this process's records,
+    first in the file) and of the processes whose files these are (in pid order, as `worker.files`
+    lists them), and a note when the helpers failed and it was all done here instead (the same
+    file, later)."""
     local = [match(own)] if own is not None else []
     if len(files) < 2 or _cores() < 4 or sum(f.stat().st_size for f in files) < HELPERS_FROM_BYTES:
         return (*_here(local, files), None)
@@ -66,12 +68,12 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _here(local: list[Matched], files: Sequence[Path]) -> tuple[str, summary.Summary]:
+def _here(local: list[Matched], files: Sequence[Path]) -> tuple[str, chrome.Tables, summary.Summary]:
     processes = local + [m for file in files for m in _matched(file)]
-    return chrome.event_text(processes), summary.summarize(processes)
+    return (*chrome.event_parts(processes), summary.summarize(processes))
 
 
-def _in_helpers(local: list[Matched], files: Sequence[Path]) -> tuple[str, summary.Summary]:
+def _in_helpers(local: list[Matched], files: Sequence[Path]) -> tuple[str, chrome.Tables, summary.Summary]:
     context = multiprocessing.get_context("spawn")  # never fork a process holding CUDA and CUPTI's threads
     helpers: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
     try:
@@ -85,18 +87,22 @@ def _in_helpers(local: list[Matched], files: Sequence[Path]) -> tuple[str, summa
         # This process's records first, then each file's processes: the order `_here` writes them in.
         stamps = [chrome.earliest(m) for m in local] + [stamp for first in firsts for _, stamp, _, _ in first]
         origin = min((s for s in stamps if s is not None), default=0)
-        texts = [chrome.process_text(m, origin, 0) for m in local]
+        naming = chrome.kernel_naming([name for m in local for name in chrome.kernels_of(m)] + [name for first in firsts for names, _, _, _ in first for name in names])
+        parts = [chrome.process_part(m, origin, 0, number, naming) for number, m in enumerate(local, start=1)]
         flow = sum(chrome.arrows(m) for m in local)
+        number = len(local)
         for (_, connection), first in zip(helpers, firsts):
-            starts = []
+            starts, numbers = [], []
             for _, _, arrows, _ in first:
                 starts.append(flow)
                 flow += arrows
-            connection.send((origin, starts))
+                number += 1
+                numbers.append(number)
+            connection.send((origin, starts, numbers, {raw: naming[raw] for names, _, _, _ in first for raw in names}))
         for (helper, connection), first in zip(helpers, firsts):
-            texts.extend(_receive(connection, helper))
-        parts = [summary.summarize(local)] + [part for first in firsts for _, _, _, part in first]
-        return ",".join(texts), summary.merge(parts)
+            parts.extend(_receive(connection, helper))
+        summaries = [summary.summarize(local)] + [part for first in firsts for _, _, _, part in first]
+        return ",".join(text for text, _ in parts), chrome.merge_tables(table for _, table in parts), summary.merge(summaries)
     finally:
         for helper, connection in helpers:
             connection.close()

@@ -50,9 +50,62 @@ def demangle(name: str) -> str:
         _free()(pointer)
 
 
+def without_arguments(name: str) -> str:
+    """A demangled name without its return type and argument list (its template arguments kept)."""
+    readable = demangle(name).removeprefix("void ")  # a template kernel's demangled name starts with its return type
+    return readable[: _argument_list(readable)]
+
+
+def _argument_list(readable: str) -> int:
+    """Where the argument list starts: the first '(' outside template arguments and not of
+    '(anonymous namespace)' (len: none)."""
+    depth, i = 0, 0
+    while i < len(readable):
+        if readable.startswith(_ANONYMOUS, i):
+            i += len(_ANONYMOUS)
+            continue
+        char = readable[i]
+        if char == "<":
+            depth += 1
+        elif char == ">" and depth:
+            depth -= 1
+        elif char == "(" and depth == 0:
+            return i
+        i += 1
+    return len(readable)
+
+
 def short(name: str, width: int = 60) -> str:
     """A demangled name without its argument list, cut to `width`: what a summary line shows."""
-    readable = demangle(name).removeprefix("void ")  # a template kernel's demangled name starts with its return type
-    if "(" in readable:
-        readable = readable[: readable.index("(")]
+    readable = without_arguments(name)
     return readable if len(readable) <= width else readable[: width - 1] + "…"
+
+
+def base(name: str) -> str:
+    """The kernel's name as its events carry it: demangled, without its return type, template
+    arguments or argument list ('at::native::vectorized_elementwise_kernel'); the template
+    arguments tell instances apart, and the timeline's kernel table keeps them (chrome.KernelTable)."""
+    readable = demangle(name).removeprefix("void ").replace(_ANONYMOUS, "\0")  # its parentheses are no argument list
+    out, depth = [], 0
+    for char in readable:
+        if char == "<":
+            depth += 1
+        elif char == ">" and depth:
+            depth -= 1
+        elif depth == 0:
+            out.append(char)
+    bare = "".join(out)
+    if "(" in bare:
+        bare = bare[: bare.index("(")]
+    return bare.strip().replace("\0", _ANONYMOUS) or name
+
+
+_ANONYMOUS = "(anonymous namespace)"
+
+
+def unqualified(name: str) -> str:
+    """`base` without its namespaces and classes ('vectorized_elementwise_kernel'): a kernel's event
+    name in the timeline, 26 characters on average against 45 (the replays of traces/ on an H200);
+    the qualified name and the template arguments are in the timeline's kernel table."""
+    bare = base(name).replace(_ANONYMOUS + "::", "")
+    return bare.rsplit("::", 1)[-1] or bare

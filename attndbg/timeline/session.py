@@ -44,7 +44,7 @@ class Recording:
             profiling.observe(None)
             own = self.collector.stop()
         files = worker.files(self.directory)
-        events, result, note = merge.render(own, files)
+        events, tables, result, note = merge.render(own, files)
         shutil.rmtree(self.directory, ignore_errors=True)
         if note is not None:
             result.notes.append(note)
@@ -53,7 +53,7 @@ class Recording:
                 "no process the command started opened an attndbg range: nothing was collected (did the engine record a step, on a GPU? "
                 "Only the transformers adapter pushes a range per step so far: SGLang and vLLM steps are recorded without one)"
             )
-        chrome.write(self.path, chrome.assemble(events, result, command=self.command))
+        chrome.write(self.path, chrome.assemble(events, tables, result, command=self.command))
         for line in summary.render(result, self.path):
             sys.stderr.write(line + "\n")
         sys.stderr.flush()

@@ -142,26 +142,26 @@ def render(summary: Summary, path: str, *, limit: int = 24) -> list[str]:
     """The lines printed after the run: the file, the totals, the busiest kinds of range."""
     lines = [
         f"timeline: {path} (open in https://ui.perfetto.dev or chrome://tracing): {counted(summary.kernels, 'kernel')}, "
-        f"{_ms(summary.gpu_ns)} GPU time, {summary.processes} process{'es' if summary.processes != 1 else ''}"
+        f"{_ms(summary.gpu_ns)} GPU time, {counted(summary.processes, 'process', 'processes')}"
     ]
     shown = [ln for ln in summary.lines if ln.kernels or ln.captured or ln.graph_launches][:limit]
     width = max((len(_prefixed(ln)) for ln in shown), default=0)
     for ln in shown:
         extra = []
         if ln.graph_launches:
-            extra.append(f"{ln.graph_launches} graph launch{'es' if ln.graph_launches != 1 else ''}")
+            extra.append(counted(ln.graph_launches, "graph launch", "graph launches"))
         if ln.captured:
-            extra.append(f"{ln.captured} launches captured")
+            extra.append(f"{counted(ln.captured, 'launch', 'launches')} captured")
         lines.append(f"  {_prefixed(ln):<{width}}  ×{ln.ranges:<4} {ln.kernels:>6} kernels  {_ms(ln.gpu_ns):>12}" + (f"  ({', '.join(extra)})" if extra else ""))
     rest = len([ln for ln in summary.lines if ln.kernels or ln.captured or ln.graph_launches]) - len(shown)
     if rest > 0:
         lines.append(f"  ... {rest} more kinds of range in the file's otherData.attndbg.ranges")
     if summary.outside:
-        lines.append(f"  {counted(summary.outside, 'kernel')} were launched outside every attndbg range")
+        lines.append(f"  {counted(summary.outside, 'kernel')} {'was' if summary.outside == 1 else 'were'} launched outside every attndbg range")
     if summary.kernels and not summary.markers:
         lines.append("  no NVTX range reached CUPTI (NVTX_INJECTION64_PATH names another library?): ranges are attndbg's own, not nsys's")
     elif summary.disagreements:
-        lines.append(f"  {counted(summary.disagreements, 'kernel')} sit in another NVTX range than the range attndbg pushed for them")
+        lines.append(f"  {counted(summary.disagreements, 'kernel')} {'sits' if summary.disagreements == 1 else 'sit'} in another NVTX range than the range attndbg pushed for them")
     lines.extend(f"  note: {n}" for n in summary.notes)
     return lines
 

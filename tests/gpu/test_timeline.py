@@ -5,7 +5,7 @@ Each command runs in its own process (CUPTI is per process) over every shipped t
 tests/timeline/enclosure.py: every kernel launched inside exactly one attndbg range naming step file,
 step, backend, variant and phase; CUPTI's NVTX records agreeing; each graph replay one cudaGraphLaunch
 running the captured node set. A check over worker processes writes one file with a pid per
-worker. Under `attndbg record`, a live transformers engine with CUDA graphs: one range per recorded
+worker (written gzip-compressed: its name ends in .gz). Under `attndbg record`, a live transformers engine with CUDA graphs: one range per recorded
 step naming step, mode, batch size, graph batch size and capture/replay/eager, holding that step's
 kernels (tests/timeline/engine_enclosure.py). Set ATTNDBG_TIMELINE_OUT=DIR to keep the files and the
 counts (bench/timeline_check.sh).
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from attndbg.timeline import chrome
 from attndbg.trace.io import read_manifest
 from tests.timeline import engine_enclosure, enclosure
 
@@ -51,7 +52,9 @@ def _keep(timeline: Path, name: str, header: str, report_line: str, problems: li
         return
     Path(keep).mkdir(parents=True, exist_ok=True)
     # What comes back from the device is at most 16 MiB a file: a large timeline travels gzipped (Perfetto opens .json.gz).
-    if timeline.stat().st_size > 4 << 20:
+    if timeline.name.endswith(".gz"):
+        shutil.copy(timeline, Path(keep) / f"{name}.json.gz")
+    elif timeline.stat().st_size > 4 << 20:
         with open(timeline, "rb") as src, gzip.open(Path(keep) / f"{name}.json.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
     else:
@@ -65,9 +68,17 @@ def _run(args: list[str], timeline: Path, name: str) -> dict:
     proc = subprocess.run([sys.executable, "-m", "attndbg", *args, "--timeline", str(timeline)], capture_output=True, text=True, timeout=900)
     assert proc.returncode in (0, 1, 3), f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "timeline: " in proc.stderr, proc.stderr[-3000:]
-    doc = json.loads(timeline.read_text())
+    raw = timeline.read_bytes()
+    if timeline.name.endswith(".gz"):
+        assert raw[:2] == b"\x1f\x8b", "a .gz timeline is gzip-compressed"
+        raw = gzip.decompress(raw)
+    doc = json.loads(raw)
     _read_as_memory(doc)
     report = enclosure.check(doc)
+    kernels = chrome.kernel_events(doc)
+    if kernels:  # the size a kernel costs (chrome.py, SIZE): the file, and the kernel events alone
+        events = sum(len(json.dumps({k: v for k, v in e.items() if k != "kernel"}, separators=(",", ":"), ensure_ascii=False)) + 1 for e in kernels)
+        print(f"{name}: {len(raw) / len(kernels):.0f} bytes per kernel in the file, {events / len(kernels):.0f} in kernel events; {len(kernels)} kernels")
     _keep(timeline, name, f"attndbg {' '.join(args)}", report.line(), report.problems, proc.stderr)
     print(name, report.line())
     return {"doc": doc, "report": report}
@@ -83,7 +94,7 @@ def test_replay_ranges_enclose_their_kernels(tmp_path: Path, graph: bool) -> Non
     assert report.kernels > 0 and report.kernels_by_phase["run"] > 0
     # Every shipped file replayed, its ranges named for it: step numbers alone repeat (most shipped
     # traces are step 0), so the ranges carry the file's name (trace=, from its `step` range).
-    files = {e["args"].get("trace") for e in result["doc"]["traceEvents"] if e.get("cat") == "attndbg"}
+    files = {n.trace for n in chrome.range_names(result["doc"]).values()}
     assert files >= {p.name for p in TRACES.glob("*.pt")}, files
     if graph:
         assert report.graph_replays > 0 and report.kernels_by_phase["replay"] > 0
@@ -92,14 +103,14 @@ def test_replay_ranges_enclose_their_kernels(tmp_path: Path, graph: bool) -> Non
 
 
 def test_check_workers_merge_into_one_file(tmp_path: Path) -> None:
-    result = _run(["check", str(TRACES), "--jobs", "2"], tmp_path / "t.json", "check_traces_jobs2")
+    result = _run(["check", str(TRACES), "--jobs", "2"], tmp_path / "t.json.gz", "check_traces_jobs2")
     report = result["report"]
     assert report.problems == [], "\n".join(report.problems[:40])
     names = [e["args"]["name"] for e in result["doc"]["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
     workers = [n for n in names if n.startswith("attndbg check worker")]
     assert len(workers) >= 2, names  # a pid per worker
     assert report.kernels > 0
-    files = {e["args"].get("trace") for e in result["doc"]["traceEvents"] if e.get("cat") == "attndbg"}
+    files = {n.trace for n in chrome.range_names(result["doc"]).values()}
     assert files >= {p.name for p in TRACES.glob("*.pt")}, files  # every shipped file checked, in one worker or the other
 
 

@@ -2,7 +2,7 @@
 the GPU test (tests/gpu/test_timeline.py) and its CPU test (test_enclosure.py) read the same.
 
 Claims checked:
-- every kernel was launched inside an attndbg range (its `range_id`), which names the step, the
+- every kernel was launched inside an attndbg range (its `range`), which names the step, the
   step file (`trace`, from the `step` range around the file's work: step numbers repeat across
   files) and its phase; a range inside a backend's (plan, run, capture+replay and a graph replay's
   parts) names the backend and the variant (eager, recorded plan, graph bs=N fill=V, or padded
@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
+
+from attndbg.timeline import chrome
 
 SHARED_PHASES = ("data", "reference", "compare")  # one step's data, shared by every backend
 GRAPH_LAUNCH = ("cudaGraphLaunch", "cuGraphLaunch")
@@ -44,13 +46,14 @@ def check(doc: dict[str, Any]) -> Report:
     events = doc["traceEvents"]
     report = Report()
     ranges = {(e["pid"], e["args"]["range_id"]): e for e in events if e["ph"] == "X" and e.get("cat") == "attndbg"}
-    kernels = [e for e in events if e["ph"] == "X" and e.get("cat", "").startswith("kernel")]
+    named = chrome.range_names(doc)  # what each range names, from its message and its parents'
+    kernels = chrome.kernel_events(doc)
     launches = [e for e in events if e["ph"] == "X" and e.get("cat", "").startswith("cuda_api")]
     report.ranges, report.kernels = len(ranges), len(kernels)
     report.processes = len({e["pid"] for e in kernels} | {pid for pid, _ in ranges})
     for k in kernels:
-        where = f"kernel {k['name']} (pid {k['pid']}, correlation {k['args']['correlation_id']})"
-        rid = k["args"].get("range_id")
+        where = f"kernel {k['kernel'].get('demangled', k['kernel']['cupti_name'])} (process {k['pid']}, at {k['ts']} us)"
+        rid = k["args"]["range"]
         if rid is None:
             report.problems.append(f"{where} was launched outside every attndbg range")
             continue
@@ -58,18 +61,18 @@ def check(doc: dict[str, Any]) -> Report:
         if r is None:
             report.problems.append(f"{where} names range {rid}, which is not in the file")
             continue
-        a = r["args"]
-        report.kernels_by_phase[a["phase"]] += 1
-        if not a["step"]:
+        a, n = r["args"], named[(k["pid"], rid)]
+        report.kernels_by_phase[n.phase] += 1
+        if not n.step:
             report.problems.append(f"{where} ran in {a['message']!r}, which names no step")
-        if not a.get("trace"):
+        if not n.trace:
             report.problems.append(f"{where} ran in {a['message']!r}, which is in no step file's range (no trace= named)")
-        if a["backend"] and a["phase"] not in SHARED_PHASES and not a["phase"].startswith(("backend/", "detector/")) and not (a["variant"] or a.get("probe")):
-            report.problems.append(f"{where} ran in {a['message']!r} of backend {a['backend']}, which names no variant")
-        if k["args"].get("graph_id") and not (a["phase"] == "replay" and a["variant"].startswith("graph")):
+        if n.backend and n.phase not in SHARED_PHASES and not n.phase.startswith(("backend/", "detector/")) and not (n.variant or n.probe):
+            report.problems.append(f"{where} ran in {a['message']!r} of backend {n.backend}, which names no variant")
+        if k["args"].get("graph_id") and not (n.phase == "replay" and n.variant.startswith("graph")):
             report.problems.append(f"{where} is a graph node but ran in {a['message']!r}, not a graph replay range")
     report.problems += nvtx_problems(doc, bool(kernels))
-    _check_graphs(ranges, kernels, launches, report)
+    _check_graphs(ranges, named, kernels, launches, report)
     return report
 
 
@@ -94,7 +97,7 @@ def graph_launches_by_range(launches: list[dict]) -> dict[tuple[int, int], list[
     return by_range
 
 
-def _check_graphs(ranges: dict, kernels: list, launches: list, report: Report) -> None:
+def _check_graphs(ranges: dict, named: dict, kernels: list, launches: list, report: Report) -> None:
     graph_launches = graph_launches_by_range(launches)
     nodes_of = defaultdict(set)
     for k in kernels:
@@ -102,18 +105,18 @@ def _check_graphs(ranges: dict, kernels: list, launches: list, report: Report) -
             nodes_of[(k["pid"], k["args"]["correlation_id"])].add((k["args"]["graph_id"], k["args"]["graph_node_id"]))
     by_parent: dict[tuple[int, int], list[set]] = defaultdict(list)
     for key, r in ranges.items():
-        a = r["args"]
-        if a["phase"] != "replay" or not a["variant"].startswith("graph"):
+        n = named[key]
+        if n.phase != "replay" or not n.variant.startswith("graph"):
             continue
         report.graph_replays += 1
         calls = graph_launches.get(key, [])
         if len(calls) != 1:
-            report.problems.append(f"graph replay range {a['message']!r} (pid {key[0]}) holds {len(calls)} graph launches, not one")
+            report.problems.append(f"graph replay range {r['args']['message']!r} (process {key[0]}) holds {len(calls)} graph launches, not one")
             continue
         nodes = nodes_of.get((key[0], calls[0]["args"]["correlation_id"]), set())
-        by_parent[(key[0], a["parent_id"])].append(nodes)
+        by_parent[(key[0], r["args"].get("parent_id"))].append(nodes)
     for (pid, parent), node_sets in by_parent.items():
-        captures = [r["args"] for (p, _), r in ranges.items() if p == pid and r["args"]["parent_id"] == parent and r["args"]["phase"] == "capture"]
+        captures = [r["args"] for (p, rid), r in ranges.items() if p == pid and r["args"].get("parent_id") == parent and named[(p, rid)].phase == "capture"]
         captured = captures[0].get("captured_launches", 0) if len(captures) == 1 else None
         what = ranges[(pid, parent)]["args"]["message"] if (pid, parent) in ranges else f"range {parent}"
         if any(nodes != node_sets[0] for nodes in node_sets):

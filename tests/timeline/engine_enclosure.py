@@ -23,6 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from attndbg.timeline import chrome
 from attndbg.trace.io import ManifestEntry
 from tests.timeline import enclosure
 
@@ -43,28 +44,29 @@ class Report:
 def check(doc: dict[str, Any], entries: list[ManifestEntry]) -> Report:
     events = doc["traceEvents"]
     report = Report()
-    ranges = {(e["pid"], e["args"]["range_id"]): e for e in events if e["ph"] == "X" and e.get("cat") == "attndbg" and e["args"]["phase"] == "engine"}
-    kernels = [e for e in events if e["ph"] == "X" and e.get("cat", "").startswith("kernel")]
+    named = chrome.range_names(doc)  # what each range names, from its message and its parents'
+    ranges = {(e["pid"], e["args"]["range_id"]): e for e in events if e["ph"] == "X" and e.get("cat") == "attndbg" and named[(e["pid"], e["args"]["range_id"])].phase == "engine"}
+    kernels = chrome.kernel_events(doc)
     launches = [e for e in events if e["ph"] == "X" and e.get("cat") == "cuda_api"]
     report.steps = len(ranges)
-    by_step = {int(r["args"]["step"]): r for r in ranges.values() if r["args"]["step"].isdigit()}
+    by_step = {int(named[key].step): r for key, r in ranges.items() if named[key].step.isdigit()}
     if len(by_step) != len(ranges):
         report.problems.append(f"{len(ranges)} engine ranges name {len(by_step)} distinct steps")
     recorded = {e.step: e for e in entries}
     if set(by_step) != set(recorded):
         report.problems.append(f"ranges for steps {sorted(set(by_step) - set(recorded))[:10]} that were not recorded; recorded steps without a range: {sorted(set(recorded) - set(by_step))[:10]}")
     for step, r in sorted(by_step.items()):
-        a, entry = r["args"], recorded.get(step)
-        if entry is not None and (a.get("mode"), a.get("bs")) != (entry.mode, str(entry.batch_size)):
-            report.problems.append(f"step {step}: the range says mode={a.get('mode')} bs={a.get('bs')}, the recorded file {entry.file} mode={entry.mode} bs={entry.batch_size}")
+        n, entry = named[(r["pid"], r["args"]["range_id"])], recorded.get(step)
+        if entry is not None and (n.mode, n.batch_size) != (entry.mode, str(entry.batch_size)):
+            report.problems.append(f"step {step}: the range says mode={n.mode} bs={n.batch_size}, the recorded file {entry.file} mode={entry.mode} bs={entry.batch_size}")
     kernels_in: dict[tuple[int, int], list[dict]] = defaultdict(list)
     for k in kernels:
-        rid = k["args"].get("range_id")
+        rid = k["args"]["range"]
         key = (k["pid"], rid)
         if rid is None or key not in ranges:
             report.outside += 1
             if k["args"].get("graph_id"):
-                report.problems.append(f"graph node {k['name']} (pid {k['pid']}) ran outside every replay range")
+                report.problems.append(f"graph node {k['name']} (process {k['pid']}) ran outside every replay range")
             continue
         report.kernels += 1
         kernels_in[key].append(k)
@@ -72,12 +74,12 @@ def check(doc: dict[str, Any], entries: list[ManifestEntry]) -> Report:
     node_sets: dict[tuple[int, int], list[tuple[int, frozenset]]] = defaultdict(list)  # (pid, graph id) -> (step, nodes) per replay
     # (pid, graph size) -> launches each recorded capture of it recorded
     captured: dict[tuple[int, str], list[int]] = defaultdict(list)
-    for (pid, _), r in ranges.items():
-        if r["args"]["variant"].startswith("graph capture"):
-            captured[(pid, r["args"]["variant"].split("bs=")[-1])].append(int(r["args"].get("captured_launches", 0)))
+    for (pid, rid), r in ranges.items():
+        if named[(pid, rid)].variant.startswith("graph capture"):
+            captured[(pid, named[(pid, rid)].variant.split("bs=")[-1])].append(int(r["args"].get("captured_launches", 0)))
     for key, r in ranges.items():
-        a = r["args"]
-        variant, where = a["variant"], f"step {a['step']} ({a['message']!r})"
+        a, n = r["args"], named[key]
+        variant, where = n.variant, f"step {n.step} ({a['message']!r})"
         kind = variant if variant == "eager" else " ".join(variant.split()[:2])
         report.by_variant[kind] += 1
         launched = kernels_in.get(key, [])
@@ -97,7 +99,7 @@ def check(doc: dict[str, Any], entries: list[ManifestEntry]) -> Report:
                 report.problems.append(f"{where}: a replay range holding {len(calls)} graph launches, not one")
                 continue
             correlation = calls[0]["args"]["correlation_id"]
-            strays = [k["name"] for k in launched if k["args"]["correlation_id"] != correlation or not k["args"].get("graph_id")]
+            strays = [k["name"] for k in launched if k["args"].get("correlation_id") != correlation or not k["args"].get("graph_id")]
             if strays or not launched:
                 report.problems.append(f"{where}: {len(launched)} kernels in the replay range, {len(strays)} of them not nodes of its graph launch ({strays[:3]})")
                 continue
@@ -107,11 +109,11 @@ def check(doc: dict[str, Any], entries: list[ManifestEntry]) -> Report:
             if len(captures) == 1 and captures[0] != len(launched):
                 report.problems.append(f"{where}: the replay ran {len(launched)} nodes, the recorded capture of its size recorded {captures[0]} launches")
             for graph in graphs:
-                node_sets[(key[0], graph)].append((int(a["step"]), nodes))
+                node_sets[(key[0], graph)].append((int(n.step), nodes))
         else:
             report.problems.append(f"{where}: the range names no variant (eager, graph capture bs=N, graph replay bs=N): {variant!r}")
     for (pid, graph), replays in node_sets.items():
         if any(nodes != replays[0][1] for _, nodes in replays):
-            report.problems.append(f"graph {graph} (pid {pid}): its replays ran different node sets ({[(s, len(n)) for s, n in replays]})")
+            report.problems.append(f"graph {graph} (process {pid}): its replays ran different node sets ({[(s, len(n)) for s, n in replays]})")
     report.problems += enclosure.nvtx_problems(doc, report.kernels > 0)
     return report

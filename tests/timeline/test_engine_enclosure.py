@@ -35,9 +35,10 @@ def test_clean_engine_steps_pass() -> None:
     assert report.problems == [], report.problems
     assert report.steps == 4 and dict(report.by_variant) == {"graph capture": 1, "graph replay": 2, "eager": 1}
     assert report.kernels == 2 + 2 * 2 + 1 and report.outside == 2  # the engine's own kernels between steps
-    engine = {e["args"]["step"]: e["args"] for e in doc["traceEvents"] if e.get("cat") == "attndbg"}
-    assert engine["1"]["variant"] == "graph replay bs=8" and engine["0"]["variant"] == "graph capture bs=8" and engine["3"]["variant"] == "eager"
-    assert (engine["3"]["mode"], engine["3"]["bs"]) == ("EXTEND", "1") and engine["0"]["captured_launches"] == 2
+    named = chrome.range_names(doc)
+    engine = {named[(e["pid"], e["args"]["range_id"])].step: (named[(e["pid"], e["args"]["range_id"])], e["args"]) for e in doc["traceEvents"] if e.get("cat") == "attndbg"}
+    assert engine["1"][0].variant == "graph replay bs=8" and engine["0"][0].variant == "graph capture bs=8" and engine["3"][0].variant == "eager"
+    assert (engine["3"][0].mode, engine["3"][0].batch_size) == ("EXTEND", "1") and engine["0"][1]["captured_launches"] == 2
 
 
 def test_each_broken_claim_is_named() -> None:

@@ -1,5 +1,5 @@
 """The end of a timeline over several processes: helper processes read, match and write each
-file's processes, and the file is the very text one process writes (chrome.event_text)."""
+file's processes, and the file is the very text one process writes (chrome.event_parts)."""
 
 from __future__ import annotations
 
@@ -34,17 +34,17 @@ def test_files_are_listed_in_pid_order(tmp_path: Path) -> None:
 def test_helpers_write_what_one_process_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     files = _files(tmp_path)
     own = replay_step(pid=5, step=0)
-    serial_events, serial_summary, note = merge.render(own, files)  # small: in this process
+    serial_events, serial_tables, serial_summary, note = merge.render(own, files)  # small: in this process
     assert note is None
     processes = [match(own)] + [match(r) for r in worker.read(tmp_path)]
-    assert serial_events == chrome.event_text(processes)
+    assert (serial_events, serial_tables) == chrome.event_parts(processes)
     monkeypatch.setattr(merge, "HELPERS_FROM_BYTES", 0)
     monkeypatch.setattr(merge, "_cores", lambda: 16)
-    events, result, note = merge.render(own, files)
+    events, tables, result, note = merge.render(own, files)
     assert note is None
-    assert events == serial_events  # same origin, same arrow ids, same order
+    assert events == serial_events and tables == serial_tables  # same origin, same arrow ids, same order
     assert result.as_json() == serial_summary.as_json() == summary.summarize(processes).as_json()
-    doc = json.loads(chrome.assemble(events, result, command="check"))
+    doc = json.loads(chrome.assemble(events, tables, result, command="check"))
     flows = [e["id"] for e in doc["traceEvents"] if e["ph"] == "s"]
     assert len(flows) == len(set(flows)) == sum(chrome.arrows(m) for m in processes) > 0
 
@@ -65,8 +65,8 @@ def test_a_failing_helper_is_said_and_the_file_is_written_here(tmp_path: Path, m
         raise EOFError("helper exited")
 
     monkeypatch.setattr(merge, "_in_helpers", broken)
-    events, result, note = merge.render(None, files)
-    assert events == chrome.event_text([match(r) for r in worker.read(tmp_path)])
+    events, tables, result, note = merge.render(None, files)
+    assert (events, tables) == chrome.event_parts([match(r) for r in worker.read(tmp_path)])
     assert note == "the timeline's files were merged in this process: a helper process failed (EOFError: helper exited)"
 
 

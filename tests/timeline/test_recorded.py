@@ -23,7 +23,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from attndbg.timeline import chrome, summary
+from attndbg.timeline import chrome, names, summary
 from attndbg.timeline.matching import match
 from attndbg.timeline.records import ProcessRecords, Range, from_json
 from tests.timeline import enclosure
@@ -92,10 +92,12 @@ def test_the_recorded_check_named_as_now_passes() -> None:
     report = _check(records)
     assert report.problems == []
     assert report.graph_replays == 0 and report.kernels_by_phase["replay"] == 12 and report.kernels_by_phase["merge"] == 8
-    doc_ranges = [e for e in _doc(records)["traceEvents"] if e.get("cat") == "attndbg"]
-    merge = next(e for e in doc_ranges if e["args"]["phase"] == "merge")
-    assert merge["name"] == "merge · triton · decode_stage2 on crafted partials" and merge["args"]["backend"] == "triton"
-    assert {e["name"] for e in doc_ranges if e["args"]["phase"] == "replay"} == {"replay · triton · padded bs=8 fill=1 · decoy", "replay · triton · padded bs=8 fill=1 · real"}
+    doc = _doc(records)
+    named = chrome.range_names(doc)
+    doc_ranges = [(e, named[(e["pid"], e["args"]["range_id"])]) for e in doc["traceEvents"] if e.get("cat") == "attndbg"]
+    merge, merge_names = next((e, n) for e, n in doc_ranges if n.phase == "merge")
+    assert merge["name"] == "merge · triton · decode_stage2 on crafted partials" and merge_names.backend == "triton"
+    assert {e["name"] for e, n in doc_ranges if n.phase == "replay"} == {"replay · triton · padded bs=8 fill=1 · decoy", "replay · triton · padded bs=8 fill=1 · real"}
 
 
 def _doc(records: ProcessRecords) -> dict:
@@ -110,7 +112,7 @@ def test_the_recorded_graph_replays_pass_but_two_files_share_a_step() -> None:
     assert [p for p in report.problems if "in no step file's range" not in p] == []
     assert report.graph_replays == 4 and report.kernels_by_phase["replay"] > 0
     # What the GPU test's step count tripped on: two files, one step number.
-    steps = {e["args"]["step"] for e in _doc(records)["traceEvents"] if e.get("cat") == "attndbg"}
+    steps = {n.step for n in chrome.range_names(_doc(records)).values()}
     assert steps == {"0"}
 
 
@@ -118,9 +120,11 @@ def test_the_recorded_graph_replays_named_as_now_tell_the_files_apart() -> None:
     records = _renamed(_load(REPLAY), {8: "decode_gqa.pt", 98: "mla_decode.pt"}, captured=True)
     report = _check(records)
     assert report.problems == [] and report.graph_replays == 4
-    events = [e for e in _doc(records)["traceEvents"] if e.get("cat") == "attndbg"]
-    assert {e["args"].get("trace") for e in events} == {"decode_gqa.pt", "mla_decode.pt"}
-    assert {e["name"] for e in events if e["args"]["phase"] == "step"} == {"step · decode_gqa.pt", "step · mla_decode.pt"}
+    doc = _doc(records)
+    named = chrome.range_names(doc)
+    events = [(e, named[(e["pid"], e["args"]["range_id"])]) for e in doc["traceEvents"] if e.get("cat") == "attndbg"]
+    assert {n.trace for _, n in events} == {"decode_gqa.pt", "mla_decode.pt"}
+    assert {e["name"] for e, n in events if n.phase == "step"} == {"step · decode_gqa.pt", "step · mla_decode.pt"}
 
 
 def test_a_graph_node_in_a_padded_range_is_named() -> None:
@@ -133,6 +137,7 @@ def test_a_graph_node_in_a_padded_range_is_named() -> None:
 def test_external_ids_are_the_only_placement() -> None:
     # A kernel whose launch lost its external id is outside every range, whatever its NVTX range says.
     records = _renamed(_load(REPLAY), {8: "decode_gqa.pt", 98: "mla_decode.pt"}, captured=True)
-    dropped = records.kernels[0].correlation_id
-    records.external_ids = [x for x in records.external_ids if x.correlation_id != dropped]
-    assert any(f"correlation {dropped}) was launched outside every attndbg range" in p for p in _check(records).problems)
+    dropped = records.kernels[0]
+    records.external_ids = [x for x in records.external_ids if x.correlation_id != dropped.correlation_id]
+    outside = [p for p in _check(records).problems if "was launched outside every attndbg range" in p]
+    assert len(outside) == 1 and outside[0].startswith(f"kernel {names.without_arguments(dropped.name)} (")

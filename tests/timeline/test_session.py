@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from attndbg import profiling
+from attndbg import machine, profiling
 from attndbg.timeline import availability, session, worker
 from attndbg.timeline.records import ProcessRecords, to_json
 from tests.timeline.factory import replay_step
@@ -53,7 +53,7 @@ def test_recording_merges_this_process_and_its_workers(tmp_path: Path, monkeypat
     assert made[0].pushed == ["attndbg/data step=9"] and made[0].label == "attndbg check"
     doc = json.loads(out.read_text())
     names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
-    assert names == {os.getpid(): f"attndbg check (pid {os.getpid()})", 77: "attndbg replay (pid 77)"}
+    assert names == {1: f"attndbg check (pid {os.getpid()})", 2: "attndbg replay (pid 77)"}  # numbered in file order
     assert doc["otherData"]["attndbg"]["kernels"] == 14 and doc["otherData"]["command"] == "check"
     err = capsys.readouterr().err
     assert err.startswith(f"timeline: {out} (open in https://ui.perfetto.dev or chrome://tracing): 14 kernels")
@@ -74,6 +74,7 @@ def test_a_worker_starts_collecting_at_its_first_phase(monkeypatch: pytest.Monke
 
 
 def test_refused_without_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(machine, "cuda_available", lambda: True)  # without a GPU, that is said first
     monkeypatch.setattr(availability.importlib.util, "find_spec", lambda name: None)
     line = availability.refusal()
     assert line is not None and "\n" not in line
