@@ -7,7 +7,7 @@ the log shows what the user waited on (FlashInfer's JIT builds, Triton's compile
 progress was shown throughout. Run it first on a fresh device machine: only then are the JIT
 caches (~/.cache/flashinfer, ~/.triton/cache) empty; the caches' sizes before each form are logged.
 
-    python bench/cold_start.py SRC_RECORDING OUT_DIR --backend triton,flashinfer,fa3,mla --form default --form compile-first
+    python bench/cold_start.py SRC_RECORDING OUT_DIR --backend triton,flashinfer,fa3,mla --form default --form no-compile-first --fresh-caches
 
 With --fresh-caches each form gets empty caches of its own (FLASHINFER_WORKSPACE_BASE and
 TRITON_CACHE_DIR pointed at new folders), so every form is measured cold in one call; without it a
@@ -28,7 +28,9 @@ import time
 from pathlib import Path
 
 MODES = ("DECODE", "TARGET_VERIFY", "EXTEND", "MIXED")
-FORMS = {"default": [], "compile-first": ["--compile-first"]}
+# default: check decides from what FlashInfer's cache holds (checks/precompile.py, worth_compiling);
+# the other two force the compile phase, or leave every module to compile on first use.
+FORMS = {"default": [], "compile-first": ["--compile-first"], "no-compile-first": ["--no-compile-first"]}
 CACHES = ("~/.cache/flashinfer", "~/.triton/cache")
 
 

@@ -29,9 +29,15 @@ bench/server_sweep.py's 182 kernel shapes, pass 1 in 8 workers and the 34 module
 (every backend and detector, Triton compiling for real). bench/flashinfer_module_names.py compares
 what this form declares for that recording with what the looks noted. This form, measured on a fresh
 H200 (bench/results/gpu_session11.md): a 4-step recording's verdict in 176 s against 242 s without
-it, and no module rebuilt by the checks after it. Still opt-in: on a warm machine it reads every
-step (about 9 ms each on a 2-core CPU, nearly all of it the loader) to find nothing to build, a cost
-not yet timed on a GPU.
+it, and no module rebuilt by the checks after it.
+
+When it runs: `check` decides from what FlashInfer's cache holds (`worth_compiling`). One step of
+each kernel shape (the steps check's workers take first) names its modules, and those not on disk
+are counted: from PAYS_FROM missing, the phase runs over the whole recording (on a cold cache its
+reading, about 9 ms a step on a 2-core CPU, is nothing beside minutes of compiling); fewer, and each
+compiles on first use, as it would have in the phase, one at a time either way. A warm machine
+pays the reading of those few steps (up to run.SHAPE_SAMPLE), never every step's.
+`--compile-first` runs the phase whatever the cache holds; `--no-compile-first` never.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from attndbg.backends.options import BackendOptions
 from attndbg.checks.run import detectors_of
 from attndbg.detector_api.context import CheckOptions
 from attndbg.detector_api.findings import FindingClass
+from attndbg.plural import counted
 from attndbg.replay.runner import PREBUILT_VARIABLE
 from attndbg.trace import io
 from attndbg.trace.schema import Trace
@@ -130,6 +137,41 @@ class Compiled:
 def _say(line: str) -> None:
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
+
+
+# Modules missing from the cache from which compiling them up front pays: several build at once,
+# on every core, instead of one after another as steps reach them (176 s against 242 s for a
+# fresh H200's first check, bench/results/gpu_session11.md); one module takes as long either way.
+PAYS_FROM = 2
+
+
+def worth_compiling(paths: list[Path], only: list[FindingClass], options: CheckOptions, shapes: list[int]) -> int | None:
+    """How many FlashInfer modules the first step of each kernel shape (`shapes`: indices into
+    `paths`, run.first_of_each_shape) needs that FlashInfer's cache does not hold, when that is
+    PAYS_FROM or more; else None (nothing to gain: no FlashInfer, or the cache holds nearly all)."""
+    if not flashinfer_jit.available():
+        return None
+    specs = declared([paths[i] for i in shapes], only, options, flashinfer_modules.target())
+    missing = len(flashinfer_jit.unbuilt(list(specs.values())))
+    return missing if missing >= PAYS_FROM else None
+
+
+def before_checking(
+    paths: list[Path], only: list[FindingClass], options: CheckOptions, *, asked: bool | None, shapes: list[int], say: Callable[[str], None] = _say
+) -> Compiled | None:
+    """check's compile phase, on a GPU: when `asked` (--compile-first), never when asked not to,
+    and otherwise when `worth_compiling` finds enough of the shapes' modules missing from the cache."""
+    if asked is False or not machine.cuda_available():
+        return None
+    if asked is None:
+        missing = worth_compiling(paths, only, options, shapes)
+        if missing is None:
+            return None
+        say(
+            f"attndbg: FlashInfer's cache lacks {counted(missing, 'module')} that one step of each kernel shape needs: "
+            "compiling what the recording needs first (--no-compile-first: each on first use instead)"
+        )
+    return precompile(paths, only, options, say=say)
 
 
 def precompile(paths: list[Path], only: list[FindingClass], options: CheckOptions, *, say: Callable[[str], None] = _say) -> Compiled | None:

@@ -251,7 +251,7 @@ def check_steps(
     devices: tuple[int, ...] | None = None,
     isolate: bool | None = None,
     now: Callable[[int, str], None] | None = None,
-    compile_first: bool = False,
+    compile_first: bool | None = None,
 ) -> Iterator[StepReport]:
     """Check the steps of `target` (a .pt file or a recording directory) in recording order.
 
@@ -264,7 +264,8 @@ def check_steps(
     `now(index, phase)`: in workers, what the step awaited runs ('split-merge › triton › eager'),
     read from its worker every NOW_EVERY_S (in one process a display reads profiling.current()).
     `compile_first`: with workers on a GPU, compile the kernels the recording's shapes need before
-    the first step, all at once (precompile.py).
+    the first step, all at once (precompile.py); None: where FlashInfer's cache lacks enough of them
+    for that to pay (precompile.worth_compiling).
     """
     paths = select_paths(target, selection)
     states = {kind: state for kind, detector in detectors_of(only).items() if (state := detector.new_state()) is not None}
@@ -275,12 +276,12 @@ def check_steps(
     if isolate is None:
         isolate = machine.cuda_available()
     if jobs > 1 or isolate:
-        from attndbg.checks.precompile import precompile
+        from attndbg.checks.precompile import before_checking
         from attndbg.checks.workers import check_in_workers
 
-        if compile_first and machine.cuda_available():
-            precompile(paths, only, options)
-        first = first_of_each_shape(paths) if jobs > 1 else []
+        shapes = first_of_each_shape(paths) if jobs > 1 or (compile_first is None and machine.cuda_available()) else []
+        before_checking(paths, only, options, asked=compile_first, shapes=shapes)
+        first = shapes if jobs > 1 else []
         if len(first) > 1:
             sys.stderr.write(f"attndbg: checking one step of each of {len(first)} kernel shapes first, in parallel (kernels compile on first use)\n")
         results: Iterator[StepResult] = check_in_workers(paths, only, options, jobs=jobs, devices=devices, first=first, now=now)

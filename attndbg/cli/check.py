@@ -52,7 +52,11 @@ class _CheckCommand(click.Command):
 @options.backend_option()
 @options.json_output("findings", "attndbg.check/1")
 @click.option("--strict", is_flag=True, help="hazards fail the check too (exit 1): findings correct on this step, wrong under the condition each states")
-@click.option("--compile-first", is_flag=True, help="on a GPU, first compile the FlashInfer modules the recording's steps need, named without running them, all at once (as `attndbg compile`; modules on disk are skipped)")
+@click.option(
+    "--compile-first/--no-compile-first", default=None,
+    help="on a GPU, first compile the FlashInfer modules the recording's steps need, named without running them, all at once (as `attndbg compile`; "
+    "modules on disk are skipped); default: when FlashInfer's cache lacks 2 or more of those one step of each kernel shape needs",
+)
 @handles_bad_input
 @options.terminal(quiet=True)
 @options.timeline("check")
@@ -70,7 +74,7 @@ def check(
     max_memory_spec: str | None,
     backend_option_specs: tuple[str, ...],
     strict: bool,
-    compile_first: bool,
+    compile_first: bool | None,
 ) -> None:
     """Run the detectors on a step or a recording directory and explain what they find.
 

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -200,3 +201,45 @@ def test_the_prebuilt_package_named_is_the_one_flashinfer_accepts(monkeypatch: p
     assert flashinfer_jit.prebuilt_hint("0.0.0+unknown", "13.0") is None
     installed.add("flashinfer_jit_cache")
     assert flashinfer_jit.prebuilt_hint("0.7.2.post1", "13.0") is None
+
+
+def _cold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, missing: int) -> list[str]:
+    """A GPU machine whose FlashInfer cache lacks `missing` of the 3 modules the shapes declare; the
+    build is a stand-in that writes the libraries it is asked for and records their names."""
+    built: list[str] = []
+    modules = [SimpleNamespace(name=f"m{i}", library=tmp_path / f"m{i}.so") for i in range(3)]
+    for m in modules[missing:]:
+        m.library.touch()  # on disk already
+
+    def build(wanted, on_built):  # noqa: ANN001, ANN202 - flashinfer_jit.build's signature
+        for m in wanted:
+            m.library.touch()
+            built.append(m.name)
+
+    monkeypatch.setattr(phase.machine, "cuda_available", lambda: True)
+    monkeypatch.setattr(flashinfer_jit, "available", lambda: True)
+    monkeypatch.setattr(flashinfer_jit, "prebuilt_hint", lambda: None)
+    monkeypatch.setattr(phase, "declared", lambda paths, only, options, at: {m.name: m for m in modules})
+    monkeypatch.setattr(flashinfer_jit, "unbuilt", lambda specs: [m for m in specs if not m.library.exists()])
+    monkeypatch.setattr(flashinfer_jit, "build", build)
+    return built
+
+
+@pytest.mark.parametrize(("asked", "missing", "compiles"), [(None, 2, True), (None, 1, False), (None, 0, False), (True, 1, True), (False, 3, False)])
+def test_check_compiles_first_when_the_cache_lacks_enough(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, asked: bool | None, missing: int, compiles: bool) -> None:
+    """Decided from what the cache holds: 2 or more modules missing (several then build at once),
+    unless --compile-first or --no-compile-first says."""
+    built = _cold(tmp_path, monkeypatch, missing)
+    said: list[str] = []
+    phase.before_checking([tmp_path / "s.pt"], parse_only(None), CheckOptions(), asked=asked, shapes=[0], say=said.append)
+    assert sorted(built) == ([f"m{i}" for i in range(missing)] if compiles else []), (built, said)
+    if compiles and asked is None:
+        assert said[0] == f"attndbg: FlashInfer's cache lacks {missing} modules that one step of each kernel shape needs: compiling what the recording needs first (--no-compile-first: each on first use instead)"
+
+
+def test_no_compile_phase_without_a_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    built = _cold(tmp_path, monkeypatch, 3)
+    monkeypatch.setattr(phase.machine, "cuda_available", lambda: False)
+    for asked in (None, True):
+        assert phase.before_checking([tmp_path / "s.pt"], parse_only(None), CheckOptions(), asked=asked, shapes=[0], say=lambda line: None) is None
+    assert built == []
