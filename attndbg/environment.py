@@ -30,6 +30,7 @@ PACKAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("triton", ("triton", "pytorch-triton")),
     ("flashinfer", ("flashinfer-python", "flashinfer")),
     ("nvtx", ("nvtx",)),
+    ("cupti-python", ("cupti-python",)),  # --timeline's CUPTI (its major version must match the driver's CUDA)
     ("sglang", ("sglang",)),
     ("sgl-kernel", ("sgl-kernel",)),
     ("vllm", ("vllm",)),

@@ -89,3 +89,20 @@ def merge_path(trace: Trace) -> str | None:
         return "split-KV decode (partial states of KV splits merged by their LSEs)"
     adapter = adapter_for(backend)
     return adapter.merge_path(trace) if adapter is not None else None
+
+
+def step_requirements(trace: Trace) -> dict[str, FillRequirement]:
+    """What each attndbg adapter whose declared capabilities cover this step needs of padded
+    requests (its declaration, else the seq_len it pads with): the backends this step could run on,
+    by attndbg's names, for a finding's text. Engine names no adapter reproduces are not among them."""
+    needs: dict[str, FillRequirement] = {}
+    for cls in adapters():
+        if cls.name == "reference":  # float64 from the batch: no kernel, no padded rows to take
+            continue
+        try:
+            covered = registry.create(cls.name).capabilities().gap(trace) is None
+        except (ImportError, TypeError, ValueError):  # a third-party adapter that cannot be built here
+            continue
+        if covered:
+            needs[cls.name] = cls.fill_requirement or FillRequirement(cls.cuda_graph_fill_value, f"the {cls.name} adapter pads with seq_len {cls.cuda_graph_fill_value}")
+    return needs

@@ -20,7 +20,7 @@ def test_env_names_the_versions_gpus_caches_and_triton_mode() -> None:
     result = invoke("env")
     assert result.exit_code == 0, result.output
     keys = [line.split(":", 1)[0] for line in result.output.splitlines()]
-    for key in ("attndbg", "python", "torch", "triton", "flashinfer", "nvtx", "sglang", "vllm", "transformers", "CUDA available", "NVIDIA driver", "triton cache", "flashinfer cache", "TRITON_INTERPRET"):
+    for key in ("attndbg", "python", "torch", "triton", "flashinfer", "nvtx", "cupti-python", "sglang", "vllm", "transformers", "CUDA available", "NVIDIA driver", "triton cache", "flashinfer cache", "TRITON_INTERPRET"):
         assert key in keys, (key, result.output)
     torch_line = next(line for line in result.output.splitlines() if line.startswith("torch: "))
     assert torch.__version__ in torch_line and (f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build") in torch_line
@@ -42,7 +42,7 @@ def test_env_json_reports_each_cache_where_its_variable_puts_it(tmp_path: Path, 
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["schema"] == "attndbg.env/1" and data["torch_cuda"] == torch.version.cuda
-    assert {"torch", "triton", "flashinfer", "nvtx", "sglang", "vllm", "transformers"} <= set(data["packages"])
+    assert {"torch", "triton", "flashinfer", "nvtx", "cupti-python", "sglang", "vllm", "transformers"} <= set(data["packages"])
     assert data["packages"]["torch"] == torch.__version__
     caches = {c["name"]: c for c in data["caches"]}
     assert caches["triton"] == {"name": "triton", "path": str(triton_cache), "exists": True, "bytes": 3100, "files": 2, "complete": True, "source": "TRITON_CACHE_DIR"}

@@ -105,7 +105,7 @@ def backends(show_capabilities: bool, json_path: str | None) -> None:
 def env(json_path: str | None) -> None:
     """Report versions, GPUs and JIT caches: paste the output into a bug report.
 
-    attndbg, Python, torch and its CUDA, triton, flashinfer, nvtx, SGLang / vLLM / transformers when
+    attndbg, Python, torch and its CUDA, triton, flashinfer, nvtx, cupti-python, SGLang / vLLM / transformers when
     installed (read from package metadata: no engine is imported), each GPU with its compute
     capability, the NVIDIA driver, the Triton and FlashInfer JIT caches with their sizes, and
     TRITON_INTERPRET.

@@ -25,7 +25,7 @@ def refusal() -> str | None:
     if importlib.util.find_spec("cupti") is None:
         return (
             f"--timeline needs the {PACKAGE} package (NVIDIA's CUPTI for Python), which is not installed: "
-            f"{INSTALL} (or pip install {PACKAGE} of your CUDA driver's major version, e.g. '{PACKAGE}==13.*')"
+            f"{INSTALL}, or the one of your CUDA driver's major version, e.g. pip install '{PACKAGE}==13.*'"
         )
     try:
         importlib.import_module("cupti.cupti")

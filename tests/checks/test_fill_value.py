@@ -80,6 +80,10 @@ def test_padded_seq_len_the_backend_cannot_take(backend: str, needs: int, captur
     f = only(findings, "padded-seq-len-unsupported")
     assert f.location.request == bad_row and f.location.field == f"graph.padded_seq_lens[{bad_row}]"
     assert f"ran on {backend}, which needs >= 1" in f.evidence and "fa3 >= 0" in f.evidence
+    # Only attndbg's backends that run this MHA decode step, by attndbg's names: no engine's own
+    # name (FLASHINFER, TRITON_ATTN), no backend attndbg lacks (ascend), no MLA kernel.
+    listed = f.evidence.split("attndbg's backends for this step need: ")[1]
+    assert {item.split(" >= ")[0] for item in listed.split(", ")} == {"triton", "flashinfer", "fa3", "vllm_paged"}, listed
     assert f.data["backend"] == backend and f.data["min_seq_len"] == 1
     # Padded rows the kernel cannot take leave the real rows right: a hazard, and the cause says when it hurts.
     assert f.severity is Severity.HAZARD and "a later op mixes padded rows into real ones" in f.cause

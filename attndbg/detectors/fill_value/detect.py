@@ -70,8 +70,10 @@ def requirement(backend: str) -> FillRequirement | None:
     return engine_names.fill_requirement(backend)
 
 
-def requirements_summary() -> str:
-    return ", ".join(f"{name} >= {r.min_seq_len}" for name, r in engine_names.fill_requirements().items())
+def requirements_summary(trace: Trace) -> str:
+    """'flashinfer >= 1, fa3 >= 0, triton >= 0': what attndbg's backends that can run this step
+    need of padded rows (engine_names.step_requirements), by attndbg's names."""
+    return ", ".join(f"{name} >= {r.min_seq_len}" for name, r in engine_names.step_requirements(trace).items()) or "no attndbg backend runs this step"
 
 
 def detect(ctx: CheckContext) -> list[Finding]:
@@ -126,7 +128,7 @@ def _padded_seq_lens(trace: Trace) -> list[Finding]:
                     "padded-seq-len-unsupported",
                     f"{len(bad)} of {len(padded)} padded requests have seq_len < {need.min_seq_len} "
                     f"(first: graph.padded_seq_lens[{row}] = {value}; graph.fill_value = {graph.fill_value}); "
-                    f"the step ran on {backend}, which needs >= {need.min_seq_len}. Backends need: {requirements_summary()}",
+                    f"the step ran on {backend}, which needs >= {need.min_seq_len}. attndbg's backends for this step need: {requirements_summary(trace)}",
                     f"The graph runner padded with a fill value {backend} cannot take: {need.why}."
                     + (
                         ""
