@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from attndbg.cli import options
-from attndbg.cli.common import BadInput, check_outputs, handles_bad_input
+from attndbg.cli.common import BadInput, NotRunHere, check_outputs, handles_bad_input
 from attndbg.cli.group import main
 from attndbg.cli.options import parse_backend_options, parse_backends
 from attndbg.cli.replay import data_layer
@@ -49,6 +49,11 @@ def minimize(trace: str, backend_spec: str, finding_spec: str | None, output: st
     names = parse_backends(backend_spec)
     if len(names) != 1 or names[0] == "reference":
         raise BadInput(f"--backend {backend_spec}: minimize keeps one kernel backend's failure; name one (e.g. triton)")
+    from attndbg.backends import registry
+
+    unavailable = registry.create(names[0], options=parse_backend_options(backend_option_specs)).unavailable_reason()
+    if unavailable:  # its failure cannot be shown here, let alone kept
+        raise NotRunHere(f"minimize --backend {names[0]}: {names[0]} cannot run here ({unavailable})")
     wanted = parse_wanted(finding_spec)
     classes = [*detectors.names(), FindingClass.BACKEND_CRASH.value, REPLAY.value]
     if wanted[0] is not None and wanted[0] not in classes:

@@ -112,10 +112,15 @@ def test_backends_command_prints_the_declarations() -> None:
 
     plain = CliRunner().invoke(main, ["backends"])
     assert plain.exit_code == 0 and "what each declares" not in plain.output
-    result = CliRunner().invoke(main, ["backends", "--capabilities"], env={"COLUMNS": "250"})
+    result = CliRunner().invoke(main, ["backends", "--capabilities"], env={"COLUMNS": "400"})  # wide enough for the whole table
     assert result.exit_code == 0, result.output
     declared = result.output.split("what each declares", 1)[1].splitlines()
     triton_row = next(line for line in declared if line.startswith("│ triton "))
     assert "W+1 keys, not in tree verify" in triton_row and "natural" in triton_row and ">= 1" in triton_row
     flashinfer_row = next(line for line in declared if line.startswith("│ flashinfer "))
     assert "base 2" in flashinfer_row and ">= 32 outside decode" in flashinfer_row
+    # Narrower, the same declarations stacked, one a line under each backend's name.
+    stacked = [line.rstrip() for line in CliRunner().invoke(main, ["backends", "--capabilities"], env={"COLUMNS": "120"}).output.split("what each declares", 1)[1].splitlines()]
+    triton = stacked[stacked.index("  triton") + 1 :][:9]
+    assert [line.split(None, 1)[0] for line in triton][-3:] == ["soft-cap", "LSE", "padded"]
+    assert "    window           W+1 keys, not in tree verify" in triton and "    LSE              natural" in triton and "    padded seq_len   >= 1" in triton

@@ -11,7 +11,7 @@ import pytest
 
 from attndbg import machine
 from attndbg.trace import io
-from tests.cli.helpers import invoke, one_line_error, one_line_not_run
+from tests.cli.helpers import invoke, one_line_error, one_line_not_run, with_nogpu  # noqa: F401 - a fixture
 from tests.factories import make_trace
 
 TRACE = str(Path(__file__).resolve().parents[2] / "traces" / "decode_gqa.pt")
@@ -46,3 +46,8 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("command", ["check", "compile"])
 def test_steps_out_of_range_say_how_many_steps_there_are(recording: Path, command: str) -> None:
     one_line_error(invoke(command, str(recording), "--steps", "100:200"), "--steps", "it has 5 steps, numbered 10-14")
+
+
+def test_minimize_with_a_backend_that_cannot_run_here_is_not_run(tmp_path: Path, with_nogpu: None) -> None:
+    one_line_not_run(invoke("minimize", TRACE, "--backend", "nogpu", "-o", str(tmp_path / "m.pt")), "minimize --backend nogpu: nogpu cannot run here (no CUDA GPU")
+    assert not (tmp_path / "m.pt").exists()
