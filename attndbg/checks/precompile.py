@@ -141,7 +141,7 @@ def _say(line: str) -> None:
 
 # Modules missing from the cache from which compiling them up front pays: several build at once,
 # on every core, instead of one after another as steps reach them (176 s against 242 s for a
-# fresh H200's first check, bench/results/gpu_session11.md); one module takes as long either way.
+# fresh H200's first check of 4 steps, docs/benchmarks.md); one module takes as long either way.
 PAYS_FROM = 2
 
 
