@@ -1,0 +1,40 @@
+"""Every bug of the corpus, in table order (engine, then family)."""
+
+from __future__ import annotations
+
+from tests.corpus import (
+    flashinfer_wrappers,
+    not_expressible,
+    sglang_draft_modes,
+    sglang_graph_padding,
+    sglang_kv_lists,
+    sglang_merges,
+    sglang_window_lists,
+    vllm_graph_padding,
+    vllm_host_hints,
+)
+from tests.corpus.bug import RealBug
+
+FAMILIES = (
+    sglang_graph_padding,
+    sglang_kv_lists,
+    sglang_window_lists,
+    sglang_draft_modes,
+    sglang_merges,
+    vllm_graph_padding,
+    vllm_host_hints,
+    flashinfer_wrappers,
+    not_expressible,
+)
+BUGS: tuple[RealBug, ...] = tuple(bug for family in FAMILIES for bug in family.BUGS)
+ENCODED: tuple[RealBug, ...] = tuple(bug for bug in BUGS if bug.write is not None)
+
+
+def by_id(bug_id: str) -> RealBug:
+    for bug in BUGS:
+        if bug.id == bug_id:
+            return bug
+    raise KeyError(f"no bug {bug_id!r} in the corpus ({', '.join(b.id for b in BUGS)})")
+
+
+assert len({bug.id for bug in BUGS}) == len(BUGS), "duplicate bug ids"

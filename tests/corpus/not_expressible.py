@@ -1,0 +1,200 @@
+"""Real bugs the recorders (and importers) cannot express today, each with what the trace or the
+recorder lacks: data for the trace model and the recorders, not steps."""
+
+from __future__ import annotations
+
+from tests.corpus.bug import Capability, RealBug
+
+
+def _bug(id: str, title: str, links: tuple[str, ...], date: str, engine: str, mode: str, mechanism: str, why: str, *capabilities: Capability) -> RealBug:
+    return RealBug(
+        id=id, title=title, links=links, date=date, engine=engine, mode=mode, mechanism=mechanism, encoding="not encoded",
+        expected=(), keywords=(), capabilities=capabilities, not_expressible=why,
+    )  # fmt: skip
+
+
+BUGS = (
+    _bug(
+        "sglang-5419", "merge_state_v2 launched off the capture stream: graph replays return stale merged outputs",
+        ("https://github.com/sgl-project/sglang/pull/5419", "https://github.com/sgl-project/sglang/issues/5404"), "2025-04",
+        "SGLang fa3", "TARGET_VERIFY graph (topk > 1)",
+        "the two-call tree verify's merge ran on the default stream, outside the captured graph; every replay returned the merged "
+        "output of the capture (GSM8K collapsed on DeepSeek-V3 with FA3)",
+        "the SGLang recorder copies no layer tensors of a graph-replayed step (no Python runs at replay) and the step's metadata "
+        "is right: the mistake is only in the output; it needs in-graph probes of the output",
+        Capability.STALE_OUTPUT,
+    ),
+    _bug(
+        "sglang-27338", "EAGLE draft CUDA-graph kv_indices buffer lacks the topk factor",
+        ("https://github.com/sgl-project/sglang/pull/27338", "https://github.com/sgl-project/sglang/issues/26340"), "2026-06",
+        "SGLang flashinfer", "draft DECODE graph (topk > 1)",
+        "generate_draft_decode_kv_indices packs topk branch rows per request (topk x seq_len entries); the multi-step draft "
+        "graph buffer was max_bs x max_context_len, so past it the kernel wrote into adjacent graph memory (out-of-vocab draft ids)",
+        "a topk > 1 draft decode step reads bs x topk branch rows (prefix + its own branch tokens): the Batch has one row per "
+        "request and no draft-decode mode, so the recorder writes it as a plain decode whose plan does not match its batch",
+        Capability.VERIFY_GEOMETRY, Capability.FORWARD_MODES, Capability.SPLITS_VS_CAPTURE,
+    ),
+    _bug(
+        "sglang-26512", "FA3 DRAFT_EXTEND_V2 cache extent covers the prefix only",
+        ("https://github.com/sgl-project/sglang/pull/26512",), "2026-05", "SGLang fa3", "DRAFT_EXTEND (V2)",
+        "in DRAFT_EXTEND_V2 seq_lens are the prefixes, and the new K/V are written before the kernel: cache_seqlens, "
+        "cu_seqlens_k and max_seq_len_k had to cover prefix + extend, but took seq_lens (0.55 max abs diff)",
+        "the SGLang recorder reads DRAFT_EXTEND_V2 by the classic DRAFT_EXTEND rule (seq_lens = prefix + new tokens); a V2 step "
+        "stops the recording: 'extend_prefix_lens 7 + extend_seq_lens 4 != seq_lens 7' (record/sglang/batch.py lengths_from_host)",
+        Capability.FORWARD_MODES,
+    ),
+    _bug(
+        "sglang-22958", "Multi-layer EAGLE draft-extend graph runner never pads its replay buffers",
+        ("https://github.com/sgl-project/sglang/pull/22958",), "2026-04", "SGLang (any)", "DRAFT_EXTEND graph",
+        "init_replay_state left req_pool_indices, seq_lens, out_cache_loc and extend_seq_lens_cpu of padded rows stale: "
+        "stale pool rows indexed req_to_token out of bounds (fix PR closed; the single-layer runner had the padding)",
+        "SGL-new's draft-extend graph runners build their replay batch without build_replay_fb_view, the only replay view whose "
+        "padding the recorder reads; and DRAFT_EXTEND_V2 steps stop the recording (see sglang-26512)",
+        Capability.FORWARD_MODES, Capability.PADDED_ROWS,
+    ),
+    _bug(
+        "sglang-9658", "FA3 tree verify of sliding-window layers (topk > 1)",
+        ("https://github.com/sgl-project/sglang/pull/9658",), "2025-08", "SGLang fa3", "TARGET_VERIFY (topk > 1)",
+        "sliding-window layers of a topk > 1 verify on FA3 need their own page tables (swa_spec_metadata) instead of the full "
+        "layers' two-call cascade; without them gpt-oss with EAGLE3 lost accuracy",
+        "record/sglang/plan.py returns no plan for an FA3 tree verify of a sliding-window layer: swa_spec_metadata's tables are "
+        "not read (the full layers' two calls would be judged for the wrong layer)",
+        Capability.EVERY_PLAN, Capability.WINDOW_VERIFY,
+    ),
+    _bug(
+        "sglang-31501", "FlashInfer SWA paged prefill planned without window_left: the per-element window compiled out",
+        ("https://github.com/sgl-project/sglang/pull/31501",), "2026-07", "SGLang flashinfer", "EXTEND (paged-only)",
+        "the sliding-window paged prefill wrapper was planned without window_left, so FlashInfer compiled its module without "
+        "the window; the window_left given at forward() only skipped whole KV tiles: tokens past the window attended to stale keys",
+        "the recorder derives a call's window_left from the layer (SGLang passes it at every forward and keeps it on no object); "
+        "the plan-time window that chose the compiled module is not recorded",
+        Capability.HOST_HINTS, Capability.EVERY_PLAN,
+    ),
+    _bug(
+        "sglang-9344", "Triton extend/decode kernels overflow kv_indices * stride (int32)",
+        ("https://github.com/sgl-project/sglang/pull/9344", "https://github.com/sgl-project/sglang/issues/9412"), "2025-08",
+        "SGLang triton", "EXTEND, DECODE",
+        "the kernels computed kv_indices * stride in int32: with a large KV pool the offset overflowed (illegal memory access "
+        "under EAGLE3 on gpt-oss-20b)",
+        "the overflow needs slot x row stride >= 2^31: a trace can name such slots, but a replay allocates the pool it indexes "
+        "(billions of elements, refused by --max-memory), and no check models a kernel's index width",
+        Capability.KERNEL_RUN,
+    ),
+    _bug(
+        "sglang-22688", "trtllm_mla chunked-prefix prefill: zero-length chunks of short prefixes",
+        ("https://github.com/sgl-project/sglang/pull/22688", "https://github.com/sgl-project/sglang/issues/22291"), "2026-04",
+        "SGLang trtllm_mla", "EXTEND (MLA chunked prefix)",
+        "the number of prefix chunks follows the longest prefix; shorter prefixes get kv_len 0 in later chunks, which the "
+        "trtllm_mla path mishandled (MSE up to 3.0 with batch > 1)",
+        "DeepSeek's chunked-prefix prefill (prefix latents up-projected chunk by chunk, merged) has no step form: a trace holds one "
+        "attention over one KV row per request; and no adapter runs trtllm_mla",
+        Capability.SPLIT_MODEL, Capability.BACKEND_NAMES,
+    ),
+    _bug(
+        "vllm-35175", "FP8 FlashMLA decode metadata not copied into the persistent CUDA-graph buffers",
+        ("https://github.com/vllm-project/vllm/pull/35175", "https://github.com/vllm-project/vllm/issues/33638"), "2026-02",
+        "vLLM FLASHMLA (fp8 KV)", "DECODE graph",
+        "after the FlashMLASchedMeta refactor the FP8 path set freshly allocated tile_scheduler_metadata / num_splits on it "
+        "instead of copying into cg_buf_*: graph replays read the capture-time metadata (garbled output after ~50 tokens)",
+        "FlashMLASchedMeta is not a dataclass: record/vllm/plan.py records dataclass fields only, so its tile_scheduler_metadata "
+        "and num_splits, and their data pointers, are not recorded",
+        Capability.STALE_PLAN, Capability.SPLITS_VS_CAPTURE,
+    ),
+    _bug(
+        "vllm-17283", "Cascade attention's prefix scheduler metadata planned for num_reqs requests instead of one",
+        ("https://github.com/vllm-project/vllm/pull/17283", "https://github.com/vllm-project/vllm/issues/17276"), "2025-04",
+        "vLLM FLASH_ATTN", "EXTEND (cascade)",
+        "the shared-prefix pass runs as a single request, but its FA3 scheduler metadata was computed with batch_size=num_reqs "
+        "(RuntimeError: scheduler_metadata must have shape (metadata_size))",
+        "FA3's scheduler_metadata is FA3's own opaque layout (get_scheduler_metadata, on the GPU): it is recorded as an int tensor "
+        "that nothing reads, and the prefix pass of a cascade has no plan form of its own",
+        Capability.CROSS_FIELDS, Capability.EVERY_PLAN,
+    ),
+    _bug(
+        "vllm-25196", "FlashInfer spec decode slices prefill rows by num_decode_tokens instead of num_decodes",
+        ("https://github.com/vllm-project/vllm/pull/25196",), "2025-09", "vLLM FLASHINFER", "MIXED (spec decode)",
+        "with q_len > 1 decodes (padded-batch speculative decoding) forward() sliced block_table_tensor and seq_lens for the "
+        "prefill rows at num_decode_tokens, which is num_decodes x q_len, not num_decodes",
+        "the slice is taken in forward(), after build(): the recorder sees the builder's fields (right) and the counts, not the "
+        "tensors the prefill kernel got",
+        Capability.CROSS_FIELDS,
+    ),
+    _bug(
+        "vllm-40961", "Micro-batch metadata captured with max_seq_len 1: SWA layers captured with full-attention kernels",
+        ("https://github.com/vllm-project/vllm/pull/40961",), "2026-04", "vLLM (any)", "capture",
+        "during CUDA-graph capture the ubatch metadata carried max_seq_len 1, so the kernel chosen for sliding-window layers was "
+        "the full-attention one, baked into the graph",
+        "build_for_cudagraph_capture is not recorded (capture runs dummy batches, not steps): the hint that chose the captured "
+        "kernel is never in a trace",
+        Capability.HOST_HINTS, Capability.SPLITS_VS_CAPTURE,
+    ),
+    _bug(
+        "flashinfer-3176", "Custom mask shape never validated: a (10, 15) mask for qo 10, kv 20 read 50 bits past the buffer",
+        ("https://github.com/flashinfer-ai/flashinfer/issues/3176", "https://github.com/flashinfer-ai/flashinfer/pull/3503"), "2026-06",
+        "FlashInfer", "TARGET_VERIFY",
+        "BatchPrefillWithPagedKVCacheWrapper.plan flattened and packed a mask of the wrong shape without checking it against "
+        "sum(q_len x kv_len); the kernel read past it (max abs diff 1.3, no error)",
+        "the FlashInfer dump importer refuses such a plan: 'custom_mask has N elements, the requests' q_len x kv_len blocks need M: "
+        "the draft tree cannot be read from it' (interop/flashinfer_steps.py), though a wrong plan is evidence",
+        Capability.PACKED_MASK,
+    ),
+    _bug(
+        "flashinfer-362", "vLLM planned a prefill wrapper with paged_kv_indptr = [0] for bs + 1 query offsets",
+        ("https://github.com/flashinfer-ai/flashinfer/issues/362", "https://github.com/vllm-project/vllm/pull/7008"), "2024-07",
+        "vLLM (V0) FLASHINFER", "capture",
+        "at CUDA-graph init vLLM planned the prefill wrappers with paged_kv_indptr = torch.tensor([0]) while qo_indptr had bs + 1 "
+        "entries; FlashInfer's scheduler read uninitialised values and asked for a huge workspace (Out of workspace memory)",
+        "the plan() raised and no run followed: the importer makes steps of runs (a plan alone is a note), and vLLM V0's metadata "
+        "is not hooked (the recorder wraps v1 builders)",
+        Capability.CROSS_FIELDS,
+    ),
+    _bug(
+        "flashinfer-4002", "FA2 CUDA-graph plans without split-KV launch padded CTAs over uninitialised scheduler entries",
+        ("https://github.com/flashinfer-ai/flashinfer/issues/4002", "https://github.com/flashinfer-ai/flashinfer/pull/5176",
+         "https://github.com/sgl-project/sglang/pull/31387"), "2026-07", "FlashInfer (SGLang deterministic decode)", "DECODE graph",
+        "with CUDA graphs and split-KV off the planner padded grid-x to padded_batch_size without a block_valid_mask; padded CTAs "
+        "read plan entries never written (an earlier plan's in a reused workspace: illegal memory access)",
+        "FlashInfer's plan info in the int workspace (request_indices, kv_tile_indices, padded_batch_size, block_valid_mask) is "
+        "recorded by neither the recorder nor the importer",
+        Capability.PLAN_INFO,
+    ),
+    _bug(
+        "flashinfer-4051", "Merging two empty attention states returns NaN",
+        ("https://github.com/flashinfer-ai/flashinfer/issues/4051", "https://github.com/flashinfer-ai/flashinfer/pull/5262"), "2026-07",
+        "FlashInfer cascade", "any merge",
+        "merge((0, -inf), (0, -inf)) evaluates exp2(-inf - -inf): NaN output and LSE, contaminating later cascade reductions",
+        "no step the recorders or the importer produce merges two empty FlashInfer states: the importer pairs merge_state only "
+        "into SGLang's cascade, whose new-token part always holds the query's own key; split-merge's nan-empty-split models it synthetically",
+        Capability.KERNEL_RUN, Capability.SPLIT_MODEL,
+    ),
+    _bug(
+        "flashinfer-3716", "CuteDSL paged decode with is_causal=False counts padding KV lanes",
+        ("https://github.com/flashinfer-ai/flashinfer/issues/3716",), "2026-06", "FlashInfer CuteDSL decode", "DECODE",
+        "the non-causal path skipped the boundary mask, so lanes past seq_len entered the softmax denominator",
+        "no adapter runs FlashInfer's CuteDSL decode wrapper, and no recorder records a non-causal decode",
+        Capability.KERNEL_RUN, Capability.BACKEND_NAMES,
+    ),
+    _bug(
+        "flashinfer-1968", "TRT-LLM-gen attention under full CUDA graphs wrong beyond 128k context on Blackwell",
+        ("https://github.com/flashinfer-ai/flashinfer/issues/1968",), "2025-10", "FlashInfer trtllm-gen (vLLM)", "DECODE graph",
+        "with max_seq_len > 128k and FULL graphs the trtllm-gen kernel produced wrong outputs (GSM8K 0.4 % vs 86 %)",
+        "no adapter runs FlashInfer's trtllm-gen kernels: vLLM FLASHINFER steps replay through FlashInfer's FA2/FA3 wrappers",
+        Capability.KERNEL_RUN, Capability.HOST_HINTS,
+    ),
+    _bug(
+        "trtllm-11696", "Eagle3 one-model warmups accumulate drift on kv_lens_cuda (out-of-bounds KV access)",
+        ("https://github.com/NVIDIA/TensorRT-LLM/pull/11696",), "2026-02", "TensorRT-LLM", "graph capture (spec decode)",
+        "kv_lens_cuda was set once before the warmups; each warmup's in-place Eagle3 adjustment added accepted - 1, so after "
+        "two warmups and the capture the device lengths ran past the KV cache",
+        "TensorRT-LLM's attention capture lines carry the host lengths (seq_lens, num_cached_tokens), not the device kv_lens "
+        "that drifted",
+        Capability.CROSS_FIELDS,
+    ),
+    _bug(
+        "trtllm-7127", "Attention workspace resized under CUDA graphs: replays read the relocated buffer",
+        ("https://github.com/NVIDIA/TensorRT-LLM/pull/7127",), "2025-08", "TensorRT-LLM", "DECODE graph",
+        "the attention op's workspace grew with the request count; a resize relocated it and captured graphs kept the old address",
+        "TensorRT-LLM's capture lines carry no buffers and no data pointers: the importer makes structure-only steps",
+        Capability.STALE_PLAN,
+    ),
+)

@@ -1,0 +1,122 @@
+"""vLLM FULL-CUDA-graph padding bugs: what padded rows of the captured batch held when the builder's
+metadata reached a kernel that cannot take vLLM's padding convention (seq_len 0, NULL_BLOCK_ID).
+
+- vllm-project/vllm#35969 (2026-03, issue #33664): FlashMLA's FP8 decode kernel on padded rows
+  with seq_lens 0 (n_block = -1, block_table[-1]) and block_table -1 (a negative KV offset):
+  illegal memory access under graph replay; the fix clamps both in the FlashMLA builder.
+- vllm-project/vllm#28739 (2025-11): ChunkedLocalAttention's builder inherited FlashInfer's
+  get_cudagraph_support, so Llama-4's local attention layers were captured in CUDA graphs although
+  the builder makes its metadata tensors afresh every step: replays read the capture-time tensors
+  (wrong outputs). Fixed by keeping it out of graphs (cudagraph support NEVER).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from tests.corpus import vllm_engine as vl
+from tests.corpus.bug import Capability, RealBug
+from tests.record.engines import import_engine
+
+flashmla = import_engine("vllm.v1.attention.backends.mla.flashmla")
+
+MLA_STEP = dict(seq_lens=[70, 33, 100], query_lens=[1, 1, 1], blocks=[[3, 7], [5], [9, 2]], block_size=64, pad_reqs=1)
+
+
+def _flashmla_decode(out: Path, *, clamped: bool) -> None:
+    """The runner pads the bs-3 decode to the bs-4 graph with seq_len 0 and block_table -1 (the
+    padding #35969 describes); FlashMLAMetadataBuilder.build_decode passes both to the kernel,
+    clamped to >= 1 and >= 0 by the fix."""
+    cm = vl.Step(**MLA_STEP, padded_block=-1).common()
+    seq_lens, table = cm.seq_lens.clone(), cm.block_table_tensor.clone()
+    if clamped:
+        seq_lens.clamp_(min=1)
+        table.clamp_(min=0)
+    decode = flashmla.FlashMLADecodeMetadata(block_table=table, seq_lens=seq_lens, dcp_tot_seq_lens=None, scheduler_metadata=None)
+    metadata = flashmla.FlashMLAMetadata(
+        num_reqs=cm.num_reqs, max_query_len=1, max_seq_len=cm.max_seq_len, num_actual_tokens=cm.num_actual_tokens, query_start_loc=cm.query_start_loc,
+        slot_mapping=cm.slot_mapping, num_decodes=cm.num_reqs, num_decode_tokens=cm.num_reqs, num_prefills=0, causal=True, head_dim=None, prefill=None, decode=decode,
+    )  # fmt: skip
+    capture = vl.CaptureSizes(max_bs=64, max_num_tokens=8, block_table_width=int(cm.block_table_tensor.shape[1]))
+    vl.record(out, cm, metadata, backend="FLASHMLA", model=vl.mla_model(block_size=64), capture=capture, builder="FlashMLAMetadataBuilder")
+
+
+def write_35969(bug: Path, twin: Path) -> None:
+    _flashmla_decode(bug, clamped=False)
+    _flashmla_decode(twin, clamped=True)
+
+
+
+
+LOCAL_STEPS = [dict(seq_lens=[20, 33, 7], query_lens=[1, 1, 1], blocks=[[7, 3], [5, 1, 9], [2]], pad_reqs=1),
+               dict(seq_lens=[21, 34, 8], query_lens=[1, 1, 1], blocks=[[7, 3], [5, 1, 9], [2]], pad_reqs=1)]  # fmt: skip
+
+
+def _local_attention(out: Path, *, persistent: bool) -> None:
+    """Two FULL-graph replays (bs-4 graph) of ChunkedLocalAttention's builder, whose virtual batches
+    equal the real ones here (attention_chunk_size 8192 > every sequence). It builds its metadata
+    tensors afresh each step; under FULL graphs the captured kernels read the capture-time tensors,
+    so their addresses must not move: the fix (never capture it in a graph) keeps the backend
+    eager, which is what persistent buffers model here."""
+    buffers: dict[str, torch.Tensor] = {}
+    for step, layout in enumerate(LOCAL_STEPS):
+        cm = vl.Step(**layout).common()
+        names = ("seq_lens", "block_table_tensor", "query_start_loc", "slot_mapping")
+        fresh = {name: getattr(cm, name).clone() for name in names}
+        if persistent:
+            for name, value in fresh.items():
+                buffers.setdefault(name, torch.zeros_like(value)).copy_(value)
+            fresh = dict(buffers)
+        metadata = SimpleNamespace(
+            num_actual_tokens=cm.num_actual_tokens, max_q_len=1, max_seq_len=cm.max_seq_len,
+            num_decodes=cm.num_reqs, num_decode_tokens=cm.num_reqs, num_prefills=0, num_prefill_tokens=0, use_cascade=False, **fresh,
+        )  # fmt: skip
+        vl.record(out, cm, metadata, backend="FLASHINFER", model=vl.mha_model(), step=step, builder="ChunkedLocalAttentionBuilder", pointers=True)
+
+
+def write_28739(bug: Path, twin: Path) -> None:
+    _local_attention(bug, persistent=False)
+    _local_attention(twin, persistent=True)
+
+
+BUGS = (
+    RealBug(
+        id="vllm-35969",
+        title="FlashMLA FP8 decode on padded rows with seq_len 0 and block_table -1 (IMA under graph replay)",
+        links=("https://github.com/vllm-project/vllm/pull/35969", "https://github.com/vllm-project/vllm/issues/33664"),
+        date="2026-03",
+        engine="vLLM FLASHMLA",
+        mode="DECODE graph",
+        mechanism="the model runner padded unused graph rows with seq_lens=0 and block_table=-1; FlashMLA's FP8 kernel "
+        "computes n_block = -1 from seq_len 0 (block_table[-1]) and a negative KV offset from -1: illegal memory access. "
+        "Fixed by clamping seq_lens >= 1 and block_table >= 0 in FlashMLAMetadataBuilder.build_decode",
+        encoding="3 MLA decodes (block 64) in a bs-4 FULL graph: padded row seq_len 0, block-table row -1, in the "
+        "CommonAttentionMetadata and the FlashMLA decode metadata; twin: the builder's clamped copies",
+        expected=("fill-value/padded-seq-len-unsupported", "invariants/index-outside-cache"),
+        keywords=("FlashMLA", "seq_len 0", "-1"),
+        capabilities=(Capability.BACKEND_NAMES, Capability.PADDED_ROWS),
+        twin_note="the runner still pads with 0 and -1; the builder hands the kernel clamped copies (the fix)",
+        write=write_35969,
+    ),
+    RealBug(
+        id="vllm-28739",
+        title="Chunked local attention captured in FULL CUDA graphs with per-step metadata tensors",
+        links=("https://github.com/vllm-project/vllm/pull/28739", "https://github.com/vllm-project/vllm/issues/28604"),
+        date="2025-11",
+        engine="vLLM FLASHINFER (ChunkedLocalAttention builder)",
+        mode="DECODE graph, two replays",
+        mechanism="ChunkedLocalAttentionBuilder inherited FlashInfer's get_cudagraph_support, so its _cudagraph_support = "
+        "NEVER was ignored and Llama-4's local layers ran inside FULL graphs, though the builder allocates its virtual-batch "
+        "metadata each step: graph replays read the tensors captured at capture time (incorrect outputs)",
+        encoding="two decode steps replayed in the bs-4 graph; the builder's seq_lens, block table and query_start_loc are new "
+        "tensors each step (their data pointers recorded, as the hook records them); twin: persistent buffers refilled in place",
+        expected=("invariants/plan-pointer-moved",),
+        keywords=("pointer", "capture-time", "replay"),
+        capabilities=(Capability.ALREADY, Capability.STALE_PLAN),
+        twin_note="the fix keeps the backend out of graphs; the twin is the graph-safe form: the same steps over persistent buffers",
+        write=write_28739,
+    ),
+)

@@ -1,0 +1,97 @@
+"""Host-side values vLLM hands a kernel beside its tensors, which choose a kernel, a split count or a
+launch size: right tensors, wrong hint.
+
+- vllm-project/vllm#43991 (2026-05): Model Runner V2's hybrid and draft paths built the attention
+  metadata with max_seq_len = max_model_len instead of the batch's longest sequence; FlashInfer's
+  TRT-LLM attention, sized by it, walked past the valid block-table entries.
+- vllm-project/vllm#20301 (2025-07): FlashAttention-3's ahead-of-time scheduler under FULL CUDA
+  graphs: with no explicit num_splits, the split factor chosen at run time could exceed the one the
+  captured graph's buffers were sized for (illegal memory access); fixed by passing max_num_splits
+  at both capture and run time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from tests.corpus import vllm_engine as vl
+from tests.corpus.bug import Capability, RealBug
+from tests.record.engines import import_engine
+
+flash_attn = import_engine("vllm.v1.attention.backends.flash_attn")
+
+MAX_MODEL_LEN = 4096
+DECODE = dict(seq_lens=[20, 33, 7], query_lens=[1, 1, 1], blocks=[[7, 3], [5, 1, 9], [2]])
+
+
+def _flashinfer_decode(out: Path, *, max_seq_len: int) -> None:
+    """FlashInferMetadataBuilder.build over a decode batch whose CommonAttentionMetadata carries
+    `max_seq_len` (the builder passes it to the TRT-LLM decode kernel as max_kv_len)."""
+    cm = vl.Step(**DECODE, max_seq_len=max_seq_len).common()
+    # FlashInferMetadata's fields as the builder fills them (its module imports FlashInfer).
+    metadata = SimpleNamespace(
+        num_actual_tokens=cm.num_actual_tokens, slot_mapping=cm.slot_mapping, max_q_len=1, max_seq_len=max_seq_len, seq_lens=cm.seq_lens,
+        block_table_tensor=cm.block_table_tensor, num_decodes=3, num_decode_tokens=3, num_prefills=0, num_prefill_tokens=0, use_cascade=False,
+    )  # fmt: skip
+    vl.record(out, cm, metadata, backend="FLASHINFER", model=vl.mha_model(), builder="FlashInferMetadataBuilder")
+
+
+def write_43991(bug: Path, twin: Path) -> None:
+    _flashinfer_decode(bug, max_seq_len=MAX_MODEL_LEN)
+    _flashinfer_decode(twin, max_seq_len=33)
+
+
+def _fa3_graph_decode(out: Path, *, max_num_splits: int) -> None:
+    """FlashAttentionMetadataBuilder.build of a FULL-graph decode (padded to the bs-4 graph): the
+    split bound FA3 is launched with. FA3's AoT scheduler_metadata (its own opaque layout, computed
+    on the GPU by get_scheduler_metadata) is not reproduced here: the hint is what is recorded."""
+    cm = vl.Step(**DECODE, pad_reqs=1).common()
+    metadata = flash_attn.FlashAttentionMetadata(
+        num_actual_tokens=cm.num_actual_tokens, max_query_len=1, query_start_loc=cm.query_start_loc, max_seq_len=cm.max_seq_len, seq_lens=cm.seq_lens,
+        block_table=cm.block_table_tensor, slot_mapping=cm.slot_mapping, max_num_splits=max_num_splits, causal=True,
+    )  # fmt: skip
+    capture = vl.CaptureSizes(max_bs=64, max_num_tokens=8, block_table_width=int(cm.block_table_tensor.shape[1]))
+    vl.record(out, cm, metadata, backend="FLASH_ATTN", model=vl.mha_model(), capture=capture, builder="FlashAttentionMetadataBuilder")
+
+
+def write_20301(bug: Path, twin: Path) -> None:
+    _fa3_graph_decode(bug, max_num_splits=0)  # 0: FA3's heuristic picks the split count at each launch
+    _fa3_graph_decode(twin, max_num_splits=16)  # VLLM_FLASH_ATTN_MAX_NUM_SPLITS_FOR_CUDA_GRAPH's default
+
+
+BUGS = (
+    RealBug(
+        id="vllm-43991",
+        title="Attention metadata built with max_seq_len = max_model_len: TRT-LLM attention walks past the block table",
+        links=("https://github.com/vllm-project/vllm/pull/43991",),
+        date="2026-05",
+        engine="vLLM FLASHINFER",
+        mode="DECODE",
+        mechanism="MambaHybridModelState.prepare_attn and the EAGLE/MTP draft metadata passed max_seq_len=max_model_len; "
+        "FlashInfer's TRT-LLM attention sizes its walk over the block table by it and read past the valid entries; the fix "
+        "uses the batch's own max (max_model_len only at capture)",
+        encoding="3 decodes (seq_lens 20, 33, 7; block 16); CommonAttentionMetadata and FlashInfer metadata with max_seq_len 4096",
+        expected=("invariants/max-seq-len", "invariants/seq-lens-max", "invariants/host-hint"),
+        keywords=("max_seq_len", "max_model_len", "hint"),
+        capabilities=(Capability.HOST_HINTS,),
+        write=write_43991,
+    ),
+    RealBug(
+        id="vllm-20301",
+        title="FA3 AoT scheduling under FULL CUDA graphs without a split bound (IMA)",
+        links=("https://github.com/vllm-project/vllm/pull/20301",),
+        date="2025-07",
+        engine="vLLM FLASH_ATTN",
+        mode="DECODE graph",
+        mechanism="with full CUDA graphs and FA3's ahead-of-time scheduler, no explicit num_splits was passed: the run-time "
+        "split factor could exceed what the captured graph's buffers held (illegal memory access); the fix passes "
+        "max_num_splits at capture and at run time",
+        encoding="3 decodes padded to a bs-4 FULL graph; FlashAttentionMetadata with max_num_splits 0 (no bound); FA3's "
+        "scheduler_metadata itself not reproduced (computed on the GPU by FA3)",
+        expected=("invariants/split-bound", "invariants/capture-splits"),
+        keywords=("max_num_splits", "num_splits", "capture"),
+        capabilities=(Capability.SPLITS_VS_CAPTURE, Capability.HOST_HINTS),
+        write=write_20301,
+    ),
+)
