@@ -18,7 +18,7 @@ Writer = Callable[[Path, Path], None]
 
 
 class Capability(enum.Enum):
-    """What would catch the bug (the capability lists of the catch-the-real-bugs issues)."""
+    """What would catch the bug: the capabilities the checks lack (or ALREADY: a check that exists)."""
 
     EVERY_PLAN = "every plan the engine holds (every wrapper, both FA3 verify calls, every layer group)"
     PADDED_ROWS = "padded rows against the declared padding"
