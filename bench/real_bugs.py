@@ -2,7 +2,7 @@
 with `attndbg check`, and print the table (docs/real-bugs.md explains it).
 
     python bench/real_bugs.py write DIR                 # needs SGLang and vLLM installed (the recorders' classes)
-    python bench/real_bugs.py check DIR [--backend triton] [--cuda-graph] [--jobs 2] [--timeout 600]
+    python bench/real_bugs.py check DIR [--backend triton] [--cuda-graph] [--jobs 2] [--timeout 600] [--bugs ID,...]
     python bench/real_bugs.py all DIR [check options]   # write, then check
     python bench/real_bugs.py table DIR                 # the table again, from DIR/real_bugs.json
 
@@ -115,8 +115,11 @@ def table(out: Path) -> int:
     return 0
 
 
-def check(out: Path, backend: str, cuda_graph: bool, jobs: int, timeout: float, extra: list[str]) -> int:
+def check(out: Path, backend: str, cuda_graph: bool, jobs: int, timeout: float, extra: list[str], bugs: str | None = None) -> int:
     metas = [json.loads(p.read_text()) for p in sorted(out.glob(f"*/{META}"))]
+    if bugs:
+        wanted = set(bugs.split(","))
+        metas = [m for m in metas if m["id"] in wanted]
     if not metas:
         print(f"{out}: no {META} files: run `python bench/real_bugs.py write {out}` first", file=sys.stderr)
         return 2
@@ -133,7 +136,14 @@ def check(out: Path, backend: str, cuda_graph: bool, jobs: int, timeout: float, 
             row.update(judge(meta, row["bug"], row["twin"]))
         rows.append(row)
     summary = {"backend": backend, "cuda_graph": cuda_graph, "seconds": round(time.monotonic() - started, 1), "rows": rows}
-    (out / "real_bugs.json").write_text(json.dumps(summary, indent=1, default=str))
+    earlier = out / "real_bugs.json"
+    if bugs and earlier.exists():  # a part of the corpus: the other bugs' rows of the last run stay
+        last = json.loads(earlier.read_text())
+        if (last.get("backend"), last.get("cuda_graph")) == (backend, cuda_graph):
+            done = {row["meta"]["id"] for row in rows}
+            rows = sorted([r for r in last["rows"] if r["meta"]["id"] not in done] + rows, key=lambda r: r["meta"]["id"])
+            summary["rows"] = rows
+    earlier.write_text(json.dumps(summary, indent=1, default=str))
     table = render(rows, backend=backend, cuda_graph=cuda_graph)
     (out / "real_bugs.md").write_text(table + "\n")
     print(table)
@@ -194,6 +204,7 @@ def main() -> int:
             p.add_argument("--cuda-graph", action="store_true", help="check's --cuda-graph (GPU)")
             p.add_argument("--jobs", type=int, default=2, help="checks run at once, each in its own process")
             p.add_argument("--timeout", type=float, default=600, help="seconds one check may take")
+            p.add_argument("--bugs", help="only these bugs (comma-separated ids), e.g. to split a run over several commands")
             p.add_argument("extra", nargs="*", help="further check options, after --")
     args = parser.parse_args()
     if args.command == "table":
@@ -201,7 +212,7 @@ def main() -> int:
     if args.command in ("write", "all"):
         write(args.out)
     if args.command in ("check", "all"):
-        return check(args.out, args.backend, args.cuda_graph, args.jobs, args.timeout, args.extra)
+        return check(args.out, args.backend, args.cuda_graph, args.jobs, args.timeout, args.extra, args.bugs)
     return 0
 
 
