@@ -29,6 +29,11 @@ class RecordOptions:
     writer: str = "process"  # "process": save in a child process (off the engine's GIL); "thread": in-process
     file_prefix: str = ""  # step files are named f"{file_prefix}step_000012.pt" ("run2_" with --append)
     problems_file: str = ""  # where each process notes why it stopped recording (record/problems.py); "" = nowhere
+    # Flight recorder (record/flight.py): keep the last `ring` steps in host memory and write them
+    # only when a trigger fires (0: write every step as it comes).
+    ring: int = 0
+    when: tuple[str, ...] = ()  # extra triggers, as the user wrote them: "nan", "accept<0.2"
+    spool_dir: str = ""  # where ring processes leave their ring at exit, for `record` to keep on a failed exit
     extra: dict[str, str] = field(default_factory=dict)
 
     def wants_step(self, step: int) -> bool:
@@ -50,6 +55,7 @@ class RecordOptions:
         data = json.loads(raw)
         data["layers"] = tuple(data.get("layers", ()))
         data["engines"] = tuple(data.get("engines", ()))
+        data["when"] = tuple(data.get("when", ()))
         return RecordOptions(**data)
 
 

@@ -11,7 +11,12 @@ The rules every engine hook follows through this class:
   refuses (a full disk, a quota) stops recording with one line naming the directory and the errno;
 - the engine never waits on the writer: when the queue is full, the step is dropped and counted;
 - validating and saving run in a child process (`writer_process`), so that Python work does not
-  hold the engine process's GIL; the writer thread here only builds and packs each step.
+  hold the engine process's GIL; the writer thread here only builds and packs each step;
+- with `--ring K` (options.ring) nothing is written as it comes: the flight recorder (`flight.py`)
+  keeps the last steps' host copies and writes them, in this process, when a trigger fires.
+Adapters hand a step over in two halves where the engine's call can fail or the device can fault:
+`open_step` before the call (its metadata, copied before the kernels that read it), `close_step`
+after it; in ring mode the step is in the ring from `open_step` on, so the step that faulted is kept.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -33,7 +39,7 @@ from torch import Tensor
 from attndbg.record import problems
 from attndbg.record.options import RecordOptions
 from attndbg.record.writer_process import ProcessWriter
-from attndbg.trace.io import append_to_recording
+from attndbg.trace.io import append_manifest_line, append_to_recording
 from attndbg.trace.schema import Trace, to_dict
 
 # Steps waiting for the writer are bounded by their bytes, not their number: metadata-only steps
@@ -46,37 +52,154 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-class HostCopy:
-    """Tensors copied to (pinned) host memory without a device sync; `wait()` completes them."""
+class CopyLost(RuntimeError):
+    """A step's device-to-host copies never completed (the device faulted before they ran)."""
 
-    def __init__(self, tensors: dict[str, Tensor | None]):
+
+_ONES: dict[torch.device, Tensor] = {}  # a device int32 1 per device: the value each copy batch's marker receives
+
+
+def _one_on(device: torch.device) -> Tensor:
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones(1, dtype=torch.int32, device=device)
+    return one
+
+
+class HostCopy:
+    """Tensors copied to (pinned) host memory without a device sync; `wait()` completes them.
+
+    Each batch of device copies (the constructor's, then each `add`) ends with a 4-byte copy of a
+    device 1 into a pinned marker the host zeroed: stream order makes the marker land after the
+    data, so `landed()` tells, by reading host memory alone, whether the data arrived. That is what
+    can still be asked after a CUDA error, when every CUDA call (an event's query included) fails."""
+
+    def __init__(self, tensors: dict[str, Tensor | None], *, stream: torch.cuda.Stream | None = None):
         self._host: dict[str, Tensor | None] = {}
-        self._event: torch.cuda.Event | None = None
+        self._events: list[torch.cuda.Event] = []
+        self._markers: list[Tensor] = []
+        self._readings: list[Any] = []  # probes.Reading: values a graph replay copies (probes.py)
+        self._lock = threading.Lock()
         self.nbytes = 0
-        for name, t in tensors.items():
-            if t is None:
-                self._host[name] = None
-                continue
-            self.nbytes += t.numel() * t.element_size()
-            if t.is_cuda:
-                host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                self._host[name] = host
-                if self._event is None:
-                    self._event = torch.cuda.Event()
-            else:
-                # A host tensor may be reused by the engine for the next step: copy it now.
-                self._host[name] = t.detach().clone()
-        if self._event is not None:
-            self._event.record()
+        self.add(tensors, stream=stream)
+
+    def add(self, tensors: dict[str, Tensor | None], *, stream: torch.cuda.Stream | None = None) -> None:
+        """Copy more tensors (a step's layer tensors once its forward ran) into this copy."""
+        host: dict[str, Tensor | None] = {}
+        device: torch.device | None = None
+        with contextlib.ExitStack() as on_stream:
+            if stream is not None:
+                on_stream.enter_context(torch.cuda.stream(stream))
+            for name, t in tensors.items():
+                if t is None:
+                    host[name] = None
+                    continue
+                self.nbytes += t.numel() * t.element_size()
+                if t.is_cuda:
+                    pinned = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+                    pinned.copy_(t, non_blocking=True)
+                    host[name] = pinned
+                    device = t.device
+                else:
+                    # A host tensor may be reused by the engine for the next step: copy it now.
+                    host[name] = t.detach().clone()
+            if device is not None:
+                marker = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+                marker.copy_(_one_on(device), non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                with self._lock:
+                    self._markers.append(marker)
+                    self._events.append(event)
+        with self._lock:
+            self._host.update(host)
+
+    def add_host(self, host: dict[str, Tensor]) -> None:
+        """Add tensors already on the host and complete (probe readings)."""
+        with self._lock:
+            self._host.update(host)
+            self.nbytes += sum(t.numel() * t.element_size() for t in host.values())
+
+    def add_reading(self, reading: Any) -> None:
+        """Values an in-graph probe copies (probes.Reading), collected when the copy is waited for."""
+        with self._lock:
+            self._readings.append(reading)
+            self.nbytes += sum(t.numel() * t.element_size() for t in reading.probes.staging.values())
+
+    def landed(self) -> bool:
+        """Every device copy arrived (host memory only: safe after a CUDA error). Probe readings
+        judge their own values by their stamps (probes.py)."""
+        with self._lock:
+            return all(int(m[0]) == 1 for m in self._markers)
 
     def wait(self) -> dict[str, Tensor | None]:
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host
+        with self._lock:
+            events = list(self._events)
+        for event in events:
+            try:
+                event.synchronize()
+            except RuntimeError as e:  # a CUDA error (torch.AcceleratorError is a RuntimeError)
+                if not self.landed():
+                    raise CopyLost(f"its host copies never completed ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+                break
+        with self._lock:
+            host, readings = dict(self._host), list(self._readings)
+        for reading in readings:
+            host.update(reading.wait())
+        return host
+
+
+class StepCopies(HostCopy):
+    """Several host copies handed to the writer as one (a step's metadata, then one copy per
+    recorded layer), each part's keys prefixed with its name."""
+
+    def __init__(self, parts: dict[str, HostCopy]):  # noqa: D107 - no super(): the parts hold the copies
+        self._parts = parts
+        self._lock = threading.Lock()
+        self.nbytes = sum(part.nbytes for part in parts.values())
+
+    def add(self, tensors: dict[str, Tensor | None], *, stream: torch.cuda.Stream | None = None) -> None:
+        raise TypeError("add to a part, not to the merged copy")
+
+    def add_host(self, host: dict[str, Tensor]) -> None:
+        raise TypeError("add to a part, not to the merged copy")
+
+    def landed(self) -> bool:
+        return all(part.landed() for part in self._parts.values())
+
+    def wait(self) -> dict[str, Tensor | None]:
+        host: dict[str, Tensor | None] = {}
+        for prefix, part in self._parts.items():
+            host.update({prefix + name: t for name, t in part.wait().items()})
+        return host
 
 
 Build = Callable[[dict[str, Tensor | None]], Trace | None]
+
+
+@dataclass
+class _StepJob:
+    copy: HostCopy
+    build: Build
+    in_flight: bool = False  # written by the flight recorder while its device work was not seen done
+
+
+@dataclass
+class _LineJob:
+    line: str  # a manifest line written after the steps queued before it (a flight-recorder trigger)
+
+
+@dataclass
+class OpenStep:
+    """A step handed over before the engine's call (`open_step`); `close_step` completes it.
+
+    `copy` takes the tensors the call produced (`copy.add`); in ring mode the step is already in
+    the ring (`entry`), so a call that raises or a device that faults leaves it there."""
+
+    step: int
+    copy: HostCopy
+    build: Build
+    entry: Any = None  # flight.RingEntry in ring mode
 
 
 @dataclass
@@ -101,14 +224,23 @@ class RecordingSession:
         self._log = log or _log_line
         self._enabled = True
         self._steps = 0
+        self._noted: set[str] = set()
         self._lock = threading.Lock()
-        self._queue: queue.Queue[tuple[HostCopy, Build] | None] = queue.Queue()
+        self._queue: queue.Queue[_StepJob | _LineJob | None] = queue.Queue()
         self._pending_bytes = 0
         self._bytes_at_start = sum(p.stat().st_size for p in self.out_dir.glob("*.pt"))
-        # Started now: its Python and torch take seconds to import, and steps queue meanwhile.
-        self._process = ProcessWriter(self.out_dir) if options.writer == "process" else None
+        # Started now: its Python and torch take seconds to import, and steps queue meanwhile. Not
+        # in ring mode: a ring is written rarely, in one burst, and a process per engine process
+        # that may never write would cost every engine process seconds of CPU at start.
+        self._process = ProcessWriter(self.out_dir) if options.writer == "process" and not options.ring else None
         self._writer = threading.Thread(target=self._write_loop, name="attndbg-record-writer", daemon=True)
         self._writer.start()
+        self.flight: Any = None  # flight.FlightRecorder in ring mode
+        if options.ring:
+            from attndbg.record.flight import FlightRecorder
+
+            self.flight = FlightRecorder(self)
+        self._closed = False
         atexit.register(self.close)
 
     # -- what hooks ask -------------------------------------------------------------------------
@@ -130,15 +262,54 @@ class RecordingSession:
     def wants_layer(self, layer: int) -> bool:
         return self._enabled and self.options.wants_layer(layer)
 
-    def snapshot(self, tensors: dict[str, Tensor | None]) -> HostCopy | None:
-        """Start host copies of a step's tensors; None (and counted) inside a graph capture."""
+    def snapshot(self, tensors: dict[str, Tensor | None], *, stream: torch.cuda.Stream | None = None) -> HostCopy | None:
+        """Start host copies of a step's tensors (on `stream`, else the current one); None (and
+        counted) inside a graph capture."""
         if capturing():
             self.stats.skipped_in_capture += 1
             return None
-        return HostCopy(tensors)
+        return HostCopy(tensors, stream=stream)
 
-    def submit(self, copy: HostCopy, build: Build) -> None:
-        """Hand a step to the writer: `build(host_tensors)` runs on the writer thread."""
+    def submit(self, copy: HostCopy, build: Build, *, step: int | None = None) -> None:
+        """Hand a step to the writer: `build(host_tensors)` runs on the writer thread. In ring mode
+        the step goes to the ring instead (`step` names it there; None: the last step numbered)."""
+        if not self._enabled:
+            return
+        if self.flight is not None:
+            self.flight.keep(self._steps - 1 if step is None else step, copy, build)
+            return
+        self.write(copy, build)
+
+    def open_step(self, step: int, copy: HostCopy, build: Build) -> OpenStep:
+        """A step whose metadata is copied before the engine's call (see the module docstring)."""
+        handle = OpenStep(step=step, copy=copy, build=build)
+        if self.flight is not None and self._enabled:
+            handle.entry = self.flight.open(step, copy, build)
+        return handle
+
+    def close_step(self, handle: OpenStep, *, stream: torch.cuda.Stream | None = None) -> None:
+        """The engine's call returned: write the step (ring mode: mark where its device work ends,
+        on `stream`, the stream the step ran on)."""
+        if handle.entry is not None:
+            self.flight.close(handle.entry, stream=stream)
+        elif self._enabled:
+            self.write(handle.copy, handle.build)
+
+    def fail_step(self, handle: OpenStep | None, error: BaseException, where: str) -> None:
+        """The engine's call raised: in ring mode that fires the ring (the step stays in it);
+        otherwise the step is not written (its tensors are incomplete)."""
+        if self.flight is not None:
+            from attndbg.record.triggers import from_exception
+
+            self.flight.fire(from_exception(error, handle.step if handle is not None else self.last_step, where))
+
+    @property
+    def last_step(self) -> int | None:
+        """The last step number handed out (None before the first)."""
+        return self._steps - 1 if self._steps else None
+
+    def write(self, copy: HostCopy, build: Build, *, in_flight: bool = False) -> None:
+        """Queue a step for the writer thread (the flight recorder's writes come here too)."""
         if not self._enabled:
             return
         with self._lock:
@@ -146,7 +317,11 @@ class RecordingSession:
                 self.stats.dropped_queue_full += 1
                 return
             self._pending_bytes += copy.nbytes
-        self._queue.put_nowait((copy, build))
+        self._queue.put_nowait(_StepJob(copy, build, in_flight))
+
+    def write_line(self, line: str) -> None:
+        """Queue a manifest line, written after the steps queued before it."""
+        self._queue.put_nowait(_LineJob(line))
 
     @contextlib.contextmanager
     def guard(self, where: str) -> Iterator[None]:
@@ -155,6 +330,15 @@ class RecordingSession:
             yield
         except Exception as e:  # noqa: BLE001 - a recorder must never take the engine down
             self.disable(f"error in {where}: {type(e).__name__}: {e}")
+
+    def note_once(self, message: str) -> None:
+        """Log `message` once per process (a moved buffer, a probe that could not be captured)."""
+        with self._lock:
+            if message in self._noted:
+                return
+            self._noted.add(message)
+        with contextlib.suppress(OSError):
+            self._log(message)
 
     def disable(self, reason: str, *, failure: bool = True) -> None:
         """Stop recording in this process; a `failure` (not the size cap) is also noted for
@@ -176,25 +360,33 @@ class RecordingSession:
             try:
                 if job is None:
                     return
+                if isinstance(job, _LineJob):
+                    with self.guard("writing a manifest line"):
+                        append_manifest_line(self.out_dir, job.line)
+                    continue
                 if self._enabled:
                     with self.guard("writing a step"):
-                        self._write(*job)
+                        self._write(job)
                 with self._lock:
-                    self._pending_bytes -= job[0].nbytes
+                    self._pending_bytes -= job.copy.nbytes
             finally:
                 self._queue.task_done()
 
-    def _write(self, copy: HostCopy, build: Build) -> None:
-        trace = build(copy.wait())
+    def _write(self, job: _StepJob) -> None:
+        try:
+            host = job.copy.wait()
+        except CopyLost as e:  # a ring step behind a device fault: the others are still written
+            self._log(f"a step in flight was not written: {e}")
+            return
+        trace = job.build(host)
         if trace is None:
             return
-        rank = trace.source.tp_rank
-        name = f"{self.options.file_prefix}step_{trace.source.step:06d}{f'_tp{rank}' if rank else ''}.pt"
+        name = step_file_name(self.options, trace)
         try:
             if self._process is not None:
-                size = self._process.write(name, to_dict(trace))
+                size = self._process.write(name, to_dict(trace), in_flight=job.in_flight)
             else:
-                size = append_to_recording(self.out_dir, trace, name).stat().st_size
+                size = append_to_recording(self.out_dir, trace, name, in_flight=job.in_flight).stat().st_size
         except OSError as e:  # a full disk (ENOSPC), a quota, a read-only mount: stop, say where and why
             self.disable(f"cannot write {name} to {self.out_dir}: {os_reason(e)}")
             return
@@ -220,6 +412,11 @@ class RecordingSession:
         done.wait(timeout)
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.flight is not None:
+            self.flight.at_exit()  # may fire (a CUDA error seen at exit) and writes: before the writer stops
         if self._writer.is_alive():
             self.flush()
             with contextlib.suppress(queue.Full):
@@ -227,6 +424,12 @@ class RecordingSession:
             self._writer.join(timeout=5.0)
         if self._process is not None:
             self._process.close()
+
+
+def step_file_name(options: RecordOptions, trace: Trace) -> str:
+    """`step_000012.pt` (with --append's run prefix, and a TP rank's suffix past rank 0)."""
+    rank = trace.source.tp_rank
+    return f"{options.file_prefix}step_{trace.source.step:06d}{f'_tp{rank}' if rank else ''}.pt"
 
 
 def os_reason(e: OSError) -> str:

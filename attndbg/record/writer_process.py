@@ -77,11 +77,11 @@ class ProcessWriter:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
         )
 
-    def write(self, name: str, data: dict[str, Any]) -> int:
+    def write(self, name: str, data: dict[str, Any], *, in_flight: bool = False) -> int:
         """Write one step; returns its file size. Raises OSError when the child could not write to
         the directory (a full disk), RuntimeError when it refused the step or is gone."""
         assert self._process.stdin is not None and self._process.stdout is not None
-        payload = pickle.dumps((name, pack(data)), protocol=5)
+        payload = pickle.dumps((name, pack(data), in_flight), protocol=5)
         try:
             self._process.stdin.write(_HEADER.pack(len(payload)) + payload)
             self._process.stdin.flush()
@@ -119,8 +119,8 @@ def _serve(out_dir: Path) -> None:
             return
         payload = stdin.read(_HEADER.unpack(header)[0])
         try:
-            name, packed = _PlainUnpickler(io.BytesIO(payload)).load()
-            path = append_to_recording(out_dir, from_dict(unpack(packed)), name)
+            name, packed, in_flight = _PlainUnpickler(io.BytesIO(payload)).load()
+            path = append_to_recording(out_dir, from_dict(unpack(packed)), name, in_flight=bool(in_flight))
             answer = f"ok {name} {path.stat().st_size}"
         except OSError as e:  # the directory's (ENOSPC, EDQUOT, EROFS, ...): the parent says so, naming it
             answer = f"{_OS_ERROR} {e.errno or 0} {e.strerror or e}"

@@ -122,9 +122,19 @@ class ManifestEntry:
     batch_size: int
     graph: bool
     layers: list[int]
+    # A flight-recorder ring (`record --ring`) wrote this step while its device work had not been
+    # seen to finish: the step that faulted is among the steps in flight. Stored only when true.
+    in_flight: bool = False
+
+    def line(self) -> str:
+        """The manifest line (in_flight left out unless true: older readers take these lines)."""
+        fields = dict(self.__dict__)
+        if not fields["in_flight"]:
+            del fields["in_flight"]
+        return json.dumps(fields)
 
 
-def manifest_entry(trace: Trace, file: str) -> ManifestEntry:
+def manifest_entry(trace: Trace, file: str, *, in_flight: bool = False) -> ManifestEntry:
     return ManifestEntry(
         file=file,
         step=trace.source.step,
@@ -132,17 +142,45 @@ def manifest_entry(trace: Trace, file: str) -> ManifestEntry:
         batch_size=trace.batch.batch_size,
         graph=bool(trace.graph and trace.graph.is_graph_replay),
         layers=sorted(trace.tensors),
+        in_flight=in_flight,
     )
 
 
-def append_to_recording(directory: str | os.PathLike, trace: Trace, file: str | None = None) -> Path:
+def append_to_recording(directory: str | os.PathLike, trace: Trace, file: str | None = None, *, in_flight: bool = False) -> Path:
     """Save one step into a recording directory and append its manifest line."""
     directory = Path(directory)
     file = file or f"step_{trace.source.step:06d}.pt"
     path = save(trace, directory / file)
-    with open(directory / MANIFEST, "a", encoding="utf-8") as f:
-        f.write(json.dumps(manifest_entry(trace, file).__dict__) + "\n")
+    append_manifest_line(directory, manifest_entry(trace, file, in_flight=in_flight).line())
     return path
+
+
+def append_manifest_line(directory: str | os.PathLike, line: str) -> None:
+    """Append one line to a recording's manifest (one short append: lines of several processes do not mix)."""
+    with open(Path(directory) / MANIFEST, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+
+
+# A flight-recorder trigger line: {"trigger": {"kind": ..., "step": ..., "message": ..., ...}}.
+# It names why the ring was written (attndbg/record/triggers.py); read_manifest passes over it.
+TRIGGER_KEY = "trigger"
+
+
+@dataclass(frozen=True)
+class TriggerLine:
+    kind: str  # exception, cuda-error, exit, signal, nan, accept, pointer (record/triggers.py TriggerKind)
+    step: int | None  # the step it names (None: the process recorded none)
+    message: str
+    code: int | None = None  # exit code (exit), signal number (signal)
+    pid: int | None = None  # the engine process whose ring was written
+
+
+def trigger_line(trigger: TriggerLine) -> str:
+    return json.dumps({TRIGGER_KEY: {k: v for k, v in trigger.__dict__.items() if v is not None or k == "step"}})
+
+
+def _is_trigger(obj: object) -> bool:
+    return isinstance(obj, dict) and set(obj) == {TRIGGER_KEY}
 
 
 def read_manifest(directory: str | os.PathLike) -> list[ManifestEntry]:
@@ -160,19 +198,52 @@ def read_manifest(directory: str | os.PathLike) -> list[ManifestEntry]:
         if not line.strip():
             continue
         try:
-            entry = ManifestEntry(**json.loads(line))
+            data = json.loads(line)
+            if _is_trigger(data):
+                continue  # a flight-recorder trigger (read_triggers), not a step
+            entry = ManifestEntry(**data)
         except (json.JSONDecodeError, TypeError, RecursionError) as e:
             if number == len(lines) and not text.endswith("\n"):
                 break  # a recorder killed while appending its last line: that step was never committed
             raise TraceError(f"line {number}", f"not a manifest entry ({e})", str(path)) from None
-        for key, kind in (("file", str), ("step", int), ("mode", str), ("batch_size", int)):
+        for key, kind in (("file", str), ("step", int), ("mode", str), ("batch_size", int), ("in_flight", bool)):
             value = getattr(entry, key)
-            if not isinstance(value, kind) or isinstance(value, bool):
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
                 raise TraceError(f"line {number}.{key}", f"= {_short_repr(value)}, expected {kind.__name__}", str(path))
         if Path(entry.file).name != entry.file or not entry.file.isprintable() or not entry.file:
             raise TraceError(f"line {number}.file", f"= {_short_repr(entry.file)} must name a file inside the recording", str(path))
         entries.append(entry)
     return entries
+
+
+def read_triggers(directory: str | os.PathLike) -> list[TriggerLine]:
+    """The flight-recorder triggers a recording's manifest names, in order (none for a plain recording).
+    A malformed trigger line is one TraceError naming the line and the field."""
+    path = Path(directory) / MANIFEST
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError as e:
+        raise TraceError("manifest", f"cannot read ({e.strerror or e})", str(path)) from None
+    found = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            data = json.loads(line) if line.strip() else None
+        except (json.JSONDecodeError, RecursionError):
+            continue  # read_manifest names a torn or foreign line
+        if not _is_trigger(data):
+            continue
+        body = data[TRIGGER_KEY]
+        if not isinstance(body, dict):
+            raise TraceError(f"line {number}.trigger", f"= {_short_repr(body)}, expected an object", str(path))
+        for key, kinds, optional in (("kind", (str,), False), ("message", (str,), False), ("step", (int,), True), ("code", (int,), True), ("pid", (int,), True)):
+            value = body.get(key)
+            if (value is None and not optional) or (value is not None and (not isinstance(value, kinds) or isinstance(value, bool))):
+                raise TraceError(f"line {number}.trigger.{key}", f"= {_short_repr(value)}, expected {kinds[0].__name__}", str(path))
+        unknown = sorted(set(body) - {"kind", "message", "step", "code", "pid"})
+        if unknown:
+            raise TraceError(f"line {number}.trigger.{unknown[0]}", "is not a trigger field (kind, step, message, code, pid)", str(path))
+        found.append(TriggerLine(kind=body["kind"], step=body.get("step"), message=body["message"], code=body.get("code"), pid=body.get("pid")))
+    return found
 
 
 def text_line(data: bytes, offset: int) -> int:

@@ -214,7 +214,7 @@ def record_step(session: RecordingSession, backend: Any, fb: Any, *, raw_bs: int
     if copy is None:
         return False
     if not layers:
-        session.submit(copy, record.build)
+        session.submit(copy, record.build, step=step)
         return True
     sglang_layers.hold(
         sglang_layers.PendingStep(
@@ -226,6 +226,7 @@ def record_step(session: RecordingSession, backend: Any, fb: Any, *, raw_bs: int
             num_tokens=_num_tokens(fb, binfo),
             mla=record.model.attention is AttentionKind.MLA,
             lse_base=sglang_layers.lse_base(record.source.backend),
+            step=step,
         )
     )
     return True

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attndbg.record.session import HostCopy, RecordingSession, capturing
+from attndbg.record.session import HostCopy, RecordingSession, StepCopies, capturing
 from attndbg.trace.schema import LayerTensors, LseBase, Trace
 
 FORWARD_PARAMS = ("q", "k", "v", "layer", "forward_batch")  # AttentionBackend.forward's leading parameters
@@ -35,22 +35,6 @@ SLOTS = "layers.read_slots"  # the metadata copy's key for the slots the batch r
 LSE_BASE_TWO = ("flashinfer", "flashinfer_mla")  # FlashInfer kernels write base-2 LSEs (engines.md A4.3)
 
 _local = threading.local()  # .pending: PendingStep | None; .forward_depth: nested backend.forward calls
-
-
-class _StepCopies(HostCopy):
-    """Several host copies handed to the writer as one (`session.submit` takes one HostCopy):
-    the step's metadata, then one copy per recorded layer, keys prefixed `layer{n}.`."""
-
-    def __init__(self, parts: dict[str, HostCopy]):
-        super().__init__({})
-        self._parts = parts
-        self.nbytes = sum(part.nbytes for part in parts.values())
-
-    def wait(self) -> dict[str, Tensor | None]:
-        merged: dict[str, Tensor | None] = {}
-        for prefix, part in self._parts.items():
-            merged.update({f"{prefix}{name}": t for name, t in part.wait().items()})
-        return merged
 
 
 @dataclass
@@ -67,11 +51,12 @@ class PendingStep:
     lse_base: LseBase
     layers: dict[int, HostCopy] = field(default_factory=dict)
     seen: set[int] = field(default_factory=set)  # layers whose forward ran (a second call drops the layer)
+    step: int | None = None  # the step's number (the flight recorder's ring names it)
 
-    def copies(self) -> _StepCopies:
+    def copies(self) -> StepCopies:
         parts = {"": self.metadata}
         parts.update({f"layer{layer}.": copy for layer, copy in sorted(self.layers.items())})
-        return _StepCopies(parts)
+        return StepCopies(parts)
 
 
 def read_slots(fb: Any, req_to_token: Tensor, *, batch_size: int, extra: int) -> Tensor:
@@ -112,7 +97,7 @@ def flush() -> None:
     if step is None:
         return
     with step.session.guard("sglang submitting a step with layers"):
-        step.session.submit(step.copies(), _build_with_layers(step))
+        step.session.submit(step.copies(), _build_with_layers(step), step=step.step)
 
 
 def discard() -> None:

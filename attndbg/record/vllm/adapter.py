@@ -207,9 +207,9 @@ def _record(session: RecordingSession, builder: Any, kind: str, args: tuple[Any,
     if session.options.layers:
         table = tensors["cm.block_table_tensor"]
         assert table is not None
-        vllm_tensors.hold(session, builder, metadata, copy, build, tokens=int(cm.num_actual_tokens), block_size=block_size, block_table=table)
+        vllm_tensors.hold(session, builder, metadata, copy, build, tokens=int(cm.num_actual_tokens), block_size=block_size, block_table=table, step=step)
     else:
-        session.submit(copy, build)
+        session.submit(copy, build, step=step)
 
 
 def trace_from_host(

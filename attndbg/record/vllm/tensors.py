@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from attndbg.record import session as session_module
-from attndbg.record.session import Build, HostCopy, RecordingSession
+from attndbg.record.session import Build, HostCopy, RecordingSession, StepCopies
 from attndbg.trace.schema import Batch, LayerTensors, LseBase
 
 # Where AttentionImpl lives: vLLM 0.33 (`backend.py`), then older v1 releases.
@@ -108,21 +108,6 @@ def kv_views(impl: Any, kv_cache: Tensor) -> tuple[Tensor, Tensor]:
     raise NotImplementedError(f"{name}: KV cache of shape {list(shape)} is not a layout attndbg reads (Hkv {kv_heads}, head sizes {head}/{head_v})")
 
 
-class StepCopy(HostCopy):
-    """The host copies of one step (metadata, then one per layer) seen as one HostCopy, so that the
-    session's writer waits on all of them and counts all their bytes."""
-
-    def __init__(self, parts: dict[str, HostCopy]):  # noqa: D107 - no super(): the parts hold the copies
-        self._parts = parts
-        self.nbytes = sum(part.nbytes for part in parts.values())
-
-    def wait(self) -> dict[str, Tensor | None]:
-        host: dict[str, Tensor | None] = {}
-        for prefix, part in self._parts.items():
-            host.update({prefix + name: t for name, t in part.wait().items()})
-        return host
-
-
 @dataclass
 class _Pending:
     """A recorded step waiting for its layers' forwards (one per builder at a time)."""
@@ -138,15 +123,18 @@ class _Pending:
     layers: dict[int, HostCopy] = field(default_factory=dict)
     lse_bases: dict[int, LseBase] = field(default_factory=dict)
     flat_blocks: Tensor | None = None  # block ids the layers gather, computed once per step
+    step: int | None = None  # the step's number (the flight recorder's ring names it)
 
 
 _BY_METADATA: dict[int, _Pending] = {}
 _BY_BUILDER: dict[int, _Pending] = {}
 
 
-def hold(session: RecordingSession, builder: Any, metadata: Any, meta_copy: HostCopy, build: Callable[..., Any], *, tokens: int, block_size: int, block_table: Tensor) -> None:
+def hold(
+    session: RecordingSession, builder: Any, metadata: Any, meta_copy: HostCopy, build: Callable[..., Any], *, tokens: int, block_size: int, block_table: Tensor, step: int | None = None
+) -> None:
     """Keep a recorded step until its layers ran (the builder hook calls this instead of submit)."""
-    pending = _Pending(session, builder, metadata, meta_copy, build, tokens, block_size, block_table)
+    pending = _Pending(session, builder, metadata, meta_copy, build, tokens, block_size, block_table, step=step)
     with _lock:
         _BY_METADATA[id(metadata)] = pending
         _BY_BUILDER[id(builder)] = pending
@@ -182,7 +170,7 @@ def _submit(pending: _Pending) -> None:
         layers = sorted(pending.layers)
         parts = {"": pending.meta_copy, **{f"{LAYER_PREFIX}{n}.": pending.layers[n] for n in layers}}
         build: Build = functools.partial(pending.build, layers=tuple(layers), lse_bases=dict(pending.lse_bases))
-        session.submit(StepCopy(parts), build)
+        session.submit(StepCopies(parts), build, step=pending.step)
 
 
 def wrap_forward(fn: Callable[..., Any]) -> Callable[..., Any]:
