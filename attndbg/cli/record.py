@@ -22,6 +22,14 @@ from attndbg.suggest import did_you_mean
 @click.option("--layers", default=None, help="also record real tensors (q, new k/v, KV rows read, output) of these layers, e.g. 0,5")
 @click.option("--max-size", default="2G", show_default=True, help="stop recording (not the engine) when the directory holds this much")
 @click.option("--engine", "engines", default="transformers,sglang,vllm", show_default=True, help="engines to hook")
+@click.option(
+    "--ring",
+    type=click.IntRange(min=1),
+    default=None,
+    help="flight recorder: keep the last K steps in host memory and write them only when a trigger fires "
+    "(an exception or CUDA error in the engine, a non-zero exit, SIGUSR1, --when)",
+)
+@click.option("--when", "when", multiple=True, help="with --ring, also fire on: nan (NaN/Inf in a recorded output or the logits), 'accept<X' (a verify step's acceptance rate)")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 @handles_bad_input
 @options.timeline("record", spawned="engine process", collect_here=False)
@@ -34,26 +42,35 @@ def record(
     layers: str | None,
     max_size: str,
     engines: str,
+    ring: int | None,
+    when: tuple[str, ...],
     command: tuple[str, ...],
 ) -> None:
     """Run an engine command with recording hooks and write each step as a trace.
 
     Hooks are armed in every Python process the command starts (schedulers, workers); a hook that
     fails logs one line and stops recording, the engine goes on. A directory that already holds
-    files is refused unless --append or --overwrite. Exit code: the command's, or 4 when it exited 0
-    but no step was recorded because a hook failed (the hook and its error are named).
+    files is refused unless --append or --overwrite. Exit code: the command's (128 + N when signal N
+    killed it), or 4 when it exited 0 but no step was recorded because a hook failed (the hook and
+    its error are named).
+
+    With --ring K nothing is written until a trigger fires: then the last K steps (and those still
+    in flight on the device) are written as a recording whose manifest names the trigger. See
+    docs/recording.md.
 
     \b
     Examples:
       attndbg record -o rec -- python -m sglang.launch_server --model-path ...
       attndbg record -o rec --layers 0 --steps 0:20 -- python my_generate.py
       attndbg record -o rec --timeline rec.json -- python my_generate.py   (GPU: each recorded step's kernels)
+      attndbg record -o rec --ring 64 --layers 0 --when nan -- python -m sglang.launch_server ...
       attndbg check rec && attndbg replay rec/step_000003.pt --backend all
     """
     from attndbg.atomic import output_directory
     from attndbg.record.exit_status import command_exit
     from attndbg.record.launch import missing_layers, prepare_directory, run_recorded
     from attndbg.record.options import OptionError, RecordOptions, parse_layers, parse_size, parse_steps
+    from attndbg.record.triggers import parse_when
 
     known = ("transformers", "sglang", "vllm")
     chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
@@ -68,10 +85,22 @@ def record(
     try:
         first, last = parse_steps(steps_spec)
         chosen_layers, max_bytes = parse_layers(layers), parse_size(max_size)
+        if when and ring is None:
+            raise OptionError("--when: needs --ring K (the conditions fire the flight recorder's ring)")
+        parse_when(when)
         # Last: --overwrite deletes the earlier recording, only once every option is known good.
         prefix = prepare_directory(out_dir, append=append, overwrite=overwrite)
         options = RecordOptions(
-            out_dir=out_dir, every=every, first_step=first, last_step=last, layers=chosen_layers, max_bytes=max_bytes, engines=chosen, file_prefix=prefix
+            out_dir=out_dir,
+            every=every,
+            first_step=first,
+            last_step=last,
+            layers=chosen_layers,
+            max_bytes=max_bytes,
+            engines=chosen,
+            file_prefix=prefix,
+            ring=ring or 0,
+            when=tuple(when),
         )
     except OptionError as e:
         raise BadInput(str(e)) from None
@@ -87,6 +116,12 @@ def record(
     else:
         recorded = "no step recorded" + ("" if result.out_dir.is_dir() else f" ({result.out_dir} not created)")
     click.echo(f"attndbg record: {recorded}; command {ended.text}", err=True)
+    for trigger in result.triggers:
+        flying = [e.step for e in result.entries if e.in_flight]
+        where = f"step {trigger.step}" if trigger.step is not None else "no step"
+        click.echo(f"attndbg record: ring written on {trigger.kind} at {where}: {trigger.message}{f' (in flight: {flying})' if flying else ''}", err=True)
+    if ring and not result.triggers:
+        click.echo(f"attndbg record: ring of {counted(ring, 'step')}: no trigger fired, nothing written", err=True)
     never = missing_layers(options, result.entries)
     if never:
         click.echo(f"attndbg record: note: --layers {','.join(map(str, never))}: no step recorded tensors of these layers (does the model have that many layers?)", err=True)

@@ -78,6 +78,10 @@ def activate() -> None:
     if options is None:
         return
     _ACTIVE = True
+    if options.ring:
+        from attndbg.record import signals
+
+        signals.install()
     callbacks: dict[str, Callable[[ModuleType], None]] = {}
     for module_name, (engine, target) in TRIGGERS.items():
         if engine not in options.engines:

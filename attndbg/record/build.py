@@ -7,6 +7,7 @@ used part of each request's KV row here; this module lays them out the way the s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from importlib import metadata
 
@@ -81,7 +82,10 @@ def package_version(name: str) -> str:
         return "unknown"
 
 
+@functools.lru_cache(maxsize=16)
 def device_name(device: torch.device | str) -> str:
+    """'cuda:NVIDIA H100 80GB HBM3' (asked once per device: a flight recorder builds traces after
+    a CUDA error, when the device can no longer be asked)."""
     device = torch.device(device)
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"

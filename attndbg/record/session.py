@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from attndbg.record import problems
+from attndbg.record.host_copy import CopyLost, HostCopy
 from attndbg.record.options import RecordOptions
 from attndbg.record.writer_process import ProcessWriter
 from attndbg.trace.io import append_manifest_line, append_to_recording
@@ -50,128 +51,6 @@ MAX_PENDING_BYTES = 1 << 30
 def capturing() -> bool:
     """True inside `torch.cuda.graph(...)` capture on the current stream."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-class CopyLost(RuntimeError):
-    """A step's device-to-host copies never completed (the device faulted before they ran)."""
-
-
-_ONES: dict[torch.device, Tensor] = {}  # a device int32 1 per device: the value each copy batch's marker receives
-
-
-def _one_on(device: torch.device) -> Tensor:
-    one = _ONES.get(device)
-    if one is None:
-        one = _ONES[device] = torch.ones(1, dtype=torch.int32, device=device)
-    return one
-
-
-class HostCopy:
-    """Tensors copied to (pinned) host memory without a device sync; `wait()` completes them.
-
-    Each batch of device copies (the constructor's, then each `add`) ends with a 4-byte copy of a
-    device 1 into a pinned marker the host zeroed: stream order makes the marker land after the
-    data, so `landed()` tells, by reading host memory alone, whether the data arrived. That is what
-    can still be asked after a CUDA error, when every CUDA call (an event's query included) fails."""
-
-    def __init__(self, tensors: dict[str, Tensor | None], *, stream: torch.cuda.Stream | None = None):
-        self._host: dict[str, Tensor | None] = {}
-        self._events: list[torch.cuda.Event] = []
-        self._markers: list[Tensor] = []
-        self._readings: list[Any] = []  # probes.Reading: values a graph replay copies (probes.py)
-        self._lock = threading.Lock()
-        self.nbytes = 0
-        self.add(tensors, stream=stream)
-
-    def add(self, tensors: dict[str, Tensor | None], *, stream: torch.cuda.Stream | None = None) -> None:
-        """Copy more tensors (a step's layer tensors once its forward ran) into this copy."""
-        host: dict[str, Tensor | None] = {}
-        device: torch.device | None = None
-        with contextlib.ExitStack() as on_stream:
-            if stream is not None:
-                on_stream.enter_context(torch.cuda.stream(stream))
-            for name, t in tensors.items():
-                if t is None:
-                    host[name] = None
-                    continue
-                self.nbytes += t.numel() * t.element_size()
-                if t.is_cuda:
-                    pinned = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-                    pinned.copy_(t, non_blocking=True)
-                    host[name] = pinned
-                    device = t.device
-                else:
-                    # A host tensor may be reused by the engine for the next step: copy it now.
-                    host[name] = t.detach().clone()
-            if device is not None:
-                marker = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-                marker.copy_(_one_on(device), non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                with self._lock:
-                    self._markers.append(marker)
-                    self._events.append(event)
-        with self._lock:
-            self._host.update(host)
-
-    def add_host(self, host: dict[str, Tensor]) -> None:
-        """Add tensors already on the host and complete (probe readings)."""
-        with self._lock:
-            self._host.update(host)
-            self.nbytes += sum(t.numel() * t.element_size() for t in host.values())
-
-    def add_reading(self, reading: Any) -> None:
-        """Values an in-graph probe copies (probes.Reading), collected when the copy is waited for."""
-        with self._lock:
-            self._readings.append(reading)
-            self.nbytes += sum(t.numel() * t.element_size() for t in reading.probes.staging.values())
-
-    def landed(self) -> bool:
-        """Every device copy arrived (host memory only: safe after a CUDA error). Probe readings
-        judge their own values by their stamps (probes.py)."""
-        with self._lock:
-            return all(int(m[0]) == 1 for m in self._markers)
-
-    def wait(self) -> dict[str, Tensor | None]:
-        with self._lock:
-            events = list(self._events)
-        for event in events:
-            try:
-                event.synchronize()
-            except RuntimeError as e:  # a CUDA error (torch.AcceleratorError is a RuntimeError)
-                if not self.landed():
-                    raise CopyLost(f"its host copies never completed ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-                break
-        with self._lock:
-            host, readings = dict(self._host), list(self._readings)
-        for reading in readings:
-            host.update(reading.wait())
-        return host
-
-
-class StepCopies(HostCopy):
-    """Several host copies handed to the writer as one (a step's metadata, then one copy per
-    recorded layer), each part's keys prefixed with its name."""
-
-    def __init__(self, parts: dict[str, HostCopy]):  # noqa: D107 - no super(): the parts hold the copies
-        self._parts = parts
-        self._lock = threading.Lock()
-        self.nbytes = sum(part.nbytes for part in parts.values())
-
-    def add(self, tensors: dict[str, Tensor | None], *, stream: torch.cuda.Stream | None = None) -> None:
-        raise TypeError("add to a part, not to the merged copy")
-
-    def add_host(self, host: dict[str, Tensor]) -> None:
-        raise TypeError("add to a part, not to the merged copy")
-
-    def landed(self) -> bool:
-        return all(part.landed() for part in self._parts.values())
-
-    def wait(self) -> dict[str, Tensor | None]:
-        host: dict[str, Tensor | None] = {}
-        for prefix, part in self._parts.items():
-            host.update({prefix + name: t for name, t in part.wait().items()})
-        return host
 
 
 Build = Callable[[dict[str, Tensor | None]], Trace | None]

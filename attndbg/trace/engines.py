@@ -9,8 +9,7 @@ what a checker reads today is declared. Sources: ../shared/reference/engines.md 
 verify seq_lens exclude the drafts; vLLM B2, B5) and attndbg/record/vllm/fields.py (the plan names
 the vLLM recorder writes).
 
-An engine not in the table (synth, transformers, the importers' engines) is read with SGLang's
-conventions: the trace's fields are named after SGLang's (DESIGN.md "The trace").
+An engine not in the table (synth, the importers' engines) is read with SGLang's conventions: the trace's fields are named after SGLang's (DESIGN.md "The trace").
 """
 
 from __future__ import annotations
@@ -53,6 +52,16 @@ class MetadataFields:
 
 
 @dataclass(frozen=True)
+class TokenIndices:
+    """An engine that addresses its KV cache by token row (transformers' paged cache): the plan
+    tensors holding its raw indices and the plan scalar bounding them (rows of its token view).
+    Recorded as evidence only when an index is outside (attndbg/record/transformers/trace.py)."""
+
+    fields: tuple[str, ...]  # plan.tensors: raw index tensors, [0, bound) each
+    bound: str  # plan.scalars: rows of the engine's token view
+
+
+@dataclass(frozen=True)
 class EngineConventions:
     """One engine's conventions, as data."""
 
@@ -64,6 +73,7 @@ class EngineConventions:
     stale_padded_positions: bool
     # Its own attention metadata kept in the plan (None: it keeps none).
     metadata: MetadataFields | None = None
+    token_indices: TokenIndices | None = None
 
 
 SGLANG = EngineConventions(
@@ -102,7 +112,16 @@ VLLM = EngineConventions(
     ),
 )
 
-ENGINES: Mapping[str, EngineConventions] = MappingProxyType({"sglang": SGLANG, "vllm": VLLM})
+# transformers' continuous batching: no request pool, no padded requests (it pads tokens), no
+# verify steps; its raw cache indices are kept in the plan when one is outside its token view.
+TRANSFORMERS = EngineConventions(
+    verify_seq_lens=SGLANG.verify_seq_lens,
+    request_pool=False,
+    stale_padded_positions=False,
+    token_indices=TokenIndices(fields=("read_index", "write_index"), bound="token_rows"),
+)
+
+ENGINES: Mapping[str, EngineConventions] = MappingProxyType({"sglang": SGLANG, "vllm": VLLM, "transformers": TRANSFORMERS})
 DEFAULT = SGLANG  # an engine not in ENGINES
 
 

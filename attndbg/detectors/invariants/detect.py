@@ -36,6 +36,8 @@ The batch is the ground truth (validated on load); what the engine *recorded* is
     plan-pointer-moved (recording) plan tensors keep their data pointers across graph replays
     vLLM's CommonAttentionMetadata (query_start_loc, seq_lens, block table, slot_mapping, host
                        mirrors), kept verbatim as `common.*` plan tensors: invariants_vllm.py
+    transformers' raw token-row indices (read_index, write_index), kept when one is outside its
+                       token view: invariants/token_indices.py
 
 Vocabulary, by `plan.backend` (and the `impl` scalar of `mla` plans): `triton` (SGLang's Triton
 ForwardMetadata: kv_indptr/kv_indices over slot ids; extend and verify cover the prefix only),
@@ -68,6 +70,7 @@ from attndbg.detectors.invariants.base import KIND
 from attndbg.detectors.invariants.batch import _check_positions, _check_seq_lens
 from attndbg.detectors.invariants.capture import check_capture
 from attndbg.detectors.invariants.plan import _check_plan
+from attndbg.detectors.invariants.token_indices import check_token_indices
 from attndbg.detectors.invariants.vllm import check_vllm
 from attndbg.detectors.invariants.window import check_window_list
 from attndbg.trace.schema import Trace
@@ -95,6 +98,7 @@ def check_trace(trace: Trace) -> list[Finding]:
         _check_plan(trace, trace.plan, out)
         check_window_list(trace, out)
     check_vllm(trace, out)
+    check_token_indices(trace, out)
     check_capture(trace, out)  # last: it defers to block-table-short and replaces indptr-end on a captured buffer
     return out
 

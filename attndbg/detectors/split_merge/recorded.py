@@ -28,7 +28,7 @@ from attndbg.diagnose import Reproduction, applicable, diagnose
 from attndbg.diagnose.split_models import PrefixMergeLseBase, engine_splits
 from attndbg.numerics import LN2, LOG2E
 from attndbg.replay.step_data import StepData
-from attndbg.trace.schema import DTYPES, ForwardMode, LseBase
+from attndbg.trace.schema import DTYPES, ForwardMode, LayerTensors, LseBase, Trace
 
 
 _NO_MERGE_CAUSE = (
@@ -51,7 +51,7 @@ def recorded_tensors(ctx: CheckContext) -> list[Finding]:
     findings = []
     for layer in layers:
         recorded = trace.tensors.get(layer)
-        if recorded is None or (recorded.output is None and recorded.lse is None):
+        if recorded is None or (recorded.output is None and recorded.lse is None) or not kv_rows_cover(trace, recorded):
             continue
         data = ctx.data(layer)
         truth = _Truth(data.on("cpu"), data.reference, data.lowp)
@@ -62,6 +62,16 @@ def recorded_tensors(ctx: CheckContext) -> list[Finding]:
         if recorded.lse is not None:
             findings += _lse_findings(ctx, layer=layer, lse=recorded.lse, base=recorded.lse_base, truth=truth, skip_rows=skip_rows)
     return findings
+
+
+def kv_rows_cover(trace: Trace, recorded: LayerTensors) -> bool:
+    """The recorded KV rows hold every slot the step reads besides its own new tokens. A layer
+    recorded by in-graph probes (a CUDA-graph replay: q, new k/v and output, no KV rows; see
+    attndbg/record/probes.py) does not: the reference would attend over drawn values, not the
+    engine's, so its output is not compared."""
+    batch = trace.batch
+    prefix = batch.slot_ids[~torch.isin(batch.slot_ids, batch.out_cache_loc)]
+    return bool(torch.isin(prefix, recorded.kv_slots).all())
 
 
 def _output_findings(ctx: CheckContext, *, layer: int, output: Tensor, truth: _Truth, data: StepData) -> tuple[list[Finding], Tensor]:

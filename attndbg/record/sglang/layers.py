@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attndbg.record.session import HostCopy, RecordingSession, StepCopies, capturing
+from attndbg.record.host_copy import HostCopy, StepCopies
+from attndbg.record.session import RecordingSession, capturing
 from attndbg.trace.schema import LayerTensors, LseBase, Trace
 
 FORWARD_PARAMS = ("q", "k", "v", "layer", "forward_batch")  # AttentionBackend.forward's leading parameters

@@ -8,10 +8,22 @@ Hooks, all on public extension points of transformers >= 5.20:
 - with `--layers`, `PagedAttentionCache.update(key_states, value_states, layer_idx, kwargs)` sees
   each layer's new k, v and the KV rows it reads before it writes them, and the attention functions
   `"sdpa"` and `"paged|eager"`, re-registered through `AttentionInterface.register`, see q and the
-  output, in eager steps (under a CUDA graph they run only at capture, so graph-replayed steps are
-  recorded as metadata only). In 5.20 the attention function calls `cache.update` itself (the
-  cache in its kwargs); in 5.24 the attention module calls it before the attention function, which
-  no longer gets the cache: hooking `update` reads both the same way.
+  output, in eager steps. Under a CUDA graph they run only at capture: there they capture in-graph
+  probes of q, new k/v and the output (record/probes.py, graphs.py), so a replayed step carries
+  those four, read from the graph's staging (not the KV rows: copying every row read each step
+  would cost more than the step's attention). In 5.20 the attention function calls `cache.update`
+  itself (the cache in its kwargs); in 5.24 the attention module calls it before the attention
+  function, which no longer gets the cache: hooking `update` reads both the same way.
+- with `--when nan`, a forward hook on the model flags each logits row's finiteness on the device
+  (captured into graphs as a probe too);
+- `ContinuousBatchingManager._handle_critical_error`, where the generation loop ends on an
+  exception (a CUDA error surfaces there, at the step's sync, after compute_batch returned): in
+  ring mode it fires the ring.
+
+Each recorded step's metadata is copied before compute_batch runs (on the step's compute stream,
+ordered after the inputs' writes): the step is in the flight recorder's ring before any of its
+kernels can fault. At each graph replay the inputs' data pointers are compared with the capture's
+(record/pointer_audit.py).
 
 Tested with transformers 5.20.2 (CI, the oldest supported) and 5.24.0.
 
@@ -23,14 +35,12 @@ Engine fields the detectors use (`TRANSFORMERS_FIELDS` below, as data; issue 14)
 | cu_seq_lens_k["full_attention"] | batch_data, [:num_requests+1] | batch.kv_lens, seq_lens_raw | invariants: seq-lens |
 | read_index / write_index | batch_data, per allocator, [:true_read/write_size] | batch.slot_ids / out_cache_loc | replay; fill-value |
 | position_ids | batch_data | batch.positions | invariants: positions |
-| q, k, v, output (--layers) | the attention function's arguments | tensors | replay, split-merge |
+| q, k, v, output (--layers) | the attention function's arguments; graph replays: in-graph probes | tensors | replay, split-merge |
 | padded tails (q/kv padding intervals, CUDA graphs) | batch_data past the true sizes | not recorded | fill-value would: transformers' padded rows carry no seq_lens / fill value of their own (they are padded token counts, not padded requests), so there is no graph section to fill |
 | seq_lens_sum, plan (indptr, masks, window lists) | none: the engine builds none | not recorded | invariants / tree-mask on SGLang and vLLM only |
 
-Cache indices: transformers addresses a token as a row of a per-layer "shifted" token view in which
-block `b` starts at row `b * block_physical_stride` and holds `page_size` tokens. We store dense
-slot ids, `slot = (index // stride) * page_size + index % stride`, so `Model.page_size` means what
-it says and slot 0 stays the engine's trash (the first two sectors are never handed to requests).
+How a step's copies become a trace (slot ids, padding cut, indices outside the cache kept as
+evidence): `trace.py`.
 """
 
 from __future__ import annotations
@@ -44,11 +54,14 @@ import torch
 from torch import Tensor
 
 from attndbg import profiling
-from attndbg.record.build import batch_from_rows, mode_from_lengths, source
-from attndbg.record.session import RecordingSession, capturing, current_session
-from attndbg.trace.schema import AttentionKind, LayerTensors, LseBase, Model, Trace
+from attndbg.record.build import device_name, mode_from_lengths
+from attndbg.record.probes import Phase
+from attndbg.record.session import OpenStep, RecordingSession, capturing, current_session
+from attndbg.record.transformers.graphs import AUDIT, BOOK, EAGER, GraphStep, audited, compute_stream, current_io, finite_rows, graph_step, hook_logits
+from attndbg.record.transformers.trace import ENGINE, CacheGeometry, cache_geometry, model_from_config, per_allocator, trace_from_step
+from attndbg.record.triggers import LOGITS_FINITE, Trigger, TriggerKind, from_exception
+from attndbg.trace.schema import Trace
 
-ENGINE = "transformers"
 # (engine field, where it lands in the trace; "" = not recorded) for the fields the detectors read:
 # the module docstring's table, checked against a recorded step by tests/record/test_transformers_live.py.
 TRANSFORMERS_FIELDS: tuple[tuple[str, str], ...] = (
@@ -60,70 +73,9 @@ TRANSFORMERS_FIELDS: tuple[tuple[str, str], ...] = (
     ("padded tails", ""),
     ("seq_lens_sum", ""),
 )
-FULL_ATTENTION = "full_attention"
 WRAPPED_ATTENTION = ("sdpa", "paged|eager")
-DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-
-
-@dataclass(frozen=True)
-class CacheGeometry:
-    """How transformers' cache indices map to dense slots, for the full-attention allocator."""
-
-    allocator_index: int
-    stride: int  # rows between consecutive blocks in the token view
-    page_size: int  # tokens per page
-    num_slots: int  # dense slots covering the whole view
-
-    def to_slots(self, index: Tensor) -> Tensor:
-        index = index.to(torch.int64)
-        return torch.div(index, self.stride, rounding_mode="floor") * self.page_size + index % self.stride
-
-
-def cache_geometry(cache: Any) -> CacheGeometry:
-    """Read the full-attention allocator's layout from a live `PagedAttentionCache`."""
-    full = [a for a in cache.cache_allocators.values() if type(a).__name__.startswith("FullAttention")] if isinstance(cache.cache_allocators, dict) else []
-    if not full:
-        allocators = cache.cache_allocators.values() if isinstance(cache.cache_allocators, dict) else cache.cache_allocators
-        kinds = sorted({type(a).__name__ for a in allocators})
-        raise NotImplementedError(f"only full-attention layers are recorded; this cache has {kinds}")
-    allocator = full[0]
-    k_view, _ = allocator._kv_token_views[allocator.layer_indices[0]]
-    stride = int(allocator.block_physical_stride)
-    page = int(allocator.tokens_per_page)
-    return CacheGeometry(allocator_index=int(allocator.index), stride=stride, page_size=page, num_slots=(int(k_view.shape[0]) // stride + 1) * page)
-
-
-def model_from_config(config: Any, dtype: torch.dtype, page_size: int) -> Model:
-    heads = int(config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    if dtype not in DTYPE_NAMES:
-        raise NotImplementedError(f"cache dtype {dtype} is not recorded (fp16/bf16/fp32 are)")
-    if getattr(config, "sliding_window", None) and "sliding_attention" in (getattr(config, "layer_types", None) or []):
-        raise NotImplementedError("sliding-window layers keep a separate ring cache; only full-attention models are recorded")
-    return Model(
-        num_qo_heads=heads,
-        num_kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-        head_dim=head_dim,
-        v_head_dim=head_dim,
-        attention=AttentionKind.MHA,
-        kv_lora_rank=0,
-        qk_rope_head_dim=0,
-        sm_scale=float(getattr(config, "attention_multiplier", None) or head_dim**-0.5),
-        logit_cap=float(getattr(config, "attn_logit_softcapping", None) or 0.0),
-        sliding_window=-1,
-        q_dtype=DTYPE_NAMES[dtype],
-        kv_dtype=DTYPE_NAMES[dtype],
-        page_size=page_size,
-    )
-
-
-def _first(value: Any, index: int) -> Any:
-    """batch_data holds per-allocator lists (read/write index) and per-type dicts (cu_seq_lens_k)."""
-    if isinstance(value, dict):
-        return value.get(FULL_ATTENTION)
-    if isinstance(value, (list, tuple)):
-        return value[index] if len(value) > index else None
-    return value
+PER_TOKEN = ("q", "k_new", "v_new", "output")  # cut to the step's real tokens (graph padding past them)
+PER_READ = ("read_index", "k_rows", "v_rows")  # cut to the step's real KV reads
 
 
 @dataclass
@@ -132,20 +84,27 @@ class _StepState:
 
     step: int
     geometry: CacheGeometry
+    graph: GraphStep = EAGER
+    tokens: int | None = None  # the step's real query tokens (host), None: not known
+    reads: int | None = None  # its real KV reads (host)
+    requests: int | None = None
+    probing: bool = False  # the step sizes or captures in-graph probes, or reads them
     layers: dict[int, dict[str, Tensor]] = field(default_factory=dict)
     # A layer's new k/v and KV rows read (from cache.update) until its attention output arrives.
     pending: dict[int, dict[str, Tensor]] = field(default_factory=dict)
+    extra: dict[str, Tensor] = field(default_factory=dict)  # the logits' finiteness flag
+
+    def cut(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Per-token tensors to the real tokens, KV reads to the real reads, flags to the requests."""
+        out = {}
+        for name, t in tensors.items():
+            leaf = name.rsplit(".", 1)[-1]
+            limit = self.tokens if leaf in PER_TOKEN else self.reads if leaf in PER_READ else self.requests if name == LOGITS_FINITE else None
+            out[name] = t[:limit] if limit is not None and t.dim() else t
+        return out
 
 
 _local = threading.local()
-
-
-def _current_io(io: Any, side: str) -> Any:
-    """The IO object this step uses: async batching (CUDA graphs without an attention mask)
-    alternates two host/device IO pairs; the host side was prepared with the step's requests, the
-    device side holds its graphs and padded sizes. Sync batching has one object for both."""
-    pairs = getattr(io, "io_pairs", None)
-    return getattr(pairs[io.current_pair], f"{side}_io") if pairs is not None else io
 
 
 def step_words(runner: Any, step: int) -> str:
@@ -162,7 +121,7 @@ def step_words(runner: Any, step: int) -> str:
     words = [f"engine={ENGINE}", f"step={step}"]
     io = runner.inputs_and_outputs
     try:
-        requests = list(_current_io(io, "host").requests_in_batch)
+        requests = list(current_io(io, "host").requests_in_batch)
         query = [int(r.query_length) for r in requests]
         # prepare_batch_tensors already advanced position_offset by the step's query length
         prefix = [int(r.state.position_offset) - q for r, q in zip(requests, query)]
@@ -170,13 +129,8 @@ def step_words(runner: Any, step: int) -> str:
     except Exception:  # noqa: BLE001 - another transformers' request states: say so in the label
         words += ["mode=?", "bs=?"]
     try:
-        _, use_graph = runner._get_forward_fn(use_block_table=io.use_block_table)
-        if not use_graph:
-            words.append("graph=eager")
-        else:
-            graph_io = _current_io(io, "device")
-            captured = graph_io.graphs.get_graph(graph_io._get_graph_key()) is not None
-            words += [f"graph={'replay' if captured else 'capture'}", f"graph_bs={int(graph_io.num_q_tokens)}"]
+        graph = graph_step(runner)
+        words += ["graph=eager"] if graph.phase == Phase.EAGER else [f"graph={graph.phase}", f"graph_bs={graph.padded_tokens}"]
     except Exception:  # noqa: BLE001 - as above
         words.append("graph=?")
     return " ".join(words)
@@ -185,143 +139,184 @@ def step_words(runner: Any, step: int) -> str:
 def _on_step(session: RecordingSession, runner: Any, model: Any, batch_data: dict[str, Any], call: Any) -> Any:
     start = time.perf_counter()
     step = session.next_step()
-    if not session.wants(step):
-        session.stats.hook_seconds += time.perf_counter() - start
-        return call()
+    wanted = session.wants(step)
+    graph = EAGER
+    with session.guard("transformers graph audit"):
+        graph = graph_step(runner)
+        if graph.phase == Phase.REPLAY:
+            _audit_replay(session, graph, batch_data, step)
+    # Probes are captured into every graph, recorded step or not (`--steps` may leave out the
+    # warm-up that captures them), and every replay of a probed graph is counted (probes.py).
+    probing = graph.key is not None and _probes_wanted(session)
     state: _StepState | None = None
-    with session.guard("transformers compute_batch (before)"):
-        state = _StepState(step=step, geometry=cache_geometry(batch_data["cache"]))
+    handle: OpenStep | None = None
+    stream = None
+    if wanted or (probing and graph.phase == Phase.CAPTURE):
+        with session.guard("transformers compute_batch (before)"):
+            stream = compute_stream(runner)
+            state = _state(session, runner, step, graph, batch_data, probing=probing)
+            if wanted:
+                if probing and graph.phase == Phase.REPLAY:
+                    BOOK.before_replay(graph.key)  # the last moment this graph's previous values exist
+                handle = _open(session, runner, model, batch_data, state, stream)
     _local.state = state
-    words = step_words(runner, step)
+    if state is not None and state.probing:
+        BOOK.begin(graph.key, graph.phase)
     session.stats.hook_seconds += time.perf_counter() - start
     try:
-        # One range per recorded step, around all of the step's launches: what `nsys profile
-        # attndbg record ...` shows, and what `record --timeline` collects the step's kernels by.
-        with profiling.phase("engine", words):
+        if handle is None:
             result = call()
+        else:
+            # One range per recorded step, around all of the step's launches: what `nsys profile
+            # attndbg record ...` shows, and what `record --timeline` collects the step's kernels by.
+            with profiling.phase("engine", step_words(runner, step)):
+                result = call()
+    except Exception as e:
+        if handle is not None:
+            with session.guard("transformers compute_batch (failed)"):
+                session.fail_step(handle, e, "transformers compute_batch")
+        raise
     finally:
         _local.state = None
-    if state is None:
-        return result
+        if state is not None and state.probing:
+            BOOK.end()
     start = time.perf_counter()
     with session.guard("transformers compute_batch (after)"):
-        _submit(session, runner, model, batch_data, state)
+        if graph.phase == Phase.CAPTURE:
+            AUDIT.captured(graph.key, audited(batch_data))
+            for why in BOOK.skipped(graph.key):
+                session.note_once(f"in-graph probe not captured: {why}")
+        if state is not None and handle is not None:
+            _close(session, state, handle, stream)
+        elif probing and graph.phase == Phase.REPLAY:
+            BOOK.replayed(graph.key, read=False)
     session.stats.hook_seconds += time.perf_counter() - start
     return result
 
 
-def _submit(session: RecordingSession, runner: Any, model: Any, batch_data: dict[str, Any], state: _StepState) -> None:
-    io = _current_io(runner.inputs_and_outputs, "host")
-    num_requests = int(getattr(io, "num_request_in_batch", len(io.requests_in_batch)))
+def _probes_wanted(session: RecordingSession) -> bool:
+    flight = session.flight
+    return bool(session.options.layers) or (flight is not None and flight.when.nan)
+
+
+def _state(session: RecordingSession, runner: Any, step: int, graph: GraphStep, batch_data: dict[str, Any], *, probing: bool) -> _StepState:
+    geometry = cache_geometry(batch_data["cache"])
+    io = current_io(runner.inputs_and_outputs, "host")
+    a = geometry.allocator_index
+    requests = int(getattr(io, "num_request_in_batch", len(io.requests_in_batch)))
+    tokens = getattr(io, "total_seqlen_q", None)
+    reads = io.true_read_sizes[a] if hasattr(io, "true_read_sizes") else None
+    return _StepState(
+        step=step,
+        geometry=geometry,
+        graph=graph,
+        tokens=int(tokens) if isinstance(tokens, int) else None,
+        reads=int(reads) if reads is not None else None,
+        requests=requests,
+        probing=probing,
+    )
+
+
+def _open(session: RecordingSession, runner: Any, model: Any, batch_data: dict[str, Any], state: _StepState, stream: torch.cuda.Stream | None) -> OpenStep | None:
+    """Copy the step's metadata before the call, on the step's compute stream (made to wait for
+    the stream that wrote the inputs), and hand the step over."""
+    io = current_io(runner.inputs_and_outputs, "host")
     a = state.geometry.allocator_index
     write_size = int(io.true_write_sizes[a]) if hasattr(io, "true_write_sizes") else None
-    read_size = int(io.true_read_sizes[a]) if hasattr(io, "true_read_sizes") else None
-    read_index = _first(batch_data.get("read_index"), a)
-    write_index = _first(batch_data["write_index"], a)
-    tensors: dict[str, Tensor | None] = {
-        "cu_seq_lens_q": batch_data["cu_seq_lens_q"][: num_requests + 1],
-        "cu_seq_lens_k": _first(batch_data["cu_seq_lens_k"], a)[: num_requests + 1],
+    read_index = per_allocator(batch_data.get("read_index"), a)
+    write_index = per_allocator(batch_data["write_index"], a)
+    metadata: dict[str, Tensor | None] = {
+        "cu_seq_lens_q": batch_data["cu_seq_lens_q"][: state.requests + 1],
+        "cu_seq_lens_k": per_allocator(batch_data["cu_seq_lens_k"], a)[: state.requests + 1],
         "write_index": write_index[:write_size] if write_size is not None else write_index,
-        "read_index": None if read_index is None else (read_index[:read_size] if read_size is not None else read_index),
+        "read_index": None if read_index is None else (read_index[: state.reads] if state.reads is not None else read_index),
         "position_ids": batch_data["position_ids"].reshape(-1),
     }
-    for layer, layer_tensors in state.layers.items():
-        tensors.update({f"layer{layer}.{name}": t for name, t in layer_tensors.items()})
-    copy = session.snapshot(tensors)
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream())
+    copy = session.snapshot(metadata, stream=stream)
     if copy is None:
-        return
+        return None
     config, dtype = model.config, batch_data["cache"].dtype
     device = batch_data["cu_seq_lens_q"].device
+    device_name(device)  # asked now: a trace may be built after a CUDA error
     engine_model = model_from_config(config, dtype, state.geometry.page_size)
     geometry, step = state.geometry, state.step
     backend = str(getattr(config, "_attn_implementation", "?"))
 
     def build(host: dict[str, Tensor | None]) -> Trace:
-        return trace_from_step(host, model=engine_model, geometry=geometry, step=step, backend=backend, device=device, layers=sorted(state.layers))
+        return trace_from_step(host, model=engine_model, geometry=geometry, step=step, backend=backend, device=device)
 
-    session.submit(copy, build)
-
-
-def trace_from_step(host: dict[str, Tensor | None], *, model: Model, geometry: CacheGeometry, step: int, backend: str, device: torch.device | str, layers: list[int]) -> Trace:
-    """One recorded step (host tensors) -> Trace."""
-    cu_q = host["cu_seq_lens_q"].to(torch.int64)
-    cu_k = host["cu_seq_lens_k"].to(torch.int64)
-    extend = cu_q.diff()
-    kv = cu_k.diff()
-    prefix = kv - extend
-    total_tokens = int(cu_q[-1])
-    write = geometry.to_slots(host["write_index"][:total_tokens])
-    read = host["read_index"]
-    rows = []
-    for b in range(extend.numel()):
-        new = write[int(cu_q[b]) : int(cu_q[b + 1])]
-        if read is not None and read.numel():
-            rows.append(geometry.to_slots(read[int(cu_k[b]) : int(cu_k[b + 1])]))
-        else:  # no request read cached KV this step: each row is just its new tokens
-            rows.append(new)
-    batch = batch_from_rows(
-        forward_mode=mode_from_lengths(extend, prefix),
-        prefix_lens=prefix,
-        extend_lens=extend,
-        rows=rows,
-        out_cache_loc=write,
-        positions=host["position_ids"][:total_tokens],
-        seq_lens_raw=kv,
-        kv_cache_size=geometry.num_slots,
-    )
-    tensors = {}
-    for layer in layers:
-        q = host[f"layer{layer}.q"]
-        read_rows = host.get(f"layer{layer}.read_index")
-        tensors[layer] = LayerTensors(
-            q=q,
-            k_new=host[f"layer{layer}.k_new"],
-            v_new=host[f"layer{layer}.v_new"],
-            kv_slots=geometry.to_slots(read_rows) if read_rows is not None else torch.zeros(0, dtype=torch.int64),
-            k_rows=host[f"layer{layer}.k_rows"],
-            v_rows=host[f"layer{layer}.v_rows"],
-            output=host[f"layer{layer}.output"],
-            lse=None,
-            lse_base=LseBase.E,
-        )
-    return Trace(
-        source=source(engine=ENGINE, backend=backend, device=device, step=step),
-        model=model,
-        batch=batch,
-        seed=step,
-        tensors=tensors,
-    )
+    return session.open_step(step, copy, build)
 
 
-def _recording_layer(layer: Any) -> tuple[RecordingSession, _StepState] | None:
-    """The session and step state when this layer's tensors are recorded now, else None."""
+def _close(session: RecordingSession, state: _StepState, handle: OpenStep, stream: torch.cuda.Stream | None) -> None:
+    """The call returned: the eager layers' tensors (or a replay's probe reading) join the step."""
+    tensors = {f"layer{layer}.{name}": t for layer, layer_tensors in state.layers.items() for name, t in layer_tensors.items()}
+    tensors.update(state.extra)
+    if tensors:
+        handle.copy.add(state.cut(tensors), stream=stream)
+    if state.probing and state.graph.phase == Phase.REPLAY:
+        reading = BOOK.replayed(state.graph.key, stream=stream, shape=state.cut)
+        if reading is not None:
+            handle.copy.add_reading(reading)
+    session.close_step(handle, stream=stream)
+
+
+def _audit_replay(session: RecordingSession, graph: GraphStep, batch_data: dict[str, Any], step: int) -> None:
+    """A moved input of the graph about to replay: said once, and it fires the ring."""
+    for moved in AUDIT.replayed(graph.key, audited(batch_data)):
+        message = moved.message("transformers batch_data")
+        session.note_once(message)
+        if session.flight is not None:
+            session.flight.fire(Trigger(kind=TriggerKind.POINTER, step=step, message=message))
+
+
+def _layer_state(layer: Any) -> tuple[RecordingSession, _StepState] | None:
+    """The session and step state when this layer's tensors are recorded (or probed) now, else None."""
     state: _StepState | None = getattr(_local, "state", None)
     session = current_session()
-    if state is None or session is None or layer is None or not session.wants_layer(int(layer)) or capturing():
-        # Under a CUDA-graph capture kernels are recorded, not run: there is nothing real to copy.
+    if state is None or session is None or layer is None or not session.wants_layer(int(layer)):
         return None
     return session, state
 
 
+def _on_logits(logits: Tensor) -> None:
+    """`--when nan`: each logits row's finiteness, flagged on the device (a probe under a graph)."""
+    state: _StepState | None = getattr(_local, "state", None)
+    if state is None:
+        return
+    flag = finite_rows(logits)
+    if state.probing:
+        BOOK.probe(LOGITS_FINITE, flag)
+    if not capturing():
+        state.extra[LOGITS_FINITE] = flag
+
+
 def _update_wrapper(original: Any) -> Any:
     """`PagedAttentionCache.update` that keeps a chosen layer's new k/v and the KV rows it reads,
-    taken before this layer writes into the cache."""
+    taken before this layer writes into the cache; inside a capture, probes of the new k/v."""
 
     def update(self: Any, key_states: Tensor, value_states: Tensor, layer_idx: int, kwargs: dict[str, Any]) -> Any:
-        recording = _recording_layer(layer_idx)
+        recording = _layer_state(layer_idx)
         if recording is not None:
             session, state = recording
             with session.guard("transformers cache.update"):
-                k_view, v_view = self.layer_to_allocator[int(layer_idx)]._kv_token_views[int(layer_idx)]
-                read_index = _first(kwargs.get("read_index"), state.geometry.allocator_index)
                 # [1, H, T, D] -> [T, H, D]
-                captured = {"k_new": key_states[0].transpose(0, 1).detach().clone(), "v_new": value_states[0].transpose(0, 1).detach().clone()}
-                if read_index is not None and read_index.numel():
-                    captured.update(read_index=read_index.detach().clone(), k_rows=k_view.index_select(0, read_index), v_rows=v_view.index_select(0, read_index))
-                else:
-                    empty = k_view.new_zeros((0, *k_view.shape[1:]))
-                    captured.update(k_rows=empty, v_rows=empty.clone())
-                state.pending[int(layer_idx)] = captured
+                k_new, v_new = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+                if state.probing:
+                    BOOK.probe(f"layer{layer_idx}.k_new", k_new)
+                    BOOK.probe(f"layer{layer_idx}.v_new", v_new)
+                if not capturing():  # under a capture kernels are recorded, not run: nothing real to copy
+                    k_view, v_view = self.layer_to_allocator[int(layer_idx)]._kv_token_views[int(layer_idx)]
+                    read_index = per_allocator(kwargs.get("read_index"), state.geometry.allocator_index)
+                    captured = {"k_new": k_new.detach().clone(), "v_new": v_new.detach().clone()}
+                    if read_index is not None and read_index.numel():
+                        captured.update(read_index=read_index.detach().clone(), k_rows=k_view.index_select(0, read_index), v_rows=v_view.index_select(0, read_index))
+                    else:
+                        empty = k_view.new_zeros((0, *k_view.shape[1:]))
+                        captured.update(k_rows=empty, v_rows=empty.clone())
+                    state.pending[int(layer_idx)] = captured
         return original(self, key_states, value_states, layer_idx, kwargs)
 
     update.__attndbg_original__ = original  # type: ignore[attr-defined]
@@ -330,26 +325,49 @@ def _update_wrapper(original: Any) -> Any:
 
 def _attention_wrapper(original: Any) -> Any:
     """An attention function that records q and the output of chosen layers, completing what
-    cache.update kept of the layer (new k/v, KV rows read)."""
+    cache.update kept of the layer (new k/v, KV rows read); inside a capture, probes of both."""
 
     def attention(module: Any, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, *args: Any, **kwargs: Any) -> Any:
         layer = getattr(module, "layer_idx", None)
-        recording = _recording_layer(layer)
+        recording = _layer_state(layer)
         if recording is None:
             return original(module, query, key, value, attention_mask, *args, **kwargs)
         session, state = recording
-        q = query[0].transpose(0, 1).detach().clone()  # [1, H, T, D] -> [T, H, D]
+        q = query[0].transpose(0, 1)  # [1, H, T, D] -> [T, H, D]
+        if state.probing:
+            with session.guard("transformers attention probe (before)"):
+                BOOK.probe(f"layer{layer}.q", q)
+        kept = None if capturing() else q.detach().clone()
         result = original(module, query, key, value, attention_mask, *args, **kwargs)
-        with session.guard("transformers attention (after)"):
-            captured = state.pending.pop(int(layer), None)
-            if captured is None:
-                raise RuntimeError(f"layer {layer}: the attention ran without PagedAttentionCache.update before it (no KV rows to record)")
-            output = result[0] if isinstance(result, tuple) else result
-            state.layers[int(layer)] = {"q": q, **captured, "output": output[0].detach().clone()}  # [1, T, H, D] -> [T, H, D]
+        output = (result[0] if isinstance(result, tuple) else result)[0]  # [1, T, H, D] -> [T, H, D]
+        if state.probing:
+            with session.guard("transformers attention probe (after)"):
+                BOOK.probe(f"layer{layer}.output", output)
+        if kept is not None:
+            with session.guard("transformers attention (after)"):
+                captured = state.pending.pop(int(layer), None)
+                if captured is None:
+                    raise RuntimeError(f"layer {layer}: the attention ran without PagedAttentionCache.update before it (no KV rows to record)")
+                state.layers[int(layer)] = {"q": kept, **captured, "output": output.detach().clone()}
         return result
 
     attention.__attndbg_original__ = original  # type: ignore[attr-defined]
     return attention
+
+
+def _critical_error_wrapper(original: Any) -> Any:
+    """`ContinuousBatchingManager._handle_critical_error`: the generation loop ends on an exception
+    (a CUDA error surfaces there, at the step's sync): in ring mode, the ring is written."""
+
+    def _handle_critical_error(self: Any, error: Exception, *args: Any, **kwargs: Any) -> Any:
+        session = current_session()
+        if session is not None and session.flight is not None:
+            with session.guard("transformers critical error"):
+                session.flight.fire(from_exception(error, session.flight.in_flight_step(), "transformers' generation loop"))
+        return original(self, error, *args, **kwargs)
+
+    _handle_critical_error.__attndbg_original__ = original  # type: ignore[attr-defined]
+    return _handle_critical_error
 
 
 _INSTALLED = False
@@ -391,11 +409,26 @@ def install() -> None:
         if session.options.layers:
             with session.guard("wrapping transformers attention"):
                 _wrap_attention()
+        if session.flight is not None and session.flight.when.nan:
+            with session.guard("hooking transformers logits"):
+                hook_logits(model, _on_logits)
         return _on_step(session, self, model, batch_data, lambda: original_compute(self, model, batch_data))
 
     compute_batch.__attndbg_original__ = original_compute  # type: ignore[attr-defined]
     model_runner.ModelRunner.compute_batch = compute_batch
+    manager = _manager_class()
+    if manager is not None and hasattr(manager, "_handle_critical_error") and not hasattr(manager._handle_critical_error, "__attndbg_original__"):
+        manager._handle_critical_error = _critical_error_wrapper(manager._handle_critical_error)
     _INSTALLED = True
+
+
+def _manager_class() -> Any:
+    """transformers' ContinuousBatchingManager, when this version has it where 5.20-5.24 do."""
+    try:
+        from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+    except ImportError:
+        return None
+    return ContinuousBatchingManager
 
 
 def uninstall() -> None:
@@ -408,6 +441,10 @@ def uninstall() -> None:
     compute = model_runner.ModelRunner.compute_batch
     if hasattr(compute, "__attndbg_original__"):
         model_runner.ModelRunner.compute_batch = compute.__attndbg_original__
+    manager = _manager_class()
+    handler = getattr(manager, "_handle_critical_error", None)
+    if handler is not None and hasattr(handler, "__attndbg_original__"):
+        manager._handle_critical_error = handler.__attndbg_original__
     if hasattr(PagedAttentionCache.update, "__attndbg_original__"):
         PagedAttentionCache.update = PagedAttentionCache.update.__attndbg_original__
     for name in WRAPPED_ATTENTION:

@@ -51,7 +51,8 @@ import torch
 from torch import Tensor
 
 from attndbg.record import session as session_module
-from attndbg.record.session import Build, HostCopy, RecordingSession, StepCopies
+from attndbg.record.host_copy import HostCopy, StepCopies
+from attndbg.record.session import Build, RecordingSession
 from attndbg.trace.schema import Batch, LayerTensors, LseBase
 
 # Where AttentionImpl lives: vLLM 0.33 (`backend.py`), then older v1 releases.

@@ -1,0 +1,220 @@
+"""The flight recorder of one engine process (`attndbg record --ring K`): steps go to a ring in
+host memory (ring.py); a trigger (triggers.py) writes the ring to the recording directory as a
+normal recording, the steps in flight marked, then one `trigger` manifest line.
+
+Where triggers come from:
+- the adapters: an exception through the engine's step (`RecordingSession.fail_step`), an engine's
+  own error handler, a moved metadata buffer (pointer_audit.py), an acceptance rate;
+- the flight thread (`attndbg-flight`): with `--when nan` or in-graph probes, it follows each closed
+  step until its device work is done (a blocking-sync event: the thread sleeps, no device sync on
+  the engine's thread), completes it (probe readings), and judges `--when nan` on what landed; a
+  CUDA error seen there fires at once. Without them, the engine's thread polls the events of the
+  steps in the ring when it opens the next (a query each), which is all in-flight marking needs;
+- signals (signals.py): SIGUSR1 asks for the ring; a process ended by SIGTERM or SIGHUP (their
+  default action) first leaves its ring for `record`;
+- the exit: at interpreter exit a CUDA error still pending fires; the steps not written are left in
+  the spool (spool.py) for `record`, which keeps them when the command fails.
+
+Each kind fires once per process (a NaN that stays would otherwise write every step), but SIGUSR1
+writes each time it is sent. A signal handler only enqueues (queue.SimpleQueue is reentrant); the
+flight thread does the work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from attndbg.record import spool
+from attndbg.record.ring import Ring, RingEntry
+from attndbg.record.host_copy import HostCopy
+from attndbg.record.session import Build, RecordingSession
+from attndbg.record.triggers import LOGITS_FINITE, Trigger, TriggerKind, from_exception, is_cuda_error, nonfinite, parse_when
+from attndbg.trace.io import trigger_line
+
+EXIT_WAIT_SECONDS = 30.0
+TERMINATE_WAIT_SECONDS = 20.0  # how long a SIGTERM'd process may spend leaving its ring  # at exit, how long pending steps may take to finish before they count as in flight
+
+
+@dataclass(frozen=True)
+class _Watch:
+    entry: RingEntry
+
+
+@dataclass(frozen=True)
+class _Fire:
+    trigger: Trigger
+
+
+@dataclass(frozen=True)
+class _Check:
+    """Evaluate a host-side condition on the flight thread (an acceptance rate once its copy landed)."""
+
+    copy: HostCopy
+    judge: Callable[[dict[str, Any]], Trigger | None]
+
+
+class FlightRecorder:
+    def __init__(self, session: RecordingSession):
+        self.session = session
+        self.ring = Ring(session.options.ring)
+        self.when = parse_when(session.options.when)
+        # Names of recorded tensors `--when nan` judges (the adapters' keys); a flag tensor of bools
+        # (LOGITS_FINITE) is a finiteness check the device made.
+        self.watched: tuple[str, ...] = tuple(f"layer{layer}.output" for layer in session.options.layers) + (LOGITS_FINITE,)
+        self.fired: list[Trigger] = []
+        self.skipped: dict[TriggerKind, int] = {}  # a kind that fired already, firing again
+        self._fired_kinds: set[TriggerKind] = set()
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[_Watch | _Fire | _Check | None] = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._pending_jobs = 0
+        self._thread = threading.Thread(target=self._run, name="attndbg-flight", daemon=True)
+        self._thread.start()
+        spool.register(session.options, os.getpid())
+
+    # -- what the session and the adapters call -------------------------------------------------
+
+    def open(self, step: int, copy: HostCopy, build: Build) -> RingEntry:
+        self.ring.poll()
+        entry = RingEntry(step=step, copy=copy, build=build)
+        self.ring.add(entry)
+        return entry
+
+    def close(self, entry: RingEntry, *, stream: torch.cuda.Stream | None = None) -> None:
+        done = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # Blocking sync: the flight thread waiting on it sleeps instead of spinning a core.
+            done = torch.cuda.Event(blocking=True)
+            done.record(stream)
+        self.ring.close(entry, done)
+        if self.when.nan or entry.completions:
+            self._put(_Watch(entry))
+
+    def keep(self, step: int, copy: HostCopy, build: Build) -> None:
+        """A step handed over whole (`submit`: the engines whose hooks run after the call)."""
+        self.close(self.open(step, copy, build))
+
+    def check(self, copy: HostCopy, judge: Callable[[dict[str, Any]], Trigger | None]) -> None:
+        """Judge `copy` on the flight thread once it landed; `judge` returns the trigger to fire."""
+        self._put(_Check(copy, judge))
+
+    def request(self, trigger: Trigger) -> None:
+        """Fire from anywhere, a signal handler included: the flight thread writes."""
+        self._jobs.put(_Fire(trigger))
+
+    def fire(self, trigger: Trigger) -> None:
+        """Write the ring now: its steps (in flight marked), then the trigger line."""
+        with self._lock:
+            if trigger.kind in self._fired_kinds and trigger.kind is not TriggerKind.SIGNAL:
+                self.skipped[trigger.kind] = self.skipped.get(trigger.kind, 0) + 1
+                return
+            self._fired_kinds.add(trigger.kind)
+            self.fired.append(trigger)
+            taken = self.ring.take()
+        for entry, in_flight in taken:
+            self.session.write(entry.copy, entry.build, in_flight=in_flight)
+        self.session.write_line(trigger_line(trigger.line(os.getpid())))
+        flying = [entry.step for entry, in_flight in taken if in_flight]
+        where = f"step {trigger.step}" if trigger.step is not None else "no step yet"
+        with contextlib.suppress(OSError):
+            self.session._log(
+                f"ring written to {self.session.out_dir} on {trigger.kind.value} at {where}: {trigger.message}; "
+                f"{len(taken)} step(s){f', in flight: {flying}' if flying else ''}"
+            )
+
+    def in_flight_step(self) -> int | None:
+        """The step an error that surfaced now most likely belongs to: the oldest in flight, else the last."""
+        return self.ring.first_in_flight() if self.ring.first_in_flight() is not None else self.session.last_step
+
+    # -- the flight thread ----------------------------------------------------------------------
+
+    def _put(self, job: _Watch | _Fire | _Check) -> None:
+        with self._lock:
+            self._pending_jobs += 1
+            self._idle.clear()
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                with self.session.guard("the flight recorder"):
+                    if isinstance(job, _Fire):
+                        self.fire(job.trigger)
+                    elif isinstance(job, _Watch):
+                        self._follow(job.entry)
+                    else:
+                        self._judge(job)
+            finally:
+                if not isinstance(job, _Fire):
+                    with self._lock:
+                        self._pending_jobs -= 1
+                        if self._pending_jobs == 0:
+                            self._idle.set()
+
+    def _follow(self, entry: RingEntry) -> None:
+        """Wait until the step's device work is done, complete it, judge `--when nan`."""
+        if entry.done is not None:
+            try:
+                entry.done.synchronize()
+            except RuntimeError as e:  # the device faulted: this step, or one before it, did it
+                if is_cuda_error(e):
+                    self.fire(from_exception(e, self.in_flight_step(), "seen by the flight recorder"))
+                return
+            entry.finished = True
+        for complete in entry.completions:
+            complete(entry)
+        if self.when.nan:
+            self._judge(_Check(entry.copy, lambda host, step=entry.step: self._nan(host, step)))
+
+    def _nan(self, host: dict[str, Any], step: int) -> Trigger | None:
+        found = nonfinite(host, self.watched)
+        return None if found is None else Trigger(kind=TriggerKind.NAN, step=step, message=found)
+
+    def _judge(self, job: _Check) -> None:
+        try:
+            host = job.copy.wait()
+        except RuntimeError as e:
+            if is_cuda_error(e):
+                self.fire(from_exception(e, self.in_flight_step(), "seen by the flight recorder"))
+            return
+        trigger = job.judge(host)
+        if trigger is not None:
+            self.fire(trigger)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until the flight thread followed every step handed to it (bounded)."""
+        return self._idle.wait(timeout)
+
+    # -- exit -----------------------------------------------------------------------------------
+
+    def at_exit(self) -> None:
+        """A CUDA error not yet surfaced fires; the steps not written go to the spool."""
+        self.drain(EXIT_WAIT_SECONDS)
+        while True:  # fires requested (a signal) but not handled yet
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(job, _Fire):
+                self.fire(job.trigger)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            try:
+                torch.cuda.synchronize()
+            except RuntimeError as e:
+                if is_cuda_error(e):
+                    self.fire(from_exception(e, self.in_flight_step(), "seen at exit"))
+        self._jobs.put(None)
+        self.session.flush()
+        spool.leave(self.session, self.ring.take())

@@ -1,0 +1,109 @@
+"""In-situ pointer audit: at every real CUDA-graph replay, the data pointers of the attention
+metadata a graph reads are compared with those seen when the graph was captured.
+
+A graph keeps the device addresses it was captured with. An engine that rebuilds a metadata
+tensor before a replay (a new `torch.empty`, a reassigned attribute) instead of writing into the
+captured buffer leaves the graph reading the old address: stale or freed memory, garbage
+attention, at worst an illegal memory access. vLLM PR #52440 proposes this check inside vLLM
+(DEBUG mode, per FULL graph descriptor); here it runs for any engine attndbg hooks, from outside.
+
+An adapter names the graph (`key`: what the engine keys its graphs by) and hands over the object
+holding the metadata (a dict of tensors, a metadata dataclass, a backend's wrappers): its device
+tensors are collected by attribute path, a few levels deep. Only paths present at capture are
+compared. Each moved path is reported once per graph (the first replay that shows it); the
+caller logs it and fires the flight recorder's ring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+MAX_DEPTH = 4  # batch dict -> per-layer-type dict -> tensor; metadata -> wrapper -> buffer
+MAX_TENSORS = 512  # per object: enough for any metadata, bounded for an object graph that is not
+
+
+def on_device(t: Tensor) -> bool:
+    return t.device.type != "cpu"  # host mirrors are rebuilt every step by design; the graph reads device memory
+
+
+def addresses(obj: Any, *, keep: Callable[[Tensor], bool] = on_device) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """{path: (data_ptr, shape)} of the tensors reachable from `obj` (dicts, lists, tuples,
+    dataclasses, plain objects' attributes), `keep` choosing which (device tensors by default)."""
+    found: dict[str, tuple[int, tuple[int, ...]]] = {}
+    seen: set[int] = set()
+
+    def walk(value: Any, path: str, depth: int) -> None:
+        if len(found) >= MAX_TENSORS or depth > MAX_DEPTH:
+            return
+        if isinstance(value, Tensor):
+            if keep(value):
+                found[path] = (value.data_ptr(), tuple(value.shape))
+            return
+        if value is None or isinstance(value, (str, bytes, int, float, bool)) or id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, dict):
+            items = [(str(k), v) for k, v in value.items()]
+        elif isinstance(value, (list, tuple)):
+            items = [(str(i), v) for i, v in enumerate(value)]
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            items = [(f.name, getattr(value, f.name, None)) for f in dataclasses.fields(value)]
+        elif hasattr(value, "__dict__") and not isinstance(value, type) and not callable(value):
+            items = [(k, v) for k, v in vars(value).items() if not k.startswith("__")]
+        else:
+            return
+        for name, item in items:
+            walk(item, f"{path}.{name}" if path else name, depth + 1)
+
+    walk(obj, "", 0)
+    return found
+
+
+@dataclass(frozen=True)
+class Moved:
+    key: Hashable
+    path: str
+    captured: int  # data_ptr at capture
+    now: int  # data_ptr at this replay
+
+    def message(self, what: str) -> str:
+        return f"{what} {self.path} moved since its CUDA graph {self.key!r} was captured (data_ptr {self.captured:#x} -> {self.now:#x}): the graph still reads the old address"
+
+
+class PointerAudit:
+    """Addresses at capture per graph key; each replay compared against them."""
+
+    def __init__(self, keep: Callable[[Tensor], bool] = on_device):
+        self._keep = keep
+        self._captured: dict[Hashable, dict[str, tuple[int, tuple[int, ...]]]] = {}
+        self._reported: set[tuple[Hashable, str]] = set()
+        self._lock = threading.Lock()
+
+    def captured(self, key: Hashable, obj: Any) -> None:
+        found = addresses(obj, keep=self._keep)
+        with self._lock:
+            self._captured[key] = found
+            self._reported = {r for r in self._reported if r[0] != key}
+
+    def replayed(self, key: Hashable, obj: Any) -> list[Moved]:
+        """The paths whose pointer differs from capture, not reported before (none for a key never captured)."""
+        with self._lock:
+            before = self._captured.get(key)
+        if not before:
+            return []
+        now = addresses(obj, keep=self._keep)
+        moved = []
+        for path, (ptr, _) in before.items():
+            current = now.get(path)
+            if current is None or current[0] == ptr or (key, path) in self._reported:
+                continue
+            moved.append(Moved(key=key, path=path, captured=ptr, now=current[0]))
+        with self._lock:
+            self._reported.update((key, m.path) for m in moved)
+        return moved

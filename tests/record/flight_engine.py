@@ -1,0 +1,95 @@
+"""The live test engine with a fault put in on purpose, for the flight recorder's tests.
+
+transformers' continuous batching (transformers_generate.py) with one of two faults at the k-th
+step that serves real requests (transformers' warm-up steps, `__warmup_*` requests, do not count;
+step 0 is the prefill), put in just before `compute_batch` runs it, so that the hooks see it as
+the engine's own:
+- `--corrupt-step K`: request 0's first KV read index points past the cache's token view, as a
+  wrong index from an engine would: the gather faults (an IndexError on the CPU, a device-side
+  assert or an illegal memory access on a GPU, where under CUDA graphs the replay reads it);
+- `--nan-step K`: layer 0's cached key of request 0's first token becomes NaN, so the attention
+  output of that request (and the logits) carry NaN from step K on, under CUDA graphs too.
+
+Run under `attndbg record` (the startup hook installs the recorder when the model runner is
+imported, before the fault is wrapped around it):
+  attndbg record --ring 8 -o rec -- python tests/record/flight_engine.py --corrupt-step 4
+Prints the generated tokens as JSON on the last line, or the error's first line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.record import transformers_generate as live  # noqa: E402
+
+PAST_THE_CACHE = 1 << 20  # rows past the token view's end: never a row of the test model's cache
+
+
+def _real_step(runner: Any) -> bool:
+    """The batch serves real requests (transformers' warm-up uses `__warmup_*` ones)."""
+    io = runner.inputs_and_outputs
+    pairs = getattr(io, "io_pairs", None)
+    host = pairs[io.current_pair].host_io if pairs is not None else io
+    return any(not str(r.state.request_id).startswith("__warmup_") for r in host.requests_in_batch)
+
+
+def inject(*, corrupt_step: int | None = None, nan_step: int | None = None) -> Any:
+    """Wrap ModelRunner.compute_batch (over attndbg's hook, if installed) to put the fault in at
+    the k-th real step; returns a function that removes the wrapper."""
+    from transformers.generation.continuous_batching import model_runner
+
+    inner = model_runner.ModelRunner.compute_batch
+    seen = [0]
+
+    def compute_batch(self: Any, model: Any, batch_data: dict[str, Any]) -> Any:
+        if _real_step(self):
+            step = seen[0]
+            seen[0] += 1
+            read = batch_data["read_index"][0] if batch_data.get("read_index") else None
+            if step == corrupt_step and read is not None and read.numel():
+                rows = _token_view(batch_data["cache"], 0).shape[0]
+                read[0] = rows + PAST_THE_CACHE
+            if step == nan_step and read is not None and read.numel():
+                _token_view(batch_data["cache"], 0).index_fill_(0, read[:1], float("nan"))
+        return inner(self, model, batch_data)
+
+    model_runner.ModelRunner.compute_batch = compute_batch
+
+    def remove() -> None:
+        model_runner.ModelRunner.compute_batch = inner
+
+    return remove
+
+
+def _token_view(cache: Any, layer: int) -> torch.Tensor:
+    return cache.layer_to_allocator[layer]._kv_token_views[layer][0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corrupt-step", type=int)
+    parser.add_argument("--nan-step", type=int)
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--cuda-graph", action="store_true")
+    args = parser.parse_args()
+    import transformers.generation.continuous_batching.model_runner  # noqa: F401 - attndbg's hook installs on this import
+
+    inject(corrupt_step=args.corrupt_step, nan_step=args.nan_step)
+    model = live.tiny_llama(dtype=getattr(torch, args.dtype), device=args.device)
+    print(json.dumps(live.generate(model, max_new_tokens=args.new_tokens, cuda_graph=args.cuda_graph)), flush=True)
+    if args.device != "cpu":
+        torch.cuda.synchronize()  # a fault not surfaced yet surfaces here (and exits non-zero)
+
+
+if __name__ == "__main__":
+    main()

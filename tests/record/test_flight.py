@@ -1,0 +1,211 @@
+"""The flight recorder's engine-neutral parts: the ring, the triggers, the manifest's trigger lines,
+the spool `record` keeps on a failed exit, the pointer audit and the pairing of in-graph probe
+readings with their replays (tests/record/test_flight_live.py runs them on a live engine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from attndbg.record import signals, spool
+from attndbg.record.options import OptionError, RecordOptions
+from attndbg.record.pointer_audit import PointerAudit, addresses
+from attndbg.record.probes import GraphProbes, Reading
+from attndbg.record.ring import MAX_IN_FLIGHT, Ring, RingEntry
+from attndbg.record.session import HostCopy, RecordingSession
+from attndbg.record.triggers import LOGITS_FINITE, Trigger, TriggerKind, from_exception, nonfinite, parse_when
+from attndbg.trace import io, synth
+from attndbg.trace.validate import TraceError
+
+
+def _trace(step: int):
+    trace = synth.build(synth.parse_spec(["decode-gqa", "kv_lens=3,9"]))
+    return replace(trace, source=replace(trace.source, step=step))
+
+
+class _Event:
+    """A stand-in for a CUDA event: done when told, or raising like a faulted device."""
+
+    def __init__(self, done: bool = False, error: bool = False):
+        self.done, self.error = done, error
+
+    def query(self) -> bool:
+        if self.error:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return self.done
+
+
+def _entry(step: int) -> RingEntry:
+    return RingEntry(step=step, copy=HostCopy({}), build=lambda host, step=step: _trace(step))
+
+
+def test_the_ring_keeps_k_finished_steps_and_every_step_in_flight() -> None:
+    ring = Ring(3)
+    events = {}
+    for step in range(6):
+        entry = _entry(step)
+        ring.add(entry)
+        events[step] = _Event(done=True)
+        ring.close(entry, events[step])
+        ring.poll()
+    assert ring.steps() == [3, 4, 5]
+    # Steps 6-8 are queued on a device that faults at step 6: none is seen finished, all are kept.
+    for step in (6, 7, 8):
+        entry = _entry(step)
+        ring.add(entry)
+        ring.close(entry, _Event(error=True))
+    assert ring.steps() == [3, 4, 5, 6, 7, 8] and ring.first_in_flight() == 6
+    taken = ring.take()
+    assert [(e.step, flying) for e, flying in taken] == [(3, False), (4, False), (5, False), (6, True), (7, True), (8, True)]
+    assert ring.steps() == []
+    # A step whose call raised is never closed: it stays in flight; past MAX_IN_FLIGHT the oldest goes.
+    for step in range(3 + MAX_IN_FLIGHT + 2):
+        ring.add(_entry(step))
+    assert len(ring.steps()) == 3 + MAX_IN_FLIGHT and ring.steps()[0] == 2
+
+
+def test_when_conditions_parse_and_bad_ones_name_themselves() -> None:
+    assert parse_when(["nan"]).nan and parse_when(["nan"]).accept_below is None
+    both = parse_when(["nan, accept<0.2"])
+    assert both.nan and both.accept_below == 0.2 and both.any
+    assert not parse_when([]).any
+    for bad in ("inf", "accept>0.2", "accept<0", "accept<1.5", "accept<"):
+        with pytest.raises(OptionError, match="--when"):
+            parse_when([bad])
+
+
+def test_exceptions_are_told_apart_by_their_cuda_words() -> None:
+    cuda = from_exception(RuntimeError("CUDA error: device-side assert triggered\nCUDA kernel errors might be ..."), 7, "here")
+    assert cuda.kind is TriggerKind.CUDA_ERROR and cuda.step == 7 and cuda.message == "RuntimeError: CUDA error: device-side assert triggered (here)"
+    plain = from_exception(ValueError("no requests"), None, "there")
+    assert plain.kind is TriggerKind.EXCEPTION and plain.step is None
+
+
+def test_nonfinite_finds_nan_in_outputs_and_false_logits_flags() -> None:
+    clean = {"layer0.output": torch.ones(4, 2, 8), LOGITS_FINITE: torch.ones(3, dtype=torch.bool)}
+    assert nonfinite(clean, ("layer0.output", LOGITS_FINITE)) is None
+    output = torch.ones(4, 2, 8)
+    output[2, 1, 3] = float("inf")
+    assert nonfinite({"layer0.output": output}, ("layer0.output",)) == "layer0.output: 1 NaN/Inf value(s), first in row 2"
+    flags = torch.tensor([True, False, False])
+    assert nonfinite({LOGITS_FINITE: flags}, (LOGITS_FINITE,)) == "logits: row 1 is not finite (2 row(s))"
+    assert nonfinite({"layer0.output": output}, (LOGITS_FINITE,)) is None  # only what is watched
+
+
+def test_manifest_trigger_lines_are_read_apart_from_steps(tmp_path: Path) -> None:
+    io.append_to_recording(tmp_path, _trace(4))
+    io.append_to_recording(tmp_path, _trace(5), in_flight=True)
+    io.append_manifest_line(tmp_path, io.trigger_line(io.TriggerLine(kind="cuda-error", step=5, message="boom", pid=12)))
+    lines = (tmp_path / io.MANIFEST).read_text().splitlines()
+    assert "in_flight" not in lines[0] and json.loads(lines[1])["in_flight"] is True  # stored only when true
+    entries = io.read_manifest(tmp_path)
+    assert [(e.step, e.in_flight) for e in entries] == [(4, False), (5, True)]
+    assert io.read_triggers(tmp_path) == [io.TriggerLine(kind="cuda-error", step=5, message="boom", code=None, pid=12)]
+    assert io.trace_paths(tmp_path) == [tmp_path / "step_000004.pt", tmp_path / "step_000005.pt"]
+    io.append_manifest_line(tmp_path, json.dumps({"trigger": {"kind": "exit", "message": 3}}))
+    with pytest.raises(TraceError, match=r"line 4\.trigger\.message"):
+        io.read_triggers(tmp_path)
+    (tmp_path / io.MANIFEST).write_text(lines[0] + "\n" + json.dumps({"trigger": {"kind": "exit", "message": "x", "color": "red"}}) + "\n")
+    with pytest.raises(TraceError, match=r"line 2\.trigger\.color"):
+        io.read_triggers(tmp_path)
+    (tmp_path / io.MANIFEST).write_text(lines[0] + "\n" + json.dumps({"trigger": {}, "file": "x"}) + "\n")
+    with pytest.raises(TraceError, match="line 2"):  # a step line with a stray key is still refused
+        io.read_manifest(tmp_path)
+
+
+def test_a_fired_ring_is_written_with_its_steps_in_flight_marked(tmp_path: Path) -> None:
+    logs: list[str] = []
+    session = RecordingSession(RecordOptions(out_dir=str(tmp_path), ring=2, writer="thread"), log=logs.append)
+    for step in range(5):
+        assert session.next_step() == step
+        session.submit(HostCopy({"x": torch.ones(2)}), lambda host, step=step: _trace(step))
+    handle = session.open_step(session.next_step(), HostCopy({}), lambda host: _trace(5))  # its call never returns
+    assert not (tmp_path / io.MANIFEST).exists()  # a ring writes nothing until a trigger fires
+    session.fail_step(handle, ValueError("the engine broke"), "a test")
+    session.flight.fire(Trigger(kind=TriggerKind.EXCEPTION, step=9, message="again"))  # a kind fires once
+    session.close()
+    assert [(e.step, e.in_flight) for e in io.read_manifest(tmp_path)] == [(3, False), (4, False), (5, True)]
+    assert [(t.kind, t.step, t.pid) for t in io.read_triggers(tmp_path)] == [("exception", 5, os.getpid())]
+    assert session.flight.skipped == {TriggerKind.EXCEPTION: 1}
+    assert len(logs) == 1 and "on exception at step 5" in logs[0] and "in flight: [5]" in logs[0]
+
+
+def test_sigusr1_writes_the_ring_each_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from attndbg.record import session as session_module
+
+    session = RecordingSession(RecordOptions(out_dir=str(tmp_path), ring=4, writer="thread"), log=lambda _: None)
+    monkeypatch.setattr(session_module, "_SESSION", session)
+    for step in range(3):
+        session.next_step()
+        session.submit(HostCopy({}), lambda host, step=step: _trace(step))
+    signals._on_usr1(signal.SIGUSR1, None)  # what the handler does: enqueue, the flight thread writes
+    session.flight.drain(10)
+    session.next_step()
+    session.submit(HostCopy({}), lambda host: _trace(3))
+    signals._on_usr1(signal.SIGUSR1, None)
+    session.close()
+    assert [e.step for e in io.read_manifest(tmp_path)] == [0, 1, 2, 3]
+    assert [(t.kind, t.step) for t in io.read_triggers(tmp_path)] == [("signal", 2), ("signal", 3)]
+
+
+def test_signal_handlers_leave_an_engine_s_own_handler_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    installed = {}
+    own = lambda signum, frame: None  # noqa: E731 - an engine's handler
+    current = {signal.SIGUSR1: signal.SIG_DFL, signal.SIGTERM: own, signal.SIGHUP: signal.SIG_DFL}
+    monkeypatch.setattr(signal, "getsignal", lambda signum: current[signum])
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: installed.setdefault(signum, handler))
+    signals.install()
+    assert installed == {signal.SIGUSR1: signals._on_usr1, signal.SIGHUP: signals._on_terminate}
+
+
+def test_the_spool_is_promoted_with_an_exit_trigger_per_process(tmp_path: Path) -> None:
+    spool_dir, out = tmp_path / "spool", tmp_path / "rec"
+    out.mkdir()
+    for pid, steps in ((101, (3, 4)), (202, (4,))):
+        for step in steps:
+            io.append_to_recording(spool_dir / str(pid), _trace(step), in_flight=step == 4 and pid == 101)
+    spool.register(RecordOptions(out_dir=str(out), spool_dir=str(spool_dir)), 101)
+    assert spool.ring_pids(spool_dir) == [101]
+    written = spool.promote(spool_dir, out, code=139, words="killed by SIGSEGV")
+    assert [(t.kind, t.step, t.code, t.pid) for t in written] == [("exit", 4, 139, 101), ("exit", 4, 139, 202)]
+    entries = io.read_manifest(out)
+    # Both processes recorded a step 4: the second keeps it under its process id.
+    assert [(e.file, e.in_flight) for e in entries] == [("step_000003.pt", False), ("step_000004.pt", True), ("p202_step_000004.pt", False)]
+    assert all(io.load(out / e.file).source.step == e.step for e in entries)
+    assert io.read_triggers(out)[0].message == "the command killed by SIGSEGV"
+
+
+def test_pointer_audit_names_a_moved_buffer_once_and_passes_a_stable_one() -> None:
+    everything = lambda t: True  # noqa: E731 - CPU tensors stand in for the device's here
+    audit = PointerAudit(keep=everything)
+    static = {"kv_indptr": torch.zeros(9, dtype=torch.int32), "lens": {"full": torch.zeros(8)}, "rows": [torch.zeros(4)]}
+    audit.captured(("decode", 8), static)
+    assert audit.replayed(("decode", 8), static) == []  # the correct twin: buffers written in place
+    static["kv_indptr"].copy_(torch.arange(9))
+    assert audit.replayed(("decode", 8), static) == []
+    moved = dict(static, lens={"full": torch.zeros(8)})  # reallocated before the replay
+    found = audit.replayed(("decode", 8), moved)
+    assert [m.path for m in found] == ["lens.full"] and "lens.full moved since its CUDA graph ('decode', 8)" in found[0].message("batch")
+    assert audit.replayed(("decode", 8), moved) == []  # said once
+    assert audit.replayed(("decode", 4), moved) == []  # a graph never captured is not judged
+    assert set(addresses(static, keep=everything)) == {"kv_indptr", "lens.full", "rows.0"}
+    assert addresses(static) == {}  # by default only device tensors: host mirrors are rebuilt by design
+
+
+def test_probe_readings_pair_stamps_with_their_replay() -> None:
+    probes = GraphProbes(staging={"layer0.q": torch.arange(6.0).reshape(3, 2), "layer0.output": torch.zeros(3, 2)}, stamps={"layer0.q": torch.tensor([2]), "layer0.output": torch.tensor([1])})
+    reading = Reading(probes=probes, replay=2, done=None, shape=lambda host: {k: v[:2] for k, v in host.items()})
+    values = reading.collect()
+    assert list(values) == ["layer0.q"] and torch.equal(values["layer0.q"], torch.arange(4.0).reshape(2, 2))
+    assert reading.notes == ["layer0.output: not copied (the replay did not reach it)"]
+    assert reading.collect() is values  # once
+    late = Reading(probes=probes, replay=1, done=None)
+    assert list(late.collect()) == ["layer0.output"] and late.notes == ["layer0.q: overwritten by a later replay before it was read"]
+    probes.staging["layer0.q"][0, 0] = 99.0  # the staging is copied out, never handed over
+    assert values["layer0.q"][0, 0] == 0.0
