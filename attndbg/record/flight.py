@@ -5,13 +5,17 @@ normal recording, the steps in flight marked, then one `trigger` manifest line.
 Where triggers come from:
 - the adapters: an exception through the engine's step (`RecordingSession.fail_step`), an engine's
   own error handler, a moved metadata buffer (pointer_audit.py), an acceptance rate;
-- the flight thread (`attndbg-flight`): with `--when nan` or in-graph probes, it follows each closed
-  step until its device work is done (a blocking-sync event: the thread sleeps, no device sync on
-  the engine's thread), completes it (probe readings), and judges `--when nan` on what landed; a
-  CUDA error seen there fires at once. Without them, the engine's thread polls the events of the
-  steps in the ring when it opens the next (a query each), which is all in-flight marking needs;
+- the flight thread (`attndbg-flight`): with `--when nan` it follows each closed step until its
+  device work is done (a blocking-sync event: the thread sleeps, no device sync on the engine's
+  thread) and judges what landed (in-graph probe readings included, host_copy.py); a CUDA error
+  seen there fires at once. Without it, the engine's thread polls the events of the steps in the
+  ring when it opens the next (a query each), which is all in-flight marking needs;
 - signals (signals.py): SIGUSR1 asks for the ring; a process ended by SIGTERM or SIGHUP (their
   default action) first leaves its ring for `record`;
+- exceptions the engine does not hand to our hooks: an uncaught one (sys.excepthook,
+  threading.excepthook), or one an engine catches and logs at ERROR with its traceback or a CUDA
+  error's words (SGLang's scheduler logs "Scheduler hit an exception: ..." and has its parent kill
+  the process tree, so no exit hook of its own would run): `install_exception_hooks`;
 - the exit: at interpreter exit a CUDA error still pending fires; the steps not written are left in
   the spool (spool.py) for `record`, which keeps them when the command fails.
 
@@ -23,8 +27,10 @@ flight thread does the work.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +42,7 @@ from attndbg.record import spool
 from attndbg.record.ring import Ring, RingEntry
 from attndbg.record.host_copy import HostCopy
 from attndbg.record.session import Build, RecordingSession
-from attndbg.record.triggers import LOGITS_FINITE, Trigger, TriggerKind, from_exception, is_cuda_error, nonfinite, parse_when
+from attndbg.record.triggers import CUDA_ERROR_WORDS, LOGITS_FINITE, Trigger, TriggerKind, from_exception, is_cuda_error, nonfinite, parse_when
 from attndbg.trace.io import trigger_line
 
 EXIT_WAIT_SECONDS = 30.0
@@ -80,6 +86,7 @@ class FlightRecorder:
         self._thread = threading.Thread(target=self._run, name="attndbg-flight", daemon=True)
         self._thread.start()
         spool.register(session.options, os.getpid())
+        install_exception_hooks()
 
     # -- what the session and the adapters call -------------------------------------------------
 
@@ -96,7 +103,7 @@ class FlightRecorder:
             done = torch.cuda.Event(blocking=True)
             done.record(stream)
         self.ring.close(entry, done)
-        if self.when.nan or entry.completions:
+        if self.when.nan:
             self._put(_Watch(entry))
 
     def keep(self, step: int, copy: HostCopy, build: Build) -> None:
@@ -164,7 +171,7 @@ class FlightRecorder:
                             self._idle.set()
 
     def _follow(self, entry: RingEntry) -> None:
-        """Wait until the step's device work is done, complete it, judge `--when nan`."""
+        """Wait until the step's device work is done, judge `--when nan`."""
         if entry.done is not None:
             try:
                 entry.done.synchronize()
@@ -173,10 +180,7 @@ class FlightRecorder:
                     self.fire(from_exception(e, self.in_flight_step(), "seen by the flight recorder"))
                 return
             entry.finished = True
-        for complete in entry.completions:
-            complete(entry)
-        if self.when.nan:
-            self._judge(_Check(entry.copy, lambda host, step=entry.step: self._nan(host, step)))
+        self._judge(_Check(entry.copy, lambda host, step=entry.step: self._nan(host, step)))
 
     def _nan(self, host: dict[str, Any], step: int) -> Trigger | None:
         found = nonfinite(host, self.watched)
@@ -218,3 +222,66 @@ class FlightRecorder:
         self._jobs.put(None)
         self.session.flush()
         spool.leave(self.session, self.ring.take())
+
+
+def _fire_current(error: BaseException | None, where: str, *, cuda_line: str = "") -> None:
+    """Fire this process's ring (if one records) for `error`, or for a CUDA error known only by
+    the line a log names it in."""
+    from attndbg.record import session as session_module
+
+    session = session_module._SESSION
+    if session is None or session.flight is None or not session.enabled:
+        return
+    with contextlib.suppress(Exception):  # never in the way of the engine's own error handling
+        step = session.flight.in_flight_step()
+        if error is not None:
+            session.flight.fire(from_exception(error, step, where))
+        else:
+            session.flight.fire(Trigger(kind=TriggerKind.CUDA_ERROR, step=step, message=f"{cuda_line[:300]} ({where})"))
+
+
+class _ErrorLog(logging.Handler):
+    """ERROR records carrying an exception, or a CUDA error's words, fire the ring."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.ERROR)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info and record.exc_info[1] is not None:
+            _fire_current(record.exc_info[1], f"logged by {record.name}")
+            return
+        with contextlib.suppress(Exception):
+            text = record.getMessage()
+            if CUDA_ERROR_WORDS.search(text):
+                _fire_current(None, f"logged by {record.name}", cuda_line=_cuda_line(text))
+
+
+def _cuda_line(text: str) -> str:
+    """The line of a logged traceback that names the CUDA error."""
+    return next((line.strip() for line in text.splitlines() if CUDA_ERROR_WORDS.search(line)), text.strip().splitlines()[0] if text.strip() else "")
+
+
+_HOOKS_INSTALLED = False
+
+
+def install_exception_hooks() -> None:
+    """Chain sys.excepthook and threading.excepthook, and add the ERROR handler to the root logger
+    (once per process; each passes through when no ring is recording)."""
+    global _HOOKS_INSTALLED
+    if _HOOKS_INSTALLED:
+        return
+    _HOOKS_INSTALLED = True
+    previous_sys, previous_thread = sys.excepthook, threading.excepthook
+
+    def excepthook(kind: type[BaseException], error: BaseException, tb: Any) -> None:
+        _fire_current(error, "uncaught")
+        previous_sys(kind, error, tb)
+
+    def thread_excepthook(args: Any) -> None:
+        if args.exc_value is not None:
+            _fire_current(args.exc_value, f"uncaught in thread {getattr(args.thread, 'name', '?')}")
+        previous_thread(args)
+
+    sys.excepthook = excepthook
+    threading.excepthook = thread_excepthook
+    logging.getLogger().addHandler(_ErrorLog())

@@ -17,7 +17,9 @@ caller logs it and fires the flight recorder's ring.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import threading
+import types
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +28,7 @@ from torch import Tensor
 
 MAX_DEPTH = 4  # batch dict -> per-layer-type dict -> tensor; metadata -> wrapper -> buffer
 MAX_TENSORS = 512  # per object: enough for any metadata, bounded for an object graph that is not
+MAX_VISITS = 4096  # containers and attributes looked at per object, for the same reason
 
 
 def on_device(t: Tensor) -> bool:
@@ -39,13 +42,13 @@ def addresses(obj: Any, *, keep: Callable[[Tensor], bool] = on_device) -> dict[s
     seen: set[int] = set()
 
     def walk(value: Any, path: str, depth: int) -> None:
-        if len(found) >= MAX_TENSORS or depth > MAX_DEPTH:
+        if len(found) >= MAX_TENSORS or depth > MAX_DEPTH or len(seen) >= MAX_VISITS:
             return
         if isinstance(value, Tensor):
             if keep(value):
                 found[path] = (value.data_ptr(), tuple(value.shape))
             return
-        if value is None or isinstance(value, (str, bytes, int, float, bool)) or id(value) in seen:
+        if value is None or isinstance(value, (str, bytes, int, float, bool, types.ModuleType, enum.Enum)) or id(value) in seen:
             return
         seen.add(id(value))
         if isinstance(value, dict):
@@ -74,6 +77,19 @@ class Moved:
 
     def message(self, what: str) -> str:
         return f"{what} {self.path} moved since its CUDA graph {self.key!r} was captured (data_ptr {self.captured:#x} -> {self.now:#x}): the graph still reads the old address"
+
+
+def report_moved(session: Any, moved: list[Moved], *, step: int | None, what: str) -> None:
+    """Say each moved buffer once (session.note_once) and, in ring mode, fire the ring."""
+    if not moved:
+        return
+    from attndbg.record.triggers import Trigger, TriggerKind
+
+    for m in moved:
+        message = m.message(what)
+        session.note_once(message)
+        if session.flight is not None:
+            session.flight.fire(Trigger(kind=TriggerKind.POINTER, step=step, message=message))
 
 
 class PointerAudit:

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
@@ -36,9 +35,6 @@ class RingEntry:
     done: torch.cuda.Event | None = None  # recorded after the step's work was queued (None: host only)
     closed: bool = False  # the engine's call returned
     finished: bool = False  # its device work was seen complete
-    # What completes the entry once its device work is done (in-graph probe readings), in order.
-    completions: list[Any] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
 
 
 class Ring:

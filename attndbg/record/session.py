@@ -147,7 +147,7 @@ class RecordingSession:
         if capturing():
             self.stats.skipped_in_capture += 1
             return None
-        return HostCopy(tensors, stream=stream)
+        return HostCopy(tensors) if stream is None else HostCopy(tensors, stream=stream)
 
     def submit(self, copy: HostCopy, build: Build, *, step: int | None = None) -> None:
         """Hand a step to the writer: `build(host_tensors)` runs on the writer thread. In ring mode

@@ -49,11 +49,11 @@ class Trigger:
 
 # Words in the messages CUDA errors carry through torch (torch.AcceleratorError / RuntimeError:
 # "CUDA error: an illegal memory access was encountered", "device-side assert triggered", ...).
-_CUDA_ERROR = re.compile(r"CUDA error|cudaError|illegal memory access|device-side assert|CUBLAS_STATUS|CUDNN_STATUS|unspecified launch failure", re.I)
+CUDA_ERROR_WORDS = re.compile(r"CUDA error|cudaError|illegal memory access|device-side assert|CUBLAS_STATUS|CUDNN_STATUS|unspecified launch failure", re.I)
 
 
 def is_cuda_error(error: BaseException) -> bool:
-    return bool(_CUDA_ERROR.search(f"{type(error).__name__}: {error}"))
+    return bool(CUDA_ERROR_WORDS.search(f"{type(error).__name__}: {error}"))
 
 
 def from_exception(error: BaseException, step: int | None, where: str) -> Trigger:

@@ -14,7 +14,6 @@ counts (bench/timeline_check.sh).
 from __future__ import annotations
 
 import gzip
-import importlib
 import importlib.util
 import json
 import os
@@ -27,6 +26,7 @@ import pytest
 
 from attndbg.timeline import chrome
 from attndbg.trace.io import read_manifest
+from tests.gpu.engines import continuous_batching_missing
 from tests.timeline import engine_enclosure, enclosure
 
 pytestmark = [
@@ -114,16 +114,7 @@ def test_check_workers_merge_into_one_file(tmp_path: Path) -> None:
     assert files >= {p.name for p in TRACES.glob("*.pt")}, files  # every shipped file checked, in one worker or the other
 
 
-def _continuous_batching() -> str | None:
-    """Why transformers' continuous batching cannot run here, or None (the adapter needs >= 5.20)."""
-    try:
-        generation = importlib.import_module("transformers.generation")
-    except ImportError as e:
-        return f"needs transformers >= 5.20 with continuous batching ({e})"
-    return None if hasattr(generation, "ContinuousBatchingConfig") else "needs transformers >= 5.20 (no ContinuousBatchingConfig)"
-
-
-@pytest.mark.skipif(_continuous_batching() is not None, reason=str(_continuous_batching()))
+@pytest.mark.skipif(continuous_batching_missing() is not None, reason=str(continuous_batching_missing()))
 def test_record_ranges_on_a_live_engine_with_cuda_graphs(tmp_path: Path) -> None:
     """`attndbg record --timeline` around transformers' continuous batching with CUDA graphs (its
     warm-up forward, captures, replays): one range per recorded step, labelled as the recorded file

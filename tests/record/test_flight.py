@@ -209,3 +209,73 @@ def test_probe_readings_pair_stamps_with_their_replay() -> None:
     assert list(late.collect()) == ["layer0.output"] and late.notes == ["layer0.q: overwritten by a later replay before it was read"]
     probes.staging["layer0.q"][0, 0] = 99.0  # the staging is copied out, never handed over
     assert values["layer0.q"][0, 0] == 0.0
+
+
+def test_sglang_graph_metadata_audit_and_verify_acceptance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's hooks (attndbg/record/sglang/flight.py) on stand-ins of its objects: a backend whose
+    forward_metadata is rebuilt before a replay fires the ring once, one written in place does
+    not; a verify step accepting 1 of 9 drafts fires `accept<0.2`, one accepting 8 of 9 does not."""
+    from types import SimpleNamespace
+
+    from attndbg.record import session as session_module
+    from attndbg.record.sglang import flight as sglang_flight
+
+    monkeypatch.setattr(sglang_flight, "AUDIT", PointerAudit(keep=lambda t: True))  # CPU tensors stand in
+    session = RecordingSession(RecordOptions(out_dir=str(tmp_path), ring=4, writer="thread", when=("accept<0.2",)), log=lambda _: None)
+    monkeypatch.setattr(session_module, "_SESSION", session)
+    decode = SimpleNamespace(name="DECODE")
+    backend = SimpleNamespace(forward_metadata=SimpleNamespace(kv_indptr=torch.zeros(9, dtype=torch.int32), kv_indices=torch.zeros(64, dtype=torch.int32)))
+    sglang_flight.audit_out_graph(backend, SimpleNamespace(batch_size=8, forward_mode=decode), in_capture=True)
+    view = SimpleNamespace(batch_size=8, forward_mode=decode, num_padding=3)
+    for step in range(2):
+        session.next_step()
+        session.submit(HostCopy({}), lambda host, step=step: _trace(step))
+        sglang_flight.audit_out_graph(backend, view, in_capture=False)  # buffers kept: the correct twin
+    assert session.flight.fired == []
+    backend.forward_metadata.kv_indices = torch.zeros(64, dtype=torch.int32)  # rebuilt instead of written in place
+    sglang_flight.audit_out_graph(backend, view, in_capture=False)
+    sglang_flight.audit_out_graph(backend, view, in_capture=False)
+    [fired] = session.flight.fired
+    assert fired.kind is TriggerKind.POINTER and fired.step == 2 and "kv_indices moved since its CUDA graph" in fired.message
+
+    class Worker:
+        speculative_num_draft_tokens = 4
+
+        def __init__(self, accept_lens: list[int]):
+            self.accept_lens = accept_lens
+
+        def verify(self, batch: object) -> SimpleNamespace:
+            return SimpleNamespace(accept_lens=torch.tensor(self.accept_lens))  # bonus token included
+
+    Worker.verify = sglang_flight.wrap_verify(Worker.verify)
+    Worker([4, 4, 3]).verify(None)  # 8 of 9 drafts accepted
+    session.flight.drain(10)
+    assert [t.kind for t in session.flight.fired] == [TriggerKind.POINTER]
+    Worker([1, 1, 2]).verify(None)  # 1 of 9
+    session.flight.drain(10)
+    assert session.flight.fired[-1].kind is TriggerKind.ACCEPT and "accepted 1 of 9 draft tokens (0.111 < 0.2)" in session.flight.fired[-1].message
+    session.close()
+    assert [t.kind for t in io.read_triggers(tmp_path)] == ["pointer", "accept"]
+
+
+def test_an_error_the_engine_only_logs_fires_the_ring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's scheduler catches its exception, logs the traceback and has its parent kill it: the
+    ERROR record is where the ring can still be written. A logged error without an exception or
+    CUDA error words (a bad request) fires nothing."""
+    import logging
+
+    from attndbg.record import session as session_module
+
+    session = RecordingSession(RecordOptions(out_dir=str(tmp_path), ring=2, writer="thread"), log=lambda _: None)
+    monkeypatch.setattr(session_module, "_SESSION", session)
+    session.next_step()
+    session.submit(HostCopy({}), lambda host: _trace(0))
+    logger = logging.getLogger("sglang.srt.managers.scheduler")
+    logger.error("Error processing request: prompt too long")
+    assert session.flight.fired == []
+    logger.error("Scheduler hit an exception: Traceback (most recent call last):\n  File ...\nRuntimeError: CUDA error: an illegal memory access was encountered\n")
+    [fired] = session.flight.fired
+    assert fired.kind is TriggerKind.CUDA_ERROR and fired.step == 0
+    assert fired.message == "RuntimeError: CUDA error: an illegal memory access was encountered (logged by sglang.srt.managers.scheduler)"
+    session.close()
+    assert [e.step for e in io.read_manifest(tmp_path)] == [0]

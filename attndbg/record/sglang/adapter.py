@@ -9,6 +9,8 @@ Hook points (engines.md A6), each found by feature, not by SGLang version:
   `init_forward_metadata_replay_cuda_graph` has refilled its graph buffers;
 - `RadixAttention.__init__`: remembers the layers, whose shape and numerics the Model records;
 - SGL-new `build_replay_fb_view`: attaches the padded out_cache_loc buffer to the view;
+- the flight recorder's pointer audit at graph capture and replay, and the EAGLE workers' `verify`
+  for `--when 'accept<X'` (`flight.py`);
 - with `--layers`: `forward(q, k, v, layer, forward_batch, ...)` on every AttentionBackend subclass
   that defines it (per-layer tensors of eager steps, `layers`), and `ModelRunner.forward`,
   at whose end a step with layers is submitted.
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attndbg.record.sglang import flight as sglang_flight
 from attndbg.record.sglang import layers as sglang_layers
 from attndbg.record import hooks
 from attndbg.record.build import package_version, source
@@ -357,6 +360,8 @@ def _wrap_out_graph(original: Callable) -> Callable:
         session = _active() if _outermost() and not in_capture else None
         with _nested():
             result = original(self, forward_batch, in_capture, *args, **kwargs)
+        if _outermost() and (in_capture or hasattr(forward_batch, "num_padding")):
+            sglang_flight.audit_out_graph(self, forward_batch, in_capture=in_capture)
         # Only replays are recorded here (the view has num_padding); eager steps come through
         # init_forward_metadata, whose default calls this method nested.
         if session is not None and hasattr(forward_batch, "num_padding"):
@@ -403,6 +408,7 @@ def _wrap_replay_metadata(original: Callable) -> Callable:
         value = kwargs.get("seq_lens_sum", args[3] if len(args) > 3 else None)
         with contextlib.suppress(AttributeError):  # a backend with __slots__ keeps nothing
             setattr(self, REPLAY_SEQ_LENS_SUM, value)
+        sglang_flight.audit_classic_replay(self, args, kwargs)
         return result
 
     return init_forward_metadata_replay_cuda_graph
@@ -488,6 +494,7 @@ def instrument_backend_class(cls: type) -> None:
     hooks.patch(cls, "init_forward_metadata", _wrap_eager)
     hooks.patch(cls, "init_forward_metadata_out_graph", _wrap_out_graph)
     hooks.patch(cls, "init_forward_metadata_replay_cuda_graph", _wrap_replay_metadata)  # SGL-classic
+    hooks.patch(cls, "init_forward_metadata_capture_cuda_graph", sglang_flight.wrap_capture_metadata)  # SGL-classic
     hooks.patch(cls, "forward", _wrap_forward)
 
 
@@ -506,6 +513,7 @@ def install() -> None:
         instrument_backend_class(cls)
     hooks.on_subclass(AttentionBackend, instrument_backend_class)
     _instrument_model_runner()
+    sglang_flight.install_verify_hooks()
     with contextlib.suppress(ImportError):  # SGL-classic only
         from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 

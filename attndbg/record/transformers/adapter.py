@@ -55,11 +55,12 @@ from torch import Tensor
 
 from attndbg import profiling
 from attndbg.record.build import device_name, mode_from_lengths
+from attndbg.record.pointer_audit import report_moved
 from attndbg.record.probes import Phase
 from attndbg.record.session import OpenStep, RecordingSession, capturing, current_session
 from attndbg.record.transformers.graphs import AUDIT, BOOK, EAGER, GraphStep, audited, compute_stream, current_io, finite_rows, graph_step, hook_logits
 from attndbg.record.transformers.trace import ENGINE, CacheGeometry, cache_geometry, model_from_config, per_allocator, trace_from_step
-from attndbg.record.triggers import LOGITS_FINITE, Trigger, TriggerKind, from_exception
+from attndbg.record.triggers import LOGITS_FINITE, from_exception
 from attndbg.trace.schema import Trace
 
 # (engine field, where it lands in the trace; "" = not recorded) for the fields the detectors read:
@@ -143,8 +144,8 @@ def _on_step(session: RecordingSession, runner: Any, model: Any, batch_data: dic
     graph = EAGER
     with session.guard("transformers graph audit"):
         graph = graph_step(runner)
-        if graph.phase == Phase.REPLAY:
-            _audit_replay(session, graph, batch_data, step)
+        if graph.phase == Phase.REPLAY:  # a moved input of the graph about to replay: said once, fires the ring
+            report_moved(session, AUDIT.replayed(graph.key, audited(batch_data)), step=step, what="transformers batch_data")
     # Probes are captured into every graph, recorded step or not (`--steps` may leave out the
     # warm-up that captures them), and every replay of a probed graph is counted (probes.py).
     probing = graph.key is not None and _probes_wanted(session)
@@ -261,15 +262,6 @@ def _close(session: RecordingSession, state: _StepState, handle: OpenStep, strea
         if reading is not None:
             handle.copy.add_reading(reading)
     session.close_step(handle, stream=stream)
-
-
-def _audit_replay(session: RecordingSession, graph: GraphStep, batch_data: dict[str, Any], step: int) -> None:
-    """A moved input of the graph about to replay: said once, and it fires the ring."""
-    for moved in AUDIT.replayed(graph.key, audited(batch_data)):
-        message = moved.message("transformers batch_data")
-        session.note_once(message)
-        if session.flight is not None:
-            session.flight.fire(Trigger(kind=TriggerKind.POINTER, step=step, message=message))
 
 
 def _layer_state(layer: Any) -> tuple[RecordingSession, _StepState] | None:
