@@ -1,14 +1,21 @@
-"""Per-step cost of metadata-only recording on a CUDA-graph decode loop (GPU).
+"""Per-step cost of recording on a CUDA-graph decode loop (GPU).
 
 The loop is transformers' continuous batching with CUDA graphs on (decode steps replay a captured
-graph), a random Llama, bf16, many requests decoding together. Three configurations, interleaved
-over several rounds so clock drift hits all of them alike:
-  off        the adapter not installed
-  idle       installed, no session (what every engine process pays once `attndbg` is installed)
-  thread     a session recording every step's metadata (no tensors), saved by the writer thread
-  process    the same, saved by the writer process (the default): the engine process only packs
+graph), a random Llama, bf16, many requests decoding together. Configurations (--configs), run in
+interleaved rounds so clock drift hits all of them alike, each against `off` in the same run:
+  off         the adapter not installed
+  idle        installed, no session (what every engine process pays once `attndbg` is installed)
+  thread      a session recording every step's metadata (no tensors), saved by the writer thread
+  process     the same, saved by the writer process (the default): the engine process only packs
+  ring        the flight recorder (`record --ring 64`): every step's metadata kept in host memory,
+              nothing written (no trigger fires)
+  ring_probe  the same with `--layers 0`: layer 0's q, new k/v and output of every graph-replayed
+              step copied out by in-graph probes (record/probes.py)
 Reported: median wall time per step of each, the overhead of recording in microseconds and in
-percent, and how many steps were written.
+percent, what was written (nothing in ring mode: that is checked) and, for ring_probe, how many
+replayed steps carried probe readings (the ring's steps are read back at the end of each round).
+Limits the flight recorder must meet (issue: ring <= 2 %, ring_probe <= 5 % per step) are printed
+as verdicts.
 
 Run on the GPU machine (transformers wheels carried in .gpu-hf/):
   bash .gpu/env.sh bash -c 'pip install -q --no-index --no-deps --target /tmp/hf .gpu-hf/*.whl;
@@ -86,14 +93,21 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=2048)
     parser.add_argument("--max-batch-tokens", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--configs", default="off,ring,ring_probe", help=f"comma-separated, from {','.join(CONFIGS)} (off is always run)")
+    parser.add_argument("--ring", type=int, default=64, help="ring depth of the ring configurations")
     parser.add_argument("--json", help="write the results as JSON")
     args = parser.parse_args()
+    chosen = ["off"] + [c for c in args.configs.split(",") if c and c != "off"]
+    unknown = [c for c in chosen if c not in CONFIGS]
+    if unknown:
+        print(f"--configs: unknown {unknown[0]!r}; known: {', '.join(CONFIGS)}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     model = build_model(args)
     run(model, args)  # warm-up: graph capture, allocator
-    per_step: dict[str, list[float]] = {"off": [], "idle": [], "thread": [], "process": []}
+    per_step: dict[str, list[float]] = {config: [] for config in chosen}
     written = {}
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
@@ -102,23 +116,35 @@ def main() -> int:
                     transformers_cb.uninstall()
                 else:
                     transformers_cb.install()
-                recording = config in ("thread", "process")
-                session = start_session(RecordOptions(out_dir=f"{tmp}/{config}{round_}", writer=config)) if recording else None
+                options = session_options(config, f"{tmp}/{config}{round_}", args.ring)
+                session = start_session(options) if options is not None else None
                 seconds, steps = run(model, args)
                 if session is not None:
+                    ring = ring_contents(session) if options.ring else None
                     stats = end_session()  # flushes the writer: its time after the loop is not the engine's
-                    written[f"{config}{round_}"] = {"steps": steps, "written": stats.written if stats else 0, "dropped": stats.dropped_queue_full if stats else 0, "hook_us_per_step": stats.hook_seconds / steps * 1e6 if stats else 0}
+                    written[f"{config}{round_}"] = {
+                        "steps": steps,
+                        "written": stats.written if stats else 0,
+                        "dropped": stats.dropped_queue_full if stats else 0,
+                        "hook_us_per_step": stats.hook_seconds / steps * 1e6 if stats else 0,
+                        "stopped": stats.stopped_reason if stats else None,
+                        **({"ring": ring} if ring is not None else {}),
+                    }
                 per_step[config].append(seconds / steps * 1e6)
-                print(f"round {round_} {config:9s} {steps} steps {seconds:.3f} s {seconds / steps * 1e6:.1f} us/step", flush=True)
-        modes = sorted({e.mode for e in io.read_manifest(f"{tmp}/process0")})
+                print(f"round {round_} {config:10s} {steps} steps {seconds:.3f} s {seconds / steps * 1e6:.1f} us/step", flush=True)
+        modes = sorted({e.mode for e in io.read_manifest(f"{tmp}/process0")}) if "process" in per_step else []
     transformers_cb.uninstall()
     median = {k: statistics.median(v) for k, v in per_step.items()}
+    others = [k for k in per_step if k != "off"]
+    percent = {k: 100 * (median[k] / median["off"] - 1) for k in others}
     result = {
         "device": torch.cuda.get_device_name(),
         "config": vars(args),
         "us_per_step_median": median,
-        "overhead_us_per_step": {k: median[k] - median["off"] for k in ("idle", "thread", "process")},
-        "overhead_percent": {k: 100 * (median[k] / median["off"] - 1) for k in ("idle", "thread", "process")},
+        "us_per_step_rounds": per_step,
+        "overhead_us_per_step": {k: median[k] - median["off"] for k in others},
+        "overhead_percent": percent,
+        "verdicts": {k: f"{percent[k]:.2f} % {'<=' if percent[k] <= LIMITS[k] else '>'} {LIMITS[k]} %" for k in others if k in LIMITS},
         "written_steps_dropped": written,
         "recorded_modes": modes,
     }
@@ -126,6 +152,31 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+CONFIGS = ("off", "idle", "thread", "process", "ring", "ring_probe")
+LIMITS = {"ring": 2.0, "ring_probe": 5.0}  # percent per step, the flight recorder's budget
+
+
+def session_options(config: str, out_dir: str, ring: int) -> RecordOptions | None:
+    if config in ("thread", "process"):
+        return RecordOptions(out_dir=out_dir, writer=config)
+    if config == "ring":
+        return RecordOptions(out_dir=out_dir, ring=ring)
+    if config == "ring_probe":
+        return RecordOptions(out_dir=out_dir, ring=ring, layers=(0,))
+    return None
+
+
+def ring_contents(session) -> dict:  # type: ignore[no-untyped-def]
+    """What the ring holds at the end of a round (read back on the host, after the timing): its
+    steps and, for probes, how many carry layer 0's four tensors."""
+    entries = session.flight.ring.take()
+    with_layer = 0
+    for entry, _ in entries:
+        host = entry.copy.wait()
+        with_layer += all(host.get(f"layer0.{name}") is not None for name in ("q", "k_new", "v_new", "output"))
+    return {"steps": len(entries), "with_layer0": with_layer, "written_before_exit": session.stats.written}
 
 
 if __name__ == "__main__":
