@@ -61,7 +61,7 @@ def test_exit_trigger_keeps_the_last_steps_of_a_command_that_exits_3(tmp_path: P
 
 _TOY = textwrap.dedent(
     """
-    import os, signal, sys, torch
+    import os, signal, sys, time, torch
     from dataclasses import replace
     from attndbg.record.session import HostCopy, current_session
     from attndbg.trace import synth
@@ -73,15 +73,24 @@ _TOY = textwrap.dedent(
         session.submit(HostCopy({}), lambda host, trace=trace, step=step: replace(trace, source=replace(trace.source, step=step)))
     if sys.argv[1] == "kill":
         os.kill(os.getpid(), signal.SIGTERM)
+    if sys.argv[1] == "usr1":  # to `record`, which passes it on to this process
+        os.kill(os.getppid(), signal.SIGUSR1)
+        session.flight.drain(10)
+        for _ in range(100):
+            if session.flight.fired:
+                break
+            time.sleep(0.05)
+        sys.exit(0)
     sys.exit(int(sys.argv[1]))
     """
 )
 
 
-@pytest.mark.parametrize(("how", "code", "words"), [("0", 0, None), ("kill", 128 + 15, "killed by SIGTERM")], ids=["exit-0", "sigterm"])
+@pytest.mark.parametrize(("how", "code", "words"), [("0", 0, None), ("kill", 128 + 15, "killed by SIGTERM"), ("usr1", 0, "signal")], ids=["exit-0", "sigterm", "sigusr1"])
 def test_a_clean_exit_writes_nothing_and_a_killed_process_leaves_its_ring(tmp_path: Path, how: str, code: int, words: str | None) -> None:
     """A process that exits 0 leaves no recording; one ended by SIGTERM leaves its ring first, and
-    `record` exits 128 + 15 saying so."""
+    `record` exits 128 + 15 saying so; SIGUSR1 sent to `record` reaches the process holding the
+    ring, which writes it (a toy process stands in for the engine: the launcher's part is tested)."""
     script = tmp_path / "toy.py"
     script.write_text(_TOY)
     out = tmp_path / "rec"
@@ -89,6 +98,10 @@ def test_a_clean_exit_writes_nothing_and_a_killed_process_leaves_its_ring(tmp_pa
     assert done.returncode == code, done.stderr[-3000:]
     if words is None:
         assert not (out / io.MANIFEST).exists() and "no trigger fired, nothing written" in done.stderr
+        return
+    if words == "signal":
+        assert [e.step for e in io.read_manifest(out)] == [3, 4]
+        assert [(t.kind, t.step) for t in io.read_triggers(out)] == [("signal", 4)]
         return
     assert [e.step for e in io.read_manifest(out)] == [3, 4]
     assert [(t.kind, t.code, t.message) for t in io.read_triggers(out)] == [("exit", code, f"the command {words}")]
