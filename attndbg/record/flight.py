@@ -127,20 +127,21 @@ class FlightRecorder:
             self._fired_kinds.add(trigger.kind)
             self.fired.append(trigger)
             taken = self.ring.take()
-        for entry, in_flight in taken:
-            self.session.write(entry.copy, entry.build, in_flight=in_flight)
-        self.session.write_line(trigger_line(trigger.line(os.getpid())))
+            # Queued under the lock: a trigger's line follows its own steps, whichever thread fires.
+            for entry, in_flight in taken:
+                self.session.write(entry.copy, entry.build, in_flight=in_flight, evidence=True)
+            self.session.write_line(trigger_line(trigger.line(os.getpid())))
         flying = [entry.step for entry, in_flight in taken if in_flight]
         where = f"step {trigger.step}" if trigger.step is not None else "no step yet"
-        with contextlib.suppress(OSError):
-            self.session._log(
-                f"ring written to {self.session.out_dir} on {trigger.kind.value} at {where}: {trigger.message}; "
-                f"{len(taken)} step(s){f', in flight: {flying}' if flying else ''}"
-            )
+        self.session.log(
+            f"ring written to {self.session.out_dir} on {trigger.kind.value} at {where}: {trigger.message}; "
+            f"{len(taken)} step(s){f', in flight: {flying}' if flying else ''}"
+        )
 
     def in_flight_step(self) -> int | None:
         """The step an error that surfaced now most likely belongs to: the oldest in flight, else the last."""
-        return self.ring.first_in_flight() if self.ring.first_in_flight() is not None else self.session.last_step
+        first = self.ring.first_in_flight()
+        return first if first is not None else self.session.last_step
 
     # -- the flight thread ----------------------------------------------------------------------
 

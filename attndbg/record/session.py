@@ -61,6 +61,7 @@ class _StepJob:
     copy: HostCopy
     build: Build
     in_flight: bool = False  # written by the flight recorder while its device work was not seen done
+    evidence: bool = False  # a ring written on a trigger: written even once recording stopped
 
 
 @dataclass
@@ -104,6 +105,7 @@ class RecordingSession:
         self._enabled = True
         self._steps = 0
         self._noted: set[str] = set()
+        self._stop_writing = False  # the directory refused a write or is full (--max-size): nothing more is tried
         self._lock = threading.Lock()
         self._queue: queue.Queue[_StepJob | _LineJob | None] = queue.Queue()
         self._pending_bytes = 0
@@ -187,16 +189,17 @@ class RecordingSession:
         """The last step number handed out (None before the first)."""
         return self._steps - 1 if self._steps else None
 
-    def write(self, copy: HostCopy, build: Build, *, in_flight: bool = False) -> None:
-        """Queue a step for the writer thread (the flight recorder's writes come here too)."""
-        if not self._enabled:
+    def write(self, copy: HostCopy, build: Build, *, in_flight: bool = False, evidence: bool = False) -> None:
+        """Queue a step for the writer thread. `evidence`: a ring written on a trigger, written even
+        if recording stops meanwhile (a hook failing on the same CUDA error, say)."""
+        if not self._enabled and not evidence:
             return
         with self._lock:
             if self._pending_bytes + copy.nbytes > MAX_PENDING_BYTES:
                 self.stats.dropped_queue_full += 1
                 return
             self._pending_bytes += copy.nbytes
-        self._queue.put_nowait(_StepJob(copy, build, in_flight))
+        self._queue.put_nowait(_StepJob(copy, build, in_flight, evidence))
 
     def write_line(self, line: str) -> None:
         """Queue a manifest line, written after the steps queued before it."""
@@ -204,11 +207,23 @@ class RecordingSession:
 
     @contextlib.contextmanager
     def guard(self, where: str) -> Iterator[None]:
-        """Run hook code; the first exception disables recording with one log line."""
+        """Run hook code; the first exception disables recording with one log line. In ring mode a
+        CUDA error (a hook's own CUDA call is where a device fault may surface first) fires the
+        ring before that: the steps it holds are the evidence of the fault."""
         try:
             yield
         except Exception as e:  # noqa: BLE001 - a recorder must never take the engine down
+            if self.flight is not None:
+                from attndbg.record.triggers import from_exception, is_cuda_error
+
+                if is_cuda_error(e):
+                    self.flight.fire(from_exception(e, self.flight.in_flight_step(), f"seen in {where}"))
             self.disable(f"error in {where}: {type(e).__name__}: {e}")
+
+    def log(self, message: str) -> None:
+        """One line on stderr (never raises: stderr may be a file on a disk that just filled)."""
+        with contextlib.suppress(OSError):
+            self._log(message)
 
     def note_once(self, message: str) -> None:
         """Log `message` once per process (a moved buffer, a probe that could not be captured)."""
@@ -216,8 +231,7 @@ class RecordingSession:
             if message in self._noted:
                 return
             self._noted.add(message)
-        with contextlib.suppress(OSError):
-            self._log(message)
+        self.log(message)
 
     def disable(self, reason: str, *, failure: bool = True) -> None:
         """Stop recording in this process; a `failure` (not the size cap) is also noted for
@@ -243,7 +257,7 @@ class RecordingSession:
                     with self.guard("writing a manifest line"):
                         append_manifest_line(self.out_dir, job.line)
                     continue
-                if self._enabled:
+                if self._enabled or (job.evidence and not self._stop_writing):
                     with self.guard("writing a step"):
                         self._write(job)
                 with self._lock:
@@ -255,7 +269,7 @@ class RecordingSession:
         try:
             host = job.copy.wait()
         except CopyLost as e:  # a ring step behind a device fault: the others are still written
-            self._log(f"a step in flight was not written: {e}")
+            self.log(f"a step in flight was not written: {e}")
             return
         trace = job.build(host)
         if trace is None:
@@ -267,6 +281,7 @@ class RecordingSession:
             else:
                 size = append_to_recording(self.out_dir, trace, name, in_flight=job.in_flight).stat().st_size
         except OSError as e:  # a full disk (ENOSPC), a quota, a read-only mount: stop, say where and why
+            self._stop_writing = True
             self.disable(f"cannot write {name} to {self.out_dir}: {os_reason(e)}")
             return
         self._written(name, size)
@@ -277,6 +292,7 @@ class RecordingSession:
         self.stats.files.append(name)
         total = self._bytes_at_start + self.stats.bytes_written
         if total >= self.options.max_bytes:
+            self._stop_writing = True
             self.disable(f"size cap reached: {self.out_dir} holds {total} bytes >= --max-size {self.options.max_bytes}", failure=False)
 
     def flush(self, timeout: float = 60.0) -> None:

@@ -61,10 +61,9 @@ def leave(session: Any, taken: list[tuple[Any, bool]]) -> None:
                 folder.mkdir(parents=True, exist_ok=True)
                 append_to_recording(folder, trace, step_file_name(session.options, trace), in_flight=in_flight)
         except CopyLost as e:
-            session._log(f"step {entry.step} left out of the ring: {e}")
+            session.log(f"step {entry.step} left out of the ring: {e}")
         except Exception as e:  # noqa: BLE001 - the process is exiting: one line, the other steps go on
-            with contextlib.suppress(OSError):
-                session._log(f"step {entry.step} left out of the ring ({type(e).__name__}: {e})")
+            session.log(f"step {entry.step} left out of the ring ({type(e).__name__}: {e})")
 
 
 def promote(spool_dir: str | os.PathLike, out_dir: str | os.PathLike, *, code: int, words: str) -> list[TriggerLine]:

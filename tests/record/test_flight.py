@@ -279,3 +279,28 @@ def test_an_error_the_engine_only_logs_fires_the_ring(tmp_path: Path, monkeypatc
     assert fired.message == "RuntimeError: CUDA error: an illegal memory access was encountered (logged by sglang.srt.managers.scheduler)"
     session.close()
     assert [e.step for e in io.read_manifest(tmp_path)] == [0]
+
+
+def test_a_hook_failing_on_a_cuda_error_writes_the_ring_before_recording_stops(tmp_path: Path) -> None:
+    """A device fault may surface first in one of the recorder's own CUDA calls: the hook's guard
+    fires the ring (its steps written although recording then stops); any other hook error only
+    stops recording, as outside ring mode."""
+    logs: list[str] = []
+    session = RecordingSession(RecordOptions(out_dir=str(tmp_path / "cuda"), ring=3, writer="thread"), log=logs.append)
+    for step in range(4):
+        session.next_step()
+        session.submit(HostCopy({}), lambda host, step=step: _trace(step))
+    with session.guard("a test hook"):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    assert not session.enabled
+    session.close()
+    assert [e.step for e in io.read_manifest(tmp_path / "cuda")] == [1, 2, 3]
+    assert [(t.kind, t.step) for t in io.read_triggers(tmp_path / "cuda")] == [("cuda-error", 3)]
+    assert "recording stopped" in logs[-1]
+    other = RecordingSession(RecordOptions(out_dir=str(tmp_path / "bug"), ring=3, writer="thread"), log=lambda _: None)
+    other.next_step()
+    other.submit(HostCopy({}), lambda host: _trace(0))
+    with other.guard("a test hook"):
+        raise KeyError("layout changed")
+    other.close()
+    assert not other.enabled and not (tmp_path / "bug" / io.MANIFEST).exists()
