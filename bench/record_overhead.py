@@ -14,8 +14,7 @@ interleaved rounds so clock drift hits all of them alike, each against `off` in 
 Reported: median wall time per step of each, the overhead of recording in microseconds and in
 percent, what was written (nothing in ring mode: that is checked) and, for ring_probe, how many
 replayed steps carried probe readings (the ring's steps are read back at the end of each round).
-Limits the flight recorder must meet (issue: ring <= 2 %, ring_probe <= 5 % per step) are printed
-as verdicts.
+The flight recorder's budget (ring <= 2 %, ring_probe <= 5 % per step) is printed as verdicts.
 
 Run on the GPU machine (transformers wheels carried in .gpu-hf/):
   bash .gpu/env.sh bash -c 'pip install -q --no-index --no-deps --target /tmp/hf .gpu-hf/*.whl;

@@ -1,7 +1,7 @@
 """The flight recorder on a live engine (transformers' continuous batching, on the CPU).
 
 `attndbg record --ring K` writes nothing until a trigger fires, then the ring as a normal
-recording: the command's non-zero exit (the CPU test of the issue, through the CLI), an exception
+recording: the command's non-zero exit (through the CLI), an exception
 in the engine (its step kept, in flight), a NaN in a recorded output (`--when nan`), a wrong index
 the engine hands its cache (the step kept as evidence that `check` flags). Each has a clean twin
 that writes nothing. The GPU versions (CUDA errors, CUDA graphs, in-graph probes) are in
@@ -46,7 +46,8 @@ def _findings(out: Path) -> list[tuple[int, str]]:
 
 
 def test_exit_trigger_keeps_the_last_steps_of_a_command_that_exits_3(tmp_path: Path) -> None:
-    """The issue's CPU test: `record --ring 4 -- sh -c 'python transformers_generate.py && exit 3'`."""
+    """`record --ring 4 -- sh -c 'python transformers_generate.py && exit 3'`: exits 3, keeps the last
+    four steps, names the trigger `exit` with code 3."""
     out = tmp_path / "rec"
     done = _record(out, "--ring", "4", command=["sh", "-c", f"{sys.executable} {SCRIPT} && exit 3"])
     assert done.returncode == 3, done.stderr[-3000:]
