@@ -190,12 +190,28 @@ def _attend_group(
     softmax_dtype = torch.float32 if low else torch.float64
     probs = torch.softmax(scores.to(softmax_dtype), dim=-1).to(compute_dtype)
     probs = torch.nan_to_num(probs, nan=0.0)  # a row that sees nothing has no weights
-    o = torch.matmul(probs, v)  # [B, Hkv, g*e, Dv]
+    o = _weighted_values(probs, v, visible)  # [B, Hkv, g*e, Dv]
     o = o.view(n, hkv, group_size, rows_max, -1).permute(0, 3, 1, 2, 4).reshape(n, rows_max, model.num_qo_heads, -1)
     m = torch.logsumexp(scores.to(torch.float64), dim=-1)  # [B, Hkv, g*e]
     m = m.view(n, hkv, group_size, rows_max).permute(0, 3, 1, 2).reshape(n, rows_max, model.num_qo_heads)
     out.index_copy_(0, rows[real], o[real])
     lse.index_copy_(0, rows[real], m[real])
+
+
+def _weighted_values(probs: Tensor, v: Tensor, visible: Tensor) -> Tensor:
+    """probs @ v, reading only the values each row sees.
+
+    A column a row does not see has weight 0, but 0 x NaN is NaN: a NaN or Inf in a value no row
+    of the group may read (outside its window, masked by the tree, past its length, a padded
+    column gathered from slot 0) would still reach the output through a plain matmul. Such values
+    are read as 0; a row that does see one gets the plain product (its true, non-finite, result).
+    probs: [B, Hkv, rows, kv]; v: [B, Hkv, kv, Dv]; visible: [B, 1, rows, kv] bool."""
+    bad = ~torch.isfinite(v)
+    if not bool(bad.any()):
+        return torch.matmul(probs, v)
+    clean = torch.matmul(probs, v.masked_fill(bad, 0.0))
+    sees_bad = torch.matmul(visible.to(v.dtype), bad.to(v.dtype)) > 0  # [B, Hkv, rows, Dv]
+    return torch.where(sees_bad, torch.matmul(probs, v), clean)
 
 
 class ReferenceBackend(Backend):
