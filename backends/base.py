@@ -117,6 +117,18 @@ class FillRequirement:
 
 
 @dataclass(frozen=True)
+class LibraryRelease:
+    """The kernel library an adapter's runs call, and its installed release, as a defect report
+    names them ("FlashInfer 0.7.2.post1")."""
+
+    name: str
+    version: str
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.version}"
+
+
+@dataclass(frozen=True)
 class GraphCapacity:
     """Sizes the static buffers of a captured graph must hold, for every batch replayed into it."""
 
@@ -171,6 +183,12 @@ class Backend(abc.ABC):
     # none). `--backend-option NAME.FIELD=VALUE` sets its fields, parsed from their types
     # (backends/options.py), so what a user may choose is declared here and nowhere else.
     options_class: ClassVar[type | None] = None
+    # Whether a step at the shape of a known library defect (`known_defect`) is run. A check's
+    # adapters run it (CheckContext.adapter): a crash stays in its worker, and the kernels detector
+    # confirms or contradicts the prediction by the run; repro scripts it (a script is how a defect
+    # is shown). Elsewhere (replay, which has no crash boundary; the compile phase) it is refused
+    # with the defect as the reason.
+    run_known_defects: bool = False
 
     @abc.abstractmethod
     def unavailable_reason(self) -> str | None:
@@ -188,19 +206,33 @@ class Backend(abc.ABC):
         """What a new kernel shape costs on first use, when the library compiles it then (None: nothing)."""
         return None
 
+    def library(self) -> LibraryRelease:
+        """The kernel library its runs call on this machine, with the installed release."""
+        return LibraryRelease(f"the {self.name} adapter's kernels", "version unknown")
+
     @abc.abstractmethod
     def capabilities(self) -> Capabilities:
         """What its kernels can run, as data (for its options and this machine's implementation)."""
 
     def configuration_reason(self, trace: Trace) -> str | None:
-        """What the capabilities cannot say: a library defect at one shape, an option that picks a
-        path this step cannot take. None: nothing."""
+        """What the capabilities cannot say: an option that picks a path this step cannot take.
+        None: nothing."""
+        return None
+
+    def known_defect(self, trace: Trace) -> str | None:
+        """A defect measured in the installed library release at this step's shape, which the
+        capabilities otherwise claim (None: none known): why a run would crash or be wrong, with
+        its standalone reproduction. A prediction, not a gap: see `run_known_defects`."""
         return None
 
     def unsupported_reason(self, trace: Trace) -> str | None:
         """None when this trace's features are supported, else exactly which one is not: the first
-        gap in the declared capabilities, then the adapter's configuration_reason."""
-        return self.capabilities().gap(trace) or self.configuration_reason(trace)
+        gap in the declared capabilities, then the adapter's configuration_reason, then (unless
+        `run_known_defects`) a known library defect at this shape."""
+        reason = self.capabilities().gap(trace) or self.configuration_reason(trace)
+        if reason is None and not self.run_known_defects:
+            reason = self.known_defect(trace)
+        return reason
 
     @abc.abstractmethod
     def derive_plan(self, trace: Trace, padding: Padding | None = None) -> Plan:

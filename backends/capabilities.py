@@ -4,7 +4,8 @@ vLLM's `AttentionBackend` is the model: an adapter states what it takes (attenti
 modes, q/KV dtypes, head dims, page sizes, custom masks, sliding window and how many keys it keeps,
 soft-cap, the LSE base its kernels write, what it captures in CUDA graphs) and `gap` turns that into
 the first reason a trace cannot run, worded the same way for every backend. What data cannot say
-(a library defect, an option that picks a path) stays in the adapter's `configuration_reason`.
+stays in the adapter: an option that picks a path in its `configuration_reason`, a defect of the
+installed library release at a shape these claim in its `known_defect` (a prediction `check` runs).
 
 `attndbg backends --capabilities` prints these declarations, so what a user reads there is what
 the replay and the detectors act on.

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from attndbg import machine, numerics
+from attndbg.environment import package_version
 from attndbg.backends.base import (
     AttentionInputs,
     AttentionResult,
@@ -33,6 +34,7 @@ from attndbg.backends.base import (
     GraphCapacity,
     GraphState,
     KernelError,
+    LibraryRelease,
     Padding,
     coerce_option,
 )
@@ -173,6 +175,17 @@ class FA3Backend(Backend):
 
     def first_use_note(self) -> str | None:
         return compiling_note() if select_impl() is Impl.FLASHINFER else None
+
+    def library(self) -> LibraryRelease:
+        impl = select_impl()
+        # The distribution that ships each implementation (attndbg.environment reads its version).
+        name, package = {
+            Impl.FLASH_ATTN_INTERFACE: ("FlashAttention-3 (flash_attn_interface)", "flash-attn"),
+            Impl.SGL_KERNEL: ("sgl-kernel's FlashAttention-3", "sgl-kernel"),
+            Impl.VLLM: ("vLLM's vllm_flash_attn (FlashAttention-3)", "vllm"),
+            Impl.FLASHINFER: ("FlashInfer (backend='fa3')", "flashinfer"),
+        }.get(impl, ("FlashAttention-3 (no implementation here)", ""))
+        return LibraryRelease(name, (package_version(package) if package else None) or "version unknown")
 
     def describe(self) -> str:
         impl = select_impl()

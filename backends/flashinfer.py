@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from attndbg import machine, numerics
+from attndbg.environment import package_version
 from attndbg.backends.base import (
     AttentionInputs,
     AttentionResult,
@@ -40,6 +41,7 @@ from attndbg.backends.base import (
     GraphCapacity,
     GraphState,
     KernelUnsupported,
+    LibraryRelease,
     Padding,
     PartialStates,
     coerce_option,
@@ -128,8 +130,10 @@ def sglang_uses_tensor_cores(kv_dtype: str, num_qo_heads: int, num_kv_heads: int
 # 4:4 heads, bf16, page 1, against float64): the CUDA-core path returns wrong outputs at 40, 72, 80,
 # 96, 104, 112, 160 and 192 (max abs 0.3-1.3); the tensor-core path ends in an illegal memory access
 # at 80, 96, 104, 112 and 160, is refused at 40 and wrong at 72; only 192 on tensor cores is right.
-# No error is raised at plan(). Not run: a wrong answer is not a finding about the step, and an
-# illegal memory access would poison the process. Every head dim measured is a multiple of 8; one
+# No error is raised at plan(). Declared as a known defect (Backend.known_defect): `check` runs the
+# step in its crash-contained workers and its kernels detector confirms the prediction or contradicts
+# it (the table was measured at 4:4 heads only); `replay` refuses it (an illegal memory access would
+# poison its process). Every head dim measured is a multiple of 8; one
 # that is not (13, say) fails FlashInfer's own JIT build, and that compiler message is the truer
 # reason, so the declaration stops at multiples of 8.
 DECODE_HEAD_DIM_DEFECT_RELEASES = ("0.7.2",)
@@ -229,12 +233,18 @@ class FlashInferBackend(Backend):
         )
 
     def configuration_reason(self, trace: Trace) -> str | None:
-        model, mode = trace.model, trace.batch.forward_mode
-        if mode is ForwardMode.DECODE:
-            return decode_head_dim_defect(model.head_dim, self.use_tensor_cores(trace))
+        mode = trace.batch.forward_mode
         if mode in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND) and not trace.is_tree_verify:
             return self._extend_path_problem(trace)
         return None
+
+    def known_defect(self, trace: Trace) -> str | None:
+        if trace.batch.forward_mode is ForwardMode.DECODE:
+            return decode_head_dim_defect(trace.model.head_dim, self.use_tensor_cores(trace))
+        return None
+
+    def library(self) -> LibraryRelease:
+        return LibraryRelease("FlashInfer", package_version("flashinfer") or "not installed")
 
     def _extend_path_problem(self, trace: Trace) -> str | None:
         requested = self.options.extend_path

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from attndbg import machine, numerics
+from attndbg.environment import package_version
 from attndbg.backends.base import (
     AttentionInputs,
     AttentionResult,
@@ -37,6 +38,7 @@ from attndbg.backends.base import (
     GraphState,
     KernelError,
     KernelUnsupported,
+    LibraryRelease,
     Padding,
     coerce_option,
 )
@@ -122,6 +124,13 @@ class MLABackend(Backend):
 
     def first_use_note(self) -> str | None:
         return {MLAImpl.TRITON: self._triton.first_use_note(), MLAImpl.FLASHINFER: compiling_note()}.get(self.impl())
+
+    def library(self) -> LibraryRelease:
+        impl = self.impl()
+        if impl is MLAImpl.TRITON:
+            return self._triton.library()
+        name, package = ("FlashInfer (MLA)", "flashinfer") if impl is MLAImpl.FLASHINFER else ("FlashMLA", "flash_mla")
+        return LibraryRelease(name, package_version(package) or "version unknown")
 
     def describe(self) -> str:
         impl = self.impl()

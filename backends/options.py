@@ -41,6 +41,19 @@ class BackendOptions:
         """`name`'s options object, or None for its defaults."""
         return dict(self.chosen).get(name)
 
+    def specs(self, name: str) -> list[str]:
+        """`name`'s options as `--backend-option` takes them (`parse`'s inverse): NAME.FIELD=VALUE
+        for each field that differs from its default, so a command line can repeat a run."""
+        chosen = self.of(name)
+        if chosen is None:
+            return []
+        default = type(chosen)()
+        return [
+            f"{name}.{f.name}={_text(getattr(chosen, f.name))}"
+            for f in dataclasses.fields(chosen)
+            if getattr(chosen, f.name) != getattr(default, f.name)
+        ]
+
     def overridden_by(self, other: BackendOptions) -> BackendOptions:
         """These options with each backend `other` names taken from `other` (a detector that
         forces an option keeps it; the rest are the user's)."""
@@ -96,6 +109,17 @@ def _parse_one(spec: str) -> tuple[str, str, Any]:
         return name, field, parse_value(hints[field], text.strip())
     except ValueError as e:
         raise OptionError(f"--backend-option {spec}: {e}") from None
+
+
+def _text(value: Any) -> str:
+    """A field's value as `parse_value` reads it back."""
+    if value is None:
+        return "none"
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 def parse_value(annotation: Any, text: str) -> Any:

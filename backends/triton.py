@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from attndbg import machine
+from attndbg.environment import package_version
 from attndbg.backends.base import (
     AttentionInputs,
     AttentionResult,
@@ -23,6 +24,7 @@ from attndbg.backends.base import (
     GraphState,
     KernelError,
     KernelUnsupported,
+    LibraryRelease,
     Padding,
     PartialStates,
 )
@@ -123,6 +125,10 @@ class TritonBackend(Backend):
         if machine.select_triton_mode() is machine.TritonMode.INTERPRETER:
             return None
         return "Triton compiles each kernel on first use (seconds each, cached on disk for later runs)"
+
+    def library(self) -> LibraryRelease:
+        # Our kernels (SGLang's decode/extend design), built by the installed Triton.
+        return LibraryRelease("attndbg's Triton kernels on Triton", package_version("triton") or "version unknown")
 
     def describe(self) -> str:
         import triton

@@ -25,7 +25,8 @@ import functools
 import torch
 
 from attndbg import machine
-from attndbg.backends.base import AttentionInputs, AttentionResult, Backend, KernelError, Padding
+from attndbg.environment import package_version
+from attndbg.backends.base import AttentionInputs, AttentionResult, Backend, KernelError, LibraryRelease, Padding
 from attndbg.backends.capabilities import Capabilities, HeadDims
 from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, Plan, Trace
 
@@ -57,6 +58,9 @@ class VllmPagedBackend(Backend):
         if not machine.module_available("vllm"):
             return INSTALL_HINT
         return _ops_problem()
+
+    def library(self) -> LibraryRelease:
+        return LibraryRelease("vLLM paged_attention_v2", package_version("vllm") or "version unknown")
 
     def describe(self) -> str:
         from vllm import _custom_ops as ops

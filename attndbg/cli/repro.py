@@ -86,9 +86,12 @@ def minimize(trace: str, backend_spec: str, finding_spec: str | None, output: st
 @click.option("--plan", "plan_source", type=click.Choice(["recorded", "derived"]), default=None, help="the plan the script runs (default: the recorded one when the trace holds one of this backend, else derived)")
 @click.option("--graph/--eager", "graph", default=None, help="replay the step in a CUDA graph padded as the engine padded it (default for a step recorded as a graph replay), or run it eagerly")
 @options.layer()
+@options.backend_option()
 @options.output_file("the script to write (its tensors go beside it as .pt when too large to embed)")
 @handles_bad_input
-def repro(trace: str, backend_spec: str, step_number: int | None, plan_source: str | None, graph: bool | None, layer: int | None, output: str) -> None:
+def repro(
+    trace: str, backend_spec: str, step_number: int | None, plan_source: str | None, graph: bool | None, layer: int | None, backend_option_specs: tuple[str, ...], output: str
+) -> None:
     """Write a standalone script (torch and the kernel library only, no attndbg) that makes the
     library calls the adapter makes for one step and checks them against an inline float64
     reference: exit 1 when it reproduces, 0 when not. A step recorded as a CUDA-graph replay is
@@ -111,7 +114,9 @@ def repro(trace: str, backend_spec: str, step_number: int | None, plan_source: s
     chosen_layer, _ = data_layer(loaded, layer, str(path), single=True)
     try:
         mode = None if graph is None else Mode.GRAPH if graph else Mode.EAGER
-        script = build(loaded, names[0], plan_source=plan_source, layer=chosen_layer, source_name=str(path), mode=mode)
+        script = build(
+            loaded, names[0], plan_source=plan_source, layer=chosen_layer, source_name=str(path), mode=mode, backend_options=parse_backend_options(backend_option_specs)
+        )
     except (ValueError, NotImplementedError) as e:
         raise BadInput(f"{path}: {e}") from None
     written = write(script, output)

@@ -33,6 +33,7 @@ import torch
 
 from attndbg.backends import registry
 from attndbg.backends.base import AttentionInputs, Backend
+from attndbg.backends.options import BackendOptions
 from attndbg.replay.data import build_inputs
 from attndbg.replay.plan_guard import real_requests_only
 from attndbg.repro import padded, template
@@ -187,11 +188,15 @@ def build(
     layer: int | None = None,
     source_name: str = "",
     mode: Mode | None = None,
+    backend_options: BackendOptions | None = None,
 ) -> Repro:
-    """The script for `trace`'s step on `backend_name`: the recorded plan when the trace holds one
-    of this backend (`plan_source` None or "recorded"), else the one the adapter derives; a graph
-    replay when `mode` says so, or by default when the step was one."""
-    backend = registry.create(backend_name)
+    """The script for `trace`'s step on `backend_name` (configured by its entry of
+    `backend_options`): the recorded plan when the trace holds one of this backend (`plan_source`
+    None or "recorded"), else the one the adapter derives; a graph replay when `mode` says so, or
+    by default when the step was one."""
+    backend = registry.create(backend_name, options=backend_options)
+    # A script is how a known library defect at this shape is shown: it is written, not refused.
+    backend.run_known_defects = True
     with pinned(backend):
         reason = backend.unsupported_reason(trace)
         if reason:
