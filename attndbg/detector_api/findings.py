@@ -29,6 +29,7 @@ class FindingClass:
     SPLIT_MERGE: ClassVar[FindingClass]
     BATCH_INVARIANCE: ClassVar[FindingClass]
     EXPOSURE: ClassVar[FindingClass]
+    KERNELS: ClassVar[FindingClass]
     BACKEND_CRASH: ClassVar[FindingClass]
 
     def __new__(cls, value: str) -> FindingClass:
@@ -60,6 +61,7 @@ FindingClass.TREE_MASK = FindingClass("tree-mask")
 FindingClass.SPLIT_MERGE = FindingClass("split-merge")
 FindingClass.BATCH_INVARIANCE = FindingClass("batch-invariance")
 FindingClass.EXPOSURE = FindingClass("exposure")
+FindingClass.KERNELS = FindingClass("kernels")
 # Not a detector: the check engine's own report of a kernel library that crashed on a step
 # (its worker died, or poisoned its CUDA context); the step is checked again without it.
 FindingClass.BACKEND_CRASH = FindingClass("backend-crash")

@@ -27,7 +27,15 @@ if TYPE_CHECKING:
 ENTRY_POINT_GROUP = "attndbg.detectors"
 ENVIRONMENT = PluginVariable("ATTNDBG_DETECTORS", "detector", "KIND=pkg.module:attr")
 # In the order they run and are listed.
-BUILTIN = (FindingClass.INVARIANT, FindingClass.FILL_VALUE, FindingClass.TREE_MASK, FindingClass.SPLIT_MERGE, FindingClass.BATCH_INVARIANCE, FindingClass.EXPOSURE)
+BUILTIN = (
+    FindingClass.INVARIANT,
+    FindingClass.FILL_VALUE,
+    FindingClass.TREE_MASK,
+    FindingClass.SPLIT_MERGE,
+    FindingClass.KERNELS,
+    FindingClass.BATCH_INVARIANCE,
+    FindingClass.EXPOSURE,
+)
 
 
 def _builtin_target(kind: FindingClass) -> str:

@@ -43,6 +43,16 @@ def default_capture_bs(trace: Trace) -> int:
     return sizes[i] if i < len(sizes) else trace.batch.batch_size + 1
 
 
+def step_capture_bs(trace: Trace) -> int:
+    """The capture size a check replays the step padded to (every detector the same, so their
+    padded replays are one memoised run): the recorded one where the step was recorded as a graph
+    replay of at most that many requests, else the next SGLang capture size above the batch."""
+    graph = trace.graph
+    if graph is not None and graph.is_graph_replay and graph.capture_bs >= trace.batch.batch_size:
+        return graph.capture_bs
+    return default_capture_bs(trace)
+
+
 # The last trace's decoy: every backend's padded replay of one step uses the same one.
 _last_decoy: tuple[Trace, Trace] | None = None
 

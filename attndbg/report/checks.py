@@ -188,8 +188,9 @@ def check_verdict(
         parts.append("not checked: " + "; ".join(named) + (f"; and {counted(more, 'more reason')} (above)" if more > 0 else ""))
     parts.append(f"detectors: {', '.join(d.value for d in detectors)}")
     parts.append(f"kernels compared with the float64 reference: {kernels}" if kernels else "no kernel ran (metadata and recorded tensors only)")
-    # A count of steps per backend hides which steps no backend replayed (no detector replays a
-    # plain extend): said by mode, so "checked" is never read as "compared" for those steps.
+    # A count of steps per backend hides which steps no backend replayed (the kernels detector runs
+    # every backend that can take a step; a step none here can take, or whose every run raised, is
+    # left): said by mode, so "checked" is never read as "compared" for those steps.
     unreplayed = Counter(r.mode for r in checked if not r.backends) if kernels else Counter()
     if unreplayed:
         total = sum(unreplayed.values())

@@ -156,7 +156,7 @@ def test_check_only_batch_invariance_through_the_cli(neighbour_row: None, tmp_pa
     # In process: the spy patches this process, and a GPU machine checks in spawned workers by default.
     default = invoke("check", str(path), "--backend", "triton", "--in-process")
     assert default.exit_code == 0, default.output
-    assert "detectors: invariants, fill-value, tree-mask, split-merge;" in default.output and calls == []
+    assert "detectors: invariants, fill-value, tree-mask, split-merge, kernels;" in default.output and calls == []
     invoke("check", str(path), "--only", "batch-invariance", "--backend", "triton", "--in-process")
     assert len(calls) == 1  # named, it runs: the spy sees it
 

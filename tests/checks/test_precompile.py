@@ -181,7 +181,7 @@ def test_compile_refuses_an_unknown_detector_in_one_line(tmp_path: Path) -> None
     result = CliRunner().invoke(main, ["compile", str(tmp_path), "--only", "invariants,nosuch"])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
-        "error: --only: unknown detector 'nosuch'; detectors: invariants, fill-value, tree-mask, split-merge, batch-invariance, exposure"
+        "error: --only: unknown detector 'nosuch'; detectors: invariants, fill-value, tree-mask, split-merge, kernels, batch-invariance, exposure"
     ]
 
 
