@@ -1,7 +1,9 @@
 """A crash as a finding: a kernel that killed its worker or poisoned its CUDA context (an illegal
 memory access, a device-side assert) is one `backend-crash` finding on the step it ran on, naming
 the backend, what of it was launched and the detector that launched it, as far as they are known
-(replay/activity.py records them)."""
+(replay/activity.py records them). Where the backend is known it is a library defect, named as the
+kernels detector names one (detector_api/library_defect.py): the library and its release, the
+step's shape, and the `attndbg repro` command of the crashed run."""
 
 from __future__ import annotations
 
@@ -9,8 +11,14 @@ from dataclasses import replace
 from enum import Enum
 from typing import TypeVar
 
+from attndbg.backends import registry
+from attndbg.backends.options import BackendOptions
 from attndbg.detector_api.findings import Finding, FindingClass, finding
+from attndbg.detector_api.library_defect import LibraryDefect, library_defect
 from attndbg.replay.activity import Launch
+from attndbg.replay.variants import EAGER, parse_variant
+from attndbg.trace import io
+from attndbg.trace.validate import TraceError
 
 
 class Recheck(Enum):
@@ -22,15 +30,21 @@ class Recheck(Enum):
     IN_PROCESS = "in-process"  # one process: its CUDA context cannot be recovered
 
 
-def crash_finding(path: str, crash: Launch, death: str, recheck: Recheck) -> Finding:
+def crash_finding(path: str, crash: Launch, death: str, recheck: Recheck, *, backend_options: BackendOptions = BackendOptions()) -> Finding:
     """`crash` on the step at `path`; `death`: how the worker ended ("killed by SIGSEGV", "left its
-    CUDA context unusable") or, in one process, how the context was lost."""
+    CUDA context unusable") or, in one process, how the context was lost. `backend_options`: the
+    check's (--backend-option), which the repro command repeats."""
     how = f"{death}: {crash.error}" if crash.error else death
     inside = f" in the {crash.detector} detector" if crash.detector else ""
+    defect = _library_defect(path, crash, backend_options) if crash.backend else None
     if crash.backend:
         who = f"{crash.backend} crashed on this step ({crash.what}){inside}"
         library = f"The {crash.backend} kernels crashed on this step's inputs and plan"
         alone = f"Replay it alone (`attndbg replay {path} --backend {crash.backend}`) to reproduce; "
+        if defect is not None:
+            who += f" ({defect.library}; shape: {defect.shape})"
+            library = f"{defect.library} crashed on this step's inputs and plan"
+            alone = f"`{defect.repro}` reproduces it standalone (the library's calls alone; exit 1 or a crash when it does); "
     else:
         who = f"a CUDA kernel crashed on this step{inside or ' outside the detectors'}, outside any announced launch"
         library = f"A kernel{inside} faulted on this step (no launch was announced: the backend is not known)"
@@ -58,7 +72,23 @@ def crash_finding(path: str, crash: Launch, death: str, recheck: Recheck) -> Fin
         death=death,
         error=crash.error,
         rechecked=recheck.value,
+        **({} if defect is None else {k: v for k, v in defect.data().items() if k != "backend"}),
     )
+
+
+def _library_defect(path: str, crash: Launch, options: BackendOptions) -> LibraryDefect | None:
+    """The crashed run named as a library defect, when the step and the backend can be read here.
+    A detector's own launch ("extend_path=cascade") is scripted as the eager run of the step."""
+    try:
+        trace = io.load(path)
+        backend = registry.create(crash.backend, options=options)
+    except (TraceError, KeyError, ImportError, AttributeError):  # unreadable here: the crash is named without it
+        return None
+    try:
+        variant = parse_variant(crash.what.partition(", ")[0])  # "eager, request 3 alone": its variant
+    except ValueError:
+        variant = EAGER
+    return library_defect(trace, path, backend, variant=variant, plan=None, options=options)
 
 
 Report = TypeVar("Report")  # a StepReport (checks/run.py imports this module)

@@ -200,7 +200,7 @@ def _crashed_in_process(ctx: CheckContext, findings: list[Finding], failures: li
         seconds=time.perf_counter() - start,
         backends=ctx.backends_consulted(),
     )
-    return with_crashes(report, [crash_finding(str(ctx.path), crash, death, Recheck.IN_PROCESS)])
+    return with_crashes(report, [crash_finding(str(ctx.path), crash, death, Recheck.IN_PROCESS, backend_options=ctx.options.backend_options)])
 
 
 def check_in_process(paths: list[Path], only: list[FindingClass], options: CheckOptions) -> Iterator[StepResult]:

@@ -276,7 +276,7 @@ def check_in_workers(
                     recheck = _recheck(crash, excluded(index), skipped(index))
                     again = recheck is Recheck.NONE and index in crashes
                     if crash is not None and (crash.backend or crash.error) and not again:
-                        crashes.setdefault(index, []).append(crash_finding(str(path), crash, death, recheck))
+                        crashes.setdefault(index, []).append(crash_finding(str(path), crash, death, recheck, backend_options=options.backend_options))
                     if recheck is Recheck.NONE:
                         reason = f"not checked: the worker checking this step {'again ' if again else ''}{death}"
                         if crash is not None:

@@ -170,6 +170,10 @@ def test_a_kernel_fault_the_adapter_wraps_as_a_kernel_error_still_ends_the_worke
     [crash] = _crashes(reports[FAULT_STEP])
     assert (crash.data["backend"], crash.data["variant"], crash.data["detector"]) == ("illegal_access", "eager", "fill-value")
     assert "illegal_access crashed on this step (eager) in the fill-value detector" in crash.evidence
+    # Named as a library defect: the library's release, the shape, the command that reproduces it.
+    assert crash.data["library"] == "attndbg's Triton kernels on Triton" and crash.data["shape"].startswith("DECODE bs ")
+    assert crash.data["repro"].startswith(f"attndbg repro {reports[FAULT_STEP].path} --backend illegal_access --plan derived --eager -o ")
+    assert f"`{crash.data['repro']}` reproduces it standalone" in crash.cause
     assert [r.backends for r in reports] == [("illegal_access",), (), ("illegal_access",), ("illegal_access",)]
     assert all(not _crashes(r) for i, r in enumerate(reports) if i != FAULT_STEP)
 
