@@ -326,6 +326,51 @@ def test_padded_replay_errors_and_stray_writes(monkeypatch: pytest.MonkeyPatch, 
         assert f"[{STRAY_SLOT}]" in f.evidence
 
 
+# -- requirements as predictions ------------------------------------------------------------
+
+
+def test_a_fill_below_the_requirement_that_does_harm_confirms_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's Triton stage 2 NaNs a request with no KV: its declared need (seq_len >= 1) is
+    confirmed by the replay at the recorded fill 0, and nothing contradicts the table."""
+    monkeypatch.setattr(triton_backend._TritonGraphState, "forward", _sglang_stage2)
+    findings = _detect(on(decode(4, "fill_value=0"), "triton"))
+    prediction = only(findings, "padded-seq-len-unsupported")
+    assert prediction.data["confirmed_by_run"] is True
+    assert "; confirmed by running (triton padded with seq_len 0 at capture_bs=4: 128 NaN/Inf values in the padded rows)" in prediction.evidence
+    assert [f for f in findings if f.check == "fill-requirement-contradicted"] == []
+
+
+def test_a_fill_below_the_requirement_that_does_no_harm_contradicts_it() -> None:
+    """Our Triton stage 2 skips a request with no KV (its rows stay finite at seq_len 0), while the
+    triton adapter declares SGLang's need (>= 1): the replay at the recorded fill 0 contradicts it,
+    a hazard naming the declaration, and the prediction says it was not confirmed."""
+    findings = _detect(on(decode(4, "fill_value=0"), "triton"))
+    prediction = only(findings, "padded-seq-len-unsupported")
+    assert prediction.data["confirmed_by_run"] is False
+    assert prediction.evidence.endswith("; not confirmed by running (triton padded with seq_len 0 at capture_bs=4: padded rows finite, no KV written outside the dummy slot, real rows as eagerly)")
+    contradicted = only(findings, "fill-requirement-contradicted")
+    assert contradicted.severity is Severity.HAZARD
+    data = contradicted.data
+    assert (data["backend"], data["fill_value"], data["min_seq_len"], data["predicted"], data["observed"]) == ("triton", 0, 1, "harmful", [])
+    assert contradicted.evidence.startswith("triton declares padded seq_len >= 1 (SGLang's Triton stage 2 divides")
+    assert [f.check for f in findings] == ["padded-seq-len-unsupported", "fill-requirement-contradicted"]
+
+
+def test_harm_at_a_fill_the_requirement_allows_contradicts_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backend's own fill (1) meets its declared need, yet the padded replay writes KV outside
+    the dummy slot: the padded-kv-write defect, and the table contradicted (too weak)."""
+    monkeypatch.setattr(triton_backend._TritonGraphState, "forward", _writes_stray_kv)
+    findings = _detect(on(decode(4), "triton"))
+    only(findings, "padded-kv-write")
+    contradicted = only(findings, "fill-requirement-contradicted")
+    assert (contradicted.data["fill_value"], contradicted.data["predicted"]) == (1, "harmless")
+    assert contradicted.data["observed"] == [f"KV written at slots [{STRAY_SLOT}]"]
+
+
+def test_a_clean_padded_step_at_the_required_fill_confirms_the_table_silently() -> None:
+    assert _detect(on(verify(4), "triton")) == []
+
+
 # -- clean sweep, injections, CLI ------------------------------------------------------------
 
 

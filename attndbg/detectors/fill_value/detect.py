@@ -47,6 +47,7 @@ from attndbg.backends.base import FillRequirement
 from attndbg.backends.plan_view import USUAL_OFFSETS, Offsets, PlanViewError
 from attndbg.detector_api.context import CheckContext
 from attndbg.detector_api.findings import Finding, FindingClass, Severity, finding
+from attndbg.detectors.fill_value import requirements
 from attndbg.replay import graph as graph_replay
 from attndbg.replay.runner import BackendRun, RunStatus
 from attndbg.replay.variants import Eager, Graph
@@ -77,7 +78,11 @@ def requirements_summary(trace: Trace) -> str:
 
 
 def detect(ctx: CheckContext) -> list[Finding]:
-    return recorded_padding(ctx.trace) + padded_replays(ctx)
+    replayed, outcomes, needs = padded_replays(ctx)
+    engine = engine_names.adapter_for(ctx.trace.source.backend)
+    engine_name = engine.name if engine is not None else None
+    recorded = [requirements.confirmed(f, outcomes, engine_name) for f in recorded_padding(ctx.trace)]
+    return recorded + replayed + requirements.contradictions(ctx.trace, outcomes, needs)
 
 
 # -- recorded padding -------------------------------------------------------------------------
@@ -396,19 +401,29 @@ def replay_fills(trace: Trace, backend_fill: int) -> list[int]:
     return sorted(set(f for f in fills if f >= 0), key=fills.index)
 
 
-def padded_replays(ctx: CheckContext) -> list[Finding]:
+def padded_replays(ctx: CheckContext) -> tuple[list[Finding], list[requirements.PaddedOutcome], dict[str, FillRequirement]]:
+    """The step replayed padded by each backend: findings, each replay's outcome, and what each
+    backend declares it needs of padded rows (the prediction its outcomes are held to)."""
     trace = ctx.trace
     if not graph_replay.supports_graph(trace):
-        return []
+        return [], [], {}
     graph, bs = trace.graph, trace.batch.batch_size
     recorded = graph is not None and graph.is_graph_replay and graph.capture_bs >= bs
-    capture_bs = graph.capture_bs if recorded else graph_replay.default_capture_bs(trace)
-    findings = []
+    capture_bs = graph_replay.step_capture_bs(trace)
+    findings: list[Finding] = []
+    outcomes: list[requirements.PaddedOutcome] = []
+    needs: dict[str, FillRequirement] = {}
     engine_adapter = engine_names.adapter_for(trace.source.backend)
     for name in ctx.backends():
         backend = ctx.adapter(name)
         if backend.graph_unsupported_reason(trace) is not None:
             continue
+        # The engine's adapter is held to what is declared for the engine backend that ran the
+        # step (Backend.engine_names: an engine's name may carry its own requirement); any other
+        # adapter, to what it declares under its own name.
+        need = requirement(trace.source.backend if engine_adapter is type(backend) else name)
+        if need is not None:
+            needs[name] = need
         runs = []
         fills = replay_fills(trace, backend.cuda_graph_fill_value)
         if engine_adapter is not type(backend):
@@ -424,8 +439,10 @@ def padded_replays(ctx: CheckContext) -> list[Finding]:
             eager = next((r for r in result.runs if isinstance(r.variant, Eager)), None)
             graphed = next((r for r in result.runs if isinstance(r.variant, Graph)), None)
             runs.append(_Padded(fill, eager, graphed))
+            seen = requirements.outcome(name, fill, capture_bs, eager=eager, graph=graphed)
+            outcomes += [seen] if seen is not None else []
         findings += _replay_findings(trace, name=name, capture_bs=capture_bs, runs=runs, recorded=recorded)
-    return findings
+    return findings, outcomes, needs
 
 
 def _fill_note(trace: Trace, backend: str, fill: int) -> str:
