@@ -609,6 +609,19 @@ def _severity(finding: dict) -> str:
     return str(finding.get("severity") or "")
 
 
+def kernels_by_mode(steps: list[dict]) -> list[str]:
+    """Markdown: per forward mode, the steps checked, those on which no kernel was compared with
+    the float64 reference (check's not_compared_by_mode), and the steps each backend was compared on."""
+    checked = [s for s in steps if s.get("checked", True)]
+    names = sorted({b for s in checked for b in s.get("backends") or []})
+    lines = ["Kernels compared with the float64 reference, per mode (steps):", "", f"| mode | checked | no kernel compared | {' | '.join(names)} |", "|---" * (3 + len(names)) + "|"]
+    for mode in sorted({s["mode"] for s in checked}):
+        here = [s for s in checked if s["mode"] == mode]
+        counts = [str(sum(1 for s in here if name in (s.get("backends") or []))) for name in names]
+        lines.append(f"| {mode} | {len(here)} | {sum(1 for s in here if not s.get('backends'))} | {' | '.join(counts)} |")
+    return lines
+
+
 def summarise(rec: Path, result: dict, json_path: Path) -> str:
     """The summary table (markdown-friendly text) of one check run over the recording."""
     shapes = {s["step"]: s for s in map(json.loads, (rec / SHAPES).read_text().splitlines())} if (rec / SHAPES).exists() else {}
@@ -667,6 +680,7 @@ def summarise(rec: Path, result: dict, json_path: Path) -> str:
         lines.append(f"- plans not read: { {k: len(v) if isinstance(v, list) else v for k, v in verdict['plans_unread'].items()} }")
     if verdict.get("compared"):
         lines.append(f"- backends ran on: { {k: len(v) if isinstance(v, list) else v for k, v in verdict['compared'].items()} }")
+    lines += ["", *kernels_by_mode(steps)]
     lines.append("")
     if by_check:
         lines += [
