@@ -94,3 +94,25 @@ def test_flashinfer_decode_head_dim_defect_is_declared_for_the_measured_release(
         assert f"python bench/flashinfer_head_dims.py --one {head_dim}" in reason
     monkeypatch.setattr(flashinfer, "_flashinfer", lambda: types.SimpleNamespace(__version__="0.8.0"))
     assert flashinfer.decode_head_dim_defect(head_dim, tensor_cores) is None
+
+
+def test_a_known_flashinfer_defect_is_refused_by_default_and_run_by_a_checks_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The measured release's head_dim-80 decode defect is a prediction (Backend.known_defect), not
+    a capability gap: replay's adapters refuse the step with it, a check's adapters run it (their
+    kernels detector then confirms or contradicts it), and nothing else about the step is refused."""
+    import types
+
+    from attndbg.backends import flashinfer
+    from attndbg.detector_api.context import CheckContext
+
+    monkeypatch.setattr(flashinfer.machine, "module_available", lambda name: True)
+    monkeypatch.setattr(flashinfer, "_flashinfer", lambda: types.SimpleNamespace(__version__="0.7.2.post1"))
+    trace = make_trace("decode-mha", "heads=4:4", "head_dim=80", "kv_lens=37,91")
+    backend = flashinfer.FlashInferBackend()
+    assert backend.capabilities().gap(trace) is None and backend.configuration_reason(trace) is None
+    declared = backend.known_defect(trace)
+    assert declared is not None and declared.startswith("known FlashInfer 0.7.2.post1 defect: batch decode at head_dim 80")
+    assert backend.unsupported_reason(trace) == declared
+    checking = CheckContext(trace=trace, path="t.pt").adapter("flashinfer")
+    assert checking.run_known_defects and checking.unsupported_reason(trace) is None
+    assert flashinfer.FlashInferBackend().known_defect(make_trace("decode-mha", "heads=4:4", "head_dim=128", "kv_lens=37,91")) is None

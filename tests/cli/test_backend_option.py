@@ -47,6 +47,35 @@ def test_values_are_parsed_from_the_field_types() -> None:
     assert chosen.of("reference") is None
 
 
+def test_specs_write_back_what_parse_reads_for_a_command_line() -> None:
+    """A finding's repro command repeats the check's options: every field off its default, in
+    parse's syntax, and nothing for a backend at its defaults."""
+    specs = ["flashinfer.decode_tensor_cores=false", "flashinfer.extend_path=paged", "triton.num_kv_splits=2"]
+    chosen = parse(specs)
+    assert chosen.specs("flashinfer") == specs[:2] and chosen.specs("triton") == specs[2:]
+    assert parse(chosen.specs("flashinfer") + chosen.specs("triton")) == chosen
+    assert chosen.specs("fa3") == [] and parse(["fa3.verify_path=auto"]).specs("fa3") == []
+
+
+def test_repro_writes_the_run_the_options_choose(tiny: Path, tmp_path: Path) -> None:
+    """`repro --backend-option` scripts the plan the options derive (here: Triton's split count)."""
+    import base64
+    import io
+    import re
+
+    import torch
+
+    for splits in (None, 3):
+        out = tmp_path / f"repro_{splits}.py"
+        extra = ["--backend-option", f"triton.num_kv_splits={splits}"] if splits else []
+        result = invoke("repro", str(tiny), "--backend", "triton", "--plan", "derived", *extra, "-o", str(out))
+        assert result.exit_code == 0, result.output
+        embedded = re.search(r'^DATA = "([^"]+)"', out.read_text(), re.MULTILINE)
+        tensors = torch.load(io.BytesIO(base64.b64decode(embedded[1])), weights_only=True)
+        heuristic = TritonOptions().num_kv_splits is None  # SGLang's split heuristic unless told
+        assert heuristic and (tensors["num_kv_splits"].tolist() == [3, 3]) == (splits == 3)
+
+
 @pytest.mark.parametrize(
     "spec, needles",
     [
