@@ -79,7 +79,7 @@ def check_part(out: Path, part: str) -> dict:
     done = subprocess.run(command, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
     seconds = time.perf_counter() - start
     (out / f"check_{part}.log").write_text(done.stdout + done.stderr)
-    result = {"part": part, "command": shlex.join(command[1:]), "exit": done.returncode, "seconds": round(seconds, 1), "steps": steps}
+    result = {"part": part, "command": "attndbg " + shlex.join(command[3:]), "exit": done.returncode, "seconds": round(seconds, 1), "steps": steps}
     result["repros"] = run_repros(out, json.loads(report.read_text())) if report.exists() else {}
     (out / f"part_{part}.json").write_text(json.dumps(result, indent=1))
     print(f"{part}: exit {done.returncode} in {seconds:.0f} s; {len(result['repros'])} repro commands run", flush=True)
@@ -117,13 +117,14 @@ def run_repro(command: str, cwd: Path) -> dict:
 def rows_of(result: dict, check: dict | None) -> list[dict]:
     """One row per step: what FlashInfer and Triton did on it, and the finding's repro outcome."""
     by_step = {s["step"]: s for s in (check or {}).get("steps", []) if s.get("step", -1) >= 0}
+    skipped = (check or {}).get("verdict", {}).get("skipped", {})
     rows = []
     for step in result["steps"]:
         seen = by_step.get(step["step"], {})
         row = {"part": result["part"], "head_dim": step["head_dim"], "page": step["page"], "checked": seen.get("checked"), "compared": seen.get("backends", [])}
         findings = seen.get("findings") or []
-        row["flashinfer"] = _verdict("flashinfer", findings, row["compared"], seen)
-        row["triton"] = _verdict("triton", findings, row["compared"], seen)
+        row["flashinfer"] = _verdict("flashinfer", findings, row["compared"], seen, skipped.get("flashinfer"))
+        row["triton"] = _verdict("triton", findings, row["compared"], seen, skipped.get("triton"))
         flashinfer = [f for f in findings if f.get("data", {}).get("backend") == "flashinfer"]
         row["findings"] = [f"{f['class']}/{f['check']}" for f in flashinfer]
         repro = next((f["data"].get("repro") for f in flashinfer if f.get("data", {}).get("repro")), None)
@@ -134,7 +135,7 @@ def rows_of(result: dict, check: dict | None) -> list[dict]:
     return rows
 
 
-def _verdict(backend: str, findings: list[dict], compared: list[str], step: dict) -> str:
+def _verdict(backend: str, findings: list[dict], compared: list[str], step: dict, skipped: str | None) -> str:
     mine = [f for f in findings if f.get("data", {}).get("backend") == backend]
     for f in mine:
         data = f["data"]
@@ -149,7 +150,7 @@ def _verdict(backend: str, findings: list[dict], compared: list[str], step: dict
         return "ok (the known-defect table predicted wrong)" if known else "ok"
     if not step.get("checked", True):
         return f"not checked ({str(step.get('error'))[:80]})"
-    return "not run (unsupported here)"
+    return f"not run ({skipped[:80]})" if skipped else "not run (the step is unsupported by it here)"
 
 
 def report(out: Path) -> str:
@@ -172,7 +173,7 @@ def report(out: Path) -> str:
         lines.append(
             f"| {r['part']} | {r['head_dim']} | {r['page']} | {r['flashinfer']} | {r['triton']} | {', '.join(r['findings']) or '-'} | {r['repro_outcome'] or '-'} |"
         )
-    lines += ["", "Checks:", *(f"- {p['part']}: `attndbg {p['command']}` exit {p['exit']}, {p['seconds']} s" for p in parts)]
+    lines += ["", "Checks:", *(f"- {p['part']}: `{p['command']}` exit {p['exit']}, {p['seconds']} s" for p in parts)]
     commands = sorted({r["repro"] for r in rows if r["repro"]})
     if commands:
         lines += ["", "Repro commands:", *(f"- `{c}`" for c in commands)]
