@@ -13,9 +13,10 @@ from typing import TypeVar
 
 from attndbg.backends import registry
 from attndbg.backends.options import BackendOptions
-from attndbg.detector_api.findings import Finding, FindingClass, finding
+from attndbg.detector_api.findings import Finding, FindingClass, Severity, finding
 from attndbg.detector_api.library_defect import LibraryDefect, library_defect
 from attndbg.replay.activity import Launch
+from attndbg.replay.crashed import CrashRerun
 from attndbg.replay.variants import EAGER, parse_variant
 from attndbg.trace import io
 from attndbg.trace.validate import TraceError
@@ -89,6 +90,45 @@ def _library_defect(path: str, crash: Launch, options: BackendOptions) -> Librar
     except ValueError:
         variant = EAGER
     return library_defect(trace, path, backend, variant=variant, plan=None, options=options)
+
+
+def recorded_crash_finding(path: str, step: int, recorded: str, rerun: CrashRerun) -> Finding:
+    """The step's call crashed where it ran (`source.crash`, what its source logged) and was run
+    again here, alone, in a fresh worker (`rerun`, which did run). Reproduced: a defect of the
+    library's on these inputs and this plan; not reproduced: a hazard (the same call returned here:
+    the crash depends on something the evidence does not hold: the device, the library build, state
+    left by earlier calls)."""
+    logged = recorded or "no error was logged"
+    known = f" The adapter knows this configuration: {rerun.known_defect}." if rerun.known_defect else ""
+    alone = f"`attndbg repro {path} --backend {rerun.backend}` writes a script that makes the same call with the library alone."
+    if rerun.reproduced:
+        return finding(
+            FindingClass.BACKEND_CRASH,
+            "recorded-crash",
+            step=step,
+            evidence=f"the recorded {rerun.backend} call crashed where it ran ({logged}); run again here in a fresh worker it crashed again: {rerun.error}",
+            cause=f"The {rerun.backend} kernels crash on this call's inputs and plan: reproduced.{known} {alone}",
+            trace=path,
+            backend=rerun.backend,
+            reproduced=True,
+            recorded_error=recorded,
+            error=rerun.error,
+        )
+    return finding(
+        FindingClass.BACKEND_CRASH,
+        "recorded-crash-not-reproduced",
+        step=step,
+        evidence=f"the recorded {rerun.backend} call crashed where it ran ({logged}); run again here in a fresh worker, the same call returned",
+        cause=(
+            "The crash needs something this run does not have: another GPU or library build, or state earlier calls left behind "
+            f"(a plan buffer, the workspace).{known} Run it where it crashed: {alone}"
+        ),
+        trace=path,
+        severity=Severity.HAZARD,
+        backend=rerun.backend,
+        reproduced=False,
+        recorded_error=recorded,
+    )
 
 
 Report = TypeVar("Report")  # a StepReport (checks/run.py imports this module)

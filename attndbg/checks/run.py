@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from attndbg import machine
-from attndbg.checks.crashes import Recheck, crash_finding, with_crashes
+from attndbg.checks.crashes import Recheck, crash_finding, recorded_crash_finding, with_crashes
 from attndbg.detector_api.context import CheckContext, CheckOptions
 from attndbg.detector_api.findings import Finding, FindingClass
 from attndbg.detectors import registry
@@ -29,6 +29,7 @@ from attndbg.detectors.base import Detector
 from attndbg.plural import counted
 from attndbg.profiling import phase, step_range
 from attndbg.replay import activity, memory_share
+from attndbg.replay.crashed import rerun_crashed
 from attndbg.suggest import did_you_mean
 from attndbg.trace import io
 from attndbg.trace.schema import Trace
@@ -63,6 +64,8 @@ class StepReport:
     bad_input: bool = False  # the error is the step's (unreadable, cannot fit here), not a detector's or a worker's
     # The plan detectors ran but could not read the recorded plan: "<plan.backend>: <why>" (the verdict names it).
     plan_unread: str | None = None
+    # The step's call crashed where it ran (source.crash) and could not be run again here: why.
+    crash_unrun: str | None = None
 
     @property
     def checked(self) -> bool:
@@ -137,6 +140,13 @@ def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions)
 
     findings: list[Finding] = []
     failures: list[str] = []
+    crash_unrun = None
+    if trace.source.crash is not None:
+        rerun = rerun_crashed(str(path))
+        if rerun.ran:
+            findings.append(recorded_crash_finding(str(path), trace.source.step, trace.source.crash, rerun))
+        else:
+            crash_unrun = rerun.error
     activity.begin_step()
     crash: activity.Launch | None = None
     with step_range(path, trace):
@@ -171,6 +181,7 @@ def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions)
         seconds=time.perf_counter() - start,
         backends=ctx.backends_consulted(),
         plan_unread=_plan_unread(trace, detectors),
+        crash_unrun=crash_unrun,
     )
     return StepResult(report, {k: d for k, d in digests.items() if d is not None})
 

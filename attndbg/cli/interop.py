@@ -22,8 +22,9 @@ def import_group() -> None:
     """Turn another tool's evidence into an attndbg recording, to check and replay as a native one.
 
     Fields the source format does not carry (causal, sm_scale, window, the engine's padding and
-    positions) are filled in and marked inferred (`attndbg show` lists them); a recorded plan that
-    lacks a value is named "not read" by check, never a finding. Bad input: one line, exit 2.
+    positions) are filled in as the library fills them and marked inferred (`attndbg show` lists
+    them). A value the engine got wrong is imported as it was: check judges it. Only unreadable or
+    hostile files are refused (one line, exit 2), and a refused import writes nothing.
     """
 
 
@@ -47,18 +48,24 @@ def _import(what: str, reader: Callable[[Path], Any], source: str, out_dir: str,
 
 @import_group.command("flashinfer")
 @click.argument("dump_dir", type=click.Path())
+@click.option("--log", "log", type=click.Path(), default=None, help="FlashInfer's log (the FLASHINFER_LOGDEST file): where the error of a call that did not return is")
 @_import_options
-def import_flashinfer(dump_dir: str, out_dir: str, overwrite: bool) -> None:
+def import_flashinfer(dump_dir: str, log: str | None, out_dir: str, overwrite: bool) -> None:
     """A FlashInfer level-10 dump (FLASHINFER_LOGLEVEL=10): each run with its wrapper's plan as a
     step, the recorded q, KV and output kept (the output is the engine's, which check judges).
+    A wrong plan is imported as it was and judged by check; a call that did not return is a step
+    marked crashed (with its error from --log), which check and replay run again in an isolated
+    worker; arguments left out get FlashInfer's defaults, marked inferred.
 
     \b
     Example:
-      attndbg import flashinfer flashinfer_dumps -o rec && attndbg check rec
+      attndbg import flashinfer flashinfer_dumps --log flashinfer.log -o rec && attndbg check rec
     """
+    from functools import partial
+
     from attndbg.interop.flashinfer_steps import import_dump
 
-    _import("flashinfer", import_dump, dump_dir, out_dir, overwrite)
+    _import("flashinfer", partial(import_dump, log=Path(log) if log else None), dump_dir, out_dir, overwrite)
 
 
 @import_group.command("fib")

@@ -80,6 +80,7 @@ def replay(
 
     from attndbg.profiling import step_range
     from attndbg.replay import activity
+    from attndbg.replay.crashed import rerun_crashed
     from attndbg.replay.runner import PlanSource, ReplayOptions, replay as run_replay
     from attndbg.report.progress import StepProgress
     from attndbg.report.replay import StepReport, overall, render_replay, replay_to_json, step_to_json, verdict_line
@@ -103,13 +104,22 @@ def replay(
             step_layer, notes = data_layer(loaded, layer, str(path), single=len(paths) == 1)
             notes += _ignored_options(loaded, names, backend_options, num_kv_splits_flag=num_kv_splits is not None)
             progress.show(f"{number}/{len(paths)} {path}: {', '.join(names)}")
+            crash = None
+            step_names = names
+            if loaded.source.crash is not None:
+                # The call crashed where it ran: made again in a worker of its own, never here, and
+                # its backend is left out of this process's runs (its crash would end them).
+                crash = rerun_crashed(str(path))
+                if crash.backend in names:
+                    step_names = [n for n in names if n != crash.backend]
+                    notes.append(f"{crash.backend} ran the crashed call in a worker of its own (above), not in this replay")
             try:
                 with step_range(path, loaded):
-                    result = run_replay(loaded, str(path), names, replace(options, layer=step_layer))
+                    result = run_replay(loaded, str(path), step_names, replace(options, layer=step_layer))
             except activity.CudaContextLost as e:  # nothing runs on the GPU again in this process
                 progress.print(console, Text(f"{path}: {e}; replay stopped here (this process's CUDA context cannot be recovered)", style="red"))
                 sys.exit(EXIT_FAILED)
-            step = StepReport(result=result, layer=step_layer, repeat=repeat, named=named, notes=tuple(notes))
+            step = StepReport(result=result, layer=step_layer, repeat=repeat, named=tuple(n for n in named if n in step_names), notes=tuple(notes), crash=crash)
             progress.print(console, render_replay(step))
             steps.append(step_to_json(step))
     print_verdict(make_console(stderr=json_path == "-", details=False), verdict_line(steps) + f"; took {duration(time.monotonic() - began)}")

@@ -73,6 +73,17 @@ def json_lines(path: Path) -> Iterator[tuple[int, Any]]:
         raise TraceError("file", f"cannot read ({e.strerror or e})", str(path)) from None
 
 
+def text_lines(path: Path, limit: int) -> Iterator[str]:
+    """The lines of a text file of at most `limit` bytes, undecodable bytes replaced (a log)."""
+    _regular(path, limit)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                yield line[:MAX_LINE_BYTES].rstrip("\n")
+    except OSError as e:
+        raise TraceError("file", f"cannot read ({e.strerror or e})", str(path)) from None
+
+
 def load_tensors(path: Path) -> dict[str, Tensor]:
     """A dict of named tensors saved with torch.save (vetted, weights_only) or as safetensors."""
     raw = read_regular(path, limit=MAX_TENSOR_FILE_BYTES)

@@ -73,6 +73,9 @@ class Call:
     record: dict[str, Any]  # its last metadata record
     position: int  # line of its first record in session.jsonl
     flush_index: int | None = None  # a graph replay's flush number; None: an eager call
+    # The call did not return: its inputs were dumped, its outputs never were (the kernel raised,
+    # faulted or killed the process). The error FlashInfer's log holds for it, "" when none.
+    crash: str | None = None
     _args: dict[str, Any] | None = field(default=None, repr=False)
     _outputs: dict[str, Tensor] | None = field(default=None, repr=False)
 
@@ -100,9 +103,10 @@ class Call:
         return self._outputs
 
 
-def read_calls(root: Path) -> tuple[list[Call], list[str]]:
-    """The dump's calls in session order, and notes on records that are no call (captures never
-    flushed, calls whose kernel crashed)."""
+def read_calls(root: Path, log: Path | None = None) -> tuple[list[Call], list[str]]:
+    """The dump's calls in session order, and notes on what happened to them. A call that did not
+    return is kept, marked crashed, with the error `log` (FlashInfer's FLASHINFER_LOGDEST file)
+    holds for it; captures never flushed are left out."""
     if not root.is_dir():
         raise TraceError("dump", "is not a directory (expected FLASHINFER_DUMP_DIR, holding session.jsonl)", str(root))
     session = root / SESSION
@@ -121,15 +125,35 @@ def read_calls(root: Path) -> tuple[list[Call], list[str]]:
     ordered = sorted(calls.values(), key=lambda c: c.position)
     notes = []
     kept = []
+    errors = logged_errors(log) if log is not None else {}
     for call in ordered:
         status = call.record.get("execution_status")
         if call.flush_index is None and status == "graph_capture_pending_flush":
             continue  # captured in a graph: its replays' flushes are the calls
         if status == "inputs_saved" and call.method != "plan" and call.method != "__init__":
-            notes.append(f"{call.directory.name}: inputs only (the call did not return): not imported")
-            continue
+            call.crash = errors.get(call.directory.name if call.flush_index is None else call.directory.parent.parent.name, "")
+            said = f": {call.crash}" if call.crash else " (no error in the log)" if log is not None else " (give FlashInfer's log with --log for its error)"
+            notes.append(f"{call.directory.name}: inputs only, the call did not return{said}: imported as a crashed step")
         kept.append(call)
     return kept, notes
+
+
+# What FlashInfer's api_logging.py logs when a call's outputs cannot be written after it returned:
+# an asynchronous kernel fault surfaces at that synchronize ("Failed to dump outputs to <dir>: <error>").
+_OUTPUT_FAILURE = re.compile(r"Failed to dump outputs to (?P<dir>\S+): (?P<error>.+)")
+MAX_LOG_BYTES = 256 << 20
+
+
+def logged_errors(log: Path) -> dict[str, str]:
+    """Call directory name -> the first error FlashInfer's log (FLASHINFER_LOGDEST) holds for it."""
+    from attndbg.interop.files import text_lines
+
+    found: dict[str, str] = {}
+    for line in text_lines(log, MAX_LOG_BYTES):
+        match = _OUTPUT_FAILURE.search(line)
+        if match:
+            found.setdefault(Path(match["dir"]).name, printable(match["error"].strip(), 300))
+    return found
 
 
 def _call_of(record: Any, number: int, root: Path, session: Path) -> Call | None:
@@ -193,13 +217,10 @@ def parameter_names(call: Call) -> tuple[str, ...]:
     return KNOWN_PARAMS.get(call.function, ())
 
 
-def _signature_names(signature: str) -> tuple[str, ...]:
-    """Parameter names of `str(inspect.signature(f))`: top-level comma-separated items, each up to
-    its ':' or '='; `*args` becomes "*", keyword-only ones after a bare '*' are left out (they are
-    always passed by keyword)."""
-    body = signature[1:]
+def _signature_items(signature: str) -> list[str]:
+    """The top-level comma-separated items of `str(inspect.signature(f))`, its return type left out."""
     depth, item, items = 0, "", []
-    for ch in body:
+    for ch in signature[1:]:
         if ch in "([{":
             depth += 1
         elif ch in ")]}":
@@ -212,8 +233,14 @@ def _signature_names(signature: str) -> tuple[str, ...]:
         else:
             item += ch
     items.append(item.strip())
+    return [entry for entry in items if entry]
+
+
+def _signature_names(signature: str) -> tuple[str, ...]:
+    """Parameter names of `str(inspect.signature(f))`, each item up to its ':' or '='; `*args`
+    becomes "*", keyword-only ones after a bare '*' are left out (they are always passed by keyword)."""
     names = []
-    for entry in filter(None, items):
+    for entry in _signature_items(signature):
         name = re.split(r"[:=\s]", entry, maxsplit=1)[0]
         if name.startswith("**"):
             continue
@@ -223,6 +250,23 @@ def _signature_names(signature: str) -> tuple[str, ...]:
         if name.isidentifier():
             names.append(name)
     return tuple(names)
+
+
+def parameter_items(call: Call) -> list[tuple[str, str | None]]:
+    """Every named parameter of the call's recorded signature (keyword-only ones too) with the text
+    of its default, None when it has none; empty without a readable signature."""
+    signature = call.record.get("function_signature")
+    if not (isinstance(signature, str) and signature.startswith("(") and len(signature) < 20000):
+        return []
+    out = []
+    for entry in _signature_items(signature):
+        name = re.split(r"[:=\s]", entry, maxsplit=1)[0]
+        if not name.isidentifier():
+            continue
+        # "name: type = default" or "name=default": the default follows the first top-level " = " or "=".
+        _, eq, text = entry.partition(" = ") if " = " in entry else entry.partition("=")
+        out.append((name, text if eq else None))
+    return out
 
 
 def _arguments(call: Call) -> dict[str, Any]:

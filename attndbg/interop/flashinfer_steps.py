@@ -12,12 +12,14 @@ plan, so `check` names the plan "not read", and the trace's model gets a default
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from attndbg.interop import flashinfer_args as fa
+from attndbg.interop import flashinfer_defaults as defaults
 from attndbg.interop.flashinfer_dump import Call, read_calls
 from attndbg.interop.flashinfer_pairs import Cascade, Kind, Run, pair_runs
 from attndbg.interop.steps import DUMMY_PAGE_NOTE, StepParts, default_sm_scale, off_dummy_page, dtype_name, imported_source, last_page_lengths, layer_from_pool, make_trace, mha_model, paged_rows
@@ -31,9 +33,10 @@ ENGINE = "flashinfer-dump"
 PACKED_MASK, PACKED_INDPTR = "packed_custom_mask", "packed_mask_indptr"  # backends/flashinfer.py PACKED_MASK
 
 
-def import_dump(root: Path) -> Iterator[Trace | str]:
-    """Each importable run as a trace, in session order; a note (str) for each call left out."""
-    calls, notes = read_calls(root)
+def import_dump(root: Path, log: Path | None = None) -> Iterator[Trace | str]:
+    """Each importable run as a trace, in session order; a note (str) for each call left out or
+    crashed. `log`: FlashInfer's log (FLASHINFER_LOGDEST), where a crashed call's error is."""
+    calls, notes = read_calls(root, log)
     yield from notes
     runs, notes = pair_runs(calls)
     yield from notes
@@ -45,6 +48,9 @@ def import_dump(root: Path) -> Iterator[Trace | str]:
         except fa.NotImported as e:
             yield f"{first.directory.name}: not imported: {e}"
             continue
+        crashed = [c.crash for c in ((item.ragged.run, item.paged.run, item.merge) if isinstance(item, Cascade) else (item.run,)) if c.crash is not None]
+        if crashed:
+            parts.source = replace(parts.source, crash=crashed[0])
         yield make_trace(parts, seed=step, path=first.directory)
         step += 1
 
@@ -59,31 +65,41 @@ def _run(item: Run, step: int) -> StepParts:
     return _paged(item, step)
 
 
-def _common(item: Run, *, head_dim: int, window_default: int = -1) -> tuple[float, float | None, int | None, dict[str, str]]:
-    """sm_scale, logits_soft_cap, window_left as the plan (or the run, which overrides) states them."""
+def _common(item: Run, *, head_dim: int) -> tuple[float, float, int, dict[str, str]]:
+    """sm_scale, logits_soft_cap, window_left as the plan (or the run, which overrides) states them,
+    and where neither passes one, as FlashInfer fills it in (the dumped version's defaults)."""
     plan, run = item.plan, item.run
     inferred: dict[str, str] = {}
     scale = fa.known_float(plan, "sm_scale")
     if scale is None:
         scale = default_sm_scale(head_dim)
-        inferred["model.sm_scale"] = "the plan gives none: 1/sqrt(head_dim), FlashInfer's default (a scale kept on the wrapper by forward() is not dumped)"
+        inferred["model.sm_scale"] = "not passed to plan(): 1/sqrt(head_dim), as FlashInfer's plan() fills sm_scale=None (a scale kept on the wrapper by forward() is not dumped)"
     cap = fa.known_float(plan, "logits_soft_cap")
+    if cap is None:
+        filled, inferred["model.logit_cap"] = _filled(plan, "logits_soft_cap", fallback=None, becomes=0.0, what="the plan's logits_soft_cap and the model's cap")
+        cap = float(filled)
     window = fa.known_int(run, "window_left")
     window = fa.known_int(plan, "window_left") if window is None else window
-    if cap is None:
-        inferred["model.logit_cap"] = "the plan gives none: 0 (off), FlashInfer's default"
     if window is None:
-        inferred["model.sliding_window"] = f"the plan gives none: {window_default} (off), FlashInfer's default"
+        filled, inferred["model.sliding_window"] = _filled(plan, "window_left", fallback=-1, becomes=None, what="the plan's window_left and the model's window")
+        window = int(filled)
     return scale, cap, window, inferred
 
 
-def _scalars(path: str, page_size: int, cap: float | None, window: int | None, **known: object) -> dict[str, int | float | bool | str]:
-    """The plan scalars the dump states; one it does not state is left out (the plan is then not read)."""
-    scalars: dict[str, int | float | bool | str] = {"path": path, "page_size": page_size}
-    if cap is not None:
-        scalars["logits_soft_cap"] = cap
-    if window is not None:
-        scalars["window_left"] = window
+def _filled(call: Call, name: str, *, fallback: object, becomes: object, what: str) -> tuple[object, str]:
+    """The value FlashInfer gives `name` when the call left it out, and the note naming its source.
+    `becomes`: what plan() turns a None default into (logits_soft_cap None is 0, off)."""
+    found = defaults.default(call, name)
+    value, source = (found.value, found.source) if found is not None else (fallback, "FlashInfer's documented default (the dump's signature names none)")
+    shown = f"{value!r}" if value is not None or becomes is None else f"None, which plan() makes {becomes!r}"
+    if value is None:
+        value = becomes
+    return value, f"{name} not passed: {shown}, {source} ({what}; a value kept on the wrapper by forward() is not dumped)"
+
+
+def _scalars(path: str, page_size: int, cap: float, window: int, **known: object) -> dict[str, int | float | bool | str]:
+    """The plan scalars: those the dump states, and the defaults FlashInfer filled for the others."""
+    scalars: dict[str, int | float | bool | str] = {"path": path, "page_size": page_size, "logits_soft_cap": cap, "window_left": window}
     scalars.update({k: v for k, v in known.items() if v is not None})
     return scalars
 
@@ -120,7 +136,7 @@ def _paged(item: Run, step: int) -> StepParts:
     ps = fa.positive_int(plan, "page_size")
     scale, cap, window, inferred = _common(item, head_dim=dim)
     k_pool, v_pool, pages = fa.kv_pool(run, "paged_kv_cache", layout=_layout(item, inferred), page_size=ps, heads=hkv, dim=dim)
-    kv_lens = last_page_lengths(kv_indptr, last, ps, name=names[2], path=plan.directory)
+    kv_lens = last_page_lengths(kv_indptr, last, ps, name=names[2], path=plan.directory, inferred=inferred)
     rows = paged_rows(indptr=kv_indptr, indices=kv_indices, kv_lens=kv_lens, page_size=ps, num_pages=pages, names=names, path=plan.directory)
     bs = len(rows)
     if decode:
@@ -166,7 +182,7 @@ def _paged(item: Run, step: int) -> StepParts:
     q = fa.float_tensor(run, "q", dims=3)
     q = fa.check_shape(q, (int(q_lens.sum()), hq, dim), "q", run)
     out, lse = fa.results(run)
-    model = mha_model(num_qo_heads=hq, num_kv_heads=hkv, head_dim=dim, v_head_dim=dim, sm_scale=scale, logit_cap=cap or 0.0, window=-1 if window is None else window,
+    model = mha_model(num_qo_heads=hq, num_kv_heads=hkv, head_dim=dim, v_head_dim=dim, sm_scale=scale, logit_cap=cap, window=window,
                       q_dtype=dtype_name(q.dtype, "q", run.directory, q=True), kv_dtype=dtype_name(k_pool.dtype, "paged_kv_cache", run.directory), page_size=ps)  # fmt: skip
     layer = layer_from_pool(rows=rows, extend_lens=q_lens.tolist(), q=q, k_pool=k_pool, v_pool=v_pool, output=_shaped(out, q.shape, run, "result"), lse=_shaped(lse, q.shape[:2], run, "result_1"), lse_base=LseBase.TWO)
     return StepParts(
@@ -290,7 +306,7 @@ def _ragged(item: Run, step: int) -> StepParts:
     else:
         plan_out = Plan(backend="flashinfer", tensors={"qo_indptr": plan.args()["qo_indptr"]}, scalars=_scalars("ragged", 1, cap, window, causal=causal))
     out, lse = fa.results(run)
-    model = mha_model(num_qo_heads=hq, num_kv_heads=hkv, head_dim=dim, v_head_dim=dim, sm_scale=scale, logit_cap=cap or 0.0, window=-1 if window is None else window,
+    model = mha_model(num_qo_heads=hq, num_kv_heads=hkv, head_dim=dim, v_head_dim=dim, sm_scale=scale, logit_cap=cap, window=window,
                       q_dtype=dtype_name(q.dtype, "q", run.directory, q=True), kv_dtype=dtype_name(k.dtype, "k", run.directory), page_size=1)  # fmt: skip
     layer = layer_from_pool(rows=rows, extend_lens=q_lens.tolist(), q=q, k_pool=k_pool, v_pool=v_pool, output=_shaped(out, q.shape, run, "result"), lse=_shaped(lse, q.shape[:2], run, "result_1"), lse_base=LseBase.TWO)
     return StepParts(
@@ -314,7 +330,7 @@ def _cascade(item: Cascade, step: int) -> StepParts:
     m = ragged.model
     inferred = dict(ragged.inferred)
     k_pool, v_pool, pages = fa.kv_pool(paged_run, "paged_kv_cache", layout=_layout(item.paged, inferred), page_size=ps, heads=m.num_kv_heads, dim=m.head_dim)
-    prefix_lens = last_page_lengths(kv_indptr, last, ps, name=names[2], path=paged_plan.directory)
+    prefix_lens = last_page_lengths(kv_indptr, last, ps, name=names[2], path=paged_plan.directory, inferred=inferred)
     prefix_rows = paged_rows(indptr=kv_indptr, indices=kv_indices, kv_lens=prefix_lens, page_size=ps, num_pages=pages, names=names, path=paged_plan.directory)
     prefix_rows, (k_pool, v_pool), shifted = off_dummy_page(prefix_rows, (k_pool, v_pool), ps)
     pages += int(shifted)

@@ -71,8 +71,12 @@ def paged_rows(*, indptr: Tensor, indices: Tensor, kv_lens: Tensor, page_size: i
     return rows
 
 
-def last_page_lengths(indptr: Tensor, last_page_len: Tensor, page_size: int, *, name: str, path: Path) -> Tensor:
-    """FlashInfer's KV length per request: (pages - 1) * page_size + last_page_len (0 without pages)."""
+def last_page_lengths(indptr: Tensor, last_page_len: Tensor, page_size: int, *, name: str, path: Path, inferred: dict[str, str]) -> Tensor:
+    """Each request's KV length from FlashInfer's paged arrays: (pages - 1) * page_size +
+    last_page_len (0 without pages). A last page length outside 1..page_size is the engine's
+    mistake, not bad input: the request is taken to fill the pages it lists (what
+    `seq_len % page_size` meant for a full last page), the plan keeps the value, `check` judges it,
+    and `inferred` says so."""
     pages = indptr.diff()
     if last_page_len.numel() < pages.numel():
         raise TraceError(name, f"has {last_page_len.numel()} entries, expected one per request ({pages.numel()})", str(path))
@@ -80,7 +84,12 @@ def last_page_lengths(indptr: Tensor, last_page_len: Tensor, page_size: int, *, 
     bad = torch.nonzero((pages > 0) & ((last < 1) | (last > page_size))).flatten()
     if bad.numel():
         b = int(bad[0])
-        raise TraceError(f"{name}[{b}]", f"= {int(last[b])}, a last page holds 1 to {page_size} tokens", str(path))
+        more = f" and {bad.numel() - 1} more" if bad.numel() > 1 else ""
+        inferred["batch.kv_lens"] = (
+            f"{name}[{b}] = {int(last[b])}{more}: a last page holds 1 to {page_size} tokens, so each such request is taken to fill "
+            f"the pages it lists (as if its last page were full); the plan keeps the engine's value, which check judges"
+        )
+        last = torch.where((last < 1) | (last > page_size), torch.full_like(last, page_size), last)
     return torch.where(pages > 0, (pages - 1) * page_size + last, 0)
 
 

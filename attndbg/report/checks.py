@@ -132,6 +132,8 @@ class CheckVerdict:
     findings: int = 0
     # "<plan backend>: <why>" -> steps whose recorded plan the plan detectors could not read
     plans_unread: dict[str, int] = field(default_factory=dict)
+    # why -> steps whose crashed call (source.crash) could not be run again here
+    crashes_not_run: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     defects: int = 0  # findings of Severity.DEFECT: they fail the check
     # "<class>/<check>" -> hazard findings (Severity.HAZARD): they fail only `check --strict`
@@ -201,6 +203,10 @@ def check_verdict(
     # run), but the plan detectors checked less than the plan: said, never silent.
     unread = Counter(r.plan_unread for r in checked if r.plan_unread)
     parts += [f"recorded plan not read by the plan detectors on {counted(n, 'step')} ({what})" for what, n in sorted(unread.items())]
+    # A step whose call crashed where it ran, not run again here: its crash is neither confirmed nor
+    # cleared, so the check is incomplete.
+    unrun = Counter(r.crash_unrun for r in checked if r.crash_unrun)
+    parts += [f"crashed call not run again on {counted(n, 'step')} ({why})" for why, n in sorted(unrun.items())]
     hazards = Counter(f"{f.kind.value}/{f.check}" for r in reports for f in r.findings if f.severity is Severity.HAZARD)
     defects = findings - sum(hazards.values())
     count = counted(findings, "finding")
@@ -212,7 +218,7 @@ def check_verdict(
     unchecked = len(steps) - len(checked)
     return CheckVerdict(
         line="; ".join(parts),
-        incomplete=(bool(skipped) and not every) or unchecked > 0,
+        incomplete=(bool(skipped) and not every) or unchecked > 0 or bool(unrun),
         checked_steps=len(checked),
         unchecked_steps=unchecked,
         detectors=[d.value for d in detectors],
@@ -220,6 +226,7 @@ def check_verdict(
         backends_skipped=skipped,
         findings=findings,
         plans_unread=dict(sorted(unread.items())),
+        crashes_not_run=dict(sorted(unrun.items())),
         defects=defects,
         hazards=dict(sorted(hazards.items())),
         selection=selection,
@@ -295,6 +302,7 @@ def checks_to_json(reports: list[StepReport], verdict: CheckVerdict | None = Non
             "compared": verdict.backends_ran,
             "skipped": verdict.backends_skipped,
             "plans_unread": verdict.plans_unread,
+            "crashes_not_run": verdict.crashes_not_run,
             "not_compared_by_mode": verdict.unreplayed,
             "not_checked": verdict.not_checked,
             "findings": verdict.findings,

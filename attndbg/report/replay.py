@@ -19,6 +19,7 @@ from rich.text import Text
 
 from attndbg.compare.tolerance import Location
 from attndbg.plural import counted
+from attndbg.replay.crashed import CrashRerun
 from attndbg.replay.runner import BackendRun, ReplayResult, RunStatus
 from attndbg.replay.variants import Eager, parse_variant, run_name
 from attndbg.trace.errors import printable
@@ -51,6 +52,8 @@ class StepReport:
     repeat: int = 1  # eager runs per backend (--repeat)
     named: tuple[str, ...] = ()  # backends the user named explicitly (empty for `--backend all`)
     notes: tuple[str, ...] = ()  # options that had no effect on this step, and why
+    # The step's call crashed where it ran (source.crash): what its run again in a worker of its own did.
+    crash: CrashRerun | None = None
 
     @property
     def ran(self) -> list[BackendRun]:
@@ -68,9 +71,9 @@ class StepReport:
 
     @property
     def verdict(self) -> Verdict:
-        if self.result.failed:
+        if self.result.failed or (self.crash is not None and self.crash.reproduced):
             return Verdict.FAILED
-        if self.missing or not self.ran:
+        if self.missing or not self.ran or (self.crash is not None and not self.crash.ran):
             return Verdict.INCOMPLETE
         return Verdict.PASSED
 
@@ -161,6 +164,11 @@ def render_replay(step: StepReport) -> RenderableType:
 def _notes(step: StepReport) -> list[Text]:
     """The prose below the table: failures and where, skipped runs and why, option notes."""
     lines: list[Text] = []
+    crash = step.crash
+    if crash is not None:
+        logged = step.result.trace.source.crash or "no error was logged"
+        style = "bold red" if crash.reproduced else "yellow"
+        lines.append(Text(f"backend-crash: the recorded call crashed where it ran ({logged}); run again in a fresh worker: {crash.line()}", style=style))
     for run in step.ran:
         c = run.comparison
         if run.status is RunStatus.ERROR:
@@ -215,6 +223,10 @@ def verdict_line(steps: Sequence[dict[str, Any]]) -> Text:
     text += f", failed: {', '.join(failed)}" if failed else (", all passed" if compared else "")
     if skipped:  # a named backend that compared nothing is always among these
         text += "; " + "; ".join(f"{name} {why}" for name, why in skipped.items())
+    crashes = [s["crash"] for s in steps if "crash" in s]
+    if crashes:
+        said = [("reproduced", sum(c["reproduced"] for c in crashes)), ("not reproduced", sum(c["ran"] and not c["reproduced"] for c in crashes)), ("not run here", sum(not c["ran"] for c in crashes))]
+        text += "; recorded crash " + ", ".join(f"{what} on {n} step{'s' * (n != 1)}" for what, n in said if n)
     style = {Verdict.PASSED: "bold green", Verdict.FAILED: "bold red", Verdict.INCOMPLETE: "bold yellow"}[verdict]
     return Text(f"{verdict.value.upper()}: {text}", style=style)
 
@@ -265,6 +277,7 @@ def step_to_json(step: StepReport) -> dict[str, Any]:
         "skipped": [{"backend": r.name, "variant": r.variant.label, "status": r.status.value, "reason": r.reason} for r in step.skipped],
         "notes": list(step.notes),
         "backends": [run_to_json(r, step) for r in step.result.runs],
+        **({"crash": {"recorded": t.source.crash, **vars(step.crash)}} if step.crash is not None else {}),
     }
 
 

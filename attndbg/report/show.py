@@ -129,6 +129,8 @@ def _source(trace: Trace) -> Panel:
                 ("recorded by", f"attndbg {s.attndbg_version}, replay seed {trace.seed}"),
                 # An imported step: what its format did not carry, each field with how it was filled.
                 *((f"inferred {name}", printable(why)) for name, why in s.inferred.items()),
+                # A call that did not return where it ran: what its source logged.
+                *((("crashed", printable(s.crash or "the call did not return (no error was logged)")),) if s.crash is not None else ()),
             ]
         ),
         title="source",

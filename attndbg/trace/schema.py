@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 FORMAT_NAME = "attndbg.trace"
-FORMAT_VERSION = 1  # `buffers`, `capture`, graph.padded_qo_indptr / padded_block_table and source.inferred (optional, absent in older files) were added within version 1
+FORMAT_VERSION = 1  # `buffers`, `capture`, graph.padded_qo_indptr / padded_block_table, source.inferred and source.crash (optional, absent in older files) were added within version 1
 
 
 class ForwardMode(enum.Enum):
@@ -83,6 +83,11 @@ class Source:
     # carry and the importer filled in (`attndbg import`): trace field -> how it was inferred, e.g.
     # "model.sm_scale": "1/sqrt(head_dim): the plan gave none". Recorders leave it empty.
     inferred: dict[str, str] = field(default_factory=dict)
+    # Added within version 1 (absent in older files: None). The call did not return where it ran
+    # (an imported call whose kernel crashed: its inputs were dumped, its outputs never were): the
+    # error its source logged, "" when none was. `check` and `replay` run it again in an isolated
+    # worker; `repro` writes a script that crashes the same way.
+    crash: str | None = None
 
 
 @dataclass(frozen=True)
@@ -322,6 +327,8 @@ def to_dict(trace: Trace) -> dict[str, Any]:
         del out["capture"]
     if not out["source"]["inferred"]:
         del out["source"]["inferred"]
+    if out["source"]["crash"] is None:
+        del out["source"]["crash"]
     if out["graph"] is not None:
         for name in GRAPH_OPTIONAL:
             if out["graph"][name] is None:

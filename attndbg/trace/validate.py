@@ -181,7 +181,18 @@ def _source(r: _Reader) -> Source:
         step=r.int("step", min_value=0),
         attndbg_version=r.str("attndbg_version"),
         inferred=_inferred(r),
+        crash=_crash(r),
     )
+
+
+def _crash(r: _Reader) -> str | None:
+    """source.crash (optional): the error the step's call ended in where it ran, a printable string."""
+    value = r.raw("crash", optional=True)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > MAX_INFERRED_TEXT or not value.isprintable():
+        raise TraceError(r.name("crash"), f"= {reprlib.repr(value)}: expected the logged error, a printable string of at most {MAX_INFERRED_TEXT} characters")
+    return value
 
 
 # An importer names a handful of inferred fields; thousands is not a step's, it is a hostile file.

@@ -62,12 +62,20 @@ class DumpWriter:
     def __post_init__(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
 
+    @property
+    def log(self) -> Path:
+        """FlashInfer's log (FLASHINFER_LOGDEST), beside the dump."""
+        return self.root.parent / f"{self.root.name}.log"
+
     def _append(self, path: Path, record: dict) -> None:
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def call(self, function: str, args: tuple = (), kwargs: dict | None = None, result: Any = None, *, self_obj: Obj | None = None, capture: bool = False) -> Path:
-        """One decorated call: inputs before, outputs after; `capture`: recorded inside a CUDA graph (no files)."""
+    def call(self, function: str, args: tuple = (), kwargs: dict | None = None, result: Any = None, *, self_obj: Obj | None = None, capture: bool = False, crash: str | None = None) -> Path:
+        """One decorated call: inputs before, outputs after; `capture`: recorded inside a CUDA graph
+        (no files). `crash`: the call did not return: its inputs only (api_logging.py dumps them
+        before the kernel runs), and, when the fault surfaced at the outputs' synchronize, the line
+        FlashInfer logs for it (in `log`)."""
         kwargs = kwargs or {}
         self.counters[function] = self.counters.get(function, 0) + 1
         self.line += 1
@@ -100,6 +108,11 @@ class DumpWriter:
             torch.save(tensors, d / "inputs.pt")
         self._append(d / "metadata.jsonl", record)
         self._append(self.root / "session.jsonl", record)
+        if crash is not None:
+            if crash:
+                with open(self.log, "a") as f:
+                    f.write(f"Failed to dump outputs to /remote/dumps/{name}: {crash}\nTraceback (most recent call last):\n  ...\n")
+            return d
         outputs = {"result": result} if isinstance(result, Tensor) else {f"result_{i}": r for i, r in enumerate(result)} if isinstance(result, tuple) else {}
         if outputs and not capture:
             torch.save(outputs, d / "outputs.pt")
@@ -191,26 +204,38 @@ def _run_outputs(q: Tensor, b: dict, q_lens: list[int], visible: list[Tensor]) -
     return torch.cat(outs).to(F16), torch.cat(lses).float()
 
 
-def write_decode(w: DumpWriter, *, ident: int = 0x1000, kv_lens=(5, 9, 1), seed: int = 1, explicit: bool = True) -> None:
-    """Decode wrapper: __init__, plan (positional, as SGLang passes it), two layers' runs returning the LSE."""
+def write_decode(
+    w: DumpWriter, *, ident: int = 0x1000, kv_lens=(5, 9, 1), seed: int = 1, explicit: bool = True, last_page_mod: bool = False, crash: str | None = None, layers: int = 2
+) -> None:
+    """Decode wrapper: __init__, plan (positional, as SGLang passes it), `layers` runs returning the LSE.
+    `last_page_mod`: the engine's mistake of computing last_page_len as seq_len % page_size (0 for a
+    full last page); the runs' outputs are then over what FlashInfer reads of each request,
+    (pages - 1) * page + last_page_len keys. `crash`: each run crashes with this logged error."""
     b = paged_batch(list(kv_lens), PAGE, HKV, DIM, seed=seed)
+    read = list(kv_lens)
+    if last_page_mod:
+        b["last"] = torch.tensor([n % PAGE for n in kv_lens], dtype=torch.int32)
+        read = [(-(-n // PAGE) - 1) * PAGE + n % PAGE for n in kv_lens]
     me = Obj(DECODE, ident)
     w.call(f"{DECODE}.__init__", (torch.zeros(8, dtype=torch.uint8), "NHD"), {"use_tensor_cores": False}, self_obj=me)
     extra = {"window_left": -1, "logits_soft_cap": 0.0, "sm_scale": SCALE} if explicit else {}
     w.call(f"{DECODE}.plan", (b["indptr"], b["indices"], b["last"], HQ, HKV, DIM, PAGE), {"data_type": F16, "q_data_type": F16, **extra}, self_obj=me)
-    for layer in range(2):
+    for layer in range(layers):
         q = _q(len(kv_lens), seed * 10 + layer)
-        out = _run_outputs(q, b, [1] * len(kv_lens), [torch.ones(1, n, dtype=torch.bool) for n in kv_lens])
-        w.call(f"{DECODE}.run", (q, (b["k"], b["v"])), {"return_lse": True}, out, self_obj=me)
+        visible = [torch.arange(n)[None, :] < r for n, r in zip(kv_lens, read)]
+        out = None if crash is not None else _run_outputs(q, b, [1] * len(kv_lens), visible)
+        w.call(f"{DECODE}.run", (q, (b["k"], b["v"])), {"return_lse": True}, out, self_obj=me, crash=crash)
 
 
-def write_paged_extend(w: DumpWriter, *, ident: int = 0x2000, seed: int = 2) -> None:
-    """Paged prefill, causal over a cached prefix (SGLang's paged-only extend)."""
+def write_paged_extend(w: DumpWriter, *, ident: int = 0x2000, seed: int = 2, explicit: bool = True) -> None:
+    """Paged prefill, causal over a cached prefix (SGLang's paged-only extend). `explicit`: the
+    plan passes sm_scale, window_left and logits_soft_cap (else FlashInfer's defaults apply)."""
     kv_lens, q_lens = [7, 12], [3, 5]
     b = paged_batch(kv_lens, PAGE, HKV, DIM, seed=seed)
     qo = torch.tensor([0, 3, 8], dtype=torch.int32)
     me = Obj(PAGED, ident)
-    w.call(f"{PAGED}.plan", (qo, b["indptr"], b["indices"], b["last"], HQ, HKV, DIM, PAGE), {"causal": True, "sm_scale": SCALE, "window_left": -1, "logits_soft_cap": 0.0}, self_obj=me)
+    extra = {"sm_scale": SCALE, "window_left": -1, "logits_soft_cap": 0.0} if explicit else {}
+    w.call(f"{PAGED}.plan", (qo, b["indptr"], b["indices"], b["last"], HQ, HKV, DIM, PAGE), {"causal": True, **extra}, self_obj=me)
     q = _q(8, seed)
     out = _run_outputs(q, b, q_lens, [causal(n, kv) for n, kv in zip(q_lens, kv_lens)])
     w.call(f"{PAGED}.run", (q, (b["k"], b["v"])), {"return_lse": True}, out, self_obj=me)
