@@ -9,6 +9,7 @@ engines, recordings or reports.
 from __future__ import annotations
 
 import abc
+import contextlib
 import enum
 from dataclasses import dataclass
 from collections.abc import Mapping
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import Tensor
 
-from attndbg.backends import plan_declaration
+from attndbg.backends import plan_declaration, script_calls
 from attndbg.backends.capabilities import Capabilities
 from attndbg.backends.plan_declaration import PlanDeclaration
 from attndbg.backends.plan_layout import PlanLayout
@@ -137,6 +138,32 @@ class GraphCapacity:
     max_kv_slots: int  # sum of KV lengths (the length of kv_indices), padding included
     max_kv_len: int  # the longest request's KV
     max_mask: int  # elements of a custom mask (0 when none)
+
+
+@dataclass(frozen=True)
+class ScriptLibrary:
+    """What a standalone reproduction script (`attndbg repro`) needs to make this adapter's library
+    calls with torch and the library alone, never attndbg: stated by the adapter, written out by
+    repro/, which knows no backend by name."""
+
+    label: str  # the library as the script names it: "flashinfer (backend='fa3', SM90)"
+    imports: str  # Python lines importing it (a missing module makes the script exit 2, naming `install`)
+    install: str  # what to install when an import fails: "pip install flashinfer-python"
+    needs_gpu: bool  # its calls run only on a CUDA GPU (the script exits 2 without one)
+    version: str  # a Python expression of its version, printed by the script
+    setup: str = ""  # lines before `imports` (Triton's interpreter chosen when there is no GPU)
+    prelude: str = ""  # module-level code the calls need after the imports (kernels' source, a choice made where the script runs)
+    tensors_on_device: bool = False  # every tensor the calls take goes to the device (Triton's kernels take no host tensors)
+
+
+@dataclass(frozen=True)
+class ScriptMerge:
+    """Torch code a script runs after the library calls to make the step's output, as the adapter
+    makes it after them (fa3's two-call verify merges two runs' states)."""
+
+    lines: tuple[str, ...]  # statements, reading the runs' results and `T[...]` (tensors below)
+    output: str  # the expression of the step's output once they ran
+    tensors: dict[str, Tensor]  # what the lines load from the script's data, by name
 
 
 class GraphState(abc.ABC):
@@ -304,3 +331,25 @@ class Backend(abc.ABC):
     def graph_state(self, trace: Trace, capacity: GraphCapacity) -> GraphState:
         """Allocate static buffers for graphs of `trace`'s model and mode at `capacity`."""
         raise NotImplementedError(self.graph_unsupported_reason(trace))
+
+    # -- standalone scripts (attndbg repro) -----------------------------------------------------
+
+    def script_library(self) -> ScriptLibrary | None:
+        """What a script making this adapter's library calls needs (None: it writes no scripts)."""
+        return None
+
+    def library_calls(self, library: Any) -> contextlib.AbstractContextManager[None]:
+        """While open, this adapter's calls into its kernel library go to `library`, a recorder
+        standing in for the library's top module (None: none are made), and it decides as it would
+        where the script runs (its implementation, its kernel family): `attndbg repro` runs the
+        adapter's own `run` and graph state under it, on the host, and writes the calls it records.
+        Adapters look their library up through backends/script_calls.py, so the default serves all."""
+        if self.script_library() is None:
+            raise NotImplementedError(f"{self.name} writes no repro scripts: it states no library calls (script_library)")
+        return script_calls.recording_into(library)
+
+    def script_merge(self, plan: Plan, runs: list[str]) -> ScriptMerge | None:
+        """The torch code that makes the step's output from the library runs' results (`runs`: the
+        script's expression of each run call's result, in order), when the adapter makes it after
+        the calls rather than a library call writing it (None: a call writes it)."""
+        return None

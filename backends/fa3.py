@@ -19,6 +19,7 @@ natural log). A chain (topk == 1) is plain causal attention over prefix + drafts
 from __future__ import annotations
 
 import enum
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +37,13 @@ from attndbg.backends.base import (
     KernelError,
     LibraryRelease,
     Padding,
+    ScriptLibrary,
+    ScriptMerge,
     coerce_option,
 )
 from attndbg.backends import flashinfer_modules as fm
-from attndbg.backends.flashinfer_runtime import KERNEL_ERRORS, WORKSPACE_BYTES, FlashInferGraphState, compile_failure, compiling_note, library_error, wait_for_pending_plans
+from attndbg.backends import script_calls
+from attndbg.backends.flashinfer_runtime import KERNEL_ERRORS, SCRIPT_INSTALL, SCRIPT_VERSION, WORKSPACE_BYTES, FlashInferGraphState, compile_failure, compiling_note, library_error, wait_for_pending_plans
 from attndbg.backends import plan_declaration as pd
 from attndbg.backends import plan_layout as pl
 from attndbg.backends.tables import build_page_table, padded_requests
@@ -78,7 +82,10 @@ SM90 = (9, 0)
 
 
 def select_impl() -> Impl | None:
-    """The implementation this machine runs: the first installed in FA3's order; FlashInfer last, on SM90."""
+    """The implementation this machine runs: the first installed in FA3's order; FlashInfer last, on
+    SM90. A repro script (script_calls.py) runs FlashInfer's backend="fa3", whatever is installed here."""
+    if script_calls.scripting():
+        return Impl.FLASHINFER
     info = machine.gpu_info()
     return None if info is None else impl_on(info.capability)
 
@@ -400,8 +407,7 @@ class FA3Backend(Backend):
         if impl is Impl.FLASHINFER:
             wrapper = self._wrappers.get(key)
             if wrapper is None:
-                import flashinfer
-
+                flashinfer = script_calls.flashinfer_module()
                 wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._flashinfer_workspace(device), "NHD", backend="fa3")
                 self._wrappers[key] = wrapper
             _flashinfer_plan(wrapper, model, call)
@@ -464,6 +470,31 @@ class FA3Backend(Backend):
             return "the two-call tree-verify path (two wrappers and a torch merge) is not captured; replay it eagerly"
         return None
 
+    def script_library(self) -> ScriptLibrary:
+        """A script runs FlashInfer's backend="fa3" (SM90), and carries attndbg's merge of partial
+        states (numerics.merge_states) for the two-call verify (script_merge)."""
+        merge = inspect.getsource(numerics.merge_states)
+        return ScriptLibrary(
+            label="flashinfer (backend='fa3', SM90)", imports="import flashinfer", install=SCRIPT_INSTALL, needs_gpu=True, version=SCRIPT_VERSION,
+            prelude=f"# attndbg's merge of partial attention states (attndbg/numerics.py), for fa3's two-call verify.\n{merge}\n",
+        )  # fmt: skip
+
+    def script_merge(self, plan: Plan, runs: list[str]) -> ScriptMerge | None:
+        """The two-call tree verify: the prefix call and the draft call merged as `run` merges them
+        (base-2 LSEs to natural log, a request with no prefix weighs 0 on the prefix side)."""
+        if plan.scalars.get("verify_path") != VerifyPath.TWO_CALL.value or len(runs) != 2:
+            return None
+        main, expand = runs
+        lines = (
+            "# fa3's two calls merged as the adapter merges them: natural-log LSEs, an empty prefix weighs 0",
+            'empty = (T["MAIN_CACHE_SEQLENS"] == 0).repeat_interleave(T["MAIN_Q_LENS"]).to(DEVICE)',
+            f'main_lse = ({main}[1].float() * math.log(2.0)).masked_fill(empty[:, None], float("-inf"))',
+            f"merged_output, _ = merge_states(torch.stack([{main}[0].float(), {expand}[0].float()]), torch.stack([main_lse, {expand}[1].float() * math.log(2.0)]))",
+            'merged_output = merged_output.to(X["q"].dtype)',
+        )
+        tensors = {"MAIN_CACHE_SEQLENS": plan.tensors["cache_seqlens"].to(torch.int64), "MAIN_Q_LENS": plan.tensors["cu_seqlens_q"].diff().to(torch.int64)}
+        return ScriptMerge(lines=lines, output="merged_output", tensors=tensors)
+
     def graph_state(self, trace: Trace, capacity: GraphCapacity) -> GraphState:
         reason = self.graph_unsupported_reason(trace)
         if reason:
@@ -476,8 +507,7 @@ class _FlashInferFA3Graph(FlashInferGraphState):
     sized for the capture; `load_plan` re-plans the wrapper, which copies into them in place."""
 
     def __init__(self, trace: Trace, capacity: GraphCapacity):
-        import flashinfer
-
+        flashinfer = script_calls.flashinfer_module()
         m = self.model = trace.model
         super().__init__(max_tokens=capacity.max_tokens, num_heads=m.num_qo_heads, v_head_dim=m.v_head_dim, q_dtype=DTYPES[m.q_dtype])
         device = torch.device("cuda")

@@ -44,11 +44,13 @@ from attndbg.backends.base import (
     LibraryRelease,
     Padding,
     PartialStates,
+    ScriptLibrary,
     coerce_option,
 )
 from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, HALF_DTYPES, MHA_ALL_MODES, Capabilities, HeadDims
 from attndbg.backends import flashinfer_modules as fm
-from attndbg.backends.flashinfer_runtime import KERNEL_ERRORS, WORKSPACE_BYTES, FlashInferGraphState, compiling_note, library_error, wait_for_pending_plans
+from attndbg.backends import script_calls
+from attndbg.backends.flashinfer_runtime import KERNEL_ERRORS, SCRIPT_INSTALL, SCRIPT_VERSION, WORKSPACE_BYTES, FlashInferGraphState, compiling_note, library_error, wait_for_pending_plans
 from attndbg.backends import plan_declaration as pd
 from attndbg.backends import plan_layout as pl
 from attndbg.backends import plan_view as pv
@@ -159,9 +161,7 @@ def decode_head_dim_defect(head_dim: int, tensor_cores: bool) -> str | None:
 
 
 def _flashinfer():
-    import flashinfer
-
-    return flashinfer
+    return script_calls.flashinfer_module()
 
 
 class FlashInferBackend(Backend):
@@ -536,6 +536,9 @@ class FlashInferBackend(Backend):
         s_a, s_b = (states.lse[:, :, i].contiguous() for i in (0, 1))
         out, lse = _flashinfer().cascade.merge_state(v_a, s_a, v_b, s_b)
         return AttentionResult(output=out, lse=lse)
+
+    def script_library(self) -> ScriptLibrary:
+        return ScriptLibrary(label="flashinfer", imports="import flashinfer", install=SCRIPT_INSTALL, needs_gpu=True, version=SCRIPT_VERSION)
 
     # -- CUDA graphs ----------------------------------------------------------------------------
 

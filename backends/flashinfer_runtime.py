@@ -17,6 +17,7 @@ import torch
 
 from attndbg import numerics
 from attndbg.backends import flashinfer_jit
+from attndbg.backends import script_calls
 from attndbg.backends.base import AttentionResult, GraphState, KernelError, KernelUnsupported
 from attndbg.trace.schema import Model
 
@@ -75,6 +76,12 @@ def library_error(e: BaseException, model: Model, library: str = "FlashInfer") -
     return KernelUnsupported(f"{library} does not compile head_dim {dims} ({reason})")
 
 
+# What a repro script of a FlashInfer adapter (flashinfer, fa3, mla) asks for when `import
+# flashinfer` fails, and how it prints the version (Backend.script_library).
+SCRIPT_INSTALL = "pip install flashinfer-python"
+SCRIPT_VERSION = "getattr(flashinfer, '__version__', 'unknown')"
+
+
 def wait_for_pending_plans() -> None:
     """Call before every FlashInfer wrapper plan() (flashinfer's, fa3's and mla's).
 
@@ -90,9 +97,10 @@ def wait_for_pending_plans() -> None:
     (the GPU busy while wrappers are made, planned and dropped) passed with and without this wait
     on the H100, as did every shape of that issue run alone.
 
-    Each adapter imports this name into its own module and calls it from there, so that repro's
-    stand-ins (attndbg/repro/capture.py) can replace it per adapter module.
+    Nothing to wait for while `attndbg repro` records a script's calls (script_calls.py): no GPU is used.
     """
+    if script_calls.scripting():
+        return
     torch.cuda.current_stream().synchronize()
 
 

@@ -40,10 +40,12 @@ from attndbg.backends.base import (
     KernelUnsupported,
     LibraryRelease,
     Padding,
+    ScriptLibrary,
     coerce_option,
 )
 from attndbg.backends import flashinfer_modules as fm
-from attndbg.backends.flashinfer_runtime import KERNEL_ERRORS, WORKSPACE_BYTES, FlashInferGraphState, compile_failure, compiling_note, library_error, wait_for_pending_plans
+from attndbg.backends import script_calls
+from attndbg.backends.flashinfer_runtime import KERNEL_ERRORS, SCRIPT_INSTALL, SCRIPT_VERSION, WORKSPACE_BYTES, FlashInferGraphState, compile_failure, compiling_note, library_error, wait_for_pending_plans
 from attndbg.backends import plan_declaration as pd
 from attndbg.backends import plan_layout as pl
 from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, Capabilities, LatentDims
@@ -79,7 +81,10 @@ class MLAOptions:
 
 
 def _flashinfer_backend_name() -> str:
-    """FlashInfer's MLA kernel family for this GPU, named explicitly: its 'auto' would fall back silently."""
+    """FlashInfer's MLA kernel family for this GPU, named explicitly: its 'auto' would fall back
+    silently. A repro script picks it where it runs (its MLA_BACKEND, script_library)."""
+    if script_calls.scripting():
+        return script_calls.ScriptExpression("MLA_BACKEND")
     info = machine.gpu_info()
     return _flashinfer_family(info.capability if info is not None else None)
 
@@ -109,6 +114,8 @@ class MLABackend(Backend):
         """The one place that resolves "auto": FlashInfer when it can run here, else our Triton kernel."""
         if self.options.impl is not MLAImpl.AUTO:
             return self.options.impl
+        if script_calls.scripting():
+            return MLAImpl.FLASHINFER  # a repro script calls FlashInfer's MLA wrapper
         return MLAImpl.FLASHINFER if _library_reason(MLAImpl.FLASHINFER) is None else MLAImpl.TRITON
 
     # -- what runs here -----------------------------------------------------------------------
@@ -279,8 +286,7 @@ class MLABackend(Backend):
             raise KernelError(f"{impl.value}: {type(e).__name__}: {first[:300]}") from e
 
     def _flashinfer_run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
-        from flashinfer.mla import BatchMLAPagedAttentionWrapper
-
+        BatchMLAPagedAttentionWrapper = script_calls.flashinfer_module().mla.BatchMLAPagedAttentionWrapper  # noqa: N806 - the library's class
         model = trace.model
         if self._wrapper is None:
             self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=inputs.q.device)
@@ -298,6 +304,15 @@ class MLABackend(Backend):
         if self.impl() is MLAImpl.FLASHMLA:
             return "CUDA-graph replay is not wired for the (untested) FlashMLA adapter"
         return self._triton.graph_configuration_reason(trace) if self.impl() is MLAImpl.TRITON else None
+
+    def script_library(self) -> ScriptLibrary:
+        """A script calls FlashInfer's MLA wrapper, its kernel family chosen on the script's GPU as
+        `_flashinfer_backend_name` chooses it here."""
+        return ScriptLibrary(
+            label="flashinfer (BatchMLAPagedAttentionWrapper)", imports="import flashinfer\nimport flashinfer.mla", install=SCRIPT_INSTALL, needs_gpu=True, version=SCRIPT_VERSION,
+            prelude="# FlashInfer's MLA kernels for this GPU, chosen as attndbg's mla adapter chooses them.\n"
+            'MLA_BACKEND = "fa3" if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) else "fa2"\n',
+        )  # fmt: skip
 
     def graph_state(self, trace: Trace, capacity: GraphCapacity) -> GraphState:
         reason = self.graph_unsupported_reason(trace)
@@ -335,8 +350,7 @@ class _FlashInferMLAGraph(FlashInferGraphState):
     under a graph: supports_cuda_graph_replan)."""
 
     def __init__(self, trace: Trace, capacity: GraphCapacity):
-        from flashinfer.mla import BatchMLAPagedAttentionWrapper
-
+        BatchMLAPagedAttentionWrapper = script_calls.flashinfer_module().mla.BatchMLAPagedAttentionWrapper  # noqa: N806 - the library's class
         self.model = m = trace.model
         super().__init__(max_tokens=capacity.max_tokens, num_heads=m.num_qo_heads, v_head_dim=m.kv_lora_rank, q_dtype=DTYPES[m.q_dtype])
         device = torch.device("cuda")
@@ -390,7 +404,7 @@ def _library_reason(impl: MLAImpl) -> str | None:
 
 
 def _flashinfer_plan(wrapper, model, plan: Plan) -> None:
-    from flashinfer import mla as fi_mla
+    fi_mla = script_calls.flashinfer_module().mla
 
     t, s = plan.tensors, plan.scalars
     csr = {name: t[name] for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr")}
@@ -417,7 +431,7 @@ def _flashinfer_plan(wrapper, model, plan: Plan) -> None:
 
 def _flashinfer_run(wrapper, model, inputs: AttentionInputs, page_size: int, *, out: Tensor, lse: Tensor) -> None:
     """q [T, H, 576] and cache [N, 1, 576] as nope/rope views; writes out [T, H, 512] and base-2 lse [T, H]."""
-    from flashinfer import mla as fi_mla
+    fi_mla = script_calls.flashinfer_module().mla
 
     rank = model.kv_lora_rank
     q_nope, q_pe = inputs.q[..., :rank], inputs.q[..., rank:]  # [T, H, 512], [T, H, 64]

@@ -27,9 +27,11 @@ from attndbg.backends.base import (
     LibraryRelease,
     Padding,
     PartialStates,
+    ScriptLibrary,
 )
 from attndbg.backends.capabilities import ALL_MODES, ENGINE_GRAPH_MODES, Capabilities
 from attndbg.backends import plan_declaration as pd
+from attndbg.backends import script_calls
 from attndbg.backends import plan_layout as pl
 from attndbg.trace import tree
 from attndbg.trace.mask_geometry import MaskGeometry
@@ -82,8 +84,36 @@ def sglang_num_kv_splits(
     return [max(1, min(max(-(-n // chunk1), -(-n // chunk2)), max_kv_splits)) for n in seq_lens]
 
 
+def _kernel_source() -> str:
+    """Our Triton kernels as one module's source: split_rule, common, decode, extend, with their
+    imports of each other and of attndbg removed (a stand-in for attndbg.machine's mode)."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    from attndbg.backends.triton_kernels import common, decode, extend, split_rule
+
+    shim = (
+        "class TritonMode(enum.Enum):\n"
+        "    COMPILED = 'compiled'\n"
+        "    INTERPRETER = 'interpreter'\n\n\n"
+        "def select_triton_mode():\n"
+        "    return TritonMode.INTERPRETER if os.environ.get('TRITON_INTERPRET') == '1' else TritonMode.COMPILED\n"
+    )
+    parts = [shim]
+    for module in (split_rule, common, decode, extend):
+        source = inspect.getsource(module)
+        source = re.sub(r"^from (__future__|\.|attndbg)[^\n]*(\([^)]*\))?\n", "", source, flags=re.M)
+        parts.append(f"# ---- attndbg backends/triton_kernels/{Path(module.__file__).name} ----\n{source}")
+    return "\n\n".join(parts)
+
+
 def _kernels():
-    """Import the kernel modules only after the Triton mode is chosen (see machine.select_triton_mode)."""
+    """Import the kernel modules only after the Triton mode is chosen (see machine.select_triton_mode);
+    while `attndbg repro` records a script's calls, their stand-ins (script_calls.py)."""
+    library = script_calls.stand_in()
+    if library is not None:
+        return library.decode, library.extend
     machine.select_triton_mode()
     from attndbg.backends.triton_kernels import decode, extend
 
@@ -295,6 +325,22 @@ class TritonBackend(Backend):
         return AttentionResult(output=out, lse=lse)
 
     # -- CUDA graphs ----------------------------------------------------------------------------
+
+    def script_library(self) -> ScriptLibrary:
+        """Our Triton kernels' source goes into the script, so it runs with torch and triton alone
+        (the Triton interpreter on the CPU when there is no GPU)."""
+        return ScriptLibrary(
+            label="triton",
+            setup='if not torch.cuda.is_available():\n    os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU: the Triton interpreter runs the kernels on the CPU\n',
+            imports="import triton\nimport triton.language as tl",
+            install="pip install triton",
+            needs_gpu=False,
+            version="triton.__version__",
+            prelude=f"# ===== our Triton kernels, as attndbg ships them (backends/triton_kernels) =====\n\n{_kernel_source()}\n\n\n"
+            "class decode:  # the kernels' modules, as the adapter calls them\n    decode_attention_fwd = staticmethod(decode_attention_fwd)\n\n\n"
+            "class extend:\n    extend_attention_fwd = staticmethod(extend_attention_fwd)\n",
+            tensors_on_device=True,
+        )
 
     def graph_state(self, trace: Trace, capacity: GraphCapacity) -> GraphState:
         return _TritonGraphState(trace, capacity, self.options)

@@ -30,6 +30,10 @@ from attndbg.trace.schema import AttentionKind, ForwardMode, Graph, LseBase, Mas
 from attndbg.trace.validate import check_indptr
 
 ENGINE = "flashinfer-dump"
+CAUSAL_NOTE = (
+    "causal not passed: FlashInfer's plan() default is False, but a non-causal prefill without a mask has no step form; "
+    "taken causal, as SGLang's forward(causal=True) sets it on the wrapper (not dumped)"
+)
 PACKED_MASK, PACKED_INDPTR = "packed_custom_mask", "packed_mask_indptr"  # backends/flashinfer.py PACKED_MASK
 
 
@@ -172,12 +176,16 @@ def _paged(item: Run, step: int) -> StepParts:
         causal = fa.known_bool(plan, "causal")
         if mask is not None:
             spec, mode = _spec(mask, q_lens, kv_lens, plan, inferred), ForwardMode.TARGET_VERIFY
+            if causal is None:  # the kernel reads the mask; the flag is FlashInfer's default
+                filled, inferred["plan.causal"] = _filled(plan, "causal", fallback=False, becomes=False, what="the plan's causal flag; the custom mask decides")
+                causal = bool(filled)
         elif causal is False:
             raise fa.NotImported("a non-causal paged prefill without a mask: every query sees every key, which no attndbg step means (only as a cascade's prefix pass)")
         else:
             mode = mode_from_lengths(q_lens, torch.tensor(prefix))
             if causal is None:
-                inferred["causal"] = "the plan gives none: causal (SGLang's paged extend; a causal flag kept on the wrapper by forward() is not dumped)"
+                inferred["plan.causal"] = CAUSAL_NOTE
+                causal = True
         known = {"causal": causal}
     q = fa.float_tensor(run, "q", dims=3)
     q = fa.check_shape(q, (int(q_lens.sum()), hq, dim), "q", run)
@@ -276,7 +284,8 @@ def _ragged(item: Run, step: int) -> StepParts:
         raise fa.NotImported("a non-causal ragged prefill: every query sees every key, which no attndbg step means")
     scale, cap, window, inferred = _common(item, head_dim=dim)
     if causal is None:
-        inferred["causal"] = "the plan gives none: causal (SGLang's ragged extend; a flag kept on the wrapper by forward() is not dumped)"
+        inferred["plan.causal"] = CAUSAL_NOTE
+        causal = True
     for name, offsets in (("qo_indptr", qo), ("kv_indptr", kv_indptr)):
         try:
             check_indptr(name, offsets)
@@ -369,11 +378,15 @@ def _cascade(item: Cascade, step: int) -> StepParts:
     tensors = {"qo_indptr": qo, "kv_indptr": paged_plan.args()[names[0]], "kv_indices": paged_plan.args()[names[1]] + int(shifted), "kv_last_page_len": paged_plan.args()[names[2]]}
     if shifted:
         inferred["batch.slot_ids"] = DUMMY_PAGE_NOTE
+    prefix_causal = fa.known_bool(paged_plan, "causal")
+    if prefix_causal is None:  # the prefix pass is non-causal: FlashInfer's default is just that
+        filled, inferred["plan.causal"] = _filled(paged_plan, "causal", fallback=False, becomes=False, what="the cascade's prefix pass")
+        prefix_causal = bool(filled)
     model = Model(**{**vars(m), "page_size": ps, "kv_dtype": dtype_name(k_pool.dtype, "paged_kv_cache", paged_run.directory)})
     prefix = prefix_lens.tolist()
     return StepParts(
         source=ragged.source, model=model, mode=mode_from_lengths(torch.tensor(extend), prefix_lens), prefix_lens=prefix, extend_lens=extend, rows=rows,
-        kv_cache_size=size, plan=Plan(backend="flashinfer", tensors=tensors, scalars=_scalars("cascade", ps, cap, window, causal=fa.known_bool(paged_plan, "causal"))),
+        kv_cache_size=size, plan=Plan(backend="flashinfer", tensors=tensors, scalars=_scalars("cascade", ps, cap, window, causal=prefix_causal)),
         tensors={item.ragged.layer: merged}, inferred=inferred,
     )  # fmt: skip
 
@@ -414,7 +427,8 @@ def _mla(item: Run, step: int) -> StepParts:
     if not decode and causal is False:
         raise fa.NotImported("a non-causal MLA prefill: every query sees every key, which no attndbg step means")
     if not decode and causal is None:
-        inferred["causal"] = "the plan gives none: causal"
+        inferred["plan.causal"] = CAUSAL_NOTE
+        causal = True
     q = torch.cat([q_nope, q_pe], dim=-1)
     q = fa.check_shape(q, (int(q_lens.sum()), heads, ckv + kpe), "q_nope/q_pe", run)
     out, lse = fa.results(run)

@@ -13,17 +13,14 @@ Two code paths are captured:
             construction (static buffers, `use_cuda_graph=True` wrappers), its `load_plan` of the
             padded plan, and its `forward` on the static inputs, each phase's calls kept apart
 
-Per backend, what stands in for the library:
-    triton      `_kernels()` -> (decode, extend): our Triton kernels, called by keyword
-    flashinfer  `_flashinfer()` -> the flashinfer module; its workspace and plan-copy wait
-    fa3, mla    the `flashinfer` and `flashinfer.mla` modules (they import them by name), the
-                implementation choice pinned to FlashInfer's (fa3: SM90's backend="fa3")
+The adapter takes the stand-in through the Backend contract (`library_calls`): each adapter
+looks its library up through backends/script_calls.py, and chooses there what it would choose on
+the script's machine. Nothing here knows a backend by name.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,17 +34,6 @@ from attndbg.trace.schema import Plan, Trace
 CUDA_TAG = "_attndbg_repro_cuda"  # set on a tensor the adapter moved to CUDA
 # Calls that hand back (output, lse).
 RUN_CALLS = ("run", "forward", "merge_state")
-
-
-class Expr(str):
-    """A value the script computes where it runs (written as this expression, not as a literal)."""
-
-    def __repr__(self) -> str:
-        return str(self)
-
-
-# FlashInfer's MLA kernel family, chosen on the script's GPU as the adapter chooses it on its own.
-MLA_BACKEND = Expr("MLA_BACKEND")
 
 
 @dataclass
@@ -116,61 +102,19 @@ def _made_on_cpu(original):
 
 @contextlib.contextmanager
 def stand_ins(backend: Backend, library: Library) -> Iterator[None]:
-    """The library replaced by `library` for `backend`'s code, for as long as the block runs."""
-    import attndbg.backends.triton as triton_adapter
-
+    """`backend`'s library calls recorded by `library` (the Backend contract's library_calls), and
+    the tensors it would make or move on CUDA made on the CPU and tagged, for as long as the block runs."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(torch.Tensor, "to", _to_cuda(torch.Tensor.to)))
         for factory in ("zeros", "full", "empty"):
             stack.enter_context(mock.patch.object(torch, factory, _made_on_cpu(getattr(torch, factory))))
-        if backend.name == "triton":
-            stack.enter_context(mock.patch.object(triton_adapter, "_kernels", lambda: (library.decode, library.extend)))
-        elif backend.name in ("flashinfer", "fa3", "mla"):
-            import attndbg.backends.flashinfer as flashinfer_adapter
-            from attndbg.backends.flashinfer_runtime import WORKSPACE_BYTES
-
-            workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8)
-            setattr(workspace, CUDA_TAG, True)
-            module = library.flashinfer
-            stack.enter_context(mock.patch.dict(sys.modules, {"flashinfer": module, "flashinfer.mla": module.mla}))
-            stack.enter_context(mock.patch.object(flashinfer_adapter, "_flashinfer", lambda: module))
-            for adapter_module in _adapter_modules():
-                stack.enter_context(mock.patch.object(adapter_module, "wait_for_pending_plans", lambda: None))
-            stack.enter_context(mock.patch.object(flashinfer_adapter.FlashInferBackend, "_workspace", lambda self: workspace))
-            stack.enter_context(_pinned_to_flashinfer(backend))
-        else:
-            raise NotImplementedError(f"repro writes scripts for the triton, flashinfer, fa3 and mla backends; not for {backend.name}")
-        yield
-
-
-def _adapter_modules() -> list:
-    import attndbg.backends.fa3 as fa3_adapter
-    import attndbg.backends.flashinfer as flashinfer_adapter
-    import attndbg.backends.mla as mla_adapter
-
-    return [flashinfer_adapter, fa3_adapter, mla_adapter]
-
-
-@contextlib.contextmanager
-def _pinned_to_flashinfer(backend: Backend) -> Iterator[None]:
-    """fa3 and mla choose their implementation from this machine (a GPU, its arch, what is
-    installed); a script is written for FlashInfer's: fa3 through backend="fa3" (SM90), mla
-    through BatchMLAPagedAttentionWrapper. Nothing to pin for flashinfer itself."""
-    import attndbg.backends.fa3 as fa3_adapter
-    import attndbg.backends.mla as mla_adapter
-
-    with contextlib.ExitStack() as stack:
-        if backend.name == "fa3":
-            stack.enter_context(mock.patch.object(fa3_adapter, "select_impl", lambda: fa3_adapter.Impl.FLASHINFER))
-        elif backend.name == "mla":
-            stack.enter_context(mock.patch.object(type(backend), "impl", lambda self: mla_adapter.MLAImpl.FLASHINFER))
-            stack.enter_context(mock.patch.object(mla_adapter, "_flashinfer_backend_name", lambda: MLA_BACKEND))
+        stack.enter_context(backend.library_calls(library))
         yield
 
 
 def pinned(backend: Backend) -> contextlib.AbstractContextManager:
     """What the adapter decides (capabilities, plans) as it decides it for the script's library."""
-    return _pinned_to_flashinfer(backend) if backend.name in ("fa3", "mla") else contextlib.nullcontext()
+    return backend.library_calls(None)
 
 
 def _library(trace: Trace, tokens: int, dtype: torch.dtype) -> Library:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from attndbg.backends import registry
-from attndbg.backends.base import AttentionInputs, Backend
+from attndbg.backends.base import AttentionInputs, Backend, ScriptLibrary
 from attndbg.backends.options import BackendOptions
 from attndbg.replay.data import build_inputs
 from attndbg.replay.plan_guard import real_requests_only
@@ -142,6 +142,10 @@ class _Writer:
             return f"r{index} = {text}"
         return text
 
+    def result_of(self, call: Call) -> str:
+        """The script's name of what a run call handed back (its tuple's variable)."""
+        return self.names[id(call.result[0])].removesuffix("[0]") if isinstance(call.result, tuple) and call.result else ""
+
     def calls(self, calls: list[Call], start: int = 0) -> list[str]:
         return [self.call(start + i, c) for i, c in enumerate(calls)]
 
@@ -197,6 +201,9 @@ def build(
     backend = registry.create(backend_name, options=backend_options)
     # A script is how a known library defect at this shape is shown: it is written, not refused.
     backend.run_known_defects = True
+    library = backend.script_library()
+    if library is None:
+        raise NotImplementedError(f"{backend_name} writes no repro scripts (its adapter states no library calls)")
     with pinned(backend):
         reason = backend.unsupported_reason(trace)
         if reason:
@@ -205,34 +212,48 @@ def build(
         if plan_source == "recorded" and not recorded:
             raise ValueError(f"the trace holds no plan recorded by {backend_name}")
         use_recorded = recorded and plan_source != "derived"
+        if use_recorded:
+            _check_scalars(backend, trace)
         chosen, note = _choose_mode(backend, trace, mode)
         inputs = build_inputs(trace, layer=layer, device="cpu")
         if chosen is Mode.GRAPH:
-            return _graph(backend, trace, inputs, use_recorded, source_name)
+            return _graph(backend, library, trace, inputs, use_recorded, source_name)
         plan = real_requests_only(trace, trace.plan) if use_recorded else backend.derive_plan(trace)
         calls, result = capture(backend, trace, inputs, plan)
-    writer = _Writer({f'X["{n}"]': getattr(inputs, n) for n in INPUTS}, plan, on_device=backend_name == "triton")
+    writer = _Writer({f'X["{n}"]': getattr(inputs, n) for n in INPUTS}, plan, on_device=library.tensors_on_device)
     lines = writer.calls(calls)
     output = writer.find(result.output)
-    merge: dict[str, torch.Tensor] = {}
-    if output is None and backend_name == "fa3" and plan.scalars.get("verify_path") == "two-call":
-        output, merge = _two_call_merge(writer, calls, plan, lines)
+    merge = backend.script_merge(plan, [writer.result_of(c) for c in calls if c.target.endswith(".run")]) if output is None else None
+    if merge is not None:
+        lines += ["", *merge.lines]
+        output = merge.output
     if output is None:
         raise NotImplementedError(f"{backend_name}: this step's output is computed outside the library's calls (a merge in torch); not scripted yet")
     source = "recorded" if use_recorded else "derived"
-    tensors = {**_tensors(trace, inputs, writer.saved), **merge}
+    tensors = {**_tensors(trace, inputs, writer.saved), **(merge.tensors if merge is not None else {})}
     data, embedded = _embed(tensors)
     text = template.render(
-        trace, backend_name, defs=writer.defs, calls=lines, output=output, plan_source=source, source_name=source_name, data=data
+        trace, backend_name, library, defs=writer.defs, calls=lines, output=output, plan_source=source, source_name=source_name, data=data
     )
     return Repro(text=text, tensors=tensors, embedded=embedded, plan_source=source, mode=Mode.EAGER, note=note)
 
 
-def _graph(backend: Backend, trace: Trace, inputs: AttentionInputs, use_recorded: bool, source_name: str) -> Repro:
+def _check_scalars(backend: Backend, trace: Trace) -> None:
+    """A recorded plan lacking a scalar its launch reads cannot be scripted: one line naming it."""
+    declaration = backend.plan_declaration(trace, trace.plan)
+    missing = [name for name in (declaration.scalars if declaration is not None else ()) if name not in trace.plan.scalars]
+    if missing:
+        raise ValueError(
+            f"the recorded {trace.plan.backend} plan has no {', '.join(missing)} (scalars its launch reads; the recorder or importer did not write "
+            "them): --plan derived scripts the adapter's own plan of the batch"
+        )
+
+
+def _graph(backend: Backend, library: ScriptLibrary, trace: Trace, inputs: AttentionInputs, use_recorded: bool, source_name: str) -> Repro:
     step = padded.padded_step(backend, trace, trace.plan if use_recorded else None)
     got = capture_graph(backend, trace, inputs, step.plan, padding=step.padding, plans=[step.plan, step.derived], seed=trace.seed)
     static = {f'S["{n}"]': getattr(got.static, n) for n in INPUTS}
-    writer = _Writer(static, step.plan, on_device=backend.name == "triton")
+    writer = _Writer(static, step.plan, on_device=library.tensors_on_device)
     build_lines = writer.calls(got.build)
     load_lines = writer.calls(got.load, len(got.build))
     forward_lines = writer.calls(got.forward, len(got.build) + len(got.load))
@@ -247,6 +268,7 @@ def _graph(backend: Backend, trace: Trace, inputs: AttentionInputs, use_recorded
     text = template.render(
         trace,
         backend.name,
+        library,
         defs=writer.defs,
         calls=build_lines,
         output=output,
@@ -256,23 +278,6 @@ def _graph(backend: Backend, trace: Trace, inputs: AttentionInputs, use_recorded
         graph=template.GraphParts(load=load_lines, forward=forward_lines, padding=step.padding, used=got.used, static_mla=mla),
     )
     return Repro(text=text, tensors=tensors, embedded=embedded, plan_source=source, mode=Mode.GRAPH)
-
-
-def _two_call_merge(writer: _Writer, calls: list[Call], plan: Plan, lines: list[str]) -> tuple[str, dict[str, torch.Tensor]]:
-    """fa3's two-call tree verify: the prefix call and the draft call merged in torch, as the
-    adapter merges them (backends/fa3.py run: base-2 LSEs to natural log, a request with no
-    prefix weighs 0 on the prefix side; numerics.merge_states, whose source the script carries)."""
-    main, expand = [writer.names[id(c.result[0])][: -len("[0]")] for c in calls if c.target.endswith(".run")]
-    q_lens = plan.tensors["cu_seqlens_q"].diff().to(torch.int64)
-    lines += [
-        "",
-        "# fa3's two calls merged as the adapter merges them: natural-log LSEs, an empty prefix weighs 0",
-        'empty = (T["MAIN_CACHE_SEQLENS"] == 0).repeat_interleave(T["MAIN_Q_LENS"]).to(DEVICE)',
-        f'main_lse = ({main}[1].float() * math.log(2.0)).masked_fill(empty[:, None], float("-inf"))',
-        f"merged_output, _ = merge_states(torch.stack([{main}[0].float(), {expand}[0].float()]), torch.stack([main_lse, {expand}[1].float() * math.log(2.0)]))",
-        'merged_output = merged_output.to(X["q"].dtype)',
-    ]
-    return "merged_output", {"MAIN_CACHE_SEQLENS": plan.tensors["cache_seqlens"].to(torch.int64), "MAIN_Q_LENS": q_lens}
 
 
 def _recorded_loc(trace: Trace, loc: torch.Tensor, used: int) -> torch.Tensor:

@@ -4,17 +4,11 @@ inline float64 reference and the verdict. A pure function of what script.py hand
 
 from __future__ import annotations
 
-import inspect
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from attndbg import __version__
-from attndbg.backends.base import Padding
+from attndbg.backends.base import Padding, ScriptLibrary
 from attndbg.trace.schema import Trace
-
-LIBRARY = {"triton": "triton", "flashinfer": "flashinfer", "fa3": "flashinfer (backend='fa3', SM90)", "mla": "flashinfer (BatchMLAPagedAttentionWrapper)"}
-
 
 @dataclass(frozen=True)
 class GraphParts:
@@ -23,26 +17,6 @@ class GraphParts:
     padding: Padding
     used: int  # rows of the static buffers this batch uses (real tokens, then padded ones)
     static_mla: bool  # the static V views K (MLA's latent cache)
-
-
-def _kernel_source() -> str:
-    """Our Triton kernels as one module's source: split_rule, common, decode, extend, with their
-    imports of each other and of attndbg removed (a stand-in for attndbg.machine's mode)."""
-    from attndbg.backends.triton_kernels import common, decode, extend, split_rule
-
-    shim = (
-        "class TritonMode(enum.Enum):\n"
-        "    COMPILED = 'compiled'\n"
-        "    INTERPRETER = 'interpreter'\n\n\n"
-        "def select_triton_mode():\n"
-        "    return TritonMode.INTERPRETER if os.environ.get('TRITON_INTERPRET') == '1' else TritonMode.COMPILED\n"
-    )
-    parts = [shim]
-    for module in (split_rule, common, decode, extend):
-        source = inspect.getsource(module)
-        source = re.sub(r"^from (__future__|\.|attndbg)[^\n]*(\([^)]*\))?\n", "", source, flags=re.M)
-        parts.append(f"# ---- attndbg backends/triton_kernels/{Path(module.__file__).name} ----\n{source}")
-    return "\n\n".join(parts)
 
 
 def _indent(lines: list[str], empty: str = "pass") -> str:
@@ -70,7 +44,6 @@ def raw(t):
 
 # The graph's static buffers and wrappers, as the adapter's graph state builds them.
 {chr(10).join(defs)}
-{chr(10).join(build)}
 
 
 def load_plan():  # outside the graph: the padded plan into the static buffers
@@ -82,23 +55,27 @@ def forward():  # what the engine captures: this step's KV write, then attention
 {_indent(g.forward)}
 
 
-load_plan()
-if DEVICE == "cuda":
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # warm-up outside the graph
+try:  # every library call: an error or a fault in any of them is the crash this script looks for
+{_indent(build)}
+    load_plan()
+    if DEVICE == "cuda":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up outside the graph
+                forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
             forward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
-    {output}.fill_(float("nan"))  # what the replay must write
-    load_plan()  # engines plan again before each replay, into the same buffers
-    graph.replay()
-    torch.cuda.synchronize()
-else:
-    forward()  # no GPU: the same sequence, eagerly, on the same static buffers
+        {output}.fill_(float("nan"))  # what the replay must write
+        load_plan()  # engines plan again before each replay, into the same buffers
+        graph.replay()
+        torch.cuda.synchronize()
+    else:
+        forward()  # no GPU: the same sequence, eagerly, on the same static buffers
+except Exception as error:  # noqa: BLE001
+    crashed(error)
 static_out = {output}
 out = static_out[: X["q"].shape[0]].double().cpu()
 padded_nonfinite = int((~torch.isfinite(static_out[X["q"].shape[0] : USED])).sum())
@@ -108,9 +85,12 @@ padded_nonfinite = int((~torch.isfinite(static_out[X["q"].shape[0] : USED])).sum
 def _eager_section(defs: list[str], calls: list[str], output: str) -> str:
     return f"""# ===== the library calls, as the adapter makes them =====
 {chr(10).join(defs)}
-{chr(10).join(calls)}
-if DEVICE == "cuda":
-    torch.cuda.synchronize()
+try:  # an error or a fault in any of them is the crash this script looks for
+{_indent(calls)}
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+except Exception as error:  # noqa: BLE001
+    crashed(error)
 out = {output}[: X["q"].shape[0]].double().cpu()
 padded_nonfinite = None
 """
@@ -119,6 +99,7 @@ padded_nonfinite = None
 def render(
     trace: Trace,
     backend: str,
+    library: ScriptLibrary,
     *,
     defs: list[str],
     calls: list[str],
@@ -129,8 +110,6 @@ def render(
     graph: GraphParts | None = None,
 ) -> str:
     m, b = trace.model, trace.batch
-    mla = backend == "mla"
-    library = LIBRARY[backend]
     what = f"{b.forward_mode.value} bs={b.batch_size} tokens={b.num_tokens} kv_lens={b.kv_lens.tolist()[:16]}"
     if graph is not None:
         what += f", replayed in a CUDA graph at capture_bs={graph.padding.capture_bs} (padded seq_len {graph.padding.fill_value})"
@@ -139,21 +118,13 @@ def render(
         if data is not None
         else 'T = torch.load(Path(__file__).with_suffix(".pt"), weights_only=True)'
     )
-    if backend == "triton":
-        header = 'if not torch.cuda.is_available():\n    os.environ.setdefault("TRITON_INTERPRET", "1")  # no GPU: the Triton interpreter runs the kernels on the CPU\n\nimport triton\nimport triton.language as tl\n'
-        library_code = f"\n# ===== our Triton kernels, as attndbg ships them (backends/triton_kernels) =====\n\n{_kernel_source()}\n\n\nclass decode:  # the kernels' modules, as the adapter calls them\n    decode_attention_fwd = staticmethod(decode_attention_fwd)\n\n\nclass extend:\n    extend_attention_fwd = staticmethod(extend_attention_fwd)\n"
-        version = "triton.__version__"
-    else:
-        header = "import flashinfer\n" + ("import flashinfer.mla\n" if mla else "")
-        library_code = ""
-        if backend == "fa3":
-            from attndbg import numerics
-
-            library_code = f"\n# attndbg's merge of partial attention states (attndbg/numerics.py), for fa3's two-call verify.\n{inspect.getsource(numerics.merge_states)}\n"
-        if mla:
-            library_code = '\n# FlashInfer\'s MLA kernels for this GPU, chosen as attndbg\'s mla adapter chooses them.\nMLA_BACKEND = "fa3" if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) else "fa2"\n'
-        version = "getattr(flashinfer, '__version__', 'unknown')"
+    gpu = (
+        f'if not torch.cuda.is_available():\n    print("could not run here: no CUDA GPU ({library.label} runs only on NVIDIA GPUs)")\n    sys.exit(2)\n'
+        if library.needs_gpu
+        else ""
+    )
     section = _graph_section(defs, calls, output, graph) if graph is not None else _eager_section(defs, calls, output)
+    crash = trace.source.crash
     return TEMPLATE.format(
         source=source_name or "a trace",
         step=trace.source.step,
@@ -161,15 +132,20 @@ def render(
         backend=backend,
         plan_source=plan_source,
         attndbg=__version__,
-        library=library,
-        header=header,
-        library_code=library_code,
+        library=library.label,
+        setup=library.setup,
+        imports=_indent(library.imports.splitlines()),
+        install=library.install,
+        prelude=f"\n{library.prelude}\n" if library.prelude else "",
+        gpu=gpu,
+        crashed=repr(crash),
+        crashed_doc=f"\nWhere it was recorded, the call crashed ({crash or 'no error was logged'}): the script makes it in a child\nprocess, so a crash that kills the process is reported too.\n" if crash is not None else "",
         loader=loader,
         section=section,
         sm_scale=repr(m.sm_scale),
         logit_cap=repr(m.logit_cap),
         group=m.gqa_group,
-        version=version,
+        version=library.version,
     )
 
 
@@ -179,9 +155,11 @@ through {backend} ({plan_source} plan), written by attndbg {attndbg}.
 
 Needs only torch and {library}. It rebuilds the step's tensors, calls the library exactly as
 attndbg's {backend} adapter does, and compares the output with a float64 reference computed here
-from the KV slots each query row sees. Exit 1: it reproduces (rows beyond tolerance, NaN/Inf
-where the reference is finite, or NaN/Inf in a CUDA graph's padded rows); 0: it does not.
-"""
+from the KV slots each query row sees. Exit 1: it reproduces (the library call crashed, rows
+beyond tolerance, NaN/Inf where the reference is finite, or NaN/Inf in a CUDA graph's padded
+rows); 0: it does not; 2: it cannot run here (a package or the GPU it needs is missing). The last
+line names the symptom: crash, nan-inf, mismatch or none.
+{crashed_doc}"""
 
 from __future__ import annotations
 
@@ -190,12 +168,40 @@ import enum
 import io
 import math
 import os
+import signal
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-{header}{library_code}
+{setup}
+try:
+{imports}
+except ImportError as missing:
+    print(f"could not run here: {{missing}} ({install})")
+    sys.exit(2)
+{prelude}
+{gpu}
+CRASHED = {crashed}  # where the step was recorded, the call crashed with this error (None: it did not)
+if CRASHED is not None and os.environ.get("REPRO_IN_CHILD") != "1":
+    # In a child process: a crash that kills it (a segfault, an abort) is reported here.
+    child = subprocess.run([sys.executable, os.path.abspath(__file__)], env={{**os.environ, "REPRO_IN_CHILD": "1"}})
+    if child.returncode < 0:
+        print(f"reproduced: the library call killed the process ({{signal.Signals(-child.returncode).name}})")
+        print("symptom: crash")
+        sys.exit(1)
+    sys.exit(child.returncode)
+
+
+def crashed(error):
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    print(f"reproduced: the library call crashed: {{type(error).__name__}}: {{first}}")
+    if CRASHED is not None:
+        print(f"where the step was recorded it crashed too: {{CRASHED or 'no error was logged'}}")
+    print("symptom: crash")
+    sys.exit(1)
+
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SM_SCALE = {sm_scale}
@@ -229,10 +235,13 @@ low = attend(X["q"].dtype)  # the same math in the run's dtype: its error sets t
 eps = torch.finfo(X["q"].dtype).eps
 tolerance = 2 * (low - reference).abs().amax(-1) + eps * reference.abs().amax(-1) + 1e-6
 error = (out - reference).abs().amax(-1)
-bad = (error > tolerance) | (~torch.isfinite(out).all(-1) & torch.isfinite(reference).all(-1))
+nonfinite = ~torch.isfinite(out).all(-1) & torch.isfinite(reference).all(-1)
+bad = (error > tolerance) | nonfinite
 
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
 print(f"torch {{torch.__version__}}, CUDA {{torch.version.cuda}}, {library} {{{version}}}, GPU {{gpu}}")
+if CRASHED is not None:
+    print(f"note: where the step was recorded the call crashed ({{CRASHED or 'no error was logged'}}); here it returned")
 rows = bad.any(-1).nonzero().flatten().tolist()
 for t in rows[:10]:
     h = int((error[t] - tolerance[t]).nan_to_num(float("inf")).argmax())
@@ -242,10 +251,13 @@ if padded_nonfinite is not None:
     print(f"padded rows: {{padded_nonfinite}} NaN/Inf output values")
 if rows:
     print(f"reproduced: {{len(rows)}} of {{out.shape[0]}} rows fail the float64 reference")
+    print(f"symptom: {{'nan-inf' if bool(nonfinite.any()) else 'mismatch'}}")
     sys.exit(1)
 if padded_nonfinite:
     print(f"reproduced: the real {{out.shape[0]}} rows pass, but the graph's padded rows hold {{padded_nonfinite}} NaN/Inf values")
+    print("symptom: nan-inf")
     sys.exit(1)
 print(f"not reproduced: all {{out.shape[0]}} rows within tolerance of the float64 reference")
+print("symptom: none")
 sys.exit(0)
 '''
