@@ -4,6 +4,7 @@ script calling only the kernel library).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -32,6 +33,9 @@ def minimize(trace: str, backend_spec: str, finding_spec: str | None, output: st
     cached columns) while it shows the same failure, of the same kind: a crash stays the same
     crash, a finding the same class and check.
     Each candidate is checked in a fresh worker process; a recorded plan keeps its mistakes.
+    When the step's repro script reproduces (a crash, NaN or Inf, rows over tolerance), each
+    smaller step's script must reproduce with the same symptom; a recorded engine output shrinks
+    with the requests, heads and rows removed (cached columns, which it cannot follow, stay).
 
     \b
     Example:
@@ -69,6 +73,16 @@ def minimize(trace: str, backend_spec: str, finding_spec: str | None, output: st
     options = MinimizeOptions(
         backend=names[0], wanted=wanted, jobs=jobs, only=detector_names, check=CheckOptions(backends=(names[0],), backend_options=parse_backend_options(backend_option_specs))
     )
+    # The step's own repro script first: when it reproduces, every smaller step kept must too, with
+    # the same symptom (a crash, NaN or Inf, rows over tolerance), not only the same finding.
+    from attndbg.repro.symptom import probe_with_symptom, script_outcome
+
+    script = script_outcome(trace, names[0])
+    if script.symptom is not None:
+        options = replace(options, probe=probe_with_symptom, symptom=script.symptom)
+        click.echo(f"minimize: the step's repro reproduces ({script.describe()}): every smaller step's must too", err=True)
+    else:
+        click.echo(f"minimize: the step's repro does not reproduce here ({script.said}): only the finding is kept", err=True)
     try:
         outcome = run_minimize(trace, options, say=lambda line: click.echo(f"minimize: {line}", err=True))
     except NothingToKeep as e:

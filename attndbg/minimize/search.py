@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attndbg.checks.run import parse_only
-from attndbg.checks.workers import check_in_workers
+from attndbg.checks.workers import CheckOne, check_in_workers
 from attndbg.detector_api.context import CheckOptions
 from attndbg.detector_api.findings import FindingClass
 from attndbg.minimize import shrink, tokens
@@ -56,6 +56,10 @@ class MinimizeOptions:
     check: CheckOptions
     jobs: int = 2
     only: tuple[str, ...] = ()  # detectors the step's first check runs (check --only); (): those the target needs
+    # What each worker runs on a candidate (checks/workers.py's check function, module level): the
+    # detectors and the replay, and where the symptom is kept also the candidate's repro script.
+    probe: CheckOne = probe_one
+    symptom: str | None = None  # the original step's repro symptom every kept candidate must show ("crash", "nan-inf", "mismatch")
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class Outcome:
     original: Trace
     trace: Trace
     target: Failure
+    symptom: str | None  # the repro symptom kept beside the target (None: the step's script did not reproduce)
     removed: tuple[str, ...]
     tried: int  # candidates checked
     invalid: int  # candidates the loader would refuse (never run)
@@ -88,7 +93,7 @@ class _Search:
         self.only: list[FindingClass] = []
 
     def failures(self, paths: list[Path]) -> list[list[Failure]]:
-        results = check_in_workers(paths, self.only, self.options.check, jobs=len(paths), devices=None, check=probe_one)
+        results = check_in_workers(paths, self.only, self.options.check, jobs=len(paths), devices=None, check=self.options.probe)
         return [[failure_of(f) for f in r.report.findings] for r in results]
 
     def first_reproducing(self, candidates: Iterable[Callable[[], shrink.Reduced]]) -> shrink.Reduced | None:
@@ -111,7 +116,7 @@ class _Search:
                 return None
             self.tried += len(batch)
             for (reduced, _), found in zip(batch, self.failures([p for _, p in batch])):
-                if reproduces(self.target, found, self.original_failures):
+                if reproduces(self.target, found, self.original_failures, self.options.symptom):
                     return reduced
 
     def run(self, path: str) -> Outcome:
@@ -128,7 +133,7 @@ class _Search:
         self.target = target
         # Candidates run only what the target needs.
         self.only = {FailureKind.MISMATCH: [REPLAY], FailureKind.FINDING: [FindingClass(target.finding_class)]}.get(target.kind, self.only)
-        self.say(f"keeping {target}")
+        self.say(f"keeping {target}" + (f" and its repro's symptom ({self.options.symptom})" if self.options.symptom else ""))
         current, removed = original, []
         for _ in range(MAX_PASSES):
             before = len(removed)
@@ -136,7 +141,7 @@ class _Search:
                 current = reduction(current, removed)
             if len(removed) == before:
                 break
-        return Outcome(original, current, target, tuple(removed), self.tried, self.invalid, time.perf_counter() - start)
+        return Outcome(original, current, target, self.options.symptom, tuple(removed), self.tried, self.invalid, time.perf_counter() - start)
 
     def _keep(self, reduced: shrink.Reduced, removed: list[str]) -> Trace:
         removed.append(reduced.removed)

@@ -4,11 +4,13 @@ step in every other respect, or raises `NotApplicable` saying why it cannot appl
     keep_requests   some of the batch's requests (trace/subbatch.py), with their graph rows
     keep_padding    fewer of a CUDA-graph step's padded rows (capture_bs shrinks with them)
     fewer_heads     fewer KV heads, and query heads with them (the GQA group kept, or 1)
-    drop_columns    a request's first cached KV columns (whole pages): its row starts later
+    drop_columns    a request's first cached KV columns (whole pages): its row starts later (not
+                    when the step keeps the engine's output, which those columns shaped)
     smaller_pages   KV pages of a divisor of the page size (toward 1)
 (tokens.py: fewer draft tokens of a verify step's trees, fewer new tokens of an extend.)
 
-The batch, the draft tree, the graph section and the recorded layer tensors change here; the
+The batch, the draft tree, the graph section and the recorded layer tensors change here (the
+engine's recorded output and LSE with every removed request, head, row or draft token); the
 recorded plan goes along through `plan.carry_plan`, given which row of the step each row of the
 smaller step is (`Reduced.rows`). The KV pool (`kv_cache_size`, the recorded KV rows) is never
 shrunk: slot ids keep their meaning, so a plan's ids (right or wrong) still name the same keys.
@@ -151,6 +153,10 @@ def drop_columns(trace: Trace, request: int, count: int) -> Reduced:
         raise NotApplicable(f"request {request} has {prefix} cached columns (page size {model.page_size})")
     if trace.graph is not None and trace.graph.padded_block_table is not None:
         raise NotApplicable("the graph's block table lists the row's pages")
+    if any(t.output is not None or t.lse is not None for t in trace.tensors.values()):
+        # Every query of the request attends to these columns: the engine's recorded output cannot
+        # follow them, and a step judged against an output of other keys fails for another reason.
+        raise NotApplicable("the step's recorded engine output covers these columns: it cannot be cut with them")
     lo, hi = int(batch.slot_indptr[request]), int(batch.slot_indptr[request + 1])
     keep = torch.ones(batch.slot_ids.numel(), dtype=torch.bool)
     keep[lo : lo + count] = False

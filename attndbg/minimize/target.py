@@ -10,6 +10,10 @@ candidate fails and it shrinks to the smallest case whatever the bug):
     FINDING   a detector's finding of the same class and check
     MISMATCH  the backend's replay failed the float64 reference (`--finding replay`)
 
+and, when the step's standalone script (`attndbg repro`) reproduces, its symptom too (SYMPTOM: a
+crash, NaN or Inf, rows over tolerance): a label kept by a smaller step whose script no longer
+reproduces is not the failure the user came with
+
 and, for FINDING and MISMATCH, without a crash the original step did not have (a candidate that
 crashes shows another failure, whatever else it reports).
 """
@@ -25,12 +29,17 @@ from attndbg.detector_api.findings import Finding, FindingClass, Severity
 
 # Not a detector: the minimiser's own check that the backend's replay passes the reference.
 REPLAY = FindingClass("replay")
+# Not a detector either: the step's repro script reproduces, with the symptom its check names
+# ("crash", "nan-inf", "mismatch"). Never a target of its own: kept beside the target when the
+# original step's script reproduces, so a smaller step keeps the symptom, not only the label.
+REPRO = FindingClass("repro")
 
 
 class FailureKind(enum.Enum):
     CRASH = "crash"
     FINDING = "finding"
     MISMATCH = "mismatch"
+    SYMPTOM = "symptom"  # the repro script reproduces (`REPRO`), with the symptom its check names
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,11 @@ def failure_of(f: Finding) -> Failure:
         return Failure(FailureKind.CRASH, f.kind.value, f.check, f"{f.data.get('backend') or 'a kernel'}: {_error_kind(str(error))}")
     if f.kind is REPLAY:
         return Failure(FailureKind.MISMATCH, f.kind.value, f.check)
+    if f.kind is REPRO:
+        return Failure(FailureKind.SYMPTOM, f.kind.value, f.check)
+    if f.kind is FindingClass.BACKEND_CRASH and f.data.get("reproduced") is False:
+        # A recorded crash that did not come back here is a hazard about the step, no crash of it.
+        return Failure(FailureKind.FINDING, f.kind.value, f.check, defect=False)
     return Failure(FailureKind.FINDING, f.kind.value, f.check, defect=f.severity is Severity.DEFECT)
 
 
@@ -84,8 +98,11 @@ def choose(failures: Sequence[Failure], wanted: tuple[str | None, str | None]) -
     return next((f for test in order for f in failures if test(f)), None)
 
 
-def reproduces(target: Failure, failures: Sequence[Failure], original: Sequence[Failure]) -> bool:
-    """Does a candidate with `failures` show `target` (found on the step with `original`), of its kind?"""
+def reproduces(target: Failure, failures: Sequence[Failure], original: Sequence[Failure], symptom: str | None = None) -> bool:
+    """Does a candidate with `failures` show `target` (found on the step with `original`), of its
+    kind, and, when `symptom` is given, does its repro script reproduce with that symptom?"""
+    if symptom is not None and not any(f.kind is FailureKind.SYMPTOM and f.check == symptom for f in failures):
+        return False
     if target.kind is FailureKind.CRASH:
         return any(f.kind is FailureKind.CRASH and f.detail == target.detail for f in failures)
     crashes_before = {f.detail for f in original if f.kind is FailureKind.CRASH}

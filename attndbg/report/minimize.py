@@ -19,9 +19,10 @@ def step_line(trace: Trace) -> str:
 def render_outcome(outcome: Outcome, backend: str, output: str) -> str:
     removed = "; ".join(outcome.removed) if outcome.removed else "nothing (no smaller step shows it)"
     skipped = f"; {outcome.invalid} not applicable or refused by the loader" if outcome.invalid else ""
+    symptom = f"; its repro's symptom: {outcome.symptom}" if outcome.symptom else "; its repro's symptom: none kept (the step's script did not reproduce)"
     return "\n".join(
         [
-            f"kept:    {outcome.target} with --backend {backend}",
+            f"kept:    {outcome.target} with --backend {backend}{symptom}",
             f"removed: {removed}",
             f"before:  {step_line(outcome.original)}",
             f"after:   {step_line(outcome.trace)}",
