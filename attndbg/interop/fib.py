@@ -1,9 +1,11 @@
-"""`attndbg import fib WORKLOAD.jsonl`: flashinfer-bench workloads as structure-only steps.
+"""`attndbg import fib WORKLOAD.jsonl`: flashinfer-bench workloads as steps.
 
 A workload file sits in a trace set (`<root>/workloads/<op_type>/<definition>.jsonl`); its
 definition is `<root>/definitions/<op_type>/<definition>.json` and its safetensors blobs are
-relative to `<root>` (interop.md §2). Workloads keep the integer structure (indptrs, page ids) and
-replace activations with `random`: the steps replay seeded data. Definitions the importer reads:
+relative to `<root>` (interop.md §2). Their own workloads keep the integer structure (indptrs, page
+ids) and replace activations with `random`: those steps replay seeded data. A workload that holds
+q and the caches (attndbg's `export fib` writes them) keeps them as the step's recorded tensors.
+Definitions the importer reads:
 paged GQA decode and prefill (causal), ragged GQA prefill, paged MLA decode (`fib_definitions.py`
 and FlashInfer's trace templates).
 """
@@ -20,10 +22,10 @@ from torch import Tensor
 
 from attndbg.interop.fib_schema import definition_problems, trace_problems
 from attndbg.interop.files import index_tensor, json_lines, load_tensors, read_json
-from attndbg.interop.steps import DUMMY_PAGE_NOTE, StepParts, default_sm_scale, imported_source, make_trace, mha_model, off_dummy_page, paged_rows
+from attndbg.interop.steps import DUMMY_PAGE_NOTE, StepParts, default_sm_scale, imported_source, layer_from_pool, make_trace, mha_model, off_dummy_page, paged_rows
 from attndbg.record.build import mode_from_lengths
 from attndbg.trace.errors import TraceError
-from attndbg.trace.schema import DTYPES, Q_DTYPES, AttentionKind, ForwardMode, Model, Trace
+from attndbg.trace.schema import DTYPES, Q_DTYPES, AttentionKind, ForwardMode, LseBase, Model, Trace
 
 ENGINE = "flashinfer-bench"
 # sanitize_dumps.py writes this when a dump gave no sm_scale (interop.md §2.2): not a measured value.
@@ -132,6 +134,7 @@ def _step(kind: str, d: dict[str, Any], inputs: dict[str, Any], axes: dict[str, 
         q_lens, kv_lens = qo.diff(), kv_indptr.diff()
         rows = [torch.arange(1 + int(kv_indptr[b]), 1 + int(kv_indptr[b + 1])) for b in range(q_lens.numel())]
         size, ps = int(kv_indptr[-1]) + 1, 1
+        pools = ()
         inferred["batch.slot_ids"] = "a ragged workload has no KV cache: each request's keys laid out in slots from 1"
         kv_dtype = _dtype(d, "k", tuple(DTYPES), path)
     else:
@@ -148,7 +151,8 @@ def _step(kind: str, d: dict[str, Any], inputs: dict[str, Any], axes: dict[str, 
             if ps > 1:
                 inferred["batch.kv_lens"] = "the definition has no kv_last_page_len: every last page taken as full"
         rows = paged_rows(indptr=kv_indptr, indices=kv_indices, kv_lens=kv_lens, page_size=ps, num_pages=pages, names=(f"{where}.kv_indptr", f"{where}.kv_indices", f"{where}.kv_last_page_len"), path=path)
-        rows, _, shifted = off_dummy_page(rows, (), ps)
+        pools = _pools(inputs, mla=mla, page_size=ps, pages=pages, where=where, path=path)
+        rows, pools, shifted = off_dummy_page(rows, pools, ps)
         pages += int(shifted)
         if shifted:
             inferred["batch.slot_ids"] = DUMMY_PAGE_NOTE
@@ -173,7 +177,40 @@ def _step(kind: str, d: dict[str, Any], inputs: dict[str, Any], axes: dict[str, 
     else:
         model = mha_model(num_qo_heads=heads, num_kv_heads=kv_heads, head_dim=dim, v_head_dim=dim, sm_scale=float(scale), logit_cap=0.0, window=-1, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=ps)
     inferred["model.sliding_window"] = "flashinfer-bench definitions carry no window or soft-cap: off"
+    tensors = {}
+    q = _values_q(inputs, mla=mla, shape=(int(q_lens.sum()), heads, dim), where=where, path=path)
+    if q is not None and pools:
+        # The workload holds values (attndbg's export writes them): kept, as the recorded tensors.
+        inferred.pop("values")
+        tensors[0] = layer_from_pool(rows=rows, extend_lens=q_lens.tolist(), q=q, k_pool=pools[0], v_pool=pools[1] if len(pools) > 1 else None, output=None, lse=None, lse_base=LseBase.TWO)
     return StepParts(
         source=imported_source(engine=ENGINE, version="workload", backend="flashinfer_mla" if mla else "flashinfer", step=step), model=model, mode=mode,
-        prefix_lens=prefix, extend_lens=q_lens.tolist(), rows=rows, kv_cache_size=size, inferred=inferred,
+        prefix_lens=prefix, extend_lens=q_lens.tolist(), rows=rows, kv_cache_size=size, tensors=tensors, inferred=inferred,
     )  # fmt: skip
+
+
+def _pools(inputs: dict[str, Any], *, mla: bool, page_size: int, pages: int, where: str, path: Path) -> tuple[Tensor, ...]:
+    """The paged caches as slot-indexed pools ([pages * page_size, heads, dim]; MLA: one pool of
+    [ckv | kpe] keys), when the workload holds their values; () when any is `random`."""
+    names = ("ckv_cache", "kpe_cache") if mla else ("k_cache", "v_cache")
+    caches = [inputs.get(n) for n in names]
+    if not all(isinstance(c, Tensor) for c in caches):
+        return ()
+    for name, cache in zip(names, caches):
+        if cache.dim() != (3 if mla else 4) or cache.shape[0] < pages or cache.shape[1] != page_size or cache.dtype not in DTYPES.values():
+            raise TraceError(f"{where}.{name}", f"is a {str(cache.dtype).replace('torch.', '')} tensor of shape {list(cache.shape)}, expected [>= {pages} pages, {page_size}, ...]", str(path))
+    if mla:
+        keys = torch.cat([c.reshape(-1, c.shape[-1]) for c in caches], dim=-1)
+        return (keys[:, None],)
+    return tuple(c.reshape(-1, *c.shape[2:]) for c in caches)
+
+
+def _values_q(inputs: dict[str, Any], *, mla: bool, shape: tuple[int, int, int], where: str, path: Path) -> Tensor | None:
+    """The queries when the workload holds them ([tokens, heads, dim]; MLA: [q_nope | q_pe]), else None."""
+    parts = [inputs.get(n) for n in (("q_nope", "q_pe") if mla else ("q",))]
+    if not all(isinstance(p, Tensor) for p in parts):
+        return None
+    q = torch.cat(parts, dim=-1) if mla else parts[0]
+    if tuple(q.shape) != shape or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TraceError(f"{where}.{'q_nope' if mla else 'q'}", f"is a {str(q.dtype).replace('torch.', '')} tensor of shape {list(q.shape)}, expected {list(shape)}", str(path))
+    return q

@@ -1,5 +1,6 @@
 """The flashinfer-bench definitions attndbg writes and reads: paged GQA decode, paged GQA causal
-prefill and paged MLA decode, named by their convention (`gqa_paged_decode_h32_kv8_d128_ps16`),
+prefill and paged MLA decode, named by their convention (`gqa_paged_decode_h32_kv8_d128_ps16`)
+where the signature is theirs, else namespaced (`attndbg_gqa_paged_decode_...`: OFFICIAL),
 with inputs as FlashInfer's trace templates declare them (flashinfer/trace/templates/attention.py)
 plus `kv_last_page_len`, without which a partly filled last page cannot be told from a full one.
 The reference of each is our own plain-PyTorch code, its LSE base 2 like FlashInfer's.
@@ -78,14 +79,35 @@ def run(q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_len_arr, s
 '''
 
 
+# flashinfer-bench's own definitions of these ops, by the name they start with, with their input
+# and output names (FlashInfer's trace templates: tests/trace/fi_trace_out/*.json at fb28d72). A
+# definition of ours takes that name only where its inputs and outputs are exactly these; else its
+# name is namespaced `attndbg_...`, so no reader mistakes it for theirs (ours add kv_last_page_len
+# or kv_len_arr, which their decode and prefill assume away, and take no return_lse).
+OFFICIAL: dict[Op, tuple[str, frozenset[str], frozenset[str]]] = {
+    Op.DECODE: ("gqa_paged_decode", frozenset({"q", "k_cache", "v_cache", "kv_indptr", "kv_indices", "sm_scale", "return_lse"}), frozenset({"output", "lse"})),
+    Op.PREFILL: ("gqa_paged_prefill", frozenset({"q", "k_cache", "v_cache", "qo_indptr", "kv_indptr", "kv_indices", "sm_scale", "return_lse"}), frozenset({"output", "lse"})),
+    Op.MLA_DECODE: (
+        "mla_paged_decode",
+        frozenset({"q_nope", "q_pe", "ckv_cache", "kpe_cache", "kv_indptr", "kv_indices", "sm_scale", "ckv_scale", "ckv_scale_arr", "kpe_scale", "return_lse"}),
+        frozenset({"output", "lse"}),
+    ),
+}
+NAMESPACE = "attndbg_"
+
+
 def _tensor(shape: list[str] | None, dtype: str, description: str) -> dict[str, Any]:
     return {"shape": shape, "dtype": dtype, "description": description}
 
 
-def definition_name(op: Op, model: Model) -> str:
+def definition_name(op: Op, model: Model, inputs: set[str] | frozenset[str], outputs: set[str] | frozenset[str]) -> str:
+    """Their convention's name (`gqa_paged_decode_h32_kv8_d128_ps16`) where the signature is theirs,
+    else ours under the `attndbg_` namespace."""
+    official, their_inputs, their_outputs = OFFICIAL[op]
+    base = official if (set(inputs), set(outputs)) == (their_inputs, their_outputs) else f"{NAMESPACE}{op.value}"
     if op is Op.MLA_DECODE:
-        return f"{op.value}_h{model.num_qo_heads}_ckv{model.kv_lora_rank}_kpe{model.qk_rope_head_dim}_ps{model.page_size}"
-    return f"{op.value}_h{model.num_qo_heads}_kv{model.num_kv_heads}_d{model.head_dim}_ps{model.page_size}"
+        return f"{base}_h{model.num_qo_heads}_ckv{model.kv_lora_rank}_kpe{model.qk_rope_head_dim}_ps{model.page_size}"
+    return f"{base}_h{model.num_qo_heads}_kv{model.num_kv_heads}_d{model.head_dim}_ps{model.page_size}"
 
 
 def definition(op: Op, model: Model) -> dict[str, Any]:
@@ -149,7 +171,7 @@ def definition(op: Op, model: Model) -> dict[str, Any]:
         reference = _PAGED_REFERENCE.format(indptr_args="qo_indptr, " if prefill else "", rows=rows, causal_doc=", causal (bottom-right)" if prefill else ", one query per request")
         stage = "prefill" if prefill else "decode"
     return {
-        "name": definition_name(op, model),
+        "name": definition_name(op, model, set(inputs), set(outputs)),
         "op_type": op.op_type,
         "description": f"Paged {'MLA' if op is Op.MLA_DECODE else 'GQA'} {stage} as attndbg exports a recorded step (written by attndbg export fib).",
         "tags": [f"stage:{stage}", "status:draft", "source:attndbg"],

@@ -122,6 +122,8 @@ def test_export_fib_is_accepted_reproduces_and_imports_back(tmp_path: Path) -> N
     for def_path in sorted(root.glob("definitions/*/*.json")):
         d = json.loads(def_path.read_text())
         assert definition_problems(d) == [] and def_path.parent.name == d["op_type"] and def_path.stem == d["name"]
+        # Ours add kv_last_page_len and take no return_lse: not their signature, so not their name.
+        assert d["name"].startswith("attndbg_gqa_paged_"), d["name"]
         namespace: dict = {}
         exec(d["reference"], namespace)  # our own reference code, written by export
         for text in (root / "workloads" / d["op_type"] / f"{d['name']}.jsonl").read_text().splitlines():
@@ -135,7 +137,20 @@ def test_export_fib_is_accepted_reproduces_and_imports_back(tmp_path: Path) -> N
             lines += 1
             back = runner.invoke(main, ["import", "fib", str(root / "workloads" / d["op_type"] / f"{d['name']}.jsonl"), "-o", str(tmp_path / f"back{lines}")])
             assert back.exit_code == 0, back.output
+            # Its values come back: the same q, and each request's keys and values in its columns.
+            again = [io.load(p) for p in io.trace_paths(tmp_path / f"back{lines}")]
+            imported = next(s for s in again if s.tensors and torch.equal(s.tensors[0].q, layer.q))
+            assert "values" not in imported.source.inferred and imported.batch.kv_lens.tolist() == recorded.batch.kv_lens.tolist()
+            for b in range(recorded.batch.batch_size):
+                assert all(torch.equal(a, w) for a, w in zip(_request_kv(imported, b), _request_kv(recorded, b))), f"request {b}"
     assert lines == 3  # two decode layers and the extend
+
+
+def _request_kv(trace, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request b's keys and values in column order, from the step's first recorded layer."""
+    layer = trace.tensors[min(trace.tensors)]
+    rows = torch.searchsorted(layer.kv_slots, trace.batch.request_slots(b))
+    return layer.k_rows[rows], layer.v_rows[rows]
 
 
 def test_schema_validator_rejects_what_their_models_reject() -> None:
