@@ -3,10 +3,13 @@
 Per run (one layer of one forward step): lengths and KV slots from its wrapper's plan, the recorded
 q and the KV rows it read from the run's cache, and the run's output (and base-2 LSE) as the
 engine's output, so `check` judges what FlashInfer computed against the float64 reference. The
-recorded plan keeps FlashInfer's own names (backends/flashinfer.py and mla.py read it) and only the
-scalars the dump states: a value SGLang keeps on the wrapper (`forward()` sets causal, sm_scale,
-window_left and logits_soft_cap and calls run without them, interop.md §0.5) is absent from the
-plan, so `check` names the plan "not read", and the trace's model gets a default marked inferred.
+recorded plan keeps FlashInfer's own names (backends/flashinfer.py and mla.py read it) and its
+values as the caller passed them, wrong ones included (a last_page_len outside 1..page_size is
+the caller's mistake: `check` judges it). An argument the caller left out gets the value FlashInfer
+gives it (flashinfer_defaults.py: the dumped version's signature), marked inferred; a value SGLang
+keeps on the wrapper instead (`forward()` sets causal, sm_scale, window_left and logits_soft_cap
+and calls run without them, interop.md §0.5) is not in the dump, which the inferred note says. A
+run that did not return is kept as a step marked crashed (`source.crash`).
 """
 
 from __future__ import annotations
@@ -169,7 +172,14 @@ def _paged(item: Run, step: int) -> StepParts:
     spec = None
     if decode:
         mode = ForwardMode.DECODE
-        known = {"use_tensor_cores": fa.known_bool(item.init, "use_tensor_cores"), "causal": False}
+        cores = fa.known_bool(item.init, "use_tensor_cores")
+        if cores is None:  # the wrapper's __init__ passed none, or is not in the dump
+            if item.init is None:
+                filled, source = False, "the wrapper's __init__ is not in the dump (FLASHINFER_DUMP_INCLUDE must keep '*Wrapper.__init__'): False, FlashInfer's default"
+            else:
+                filled, source = _filled(item.init, "use_tensor_cores", fallback=False, becomes=False, what="the decode kernel family")
+            cores, inferred["plan.use_tensor_cores"] = bool(filled), source
+        known = {"use_tensor_cores": cores, "causal": False}
     else:
         tensors["qo_indptr"] = plan.args()["qo_indptr"]
         mask = _mask(plan, q_lens, kv_lens, tensors)
