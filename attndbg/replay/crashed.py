@@ -2,8 +2,8 @@
 returned) again, in an isolated worker process, and say whether it crashes here too.
 
 The call is made as its source made it: the recorded plan through the adapter of the library that
-built it, on the recorded inputs, eagerly. It runs in a spawned process of its own (CUDA cannot be
-forked), so a fault that poisons the CUDA context or kills the process (an illegal memory access,
+built it, on the recorded inputs, eagerly. It runs in a fresh process of its own (`python -m
+attndbg.replay.crashed STEP`: CUDA cannot be forked), so a fault that poisons the CUDA context or kills the process (an illegal memory access,
 a segfault) ends that worker, never the caller: `check` and `replay` go on with the step's other
 work. The adapter's own refusal of a known library defect (a `configuration_reason`, such as
 FlashInfer 0.7.2's decode at head_dim 80) does not stop the run: the defect is what the step
@@ -14,8 +14,10 @@ here", with the reason: never "not reproduced".
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import json
 import signal
+import subprocess
+import sys
 from dataclasses import dataclass
 
 from attndbg.backends import registry
@@ -56,42 +58,29 @@ def backend_of(trace: Trace) -> str | None:
 
 
 def rerun_crashed(path: str, *, timeout_s: float = TIMEOUT_S) -> CrashRerun:
-    """Run the crashed call of the step at `path` again in a fresh worker process."""
+    """Run the crashed call of the step at `path` again in a fresh process (a plain subprocess, not
+    a multiprocessing child: check's workers are daemonic and may not have those)."""
     trace = io.load(path)
     name = backend_of(trace) or ""
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_worker, args=(child, str(path)), daemon=True)
-    process.start()
-    child.close()
-    answer = None
-    if parent.poll(timeout_s):
-        try:
-            answer = parent.recv()
-        except (EOFError, OSError):
-            answer = None  # it died while sending, or before: its exit code says how
-    process.join(timeout=30 if answer is not None else 1)
-    if process.is_alive():
-        process.kill()
-        process.join()
-        if answer is None:
-            return CrashRerun(name, ran=False, reproduced=False, error=f"the worker running it did not finish within {timeout_s:.0f} s")
+    try:
+        done = subprocess.run([sys.executable, "-m", __name__, str(path)], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return CrashRerun(name, ran=False, reproduced=False, error=f"the worker running it did not finish within {timeout_s:.0f} s")
+    answer = next((line for line in reversed(done.stdout.splitlines()) if line.startswith(ANSWER)), None)
     if answer is not None:
-        return CrashRerun(**answer)
-    code = process.exitcode
-    if code is not None and code < 0:
+        return CrashRerun(**json.loads(answer[len(ANSWER) :]))
+    if done.returncode < 0:
         try:
-            death = f"the worker was killed by {signal.Signals(-code).name}"
+            death = f"the worker was killed by {signal.Signals(-done.returncode).name}"
         except ValueError:
-            death = f"the worker was killed by signal {-code}"
+            death = f"the worker was killed by signal {-done.returncode}"
         return CrashRerun(name, ran=True, reproduced=True, error=death)
-    return CrashRerun(name, ran=True, reproduced=True, error=f"the worker exited with code {code} before answering")
+    last = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
+    return CrashRerun(name, ran=True, reproduced=True, error=f"the worker exited with code {done.returncode} before answering ({last})")
 
 
-def _worker(conn, path: str) -> None:
-    """In the worker: run the call once, send what happened (a dict of CrashRerun's fields)."""
-    conn.send(vars(_run(path)))
-    conn.close()
+# The worker's answer: one line of stdout, this prefix and CrashRerun's fields as JSON.
+ANSWER = "attndbg-crash-rerun: "
 
 
 def _run(path: str) -> CrashRerun:
@@ -126,3 +115,7 @@ def _run(path: str) -> CrashRerun:
             return CrashRerun(name, ran=True, reproduced=True, error=f"{type(e).__name__}: {activity.first_line(e)}", known_defect=known)
         return CrashRerun(name, ran=False, reproduced=False, error=f"attndbg could not make the call ({type(e).__name__}: {activity.first_line(e)})", known_defect=known)
     return CrashRerun(name, ran=True, reproduced=False, error="", known_defect=known)
+
+
+if __name__ == "__main__":  # the worker: run the call once, print what happened
+    print(ANSWER + json.dumps(vars(_run(sys.argv[1]))), flush=True)

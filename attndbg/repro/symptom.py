@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from attndbg.backends.base import KernelError
 from attndbg.checks.run import StepResult
 from attndbg.detector_api.context import CheckOptions
 from attndbg.detector_api.findings import FindingClass, finding
@@ -52,7 +53,7 @@ def script_outcome(path: str | Path, backend: str, *, timeout_s: float = TIMEOUT
     try:
         trace = io.load(path)
         repro = build(trace, backend, source_name=str(path))
-    except (TraceError, ValueError, NotImplementedError) as e:
+    except (TraceError, ValueError, NotImplementedError, KernelError) as e:
         return ScriptOutcome(None, ran=False, said=f"no script: {e}")
     with tempfile.TemporaryDirectory(prefix="attndbg-symptom-") as scratch:
         script = write(repro, Path(scratch) / "repro.py")[0]

@@ -322,8 +322,10 @@ def write_cascade(w: DumpWriter, *, ident: int = 0x5000, seed: int = 5) -> None:
     w.call("merge_state", (*ragged_out, *paged_out), {}, (torch.cat(om).to(F16), torch.cat(sm).float()))
 
 
-def write_graph_decode(w: DumpWriter, *, ident: int = 0x6000, seed: int = 6, replays: int = 2) -> None:
-    """A decode run captured in a CUDA graph and replayed: plan before each replay, one flush each."""
+def write_graph_decode(w: DumpWriter, *, ident: int = 0x6000, seed: int = 6, replays: int = 2, last_page_mod: bool = False) -> None:
+    """A decode run captured in a CUDA graph and replayed: plan before each replay, one flush each.
+    `last_page_mod`: each replay's plan computes last_page_len as seq_len % page_size (the second
+    replay's request 1 fills its last page: 0), its output over the keys FlashInfer then reads."""
     me = Obj(DECODE, ident)
     w.call(f"{DECODE}.__init__", (torch.zeros(8, dtype=torch.uint8), "NHD", True), {"use_tensor_cores": True}, self_obj=me)
     kv_lens = [4, 6]
@@ -334,9 +336,13 @@ def write_graph_decode(w: DumpWriter, *, ident: int = 0x6000, seed: int = 6, rep
     for r in range(replays):
         kv_lens = [4 + r + 1, 6 + r + 1]
         b = paged_batch(kv_lens, PAGE, HKV, DIM, seed=seed + r + 1)
+        read = list(kv_lens)
+        if last_page_mod:
+            b["last"] = torch.tensor([n % PAGE for n in kv_lens], dtype=torch.int32)
+            read = [(-(-n // PAGE) - 1) * PAGE + n % PAGE for n in kv_lens]
         w.call(f"{DECODE}.plan", (b["indptr"], b["indices"], b["last"], HQ, HKV, DIM, PAGE), extra, self_obj=me)
         q = _q(2, seed + 50 + r)
-        out = _run_outputs(q, b, [1, 1], [torch.ones(1, n, dtype=torch.bool) for n in kv_lens])
+        out = _run_outputs(q, b, [1, 1], [torch.arange(n)[None, :] < k for n, k in zip(kv_lens, read)])
         w.flush(name, {"arg_1": q, "arg_2__0": b["k"], "arg_2__1": b["v"]}, {"result_0": out[0], "result_1": out[1]})
 
 
