@@ -75,7 +75,7 @@ def json_lines(path: Path) -> Iterator[tuple[int, Any]]:
 
 def text_lines(path: Path, limit: int) -> Iterator[str]:
     """The lines of a text file of at most `limit` bytes, undecodable bytes replaced (a log)."""
-    _regular(path, limit)
+    regular_size(path, limit=limit)  # a FIFO would block the open below
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:

@@ -226,7 +226,7 @@ def verdict_line(steps: Sequence[dict[str, Any]]) -> Text:
     crashes = [s["crash"] for s in steps if "crash" in s]
     if crashes:
         said = [("reproduced", sum(c["reproduced"] for c in crashes)), ("not reproduced", sum(c["ran"] and not c["reproduced"] for c in crashes)), ("not run here", sum(not c["ran"] for c in crashes))]
-        text += "; recorded crash " + ", ".join(f"{what} on {n} step{'s' * (n != 1)}" for what, n in said if n)
+        text += "; recorded crash " + ", ".join(f"{what} on {counted(n, 'step')}" for what, n in said if n)
     style = {Verdict.PASSED: "bold green", Verdict.FAILED: "bold red", Verdict.INCOMPLETE: "bold yellow"}[verdict]
     return Text(f"{verdict.value.upper()}: {text}", style=style)
 
