@@ -5,11 +5,11 @@ The call is made as its source made it: the recorded plan through the adapter of
 built it, on the recorded inputs, eagerly. It runs in a fresh process of its own (`python -m
 attndbg.replay.crashed STEP`: CUDA cannot be forked), so a fault that poisons the CUDA context or kills the process (an illegal memory access,
 a segfault) ends that worker, never the caller: `check` and `replay` go on with the step's other
-work. The adapter's own refusal of a known library defect (a `configuration_reason`, such as
-FlashInfer 0.7.2's decode at head_dim 80) does not stop the run: the defect is what the step
-recorded, and the worker is there to contain it. A feature the adapter cannot run at all
-(a capabilities gap), a missing library or GPU, or a recorded plan the guard refuses is "not run
-here", with the reason: never "not reproduced".
+work. A library defect the adapter knows at this shape (`known_defect`, such as FlashInfer 0.7.2's
+decode at head_dim 80) does not stop the run: the defect is what the step recorded, and the worker
+is there to contain it; the finding names it. A feature the adapter cannot run at all, a missing
+library or GPU, or a recorded plan the guard refuses is "not run here", with the reason: never
+"not reproduced".
 """
 
 from __future__ import annotations
@@ -94,10 +94,11 @@ def _run(path: str) -> CrashRerun:
         backend = registry.create(name)
     except KeyError:
         return CrashRerun(name, ran=False, reproduced=False, error=f"no adapter is named {name[:80]!r}")
-    why = backend.unavailable_reason() or backend.capabilities().gap(trace)
+    backend.run_known_defects = True  # the worker is there to contain it: the recorded crash is the point
+    why = backend.unavailable_reason() or backend.unsupported_reason(trace)
     if why:
         return CrashRerun(name, ran=False, reproduced=False, error=why)
-    known = backend.configuration_reason(trace)
+    known = backend.known_defect(trace)
     plan = real_requests_only(trace, trace.plan, backend)
     refused = refusal(trace, plan, backend)
     if refused is not None:

@@ -205,9 +205,7 @@ def build(
     if library is None:
         raise NotImplementedError(f"{backend_name} writes no repro scripts (its adapter states no library calls)")
     with pinned(backend):
-        # A step whose call crashed where it ran is scripted even where the adapter knows the
-        # configuration for a library defect (its configuration_reason): that crash is the point.
-        reason = backend.capabilities().gap(trace) if trace.source.crash is not None else backend.unsupported_reason(trace)
+        reason = backend.unsupported_reason(trace)
         if reason:
             raise ValueError(f"{backend_name} cannot run this step: {reason}")
         recorded = trace.plan is not None and trace.plan.backend == backend_name

@@ -197,8 +197,10 @@ def test_import_and_check(evidence: Path) -> None:
         named = [f for f in steps[number]["findings"] if f["severity"] == "defect" and "last_page_len" in f["evidence"]]
         assert named and named[0]["check"] == "kv-last-page-len", steps[number]["findings"]
     assert set(kinds["wrong"]) & set(kinds["graph"]), "the wrong plan under the graph was not caught there"
-    (crash,) = [f for f in steps[kinds["crashed"][0]]["findings"] if f["class"] == "backend-crash"]
-    assert crash["check"] == "recorded-crash" and crash["data"]["reproduced"] is True, crash
+    # The recorded call run again in a worker of its own (the kernels detector may crash its worker
+    # on the same step too: FlashInfer's known head_dim-80 defect, a backend-crashed finding of its own).
+    crashes = [f for f in steps[kinds["crashed"][0]]["findings"] if f["class"] == "backend-crash" and f["check"].startswith("recorded-crash")]
+    assert len(crashes) == 1 and crashes[0]["check"] == "recorded-crash" and crashes[0]["data"]["reproduced"] is True, steps[kinds["crashed"][0]]["findings"]
     for number in kinds["correct"]:
         assert steps[number]["findings"] == [], (number, steps[number]["findings"])
     assert data["verdict"]["plans_unread"] == {} and data["verdict"]["crashes_not_run"] == {}, data["verdict"]
