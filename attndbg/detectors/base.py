@@ -40,7 +40,7 @@ def _hook(value: Any) -> Any:
 @dataclass(frozen=True)
 class Detector:
     kind: FindingClass  # what `--only`, `--inject KIND:...`, the reports and JSON call it
-    summary: str  # one line: what it judges, for the help texts and README's table
+    summary: str  # one line: what it judges, for the help texts and docs/checking.md's table
     # (ctx) -> findings of the step; a function or "pkg.module:attr".
     detect: Callable[[CheckContext], list[Finding]] | str
     # Mistakes `synth --inject KIND:MISTAKE` plants, keyed "KIND:MISTAKE", each function documented

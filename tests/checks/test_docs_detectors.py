@@ -1,5 +1,5 @@
-"""README's detector and injection tables are the registry's: a detector added, renamed or
-re-summarised there must be so in the README too (issue 12, item 3)."""
+"""docs/checking.md's detector and injection tables are the registry's: a detector added, renamed
+or re-summarised there must be so in the checking page too."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from pathlib import Path
 from attndbg.detectors import registry
 from attndbg.detectors.catalog import injection_lines
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+CHECKING = Path(__file__).resolve().parents[2] / "docs" / "checking.md"
 
 
 def detector_tables() -> str:
-    """The two tables as README shows them, from the built-in detectors (no third party's)."""
+    """The two tables as the checking page shows them, from the built-in detectors (no third party's)."""
     rows = ["| detector (`check --only`) | what it judges | mistakes it finds (`synth --inject`) |", "|---|---|---|"]
     injections = ["| mistake (`synth --inject`) | what it plants |", "|---|---|"]
     for kind in registry.BUILTIN:
@@ -24,14 +24,14 @@ def detector_tables() -> str:
     return "\n".join(rows) + "\n\n" + "\n".join(injections) + "\n"
 
 
-def test_readme_tables_are_the_registry(monkeypatch) -> None:
+def test_checking_page_tables_are_the_registry(monkeypatch) -> None:
     monkeypatch.delenv(registry.ENVIRONMENT.variable, raising=False)
     expected = detector_tables()
-    assert expected in README.read_text(encoding="utf-8"), "README's detector tables differ from the registry; they should read:\n\n" + expected
+    assert expected in CHECKING.read_text(encoding="utf-8"), "docs/checking.md's detector tables differ from the registry; they should read:\n\n" + expected
 
 
-def test_readme_names_every_mistake_model() -> None:
+def test_checking_page_names_every_mistake_model() -> None:
     from attndbg.diagnose import MODELS
 
-    text = README.read_text(encoding="utf-8")
+    text = CHECKING.read_text(encoding="utf-8")
     assert [m.name for m in MODELS if f"`{m.name}`" not in text] == []
