@@ -85,9 +85,10 @@ def check(
 
     \b
     Examples:
-      attndbg check traces/verify_tree.pt
-      attndbg synth verify --inject tree-mask:bit-order -o bad.pt && attndbg check bad.pt --only tree-mask
-      attndbg check rec --jobs 8 --steps 100:200 --backend triton,flashinfer
+      attndbg synth verify mask_layout=qlen_only_bitpacked --inject tree-mask:bit-order -o bad.pt
+      attndbg check bad.pt --only tree-mask     # exit 1: the big-endian packing, request and row
+      attndbg examples traces && attndbg check traces/decode_gqa.pt --backend triton
+      attndbg check traces --steps 1:3 --only invariants --json check.json
     """
     began = time.monotonic()
     from attndbg.checks.run import check_steps, select_paths
@@ -173,6 +174,11 @@ def compile_kernels(target: str, only: str | None, backend_spec: str | None, ste
     What `check --compile-first` does before its first step; on its own it warms a fresh machine. Exit 0
     when done, 3 when nothing could be compiled here (no CUDA GPU, no FlashInfer) or the phase ended
     early.
+
+    \b
+    Example:
+      attndbg examples traces
+      attndbg compile traces --backend flashinfer     # GPU
     """
     from attndbg import machine
     from attndbg.checks.precompile import precompile

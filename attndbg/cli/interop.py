@@ -59,7 +59,7 @@ def import_flashinfer(dump_dir: str, log: str | None, out_dir: str, overwrite: b
 
     \b
     Example:
-      attndbg import flashinfer flashinfer_dumps --log flashinfer.log -o rec && attndbg check rec
+      attndbg import flashinfer flashinfer_dumps --log flashinfer.log -o rec && attndbg check rec   # needs FlashInfer's dumps (FLASHINFER_LOGLEVEL=10, GPU)
     """
     from functools import partial
 
@@ -77,6 +77,7 @@ def import_fib(workloads: str, out_dir: str, overwrite: bool) -> None:
 
     \b
     Example:
+      attndbg examples traces && attndbg export fib traces -o trace_set
       attndbg import fib trace_set/workloads/gqa_paged/gqa_paged_decode_h32_kv8_d128_ps1.jsonl -o rec
     """
     from attndbg.interop.fib import import_workloads
@@ -93,7 +94,7 @@ def import_trtllm(cases: str, out_dir: str, overwrite: bool) -> None:
 
     \b
     Example:
-      attndbg import trtllm captures/cases_rank0.jsonl -o rec
+      attndbg import trtllm captures/cases_rank0.jsonl -o rec   # needs TensorRT-LLM's captures (TRTLLM_ATTN_CAPTURE_DIR)
     """
     from attndbg.interop.trtllm import import_cases
 
@@ -116,7 +117,7 @@ def export_fib(target: str, out_dir: str) -> None:
 
     \b
     Example:
-      attndbg export fib rec -o trace_set
+      attndbg examples traces && attndbg export fib traces -o trace_set
     """
     from attndbg.atomic import output_directory
     from attndbg.interop.fib_export import export_recording

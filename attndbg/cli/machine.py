@@ -29,7 +29,8 @@ def bench(trace: str, backend_spec: str, samples: int, json_path: str | None) ->
 
     \b
     Example:
-      attndbg bench traces/decode_gqa.pt --backend triton,flashinfer
+      attndbg examples traces
+      attndbg bench traces/decode_gqa.pt --backend triton,flashinfer   # GPU
     """
     names = parse_backends(backend_spec)  # a typo is reported before the GPU is looked for
     check_outputs(json=json_path)

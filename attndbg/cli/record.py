@@ -60,11 +60,11 @@ def record(
 
     \b
     Examples:
-      attndbg record -o rec -- python -m sglang.launch_server --model-path ...
-      attndbg record -o rec --layers 0 --steps 0:20 -- python my_generate.py
-      attndbg record -o rec --timeline rec.json -- python my_generate.py   (GPU: each recorded step's kernels)
-      attndbg record -o rec --ring 64 --layers 0 --when nan -- python -m sglang.launch_server ...
-      attndbg check rec && attndbg replay rec/step_000003.pt --backend all
+      attndbg record -o rec --layers 0 -- python -m attndbg.examples.transformers_generate   # with transformers and psutil installed
+      attndbg check rec --only invariants,split-merge
+      attndbg record -o gpu_rec --timeline rec.json -- python -m attndbg.examples.transformers_generate --device cuda   # GPU
+      attndbg record -o server_rec -- python -m sglang.launch_server --model-path ...   # needs SGLang and a model
+      attndbg record -o ring_rec --ring 64 --layers 0 --when nan -- python -m sglang.launch_server ...   # needs SGLang and a model
     """
     from attndbg.atomic import output_directory
     from attndbg.record.exit_status import command_exit

@@ -39,7 +39,7 @@ def minimize(trace: str, backend_spec: str, finding_spec: str | None, output: st
 
     \b
     Example:
-      attndbg synth decode-gqa --inject invariants:wrong-req-row -o bad.pt
+      attndbg synth decode-mha heads=4:2 head_dim=16 kv_lens=5,20,33,9 --inject invariants:wrong-req-row -o bad.pt
       attndbg minimize bad.pt --backend triton --finding invariants/kv-index -o small.pt
     """
     from attndbg.detector_api.context import CheckOptions
@@ -113,8 +113,8 @@ def repro(
 
     \b
     Example:
-      attndbg synth decode-mha --inject invariants:wrong-req-row -o bad.pt
-      attndbg repro bad.pt --backend triton -o repro.py && python repro.py
+      attndbg synth decode-mha heads=4:2 head_dim=16 kv_lens=5,20,33,9 --inject invariants:wrong-req-row -o bad.pt
+      attndbg repro bad.pt --backend triton -o repro.py && python repro.py   # exit 1: reproduced
     """
     from attndbg.repro.script import Mode, build, write
     from attndbg.trace import io

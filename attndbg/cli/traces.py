@@ -1,5 +1,5 @@
-"""Commands on trace files: synth (build one from a spec), show (summarise one), diff (two traces,
-two recordings or two saved replays).
+"""Commands on trace files: examples (write the shipped ones), synth (build one from a spec), show
+(summarise one), diff (two traces, two recordings or two saved replays).
 """
 
 from __future__ import annotations
@@ -12,9 +12,36 @@ import click
 from rich.console import Console
 
 from attndbg.cli import options
-from attndbg.cli.common import EXIT_FAILED, EXIT_OK, BadInput, check_outputs, handles_bad_input, make_console, write_json
+from attndbg.cli.common import EXIT_FAILED, EXIT_NOT_RUN, EXIT_OK, BadInput, check_outputs, handles_bad_input, make_console, write_json
 from attndbg.cli.group import main
 from attndbg.suggest import did_you_mean
+
+
+@main.command()
+@click.argument("directory", type=click.Path(), metavar="DIR")
+@click.option("--overwrite", is_flag=True, help="replace a file of DIR that has an example's name and other content")
+@handles_bad_input
+def examples(directory: str, overwrite: bool) -> None:
+    """Write the example traces that ship with attndbg into DIR (created if absent): the steps the
+    documentation's examples replay, check and show.
+
+    \b
+    Example:
+      attndbg examples traces
+      attndbg replay traces/verify_tree.pt --backend triton
+    """
+    from attndbg.examples import ExamplesMissing, ExamplesRefused, write_examples
+
+    try:
+        result = write_examples(directory, overwrite=overwrite)
+    except ExamplesRefused as e:
+        raise BadInput(str(e)) from None
+    except ExamplesMissing as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_NOT_RUN)
+    names = result.written + result.unchanged
+    said = f"wrote {len(result.written)}" + (f", {len(result.unchanged)} there already" if result.unchanged else "")
+    click.echo(f"{result.directory}: {len(names)} example traces ({said}): {', '.join(sorted(names))}")
 
 
 @main.command()
@@ -88,7 +115,7 @@ def show(trace: str, json_path: str | None) -> None:
 
     \b
     Example:
-      attndbg show traces/verify_tree.pt
+      attndbg examples traces && attndbg show traces/verify_tree.pt
     """
     from attndbg.report.show import render_trace, trace_to_json
     from attndbg.trace import io
@@ -115,9 +142,12 @@ def diff(a: str, b: str, json_path: str | None, pairs: tuple[str, ...]) -> None:
 
     \b
     Examples:
-      attndbg diff engine_step.pt synth_step.pt
-      attndbg diff rec_a rec_b
-      attndbg diff run_a.replay run_b.replay --pair triton:triton
+      attndbg synth decode-gqa kv_lens=5,40 -o a.pt && attndbg synth decode-gqa kv_lens=5,41 -o b.pt
+      attndbg diff a.pt b.pt     # exit 1: the first differing field
+      attndbg replay a.pt --backend triton --save a.replay
+      attndbg replay a.pt --backend triton --num-kv-splits 1 --save one_split.replay
+      attndbg diff a.replay one_split.replay --pair triton:triton
+      attndbg diff rec_a rec_b   # needs two recordings: the first step and field that differ
     """
     from attndbg.compare.saved import is_saved_replay
 

@@ -1,4 +1,4 @@
-"""`--timeline` on a real GPU (issue 25): attndbg's ranges enclose the kernels they launched.
+"""`--timeline` on a real GPU: attndbg's ranges enclose the kernels they launched.
 
 Each command runs in its own process (CUPTI is per process) over every shipped trace with
 `--backend all`, eager and under `--cuda-graph`, and the file it writes is read by
@@ -36,7 +36,7 @@ pytestmark = [
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACES = ROOT / "traces"
-ENGINE_SCRIPT = ROOT / "tests" / "record" / "transformers_generate.py"
+ENGINE_SCRIPT = ROOT / "attndbg" / "examples" / "transformers_generate.py"
 
 
 def _read_as_memory(doc: dict) -> None:

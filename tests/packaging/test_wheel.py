@@ -1,20 +1,17 @@
 """The wheel ships every package of the source tree: each folder holding an __init__.py under
-attndbg/ and backends/ (installed as attndbg.backends), every module in it, and the files read at
-run time. Built from a copy of the sources, so the checkout gets no build/ or egg-info."""
+attndbg/ and backends/ (installed as attndbg.backends), every module in it, the files read at run
+time, and the example traces (traces/, installed as attndbg/examples/traces). The wheel is built
+once for tests/packaging (conftest.py)."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-# Where each source folder lands in the wheel.
-INSTALLED_AS = {"attndbg": "attndbg", "backends": "attndbg/backends"}
+from tests.packaging.conftest import DATA_FOLDERS, INSTALLED_AS, ROOT
+
 # Read from the installed package at run time rather than imported (record's PYTHONPATH entry).
 RUNTIME_FILES = ("attndbg/record/startup/sitecustomize.py",)
 
@@ -35,19 +32,7 @@ def _source_modules() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
-    tmp = tmp_path_factory.mktemp("wheel")
-    source = tmp / "src"
-    source.mkdir()
-    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
-    for folder in INSTALLED_AS:
-        shutil.copytree(ROOT / folder, source / folder, ignore=ignore)
-    for name in ("setup.py", "pyproject.toml", "README.md"):
-        shutil.copy2(ROOT / name, source / name)
-    command = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(tmp / "out"), str(source)]
-    built = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0, built.stderr[-2000:]
-    (built_wheel,) = (tmp / "out").glob("attndbg-*.whl")
+def wheel(built_wheel: Path) -> zipfile.ZipFile:
     return zipfile.ZipFile(built_wheel)
 
 
@@ -75,3 +60,10 @@ def test_the_wheel_ships_the_files_read_at_run_time_and_the_entry_points(wheel: 
     text = wheel.read(entry_points).decode()
     for line in ("attndbg = attndbg.cli:main", "attndbg_record = attndbg.record.vllm:register", "attndbg_record = attndbg.record.sglang:register"):
         assert line in text
+
+
+def test_the_wheel_ships_the_example_traces(wheel_files: set[str]) -> None:
+    expected = {f"{target}/{path.name}" for folder, target in DATA_FOLDERS.items() for path in (ROOT / folder).glob("*.pt")}
+    assert "attndbg/examples/traces/verify_tree.pt" in expected  # the folder is seen
+    missing = sorted(expected - wheel_files)
+    assert not missing, f"not in the wheel: {missing}"

@@ -1,5 +1,5 @@
 """When the disk fills, recording stops with one log line naming the directory and the reason, and
-the engine goes on (issue 15, "recording durability").
+the engine goes on.
 
 A full disk is real where it can be: a manifest that is a link to /dev/full gets ENOSPC from the
 kernel in whichever process writes it (the writer child included). A step file's own write is
@@ -118,7 +118,7 @@ def test_a_live_engine_generates_the_same_tokens_when_recording_stops(
     fills at the first step (or the first step reaches --max-size); the generation is unchanged."""
     import_engine("transformers.generation.continuous_batching")
     from attndbg.record.transformers import adapter as transformers_cb
-    from tests.record import transformers_generate as live
+    from attndbg.examples import transformers_generate as live
 
     model = live.tiny_llama()
     expected = live.generate(model, max_new_tokens=3)

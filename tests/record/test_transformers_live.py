@@ -29,7 +29,7 @@ from attndbg.record.session import end_session, start_session  # noqa: E402
 from attndbg.record.transformers import adapter as transformers_cb  # noqa: E402
 from attndbg.replay.runner import ReplayOptions, replay  # noqa: E402
 from attndbg.trace import io  # noqa: E402
-from tests.record import transformers_generate as live  # noqa: E402
+from attndbg.examples import transformers_generate as live  # noqa: E402
 from tests.record.corruptions import foreign_first_key  # noqa: E402
 
 SCRIPT = Path(live.__file__)

@@ -1,8 +1,9 @@
-"""A live engine we can run anywhere: transformers' continuous batching on a tiny random Llama.
+"""A live engine that runs anywhere: transformers' continuous batching on a tiny random Llama.
 
-No weights are downloadable here, so the model is built from a config with a fixed seed. Run as a
-script (under `attndbg record -- python tests/record/transformers_generate.py`) it prints the
-generated tokens as JSON on the last line.
+No weights are downloaded: the model is built from a config with a fixed seed. Run as a module
+(`attndbg record -o rec -- python -m attndbg.examples.transformers_generate`, which needs
+`pip install transformers psutil`) it prints the generated tokens as JSON on the last line. The
+recorder's live tests drive the same functions.
 """
 
 from __future__ import annotations
