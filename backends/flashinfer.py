@@ -128,7 +128,7 @@ def sglang_uses_tensor_cores(kv_dtype: str, num_qo_heads: int, num_kv_heads: int
 
 
 # FlashInfer releases whose batch decode is wrong at head dims that are not powers of two, measured
-# on an H100 by bench/flashinfer_head_dims.py (bench/results/flashinfer_head_dims_h100.txt, bs 2,
+# on an H100 by bench/flashinfer_head_dims.py (docs/benchmarks.md, bs 2,
 # 4:4 heads, bf16, page 1, against float64): the CUDA-core path returns wrong outputs at 40, 72, 80,
 # 96, 104, 112, 160 and 192 (max abs 0.3-1.3); the tensor-core path ends in an illegal memory access
 # at 80, 96, 104, 112 and 160, is refused at 40 and wrong at 72; only 192 on tensor cores is right.
@@ -155,7 +155,7 @@ def decode_head_dim_defect(head_dim: int, tensor_cores: bool) -> str | None:
     path = "tensor-core path: illegal memory access or wrong outputs" if tensor_cores else "CUDA-core path: wrong outputs, max abs 0.3-1.0"
     return (
         f"known FlashInfer {version} defect: batch decode at head_dim {head_dim} (not a power of two) is wrong "
-        f"({path}; measured, bench/results/flashinfer_head_dims_h100.txt); standalone reproduction: "
+        f"({path}; measured, docs/benchmarks.md); standalone reproduction: "
         f"python bench/flashinfer_head_dims.py --one {head_dim}{' --tensor-cores' if tensor_cores else ''}"
     )
 

@@ -227,7 +227,7 @@ def build(modules: list[Unbuilt], on_built: Callable[[str, float], None] = lambd
     is up to date. An output with no entry there is rebuilt ("command line not found in log"), so
     every module built by one combined ninja was compiled a second time, silently (FlashInfer prints
     "Building JIT module" only when the library is missing), by the first check that loaded it: on an
-    H100 in session 10, 41 modules took 818 s up front and the check's first 100 steps then spent
+    H100, 41 modules took 818 s up front and the check's first 100 steps then spent
     825 s unfinished. FlashInfer's own build_jit_specs, in the 0.7.2 we run, has the same shape;
     upstream it now runs one ninja per module too (flashinfer-ai/flashinfer#2339), one at a time.
 

@@ -93,7 +93,7 @@ def wait_for_pending_plans() -> None:
     plans this way already; FlashInfer's own did not. Waiting for the stream lets every earlier
     copy land; check synchronises after each run anyway, so it costs little.
 
-    Not shown to be the cause of issue 21's cascade rows: bench/flashinfer_cascade_rows.py --churn
+    Not shown to be the cause of the false cascade-row findings seen on server shapes: bench/flashinfer_cascade_rows.py --churn
     (the GPU busy while wrappers are made, planned and dropped) passed with and without this wait
     on the H100, as did every shape of that issue run alone.
 

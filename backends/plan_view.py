@@ -36,7 +36,7 @@ class PlanViewError(ValueError):
 class PlanUnreadable(PlanViewError):
     """The plan lacks a tensor or scalar its layout declares, or holds one that cannot be read as
     the kernel takes it (wrong rank or dtype, not an integer, an unknown setting): it is incomplete,
-    not unsafe. Not read, never launched, and not a finding (issue 21, item 4)."""
+    not unsafe. Not read, never launched, and not a finding."""
 
 
 @dataclass(frozen=True)

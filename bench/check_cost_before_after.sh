@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# Check cost per step before and after a change, in one device call, alternating (issue 23: "not
-# slower"), with the JSON of each pair compared. The cost of --timeline is bench/timeline_check.sh's
-# `cost`. Session 9's numbers (then with --timeline runs between the pairs):
-# bench/results/check_cost_before_after_h100_session9.txt.
+# Check cost per step before and after a change, in one device call, alternating (a change must
+# not make the check slower), with the JSON of each pair compared. The cost of --timeline is
+# bench/timeline_check.sh's `cost`.
 #
 # Here, once: the before tree as an ignored folder that travels with .gpu, its adapters linked in:
 #     rm -rf .gpu/tree && mkdir -p .gpu/tree && git archive BEFORE_COMMIT | tar x -C .gpu/tree

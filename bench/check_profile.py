@@ -1,10 +1,10 @@
-"""Where a warm `attndbg check` spends its time, step by step (issue 10).
+"""Where a warm `attndbg check` spends its time, step by step.
 
 `check_scale.py` times the command as a user runs it; this profiles the steady state that timing is
 made of. In one process: check `--warmup` steps (kernels compile, caches fill), then check the
 next `--steps` steps under cProfile, and the same steps again without it for the wall time per step.
-`--timeline FILE` does all of it inside `--timeline`'s CUPTI collection (issue 25: where its cost
-per step goes; the file is written at the end, timed apart). Run it with and without, same steps.
+`--timeline FILE` does all of it inside `--timeline`'s CUPTI collection (where its cost per
+step goes; the file is written at the end, timed apart). Run it with and without, same steps.
 
     bash .gpu/env.sh python bench/check_profile.py REC --backend triton,flashinfer,fa3 --out $OUT
 """
@@ -30,7 +30,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--cuda-graph", action="store_true")
-    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--out", default="out/bench")
     parser.add_argument("--tag", default="")
     parser.add_argument("--timeline", metavar="FILE", help="collect --timeline's records throughout (needs cupti-python)")
     parser.add_argument("--no-profile", dest="profile", action="store_false",

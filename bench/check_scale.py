@@ -1,4 +1,4 @@
-"""Time `attndbg check` on a recording at server scale, as a user runs it (issue 10).
+"""Time `attndbg check` on a recording at server scale, as a user runs it.
 
 On the GPU machine:
 
@@ -185,7 +185,7 @@ def main() -> int:
     parser.add_argument("--run-timeout", type=float, default=RUN_TIMEOUT, help="seconds one timed check may take")
     parser.add_argument("--devices", default=None, help="also time --jobs J --devices D (e.g. 0,1) for the multi-GPU speed-up")
     parser.add_argument("--work", default="/tmp/attndbg_scale")
-    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--out", default="out/bench")
     parser.add_argument("--tag", default="")
     parser.add_argument("--recording", type=Path, default=None, help="time this recording (e.g. server_sweep.py make's) instead of building the decode-only one")
     parser.add_argument(

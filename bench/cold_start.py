@@ -1,4 +1,4 @@
-"""Cold start: seconds from `attndbg check` to its verdict on a fresh machine (issue 24).
+"""Cold start: seconds from `attndbg check` to its verdict on a fresh machine.
 
 Takes the first step of each mode (DECODE, TARGET_VERIFY, EXTEND, MIXED) of a recording, e.g.
 `bench/server_sweep.py make`'s, into a 4-step recording, then runs the check on it once per

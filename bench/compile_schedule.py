@@ -18,10 +18,10 @@ Each step logs its start and end, so the result shows the wall time and how many
 here, so a peak above --jobs is shown, not penalised. Keep --scale at 0.025 or above: `build` looks at
 its ninjas every 0.2 s, which at --scale 0.01 is 20 recorded seconds (1,010 s instead of 782).
 
-    python bench/compile_schedule.py bench/results/flashinfer_jit_steps_h100_session10.json --jobs 16 --scale 0.025
+    python bench/compile_schedule.py bench/data/flashinfer_jit_steps_h100.json --jobs 16 --scale 0.025
 
 Input: {"modules": [{"module": NAME, "objects": [seconds...], "link": seconds}, ...]}, as written from a
-ninja log of a real build (bench/results/flashinfer_jit_steps_h100_session10.json: the 41 modules of
+ninja log of a real build (bench/data/flashinfer_jit_steps_h100.json: the 41 modules of
 bench/server_sweep.py's 1,000-step recording on an H100, steps timed with all 16 cores busy).
 """
 

@@ -11,7 +11,7 @@ us per record; "name" is a kernel name's resolution alone, per record, against a
 (not used: see convert._text).
 
     pip install cupti-python   # no GPU needed
-    python bench/cupti_convert_cost.py > bench/results/cupti_convert_cost_cpu.txt
+    python bench/cupti_convert_cost.py > cupti_convert_cost_cpu.txt
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Our Triton split-KV decode against FlashInfer decode, and against the device's copy bandwidth.
 
-Issue 3's shape: bs 64, kv 4096 per request, GQA 32 query / 8 KV heads, head dim 128, bf16, slots
+The shape: bs 64, kv 4096 per request, GQA 32 query / 8 KV heads, head dim 128, bf16, slots
 scattered over the pool. Targets: Triton >= 0.9x FlashInfer, and >= 75 % of the HBM copy
 bandwidth measured in the same run (bytes read + written by a device-to-device copy).
 All backends are timed the same way: `attndbg.replay.timing.time_backend` (CUDA-graph replays

@@ -1,5 +1,5 @@
 """How long a check's pool would take with other dispatch windows, replayed from the step times a
-GPU run logged (bench/worker_utilisation.py's worker_utilisation.jsonl): issue 24's 'waiting'.
+GPU run logged (bench/worker_utilisation.py's worker_utilisation.jsonl): the workers' 'waiting'.
 
 The pool (attndbg/checks/workers.py) hands a free worker the next step only while it lies within
 WINDOW_PER_JOB x jobs steps of the oldest step not yet finished (results are yielded in recording
@@ -8,7 +8,7 @@ workers once the window is used up. This replays the pool's policy (the early st
 shape, first and outside the window; then recording order) on the logged step durations, for each
 window, and prints the time to the last step's end. Start-up and the workers' exits are left out.
 
-    python bench/dispatch_window.py bench/results/session13/worker_utilisation_call1_h200.jsonl --early 27
+    python bench/dispatch_window.py OUT/worker_utilisation.jsonl --early 27
 """
 
 from __future__ import annotations

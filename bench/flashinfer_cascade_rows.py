@@ -1,5 +1,5 @@
 """Standalone reproduction: FlashInfer's cascade extend (SGLang's default extend with a prefix) on
-server shapes (issue 21).
+server shapes.
 
 Needs only torch and FlashInfer (no attndbg): attach it to a FlashInfer issue as it is.
 

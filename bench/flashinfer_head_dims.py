@@ -1,4 +1,4 @@
-"""Standalone reproduction: FlashInfer batch decode at the head dims engines use (issue 15).
+"""Standalone reproduction: FlashInfer batch decode at the head dims engines use.
 
 Needs only torch and FlashInfer (no attndbg): attach it to a FlashInfer issue as it is.
 

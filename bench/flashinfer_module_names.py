@@ -8,8 +8,9 @@
 Declared: what attndbg/checks/precompile.py would build (each backend's `jit_specs` and the runs
 detectors force, over up to SHAPE_SCAN steps), named without running anything. Expected: module
 names read from a compile log ("compiled k/N (...): NAME" lines, as `attndbg compile` prints them),
-or a file of one name a line, plus `--also`. Default: the H200's session-8 compile log and the one
-module built during that check afterwards (bench/results/server_sweep_h200_session8.md). Printed:
+or a file of one name a line, plus `--also`. Default: an H200's compile log of the server mix
+(bench/data/server_sweep_compile_h200.log, 2026-11-26) and the one module built during that check
+afterwards. Printed:
 matches, missing (expected, not declared), extra (declared, not expected), each extra with the
 backends and modes of the steps that declare it.
 
@@ -39,10 +40,9 @@ from attndbg.detector_api.context import CheckOptions  # noqa: E402
 from attndbg.trace import io  # noqa: E402
 from attndbg.trace.validate import TraceError  # noqa: E402
 
-DEFAULT_LOG = ROOT / "bench/results/server_sweep_compile_h200_session8.log"
-# Built during the session-8 check after the compile phase's 34 (server_sweep_h200_session8.md), as
-# the session's notes name it.
-SESSION8_LATER = "batch_prefill_with_kv_cache_dtype_q_bf16_dtype_kv_bf16_dtype_o_bf16_dtype_idx_i32_head_dim_qk_256_head_dim_vo_256_posenc_0_use_swa_False_use_logits_cap_False_f16qk_False"
+DEFAULT_LOG = ROOT / "bench/data/server_sweep_compile_h200.log"
+# Built during that check after the compile phase's 34, as the notes of that run name it.
+BUILT_LATER = "batch_prefill_with_kv_cache_dtype_q_bf16_dtype_kv_bf16_dtype_o_bf16_dtype_idx_i32_head_dim_qk_256_head_dim_vo_256_posenc_0_use_swa_False_use_logits_cap_False_f16qk_False"
 COMPILED_LINE = re.compile(r"compiled \d+/\d+ \([^)]*\): (\S+)")
 
 
@@ -100,12 +100,12 @@ def main() -> int:
     parser.add_argument("--backend", default="triton,flashinfer,fa3,mla")
     parser.add_argument("--only", default=None, help="detectors, as check --only (default: check's)")
     parser.add_argument("--expected", type=Path, default=DEFAULT_LOG)
-    parser.add_argument("--also", action="append", default=None, help=f"another expected name (default: {SESSION8_LATER[:40]}...)")
+    parser.add_argument("--also", action="append", default=None, help=f"another expected name (default: {BUILT_LATER[:40]}...)")
     parser.add_argument("--watch", action="store_true", help="GPU: build the declared modules, run one step per shape watched")
     parser.add_argument(
         "--without",
         default="",
-        help="comma-separated libraries to declare as if not installed (default: none). The session-8 H200 had no vllm, "
+        help="comma-separated libraries to declare as if not installed (default: none). That H200 had no vllm, "
         "sgl_kernel or flash_attn_interface, so fa3 ran on FlashInfer there: on a machine that has one, give it here",
     )
     args = parser.parse_args()
@@ -117,7 +117,7 @@ def main() -> int:
     backends = [b for b in args.backend.split(",") if b]
     only = parse_only(args.only)
     paths = io.trace_paths(args.recording)
-    also = args.also if args.also is not None else ([SESSION8_LATER] if args.expected == DEFAULT_LOG else [])
+    also = args.also if args.also is not None else ([BUILT_LATER] if args.expected == DEFAULT_LOG else [])
     expected = expected_names(args.expected, also)
     specs, where = declared_by(paths, backends, only)
     declared = set(specs)

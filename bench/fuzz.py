@@ -1,8 +1,8 @@
 """Fuzz the bad-input contract: mutated traces and recordings through `check`, `replay`, `show`, `diff`.
 
-    python bench/fuzz.py --cases 10000 --seed 0 --json bench/results/fuzz.json
+    python bench/fuzz.py --cases 10000 --seed 0 --json fuzz.json
 
-Contract (issue 15): bad input gets exit 2 and one line naming the field; a valid-but-odd trace
+Contract: bad input gets exit 2 and one line naming the field; a valid-but-odd trace
 gets 0, 1 or 3; never a traceback, a hang, an out-of-memory kill or code execution. Every case is
 run by worker processes (`CliRunner`, in-process, so thousands of cases take minutes) that have an
 address-space limit and an alarm: an allocation past the limit is an `oom`, a command past the
@@ -18,15 +18,15 @@ Mutations, each from a shipped trace (`traces/*.pt`) and a case seed:
   manifest    a recording whose manifest.jsonl has a null/number/list/NUL/path file, invalid UTF-8,
               deep JSON, a missing step
   special     a FIFO, a symlink to /dev/zero
-  deep        (issue 22) containers nested 33 to 200,000 deep anywhere: as a dict key (a tuple: hashing one
+  deep        containers nested 33 to 200,000 deep anywhere: as a dict key (a tuple: hashing one
               3,000,000 deep overflows the C stack), as a field's value, a list that contains itself
-  bignum      (issue 22) oversized numbers in any key or field: a 5,000-digit int (past Python's int/str
+  bignum      oversized numbers in any key or field: a 5,000-digit int (past Python's int/str
               limit) or its digits as a string, as a layer key, a dict key or a value; a text LONG opcode
-  compressed  (issue 22) the archive's members deflated: intact, with a damaged stream, or a bomb (a
+  compressed  the archive's members deflated: intact, with a damaged stream, or a bomb (a
               member inflating to 256 MB from a small file), through every command
-  alloc       (issue 22) pickles that allocate from a small file through globals torch's weights_only
+  alloc       pickles that allocate from a small file through globals torch's weights_only
               unpickler allows: bytearray(2**34), a storage claiming 2**33 elements, a quantized tensor
-  name        (issue 22) a valid or broken trace whose file name holds a newline and a forged
+  name        a valid or broken trace whose file name holds a newline and a forged
               `error:` line (it must be printed escaped, never raw)
 """
 
@@ -158,7 +158,7 @@ def _replace_zip_pickle(archive: bytes, pickle_bytes: bytes) -> bytes:
     return out.getvalue()
 
 
-# -- issue 22: hostile archives ------------------------------------------------------------------
+# -- hostile archives ----------------------------------------------------------------------------
 
 PLACEHOLDER = "@@attndbg-fuzz@@"
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU evidence the open issues wait for, on one machine, the same command each call (resumable:
+# The GPU evidence for docs/benchmarks.md, on one machine, the same command each call (resumable:
 # what finished is not run again while the machine stays warm; it goes back 30 s after a call ends,
 # so chain the calls with no pause):
 #
@@ -13,7 +13,7 @@
 #   tests     the crash and plans GPU tests (bench/gpu_tests.sh)
 #   cost      the check's cost before/after (bench/check_cost_before_after.sh: the before tree in .gpu/tree)
 #   profile   the warm server mix's profile (bench/check_profile.py)
-#   tlprofile the same inside --timeline's CUPTI collection (issue 25: its cost per step, by function)
+#   tlprofile the same inside --timeline's CUPTI collection (its cost per step, by function)
 #   timeline  --timeline's cost, start-up against per step (bench/timeline_check.sh cost)
 #   tlsteps   --timeline's cost per step in one warm process, against the before tree's (timeline_check.sh steps)
 #   scale     the default command on the 1,000 steps, and memory from 1,000 to 5,000 steps
@@ -22,11 +22,11 @@
 #   memdefault, memjobs16, memgraph, memidentity
 #             workers sharing one GPU: the default command, --jobs 16, --cuda-graph, and --jobs 1
 #             against the default on steps 0-149 (identical JSON); each says how many steps were
-#             refused for memory (session 12: 754 of 1,000 before the memory share)
-#   rectl     issue 25: `attndbg record --timeline` around a live transformers engine with CUDA graphs
+#             refused for memory (754 of 1,000 before the memory share)
+#   rectl     `attndbg record --timeline` around a live transformers engine with CUDA graphs
 #             (tests/gpu/test_timeline.py -k record; needs transformers >= 5.20 carried in .gpu/whl)
-#   launchcost issue 25: --timeline's collection per kernel launch (bench/timeline_launch_cost.py)
-#   coldstart issue 24: bench/cold_start.py on the recording's first step of each mode, both forms,
+#   launchcost --timeline's collection per kernel launch (bench/timeline_launch_cost.py)
+#   coldstart bench/cold_start.py on the recording's first step of each mode, both forms,
 #             fresh JIT caches each, --backend COLD_BACKENDS (triton,flashinfer,mla): on a lane's share
 #             of the cores, as a one-GPU machine has them
 #   utilisation, command, startup
@@ -62,7 +62,7 @@ pack() { (cd "$res" && tar czf "$out/evidence.tgz" --exclude='*.pt' .); }
 trap pack EXIT
 say() { echo "$*" | tee -a "$res/summary.txt"; }
 # Bytecode for the wheels .gpu/env.sh installed with --no-compile, as pip's install writes it for
-# users: else every process compiles FlashInfer's sources again (3.2 s of a worker's start, session 12).
+# users: else every process compiles FlashInfer's sources again (3.2 s of a worker's start, measured on an H200).
 python -m compileall -q -j 0 /tmp/site attndbg backends > /dev/null 2>&1 || true
 [ -f "$res/env.txt" ] || attndbg env > "$res/env.txt" 2>&1
 [ -d "$rec" ] || python bench/server_sweep.py make -o "$rec" --steps 1000 --seed 0 > "$res/make.log" 2>&1
@@ -71,7 +71,7 @@ libraries() { find ~/.cache/flashinfer -name '*.so' -printf '%T@ %p\n' 2>/dev/nu
 # its output in res/PART.log; the part is finished unless the timeout cut it.
 attempt() {
   local part=$1 need=$2 s; shift 2
-  # Said, not silent: session 13's enclosure test never started, and no line told.
+  # Said, not silent: an enclosure test once never started, and no line told.
   [ "$(left)" -gt "$need" ] || { say "$part: not started (needs $need s, $(left) s left in this call)"; return 1; }
   s=$(date +%s); timeout $(( $(left) - 10 )) "$@" > "$res/$part.log" 2>&1; local rc=$?
   say "$part: exit $rc after $(( $(date +%s) - s )) s, at $(( $(date +%s) - T0 )) s"; tail -12 "$res/$part.log"
@@ -93,30 +93,30 @@ part_tests() { # gpu_tests.sh resumes its own parts across calls: finished when 
   ! grep -q -e ': exit 124 ' -e ': not started' "$res/gpu_tests.log" && touch "$res/tests.done"
 }
 part_cost() { attempt cost 230 bash bench/check_cost_before_after.sh "$res/cost"; }
-# Issue 24: where a warm worker's time goes on the server mix (one process, 60 steps profiled).
+# Where a warm worker's time goes on the server mix (one process, 60 steps profiled).
 part_profile() { attempt profile 200 python bench/check_profile.py "$rec" --backend "$BACKENDS" --warmup 30 --steps 60 --out "$res" --tag _server; }
-# Issue 25: the same profile inside --timeline's collection: where its per-step cost goes.
+# The same profile inside --timeline's collection: where its per-step cost goes.
 part_tlprofile() { attempt tlprofile 200 python bench/check_profile.py "$rec" --backend "$BACKENDS" --warmup 30 --steps 60 --out "$res" --tag _server_timeline --timeline /tmp/profile_timeline.json; }
-# Issue 25: --timeline's cost, split into start-up and per step (needs cupti-python in .gpu).
+# --timeline's cost, split into start-up and per step (needs cupti-python in .gpu).
 # With a before tree in .gpu/tree (check_cost_before_after.sh's), its --timeline is timed in the same
 # alternation, against this tree's.
 before_tree() { [ -d .gpu/tree/attndbg ] && ln -sfn ../backends .gpu/tree/attndbg/backends && (cd .gpu/tree && pwd); }
 part_timeline() {
   attempt timeline 240 env REC="$rec" BACKENDS="${TIMELINE_BACKENDS:-triton,flashinfer,fa3}" BEFORE="$(before_tree)" bash bench/timeline_check.sh "$res/timeline" cost
 }
-# Issue 25: the cost per step alone, in one warm process (plain, --timeline, the before tree's).
+# The cost per step alone, in one warm process (plain, --timeline, the before tree's).
 part_tlsteps() {
   attempt tlsteps 200 env REC="$rec" BACKENDS="${TIMELINE_BACKENDS:-triton,flashinfer,fa3}" BEFORE="$(before_tree)" bash bench/timeline_check.sh "$res/timeline_steps" steps
 }
-# Issue 25: the GPU enclosure test (tests/gpu/test_timeline.py on traces/, --backend all, eager and
+# The GPU enclosure test (tests/gpu/test_timeline.py on traces/, --backend all, eager and
 # graph; the shipped traces' modules are built in the compile phase when this part is asked for).
-# (83 s and 59 s on a warm H200 host in session 14, its 4 tests; the 400 s it asked kept it from
-# starting in session 13 and in session 14's call 8.)
+# (83 s and 59 s on a warm H200 host, its 4 tests; the 400 s it once asked kept it from starting
+# twice.)
 part_tltest() { attempt tltest 200 bash bench/timeline_check.sh "$res/timeline_test" test; }
-# Issue 24: the command as a user runs it on the whole mix, and host/GPU memory at 1,000 and 5,000 steps
+# The command as a user runs it on the whole mix, and host/GPU memory at 1,000 and 5,000 steps
 # (SCALE_RUNS: check_scale.py's --runs; with jobs, --jobs SCALE_JOBS too).
 part_scale() { attempt scale 150 python bench/check_scale.py --recording "$rec" --system-caches --backends "$BACKENDS" --runs "${SCALE_RUNS:-default,long}" --jobs "${SCALE_JOBS:-16}" --run-timeout "$(( $(left) - 20 ))" --out "$res/scale" --work /tmp/gpu_evidence_scale --tag _server; }
-# Issue 24: workers sharing one GPU. Each check's line: exit, wall, steps refused for memory, verdict.
+# Workers sharing one GPU. Each check's line: exit, wall, steps refused for memory, verdict.
 checked_line() { # LABEL: what the check of part LABEL says, in the summary
   say "$1: refused for memory $(grep -c 'not replayed' "$res/$1.log"); $(grep '^checked ' "$res/$1.log" | cut -c1-300)"
 }
@@ -125,7 +125,7 @@ checked() { # LABEL ARGS...: attndbg check REC ARGS as the part LABEL
   checked_line "$1"
 }
 part_memdefault() { checked memdefault; }
-# Issue 24's "default command" as a user types it: no --backend, so every backend that runs here (fa3
+# The "default command" as a user types it: no --backend, so every backend that runs here (fa3
 # too: compile with BACKENDS=all first, or its modules compile inside this part's time).
 part_plain() {
   attempt plain 90 attndbg check "$rec" || return 1
@@ -147,12 +147,12 @@ part_memidentity() { # --jobs 1 and the default --jobs (3 workers) on steps 0-14
 part_utilisation() { attempt utilisation 120 python bench/worker_utilisation.py "$rec" --backend "$BACKENDS" --out "$res"; }
 # The same split for `attndbg check` itself: start-up, before the pool, the pool, the report, exit.
 part_command() { attempt command 120 python bench/worker_utilisation.py "$rec" --backend "$BACKENDS" --cli --out "$res"; }
-# Issue 25: record --timeline on a live engine (no FlashInfer: it can run during the compile phase).
+# Record --timeline on a live engine (no FlashInfer: it can run during the compile phase).
 part_rectl() { attempt rectl 120 env ATTNDBG_TIMELINE_OUT="$res/rectl" python -m pytest -q -s -p no:cacheprovider tests/gpu/test_timeline.py -k record; }
-# Issue 25: --timeline's collection per kernel launch, alone: plain, CUPTI's buffers as memory,
+# --timeline's collection per kernel launch, alone: plain, CUPTI's buffers as memory,
 # cupti-python's objects (no FlashInfer either: DURING_COMPILE too).
 part_launchcost() { attempt launchcost 120 python bench/timeline_launch_cost.py --launches 20000 --repeats 3; }
-# Issue 24: the cold start, each form on empty caches of its own (the lane's cores compile).
+# The cold start, each form on empty caches of its own (the lane's cores compile).
 part_coldstart() { attempt coldstart 300 python bench/cold_start.py "$rec" "$res/coldstart" --backend "${COLD_BACKENDS:-triton,flashinfer,mla}" --form default --form compile-first --fresh-caches; }
 part_startup() { attempt startup 60 python bench/worker_startup.py "$rec" --backend "$BACKENDS" --out "$res"; }
 for part in $(tr ',' ' ' <<< "${LANES:-$PARTS} ${DURING_COMPILE:-}"); do
@@ -171,7 +171,7 @@ if [ ! -f "$res/compile.done" ]; then
   [ $rc -eq 0 ] && touch "$res/compile.done"
 fi
 # (TRACES_IN_LANE=1: tltest's own compile of traces/ runs in its lane instead, on that lane's cores,
-# while the other lanes measure: session 15's one call on a host of 2 GPUs.)
+# while the other lanes measure: one call on a host of 2 GPUs.)
 if [ -f "$res/compile.done" ] && [ ! -f "$res/compile_traces.done" ] && [ -z "${TRACES_IN_LANE:-}" ] && grep -qw tltest <<< "${LANES:-$PARTS}"; then
   s=$(date +%s)
   timeout $(( $(left) - 10 )) attndbg compile traces >> "$res/compile_traces.log" 2>&1; rc=$?

@@ -12,7 +12,7 @@
 # Parts: dumps (make real FlashInfer dumps, then tests/interop/test_real_flashinfer_dumps.py on them),
 # crash (crash isolation: a runner's and a detector's own launches poisoning the context), repro
 # (tests/repro on the GPU), plans (recorded SGLang plans, the plan guard, the compile phase: up to 480 s,
-# since test_precompile builds a module in a fresh FlashInfer cache; 300 s cut it in session 9),
+# since test_precompile builds a module in a fresh FlashInfer cache; 300 s once cut it),
 # timeline (bench/timeline_check.sh test), all (every test marked gpu). LIMIT: seconds this call may
 # use (default 570).
 set -u

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `check --json` before and after a change, on the CPU (issue 23's identity): the shipped traces
+# `check --json` before and after a change, on the CPU (a change that must not change the JSON): the shipped traces
 # (Triton interpreted), every synth preset with every injectable mistake that applies to it
 # (bench/injected_traces.py), and 200 server-shaped steps (bench/server_sweep.py), the last two with
 # --backend fa3 (no GPU here: every detector on metadata and recorded tensors). The before tree is a

@@ -1,6 +1,6 @@
 """attndbg's own replay timing against a bare `triton.testing.do_bench_cudagraph` of the same kernel.
 
-Target (issue 3): the two medians at most 3 % apart. The bare side builds the plan and buffers by
+Target: the two medians at most 3 % apart. The bare side builds the plan and buffers by
 hand, with no attndbg harness, and calls our Triton decode kernel directly.
 
 Run on the GPU machine:  bash .gpu/env.sh python bench/replay_overhead.py

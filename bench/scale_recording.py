@@ -1,4 +1,4 @@
-"""A recording of many metadata-only decode steps, shaped like a live server's (issue 10).
+"""A recording of many metadata-only decode steps, shaped like a live server's.
 
 Each step: 1-64 requests, 1-8192 KV tokens each, page 1 or 16, GQA 32:8 or 8:1 at head_dim 128,
 bf16, SGLang's Triton plan attached, drawn from one seed so the same call builds the same

@@ -1,4 +1,4 @@
-"""Server-shaped clean recordings, correct by construction, and `attndbg check` over them (issue 21 item 6).
+"""Server-shaped clean recordings, correct by construction, and `attndbg check` over them.
 
     python bench/server_sweep.py make -o DIR --steps 1000 --seed 0 [--jobs N]
     python bench/server_sweep.py run DIR --backend triton,flashinfer,fa3,mla [--cuda-graph] [--jobs auto] --json OUT.json

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# --timeline on the GPU (issue 25): the enclosure test, timeline files of a replay, and the cost.
+# --timeline on the GPU: the enclosure test, timeline files of a replay, and the cost.
 #
 # Here (the CPU machine), once: wheels for the device, cupti-python among them (resolved to
 # cupti_python-13.0.1 for the CUDA 13.0 driver; the image already has cuda-bindings and
@@ -28,7 +28,7 @@ if [ "$what" = test ]; then
   exit 0
 fi
 
-# steps: the cost per step alone (issue 25 bounds it): one warm process each (bench/check_profile.py
+# steps: the cost per step alone (the bound that matters): one warm process each (bench/check_profile.py
 # --no-profile: 30 steps to warm up, then 60 steps twice, the second pass timed step by step), plain,
 # with --timeline, and with BEFORE's --timeline, alternating; REC and BACKENDS as for `cost`.
 if [ "$what" = steps ]; then
@@ -70,7 +70,7 @@ run() { local s=$EPOCHREALTIME; timeout 110 ${ATTNDBG:-attndbg} check "$rec" --b
   done
   # Per step or per process? The same on a quarter of the steps and the same 4 workers (--jobs auto
   # gives 200 steps 4): what --timeline adds to both lengths alike is start-up (CUPTI in each
-  # worker, the parent's merge), what grows with the steps is the per-step cost issue 25 bounds.
+  # worker, the parent's merge), what grows with the steps is the per-step cost.
   # (With BEFORE, once: that call's question is before against after.)
   for i in $(seq 1 $([ -n "${BEFORE:-}" ] && echo 1 || echo 2)); do
     echo "plain, steps 0-49, --jobs 4, $i:      $(run --jobs 4 --steps 0:50)"

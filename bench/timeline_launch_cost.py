@@ -1,4 +1,4 @@
-"""What `--timeline`'s collection costs per kernel launch, on the GPU, in isolation (issue 25): a
+"""What `--timeline`'s collection costs per kernel launch, on the GPU, in isolation: a
 loop of small kernel launches inside one attndbg range, timed without a collector, with CUPTI's
 buffers read as memory (timeline/buffers.py), and through cupti-python's record objects (the
 collector's fallback, forced here); each in a fresh process (CUPTI is per process). Each run also

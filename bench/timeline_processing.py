@@ -1,4 +1,4 @@
-"""The Python side of `--timeline`, timed on the CPU from a real timeline file (issue 25).
+"""The Python side of `--timeline`, timed on the CPU from a real timeline file.
 
 A `--timeline` file keeps the records it placed (ranges, kernels, their launch calls), so they can
 be rebuilt as the collector's records (`records_from_chrome`) and pushed through what runs after
@@ -9,7 +9,7 @@ to reach a server-shaped run's size (the 200-step cost run placed 84,875 kernels
 a cost that grows with a process's ranges times its kernels is ~4x smaller there than in the 2
 processes of a scaled check_traces_jobs2.json).
 
-    python bench/timeline_processing.py /tmp/timeline_gpu_session8/check_traces_jobs2.json --scale 60
+    python bench/timeline_processing.py OUT/check_traces_jobs2.json --scale 60
     python bench/timeline_processing.py      # no file: tests/timeline/data's records, scaled to --kernels 85000
 
 Without a file, the records are the trimmed real ones of tests/timeline/data (a check worker's

@@ -1,4 +1,4 @@
-"""What a check worker pays once, before its steps run at their steady pace (issue 24).
+"""What a check worker pays once, before its steps run at their steady pace.
 
 The server mix at 1,000 steps took 74-86 s with 8 workers on an H200 (16 cores), 5,000 steps 193 s:
 ~27 ms a step, and ~50 s that do not grow with the steps. This splits a fresh process's fixed cost:
@@ -27,7 +27,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recording")
     parser.add_argument("--backend", default="triton,flashinfer,fa3")
-    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--out", default="out/bench")
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
     lines: list[str] = []
@@ -79,7 +79,7 @@ def main() -> int:
     stats = pstats.Stats(profiler, stream=text)
     stats.sort_stats("cumulative").print_stats(50)
     stats.sort_stats("tottime").print_stats(25)
-    # Who pays the one-off costs (session 12: torch.library.impl 5.6 s, bytecode compiles 3.2 s).
+    # Who pays the one-off costs (on an H200: torch.library.impl 5.6 s, bytecode compiles 3.2 s).
     stats.print_callers(r"library.py.*\(impl\)|_register_to_dispatcher|builtins.compile")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
-"""Where a multi-worker check's wall time goes: start-up, steps, waiting, tail (issue 24).
+"""Where a multi-worker check's wall time goes: start-up, steps, waiting, tail.
 
-Session 12 (bench/results/gpu_session12.md) found ~59 s of a 1,000-step server-mix check that does
+An H200 run (2026-11-26) found ~59 s of a 1,000-step server-mix check that does
 not grow with the steps (5,000 steps took 2.2x the time of 1,000), while one worker's own start-up
 (worker_startup.py) is ~15-20 s. This runs the check's worker pool as `attndbg check` does (same
 workers, order, window and kernel-shapes-first dispatch) with a check function that logs, in each
@@ -17,7 +17,7 @@ worker, when each step started and ended, and reports per worker:
 With --cli, the pool is the one `attndbg check REC --backend ...` runs (the command itself, in a
 child process, its pool's check function swapped for the logging one), and the command's wall time
 is split too: start-up (interpreter and imports, to the command's first line), before the pool
-(reading the recording, the kernel shapes), the pool, and after it (the report). Session 13: this
+(reading the recording, the kernel shapes), the pool, and after it (the report). On an H200 this
 script's pool took 47 s of 1,000 steps where the command took 63 s.
 """
 
@@ -75,7 +75,7 @@ def main() -> int:
     parser.add_argument("--backend", default="triton,flashinfer,fa3")
     parser.add_argument("--jobs", type=int, default=None, help="workers (default: as --jobs auto)")
     parser.add_argument("--cuda-graph", action="store_true")
-    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--out", default="out/bench")
     parser.add_argument("--tag", default="")
     parser.add_argument("--cli", action="store_true", help="time `attndbg check` itself (see above)")
     args = parser.parse_args()

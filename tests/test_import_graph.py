@@ -1,4 +1,4 @@
-"""No import cycle between attndbg's top-level packages (issue 23; DESIGN.md "Layout": nothing
+"""No import cycle between attndbg's top-level packages (DESIGN.md "Layout": nothing
 imports upward, no two packages import each other).
 
 The rule, computed from the source with `ast` (nothing is imported):
@@ -34,7 +34,7 @@ BACKENDS = ROOT / "backends"
 # when such an edge is gone too, so the entry goes with it.
 KNOWN_EDGES = {
     # profiling.phase starts the timeline's CUPTI collection in a check worker by importing
-    # attndbg.timeline.worker by name (issue 25), and the timeline observes profiling's phases: the
+    # attndbg.timeline.worker by name, and the timeline observes profiling's phases: the
     # worker start-up (checks/workers.py, above both) could attach it instead.
     ("profiling", "timeline"): "attndbg/profiling.py: importlib.import_module('attndbg.timeline.worker')",
 }
@@ -149,7 +149,7 @@ def test_no_import_cycle_between_top_level_packages() -> None:
 
 
 # The built-in adapters may share helpers (backends/flashinfer_runtime.py, plan_view.py, ...) but not
-# import each other (issue 23, item 5), except where one adapter runs another by composition.
+# import each other, except where one adapter runs another by composition.
 ADAPTER_EDGES = {
     ("mla", "triton"): "mla's impl=triton is the triton adapter, held as MLABackend._triton and delegated to",
 }

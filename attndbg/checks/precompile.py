@@ -1,4 +1,4 @@
-"""Compile a recording's FlashInfer modules before its first step is checked, all at once (issue 24, item 1).
+"""Compile a recording's FlashInfer modules before its first step is checked, all at once.
 
 Kernel libraries that compile on first use (FlashInfer: 7-60 s a module, minutes for some) made a
 fresh machine's first `check` wait minutes, one module after another, as each step reached one. Here,
@@ -11,7 +11,7 @@ before the steps are handed out, in one pass and one build:
    paged extend paths). Nothing runs: naming a module costs microseconds;
 2. the modules not on disk are built together, on every core, each by its own ninja in its own build
    directory as FlashInfer builds it (`flashinfer_jit.build`), with a line per module as it lands.
-   Until session 10 they were built by one ninja over all of them, and ninja's log then lived where
+   They were once built by one ninja over all of them, and ninja's log then lived where
    FlashInfer's first load does not look: the check rebuilt every module a second time (H100: 41
    modules, 818 s up front, then the whole first slice of the sweep spent compiling them again).
 
@@ -22,14 +22,14 @@ are not compiled here: they compile on first use in the check's workers, into th
 Opt-in (`attndbg compile`, `check --compile-first`) until measured on a GPU. Its earlier form found
 the modules by running: it checked one step of each kernel shape with FlashInfer's loads watched,
 built what those looks noted, and looked again, since a failed call hid the modules it would have
-loaded next. On an H200 (bench/results/server_sweep_h200_session8.md) that did not pay: over
+loaded next. On an H200 (2026-11-26) that did not pay: over
 bench/server_sweep.py's 182 kernel shapes, pass 1 in 8 workers and the 34 modules it noted (built in
 211 s in one ninja), then pass 2 over 155 shapes, unfinished after 1,090 s in two device calls, against
 521 s for the whole eager check once the modules were on disk. A look cost a whole check of a step
 (every backend and detector, Triton compiling for real). bench/flashinfer_module_names.py compares
 what this form declares for that recording with what the looks noted. This form, measured on a fresh
-H200 (bench/results/gpu_session11.md): a 4-step recording's verdict in 176 s against 242 s without
-it, and no module rebuilt by the checks after it.
+H200 (docs/benchmarks.md, "The compile phase and cold start"): a 4-step recording's verdict in
+176 s against 242 s without it, and no module rebuilt by the checks after it.
 
 When it runs: `check` decides from what FlashInfer's cache holds (`worth_compiling`). One step of
 each kernel shape (the steps check's workers take first) names its modules, and those not on disk

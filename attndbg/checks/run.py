@@ -314,7 +314,7 @@ SHAPE_SAMPLE = 32
 # --jobs auto. Each worker loads every kernel module itself (seconds, more with FlashInfer), so a
 # worker is worth it only with enough steps to spread: one per this many steps. At most this many
 # workers per GPU: on an H100, 8 workers checked 1,000 decode steps in 50 s against 77 ms a step
-# in one process (bench/results/check_scale_h100.md); beyond that they wait on one another.
+# in one process (docs/benchmarks.md, "Checking 1,000 decode steps"); beyond that they wait on one another.
 STEPS_PER_WORKER = 50
 WORKERS_PER_GPU = 8
 

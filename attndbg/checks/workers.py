@@ -154,7 +154,7 @@ def _stop(workers: list[_Worker]) -> None:
     """End every worker: all are asked first, then awaited against one deadline, so their exits
     (interpreter, CUDA context and kernel modules torn down: about a second each on an H200) run at
     once. Stopped one after another, they were the last ~8 s of a 1,000-step check of 8 workers
-    (bench/worker_utilisation.py, session 13: every worker idle for its last 8-9 s)."""
+    (bench/worker_utilisation.py on an H200: every worker idle for its last 8-9 s)."""
     for worker in workers:
         worker.ask_to_stop()
     deadline = time.monotonic() + STOP_TIMEOUT_S

@@ -1,4 +1,4 @@
-"""Diagnosis by reproduction (issue 13): a library of mistake models, each our own float64 math of
+"""Diagnosis by reproduction: a library of mistake models, each our own float64 math of
 one known engine mistake, and `diagnose`, which names the ones that reproduce an engine's output.
 
     split_models  LSEs in the wrong base (split-KV merge; prefix + new-token merge), empty splits

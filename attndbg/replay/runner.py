@@ -211,7 +211,7 @@ _ANNOUNCED: set[tuple] = set()
 PREBUILT_VARIABLE = "ATTNDBG_KERNELS_PREBUILT"
 # How long a kernel shape's first runs in a process may take before the note says why. Warm disk
 # caches load in milliseconds: said up front, the note repeated ~270 times per process on a server
-# recording whose kernels were all on disk (bench/results/server_sweep_h200_session8.md).
+# recording whose kernels were all on disk (bench/server_sweep.py on an H200).
 FIRST_USE_NOTE_AFTER_S = 5.0
 
 

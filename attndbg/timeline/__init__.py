@@ -1,4 +1,4 @@
-"""A timeline without nsys (`--timeline FILE`, issue 25): attndbg's ranges and the kernels they
+"""A timeline without nsys (`--timeline FILE`, docs/timeline.md): attndbg's ranges and the kernels they
 launched, from CUPTI activity records, as a Chrome trace-event file.
 
     records.py       CUPTI's records copied into named tuples (one per kernel) and frozen dataclasses

@@ -5,7 +5,7 @@ records' offsets, for `convert.Converter.convert_buffer` to read with cupti-pyth
 Why not cupti-python's `activity_register_callbacks`: it builds a Python object for every record
 of a buffer (numpy record views, a few each) before its callback sees the list. On the H200's
 server mix that was 390,174 numpy `__array_finalize__` and 2.15 M `__getattribute__` calls in one
-worker's 60 steps (bench/results/gpu_session14.md), most of what `--timeline` still costs after
+worker's 60 steps (bench/check_profile.py inside --timeline), most of what `--timeline` still costs after
 attndbg stopped reading the records' attributes. Here a record costs one `cuptiActivityGetNextRecord`
 call (which knows each kind's size, whatever struct version CUPTI writes) and one unpack.
 

@@ -10,7 +10,7 @@ is open, so every API call made in it is tied to it by CUPTI itself (`matching.p
 
 NVTX reaches CUPTI only through `NVTX_INJECTION64_PATH`, read by NVTX at the process's first NVTX
 call, and it must name the very libcupti.so that cupti-python loaded: torch's environment ships its
-own copy, and naming the system one gave zero range records (measured on the H100, issue 25). So
+own copy, and naming the system one gave zero range records (measured on the H100). So
 the path is taken from this process's mappings (/proc/self/maps) once CUPTI is loaded, and set
 before the first phase pushes its range.
 

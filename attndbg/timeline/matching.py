@@ -1,7 +1,7 @@
 """Which attndbg range launched each kernel, judged on the launch, never on GPU time.
 
 A kernel runs after its range may have closed (without a sync, only 1-2 of 6 replayed kernels had
-finished when their range popped: measured on the H100, issue 25), so "range encloses kernel" is
+finished when their range popped: measured on the H100), so "range encloses kernel" is
 decided where the kernel was launched: the kernel record carries the correlation id of the API call
 that launched it, and CUPTI's external-correlation record of that call names the attndbg range
 whose id was pushed on the thread at the time (`cuptiActivityPushExternalCorrelationId`). Every

@@ -5,7 +5,7 @@ up their summaries and joins their texts.
 Why: done one after another in the command's own process, after its work, this is what a
 `--timeline` check waits for last. On the H200, `check --timeline` of 200 server-shaped steps
 (104,679 kernels in 4 workers' files) spent 4.4 s of its 31 s there, serially: reading the files
-1.6 s, matching 1.1 s, the trace events 1.2 s (cProfile of the command, session 14).
+1.6 s, matching 1.1 s, the trace events 1.2 s (cProfile of the command).
 
 Two rounds, so that the file is the very text one process writes (`chrome.event_parts`): each
 helper reads and matches its file and answers, per process, its kernels' names, its earliest time,

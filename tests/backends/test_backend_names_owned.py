@@ -1,5 +1,5 @@
 """What the code knows about a backend lives in backends/: no backend name is written as a string in
-attndbg/checks, attndbg/detectors, attndbg/trace or attndbg/replay (issue 12). A line may keep one
+attndbg/checks, attndbg/detectors, attndbg/trace or attndbg/replay. A line may keep one
 only with a comment saying why ("names a backend: ..." or "not a backend name: ..."); the test reads
 string tokens, so names in comments and docstring prose are free, but a whole string equal to a name
 is not."""

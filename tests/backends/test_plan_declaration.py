@@ -1,4 +1,4 @@
-"""One plan declaration per adapter (issue 23): each adapter declares its plan in one method,
+"""One plan declaration per adapter: each adapter declares its plan in one method,
 `plan_declaration`, and the guard's strict view and the detectors' lenient layout are both derived
 from it (backends/plan_declaration.py), so the two can no longer drift apart."""
 

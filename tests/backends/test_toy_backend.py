@@ -1,5 +1,5 @@
 """A backend added as one file (tests/backends/toy_backend.py) and one registry line (the fixture
-below) is picked up everywhere (issue 12): `attndbg backends` lists it and what it declares,
+below) is picked up everywhere: `attndbg backends` lists it and what it declares,
 `attndbg replay` runs its kernels and compares them with the float64 reference, and `attndbg
 check` reads a plan the toy engine recorded through the toy's own plan view and layout (an
 out-of-cache block id is a finding and is never launched) and judges its graph padding by the toy's

@@ -1,5 +1,5 @@
 """A configuration the library cannot build or run is reported as unsupported with its reason,
-not as an error row (issue 15, point 5).
+not as an error row.
 
 FlashInfer is not installed on this CPU machine, so its JIT failure is tested as a classification
 of the exception its builder raises (the text below is what flashinfer/jit/cpp_ext.py's run_ninja

@@ -1,4 +1,4 @@
-"""bench/worker_utilisation.py's split of a worker pool's wall time (issue 24's start-up question)."""
+"""bench/worker_utilisation.py's split of a worker pool's wall time: how much of it is start-up."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """batch-invariance detector: a request's output must not change when it runs alone or in half of
-its batch (issue 13, item 4).
+its batch.
 
 Clean steps run through our real Triton kernels, whose plans do change with the batch (SGLang's
 split heuristic picks other num_kv_splits for a request alone): the tolerance absorbs that, and the

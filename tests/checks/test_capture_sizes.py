@@ -1,5 +1,5 @@
-"""invariants against the sizes the engine captured its CUDA graphs with (`Trace.capture`, issue 13
-item 3): a step that fits exactly is clean; one element past any captured size is one finding
+"""invariants against the sizes the engine captured its CUDA graphs with (`Trace.capture`): a
+step that fits exactly is clean; one element past any captured size is one finding
 naming the check, the field and its first bad element, with the numbers."""
 
 from __future__ import annotations

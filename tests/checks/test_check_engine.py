@@ -170,7 +170,7 @@ def test_clean_check_with_a_named_backend_that_cannot_run_is_not_a_pass(tmp_path
 def test_backend_all_names_what_did_not_run_and_is_not_incomplete(tmp_path: Path) -> None:
     """`--backend all` means "whatever runs here", as in replay: a backend that cannot run on this
     machine (vLLM not installed, no GPU) is said on the verdict line and in the JSON, and a clean check
-    exits 0, not 3 (session 16: every `check --backend all` on the H200 exited 3 for vllm_paged)."""
+    exits 0, not 3 (on an H200 without vLLM, every `check --backend all` once exited 3 for vllm_paged)."""
     path = io.save(make_trace("decode-mha", *SMALL, plan=True), tmp_path / "t.pt")
     report = tmp_path / "r.json"
     result = CliRunner().invoke(main, ["check", str(path), "--only", "invariants", "--backend", "all", "--json", str(report)])

@@ -1,4 +1,4 @@
-"""Crash isolation for every launch a step makes, not only the runner's (issue 21, item 5): a CUDA
+"""Crash isolation for every launch a step makes, not only the runner's: a CUDA
 fault in a detector's own work (inside a launch it announces, in its own code, or swallowed by it)
 is one backend-crash finding on its own step, and the poisoned worker never takes another step.
 The fault is simulated (tests/checks/cuda_fault_detector.py: a context that stays poisoned in its
@@ -160,7 +160,7 @@ def illegal_backend(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_a_kernel_fault_the_adapter_wraps_as_a_kernel_error_still_ends_the_worker(illegal_backend, tmp_path: Path) -> None:
-    """Before issue 21 the runner reported such a KernelError as the backend's error on the step and
+    """The runner once reported such a KernelError as the backend's error on the step and
     the worker went on with its poisoned context; now the step gets the crash, and the later steps,
     taken by a fresh worker, compare the backend normally."""
     rec = _recording(tmp_path / "rec")

@@ -290,7 +290,7 @@ def test_zero_fill_nan_padded_rows_leak_into_real_rows(monkeypatch: pytest.Monke
 
 @pytest.mark.parametrize("engine,engine_backend", [("vllm", "TRITON_ATTN"), ("sglang", "flashinfer")])
 def test_a_backend_the_engine_did_not_run_is_replayed_only_with_its_own_fill(monkeypatch: pytest.MonkeyPatch, engine: str, engine_backend: str) -> None:
-    """Issue 21's server sweep: a vLLM TRITON_ATTN step (padded with seq_len 0) got 'flashinfer graph
+    """Seen in a server sweep: a vLLM TRITON_ATTN step (padded with seq_len 0) got 'flashinfer graph
     replay ... padded seq_len 0: NaN in the padded rows': a kernel the engine never ran, under a padding
     its own engine never gives it. The Triton kernels here NaN an empty row as the test above shows;
     replayed for a step another backend ran, they get Triton's own fill (1) only: no finding."""

@@ -1,4 +1,4 @@
-"""An incomplete plan is not an unsafe plan (issue 21, item 4).
+"""An incomplete plan is not an unsafe plan.
 
 A recorded plan missing a scalar or tensor its backend's layout declares (SGLang's FlashInfer decode
 plan as the recorder writes it has no window_left; FA3's has no verify_path) cannot be read. It is

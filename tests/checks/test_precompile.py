@@ -1,4 +1,4 @@
-"""check's compile phase (checks/precompile.py, issue 24 item 1): which steps it reads, what it does
+"""check's compile phase (checks/precompile.py): which steps it reads, what it does
 where nothing can be compiled, and one build with progress. What each adapter declares:
 tests/backends/test_flashinfer_modules.py; declared modules built, then loaded by a check without a
 build: tests/gpu/test_precompile.py."""
@@ -79,7 +79,7 @@ def _module_ninja_has_work(module: flashinfer_jit.Unbuilt) -> str:
 
 @pytest.mark.skipif(shutil.which("ninja") is None, reason="ninja is not installed")
 def test_modules_are_built_so_that_flashinfers_own_ninja_finds_them_up_to_date(tmp_path: Path) -> None:
-    """Session 10 on an H100: modules built by one combined ninja (run in the JIT directory) were all
+    """Seen on an H100: modules once built by one combined ninja (run in the JIT directory) were all
     rebuilt by the check's first load, since ninja's log lived in the wrong directory. Each module's
     own ninja must now find nothing to do, and a module with several objects gets that many jobs."""
     jit = tmp_path / "cached_ops"

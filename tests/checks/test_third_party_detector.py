@@ -1,6 +1,6 @@
 """A detector is one package: a toy one, written here, registered through ATTNDBG_DETECTORS or an
 entry point, is run by `check --only`, planted by `synth --inject`, and listed by `check --help` and
-`synth --list` (issue 12, item 3)."""
+`synth --list`."""
 
 from __future__ import annotations
 

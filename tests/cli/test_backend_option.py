@@ -1,5 +1,5 @@
 """`--backend-option NAME.FIELD=VALUE` on replay and check: parsed from each backend's options
-dataclass, bad input named in one line, and the options reaching the backends that run (issue 12)."""
+dataclass, bad input named in one line, and the options reaching the backends that run."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """record, bench, show and synth at the command line: refused directories, noted layers, typos
-before the GPU, show --json, and error wording (issue 11, items 4, 5, 12, 13)."""
+before the GPU, show --json, and error wording."""
 
 from __future__ import annotations
 

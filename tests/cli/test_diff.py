@@ -1,5 +1,5 @@
 """`attndbg diff`: saved replays (digits, scale, bad pairs, different traces), recordings step by
-step, and the options that only one kind takes (issue 11, items 4, 8, 11, 12)."""
+step, and the options that only one kind takes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""--version, --help and synth --list answer without importing torch (issue 11, item 15)."""
+"""--version, --help and synth --list answer without importing torch."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The layering of attndbg/compare/__init__.py: compare (formats, result types) sits below the
 runner (replay), which sits below whatever judges or renders its results. An import the other way
-is the replay <-> compare cycle of issue 12 coming back; read every import, lazy ones included."""
+is the old replay <-> compare cycle coming back; read every import, lazy ones included."""
 
 from __future__ import annotations
 

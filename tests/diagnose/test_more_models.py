@@ -1,4 +1,4 @@
-"""Diagnosis by reproduction, the mistakes added for issue 13: each made by its real mechanism (our
+"""Diagnosis by reproduction, more mistakes: each made by its real mechanism (our
 Triton kernels given the wrong plan, mask, split count or metadata; a float64 engine written here
 where no kernel of ours has the path), attributed to its own model and to no other.
 """

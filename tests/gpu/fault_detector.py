@@ -7,7 +7,7 @@ Every step it allocates on the GPU and synchronises, so a step taken by a proces
 poisoned fails in it. On the step numbered ATTNDBG_TEST_FAULT_STEP it faults the way
 ATTNDBG_TEST_FAULT says: `launch` inside a launch it announces (as triton, the runner's way),
 `kernel` in its own code, not announced and not synchronised (the fault surfaces later, as in
-split-merge's own launch on the H100, issue 21), `assert` a device-side assert, not announced,
+split-merge's own launch on the H100), `assert` a device-side assert, not announced,
 `merge` in split-merge's stage-2 probe, launched through the runner's `merge` (our stage 2 swapped,
 in this process only, for a kernel that reads far past its tensors)."""
 

@@ -1,4 +1,4 @@
-"""Crash isolation on a real GPU (issue 15): a backend whose kernel makes an illegal memory access
+"""Crash isolation on a real GPU: a backend whose kernel makes an illegal memory access
 poisons its process's CUDA context. `attndbg check` runs kernels in worker processes: the step gets
 a backend-crash finding naming the backend, the variant and the CUDA error, the step is checked
 again without that backend (the Triton run still compares), and the other steps go on."""

@@ -1,4 +1,4 @@
-"""Crash isolation for a detector's own launch on a real GPU (issue 21, item 5): on the H100 an
+"""Crash isolation for a detector's own launch on a real GPU: on the H100 an
 illegal memory access in split-merge's own launch poisoned its worker's CUDA context, and the next
 4 steps that worker took came back "not checked: ... illegal memory access". Here a test detector
 (tests/gpu/fault_detector.py) really poisons the context on step 1 of a 4-step recording (in its

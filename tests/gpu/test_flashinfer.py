@@ -336,7 +336,7 @@ def test_graph_state_refuses_an_unpadded_plan():
 
 def test_decode_at_head_dim_80_is_a_declared_defect_not_a_failure_or_a_fault() -> None:
     """FlashInfer 0.7.2's decode at head_dim 80 is wrong on CUDA cores and faults on tensor cores
-    (bench/results/flashinfer_head_dims_h100.txt): replay reports it unsupported with that reason."""
+    (docs/benchmarks.md): replay reports it unsupported with that reason."""
     from attndbg.backends.flashinfer import decode_head_dim_defect
 
     trace = spec_trace("decode-mha", "kv_lens=37,91", "heads=4:4", "head_dim=80", "page_size=1")
@@ -358,7 +358,7 @@ SERVER_CASCADE_SHAPES = [
 
 @pytest.mark.parametrize("shape", SERVER_CASCADE_SHAPES, ids=lambda s: "-".join(w.split("=")[1] for w in s))
 def test_cascade_is_right_while_the_gpu_is_still_busy(shape, record_property):
-    """The shapes of issue 21's false cascade-vs-single-pass findings (rows past the first 128-row
+    """The shapes of the false cascade-vs-single-pass findings once seen on server shapes (rows past the first 128-row
     tile inf; decode rows of mixed steps off by 1e-2), through the adapter's cascade while the GPU
     lags the host as in a check worker (0.3 s of work queued ahead of the plans, each wrapper made,
     planned and dropped per call: the case wait_for_pending_plans guards). Passed on the H100, as

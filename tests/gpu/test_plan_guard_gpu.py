@@ -1,6 +1,6 @@
 """On the device: a hostile recorded plan is refused before any kernel sees it (an fa3 page table
 pointing 10**9 pages into the cache would read arbitrary device memory), and a kernel FlashInfer
-cannot compile is reported as unsupported with the compiler's reason (issue 15)."""
+cannot compile is reported as unsupported with the compiler's reason."""
 
 from __future__ import annotations
 

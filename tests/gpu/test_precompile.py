@@ -59,7 +59,7 @@ def test_declared_modules_are_built_and_the_check_loads_nothing_else(tmp_path: P
 def test_compile_command_then_check_compiles_nothing(tmp_path: Path) -> None:
     """`attndbg compile` on a fresh cache (modules declared, built at once), then `check` of the same
     steps: the check rebuilds nothing (no library is rewritten: FlashInfer's own ninja, run at the
-    first load, found every module up to date; it rebuilt them all in session 10 and, the libraries
+    first load, found every module up to date; it once rebuilt them all and, the libraries
     being there, said nothing), and a second `compile` has nothing to do."""
     from attndbg.trace import io, synth
 

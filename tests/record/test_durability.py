@@ -1,5 +1,5 @@
 """A recording survives its recorder being killed: steps are renamed into place whole, and a
-manifest line cut by the kill is not a step (issue 15, "recording durability")."""
+manifest line cut by the kill is not a step."""
 
 from __future__ import annotations
 

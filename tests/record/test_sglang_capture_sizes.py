@@ -1,4 +1,4 @@
-"""What SGLang sized at CUDA-graph capture, recorded with a graph replay (issue 13, item 3).
+"""What SGLang sized at CUDA-graph capture, recorded with a graph replay.
 
 The replay view comes from SGL-new's real `build_replay_fb_view` (wrapped as the recorder wraps
 it) over the decode runner's static buffers of max_bs = 8 rows; the Triton backend is SGLang's

@@ -1,5 +1,5 @@
 """A CUDA-graph padded SGLang speculative VERIFY step with its VerifyMask, recorded through the
-installed hooks (issue 14): SGL-new's real `build_replay_fb_view` builds the padded view, a
+installed hooks: SGL-new's real `build_replay_fb_view` builds the padded view, a
 subclass of the real TritonAttnBackend refills its graph buffers as SGLang 0.5.23's
 `_update_target_verify_buffers` does (triton_backend.py: qo_indptr = arange(0, (bs+1)*n, n),
 kv_indptr/cuda_graph_kv_indices over the padded seq_lens, the step's mask copied into the head of

@@ -1,4 +1,4 @@
-"""One plan contract between the SGLang recorder and the checker (issue 21, item 3): per (backend,
+"""One plan contract between the SGLang recorder and the checker: per (backend,
 mode, eager or graph-padded), the metadata SGLang's backend holds -> the recorder's own reader
 (`plan_from_backend` with the recorded layer's Model, as `record_step` calls it) -> a saved trace ->
 `attndbg check`: no finding on correct metadata, the planted mistake named on wrong metadata.

@@ -1,4 +1,4 @@
-"""The vLLM recorder keeps the evidence (issue 14): a mistake planted in vLLM's own
+"""The vLLM recorder keeps the evidence: a mistake planted in vLLM's own
 CommonAttentionMetadata is recorded through the installed hook on vLLM's real
 TritonAttentionMetadataBuilder, never refused, and `check` names it with its class and location;
 the same step without the mistake (CUDA-graph padded steps included) has no finding at all.

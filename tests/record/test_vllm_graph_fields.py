@@ -1,5 +1,4 @@
-"""vLLM's CUDA-graph padding recorded as vLLM fills it, and the capture sizes its config gives
-(issue 13, items 2 and 3).
+"""vLLM's CUDA-graph padding recorded as vLLM fills it, and the capture sizes its config gives.
 
 Steps are vLLM 0.33's real `CommonAttentionMetadata` padded the way its FULL-graph runner pads
 (2 decodes padded to 4 rows: query_start_loc's tail repeats its last entry, padded block-table

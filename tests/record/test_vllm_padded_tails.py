@@ -1,5 +1,5 @@
 """vLLM's padded query offsets and block-table rows, recorded through vLLM 0.33's real
-`CommonAttentionMetadata` and builder hook (issue 13, item 2), judged once, by the detector that
+`CommonAttentionMetadata` and builder hook, judged once, by the detector that
 owns them (invariants reads the engine's own query_start_loc and block table, padded rows
 included; fill-value the padded seq_lens and slots): vLLM's own padding (query_start_loc's tail
 repeating its last entry, null block 0, seq_len 0) is clean; a -1 block-table fill is clean while

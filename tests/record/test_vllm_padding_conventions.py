@@ -1,5 +1,5 @@
 """vLLM 0.33's CUDA-graph padding, recorded through the vLLM adapter, judged by the kernel that
-consumes it (issue 13, item 2).
+consumes it.
 
 The steps are vLLM's real `CommonAttentionMetadata`, padded the way vLLM 0.33's runner pads a
 FULL-CUDA-graph step (`GPUModelRunner._build_attention_metadata` and `_prepare_inputs`): the

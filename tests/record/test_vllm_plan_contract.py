@@ -1,4 +1,4 @@
-"""One plan contract between the vLLM recorder and the checker (issue 21, item 3), for the builders
+"""One plan contract between the vLLM recorder and the checker, for the builders
 the hook wraps that build on the CPU beside TRITON_ATTN (test_vllm_evidence.py): vLLM 0.33's real
 `FlashAttentionMetadataBuilder` (FLASH_ATTN), constructed with a real VllmConfig and a real
 FullAttentionSpec, its `build` called through the installed hook on real CommonAttentionMetadata,

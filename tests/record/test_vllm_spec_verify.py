@@ -1,4 +1,4 @@
-"""A vLLM speculative verify step recorded through the installed hook (issue 14): vLLM's real
+"""A vLLM speculative verify step recorded through the installed hook: vLLM's real
 SpeculativeConfig (ngram, 3 speculative tokens) in a real VllmConfig, vLLM's real
 TritonAttentionMetadataBuilder built from it (it sizes its 3-D softmax scratch by the verify query
 length, 1 + num_speculative_tokens), and a real CommonAttentionMetadata laid out as vLLM's runner

@@ -1,7 +1,7 @@
 """fa3's two-call tree verify, recorded at a CUDA-graph replay: its plan is padded to the capture
 size in both calls (the expand_ call has one row per draft token), and replayed eagerly it must
 keep the real requests' rows of both; a plan whose calls end short of the step's query rows is
-refused, not launched into the merge (issue 15, point 1). The fa3 kernels do not run on a CPU;
+refused, not launched into the merge. The fa3 kernels do not run on a CPU;
 its plans and plan view are plain torch."""
 
 from __future__ import annotations

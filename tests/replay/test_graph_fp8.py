@@ -1,4 +1,4 @@
-"""The graph harness writes this step's K/V into an fp8 cache (issue 15: `index_copy_` has no fp8
+"""The graph harness writes this step's K/V into an fp8 cache (`index_copy_` has no fp8
 kernel, on the GPU or the CPU, and graph replay of fp8-KV steps died with a traceback)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`--max-memory`: a step whose data would need more than the bound is refused before allocating,
-with the number and the field that makes it big (issue 15, "resource bounds"); the same step under
+with the number and the field that makes it big; the same step under
 a larger bound, and the small steps beside it, still replay and check."""
 
 from __future__ import annotations

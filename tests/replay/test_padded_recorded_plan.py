@@ -1,7 +1,7 @@
 """A plan recorded at a CUDA-graph replay covers the capture size's requests, padding included.
 Replayed eagerly it must run on the real requests only: launched as recorded, the padded requests
 read query rows that do not exist (an abort in the Triton interpreter, an illegal memory access on
-a GPU; issue 15's first report)."""
+a GPU)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every recorded plan form is guarded through its backend's plan view (issue 15, point 1).
+"""Every recorded plan form is guarded through its backend's plan view.
 
 For each backend's layout a hostile plan (an index past the KV cache, an offset past the tensor it
 indexes or decreasing, a mask block past the mask) is refused with the exact element named, and

@@ -28,7 +28,7 @@ def test_nothing_is_written_when_piped() -> None:
     assert piped.getvalue() == "" and out.getvalue() == "table\n"
 
 
-# -- check (issue 22, item 4) ------------------------------------------------------------------
+# -- check ------------------------------------------------------------------
 
 import os
 import re

@@ -1,7 +1,7 @@
 """CUPTI-like records of one replay step, built by hand the way the collector copies them:
 triton's eager run and a graph replay (captured with 2 kernels, replayed for a decoy batch and the
 real one), plus the NVTX markers nsys would see. GPU times are deliberately late: every kernel ends
-after its range closed, as on the GPU without a sync (issue 25), so only the launch can place it."""
+after its range closed, as on the GPU without a sync, so only the launch can place it."""
 
 from __future__ import annotations
 

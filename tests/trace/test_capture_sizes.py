@@ -1,4 +1,4 @@
-"""The trace's capture sizes and engine-neutral graph fields (issue 13, items 2 and 3): they round
+"""The trace's capture sizes and engine-neutral graph fields: they round
 trip through the file, traces written without them load unchanged, and a bad stored value is one
 `error:` line naming the file, the field and its first bad element, exit 2."""
 

@@ -1,4 +1,4 @@
-"""Hostile torch archives an independent fuzzer found (issue 22): each is one `error:` line and exit 2
+"""Hostile torch archives an independent fuzzer found: each is one `error:` line and exit 2
 in every command, refused before torch.load builds anything (trace/archive.py), and a file name
 with a newline is printed escaped."""
 

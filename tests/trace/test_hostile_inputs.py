@@ -1,4 +1,4 @@
-"""Inputs the fuzzer found breaking the bad-input contract (issue 15): each is now one `error:` line
+"""Inputs the fuzzer found breaking the bad-input contract: each is now one `error:` line
 naming the field, exit 2, with no traceback and without allocating what the file claims."""
 
 from __future__ import annotations

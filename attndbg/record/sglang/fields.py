@@ -1,6 +1,6 @@
 """Every SGLang field attndbg's detectors read: where each runner gives it, whether the adapter
-records it, where it lands in the trace, and which detector reads it (issue 14: a detector that
-reads a field must be fed by every adapter that can record it).
+records it, where it lands in the trace, and which detector reads it (a detector that reads a
+field must be fed by every adapter that can record it).
 
 Three ways a step reaches the adapter (engines.md A5, A6):
 - eager (both APIs): `init_forward_metadata(fb)` with a real ForwardBatch;

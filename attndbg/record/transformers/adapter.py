@@ -27,7 +27,7 @@ kernels can fault. At each graph replay the inputs' data pointers are compared w
 
 Tested with transformers 5.20.2 (CI, the oldest supported) and 5.24.0.
 
-Engine fields the detectors use (`TRANSFORMERS_FIELDS` below, as data; issue 14):
+Engine fields the detectors use (`TRANSFORMERS_FIELDS` below, as data):
 
 | engine field | source | trace | read by |
 |---|---|---|---|

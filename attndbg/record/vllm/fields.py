@@ -1,6 +1,6 @@
 """Every vLLM field attndbg's detectors read: where it comes from, how it is recorded, who reads it.
 
-`ENGINE_FIELDS` is the table (issue 14: a detector that reads a field must be fed by the adapter);
+`ENGINE_FIELDS` is the table (a detector that reads a field must be fed by the adapter);
 the recorder takes its trimming rules from it, so the table cannot drift from what is recorded.
 `CommonAttentionMetadata` (vLLM 0.33 `vllm/v1/attention/backend.py`, engines.md B1) is recorded
 *verbatim* under `plan.tensors["common.<field>"]` / `plan.scalars["common.<field>"]`, beside the
