@@ -86,9 +86,9 @@ def check(
     \b
     Examples:
       attndbg synth verify mask_layout=qlen_only_bitpacked --inject tree-mask:bit-order -o bad.pt
-      attndbg check bad.pt --only tree-mask     # exit 1: the big-endian packing, request and row
-      attndbg examples traces && attndbg check traces/decode_gqa.pt --backend triton
-      attndbg check traces --steps 1:3 --only invariants --json check.json
+      attndbg check bad.pt --only tree-mask   # exit 1: names the big-endian packing, the request and row, the expected word
+      attndbg examples traces
+      attndbg check traces --steps 1:3 --only invariants,fill-value --json check.json
     """
     began = time.monotonic()
     from attndbg.checks.run import check_steps, select_paths
@@ -178,7 +178,7 @@ def compile_kernels(target: str, only: str | None, backend_spec: str | None, ste
     \b
     Example:
       attndbg examples traces
-      attndbg compile traces --backend flashinfer     # GPU
+      attndbg compile traces     # GPU: builds the FlashInfer modules the example traces need
     """
     from attndbg import machine
     from attndbg.checks.precompile import precompile

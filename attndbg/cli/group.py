@@ -51,7 +51,8 @@ def main() -> None:
 
     \b
     Example:
-      attndbg synth verify -o verify.pt && attndbg replay verify.pt --backend triton
+      attndbg examples traces
+      attndbg replay traces/verify_tree.pt --backend triton
 
     \b
     Shell completion (bash; zsh_source and fish_source for those shells), in ~/.bashrc:

@@ -77,7 +77,8 @@ def import_fib(workloads: str, out_dir: str, overwrite: bool) -> None:
 
     \b
     Example:
-      attndbg examples traces && attndbg export fib traces -o trace_set
+      attndbg examples traces
+      attndbg export fib traces -o trace_set
       attndbg import fib trace_set/workloads/gqa_paged/gqa_paged_decode_h32_kv8_d128_ps1.jsonl -o rec
     """
     from attndbg.interop.fib import import_workloads
@@ -117,7 +118,8 @@ def export_fib(target: str, out_dir: str) -> None:
 
     \b
     Example:
-      attndbg examples traces && attndbg export fib traces -o trace_set
+      attndbg examples traces
+      attndbg export fib traces -o trace_set
     """
     from attndbg.atomic import output_directory
     from attndbg.interop.fib_export import export_recording

@@ -57,8 +57,9 @@ def replay(
     \b
     Examples:
       attndbg examples traces
-      attndbg replay traces/decode_gqa.pt --backend triton,reference --json out.json
-      attndbg replay traces/verify_tree.pt --backend all --cuda-graph    # GPU: every backend, in a CUDA graph
+      attndbg replay traces/verify_tree.pt --backend triton
+      attndbg replay traces/mixed.pt --backend triton,reference --json out.json
+      attndbg replay traces/verify_tree.pt --backend all --cuda-graph   # GPU: every backend that runs here, in a CUDA graph
       attndbg replay traces/verify_tree.pt --backend fa3 --backend-option fa3.verify_path=two-call   # GPU
     """
     began = time.monotonic()

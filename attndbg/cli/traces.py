@@ -115,7 +115,8 @@ def show(trace: str, json_path: str | None) -> None:
 
     \b
     Example:
-      attndbg examples traces && attndbg show traces/verify_tree.pt
+      attndbg examples traces
+      attndbg show traces/verify_tree.pt
     """
     from attndbg.report.show import render_trace, trace_to_json
     from attndbg.trace import io
@@ -144,9 +145,6 @@ def diff(a: str, b: str, json_path: str | None, pairs: tuple[str, ...]) -> None:
     Examples:
       attndbg synth decode-gqa kv_lens=5,40 -o a.pt && attndbg synth decode-gqa kv_lens=5,41 -o b.pt
       attndbg diff a.pt b.pt     # exit 1: the first differing field
-      attndbg replay a.pt --backend triton --save a.replay
-      attndbg replay a.pt --backend triton --num-kv-splits 1 --save one_split.replay
-      attndbg diff a.replay one_split.replay --pair triton:triton
       attndbg diff rec_a rec_b   # needs two recordings: the first step and field that differ
     """
     from attndbg.compare.saved import is_saved_replay
