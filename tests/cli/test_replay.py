@@ -1,5 +1,5 @@
 """`attndbg replay`: verdicts that say what was compared, which data, --repeat, ignored options,
-JSON to stdout, folders, and a table that fits 80 columns (issue 11, items 1-4, 6, 9, 10, 12, 14)."""
+JSON to stdout, folders, and a table that fits 80 columns."""
 
 from __future__ import annotations
 
