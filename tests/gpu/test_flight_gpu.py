@@ -35,7 +35,7 @@ from attndbg.record.transformers.graphs import graph_step
 from attndbg.trace import io
 from tests.gpu.engines import continuous_batching_missing
 from tests.record import flight_engine
-from tests.record import transformers_generate as live
+from attndbg.examples import transformers_generate as live
 
 pytestmark = pytest.mark.gpu
 

@@ -1,6 +1,6 @@
 """The live test engine with a fault put in on purpose, for the flight recorder's tests.
 
-transformers' continuous batching (transformers_generate.py) with one of two faults at the k-th
+transformers' continuous batching (attndbg/examples/transformers_generate.py) with one of two faults at the k-th
 step that serves real requests (transformers' warm-up steps, `__warmup_*` requests, do not count;
 step 0 is the prefill), put in just before `compute_batch` runs it, so that the hooks see it as
 the engine's own:
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.record import transformers_generate as live  # noqa: E402
+from attndbg.examples import transformers_generate as live  # noqa: E402
 
 PAST_THE_CACHE = 1 << 20  # rows past the token view's end: never a row of the test model's cache
 

@@ -30,7 +30,7 @@ from attndbg.record.session import end_session, start_session  # noqa: E402
 from attndbg.record.transformers import adapter as transformers_cb  # noqa: E402
 from attndbg.trace import io  # noqa: E402
 from tests.record import flight_engine  # noqa: E402
-from tests.record import transformers_generate as live  # noqa: E402
+from attndbg.examples import transformers_generate as live  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(live.__file__)
