@@ -1,6 +1,6 @@
 """The kernels detector on the real libraries (GPU only): every backend that can take a step runs
 it, on every mode, clean steps stay silent, and FlashInfer 0.7.2's decode defect at head_dim 80
-(bench/results/flashinfer_head_dims_h100.txt) is found by `check` itself, named with its release,
+(docs/benchmarks.md) is found by `check` itself, named with its release,
 and reproduced by the finding's repro command alone.
 
 FlashInfer JIT-compiles each kernel on first use (7-60 s): these few steps cost a few minutes cold.
