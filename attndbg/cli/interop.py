@@ -79,7 +79,7 @@ def import_fib(workloads: str, out_dir: str, overwrite: bool) -> None:
     Example:
       attndbg examples traces
       attndbg export fib traces -o trace_set
-      attndbg import fib trace_set/workloads/gqa_paged/gqa_paged_decode_h32_kv8_d128_ps1.jsonl -o rec
+      attndbg import fib trace_set/workloads/gqa_paged/attndbg_gqa_paged_decode_h32_kv8_d128_ps1.jsonl -o rec
     """
     from attndbg.interop.fib import import_workloads
 
