@@ -68,9 +68,10 @@ def record(
     """
     from attndbg.atomic import output_directory
     from attndbg.record.exit_status import command_exit
-    from attndbg.record.launch import missing_layers, prepare_directory, run_recorded
+    from attndbg.record.launch import missing_layers, run_recorded
     from attndbg.record.options import OptionError, RecordOptions, parse_layers, parse_size, parse_steps
     from attndbg.record.triggers import parse_when
+    from attndbg.trace.directory import DirectoryRefused, prepare_directory
 
     known = ("transformers", "sglang", "vllm")
     chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
@@ -102,7 +103,7 @@ def record(
             ring=ring or 0,
             when=tuple(when),
         )
-    except OptionError as e:
+    except (OptionError, DirectoryRefused) as e:
         raise BadInput(str(e)) from None
     try:
         with output_directory(out_dir):  # no step written: no folder left behind

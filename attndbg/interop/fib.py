@@ -23,7 +23,7 @@ from torch import Tensor
 from attndbg.interop.fib_schema import definition_problems, trace_problems
 from attndbg.interop.files import index_tensor, json_lines, load_tensors, read_json
 from attndbg.interop.steps import DUMMY_PAGE_NOTE, StepParts, default_sm_scale, imported_source, layer_from_pool, make_trace, mha_model, off_dummy_page, paged_rows
-from attndbg.record.build import mode_from_lengths
+from attndbg.trace.build import mode_from_lengths
 from attndbg.trace.errors import TraceError
 from attndbg.trace.schema import DTYPES, Q_DTYPES, AttentionKind, ForwardMode, LseBase, Model, Trace
 

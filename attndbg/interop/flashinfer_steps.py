@@ -26,7 +26,7 @@ from attndbg.interop import flashinfer_defaults as defaults
 from attndbg.interop.flashinfer_dump import Call, read_calls
 from attndbg.interop.flashinfer_pairs import Cascade, Kind, Run, pair_runs
 from attndbg.interop.steps import DUMMY_PAGE_NOTE, StepParts, default_sm_scale, off_dummy_page, dtype_name, imported_source, last_page_lengths, layer_from_pool, make_trace, mha_model, paged_rows
-from attndbg.record.build import mode_from_lengths
+from attndbg.trace.build import mode_from_lengths
 from attndbg.trace import tree
 from attndbg.trace.errors import TraceError
 from attndbg.trace.schema import AttentionKind, ForwardMode, Graph, LseBase, MaskLayout, Model, Plan, Spec, Trace

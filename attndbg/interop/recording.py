@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from attndbg.plural import counted
-from attndbg.record.launch import prepare_directory
-from attndbg.record.options import OptionError
+from attndbg.trace.directory import DirectoryRefused, prepare_directory
 from attndbg.trace.errors import TraceError
 from attndbg.trace.io import MANIFEST, append_to_recording
 from attndbg.trace.schema import Trace
@@ -56,7 +55,7 @@ def write_recording(items: Iterable[Trace | str], out_dir: str, *, overwrite: bo
             return result  # nothing to write: no folder either
         try:
             prepare_directory(out_dir, append=False, overwrite=overwrite)
-        except OptionError as e:
+        except DirectoryRefused as e:
             raise TraceError("-o", str(e).removeprefix(f"-o {out_dir}: ")) from None
         target.mkdir(parents=True, exist_ok=True)
         for path in sorted(Path(scratch).iterdir()):

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from attndbg.record.build import batch_from_rows, package_version
+from attndbg.trace.build import batch_from_rows, package_version
 from attndbg.trace import tree
 from attndbg.trace.errors import TraceError
 from attndbg.trace.schema import DTYPES, Q_DTYPES, AttentionKind, ForwardMode, Graph, LayerTensors, LseBase, Model, Plan, Source, Spec, Trace, to_dict

@@ -19,7 +19,7 @@ import torch
 
 from attndbg.interop.files import json_lines
 from attndbg.interop.steps import StepParts, imported_source, make_trace, mha_model
-from attndbg.record.build import mode_from_lengths
+from attndbg.trace.build import mode_from_lengths
 from attndbg.trace.errors import TraceError, printable
 from attndbg.trace.schema import DTYPES, Q_DTYPES, AttentionKind, Model, Trace
 

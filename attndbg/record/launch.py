@@ -19,9 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from attndbg.plural import counted
 from attndbg.record import problems, spool
-from attndbg.record.options import ENV_VAR, OptionError, RecordOptions
+from attndbg.record.options import ENV_VAR, RecordOptions
 from attndbg.record.exit_status import command_exit
 from attndbg.trace.io import MANIFEST, ManifestEntry, TriggerLine, read_manifest, read_triggers
 
@@ -47,40 +46,6 @@ def recording_env(options: RecordOptions, base: dict[str, str] | None = None) ->
     env[ENV_VAR] = options.to_env()
     env["PYTHONPATH"] = os.pathsep.join([str(STARTUP_DIR), *filter(None, [env.get("PYTHONPATH")])])
     return env
-
-
-def prepare_directory(out_dir: str | os.PathLike, *, append: bool, overwrite: bool) -> str:
-    """Make `out_dir` ready for a new run and return the step files' name prefix.
-
-    Two runs never mix silently: a directory holding anything is refused unless the user says
-    --append (this run's files get a fresh `run<N>_` prefix, so no step of the earlier run is
-    overwritten) or --overwrite (the earlier recording's manifest and step files are deleted;
-    a directory holding other files is never emptied).
-    """
-    if append and overwrite:
-        raise OptionError("--append and --overwrite exclude each other")
-    directory = Path(out_dir)
-    if directory.exists() and not directory.is_dir():
-        raise OptionError(f"-o {out_dir}: exists and is not a directory")
-    present = sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
-    if not present:
-        return ""
-    ours = [n for n in present if n == MANIFEST or n.endswith(".pt")]
-    if overwrite:
-        others = [n for n in present if n not in ours]
-        if others:
-            raise OptionError(f"-o {out_dir}: holds files that are not a recording ({', '.join(others[:3])}); choose another directory")
-        for name in ours:
-            (directory / name).unlink()
-        return ""
-    if append:
-        run = 2
-        while any(n.startswith(f"run{run}_") for n in present):
-            run += 1
-        return f"run{run}_"
-    steps = len(read_manifest(directory)) if MANIFEST in present else 0
-    held = f"a recording ({counted(steps, 'step')})" if MANIFEST in present else counted(len(present), "file")
-    raise OptionError(f"-o {out_dir}: already holds {held}; add --append to add to it, --overwrite to replace it, or choose another -o")
 
 
 def missing_layers(options: RecordOptions, entries: list[ManifestEntry]) -> list[int]:

@@ -45,7 +45,7 @@ def test_record_overwrite_never_empties_a_foreign_directory(tmp_path: Path) -> N
 
 
 def test_record_append_gives_the_new_run_its_own_file_names(tmp_path: Path) -> None:
-    from attndbg.record.launch import prepare_directory
+    from attndbg.trace.directory import prepare_directory
 
     out = tmp_path / "rec"
     out.mkdir()

@@ -15,7 +15,7 @@ import torch
 
 from attndbg.checks.run import check_steps, parse_only
 from attndbg.detector_api.context import CheckOptions
-from attndbg.record.build import source
+from attndbg.trace.build import source
 from attndbg.record.sglang.model import model_from_layer
 from attndbg.replay.runner import PlanSource, ReplayOptions, RunStatus, replay
 from attndbg.replay.variants import Recorded

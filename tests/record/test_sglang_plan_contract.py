@@ -30,7 +30,7 @@ import torch
 from tests.record import sglang_env as env  # skips this file without SGLang
 from attndbg.checks.run import check_steps, parse_only
 from attndbg.detector_api.context import CheckOptions
-from attndbg.record.build import source
+from attndbg.trace.build import source
 from attndbg.record.sglang.batch import batch_from_forward_batch
 from attndbg.record.sglang.model import model_from_layer
 from attndbg.record.sglang.plan import plan_from_backend

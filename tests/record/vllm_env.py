@@ -16,7 +16,7 @@ import torch
 
 from attndbg.checks.run import check_steps, parse_only
 from attndbg.detector_api.context import CheckOptions
-from attndbg.record.build import source
+from attndbg.trace.build import source
 from attndbg.record.vllm.convert import Converted
 from attndbg.replay.runner import RunStatus, replay
 from attndbg.trace import io

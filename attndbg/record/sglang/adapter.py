@@ -39,7 +39,7 @@ from torch import Tensor
 from attndbg.record.sglang import flight as sglang_flight
 from attndbg.record.sglang import layers as sglang_layers
 from attndbg.record import hooks
-from attndbg.record.build import package_version, source
+from attndbg.trace.build import package_version, source
 from attndbg.record.session import RecordingSession, capturing, current_session
 from attndbg.record.sglang.batch import BatchInfo, UnsupportedStep, batch_from_host, capture_batch, engine_mode_name, trace_mode
 from attndbg.record.sglang.graph import PADDED_OUT_CACHE_LOC, STATIC_SIZES, GraphInfo, capture_graph_from_runner, capture_graph_from_view, graph_from_host

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attndbg.record.build import batch_from_rows
+from attndbg.trace.build import batch_from_rows
 from attndbg.trace.schema import Batch, ForwardMode
 
 # SGLang ForwardMode names (classic and new) -> the trace's; IDLE and the modes attention does not

@@ -54,13 +54,13 @@ import torch
 from torch import Tensor
 
 from attndbg import profiling
-from attndbg.record.build import device_name, mode_from_lengths
 from attndbg.record.pointer_audit import report_moved
 from attndbg.record.probes import Phase
 from attndbg.record.session import OpenStep, RecordingSession, capturing, current_session
 from attndbg.record.transformers.graphs import AUDIT, BOOK, EAGER, GraphStep, audited, compute_stream, current_io, finite_rows, graph_step, hook_logits
 from attndbg.record.transformers.trace import ENGINE, CacheGeometry, cache_geometry, model_from_config, per_allocator, trace_from_step
 from attndbg.record.triggers import LOGITS_FINITE, from_exception
+from attndbg.trace.build import device_name, mode_from_lengths
 from attndbg.trace.schema import Trace
 
 # (engine field, where it lands in the trace; "" = not recorded) for the fields the detectors read:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attndbg.record.build import batch_from_rows, mode_from_lengths, source
+from attndbg.trace.build import batch_from_rows, mode_from_lengths, source
 from attndbg.trace.schema import AttentionKind, LayerTensors, LseBase, Model, Plan, Trace
 
 ENGINE = "transformers"

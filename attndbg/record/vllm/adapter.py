@@ -48,7 +48,7 @@ from torch import Tensor
 from attndbg.record.vllm import model as vllm_model
 from attndbg.record.vllm import tensors as vllm_tensors
 from attndbg.record import hooks
-from attndbg.record.build import source
+from attndbg.trace.build import source
 from attndbg.record.session import RecordingSession, current_session
 from attndbg.record.vllm.convert import Speculation, convert_common, host_from_parts, parents_from_tree_bias
 from attndbg.record.vllm.fields import COMMON_PREFIX, common_parts

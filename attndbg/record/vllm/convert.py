@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attndbg.record.build import batch_from_rows, mode_from_lengths
+from attndbg.trace.build import batch_from_rows, mode_from_lengths
 from attndbg.record.vllm.fields import common_parts
 from attndbg.trace.schema import Batch, ForwardMode, Graph, MaskLayout, Spec, indptr
 

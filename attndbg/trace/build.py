@@ -1,8 +1,10 @@
-"""Engine-neutral pieces every adapter needs: a Batch from per-request KV rows, a Source.
+"""Engine-neutral pieces every maker of traces needs: a Batch from per-request KV rows, a step's
+mode from its lengths, a Source.
 
-Adapters resolve their engine's length conventions (SGLang verify `seq_lens` exclude the draft
-tokens, vLLM `seq_lens` include every scheduled token) into prefix/extend lengths and hand the
-used part of each request's KV row here; this module lays them out the way the schema wants.
+The live-engine recorders (attndbg/record) and the importers of other tools' evidence
+(attndbg/interop) resolve their source's length conventions (SGLang verify `seq_lens` exclude the
+draft tokens, vLLM `seq_lens` include every scheduled token) into prefix/extend lengths and hand
+the used part of each request's KV row here; this module lays them out the way the schema wants.
 """
 
 from __future__ import annotations
