@@ -10,6 +10,7 @@ from attndbg.cli import options
 from attndbg.cli.common import EXIT_NOT_RECORDED, BadInput, handles_bad_input
 from attndbg.cli.group import main
 from attndbg.plural import counted
+from attndbg.record.engines import NAMES as ENGINE_NAMES
 from attndbg.suggest import did_you_mean
 
 
@@ -21,7 +22,7 @@ from attndbg.suggest import did_you_mean
 @options.steps("record only steps A <= step < B (A:B, A:, :B)")
 @click.option("--layers", default=None, help="also record real tensors (q, new k/v, KV rows read, output) of these layers, e.g. 0,5")
 @click.option("--max-size", default="2G", show_default=True, help="stop recording (not the engine) when the directory holds this much")
-@click.option("--engine", "engines", default="transformers,sglang,vllm", show_default=True, help="engines to hook")
+@click.option("--engine", "engines", default=",".join(ENGINE_NAMES), show_default=True, help="engines to hook")
 @click.option(
     "--ring",
     type=click.IntRange(min=1),
@@ -73,7 +74,7 @@ def record(
     from attndbg.record.triggers import parse_when
     from attndbg.trace.directory import DirectoryRefused, prepare_directory
 
-    known = ("transformers", "sglang", "vllm")
+    known = ENGINE_NAMES
     chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
     unknown = [e for e in chosen if e not in known]
     if unknown or not chosen:

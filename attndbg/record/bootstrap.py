@@ -19,12 +19,10 @@ import threading
 from collections.abc import Callable
 from types import ModuleType
 
-# module whose import triggers an adapter -> "package.module:function" that installs it
-TRIGGERS: dict[str, tuple[str, str]] = {
-    "transformers.generation.continuous_batching.model_runner": ("transformers", "attndbg.record.transformers:install"),
-    "sglang.srt.model_executor.model_runner": ("sglang", "attndbg.record.sglang:install"),
-    "vllm.v1.worker.gpu_model_runner": ("vllm", "attndbg.record.vllm:install"),
-}
+from attndbg.record.engines import ENGINES
+
+# module whose import triggers an adapter -> (engine, "package.module:function" that installs it)
+TRIGGERS: dict[str, tuple[str, str]] = {engine.trigger: (engine.name, engine.install) for engine in ENGINES}
 
 
 def _call(target: str) -> None:

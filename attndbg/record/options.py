@@ -10,6 +10,8 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
+from attndbg.record.engines import NAMES
+
 ENV_VAR = "ATTNDBG_RECORD"
 
 
@@ -25,7 +27,7 @@ class RecordOptions:
     last_step: int | None = None
     layers: tuple[int, ...] = ()  # layers whose tensors are recorded; empty = metadata only
     max_bytes: int = 2 << 30  # stop recording (not the engine) once the directory holds this much
-    engines: tuple[str, ...] = ("transformers", "sglang", "vllm")
+    engines: tuple[str, ...] = NAMES
     writer: str = "process"  # "process": save in a child process (off the engine's GIL); "thread": in-process
     file_prefix: str = ""  # step files are named f"{file_prefix}step_000012.pt" ("run2_" with --append)
     problems_file: str = ""  # where each process notes why it stopped recording (record/problems.py); "" = nowhere
