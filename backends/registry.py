@@ -9,15 +9,19 @@ worker processes inherit it).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from attndbg import plugins
 from attndbg.backends import environment
 from attndbg.backends.base import Backend
 from attndbg.trace.schema import Plan
 
-if TYPE_CHECKING:
-    from attndbg.backends.options import BackendOptions
+
+class OptionsByName(Protocol):
+    """Each adapter's options by its name: what `create` takes (backends/options.py's
+    BackendOptions, which reads adapters through this registry, so it is not imported here)."""
+
+    def of(self, name: str) -> Any: ...
 
 ENTRY_POINT_GROUP = "attndbg.backends"
 # The built-in adapters: name -> "module:Class", in the form a plugin names one, imported when first
@@ -42,7 +46,7 @@ def backend_names() -> list[str]:
     return plugins.registered_names(list(BUILTIN), ENTRY_POINT_GROUP, environment.ENVIRONMENT)
 
 
-def create(name: str, *, options: BackendOptions | None = None) -> Backend:
+def create(name: str, *, options: OptionsByName | None = None) -> Backend:
     """The adapter named `name`, given its entry of `options` (its defaults when it has none)."""
     cls = adapter_class(name)
     chosen = options.of(name) if options is not None else None

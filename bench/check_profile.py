@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from attndbg.checks.run import check_one, parse_only, select_paths
+from attndbg.checks.selection import parse_only, select_paths
+from attndbg.checks.step import check_one
 from attndbg.detector_api.context import CheckOptions
 
 

@@ -14,7 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from attndbg.checks.run import check_steps, parse_only
+from attndbg.checks.run import check_steps
+from attndbg.checks.selection import parse_only
 from attndbg.detector_api.context import CheckOptions
 from attndbg.trace import io, synth
 

@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 from attndbg import machine  # noqa: E402
 from attndbg.backends import flashinfer_jit, flashinfer_modules  # noqa: E402
 from attndbg.checks import precompile  # noqa: E402
-from attndbg.checks.run import check_one, parse_only  # noqa: E402
+from attndbg.checks.selection import parse_only  # noqa: E402
+from attndbg.checks.step import check_one  # noqa: E402
 from attndbg.detector_api.context import CheckOptions  # noqa: E402
 from attndbg.trace import io  # noqa: E402
 from attndbg.trace.validate import TraceError  # noqa: E402

@@ -41,10 +41,12 @@ def main() -> int:
 
     say(f"import torch: {time.perf_counter() - t:.2f} s")
     t = time.perf_counter()
-    from attndbg.checks.run import check_one, first_of_each_shape, parse_only, select_paths
+    from attndbg.checks.run import first_of_each_shape
+    from attndbg.checks.selection import parse_only, select_paths
+    from attndbg.checks.step import check_one
     from attndbg.detector_api.context import CheckOptions
 
-    say(f"import attndbg.checks.run: {time.perf_counter() - t:.2f} s")
+    say(f"import attndbg.checks: {time.perf_counter() - t:.2f} s")
     t = time.perf_counter()
     if torch.cuda.is_available():
         torch.zeros(1, device="cuda")

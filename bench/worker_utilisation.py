@@ -35,7 +35,7 @@ _LOG = "ATTNDBG_UTILISATION_LOG"
 
 def logged_check(path, only, options):
     """check_one, with its start and end (wall clock, shared by the processes) appended to the log."""
-    from attndbg.checks.run import check_one
+    from attndbg.checks.step import check_one
 
     start = time.time()
     result = check_one(path, only, options)
@@ -82,7 +82,8 @@ def main() -> int:
     if args.cli:
         return time_the_command(args)
 
-    from attndbg.checks.run import auto_jobs, first_of_each_shape, parse_only, select_paths
+    from attndbg.checks.run import auto_jobs, first_of_each_shape
+    from attndbg.checks.selection import parse_only, select_paths
     from attndbg.checks.workers import check_in_workers
     from attndbg.cli.options import parse_devices
     from attndbg.detector_api.context import CheckOptions

@@ -13,7 +13,7 @@ import torch
 from attndbg import profiling
 from attndbg.backends import registry
 from attndbg.backends.base import PartialStates
-from attndbg.checks.run import check_one
+from attndbg.checks.step import check_one
 from attndbg.detector_api.context import CheckOptions
 from attndbg.detector_api.findings import FindingClass
 from attndbg.replay import runner

@@ -131,7 +131,7 @@ def recorded_crash_finding(path: str, step: int, recorded: str, rerun: CrashReru
     )
 
 
-Report = TypeVar("Report")  # a StepReport (checks/run.py imports this module)
+Report = TypeVar("Report")  # a StepReport (checks/step.py imports this module)
 
 
 def with_crashes(report: Report, crashes: list[Finding]) -> Report:

@@ -53,7 +53,7 @@ from typing import Any
 from attndbg import machine
 from attndbg.backends import flashinfer_jit, flashinfer_modules, registry
 from attndbg.backends.options import BackendOptions
-from attndbg.checks.run import detectors_of
+from attndbg.checks.step import detectors_of
 from attndbg.detector_api.context import CheckOptions
 from attndbg.detector_api.findings import FindingClass
 from attndbg.plural import counted

@@ -36,7 +36,7 @@ from typing import Any
 
 from attndbg import machine
 from attndbg.checks.crashes import Recheck, crash_finding, with_crashes
-from attndbg.checks.run import StepReport, StepResult, check_one, step_of
+from attndbg.checks.step import StepReport, StepResult, check_one, step_of
 from attndbg.detector_api.context import CheckOptions
 from attndbg.detector_api.findings import Finding, FindingClass
 from attndbg.replay import activity, memory_share

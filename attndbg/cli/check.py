@@ -91,7 +91,8 @@ def check(
       attndbg check traces --steps 1:3 --only invariants,fill-value --json check.json
     """
     began = time.monotonic()
-    from attndbg.checks.run import check_steps, select_paths
+    from attndbg.checks.run import check_steps
+    from attndbg.checks.selection import select_paths
     from attndbg.detector_api.context import CheckOptions
     from attndbg.report.checks import check_verdict, checks_to_json, render_step, render_summary
     from attndbg.report.progress import CheckProgress
@@ -140,7 +141,7 @@ def check(
 def _selection_note(target: str, paths: list[Path], steps_spec: str | None, sample: int | None) -> Any:
     """For the verdict under --steps/--sample: which steps (by the numbers the selection counts:
     the manifest's, else file order) of how many."""
-    from attndbg.checks.run import numbered_paths
+    from attndbg.checks.selection import numbered_paths
     from attndbg.report.checks import Selection
 
     flags = " ".join(flag for flag in (f"--steps {steps_spec}" if steps_spec else "", f"--sample {sample}" if sample else "") if flag)
@@ -152,7 +153,7 @@ def _selection_note(target: str, paths: list[Path], steps_spec: str | None, samp
 
 def _steps_held(target: str) -> str:
     """'it has 5 steps, numbered 0-4': what --steps A:B can choose from, for a selection of none."""
-    from attndbg.checks.run import numbered_paths
+    from attndbg.checks.selection import numbered_paths
     from attndbg.plural import counted
 
     numbers = [step for step, _ in numbered_paths(target)]
@@ -182,7 +183,7 @@ def compile_kernels(target: str, only: str | None, backend_spec: str | None, ste
     """
     from attndbg import machine
     from attndbg.checks.precompile import precompile
-    from attndbg.checks.run import select_paths
+    from attndbg.checks.selection import select_paths
     from attndbg.detector_api.context import CheckOptions
 
     classes = _detectors(only)
@@ -203,7 +204,8 @@ def compile_kernels(target: str, only: str | None, backend_spec: str | None, ste
 def _detectors(only: str | None) -> list[FindingClass]:
     """`--only` as detector kinds; an unknown one, or one that cannot be loaded, is bad input
     before any step runs."""
-    from attndbg.checks.run import detectors_of, parse_only
+    from attndbg.checks.selection import parse_only
+    from attndbg.checks.step import detectors_of
     from attndbg.detectors.registry import LoadError
 
     try:

@@ -167,7 +167,7 @@ def parse_backend_options(specs: tuple[str, ...], num_kv_splits: int | None = No
 
 
 def parse_step_selection(steps_spec: str | None, sample: int | None) -> Any:
-    from attndbg.checks.run import StepSelection
+    from attndbg.checks.selection import StepSelection
     from attndbg.record.options import OptionError, parse_steps
 
     start = stop = None

@@ -142,7 +142,7 @@ def repro(
 
 def _repro_step(target: str, step_number: int | None) -> Path:
     """The step file `repro` writes a script for: TRACE itself, or step N of a recording DIR."""
-    from attndbg.checks.run import select_paths
+    from attndbg.checks.selection import select_paths
     from attndbg.trace import io
 
     if not Path(target).is_dir():

@@ -1,6 +1,6 @@
 """Detector kinds -> detectors: the built-in packages, plus third parties, as backends have them.
 
-The one list that `check --only` (checks/run.py parse_only), `synth --inject`, `synth --list`, the help texts and docs/checking.md's
+The one list that `check --only` (checks/selection.py parse_only), `synth --inject`, `synth --list`, the help texts and docs/checking.md's
 detector table read. A third-party package registers its `Detector` object with
 `[project.entry-points."attndbg.detectors"] KIND = "pkg.mod:DETECTOR"`; one still in development,
 not packaged, can be named in the environment instead: `ATTNDBG_DETECTORS="KIND=pkg.mod:DETECTOR,..."`

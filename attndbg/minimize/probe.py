@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from attndbg.checks.run import StepResult, check_one
+from attndbg.checks.step import StepResult, check_one
 from attndbg.detector_api.context import CheckOptions
 from attndbg.detector_api.findings import FindingClass, finding
 from attndbg.minimize.target import REPLAY

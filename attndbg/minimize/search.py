@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from attndbg.checks.run import parse_only
+from attndbg.checks.selection import parse_only
 from attndbg.checks.workers import CheckOne, check_in_workers
 from attndbg.detector_api.context import CheckOptions
 from attndbg.detector_api.findings import FindingClass

@@ -82,7 +82,7 @@ def activate() -> None:
         signals.install()
     callbacks: dict[str, Callable[[ModuleType], None]] = {}
     for module_name, (engine, target) in TRIGGERS.items():
-        if engine not in options.engines:
+        if options.engines is not None and engine not in options.engines:
             continue
 
         def install(_module: ModuleType, target: str = target, engine: str = engine) -> None:

@@ -10,8 +10,6 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-from attndbg.record.engines import NAMES
-
 ENV_VAR = "ATTNDBG_RECORD"
 
 
@@ -27,7 +25,7 @@ class RecordOptions:
     last_step: int | None = None
     layers: tuple[int, ...] = ()  # layers whose tensors are recorded; empty = metadata only
     max_bytes: int = 2 << 30  # stop recording (not the engine) once the directory holds this much
-    engines: tuple[str, ...] = NAMES
+    engines: tuple[str, ...] | None = None  # the engines to hook by name (record/engines.py); None: every one
     writer: str = "process"  # "process": save in a child process (off the engine's GIL); "thread": in-process
     file_prefix: str = ""  # step files are named f"{file_prefix}step_000012.pt" ("run2_" with --append)
     problems_file: str = ""  # where each process notes why it stopped recording (record/problems.py); "" = nowhere
@@ -56,7 +54,7 @@ class RecordOptions:
             return None
         data = json.loads(raw)
         data["layers"] = tuple(data.get("layers", ()))
-        data["engines"] = tuple(data.get("engines", ()))
+        data["engines"] = tuple(data["engines"]) if data.get("engines") is not None else None
         data["when"] = tuple(data.get("when", ()))
         return RecordOptions(**data)
 

@@ -14,7 +14,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from attndbg.checks.run import StepReport
+from attndbg.checks.step import StepReport
 from attndbg.detector_api.findings import Finding, FindingClass, Severity
 from attndbg.plural import counted
 from attndbg.report.terminal import unbounded

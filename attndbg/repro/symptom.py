@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from attndbg.backends.base import KernelError
-from attndbg.checks.run import StepResult
+from attndbg.checks.step import StepResult
 from attndbg.detector_api.context import CheckOptions
 from attndbg.detector_api.findings import FindingClass, finding
 from attndbg.minimize.probe import probe_one

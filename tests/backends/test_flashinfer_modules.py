@@ -30,7 +30,7 @@ machine.module_available = lambda name: name not in ("vllm", "sgl_kernel", "flas
 from attndbg.backends import flashinfer_modules as fm, registry
 from attndbg.backends.options import parse
 from attndbg.checks.precompile import declare
-from attndbg.checks.run import parse_only
+from attndbg.checks.selection import parse_only
 from attndbg.detector_api.context import CheckOptions
 from tests.factories import make_trace
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import signal
 
-from attndbg.checks.run import check_one
+from attndbg.checks.step import check_one
 
 
 def check_or_segfault(path, only, options):

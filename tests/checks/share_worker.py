@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from attndbg.checks.run import StepReport, StepResult, check_one
+from attndbg.checks.step import StepReport, StepResult, check_one
 from attndbg.replay import memory_share
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import atexit
 import time
 
-from attndbg.checks.run import check_one
+from attndbg.checks.step import check_one
 
 SLOW_EXIT_S = 1.5
 

@@ -19,7 +19,7 @@ import torch
 
 from attndbg import machine
 from attndbg.backends.triton import TritonBackend
-from attndbg.checks.run import parse_only
+from attndbg.checks.selection import parse_only
 from attndbg.detector_api.context import CheckContext, CheckOptions
 from attndbg.detector_api.findings import FindingClass
 from attndbg.detectors import registry

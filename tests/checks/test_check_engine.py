@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from attndbg.checks.run import StepSelection, check_steps, parse_only, select_paths
+from attndbg.checks.run import check_steps
+from attndbg.checks.selection import StepSelection, parse_only, select_paths
 from attndbg.checks.workers import check_in_workers
 from attndbg.cli import main
 from attndbg.detector_api.context import CheckOptions
@@ -221,7 +222,7 @@ def test_a_step_builds_its_data_and_reference_once(monkeypatch: pytest.MonkeyPat
 
 def test_findings_name_the_row_within_the_request(tmp_path: Path) -> None:
     """A finding at step row 7 of request 1 (whose rows start at 5) reads 'row 2 (step row 7)'."""
-    from attndbg.checks.run import _located
+    from attndbg.checks.step import _located
     from attndbg.detector_api.findings import Finding, FindingClass, Location
 
     trace = make_trace("extend-prefix", "prefix_lens=0,9", "extend_lens=5,3", *SMALL)
@@ -289,7 +290,7 @@ def test_an_early_step_far_down_the_recording_does_not_stall_the_workers(tmp_pat
 def test_the_verdict_names_the_steps_no_kernel_was_compared_on() -> None:
     """A per-backend step count hides which steps no backend replayed (a plain extend, which no
     detector replays): the verdict says how many by mode, and says nothing when every step was."""
-    from attndbg.checks.run import StepReport
+    from attndbg.checks.step import StepReport
     from attndbg.detector_api.findings import FindingClass
     from attndbg.report.checks import check_verdict
 

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from attndbg.checks.run import StepReport, check_steps, parse_only
+from attndbg.checks.run import check_steps
+from attndbg.checks.selection import parse_only
+from attndbg.checks.step import StepReport
 from attndbg.cli import main
 from attndbg.detector_api.context import CheckOptions
 from attndbg.detector_api.findings import FindingClass

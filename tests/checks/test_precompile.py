@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from attndbg.backends import flashinfer_jit
 from attndbg.checks import precompile as phase
 from attndbg.checks.precompile import precompile, scanned
-from attndbg.checks.run import parse_only
+from attndbg.checks.selection import parse_only
 from attndbg.cli import main
 from attndbg.detector_api.context import CheckOptions
 from attndbg.trace import io

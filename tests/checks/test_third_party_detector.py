@@ -120,7 +120,8 @@ def test_the_toy_runs_beside_the_built_in_detectors(toy: None, tmp_path: Path) -
 def test_the_toy_is_found_by_checks_worker_processes(toy: None, tmp_path: Path) -> None:
     """On a GPU machine check runs each step in a spawned worker (a crash boundary): the toy,
     registered either way, must be found there too, not only in the parent process."""
-    from attndbg.checks.run import check_steps, parse_only
+    from attndbg.checks.run import check_steps
+    from attndbg.checks.selection import parse_only
     from attndbg.detector_api.context import CheckOptions
 
     bad = tmp_path / "bad.pt"

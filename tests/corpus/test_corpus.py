@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from attndbg.checks.run import check_steps, parse_only
+from attndbg.checks.run import check_steps
+from attndbg.checks.selection import parse_only
 from attndbg.detector_api.context import CheckOptions
 from attndbg.trace import io
 from tests.corpus import catalog

@@ -23,7 +23,8 @@ import json, sys
 from pathlib import Path
 from attndbg.backends import flashinfer_jit, flashinfer_modules
 from attndbg.checks.precompile import declared
-from attndbg.checks.run import check_one, parse_only
+from attndbg.checks.selection import parse_only
+from attndbg.checks.step import check_one
 from attndbg.detector_api.context import CheckOptions
 path = sys.argv[1]
 # fill-value replays the step on the backend (invariants alone reads metadata and launches nothing)

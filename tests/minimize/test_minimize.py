@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attndbg.checks.run import check_one
+from attndbg.checks.step import check_one
 from attndbg.cli import main
 from attndbg.detector_api.context import CheckOptions
 from attndbg.detector_api.findings import FindingClass

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from attndbg.checks.run import check_steps, parse_only
+from attndbg.checks.run import check_steps
+from attndbg.checks.selection import parse_only
 from attndbg.detector_api.context import CheckOptions
 from attndbg.trace.build import source
 from attndbg.record.sglang.model import model_from_layer

@@ -19,7 +19,8 @@ import torch
 
 from tests.record import sglang_env as env  # skips this file without SGLang
 from tests.record.engines import import_engine
-from attndbg.checks.run import check_steps, parse_only
+from attndbg.checks.run import check_steps
+from attndbg.checks.selection import parse_only
 from attndbg.detector_api.context import CheckOptions
 from attndbg.trace import io, tree
 from tests.record.sglang_steps import decode_batch

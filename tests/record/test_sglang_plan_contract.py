@@ -28,7 +28,8 @@ import pytest
 import torch
 
 from tests.record import sglang_env as env  # skips this file without SGLang
-from attndbg.checks.run import check_steps, parse_only
+from attndbg.checks.run import check_steps
+from attndbg.checks.selection import parse_only
 from attndbg.detector_api.context import CheckOptions
 from attndbg.trace.build import source
 from attndbg.record.sglang.batch import batch_from_forward_batch

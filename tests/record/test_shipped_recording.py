@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from attndbg.checks.run import check_steps, parse_only
+from attndbg.checks.run import check_steps
+from attndbg.checks.selection import parse_only
 from attndbg.detector_api.context import CheckContext, CheckOptions
 from attndbg.detectors.split_merge.recorded import recorded_tensors
 from attndbg.trace import io

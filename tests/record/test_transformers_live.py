@@ -21,7 +21,8 @@ from tests.record.engines import import_engine
 import_engine("transformers.generation.continuous_batching")
 
 from attndbg import profiling  # noqa: E402
-from attndbg.checks.run import check_steps, parse_only  # noqa: E402
+from attndbg.checks.run import check_steps  # noqa: E402
+from attndbg.checks.selection import parse_only  # noqa: E402
 from attndbg.detector_api.context import CheckContext, CheckOptions  # noqa: E402
 from attndbg.detectors.split_merge.recorded import recorded_tensors  # noqa: E402
 from attndbg.record.options import RecordOptions  # noqa: E402

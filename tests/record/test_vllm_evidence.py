@@ -17,7 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-from attndbg.checks.run import CheckOptions, FindingClass, check_steps, parse_only
+from attndbg.checks.run import check_steps
+from attndbg.checks.selection import parse_only
+from attndbg.detector_api.context import CheckOptions
+from attndbg.detector_api.findings import FindingClass
 from attndbg.record.session import RecordingSession
 from attndbg.record.vllm.convert import convert_common
 from attndbg.record.vllm.fields import ENGINE_FIELDS, FIELDS_BY_NAME, Trim

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from attndbg.checks.run import FindingClass, parse_only
+from attndbg.checks.selection import parse_only
+from attndbg.detector_api.findings import FindingClass
 from attndbg.record.session import RecordingSession
 from attndbg.trace.schema import Trace
 from tests.record.engines import import_engine

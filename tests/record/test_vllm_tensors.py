@@ -29,7 +29,8 @@ from tests.record.engines import import_engine
 triton_attn = import_engine("vllm.v1.attention.backends.triton_attn")
 kv_cache_interface = import_engine("vllm.v1.kv_cache_interface")
 
-from attndbg.checks.run import check_steps, parse_only  # noqa: E402
+from attndbg.checks.run import check_steps  # noqa: E402
+from attndbg.checks.selection import parse_only  # noqa: E402
 from attndbg.detector_api.context import CheckContext, CheckOptions  # noqa: E402
 from attndbg.detectors.split_merge.recorded import recorded_tensors  # noqa: E402
 from attndbg.record import hooks  # noqa: E402

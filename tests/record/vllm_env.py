@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from attndbg.checks.run import check_steps, parse_only
+from attndbg.checks.run import check_steps
+from attndbg.checks.selection import parse_only
 from attndbg.detector_api.context import CheckOptions
 from attndbg.trace.build import source
 from attndbg.record.vllm.convert import Converted

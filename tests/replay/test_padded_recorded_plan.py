@@ -11,7 +11,8 @@ import torch
 
 from attndbg.backends.base import Padding
 from attndbg.backends.triton import TritonBackend
-from attndbg.checks.run import check_one, parse_only
+from attndbg.checks.selection import parse_only
+from attndbg.checks.step import check_one
 from attndbg.detector_api.context import CheckOptions
 from attndbg.replay.plan_guard import out_of_bounds, real_requests_only
 from attndbg.replay.runner import PlanSource, ReplayOptions, RunStatus, replay

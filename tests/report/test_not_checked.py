@@ -7,7 +7,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from attndbg.checks.run import StepReport
+from attndbg.checks.step import StepReport
 from attndbg.detector_api.findings import FindingClass
 from attndbg.report.checks import check_verdict
 from attndbg.trace import io
