@@ -1,5 +1,5 @@
-"""The shape rule of a recorded plan's offsets (`*indptr`, `cu_seqlens_*`): one dimension, a
-leading 0, never decreasing. Read by the per-request KV reading (kv.py) and judged by the
+"""The offsets rule (attndbg/trace/offsets.py) applied to a recorded plan's offsets (`*indptr`,
+`cu_seqlens_*`): one dimension, a leading 0, never decreasing. Read by the per-request KV reading (kv.py) and judged by the
 invariants detector (detectors/invariants/indptr.py also checks where each list ends; vllm.py
 judges vLLM's query_start_loc by the same rule, in its own words); a broken list is reported as
 the invariants detector's finding.
@@ -7,25 +7,13 @@ the invariants detector's finding.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from attndbg.detector_api.findings import Finding, FindingClass, finding
+from attndbg.trace.offsets import OffsetsFault, broken
 from attndbg.trace.schema import Trace
 
 KIND = FindingClass.INVARIANT  # what a broken offsets list is: the invariants detector's finding
-
-
-def first_true(mask: Tensor) -> int:
-    """The flat index of the first True in `mask`, -1 when there is none."""
-    return int(torch.nonzero(mask.flatten())[0]) if bool(mask.any()) else -1
-
-
-def first_decrease(values: Tensor) -> int:
-    """The first index i with values[i] < values[i - 1] (an offsets list that decreases there), -1
-    when there is none."""
-    i = first_true(values[1:] < values[:-1])
-    return i + 1 if i >= 0 else -1
 
 
 def is_indptr(name: str) -> bool:
@@ -37,10 +25,12 @@ def indptr_shape(trace: Trace, name: str, values: Tensor, out: list[Finding]) ->
     """Whether plan.<name> is a 1-D offsets list that starts at 0 and never decreases; when not,
     the invariants detector's finding naming the first bad element goes to `out`."""
     field = f"plan.{name}"
-    if values.dim() != 1 or values.numel() == 0:
+    bad = broken(values)
+    if bad is None:
+        return True
+    if bad.fault is OffsetsFault.SHAPE:
         out.append(finding(KIND, "indptr-start", step=trace.source.step, field=field, evidence=f"{field} has shape {list(values.shape)}, expected [requests + 1]", cause="the engine recorded an empty or misshapen offsets tensor"))
-        return False
-    if int(values[0]) != 0:
+    elif bad.fault is OffsetsFault.START:
         out.append(
             finding(
                 KIND,
@@ -53,9 +43,8 @@ def indptr_shape(trace: Trace, name: str, values: Tensor, out: list[Finding]) ->
                 found=int(values[0]),
             )
         )
-        return False
-    i = first_decrease(values)
-    if i > 0:
+    else:
+        i = bad.at
         out.append(
             finding(
                 KIND,
@@ -69,5 +58,4 @@ def indptr_shape(trace: Trace, name: str, values: Tensor, out: list[Finding]) ->
                 found=int(values[i]),
             )
         )
-        return False
-    return True
+    return False

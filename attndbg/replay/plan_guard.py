@@ -22,6 +22,8 @@ from torch import Tensor
 from attndbg.backends import registry
 from attndbg.backends.base import Backend, PartialStates
 from attndbg.backends.plan_view import USUAL_OFFSETS, Bound, Entries, Equals, Extents, Offsets, PlanUnreadable, PlanView, PlanViewError, RequestRows
+from attndbg.trace import offsets
+from attndbg.trace.offsets import OffsetsFault, first_true
 from attndbg.trace.schema import Plan, Trace
 
 _INDPTRS = USUAL_OFFSETS
@@ -175,13 +177,14 @@ def violation(bound: Bound) -> str | None:
 def _offsets_violation(bound: Offsets) -> str | None:
     values, name = bound.values, bound.field
     if values.numel() == 0:
-        return None
-    if int(values[0]) != 0:
+        return None  # no request: `requests_of` refuses the plan where one is needed
+    bad = offsets.broken(values)
+    if bad is not None and bad.fault is OffsetsFault.START:
         return f"{name}[0] = {int(values[0])}: offsets must start at 0"
-    i = _first(values[1:] < values[:-1])
-    if i >= 0:
-        return f"{name}[{i + 1}] = {int(values[i + 1])} < {name}[{i}] = {int(values[i])}: offsets must not decrease"
-    i = _first(values > bound.limit)
+    if bad is not None:
+        i = bad.at
+        return f"{name}[{i}] = {int(values[i])} < {name}[{i - 1}] = {int(values[i - 1])}: offsets must not decrease"
+    i = first_true(values > bound.limit)
     if i >= 0:
         return f"{name}[{i}] = {int(values[i])} {bound.past}"
     return None
@@ -207,13 +210,9 @@ def _entries_violation(bound: Entries) -> str | None:
 def _extents_violation(bound: Extents) -> str | None:
     n = min(bound.starts.numel(), bound.sizes.numel())
     ends = bound.starts[:n] + bound.sizes[:n]
-    b = _first((ends > bound.limit) | (bound.starts[:n] < 0))
+    b = first_true((ends > bound.limit) | (bound.starts[:n] < 0))
     if b < 0:
         return None
     start, size = int(bound.starts[b]), int(bound.sizes[b])
     where = f"{bound.field}[{b}] = {start}" if bound.field else f"request {b}'s block starts at {start}"
     return f"{where}: request {b}'s {bound.block} of {size} elements ends at {start + size}, past {bound.target}'s length {bound.limit}"
-
-
-def _first(mask: Tensor) -> int:
-    return int(torch.nonzero(mask)[0]) if bool(mask.any()) else -1

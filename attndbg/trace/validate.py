@@ -14,7 +14,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attndbg.trace import offsets
 from attndbg.trace.errors import TraceError  # noqa: F401  (defined without torch, re-exported)
+from attndbg.trace.offsets import OffsetsFault
 from attndbg.trace.schema import (
     DTYPES,
     FORMAT_NAME,
@@ -156,17 +158,15 @@ def _check_nonneg(name: str, values: Tensor) -> None:
 
 
 def check_indptr(name: str, indptr: Tensor, total: int | None = None) -> None:
-    """indptr starts at 0, never decreases, and ends at `total` when given."""
-    if indptr.numel() == 0:
-        raise TraceError(name, "is empty, expected at least [0]")
-    if int(indptr[0]) != 0:
+    """indptr keeps the offsets rule (trace/offsets.py) and ends at `total` when given."""
+    bad = offsets.broken(indptr)
+    if bad is not None and bad.fault is OffsetsFault.SHAPE:
+        raise TraceError(name, "is empty, expected at least [0]" if indptr.numel() == 0 else f"has shape {list(indptr.shape)}, expected one dimension")
+    if bad is not None and bad.fault is OffsetsFault.START:
         raise TraceError(f"{name}[0]", f"= {int(indptr[0])}, indptr must start at 0")
-    bad = _first_bad(indptr[1:] < indptr[:-1])
-    if bad >= 0:
-        raise TraceError(
-            f"{name}[{bad + 1}]",
-            f"= {int(indptr[bad + 1])} < {name}[{bad}] = {int(indptr[bad])}: indptr must not decrease",
-        )
+    if bad is not None:
+        i = bad.at
+        raise TraceError(f"{name}[{i}]", f"= {int(indptr[i])} < {name}[{i - 1}] = {int(indptr[i - 1])}: indptr must not decrease")
     if total is not None and int(indptr[-1]) != total:
         raise TraceError(f"{name}[-1]", f"= {int(indptr[-1])}, expected {total} (the length it indexes)")
 

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from attndbg.detector_api.findings import FindingClass
-from attndbg.plans.offsets import first_true
+from attndbg.trace.offsets import first_true
 
 KIND = FindingClass.INVARIANT
 
@@ -15,4 +15,4 @@ def _request_of(qo_indptr: Tensor, t: int) -> int:
     return int(torch.searchsorted(qo_indptr, torch.tensor(t), right=True)) - 1
 
 
-_first = first_true  # the plan readers' own (attndbg/plans/offsets.py), under the name this detector's modules use
+_first = first_true  # the offsets rule's own (attndbg/trace/offsets.py), under the name this detector's modules use

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND, _first
-from attndbg.plans.offsets import first_decrease
+from attndbg.trace.offsets import first_decrease
 from attndbg.trace.engines import MetadataFields, engine_conventions
 from attndbg.trace.schema import Trace
 
