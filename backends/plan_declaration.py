@@ -225,7 +225,7 @@ def _read_call(call: Call, trace: Trace, plan: Plan) -> _Read:
         ]
         lens = length[:requests].clamp(min=0) if length.numel() >= requests else pages * ps
     rows = (length,) if length is not None else ()
-    return _Read(pv.covered(offsets=(offsets, queries), rows=rows), requests, bounds, pv.csr_kv(ids, offsets, lens, ps), lens, queries)
+    return _Read(pv.covered(offsets=(offsets, queries), rows=rows), requests, bounds, pv.csr_kv(ids, offsets, lens, ps, call.ids), lens, queries)
 
 
 def _query_bounds(call: Call, queries: torch.Tensor | None, requests: int, tokens: int) -> list[pv.Bound]:

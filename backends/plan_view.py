@@ -2,7 +2,7 @@
 
 Each backend declares its plan once (`Backend.plan_declaration`, backends/plan_declaration.py:
 kv_indices, page tables, block tables, MLA page indices, qo/kv/mask indptrs), from which shared
-code derives a `PlanView` with the bounds and helpers here. The plan guard (attndbg/replay/plan_guard.py) checks a
+code derives a `PlanView` with the bounds and helpers here. The plan guard (attndbg/plans/guard.py) checks a
 recorded plan's view before launching it, and knows no backend: a wrong engine plan is evidence,
 but a kernel handed indices past an allocation reads arbitrary device memory or faults.
 
@@ -88,17 +88,32 @@ Bound = Offsets | Entries | Extents | Equals
 
 @dataclass(frozen=True)
 class RequestKV:
-    """Per request, the KV ids its kernel reads (CSR over `ids`) and the tokens they hold.
+    """Per request, the KV ids its kernel reads (CSR over `ids`) and the tokens they hold: the one
+    per-request KV type. The strict view builds it for the guard and the mistake models (meaningful
+    once the view's bounds hold: built from clamped offsets before that); the plan reading
+    (attndbg/plans/kv.py) builds it leniently for the detectors, from a plan the guard may refuse.
 
-    Meaningful once the view's bounds hold (built from clamped offsets before that)."""
+    `field` names where the ids are read from, so a detector can name an entry: a flat tensor
+    (entry j of request b is field[indptr[b] + j]) or, with `table`, a dense table's rows (entry j
+    of request b is field[b, j])."""
 
     page_size: int  # tokens per id: 1 for slot ids
     indptr: Tensor  # [requests+1] int64 into ids
     ids: Tensor  # [sum] int64: slot ids or page ids
     lengths: Tensor  # [requests] int64: tokens read
+    field: str = ""  # the plan tensor holding the ids, e.g. "kv_indices", "page_table"
+    table: bool = False  # `field` is a [requests, width] table, request b's ids its row b
+
+    @property
+    def requests(self) -> int:
+        return self.indptr.numel() - 1
 
     def of(self, b: int) -> tuple[Tensor, int]:
         return self.ids[int(self.indptr[b]) : int(self.indptr[b + 1])], int(self.lengths[b])
+
+    def name(self, b: int, j: int) -> str:
+        """The plan element holding request b's j-th id, e.g. "plan.kv_indices[17]", "plan.page_table[2, 0]"."""
+        return f"plan.{self.field}[{b}, {j}]" if self.table else f"plan.{self.field}[{int(self.indptr[b]) + j}]"
 
 
 @dataclass(frozen=True)
@@ -128,7 +143,7 @@ class PlanView:
     bounds: tuple[Bound, ...]
     kv: RequestKV | None = None  # None where not cheap to give
     # Which tensors are per request, and how: what keeps a graph-padded plan's real requests
-    # (plan_guard.real_requests_only). None: USUAL_OFFSETS and every tensor with a row per request.
+    # (attndbg/plans/guard.py real_requests_only). None: USUAL_OFFSETS and every tensor with a row per request.
     layout: tuple[RequestRows, ...] | None = None
 
 
@@ -212,10 +227,10 @@ def used_prefix(indices: Tensor, offsets: Tensor) -> Tensor:
     return torch.arange(indices.numel()) < end
 
 
-def csr_kv(indices: Tensor, offsets: Tensor, lengths: Tensor, page_size: int) -> RequestKV:
+def csr_kv(indices: Tensor, offsets: Tensor, lengths: Tensor, page_size: int, field: str = "") -> RequestKV:
     """Per-request ids of a CSR plan, offsets clamped into `indices`."""
     clamped = offsets.clamp(0, indices.numel())
-    return RequestKV(page_size, clamped, indices, lengths)
+    return RequestKV(page_size, clamped, indices, lengths, field)
 
 
 def page_table_bounds(
@@ -238,5 +253,5 @@ def page_table_bounds(
     pages = (lens_used + page_size - 1) // page_size  # [rows]
     used = torch.arange(cols)[None, :] < pages[:, None]
     bounds.append(Entries(table, table_t, used, 0, kv_cache_size // page_size, f"pages of the KV cache ({kv_cache_size} slots / page {page_size})"))
-    kv = RequestKV(page_size, torch.nn.functional.pad(pages.cumsum(0), (1, 0)), table_t[used], lens_used)
+    kv = RequestKV(page_size, torch.nn.functional.pad(pages.cumsum(0), (1, 0)), table_t[used], lens_used, table, table=True)
     return covered(offsets=(cu,), rows=(table_t, lens_t)), bounds, kv

@@ -121,7 +121,7 @@ def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions)
         error="; ".join(failures) or None,
         seconds=time.perf_counter() - start,
         backends=ctx.backends_consulted(),
-        plan_unread=_plan_unread(trace, detectors),
+        plan_unread=_plan_unread(ctx, detectors),
         crash_unrun=crash_unrun,
     )
     return StepResult(report, {k: d for k, d in digests.items() if d is not None})
@@ -164,10 +164,10 @@ def step_of(path: str | Path) -> tuple[int, str]:
     return trace.source.step, trace.batch.forward_mode.value
 
 
-def _plan_unread(trace: Trace, detectors: dict[FindingClass, Detector]) -> str | None:
+def _plan_unread(ctx: CheckContext, detectors: dict[FindingClass, Detector]) -> str | None:
     """A plan detector ran and read less than the recorded plan: what the verdict says about it."""
-    why = next((why for detector in detectors.values() if (why := detector.unread(trace)) is not None), None)
-    return None if why is None else f"{trace.plan.backend[:80]}: {why}"
+    why = ctx.plan().unread if any(detector.reads_plan for detector in detectors.values()) else None
+    return None if why is None else f"{ctx.trace.plan.backend[:80]}: {why}"
 
 
 def _located(finding: Finding, trace: Trace) -> Finding:

@@ -1,9 +1,11 @@
-"""What detectors share for one step: the trace, which backends to use, and memoized replays.
+"""What detectors share for one step: the trace, which backends to use, the recorded plan's
+reading, and memoized replays.
 
 Detectors consume replay results rather than re-running kernels themselves: `replay()` runs the
 runner once per distinct (backends, options) and hands every detector the same result. Every run
 of the step, whatever its options, reads the same inputs and is judged against the same reference:
-`data(layer)` builds them once per step (on the GPU when there is one).
+`data(layer)` builds them once per step (on the GPU when there is one). What the recorded plan says
+is read once too: `plan()` (attndbg/plans), the only way a detector reads it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from attndbg import machine
 from attndbg.backends import registry
 from attndbg.backends.base import Backend
 from attndbg.backends.options import BackendOptions
+from attndbg.plans.reading import PlanReading, read
 from attndbg.replay.runner import BackendRun, ReplayOptions, ReplayResult, replay, run_derived
 from attndbg.replay.step_data import StepData
 from attndbg.trace.schema import Trace
@@ -46,10 +49,18 @@ class CheckContext:
     _data: dict[int | None, StepData] = field(default_factory=dict)
     # Kernel backends whose runs were compared with the reference on this step, in order of first run.
     _compared: dict[str, None] = field(default_factory=dict)
+    _plan: PlanReading | None = None
 
     @property
     def step(self) -> int:
         return self.trace.source.step
+
+    def plan(self) -> PlanReading:
+        """The reading of the step's recorded plan (layout, per-request KV, visibility, scalars,
+        problems), made once per step: every detector and mistake model reads the plan through it."""
+        if self._plan is None:
+            self._plan = read(self.trace)
+        return self._plan
 
     def backends(self) -> tuple[str, ...]:
         """Kernel backends to exercise (never the reference): asked for, or all that run here."""

@@ -52,9 +52,9 @@ class Detector:
     # nothing), and one `recording_state()` per check sees the digests in recording order.
     recording_digest: Callable[[CheckContext], Any] | str | None = None
     recording_state: Callable[[], RecordingState] | str | None = None
-    # For detectors that judge the recorded plan through its backend's plan view: why they could
-    # not read this step's plan (the check's verdict names it), None when they could.
-    plan_unread: Callable[[Trace], str | None] | str | None = None
+    # It judges the recorded plan through the step's plan reading (ctx.plan()): where that reading
+    # cannot read the plan as its kernel would (PlanReading.unread), the check's verdict names it.
+    reads_plan: bool = False
     # (trace) -> the (backend name, its options object) runs this detector makes of a step beyond
     # the check's own replays, where that backend is among the check's (split-merge forces
     # FlashInfer's cascade and paged extend paths): check's compile phase builds their kernels too.
@@ -84,9 +84,6 @@ class Detector:
 
     def new_state(self) -> RecordingState | None:
         return _hook(self.recording_state)() if self.recording_state is not None else None
-
-    def unread(self, trace: Trace) -> str | None:
-        return _hook(self.plan_unread)(trace) if self.plan_unread is not None else None
 
     def forced_runs_of(self, trace: Trace) -> list[tuple[str, Any]]:
         return _hook(self.forced_runs)(trace) if self.forced_runs is not None else []

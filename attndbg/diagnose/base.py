@@ -19,6 +19,7 @@ from torch import Tensor
 
 from attndbg import numerics
 from attndbg.backends import reference
+from attndbg.plans.reading import PlanReading, read
 from attndbg.replay.step_data import StepData
 from attndbg.trace.schema import Trace
 
@@ -72,9 +73,12 @@ class PartialStates:
     `of` batches its requests: one reference pass computes one range for every request at once.
     """
 
-    def __init__(self, data: StepData):
+    def __init__(self, data: StepData, plan: PlanReading | None = None):
         self.data = data
         self.trace = data.trace
+        # What the step's recorded plan says (the check context's reading when a detector asks):
+        # the models that judge the recorded plan read it here.
+        self.plan = plan if plan is not None else read(data.trace)
         self._ranges: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
         self._batches: dict[Any, Tensor] = {}
 

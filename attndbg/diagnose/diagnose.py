@@ -19,6 +19,7 @@ from attndbg.diagnose.base import Candidate, MistakeModel, PartialStates
 from attndbg.diagnose.kv_models import KeyOffByOne, OtherRequestRow, PlanFromCapture, RecordedPlanKV, StalePositions
 from attndbg.diagnose.mask_models import MaskBitOrder, MaskIgnored, MaskIgnoredPastCausalTile, MaskTransposed, RecordedPlanMask, WindowWithoutDraftOffset
 from attndbg.diagnose.split_models import EmptySplitsStale, EmptySplitsZeros, PrefixMergeLseBase, SplitLseBase, SplitsBeyondCapture
+from attndbg.plans.reading import PlanReading
 from attndbg.replay.step_data import StepData
 from attndbg.trace.schema import Trace
 
@@ -98,10 +99,13 @@ def applicable(trace: Trace, models: tuple[MistakeModel, ...] = MODELS) -> list[
     return [m for m in models if m.applies(trace)]
 
 
-def diagnose(data: StepData, engine_output: Tensor, *, rows: Tensor | None = None, models: tuple[MistakeModel, ...] = MODELS) -> list[Reproduction]:
+def diagnose(
+    data: StepData, engine_output: Tensor, *, rows: Tensor | None = None, models: tuple[MistakeModel, ...] = MODELS, plan: PlanReading | None = None
+) -> list[Reproduction]:
     """The mistakes that reproduce `engine_output` [T, Hq, Dv] on the requests whose rows fail the
     reference; `rows` [T] bool: the rows to judge (default all; a non-finite row is another
-    finding's). Most rows reproduced first."""
+    finding's). `plan`: the step's plan reading (a detector passes `ctx.plan()`; default: read
+    here). Most rows reproduced first."""
     trace = data.trace
     ref = data.reference.output.double()
     tol = data.output_tolerance()
@@ -112,7 +116,7 @@ def diagnose(data: StepData, engine_output: Tensor, *, rows: Tensor | None = Non
         return []
     qo = trace.batch.qo_indptr
     requests = sorted({int(torch.searchsorted(qo, torch.tensor(r), right=True)) - 1 for r in torch.nonzero(failing).flatten().tolist()})
-    states = PartialStates(data)
+    states = PartialStates(data, plan)
     found: list[Reproduction] = []
     for model in applicable(trace, models):
         best: dict[tuple[str, int], tuple[float, Candidate]] = {}

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 
 import torch
 
-from attndbg.backends import registry
+from attndbg.backends.plan_view import RequestKV
 from attndbg.diagnose.base import Candidate, MistakeModel, PartialStates, with_batch
-from attndbg.replay import plan_guard
+from attndbg.plans.reading import PlanReading
 from attndbg.trace.schema import ForwardMode, Trace
 from attndbg.trace.visibility import visibility
 
@@ -161,7 +161,7 @@ class RecordedPlanKV(MistakeModel):
 
     def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
         trace = states.trace
-        kv = _plan_kv(trace)
+        kv = _plan_kv(states.plan)
         if kv is None:
             return
         batch = trace.batch
@@ -202,17 +202,12 @@ class RecordedPlanKV(MistakeModel):
             )
 
 
-def _plan_kv(trace: Trace):
-    """The recorded plan's per-request KV ids (plan_view.RequestKV) for the step's real requests, or
-    None when the plan cannot be read safely (the plan guard refuses it) or its view gives none."""
-    backend = registry.adapter_of(trace.plan)
-    if backend is None:
-        return None
-    plan = plan_guard.real_requests_only(trace, trace.plan, backend)
-    if plan_guard.refusal(trace, plan, backend) is not None:
-        return None
-    view = backend.plan_view(trace, plan)
-    if view is None or view.kv is None or view.kv.lengths.numel() < trace.batch.batch_size:
+def _plan_kv(plan: PlanReading) -> RequestKV | None:
+    """The recorded plan's per-request KV ids for the step's real requests, as its kernel reads
+    them, or None when the plan cannot be read safely (the plan guard refuses it, or no adapter has
+    it) or its view gives none."""
+    view = plan.launch_view
+    if plan.adapter is None or view is None or view.kv is None or view.kv.lengths.numel() < plan.trace.batch.batch_size:
         return None
     return view.kv
 

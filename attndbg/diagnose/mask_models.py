@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 
 from attndbg.diagnose.base import Candidate, MistakeModel, PartialStates, spans
-from attndbg.plans.verify_mask import plan_view
 from attndbg.trace import tree
 from attndbg.trace.mask_geometry import word_bits, word_dtype
 from attndbg.trace.schema import Trace
@@ -245,7 +244,7 @@ class RecordedPlanMask(MistakeModel):
 
     def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
         trace = states.trace
-        view = plan_view(trace)
+        view = states.plan.visibility
         if view is None:
             return
         batch = trace.batch

@@ -1,208 +1,98 @@
-"""The per-request KV view of a recorded plan: the slot or page ids each request's kernel reads,
-read by the layout of its backend's plan declaration (`Backend.plan_layout`, derived in
-backends/plan_declaration.py), and the
-columns of the request's KV row they cover (`kv_coverage`, used by invariants and tree-mask).
-A plan whose KV structure is broken is reported as the invariants detector's finding.
+"""The per-request KV of a recorded plan, read leniently by the layout its backend declares
+(`Backend.plan_layout`, backends/plan_declaration.py): the slot or page ids each request's kernel
+reads and the tokens they hold (`RequestKV`, the one per-request KV type), and the columns of the
+request's KV row they cover (`request_coverage`).
+
+Lenient: a plan the guard would refuse is still read where its structure allows (the detectors say
+what is wrong with it); where it does not (a page table shorter than a length, a last page length
+outside the page), the reading stops with the problem, as data.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from attndbg.backends import registry
 from attndbg.backends.plan_layout import KvEnd, KvIds, PlanLayout
-from attndbg.backends.plan_view import PlanUnreadable, PlanViewError
-from attndbg.detector_api.findings import Finding, finding
-from attndbg.plans.offsets import KIND, indptr_shape, is_indptr
-from attndbg.trace.schema import ForwardMode, Plan, Trace
+from attndbg.backends.plan_view import RequestKV
+from attndbg.plans.problems import PlanProblem, ProblemKind
+from attndbg.trace.schema import ForwardMode, Trace
 
 
-@dataclass
-class _Segment:
-    units: Tensor  # [u] int64: recorded slot or page ids the kernel reads for this request
-    length: int | None  # tokens the plan says the kernel reads; None when the plan gives only units
-    field: str  # the tensor holding them, e.g. "plan.kv_indices"
-    offset: int  # flat index of units[0] in it
-    row: int | None = None  # page-table row (then units are row[:u])
-
-    def name(self, j: int) -> str:
-        return f"{self.field}[{self.row}, {j}]" if self.row is not None else f"{self.field}[{self.offset + j}]"
-
-
-@dataclass
-class KvView:
-    layout: PlanLayout
-    page_size: int  # 1 for slot ids
-    segments: list[_Segment]
-    ends: tuple[KvEnd, ...]  # where each request's covered columns end
-    count_field: str
-    length_field: str
-
-    @property
-    def requests(self) -> int:
-        return len(self.segments)
-
-
-def plan_layout(trace: Trace, plan: Plan) -> PlanLayout | None:
-    """The layout the plan's backend declares; None when no adapter has its name or it declares none."""
-    adapter = registry.adapter_of(plan)
-    return adapter.plan_layout(trace, plan) if adapter is not None else None
-
-
-def unread_reason(trace: Trace) -> str | None:
-    """Why the plan detectors cannot read this step's recorded plan as its kernel would (no adapter
-    has the plan's backend name, the adapter declares no plan view or no layout for it, or the plan
-    lacks a field its layout declares or holds one that cannot be read: "plan has no scalar
-    window_left"); None when they can, or the step recorded no plan. A plan view that refuses the
-    plan for a violated bound is not this: the refusal is a finding (invariants' plan-unsafe)."""
-    plan = trace.plan
-    if plan is None:
-        return None
-    adapter = registry.adapter_of(plan)
-    if adapter is None:
-        return "no adapter here"
-    try:
-        view = adapter.plan_view(trace, plan)
-    except PlanUnreadable as e:
-        return str(e)  # incomplete, not unsafe: never launched, named on the verdict line
-    except PlanViewError:
-        view = True  # it has a view, and this plan breaks it: invariants says how
-    if view is None:
-        return f"the {adapter.name} adapter declares no plan view"
-    if adapter.plan_layout(trace, plan) is None:
-        return f"the {adapter.name} adapter declares no plan layout for it"
-    return None
-
-
-def _ends(trace: Trace, layout: PlanLayout) -> tuple[KvEnd, ...]:
+def kv_ends(trace: Trace, layout: PlanLayout) -> tuple[KvEnd, ...]:
+    """Where each request's listed columns may end, in the order they are tried: decode and
+    selective steps read whole rows whatever the backend; extend and verify steps by the layout."""
     batch = trace.batch
     if batch.forward_mode is ForwardMode.DECODE or batch.selective:
         return (KvEnd.KV,)
     return layout.ends
 
 
-def _unreadable(trace: Trace, plan: Plan) -> bool:
-    """The plan lacks a field its backend's view declares, or holds one that view cannot read."""
-    adapter = registry.adapter_of(plan)
-    if adapter is None:
-        return False
-    try:
-        adapter.plan_view(trace, plan)
-    except PlanUnreadable:
-        return True
-    except PlanViewError:
-        return False  # readable, and a bound it breaks is plan-unsafe's
-    return False
-
-
-def kv_view(trace: Trace, plan: Plan, t: dict[str, Tensor], sane: set[str], out: list[Finding]) -> KvView | None:
-    layout = plan_layout(trace, plan)
-    # An incomplete plan is not read per request: how its layout reads it may hang on the missing
-    # field (fa3's verify_path picks one call or two), so what it would say is a guess. The verdict
-    # names it (unread_reason); checks of the tensors it holds still run.
-    if layout is None or _unreadable(trace, plan):
-        return None
-    ends = _ends(trace, layout)
-    ps = layout.page_size_of(plan, trace.model.page_size)
+def read_kv(layout: PlanLayout, page_size: int, tensors: dict[str, Tensor], well_formed: set[str]) -> tuple[RequestKV | None, list[PlanProblem]]:
+    """The plan's per-request KV (every request it covers, padded ones included) from its typed
+    `tensors`, reading CSR offsets only from the `well_formed` ones; None when the layout's fields
+    are absent, or malformed as the problems say."""
     if layout.kv is KvIds.TABLE:
-        table_name, lens_name = layout.ids, layout.count
-        if table_name not in t or lens_name not in t or t[table_name].dim() != 2:
-            return None
-        table, lens = t[table_name], t[lens_name]
-        if table.shape[0] != lens.numel():
-            out.append(
-                finding(KIND, "plan-batch-size", step=trace.source.step, field=f"plan.{table_name}", evidence=f"plan.{table_name} has {table.shape[0]} rows, {lens_name} has {lens.numel()} requests", cause="the page table and the lengths were built for different batches")
-            )
-            return None
-        segments = []
-        for b in range(lens.numel()):
-            pages = max(-(-int(lens[b]) // ps), 0)
-            if pages > table.shape[1]:
-                out.append(
-                    finding(
-                        KIND,
-                        "kv-length",
-                        step=trace.source.step,
-                        request=b,
-                        field=f"plan.{lens_name}[{b}]",
-                        evidence=f"plan.{lens_name}[{b}] = {int(lens[b])} needs {pages} pages, plan.{table_name} has {table.shape[1]} columns",
-                        cause=f"{lens_name} is longer than the page table row built for this request (lengths and table from different steps)",
-                    )
-                )
-                return None
-            segments.append(_Segment(table[b, :pages], int(lens[b]), f"plan.{table_name}", 0, row=b))
-        return KvView(layout, ps, segments, ends, lens_name, layout.length_field)
-    if layout.count not in sane or layout.ids not in t:
-        return None
-    indptr, indices = t[layout.count], t[layout.ids]
+        return _read_table(layout, page_size, tensors)
+    if layout.count not in well_formed or layout.ids not in tensors:
+        return None, []
+    indptr, indices = tensors[layout.count], tensors[layout.ids]
     if int(indptr[-1]) > indices.numel():
-        return None  # indptr-end already says it; segments would run off the buffer
-    last = t.get(layout.length) if layout.kv is KvIds.PAGES_LAST_PAGE_LEN and layout.length else None
-    lengths = t.get(layout.length) if layout.kv is KvIds.PAGES_LENGTHS and layout.length else None
-    segments = []
+        return None, []  # the ids would run off the buffer (the invariants detector's indptr-end)
+    last = tensors.get(layout.length) if layout.kv is KvIds.PAGES_LAST_PAGE_LEN and layout.length else None
+    given = tensors.get(layout.length) if layout.kv is KvIds.PAGES_LENGTHS and layout.length else None
+    lengths = []
     for b in range(indptr.numel() - 1):
-        lo, hi = int(indptr[b]), int(indptr[b + 1])
-        count = hi - lo
+        count = int(indptr[b + 1]) - int(indptr[b])
         if layout.kv is KvIds.SLOTS:
             length = count
-        elif lengths is not None and b < lengths.numel():
-            length = int(lengths[b])
+        elif given is not None and b < given.numel():
+            length = int(given[b])
         elif last is not None and b < last.numel():
             page_len = int(last[b])
-            if count and not 1 <= page_len <= ps:
-                out.append(
-                    finding(
-                        KIND,
-                        "kv-last-page-len",
-                        step=trace.source.step,
-                        request=b,
-                        field=f"plan.{layout.length}[{b}]",
-                        evidence=f"plan.{layout.length}[{b}] = {page_len}, expected a value in [1, {ps}] (page_size {ps})",
-                        cause=f"{layout.length} was computed as seq_len % page_size without mapping 0 to a full page, or from a stale length",
-                        found=page_len,
-                    )
-                )
-                return None
-            length = (count - 1) * ps + page_len if count else 0
+            if count and not 1 <= page_len <= page_size:
+                problem = PlanProblem(ProblemKind.LAST_PAGE_LEN, layout.length or "", request=b, index=b, found=page_len, detail={"page_size": page_size})
+                return None, [problem]
+            length = (count - 1) * page_size + page_len if count else 0
         else:
-            length = None
-        segments.append(_Segment(indices[lo:hi], length, f"plan.{layout.ids}", lo))
-    return KvView(layout, ps, segments, ends, layout.count, layout.length_field)
+            length = count * page_size  # the plan gives only ids: read as whole pages
+        lengths.append(length)
+    return RequestKV(page_size, indptr, indices, torch.tensor(lengths, dtype=torch.int64), layout.ids), []
 
 
-def kv_coverage(trace: Trace) -> list[tuple[int, int] | None] | None:
-    """Per real request, the columns [start, end) of its KV row that the recorded plan reads, by
-    this module's rules; None per request whose plan length fits no rule, and None overall when
-    the plan is absent, of a backend that declares no layout, or malformed (the checks above say how)."""
-    plan = trace.plan
-    if plan is None:
-        return None
-    scratch: list[Finding] = []
-    tensors = {name: v.to(torch.int64) for name, v in plan.tensors.items() if not (v.is_floating_point() or v.is_complex())}
-    sane = {name for name in tensors if not is_indptr(name) or indptr_shape(trace, name, tensors[name], scratch)}
-    view = kv_view(trace, plan, tensors, sane, scratch)
-    if view is None or view.requests < trace.batch.batch_size:
-        return None
-    return [request_coverage(trace, view, b) for b in range(trace.batch.batch_size)]
+def _read_table(layout: PlanLayout, page_size: int, tensors: dict[str, Tensor]) -> tuple[RequestKV | None, list[PlanProblem]]:
+    table_name, lens_name = layout.ids, layout.count
+    if table_name not in tensors or lens_name not in tensors or tensors[table_name].dim() != 2:
+        return None, []
+    table, lens = tensors[table_name], tensors[lens_name]
+    if table.shape[0] != lens.numel():
+        return None, [PlanProblem(ProblemKind.TABLE_ROWS, table_name, detail={"lengths": lens_name, "rows": table.shape[0], "requests": lens.numel()})]
+    pages = []
+    for b in range(lens.numel()):
+        need = max(-(-int(lens[b]) // page_size), 0)
+        if need > table.shape[1]:
+            problem = PlanProblem(ProblemKind.TABLE_SHORT, lens_name, request=b, index=b, found=int(lens[b]), detail={"table": table_name, "pages": need, "columns": table.shape[1]})
+            return None, [problem]
+        pages.append(need)
+    counts = torch.tensor(pages, dtype=torch.int64)
+    ids = torch.cat([table[b, :n] for b, n in enumerate(pages)]) if pages else table.new_zeros(0)
+    lengths = torch.tensor([int(v) for v in lens], dtype=torch.int64)
+    return RequestKV(page_size, torch.nn.functional.pad(counts.cumsum(0), (1, 0)), ids, lengths, table_name, table=True), []
 
 
-def request_coverage(trace: Trace, view: KvView, b: int) -> tuple[int, int] | None:
+def request_coverage(trace: Trace, kv: RequestKV, ends: tuple[KvEnd, ...], b: int) -> tuple[int, int] | None:
     """(start, end) of request b's columns that the plan covers, or None when its length fits no rule.
 
     The covered columns end at the prefix or at the whole row (by the layout and mode); with a
     sliding window they may start later, page-aligned, but no later than the first column a query
     of the request can see."""
     batch = trace.batch
-    seg = view.segments[b]
-    ends = {KvEnd.PREFIX: int(batch.prefix_lens[b]), KvEnd.KV: int(batch.kv_lens[b])}
-    length = seg.length if seg.length is not None else seg.units.numel() * view.page_size
-    for kind in view.ends:
-        start = ends[kind] - length
-        if 0 <= start <= needed_start(trace, b) and start % view.page_size == 0:
-            return start, ends[kind]
+    by_end = {KvEnd.PREFIX: int(batch.prefix_lens[b]), KvEnd.KV: int(batch.kv_lens[b])}
+    length = int(kv.lengths[b])
+    for kind in ends:
+        start = by_end[kind] - length
+        if 0 <= start <= needed_start(trace, b) and start % kv.page_size == 0:
+            return start, by_end[kind]
     return None
 
 

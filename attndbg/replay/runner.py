@@ -28,7 +28,7 @@ from attndbg.profiling import phase, step_label
 from attndbg.replay import activity
 from attndbg.replay import graph as graph_replay
 from attndbg.replay.step_data import StepData
-from attndbg.replay.plan_guard import Refusal, merge_refusal, real_requests_only, refusal
+from attndbg.plans.guard import Refusal, merge_refusal, real_requests_only, refusal
 from attndbg.replay.variants import EAGER, RECORDED, Graph, Variant
 from attndbg.trace.errors import TraceError
 from attndbg.trace.schema import Plan, Trace

@@ -35,7 +35,7 @@ from attndbg.backends import registry
 from attndbg.backends.base import AttentionInputs, Backend, ScriptLibrary
 from attndbg.backends.options import BackendOptions
 from attndbg.replay.data import build_inputs
-from attndbg.replay.plan_guard import real_requests_only
+from attndbg.plans.guard import real_requests_only
 from attndbg.repro import padded, template
 from attndbg.repro.capture import CUDA_TAG, Call, capture, capture_graph, pinned
 from attndbg.trace.schema import Plan, Trace

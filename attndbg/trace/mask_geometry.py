@@ -38,6 +38,11 @@ from attndbg.trace.schema import indptr as csr_indptr
 PACKED = MaskLayout.QLEN_ONLY_BITPACKED
 
 
+def as_bool(mask: Tensor) -> Tensor:
+    """A mask of bools, whatever integer dtype it was stored in (nonzero: visible)."""
+    return mask if mask.dtype is torch.bool else mask != 0
+
+
 # --- bit-packed words ---------------------------------------------------------------------------
 
 

@@ -33,7 +33,7 @@ from attndbg.backends.triton import TritonBackend
 from attndbg.cli import main
 from attndbg.detector_api.context import CheckContext
 from attndbg.detectors.invariants import detect as invariants
-from attndbg.plans.kv import unread_reason
+from attndbg.plans.reading import read
 from attndbg.replay.runner import PlanSource, ReplayOptions, RunStatus, replay
 from attndbg.trace import io
 from attndbg.trace.schema import Plan, Trace
@@ -125,7 +125,7 @@ def test_a_plan_missing_a_declared_field_is_not_read_not_launched_and_no_finding
     trace = _step(backend, spec)
     assert _declared(backend, trace) == scalars
     assert invariants.detect(CheckContext(trace=trace, path="t.pt")) == []
-    assert unread_reason(trace) is None
+    assert read(trace).unread is None
     options = ReplayOptions(plan=PlanSource.RECORDED, backend_options=_options(backend))
     # The clean plan is launched (once, as recorded): the spy sees it.
     [clean] = replay(trace, "t", [backend.name], options).runs
@@ -133,7 +133,7 @@ def test_a_plan_missing_a_declared_field_is_not_read_not_launched_and_no_finding
     launches.clear()
     cases = _incomplete(backend, trace) + [(tensor, replace(trace, plan=_without(trace.plan, tensor=tensor)))]
     for missing, step in cases:
-        why = unread_reason(step)
+        why = read(step).unread
         assert why is not None and missing.split()[-1] in why, (missing, why)
         assert invariants.detect(CheckContext(trace=step, path="t.pt")) == [], missing
         [run] = replay(step, "t", [backend.name], options).runs
@@ -195,7 +195,7 @@ def test_a_windowed_plan_without_its_window_scalar_is_not_guessed_at(backend: Ba
     # Triton's decode plan carries no window scalar (its kernels read SGLang's window list).
     assert declared & {"sliding_window", "window_left"} or (backend.name == "triton" and preset == "window-decode")
     for missing, step in _incomplete(backend, trace):
-        why = unread_reason(step)
+        why = read(step).unread
         assert why is not None and missing.split()[-1] in why, (missing, why)
         assert invariants.detect(CheckContext(trace=step, path="t.pt")) == [], missing
 

@@ -13,7 +13,7 @@ from attndbg.detector_api.context import CheckContext
 from attndbg.detector_api.findings import FindingClass
 from attndbg.detectors.invariants import detect as invariants
 from attndbg.detectors.invariants import injections as inject
-from attndbg.plans import kv as plan_kv
+from attndbg.plans.reading import read
 from attndbg.trace import synth, tree
 from attndbg.trace.schema import Plan, Trace, to_dict
 from attndbg.trace.validate import from_dict
@@ -401,7 +401,7 @@ def _entry_counts(trace: Trace) -> list[int]:
 
 
 def _covered_start(trace: Trace, b: int) -> int:
-    return plan_kv.kv_coverage(trace)[b][0]
+    return read(trace).coverage[b][0]
 
 
 @pytest.mark.parametrize("request_", [0, 2])

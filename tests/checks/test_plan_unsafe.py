@@ -11,7 +11,7 @@ from attndbg.backends.fa3 import FA3Backend
 from attndbg.backends.flashinfer import FlashInferBackend
 from attndbg.detector_api.context import CheckContext
 from attndbg.detectors.invariants import detect as invariants
-from attndbg.plans.kv import unread_reason
+from attndbg.plans.reading import read
 from tests.factories import make_trace
 
 SMALL = ("heads=2:1", "head_dim=32")
@@ -27,7 +27,7 @@ def test_unsafe_plans_are_findings_and_incomplete_ones_are_not() -> None:
     assert _findings(replace(trace, plan=fa3)) == []
     no_table = replace(fa3, tensors={k: v for k, v in fa3.tensors.items() if k != "page_table"})
     assert _findings(replace(trace, plan=no_table)) == []
-    assert unread_reason(replace(trace, plan=no_table)) == "plan has no page_table"
+    assert read(replace(trace, plan=no_table)).unread == "plan has no page_table"
     flashinfer = FlashInferBackend().derive_plan(trace)
     assert _findings(replace(trace, plan=flashinfer)) == []
     # SGLang plans FlashInfer at page 1 on any pool: slot ids, read in the plan's pages, are clean.

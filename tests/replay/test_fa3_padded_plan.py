@@ -12,7 +12,7 @@ import torch
 
 from attndbg.backends.base import Padding
 from attndbg.backends.fa3 import FA3Backend, FA3Options
-from attndbg.replay.plan_guard import out_of_bounds, real_requests_only, refusal
+from attndbg.plans.guard import out_of_bounds, real_requests_only, refusal
 from attndbg.trace.schema import Plan
 from tests.factories import make_trace
 

@@ -14,7 +14,7 @@ from attndbg.backends.triton import TritonBackend
 from attndbg.checks.selection import parse_only
 from attndbg.checks.step import check_one
 from attndbg.detector_api.context import CheckOptions
-from attndbg.replay.plan_guard import out_of_bounds, real_requests_only
+from attndbg.plans.guard import out_of_bounds, real_requests_only
 from attndbg.replay.runner import PlanSource, ReplayOptions, RunStatus, replay
 from attndbg.trace import io
 from tests.factories import make_trace

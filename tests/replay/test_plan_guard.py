@@ -23,7 +23,7 @@ from attndbg.backends.mla import MLABackend, MLAOptions
 from attndbg.backends.reference import ReferenceBackend
 from attndbg.backends.triton import TritonBackend
 from attndbg.cli import main
-from attndbg.replay.plan_guard import out_of_bounds
+from attndbg.plans.guard import out_of_bounds
 from attndbg.replay.runner import PlanSource, ReplayOptions, RunStatus, replay
 from attndbg.trace import io
 from attndbg.trace.schema import Plan, Trace

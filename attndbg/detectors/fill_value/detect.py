@@ -42,12 +42,12 @@ from dataclasses import dataclass
 
 import torch
 
-from attndbg.backends import engine_names, registry
+from attndbg.backends import engine_names
 from attndbg.backends.base import FillRequirement
-from attndbg.backends.plan_view import USUAL_OFFSETS, Offsets, PlanViewError
 from attndbg.detector_api.context import CheckContext
 from attndbg.detector_api.findings import Finding, FindingClass, Severity, finding
 from attndbg.detectors.fill_value import requirements
+from attndbg.plans.reading import PlanReading, read
 from attndbg.replay import graph as graph_replay
 from attndbg.replay.runner import BackendRun, RunStatus
 from attndbg.replay.variants import Eager, Graph
@@ -81,15 +81,16 @@ def detect(ctx: CheckContext) -> list[Finding]:
     replayed, outcomes, needs = padded_replays(ctx)
     engine = engine_names.adapter_for(ctx.trace.source.backend)
     engine_name = engine.name if engine is not None else None
-    recorded = [requirements.confirmed(f, outcomes, engine_name) for f in recorded_padding(ctx.trace)]
+    recorded = [requirements.confirmed(f, outcomes, engine_name) for f in recorded_padding(ctx.trace, ctx.plan())]
     return recorded + replayed + requirements.contradictions(ctx.trace, outcomes, needs)
 
 
 # -- recorded padding -------------------------------------------------------------------------
 
 
-def recorded_padding(trace: Trace) -> list[Finding]:
-    """Findings from the recorded graph section and plan alone (no kernel runs)."""
+def recorded_padding(trace: Trace, reading: PlanReading | None = None) -> list[Finding]:
+    """Findings from the recorded graph section and plan alone (no kernel runs); `reading`: the
+    step's plan reading (default: read here)."""
     graph, batch = trace.graph, trace.batch
     if graph is None or not graph.is_graph_replay:
         return []
@@ -103,7 +104,7 @@ def recorded_padding(trace: Trace) -> list[Finding]:
         _padded_seq_lens(trace)
         + _padded_out_cache_loc(trace)
         + _seq_lens_sum(trace)
-        + _padded_indptrs(trace)
+        + _padded_indptrs(trace, reading if reading is not None else read(trace))
         + _padded_req_pool_indices(trace)
         + _padded_positions(trace)
     )
@@ -233,33 +234,13 @@ def _seq_lens_sum(trace: Trace) -> list[Finding]:
     ]
 
 
-def _offsets_of(trace: Trace) -> dict[str, int]:
-    """The plan tensors that are per-request offsets (indptrs) over the possibly padded batch, each
-    with its entries per request (a two-call verify's expand_ tables have one per draft token): the
-    usual names (plan_view.USUAL_OFFSETS), checked whether or not the consuming kernel reads them (an
-    engine may hand a stale one to another kernel of the step), then every other Offsets its
-    adapter's plan view declares (a third-party layout names its own; a plan it cannot view is
-    plan-unsafe's)."""
-    adapter = registry.adapter_of(trace.plan)
-    try:
-        view = adapter.plan_view(trace, trace.plan) if adapter is not None else None
-    except PlanViewError:
-        view = None
-    offsets = dict.fromkeys(USUAL_OFFSETS, 1)
-    if view is not None:
-        stride = {name: rows.per_request for rows in view.layout or () for name, _ in rows.offsets}
-        for bound in view.bounds:
-            if isinstance(bound, Offsets):
-                offsets.setdefault(bound.field, stride.get(bound.field, 1))
-    return offsets
-
-
-def _padded_indptrs(trace: Trace) -> list[Finding]:
+def _padded_indptrs(trace: Trace, reading: PlanReading) -> list[Finding]:
+    """Each per-request offsets list over the padded batch (PlanReading.padded_offsets)."""
     plan, bs = trace.plan, trace.batch.batch_size
     if plan is None:
         return []
     findings = []
-    for name, per_request in _offsets_of(trace).items():
+    for name, per_request in reading.padded_offsets.items():
         values = plan.tensors.get(name)
         real = bs * per_request  # entries [0, real] are the real requests'
         if values is None or values.numel() <= real + 1:

@@ -10,5 +10,5 @@ DETECTOR = Detector(
     injections="attndbg.detectors.invariants.injections",
     recording_digest="attndbg.detectors.invariants.detect:recording_digest",
     recording_state="attndbg.detectors.invariants.detect:RecordingState",
-    plan_unread="attndbg.plans.kv:unread_reason",
+    reads_plan=True,
 )

@@ -73,6 +73,7 @@ from attndbg.detectors.invariants.plan import _check_plan
 from attndbg.detectors.invariants.token_indices import check_token_indices
 from attndbg.detectors.invariants.vllm import check_vllm
 from attndbg.detectors.invariants.window import check_window_list
+from attndbg.plans.reading import PlanReading, read
 from attndbg.trace.schema import Trace
 
 
@@ -86,17 +87,19 @@ CAUSE_POINTER = (
 
 
 def detect(ctx: CheckContext) -> list[Finding]:
-    return check_trace(ctx.trace)
+    return check_trace(ctx.trace, ctx.plan())
 
 
-def check_trace(trace: Trace) -> list[Finding]:
-    """Every single-step invariant of `trace` (pure: no kernels run)."""
+def check_trace(trace: Trace, reading: PlanReading | None = None) -> list[Finding]:
+    """Every single-step invariant of `trace` (pure: no kernels run); `reading`: the step's plan
+    reading (default: read here)."""
     out: list[Finding] = []
     _check_positions(trace, out)
     _check_seq_lens(trace, out)
     if trace.plan is not None:
-        _check_plan(trace, trace.plan, out)
-        check_window_list(trace, out)
+        reading = reading if reading is not None else read(trace)
+        _check_plan(trace, reading, out)
+        check_window_list(trace, reading.layout, out)
     check_vllm(trace, out)
     check_token_indices(trace, out)
     check_capture(trace, out)  # last: it defers to block-table-short and replaces indptr-end on a captured buffer

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from attndbg.backends import registry
+from attndbg.plans.reading import read
 from attndbg.trace import tree
 from attndbg.trace.schema import ForwardMode, Plan, Trace
 
@@ -53,8 +53,7 @@ class _KvLists:
 def _kv_lists(trace: Trace, plan: Plan, *, default_page_size: int) -> _KvLists:
     """The plan's KV ids per request, as its backend's layout lists them (`default_page_size`
     where the plan has no page_size scalar and the layout fixes none)."""
-    adapter = registry.adapter_of(plan)
-    layout = adapter.plan_layout(trace, plan) if adapter is not None else None
+    layout = read(replace(trace, plan=plan)).layout
     if layout is None:
         raise ValueError(f"the {plan.backend} plan's backend declares no plan layout: where its KV ids are is unknown")
     ps = layout.page_size_of(plan, default_page_size)

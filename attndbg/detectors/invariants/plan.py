@@ -7,14 +7,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attndbg.backends.plan_layout import KvEnd, expected_dims, is_index
+from attndbg.backends.plan_layout import KvEnd
 from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND, _first
 from attndbg.detectors.invariants.capture import captured_split_limit
 from attndbg.detectors.invariants.indptr import _indptr_ends
-from attndbg.plans.kv import KvView, kv_view, needed_start, request_coverage
-from attndbg.plans.offsets import indptr_shape, is_indptr
-from attndbg.replay.plan_guard import real_requests_only, refusal
+from attndbg.detectors.invariants.structure import worded
+from attndbg.plans.kv import needed_start
+from attndbg.plans.reading import PlanReading
 from attndbg.trace.schema import ForwardMode, Plan, Trace
 
 
@@ -35,19 +35,19 @@ CAUSE_UNSAFE = (
 _TREE_MASK_FIELDS = ("custom_mask", "mask_indptr", "expand_")
 
 
-def _check_plan(trace: Trace, plan: Plan, out: list[Finding]) -> None:
-    _check_fields(trace, plan, out)
-    _check_launchable(trace, plan, out)
+def _check_plan(trace: Trace, reading: PlanReading, out: list[Finding]) -> None:
+    _check_fields(trace, reading, out)
+    _check_launchable(trace, reading, out)
 
 
-def _check_launchable(trace: Trace, plan: Plan, out: list[Finding]) -> None:
+def _check_launchable(trace: Trace, reading: PlanReading, out: list[Finding]) -> None:
     """A plan the replay guard refuses is a finding, unless a finding above already names its field:
     what the guard refuses is never launched, so nothing else would report it. Refusals naming no
     field are not: a plan of no attndbg backend (vLLM's own) is never replayed, one of a backend
     without a plan view is refused at replay with that reason, and one covering more requests than
     the step is plan-batch-size. Nor is a plan the guard could not read (a field its layout declares
-    missing or unreadable): incomplete is not unsafe, and the verdict names it (plans/kv.py unread_reason)."""
-    found = refusal(trace, real_requests_only(trace, plan))
+    missing or unreadable): incomplete is not unsafe, and the verdict names it (PlanReading.unread)."""
+    found = reading.refusal
     if found is None or found.field is None or found.unread:
         return
     if any((f.location.field or "").startswith(f"plan.{found.field}") for f in out):
@@ -57,75 +57,55 @@ def _check_launchable(trace: Trace, plan: Plan, out: list[Finding]) -> None:
     out.append(finding(KIND, "plan-unsafe", step=trace.source.step, field=f"plan.{found.field}", evidence=found.message, cause=CAUSE_UNSAFE))
 
 
-def _check_fields(trace: Trace, plan: Plan, out: list[Finding]) -> None:
-    tensors: dict[str, Tensor] = {}
-    for name, value in plan.tensors.items():
-        if is_index(name) and (value.is_floating_point() or value.is_complex() or value.dtype is torch.bool):
-            out.append(
-                finding(
-                    KIND,
-                    "plan-dtype",
-                    step=trace.source.step,
-                    field=f"plan.{name}",
-                    evidence=f"plan.{name} has dtype {str(value.dtype).replace('torch.', '')}, expected an integer index type",
-                    cause="the engine passed a float or bool tensor where the kernel takes indices",
-                )
-            )
-            continue
-        dims = expected_dims(name)
-        if dims is not None and value.dim() != dims:
-            out.append(
-                finding(
-                    KIND,
-                    "plan-shape",
-                    step=trace.source.step,
-                    field=f"plan.{name}",
-                    evidence=f"plan.{name} has shape {list(value.shape)}, expected {dims} dimension(s)",
-                    cause="the engine passed a tensor of the wrong rank where the kernel takes this plan field",
-                )
-            )
-            continue
-        tensors[name] = value.to(torch.int64) if is_index(name) else value
-    sane = {name for name in tensors if not is_indptr(name) or indptr_shape(trace, name, tensors[name], out)}
+def _check_fields(trace: Trace, reading: PlanReading, out: list[Finding]) -> None:
+    out += [worded(trace, problem) for problem in (*reading.index_problems, *reading.offsets_problems)]
+    tensors = reading.tensors
+    sane = set(reading.well_formed_offsets)
     _indptr_ends(trace, tensors, sane, out)
-    view = kv_view(trace, plan, tensors, sane, out)
-    if view is None:
+    layout, kv = reading.layout, reading.kv
+    # Offsets that end elsewhere than their ids do are indptr-end's: their requests are not judged.
+    if layout is None or (layout.csr and layout.count not in sane):
+        return
+    out += [worded(trace, problem) for problem in reading.kv_problems]
+    if kv is None:
         return
     bs = trace.batch.batch_size
     graph = trace.graph
     allowed = {bs} | ({graph.capture_bs} if graph is not None and graph.is_graph_replay else set())
-    if view.requests not in allowed:
+    if kv.requests not in allowed:
         out.append(
             finding(
                 KIND,
                 "plan-batch-size",
                 step=trace.source.step,
-                field=f"plan.{view.count_field}",
-                evidence=f"plan.{view.count_field} describes {view.requests} requests, the batch has {bs}"
+                field=f"plan.{layout.count}",
+                evidence=f"plan.{layout.count} describes {kv.requests} requests, the batch has {bs}"
                 + (f" (graph capture_bs {graph.capture_bs})" if graph is not None and graph.is_graph_replay else ""),
                 cause="the plan was built for another batch (stale metadata, or padded to the wrong capture size)",
                 expected=bs,
-                found=view.requests,
+                found=kv.requests,
             )
         )
         return
-    outside = _check_in_cache(trace, view, out)
-    _check_requests(trace, view, outside, out)
-    _check_qo(trace, tensors, sane, view.requests, out)
-    _check_splits(trace, plan, tensors, view.requests, out)
+    outside = _check_in_cache(trace, reading, out)
+    _check_requests(trace, reading, outside, out)
+    _check_qo(trace, tensors, sane, kv.requests, out)
+    _check_splits(trace, reading.plan, tensors, kv.requests, out)
 
 
-def _check_in_cache(trace: Trace, view: KvView, out: list[Finding]) -> set[int]:
+def _check_in_cache(trace: Trace, reading: PlanReading, out: list[Finding]) -> set[int]:
     """index-outside-cache over every request (padded ones too); returns the requests it names."""
-    limit = trace.batch.kv_cache_size // view.page_size
-    unit = "slot" if view.page_size == 1 else "page"
-    for b, seg in enumerate(view.segments):
-        j = _first((seg.units < 0) | (seg.units >= limit))
+    kv = reading.kv
+    limit = trace.batch.kv_cache_size // kv.page_size
+    unit = "slot" if kv.page_size == 1 else "page"
+    for b in range(kv.requests):
+        units, _ = kv.of(b)
+        j = _first((units < 0) | (units >= limit))
         if j < 0:
             continue
         padded = b >= trace.batch.batch_size
-        span = None if padded else request_coverage(trace, view, b)
-        column = (span[0] if span else 0) + j * view.page_size
+        span = None if padded else reading.request_coverage(b)
+        column = (span[0] if span else 0) + j * kv.page_size
         where = f"KV column {column}" if span or padded else f"entry {j}"
         out.append(
             finding(
@@ -134,10 +114,10 @@ def _check_in_cache(trace: Trace, view: KvView, out: list[Finding]) -> set[int]:
                 step=trace.source.step,
                 request=b,
                 column=column if span or padded else None,
-                field=seg.name(j),
-                evidence=f"{seg.name(j)} = {int(seg.units[j])} ({'padded ' if padded else ''}request {b}, {where}) is outside the KV cache: {unit} ids are in [0, {limit})",
+                field=kv.name(b, j),
+                evidence=f"{kv.name(b, j)} = {int(units[j])} ({'padded ' if padded else ''}request {b}, {where}) is outside the KV cache: {unit} ids are in [0, {limit})",
                 cause=CAUSE_GARBAGE,
-                found=int(seg.units[j]),
+                found=int(units[j]),
                 limit=limit,
             )
         )
@@ -145,25 +125,24 @@ def _check_in_cache(trace: Trace, view: KvView, out: list[Finding]) -> set[int]:
     return set()
 
 
-def _check_requests(trace: Trace, view: KvView, skip: set[int], out: list[Finding]) -> None:
+def _check_requests(trace: Trace, reading: PlanReading, skip: set[int], out: list[Finding]) -> None:
     batch = trace.batch
-    ps = view.page_size
+    kv = reading.kv
+    ps = kv.page_size
     rows = [batch.request_slots(b) for b in range(batch.batch_size)]
     for b in range(batch.batch_size):
         if b in skip:
             continue
-        seg = view.segments[b]
-        ends = {k: {KvEnd.PREFIX: int(batch.prefix_lens[b]), KvEnd.KV: int(batch.kv_lens[b])}[k] for k in view.ends}
-        span = request_coverage(trace, view, b)
+        found, length = kv.of(b)
+        ends = {k: {KvEnd.PREFIX: int(batch.prefix_lens[b]), KvEnd.KV: int(batch.kv_lens[b])}[k] for k in reading.ends}
+        span = reading.request_coverage(b)
         if span is None:
-            length = seg.length if seg.length is not None else seg.units.numel() * ps
-            out.append(_length_finding(trace, view, b, length, ends, needed_start(trace, b)))
+            out.append(_length_finding(trace, reading, b, length, ends, needed_start(trace, b)))
             continue
         start, end = span
         expected = rows[b][start:end][::ps] // ps
-        found = seg.units
         if found.numel() != expected.numel():
-            out.append(_length_finding(trace, view, b, found.numel() * ps, ends, needed_start(trace, b)))
+            out.append(_length_finding(trace, reading, b, found.numel() * ps, ends, needed_start(trace, b)))
             continue
         j = _first(found != expected)
         if j < 0:
@@ -177,8 +156,8 @@ def _check_requests(trace: Trace, view: KvView, skip: set[int], out: list[Findin
                 step=trace.source.step,
                 request=b,
                 column=start + j * ps,
-                field=seg.name(j),
-                evidence=f"{seg.name(j)} = {int(found[j])} (request {b}, KV column {start + j * ps}), expected {unit} {int(expected[j])} from its req_to_token row; {count} of {found.numel()} entries differ",
+                field=kv.name(b, j),
+                evidence=f"{kv.name(b, j)} = {int(found[j])} (request {b}, KV column {start + j * ps}), expected {unit} {int(expected[j])} from its req_to_token row; {count} of {found.numel()} entries differ",
                 cause=_index_cause(b, found, rows, start, end, ps),
                 expected=int(expected[j]),
                 found=int(found[j]),
@@ -207,7 +186,7 @@ def _index_cause(b: int, found: Tensor, rows: list[Tensor], start: int, end: int
     return CAUSE_STALE_ROW.format(b=b)
 
 
-def _length_finding(trace: Trace, view: KvView, b: int, found: int, ends: dict[KvEnd, int], needed: int) -> Finding:
+def _length_finding(trace: Trace, reading: PlanReading, b: int, found: int, ends: dict[KvEnd, int], needed: int) -> Finding:
     batch = trace.batch
     window = trace.model.sliding_window
     main = next(iter(ends.values()))
@@ -233,8 +212,8 @@ def _length_finding(trace: Trace, view: KvView, b: int, found: int, ends: dict[K
         "kv-length",
         step=trace.source.step,
         request=b,
-        field=f"plan.{view.length_field}",
-        evidence=f"the plan gives request {b} {found} KV columns ({view.length_field}), expected {expected_text}",
+        field=f"plan.{reading.layout.length_field}",
+        evidence=f"the plan gives request {b} {found} KV columns ({reading.layout.length_field}), expected {expected_text}",
         cause=cause,
         expected=main,
         found=found,

@@ -28,10 +28,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from attndbg.backends.plan_layout import WindowList
+from attndbg.backends.plan_layout import PlanLayout, WindowList
 from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND, _first
-from attndbg.plans.kv import plan_layout
 from attndbg.trace.schema import ForwardMode, Trace
 
 CAUSE_LENGTH = "the window list was built from other lengths than the batch's (seq_lens where the prefix is meant, or a stale length)"
@@ -52,9 +51,9 @@ def _window(trace: Trace) -> int | None:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-def check_window_list(trace: Trace, out: list[Finding]) -> None:
+def check_window_list(trace: Trace, layout: PlanLayout | None, out: list[Finding]) -> None:
+    """`layout`: the recorded plan's (the step's plan reading's)."""
     plan = trace.plan
-    layout = plan_layout(trace, plan) if plan is not None else None
     # A layout without a window list (every backend but SGLang's Triton) has none to judge.
     windows = layout.window_list if layout is not None else None
     if windows is None or windows.indptr not in plan.tensors or windows.indices not in plan.tensors:

@@ -132,7 +132,7 @@ def _mismatch(ctx: CheckContext, data: StepData, *, output: Tensor, judged: Tens
     reproduce it (attndbg/diagnose), or said to be reproduced by none."""
     trace = ctx.trace
     path = merge_path(trace)
-    found = diagnose(data, output, rows=judged)
+    found = diagnose(data, output, rows=judged, plan=ctx.plan())
     requests = sorted({_request_of(trace, r) for r in rows})
     data_out = {"rows": rows[:32], "requests": requests, "max_abs": max_abs, "reproductions": [r.to_json() for r in found]}
     merged = _prefix_merge_base(found, rows)

@@ -10,5 +10,5 @@ DETECTOR = Detector(
     injections="attndbg.detectors.tree_mask.injections",
     recording_digest="attndbg.detectors.tree_mask.detect:recording_digest",
     recording_state="attndbg.detectors.tree_mask.detect:RecordingState",
-    plan_unread="attndbg.plans.kv:unread_reason",
+    reads_plan=True,
 )

@@ -1,6 +1,5 @@
 """Shared by the tree-mask detector's modules: its finding class. A request's true tree block and
-the sentence that explains a wrong mask element are attndbg/plans/tree_blocks.py's (the recorded
-plan's mask reading, plans/verify_mask.py, uses them too).
+the sentence that explains a wrong mask element are blocks.py's.
 """
 
 from __future__ import annotations

@@ -60,13 +60,13 @@ from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.tree_mask.base import KIND
 from attndbg.detectors.tree_mask.outputs import _output_findings
 from attndbg.detectors.tree_mask.spec import _check_spec
-from attndbg.plans.kv import plan_layout
-from attndbg.plans.verify_mask import plan_view
-from attndbg.trace.schema import Plan, Trace
+from attndbg.detectors.tree_mask.recorded import recorded_plan_findings
+from attndbg.plans.reading import PlanReading, read
+from attndbg.trace.schema import Trace
 
 
 def detect(ctx: CheckContext) -> list[Finding]:
-    findings = mask_findings(ctx.trace)
+    findings = mask_findings(ctx.trace, ctx.plan())
     if ctx.trace.is_tree_verify:
         findings += _output_findings(ctx, run_recorded=not _reads_past_mask(findings))
     return findings
@@ -83,15 +83,17 @@ def _reads_past_mask(findings: list[Finding]) -> bool:
     return False
 
 
-def mask_findings(trace: Trace) -> list[Finding]:
-    """Every mask check of one step that needs no kernel (pure)."""
+def mask_findings(trace: Trace, reading: PlanReading | None = None) -> list[Finding]:
+    """Every mask check of one step that needs no kernel (pure); `reading`: the step's plan
+    reading (default: read here)."""
     out: list[Finding] = []
     if not trace.is_tree_verify:
         _check_stale_plan(trace, out)
         return out
     _check_spec(trace, out)
-    if trace.plan is not None and _flat_vectors(trace, trace.plan):
-        plan_view(trace, out)  # (a plan field of the wrong rank is the invariants detector's plan-shape)
+    reading = reading if reading is not None else read(trace)
+    if trace.plan is not None and _flat_vectors(reading):
+        out += recorded_plan_findings(reading)  # (a plan field of the wrong rank is the invariants detector's plan-shape)
     return out
 
 
@@ -99,10 +101,10 @@ def mask_findings(trace: Trace) -> list[Finding]:
 _MASK_VECTORS = ("custom_mask", "mask_indptr", "qo_indptr")
 
 
-def _flat_vectors(trace: Trace, plan: Plan) -> bool:
-    layout = plan_layout(trace, plan)
+def _flat_vectors(reading: PlanReading) -> bool:
+    layout = reading.layout
     names = _MASK_VECTORS + (layout.vectors() if layout is not None and layout.csr else ())
-    return all(t.dim() == 1 for name, t in plan.tensors.items() if name in names)
+    return all(t.dim() == 1 for name, t in reading.plan.tensors.items() if name in names)
 
 
 @dataclass(frozen=True)

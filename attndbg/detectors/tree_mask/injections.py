@@ -16,8 +16,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from attndbg.backends import registry
 from attndbg.backends.plan_layout import ExpandTables
+from attndbg.plans.reading import read
 from attndbg.trace import tree
 from attndbg.trace.mask_geometry import MaskGeometry, reverse_bits, word_bits
 from attndbg.trace.schema import ForwardMode, MaskLayout, Plan, Spec, Trace
@@ -108,8 +108,7 @@ def sibling_visible(trace: Trace, *, request: int | None = None, row: int | None
 def _expand_tables(trace: Trace) -> ExpandTables | None:
     """The plan's two-call verify tables, where its backend's layout has them and the plan holds them."""
     plan = trace.plan
-    adapter = registry.adapter_of(plan) if plan is not None else None
-    layout = adapter.plan_layout(trace, plan) if adapter is not None else None
+    layout = read(trace).layout
     expand = layout.expand if layout is not None else None
     return expand if expand is not None and expand.table in plan.tensors else None
 

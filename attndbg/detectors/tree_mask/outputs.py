@@ -13,7 +13,8 @@ from attndbg.detector_api.context import CheckContext
 from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.tree_mask.base import KIND
 from attndbg.diagnose import MASK_MODELS, Reproduction, diagnose
-from attndbg.plans.verify_mask import PlanVisibility, plan_view
+from attndbg.plans.reading import PlanReading
+from attndbg.plans.visibility import PlanVisibility
 from attndbg.replay.runner import BackendRun, PlanSource, ReplayOptions, RunStatus
 from attndbg.replay.step_data import StepData
 from attndbg.replay.variants import Eager, Recorded
@@ -35,18 +36,18 @@ def _output_findings(ctx: CheckContext, *, run_recorded: bool) -> list[Finding]:
     data = ctx.data(ctx.options.layer)
     for run in ctx.replay().runs:
         if isinstance(run.variant, Eager):
-            _report_run(trace, run, None, "verify-output", out, data)
+            _report_run(trace, run, None, "verify-output", out, data, ctx.plan())
     plan = trace.plan
     if run_recorded and plan is not None and plan.backend in backends:
-        view = plan_view(trace)
+        view = ctx.plan().visibility
         recorded = ctx.replay(ReplayOptions(layer=ctx.options.layer, plan=PlanSource.RECORDED))
         for run in recorded.runs:
             if isinstance(run.variant, Recorded):
-                _report_run(trace, run, view, "recorded-verify-output", out, data)
+                _report_run(trace, run, view, "recorded-verify-output", out, data, ctx.plan())
     return out
 
 
-def _report_run(trace: Trace, run: BackendRun, view: PlanVisibility | None, check: str, out: list[Finding], data: StepData) -> None:
+def _report_run(trace: Trace, run: BackendRun, view: PlanVisibility | None, check: str, out: list[Finding], data: StepData, plan: PlanReading) -> None:
     recorded = check == "recorded-verify-output"
     if run.status is RunStatus.ERROR:
         if recorded and run.refused is not None:
@@ -97,7 +98,7 @@ def _report_run(trace: Trace, run: BackendRun, view: PlanVisibility | None, chec
         cause = "the recorded plan's tree mask shows or hides the listed columns at the failing rows, so those rows attend to the wrong keys"
     else:
         cause = "the failing rows' masks are right: the recorded plan's indices, offsets or lengths make them wrong (see the invariants findings)"
-    found = _reproduced(data, run, failing)
+    found = _reproduced(data, run, failing, plan)
     if found:
         parts.append("reproduced: the kernel's output equals " + "; ".join(r.describe() for r in found[:2]))
         cause = f"{cause}. {found[0].cause}"
@@ -121,12 +122,12 @@ def _report_run(trace: Trace, run: BackendRun, view: PlanVisibility | None, chec
     )
 
 
-def _reproduced(data: StepData, run: BackendRun, failing: list[int]) -> list[Reproduction]:
+def _reproduced(data: StepData, run: BackendRun, failing: list[int], plan: PlanReading) -> list[Reproduction]:
     """The mask mistakes whose output equals the run's on its failing rows (none when the run has
     no output or non-finite rows, which no mask mistake makes)."""
     if run.result is None or not bool(torch.isfinite(run.result.output).all()):
         return []
-    found = diagnose(data, run.result.output, models=MASK_MODELS)
+    found = diagnose(data, run.result.output, models=MASK_MODELS, plan=plan)
     return [r for r in found if set(r.rows) & set(failing)]
 
 

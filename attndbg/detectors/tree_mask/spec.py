@@ -9,9 +9,9 @@ from torch import Tensor
 
 from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.tree_mask.base import KIND
-from attndbg.plans.tree_blocks import as_bool, describe_column, mismatch_cause, tree_block
+from attndbg.detectors.tree_mask.blocks import describe_column, mismatch_cause, tree_block
 from attndbg.trace import tree
-from attndbg.trace.mask_geometry import MaskElement, MaskGeometry, full_prefix_sum, reverse_bits, unpack_bits, word_bits, word_dtype
+from attndbg.trace.mask_geometry import MaskElement, MaskGeometry, as_bool, full_prefix_sum, reverse_bits, unpack_bits, word_bits, word_dtype
 from attndbg.trace.schema import MaskLayout, Trace
 from attndbg.trace.visibility import visibility
 

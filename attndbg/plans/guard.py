@@ -1,5 +1,5 @@
-"""Before a *recorded* plan reaches a kernel: would it read outside the KV cache, the step's rows,
-or one of its own tensors?
+"""The plan guard: before a *recorded* plan reaches a kernel, would it read outside the KV cache,
+the step's rows, or one of its own tensors?
 
 A wrong engine plan is what users bring us to find, but handing a kernel indices past an
 allocation turns a finding into an illegal memory access that kills the process (and on a GPU the
@@ -108,29 +108,35 @@ def out_of_bounds(trace: Trace, plan: Plan, backend: Backend | None = None) -> s
 
 def refusal(trace: Trace, plan: Plan, backend: Backend | None = None) -> Refusal | None:
     """`out_of_bounds` with the field it names, for detectors that report refusals as findings."""
+    return guarded_view(trace, plan, backend)[1]
+
+
+def guarded_view(trace: Trace, plan: Plan, backend: Backend | None = None) -> tuple[PlanView | None, Refusal | None]:
+    """The plan's view as its kernels read it, when the guard lets it be launched (no refusal);
+    else (None, why not)."""
     if backend is None:
         try:
             backend = registry.create(plan.backend)
         except KeyError:
-            return Refusal(f"recorded plan cannot be guarded: no backend is named {plan.backend[:80]!r}", None)
+            return None, Refusal(f"recorded plan cannot be guarded: no backend is named {plan.backend[:80]!r}", None)
     try:
         view = backend.plan_view(trace, plan)
     except PlanUnreadable as e:
-        return Refusal(f"recorded plan not read: {e}", e.field or None, unread=True)
+        return None, Refusal(f"recorded plan not read: {e}", e.field or None, unread=True)
     except PlanViewError as e:
-        return Refusal(f"recorded plan cannot be guarded: {e}", e.field or None)
+        return None, Refusal(f"recorded plan cannot be guarded: {e}", e.field or None)
     if view is None:
-        return Refusal(f"recorded plan cannot be guarded: the {backend.name} backend declares no plan view", None)
+        return None, Refusal(f"recorded plan cannot be guarded: the {backend.name} backend declares no plan view", None)
     bs = trace.batch.batch_size
     if view.requests > bs:
         padded = trace.graph is not None and trace.graph.is_graph_replay and view.requests == trace.graph.capture_bs
         message = f"recorded plan covers {view.requests} requests, the step has {bs}" + (" (it is padded to the graph's capture size)" if padded else "")
-        return Refusal(message, None)
+        return None, Refusal(message, None)
     for bound in view.bounds:
         problem = violation(bound)
         if problem:
-            return Refusal(f"recorded plan {problem}", _field_of(bound))
-    return None
+            return None, Refusal(f"recorded plan {problem}", _field_of(bound))
+    return view, None
 
 
 def merge_refusal(states: PartialStates) -> str | None:

@@ -1,7 +1,7 @@
-"""A verify request's tree mask, read and explained: the mask as bools, a request's true FULL block
-(prefix visible, drafts see their ancestors), a KV column named for a reader, and the sentence that
-explains a wrong mask element. Shared by the recorded plan's mask reading (verify_mask.py) and the
-tree-mask detector's check of the spec's mask (detectors/tree_mask/spec.py).
+"""A verify request's tree mask, explained: a request's true FULL block (prefix visible, drafts see
+their ancestors), a KV column named for a reader, and the sentence that explains a wrong mask
+element. Shared by the tree-mask detector's checks of the spec's mask (spec.py) and of the mask the
+recorded plan's kernel reads (recorded.py).
 """
 
 from __future__ import annotations
@@ -11,10 +11,6 @@ from torch import Tensor
 
 from attndbg.trace import tree
 from attndbg.trace.schema import Trace
-
-
-def as_bool(mask: Tensor) -> Tensor:
-    return mask if mask.dtype is torch.bool else mask != 0
 
 
 def tree_block(trace: Trace, b: int) -> Tensor:

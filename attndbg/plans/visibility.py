@@ -1,0 +1,236 @@
+"""What a verify step's recorded plan lets each draft row see, read by the layout its backend
+declares (backends/plan_layout.py MaskReading): a mask of FULL or covered-KV blocks (as bools, or
+packed as FlashInfer's plan() keeps it), a two-call verify's expand tables, or a plain causal plan.
+The result is a `PlanVisibility` per real request, or the structural problems that stop the reading
+(data; the tree-mask detector words them and compares the visibility with the draft tree's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from attndbg.backends.plan_layout import ExpandTables, MaskReading, PackedMask, PlanLayout, WindowList
+from attndbg.plans.problems import PlanProblem, ProblemKind
+from attndbg.trace.mask_geometry import MaskGeometry, as_bool
+from attndbg.trace.offsets import broken
+from attndbg.trace.schema import Trace
+
+Coverage = list[tuple[int, int] | None]  # per real request, the KV columns [start, end) the plan lists
+
+
+@dataclass(frozen=True)
+class PlanVisibility:
+    """What the recorded plan's kernel will let each draft row see, per real request."""
+
+    kind: str  # "mask" | "causal" | "expand"
+    blocks: dict[int, Tensor]  # request -> [n, prefix + n] bool (requests the plan leaves unclear are absent)
+
+
+@dataclass(frozen=True)
+class MaskSettings:
+    """The scalars the kernel applies the mask with (plans/scalars.py reads them)."""
+
+    window: int  # the kernel's own window by KV index (-1: none)
+    skip_prefix: bool  # FULL blocks: the kernel ignores the prefix columns (they count as visible)
+
+
+def index_window(prefix: int, n: int, width: int, window: int) -> Tensor:
+    """[n, width] what a kernel window by KV index allows: query i at column prefix + i."""
+    if window < 0:
+        return torch.ones(n, width, dtype=torch.bool)
+    return (prefix + torch.arange(n))[:, None] - torch.arange(width)[None, :] <= window
+
+
+def read_visibility(trace: Trace, layout: PlanLayout, coverage: Coverage, settings: MaskSettings) -> tuple[PlanVisibility | None, list[PlanProblem]]:
+    """The recorded plan's effective visibility, with the problems met reading it (in the order
+    met; some stop the reading: None)."""
+    problems: list[PlanProblem] = []
+    if layout.mask in (MaskReading.FULL_BLOCKS, MaskReading.COVERED_BLOCKS):
+        view = _mask_view(trace, layout, coverage, settings, problems)
+    elif layout.mask is MaskReading.EXPAND_CALL and layout.expand is not None:
+        view = _expand_view(trace, layout.expand, coverage, problems)
+    else:
+        view = _causal_view(trace, coverage, settings.window)
+    return view, problems
+
+
+def _causal_view(trace: Trace, coverage: Coverage, window: int) -> PlanVisibility:
+    n = trace.spec.draft_token_num
+    blocks = {}
+    for b, span in enumerate(coverage):
+        if span is None:
+            continue
+        prefix = int(trace.batch.prefix_lens[b])
+        cols = torch.arange(prefix + n)
+        seen = (cols[None, :] <= (prefix + torch.arange(n))[:, None]) & (cols >= span[0])[None, :]
+        blocks[b] = seen & index_window(prefix, n, prefix + n, window)
+    return PlanVisibility("causal", blocks)
+
+
+def mask_widths(trace: Trace, layout: PlanLayout, coverage: Coverage) -> list[int]:
+    """Per real request, the columns of its mask block: the KV the plan lists (COVERED_BLOCKS), else
+    its whole row (prefix + n)."""
+    n = trace.spec.draft_token_num
+    widths = []
+    for b in range(trace.batch.batch_size):
+        if layout.mask is MaskReading.COVERED_BLOCKS and coverage[b] is not None:
+            widths.append(coverage[b][1] - coverage[b][0])
+        else:
+            widths.append(int(trace.batch.prefix_lens[b]) + n)
+    return widths
+
+
+def _mask_view(trace: Trace, layout: PlanLayout, coverage: Coverage, settings: MaskSettings, problems: list[PlanProblem]) -> PlanVisibility | None:
+    plan, batch = trace.plan, trace.batch
+    n = trace.spec.draft_token_num
+    widths = mask_widths(trace, layout, coverage)
+    geometry = MaskGeometry.full(rows=torch.full((batch.batch_size,), n), prefix_lens=batch.prefix_lens, columns=widths)
+    if "custom_mask" not in plan.tensors and layout.packed_mask is not None:
+        unpacked = _unpacked(trace, layout.packed_mask, geometry, problems)
+        if unpacked is None:
+            return None
+        mask, indptr = unpacked
+    else:
+        mask = plan.tensors["custom_mask"]
+        indptr = plan.tensors.get("mask_indptr")
+        if indptr is None:
+            problems.append(PlanProblem(ProblemKind.MASK_OFFSETS_MISSING, "mask_indptr", detail={"present": "custom_mask"}))
+            return None
+        indptr = indptr.to(torch.int64)
+        if indptr.numel() < batch.batch_size + 1 or broken(indptr) is not None:
+            return None  # invariants names the bad element
+    sizes = indptr.diff()[: batch.batch_size]
+    expected_sizes = geometry.sizes
+    if bool((sizes != expected_sizes).any()):
+        b = int(torch.nonzero(sizes != expected_sizes)[0])
+        detail = {"n": n, "prefix": int(batch.prefix_lens[b]), "width": widths[b]}
+        problems.append(PlanProblem(ProblemKind.MASK_BLOCK_SIZE, "mask_indptr", request=b, index=b + 1, expected=int(expected_sizes[b]), found=int(sizes[b]), detail=detail))
+        return None
+    end = int(indptr[-1])
+    buffer = trace.buffers.get("plan.custom_mask")
+    if buffer is not None and buffer.capacity and mask.numel() > end:
+        mask = mask[:end]  # a buffer allocated once at a fixed size: the kernel reads its first `end` elements
+    if mask.numel() != end:
+        short = mask.numel() < end
+        stale = int((~as_bool(mask[end:])).sum())  # SGLang fills a FULL mask with True before writing the tree
+        problems.append(PlanProblem(ProblemKind.MASK_LENGTH, "custom_mask", index=min(end, mask.numel()), expected=end, found=mask.numel(), detail={"stale": stale}))
+        if short:
+            return None
+        mask = mask[:end]
+    return _blocks(trace, layout, coverage, settings, geometry, as_bool(mask), problems)
+
+
+def _blocks(trace: Trace, layout: PlanLayout, coverage: Coverage, settings: MaskSettings, geometry: MaskGeometry, bits: Tensor, problems: list[PlanProblem]) -> PlanVisibility:
+    plan, batch = trace.plan, trace.batch
+    n = trace.spec.draft_token_num
+    full = layout.mask is MaskReading.FULL_BLOCKS
+    windows = layout.window_list if full else None
+    offsets = plan.tensors.get(windows.offsets) if windows is not None else None
+    window_starts = _window_list_starts(trace, windows) if windows is not None else None
+    blocks = {}
+    for b in range(batch.batch_size):
+        if coverage[b] is None:
+            continue
+        prefix = int(batch.prefix_lens[b])
+        start, _ = coverage[b]
+        if window_starts is not None:
+            if window_starts[b] is None:
+                continue  # a malformed window list: invariants' window-kv names it
+            start = window_starts[b]
+        block = geometry.block(bits, b)  # the recorded offsets are the geometry's: checked above
+        if full:
+            offset = int(offsets[b]) if offsets is not None and b < offsets.numel() else 0
+            if offset != start:
+                problems.append(_window_offset(trace, layout, b, offset, start, offsets is not None))
+                continue
+            seen = block.clone()
+            if settings.skip_prefix:
+                seen[:, :prefix] = True
+        else:
+            seen = torch.zeros(n, prefix + n, dtype=torch.bool)
+            seen[:, start:] = block
+        seen[:, :start] = False
+        blocks[b] = seen & index_window(prefix, n, prefix + n, settings.window)
+    return PlanVisibility("mask", blocks)
+
+
+def _unpacked(trace: Trace, packed: PackedMask, geometry: MaskGeometry, problems: list[PlanProblem]) -> tuple[Tensor, Tensor] | None:
+    """A mask the plan holds packed (FlashInfer's plan(): each request's [n, KV listed] block
+    little-endian in whole bytes at its byte offset), as bools over the geometry's offsets; None
+    when a request's bytes do not hold its block (with the problem) or lie past the buffer."""
+    plan, bs = trace.plan, trace.batch.batch_size
+    data, offsets = plan.tensors.get(packed.tensor), plan.tensors.get(packed.indptr)
+    if data is None or offsets is None:
+        present = packed.tensor if data is not None else packed.indptr
+        missing = packed.indptr if data is not None else packed.tensor
+        problems.append(PlanProblem(ProblemKind.MASK_OFFSETS_MISSING, missing, detail={"present": present}))
+        return None
+    offsets = offsets.to(torch.int64)
+    if offsets.numel() < bs + 1 or broken(offsets) is not None:
+        return None  # invariants names the bad element
+    bits = geometry.sizes
+    want = PackedMask.byte_sizes(bits)
+    found = offsets.diff()[:bs]
+    if bool((found != want).any()):
+        b = int(torch.nonzero(found != want)[0])
+        detail = {"rows": int(geometry.rows[b]), "columns": int(geometry.columns[b]), "bits": int(bits[b])}
+        problems.append(PlanProblem(ProblemKind.PACKED_BLOCK_BYTES, packed.indptr, request=b, index=b + 1, expected=int(want[b]), found=int(found[b]), detail=detail))
+        return None
+    if data.numel() < int(offsets[bs]):
+        return None  # the kernel would read past the bytes: the plan's view bounds it (invariants)
+    return PackedMask.unpack(data, offsets, bits), geometry.indptr
+
+
+def _window_list_starts(trace: Trace, windows: WindowList) -> list[int | None] | None:
+    """Per real request, the first prefix column of the plan's window list (SGLang's
+    `window_kv_indptr` / `window_kv_indices`), which a sliding-window layer's kernel reads instead
+    of the plan's ids; None when the plan has no window list or the layer has no window (then the
+    plan's ids are read)."""
+    plan, batch = trace.plan, trace.batch
+    indptr = plan.tensors.get(windows.indptr)
+    if trace.model.sliding_window < 0 or indptr is None or windows.indices not in plan.tensors or indptr.dim() != 1:
+        return None
+    indptr = indptr.to(torch.int64)
+    if indptr.numel() < batch.batch_size + 1:
+        return [None] * batch.batch_size
+    lens = indptr.diff()[: batch.batch_size]
+    # Verify and extend lists hold the tail of the prefix: SGLang's window_kv_start_idx = prefix - len.
+    return [int(p) - int(n) if 0 <= int(n) <= int(p) else None for p, n in zip(batch.prefix_lens, lens)]
+
+
+def _window_offset(trace: Trace, layout: PlanLayout, b: int, offset: int, start: int, present: bool) -> PlanProblem:
+    windows = layout.window_list
+    assert windows is not None  # FULL_BLOCKS offsets are read only through a window list
+    listed = windows.indices if windows.indptr in trace.plan.tensors and trace.model.sliding_window >= 0 else layout.ids
+    return PlanProblem(ProblemKind.WINDOW_OFFSET, windows.offsets, request=b, index=b if present else None, expected=start, found=offset, detail={"present": present, "listed": listed})
+
+
+def _expand_view(trace: Trace, expand: ExpandTables, coverage: Coverage, problems: list[PlanProblem]) -> PlanVisibility | None:
+    """Two-call verify: call 1 covers the prefix, call 2 row b*n+i covers the draft slots it lists."""
+    plan, batch = trace.plan, trace.batch
+    n = trace.spec.draft_token_num
+    table, lens = plan.tensors.get(expand.table), plan.tensors.get(expand.lengths)
+    if table is None or lens is None or table.dim() != 2:
+        problems.append(PlanProblem(ProblemKind.EXPAND_MISSING, expand.table, detail={"lengths": expand.lengths}))
+        return None
+    if table.shape[0] < batch.batch_size * n or lens.numel() < batch.batch_size * n:
+        detail = {"lengths": expand.lengths, "rows": table.shape[0], "entries": lens.numel()}
+        problems.append(PlanProblem(ProblemKind.EXPAND_ROWS, expand.table, expected=batch.batch_size * n, found=table.shape[0], detail=detail))
+        return None
+    blocks = {}
+    for b in range(batch.batch_size):
+        if coverage[b] is None:
+            continue
+        prefix = int(batch.prefix_lens[b])
+        draft_slots = batch.request_slots(b)[prefix:]
+        seen = torch.zeros(n, prefix + n, dtype=torch.bool)
+        seen[:, coverage[b][0] : prefix] = True
+        for i in range(n):
+            r = b * n + i
+            listed = table[r, : max(min(int(lens[r]), table.shape[1]), 0)].to(torch.int64)
+            seen[i, prefix:] = torch.isin(draft_slots, listed)
+        blocks[b] = seen
+    return PlanVisibility("expand", blocks)
