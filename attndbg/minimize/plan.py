@@ -10,20 +10,22 @@ derives for the step (`Backend.derive_plan`, the adapter's own translation):
                                        counts and lengths follow the smaller batch)
     a piece that differs               is the mistake: it is kept as recorded
 
-Pieces, by the tensor's shape (rows = the batch's requests, or the capture size on a graph step):
-    [rows+1] offsets ("indptr", "cu_seqlens")  the start, then one length per request (rebuilt by
-                                               cumsum, so a negative length stays a decrease)
-    [rows] or [rows, width]                     one entry or table row per request
-    flat data indexed by offsets                X_indices by X_indptr, custom_mask by mask_indptr:
-                                                the request's segment
-A tensor of none of these shapes is kept whole. A scalar equal to the derived one is derived
-again; an integer that differs keeps its difference (seq_lens_sum, which no adapter derives, is
-judged against the batch's own sum, padded rows included on a graph step).
+How a tensor divides into pieces is the plan reading's (`PlanReading.pieces`, attndbg/plans/pieces.py:
+what the plan's backend declares, never a guess from the tensor's name), with k entries per
+request (k = 1 but for a two-call verify's expand_ tables, one per draft token); rows = the
+batch's requests, or the capture size on a graph step:
+    OFFSETS   [rows*k+1] offsets       the start, then k lengths per request (rebuilt by cumsum, so a
+                                       negative length stays a decrease)
+    ROWS      [rows*k] or [rows*k, w]  k entries or table rows per request
+    SEGMENTS  flat data cut by OFFSETS the request's segment
+A tensor the reading gives no pieces, or whose shape does not fit them, is kept whole. A scalar
+equal to the derived one is derived again; an integer that differs keeps its difference
+(seq_lens_sum, which no adapter derives, is judged against the batch's own sum, padded rows
+included on a graph step).
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Sequence
 
 import torch
@@ -31,20 +33,12 @@ from torch import Tensor
 
 from attndbg.backends import registry
 from attndbg.backends.base import Padding
+from attndbg.plans.pieces import Cut, Piece
+from attndbg.plans.reading import read
 from attndbg.trace.mask_geometry import MaskGeometry
 from attndbg.trace.schema import Plan, Trace
 
-# Flat tensors that hold per-request segments, and the offsets that cut them (beyond X_indices -> X_indptr).
-SEGMENT_OFFSETS = {"custom_mask": "mask_indptr", "packed_custom_mask": "packed_mask_indptr"}
-OFFSET_WORDS = ("indptr", "cu_seqlens")
-
-
-def _offsets_of(name: str) -> str | None:
-    if name in SEGMENT_OFFSETS:
-        return SEGMENT_OFFSETS[name]
-    if name.endswith("_indices"):
-        return name[: -len("_indices")] + "_indptr"
-    return None
+MASK = "custom_mask"  # a bool mask, by the name every plan declaration gives it (backends/plan_declaration.py)
 
 
 def derived_plans(trace: Trace, backend_name: str) -> dict[int, Plan]:
@@ -68,60 +62,56 @@ def derived_plans(trace: Trace, backend_name: str) -> dict[int, Plan]:
     return out
 
 
-class _Cut(enum.Enum):
-    """How a plan tensor divides into per-request pieces."""
-
-    SEGMENTS = "flat data, one segment per request, at the offsets of its companion tensor"
-    OFFSETS = "[rows+1] offsets: the start, then one length per request"
-    ROWS = "[rows] or [rows, width]: one entry or table row per request"
-
-
-def _cut_of(name: str, tensor: Tensor, plan: Plan, rows: int) -> _Cut | None:
-    offsets = _offsets_of(name)
-    if offsets is not None and tensor.dim() == 1 and offsets in plan.tensors and plan.tensors[offsets].numel() == rows + 1:
-        return _Cut.SEGMENTS
-    if tensor.dim() == 1 and any(w in name for w in OFFSET_WORDS) and tensor.numel() == rows + 1:
-        return _Cut.OFFSETS
-    if 1 <= tensor.dim() <= 2 and tensor.shape[0] == rows:
-        return _Cut.ROWS
-    return None
+def _fits(piece: Piece, tensor: Tensor, plan: Plan, rows: int) -> bool:
+    """Whether `tensor` of `plan` has the shape of `piece` over `rows` requests."""
+    entries = rows * piece.per_request
+    if piece.cut is Cut.SEGMENTS:
+        offsets = plan.tensors.get(piece.offsets or "")
+        return tensor.dim() == 1 and offsets is not None and offsets.numel() == entries + 1
+    if piece.cut is Cut.OFFSETS:
+        return tensor.dim() == 1 and tensor.numel() == entries + 1
+    return 1 <= tensor.dim() <= 2 and tensor.shape[0] == entries
 
 
-def _pieces(cut: _Cut, name: str, tensor: Tensor, plan: Plan) -> list[Tensor]:
-    if cut is _Cut.SEGMENTS:
+def _pieces(piece: Piece, tensor: Tensor, plan: Plan) -> list[Tensor]:
+    """The tensor cut per request (k entries each); an OFFSETS tensor's start comes first."""
+    k = piece.per_request
+    if piece.cut is Cut.SEGMENTS:
         # Recorded offsets may be the mistake (decreasing, past the end): clamp, never index outside.
-        cuts = plan.tensors[_offsets_of(name)].to(torch.int64).clamp(0, tensor.numel()).tolist()
+        cuts = plan.tensors[piece.offsets].to(torch.int64).clamp(0, tensor.numel()).tolist()[::k]
         return [tensor[lo : max(lo, hi)] for lo, hi in zip(cuts[:-1], cuts[1:])]
-    if cut is _Cut.OFFSETS:
-        return [tensor[:1], *(tensor[1:] - tensor[:-1]).split(1)]
-    return list(tensor)
+    if piece.cut is Cut.OFFSETS:
+        return [tensor[:1], *(tensor[1:] - tensor[:-1]).split(k)]
+    return list(tensor.split(k))
 
 
-def _assemble(cut: _Cut, pieces: list[Tensor], like: Tensor) -> Tensor:
-    if cut is _Cut.SEGMENTS:
+def _assemble(piece: Piece, pieces: list[Tensor], like: Tensor) -> Tensor:
+    if piece.cut is Cut.SEGMENTS:
         return torch.cat([p.reshape(-1).to(like.dtype) for p in pieces]) if pieces else like[:0]
-    if cut is _Cut.OFFSETS:
+    if piece.cut is Cut.OFFSETS:
         start = pieces[0].reshape(1).to(torch.int64)
-        lengths = torch.cat([p.reshape(1).to(torch.int64) for p in pieces[1:]]) if len(pieces) > 1 else start[:0]
+        lengths = torch.cat([p.reshape(-1).to(torch.int64) for p in pieces[1:]]) if len(pieces) > 1 else start[:0]
         return torch.cat([start, start + torch.cumsum(lengths, 0)]).to(like.dtype)
     if like.dim() == 2:
-        width = max([p.numel() for p in pieces], default=like.shape[1])
-        table = torch.zeros(len(pieces), width, dtype=like.dtype)
-        for i, p in enumerate(pieces):
-            table[i, : p.numel()] = p.to(like.dtype)
+        width = max([p.shape[1] for p in pieces], default=like.shape[1])
+        table = torch.zeros(sum(p.shape[0] for p in pieces), width, dtype=like.dtype)
+        row = 0
+        for p in pieces:
+            table[row : row + p.shape[0], : p.shape[1]] = p.to(like.dtype)
+            row += p.shape[0]
         return table
-    return torch.stack([p.reshape(()).to(like.dtype) for p in pieces]) if pieces else like[:0]
+    return torch.cat([p.reshape(-1).to(like.dtype) for p in pieces]) if pieces else like[:0]
 
 
 def _same(a: Tensor, b: Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.to(torch.float64), b.to(torch.float64))
 
 
-def _pieces_like(cut: _Cut, name: str, plan: Plan | None, rows: int) -> list[Tensor] | None:
+def _pieces_like(piece: Piece, name: str, plan: Plan | None, rows: int) -> list[Tensor] | None:
     """The same tensor of a derived plan, cut the same way (None: it has no such tensor)."""
-    if plan is None or name not in plan.tensors or _cut_of(name, plan.tensors[name], plan, rows) is not cut:
+    if plan is None or name not in plan.tensors or not _fits(piece, plan.tensors[name], plan, rows):
         return None
-    return _pieces(cut, name, plan.tensors[name], plan)
+    return _pieces(piece, plan.tensors[name], plan)
 
 
 def carry_plan(current: Trace, smaller: Trace, rows: Sequence[int]) -> Plan:
@@ -129,27 +119,28 @@ def carry_plan(current: Trace, smaller: Trace, rows: Sequence[int]) -> Plan:
     rows first, then padded ones)."""
     recorded = current.plan
     assert recorded is not None
+    pieces = read(current).pieces
     was, now = derived_plans(current, recorded.backend), derived_plans(smaller, recorded.backend)
     bs = current.batch.batch_size
     sizes = [bs] + ([current.graph.capture_bs] if current.graph is not None and current.graph.capture_bs > bs else [])
     tensors: dict[str, Tensor] = {}
     for name, tensor in recorded.tensors.items():
-        found = next(((n, cut) for n in sizes if (cut := _cut_of(name, tensor, recorded, n)) is not None), None)
-        if found is None:
-            tensors[name] = tensor  # no per-request structure we know: kept whole
+        piece = pieces.get(name)
+        plan_rows = next((n for n in sizes if piece is not None and _fits(piece, tensor, recorded, n)), None)
+        if piece is None or plan_rows is None:
+            tensors[name] = tensor  # no per-request structure declared for it: kept whole
             continue
-        plan_rows, cut = found
         chosen = [r for r in rows if r < plan_rows]
-        pieces = _pieces(cut, name, tensor, recorded)
-        derived = _pieces_like(cut, name, was.get(plan_rows), plan_rows)
-        fresh = _pieces_like(cut, name, now.get(len(chosen)), len(chosen))
-        head = 1 if cut is _Cut.OFFSETS else 0  # an offsets tensor's first piece is its start
-        out = [pieces[0] if derived is None or fresh is None or not _same(pieces[0], derived[0]) else fresh[0]] if head else []
+        mine = _pieces(piece, tensor, recorded)
+        derived = _pieces_like(piece, name, was.get(plan_rows), plan_rows)
+        fresh = _pieces_like(piece, name, now.get(len(chosen)), len(chosen))
+        head = 1 if piece.cut is Cut.OFFSETS else 0  # an offsets tensor's first piece is its start
+        out = [mine[0] if derived is None or fresh is None or not _same(mine[0], derived[0]) else fresh[0]] if head else []
         for i, r in enumerate(chosen):
-            mine = pieces[r + head]
-            clean = derived is not None and fresh is not None and _same(mine, derived[r + head])
-            out.append(fresh[i + head] if clean else mine)
-        tensors[name] = _assemble(cut, out, tensor)
+            own = mine[r + head]
+            clean = derived is not None and fresh is not None and _same(own, derived[r + head])
+            out.append(fresh[i + head] if clean else own)
+        tensors[name] = _assemble(piece, out, tensor)
     scalars = {name: _scalar(name, value, was, now, current, smaller) for name, value in recorded.scalars.items()}
     return Plan(backend=recorded.backend, tensors=tensors, scalars=scalars)
 
@@ -181,38 +172,45 @@ def _scalar(name: str, value, was: dict[int, Plan], now: dict[int, Plan], curren
     return value
 
 
-def pad_plan(recorded: Plan, padded: Plan, *, bs: int, capture_bs: int) -> Plan:
-    """`recorded` (a plan of a graph step's `bs` real requests, mistakes included) grown to
+def pad_plan(trace: Trace, padded: Plan, *, capture_bs: int) -> Plan:
+    """`trace`'s recorded plan (of a graph step's real requests, mistakes included) grown to
     `capture_bs` requests: each per-request tensor that covers the real requests only gets the
     padded requests' pieces of `padded` (the adapter's plan for the padded batch) appended; a
     tensor that already covers capture_bs rows (the engine's padded buffer, as it was) or has no
     per-request structure is kept as recorded, and so are the scalars."""
+    recorded, bs = trace.plan, trace.batch.batch_size
+    assert recorded is not None
+    pieces = read(trace).pieces
     tensors: dict[str, Tensor] = {}
     for name, tensor in recorded.tensors.items():
-        cut = _cut_of(name, tensor, recorded, bs)
-        tail = _pieces_like(cut, name, padded, capture_bs) if cut is not None else None
+        piece = pieces.get(name)
+        fits = piece is not None and _fits(piece, tensor, recorded, bs)
+        tail = _pieces_like(piece, name, padded, capture_bs) if fits else None
         # Already capture_bs rows of the same cut (a [bs+1] indptr reads as capture_bs rows when
         # capture_bs = bs + 1: only the same cut at both sizes means it is padded already).
-        if cut is None or tail is None or _cut_of(name, tensor, recorded, capture_bs) is cut:
+        if not fits or tail is None or _fits(piece, tensor, recorded, capture_bs):
             tensors[name] = tensor
             continue
-        head = 1 if cut is _Cut.OFFSETS else 0
-        tensors[name] = _assemble(cut, [*_pieces(cut, name, tensor, recorded), *tail[bs + head :]], tensor)
+        head = 1 if piece.cut is Cut.OFFSETS else 0
+        tensors[name] = _assemble(piece, [*_pieces(piece, tensor, recorded), *tail[bs + head :]], tensor)
     return Plan(backend=recorded.backend, tensors=tensors, scalars=dict(recorded.scalars))
 
 
 def cut_mask_blocks(current: Trace, plan: Plan | None, cut: Callable[[int, Tensor], Tensor]) -> Plan | None:
     """`plan` (carried onto a smaller verify step) with `current`'s recorded FULL bool tree mask
-    (custom_mask at mask_indptr: SGLang's Triton plan, FlashInfer's derived one) cut block by
-    block, `cut(b, [n, width] block)`: carry_plan keeps a wrong block as recorded, at the old
-    width, so a reduction that drops rows or columns drops them from it too. None: the recorded
-    blocks do not have the tree's shape (they cannot be cut); `plan` as it is without such a mask."""
+    (custom_mask at the offsets its backend declares for it: SGLang's Triton plan, FlashInfer's
+    derived one) cut block by block, `cut(b, [n, width] block)`: carry_plan keeps a wrong block as
+    recorded, at the old width, so a reduction that drops rows or columns drops them from it too.
+    None: the recorded blocks do not have the tree's shape (they cannot be cut); `plan` as it is
+    without such a mask."""
     recorded = current.plan
-    if plan is None or recorded is None or "custom_mask" not in recorded.tensors or "mask_indptr" not in recorded.tensors or current.spec is None:
+    piece = read(current).pieces.get(MASK) if recorded is not None else None
+    offsets = piece.offsets if piece is not None and piece.cut is Cut.SEGMENTS else None
+    if plan is None or recorded is None or MASK not in recorded.tensors or offsets not in recorded.tensors or current.spec is None:
         return plan
     n = current.spec.draft_token_num
-    mask = recorded.tensors["custom_mask"]
-    geometry = MaskGeometry.from_indptr(recorded.tensors["mask_indptr"], rows=n, prefix_lens=current.batch.prefix_lens)
+    mask = recorded.tensors[MASK]
+    geometry = MaskGeometry.from_indptr(recorded.tensors[offsets], rows=n, prefix_lens=current.batch.prefix_lens)
     blocks = []
     for b in range(current.batch.batch_size):
         start, end = geometry.span(b)
@@ -220,7 +218,7 @@ def cut_mask_blocks(current: Trace, plan: Plan | None, cut: Callable[[int, Tenso
             return None
         blocks.append(cut(b, geometry.block(mask, b)).flatten())
     flat = torch.cat(blocks).to(mask.dtype) if blocks else mask[:0]
-    ends = plan.tensors.get("mask_indptr")
+    ends = plan.tensors.get(offsets)
     if ends is None or int(ends[current.batch.batch_size]) != flat.numel():
         return None
-    return Plan(backend=plan.backend, tensors={**plan.tensors, "custom_mask": flat}, scalars=dict(plan.scalars))
+    return Plan(backend=plan.backend, tensors={**plan.tensors, MASK: flat}, scalars=dict(plan.scalars))

@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from attndbg.backends import registry
 from attndbg.minimize.plan import carry_plan, cut_mask_blocks, derived_plans
+from attndbg.plans.reading import read
 from attndbg.trace.mask_geometry import MaskGeometry
 from attndbg.trace.schema import AttentionKind, Graph, LayerTensors, MaskLayout, Trace, indptr
 from attndbg.trace.subbatch import sub_batch
@@ -220,8 +220,8 @@ def smaller_pages(trace: Trace, page_size: int) -> Reduced:
 def _plan_in_slots(trace: Trace) -> bool:
     """The recorded plan lists KV slots (SGLang's Triton backend), whatever the page size."""
     try:
-        layout = registry.create(trace.plan.backend).plan_layout(trace, trace.plan)
-    except (KeyError, ValueError):
+        layout = read(trace).layout
+    except ValueError:
         return False
     return layout is not None and layout.page_size == 1
 

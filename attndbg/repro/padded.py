@@ -14,7 +14,7 @@ engine's graph kernels read it:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from attndbg.backends.base import Backend, Padding
 from attndbg.minimize.plan import pad_plan
@@ -55,4 +55,4 @@ def padded_step(backend: Backend, trace: Trace, plan: Plan | None) -> PaddedStep
     derived = backend.derive_plan(trace, padding)
     if plan is None or padding.capture_bs == trace.batch.batch_size:
         return PaddedStep(padding, plan or derived, derived)
-    return PaddedStep(padding, pad_plan(plan, derived, bs=trace.batch.batch_size, capture_bs=padding.capture_bs), derived)
+    return PaddedStep(padding, pad_plan(replace(trace, plan=plan), derived, capture_bs=padding.capture_bs), derived)

@@ -150,3 +150,29 @@ def test_cli(tmp_path: Path) -> None:
     ]:
         result = CliRunner().invoke(main, ["minimize", str(bad), "-o", str(small), *args])
         assert result.exit_code == 2 and words in result.output, result.output
+
+
+def test_a_two_call_verify_plan_is_cut_by_draft_token_rows() -> None:
+    """FA3's two-call verify declares its expand_ tables with one row per draft token: dropping
+    requests keeps n rows each, a clean request's rows derived again, a wrong one's as recorded."""
+    from dataclasses import replace
+
+    from attndbg.backends.fa3 import FA3Backend, FA3Options
+
+    fa3 = FA3Backend(FA3Options(verify_path="two-call"))
+    trace = make_trace(*VERIFY)
+    plan = fa3.derive_plan(trace)
+    n = trace.spec.draft_token_num
+    assert plan.tensors["expand_page_table"].shape[0] == 3 * n
+    table = plan.tensors["expand_page_table"].clone()
+    table[n : 2 * n] = table[n : 2 * n].flip(0)  # request 1's draft rows in reverse: a wrong expand table
+    wrong = replace(trace, plan=replace(plan, tensors={**plan.tensors, "expand_page_table": table}))
+    kept = shrink.keep_requests(wrong, [0, 2]).trace
+    derived = fa3.derive_plan(kept)
+    assert kept.plan.tensors.keys() == derived.tensors.keys()
+    for name, tensor in derived.tensors.items():
+        assert kept.plan.tensors[name].tolist() == tensor.tolist(), name
+    alone = shrink.keep_requests(wrong, [1]).trace
+    assert alone.plan.tensors["expand_page_table"].shape[0] == n
+    assert alone.plan.tensors["expand_page_table"].tolist() == table[n : 2 * n].tolist()  # the mistake, as recorded
+    assert alone.plan.tensors["expand_cu_seqlens_q"].tolist() == fa3.derive_plan(alone).tensors["expand_cu_seqlens_q"].tolist()
