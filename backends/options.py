@@ -21,6 +21,9 @@ from attndbg.backends import registry
 from attndbg.suggest import did_you_mean
 
 SPEC_FORM = "NAME.FIELD=VALUE, e.g. fa3.verify_path=two-call"
+# `--num-kv-splits N`: the one backend option with a flag of its own, the split count of SGLang's
+# split-KV decode, which the triton adapter reproduces (TritonOptions.num_kv_splits).
+SPLIT_COUNT_OPTION = ("triton", "num_kv_splits")
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 

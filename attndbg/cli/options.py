@@ -157,9 +157,10 @@ def parse_backend_options(specs: tuple[str, ...], num_kv_splits: int | None = No
     from attndbg.backends import options as backend_options
 
     if num_kv_splits is not None:
-        if any(spec.strip().startswith("triton.num_kv_splits=") for spec in specs):
-            raise BadInput("--num-kv-splits and --backend-option triton.num_kv_splits set the same thing: give one")
-        specs = (*specs, f"triton.num_kv_splits={num_kv_splits}")
+        field = ".".join(backend_options.SPLIT_COUNT_OPTION)
+        if any(spec.strip().startswith(f"{field}=") for spec in specs):
+            raise BadInput(f"--num-kv-splits and --backend-option {field} set the same thing: give one")
+        specs = (*specs, f"{field}={num_kv_splits}")
     try:
         return backend_options.parse(specs)
     except backend_options.OptionError as e:

@@ -152,18 +152,20 @@ def data_layer(trace: Any, layer: int | None, path: str, *, single: bool) -> tup
 
 def _ignored_options(trace: Any, names: list[str], backend_options: Any, *, num_kv_splits_flag: bool) -> list[str]:
     """Options given that cannot change this step's result, said rather than silently ignored."""
+    from attndbg.backends.options import SPLIT_COUNT_OPTION
     from attndbg.trace.schema import ForwardMode
 
+    splitter, field = SPLIT_COUNT_OPTION
     notes = []
     for name, _ in backend_options.chosen:
         if name in names:
             continue
-        if name == "triton" and num_kv_splits_flag:
-            notes.append("--num-kv-splits sets the triton backend's split count; triton is not among the backends run")
+        if name == splitter and num_kv_splits_flag:
+            notes.append(f"--num-kv-splits sets the {splitter} backend's split count; {splitter} is not among the backends run")
         else:
             notes.append(f"--backend-option {name}.*: sets the {name} backend's options; {name} is not among the backends run")
-    triton = backend_options.of("triton")
-    if triton is not None and triton.num_kv_splits is not None and "triton" in names and trace.batch.forward_mode is not ForwardMode.DECODE:
+    chosen = backend_options.of(splitter)
+    if chosen is not None and getattr(chosen, field) is not None and splitter in names and trace.batch.forward_mode is not ForwardMode.DECODE:
         notes.append(f"--num-kv-splits: only decode steps split the KV; this {trace.batch.forward_mode.value} step has no splits")
     return notes
 

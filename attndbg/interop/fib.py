@@ -116,7 +116,7 @@ def _step(kind: str, d: dict[str, Any], inputs: dict[str, Any], axes: dict[str, 
         return index_tensor(inputs.get(name), f"{where}.{name}", path)
 
     scale = inputs.get("sm_scale")
-    mla = kind == "mla"
+    mla = kind == "mla"  # not a backend name: flashinfer-bench's definition kind (op_type)
     if mla:
         heads, ckv, kpe = _const(d, "num_qo_heads", path), _const(d, "head_dim_ckv", path), _const(d, "head_dim_kpe", path)
         dim = ckv + kpe
@@ -167,7 +167,7 @@ def _step(kind: str, d: dict[str, Any], inputs: dict[str, Any], axes: dict[str, 
     if kind != "decode" and not mla and "causal" not in d["name"]:
         inferred["causal"] = "the definition does not say: causal, as FlashInfer's prefill trace templates compute it"
     prefix = (kv_lens - q_lens).tolist()
-    decode = kind in ("decode", "mla")
+    decode = kind in ("decode", "mla")  # not a backend name: flashinfer-bench's definition kinds
     if decode and bool((kv_lens < 1).any()):
         raise TraceError(f"{where}.kv_indptr", "a decode request without KV", str(path))
     mode = ForwardMode.DECODE if decode else mode_from_lengths(q_lens, torch.tensor(prefix))

@@ -1,13 +1,16 @@
 """What the code knows about a backend lives in backends/: no backend name is written as a string in
-attndbg/checks, attndbg/detectors, attndbg/trace or attndbg/replay. A line may keep one
-only with a comment saying why ("names a backend: ..." or "not a backend name: ..."); the test reads
-string tokens, so names in comments and docstring prose are free, but a whole string equal to a name
-is not."""
+attndbg/checks, attndbg/detectors, attndbg/trace or attndbg/replay, and none is compared
+with (`==`, `!=`, `in`) anywhere outside backends/ and the engine recorders of attndbg/record. A
+line may keep one only with a comment saying why ("names a backend: ..." or "not a backend name:
+..."); the tests read string tokens, so names in comments and docstring prose are free, but a whole
+string equal to a name is not."""
 
 from __future__ import annotations
 
+import ast
 import io
 import tokenize
+from collections.abc import Iterator
 from pathlib import Path
 
 from attndbg.backends import engine_names, registry
@@ -63,3 +66,52 @@ def test_the_scan_finds_a_planted_name() -> None:
 def test_registry_knows_every_name_it_lists() -> None:
     for name in registry.BUILTIN:
         assert registry.adapter_class(name).name == name
+
+
+# Comparisons of backend names are checked in every package of attndbg but these: backends/ owns
+# the names, record/ hooks engine backends by theirs. A package that must compare one for now is
+# listed in COMPARED_EXCEPTIONS with why (none today: repro/ asks each adapter for its library calls).
+COMPARED_OWNERS = ("attndbg/backends/", "attndbg/record/")
+COMPARED_EXCEPTIONS: dict[str, str] = {}
+
+
+def _compared(source: str, names: set[str]) -> Iterator[int]:
+    """The line of each comparison (==, !=, in, not in) with a string equal to a name, alone or in a
+    tuple, list or set, on a line without a justification."""
+    lines = source.splitlines()
+
+    def strings(node: ast.expr) -> Iterator[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            yield node.value
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            for element in node.elts:
+                yield from strings(element)
+
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        if any(name in names for side in (node.left, *node.comparators) for name in strings(side)):
+            if not any(mark in lines[node.lineno - 1] for mark in JUSTIFIED):
+                yield node.lineno
+
+
+def test_no_backend_name_is_compared_outside_backends_and_record() -> None:
+    names = _backend_names()
+    hits, excepted = [], set()
+    for path in sorted((ROOT / "attndbg").rglob("*.py")):
+        where = path.relative_to(ROOT).as_posix()
+        if where.startswith(COMPARED_OWNERS):
+            continue
+        for line in _compared(path.read_text(), names):
+            package = next((p for p in COMPARED_EXCEPTIONS if where.startswith(p + "/")), None)
+            if package is not None:
+                excepted.add(package)
+            else:
+                hits.append(f"{where}:{line}")
+    assert excepted == set(COMPARED_EXCEPTIONS), "an exception no longer compares a backend name: remove it"
+    assert not hits, "backend names compared outside backends/ and record/ (ask the adapter instead):\n" + "\n".join(hits)
+
+
+def test_the_comparison_scan_finds_a_planted_one() -> None:
+    source = 'if backend.name in ("flashinfer", "x"):\n    pass\nok = kind == "mla"  # not a backend name: an attention kind\nalso = name != "fa3"\n'
+    assert list(_compared(source, _backend_names())) == [1, 4]
