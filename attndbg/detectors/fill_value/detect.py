@@ -52,6 +52,7 @@ from attndbg.replay import graph as graph_replay
 from attndbg.replay.runner import BackendRun, RunStatus
 from attndbg.replay.variants import Eager, Graph
 from attndbg.trace.engines import engine_conventions
+from attndbg.trace.offsets import first_decrease
 from attndbg.trace.schema import ForwardMode, Trace
 
 KIND = FindingClass.FILL_VALUE
@@ -246,10 +247,10 @@ def _padded_indptrs(trace: Trace, reading: PlanReading) -> list[Finding]:
         if values is None or values.numel() <= real + 1:
             continue  # the plan covers only the real requests: nothing padded was recorded
         values = values.to(torch.int64)
-        drops = torch.nonzero(values[real + 1 :] < values[real:-1]).flatten()
-        if not drops.numel():
+        drop = first_decrease(values[real:])  # the offsets rule over the padded tail (trace/offsets.py)
+        if drop < 0:
             continue
-        i = real + 1 + int(drops[0])
+        i = real + drop
         request = (i - 1) // per_request
         findings.append(
             _graded(
