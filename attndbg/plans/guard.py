@@ -111,20 +111,27 @@ def refusal(trace: Trace, plan: Plan, backend: Backend | None = None) -> Refusal
     return guarded_view(trace, plan, backend)[1]
 
 
-def guarded_view(trace: Trace, plan: Plan, backend: Backend | None = None) -> tuple[PlanView | None, Refusal | None]:
+def guarded_view(
+    trace: Trace, plan: Plan, backend: Backend | None = None, *, viewed: tuple[PlanView | None, PlanViewError | None] | None = None
+) -> tuple[PlanView | None, Refusal | None]:
     """The plan's view as its kernels read it, when the guard lets it be launched (no refusal);
-    else (None, why not)."""
+    else (None, why not). `viewed`: `backend.plan_view(trace, plan)`'s answer (the view, or the
+    error it raised) where the caller has it already."""
     if backend is None:
         try:
             backend = registry.create(plan.backend)
         except KeyError:
             return None, Refusal(f"recorded plan cannot be guarded: no backend is named {plan.backend[:80]!r}", None)
-    try:
-        view = backend.plan_view(trace, plan)
-    except PlanUnreadable as e:
-        return None, Refusal(f"recorded plan not read: {e}", e.field or None, unread=True)
-    except PlanViewError as e:
-        return None, Refusal(f"recorded plan cannot be guarded: {e}", e.field or None)
+    if viewed is None:
+        try:
+            viewed = backend.plan_view(trace, plan), None
+        except PlanViewError as e:
+            viewed = None, e
+    view, error = viewed
+    if isinstance(error, PlanUnreadable):
+        return None, Refusal(f"recorded plan not read: {error}", error.field or None, unread=True)
+    if error is not None:
+        return None, Refusal(f"recorded plan cannot be guarded: {error}", error.field or None)
     if view is None:
         return None, Refusal(f"recorded plan cannot be guarded: the {backend.name} backend declares no plan view", None)
     bs = trace.batch.batch_size

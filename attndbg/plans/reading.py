@@ -248,7 +248,9 @@ class PlanReading:
     def _guarded(self) -> tuple[PlanView | None, guard.Refusal | None]:
         if self.plan is None:
             return None, None
-        return guard.guarded_view(self.trace, self.real_plan, self.adapter)
+        # A plan that is all real requests is guarded on the strict view already made of it.
+        viewed = self._strict if self.real_plan is self.plan and self.adapter is not None else None
+        return guard.guarded_view(self.trace, self.real_plan, self.adapter, viewed=viewed)
 
     @property
     def refusal(self) -> guard.Refusal | None:
