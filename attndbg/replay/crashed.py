@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 from attndbg.backends import registry
 from attndbg.backends.base import KernelError
+from attndbg.plans.guard import real_requests_only, refusal
 from attndbg.replay import activity
 from attndbg.replay.data import build_inputs
-from attndbg.replay.plan_guard import real_requests_only, refusal
 from attndbg.trace import io
 from attndbg.trace.errors import TraceError
 from attndbg.trace.schema import Trace
