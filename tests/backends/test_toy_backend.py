@@ -250,7 +250,7 @@ def test_padded_seq_lens_are_judged_by_the_toy_fill_requirement(tmp_path: Path, 
     assert findings(data) == [("fill-value", "padded-seq-len-unsupported", {"step": 0, "request": 3, "field": "graph.padded_seq_lens[3]"})]
     [finding] = data["steps"][0]["findings"]
     assert finding["severity"] == "hazard" and data["verdict"]["hazards_by_check"] == {"fill-value/padded-seq-len-unsupported": 1}
-    assert f"the step ran on {ENGINE_NAME}, which needs >= 1" in finding["evidence"] and f"{ENGINE_NAME} >= 1" in finding["evidence"]
+    assert f"the step ran on {ENGINE_NAME}, which needs >= 1" in finding["evidence"] and f"{ToyBackend.name} >= 1" in finding["evidence"]  # the summary names attndbg's adapters
     assert finding["cause"] == (
         f"The graph runner padded with a fill value {ENGINE_NAME} cannot take: {ToyBackend.fill_requirement.why}."
         " The real rows do not read the padded ones; this hurts where a later op mixes padded rows into real ones"
