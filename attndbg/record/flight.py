@@ -22,6 +22,12 @@ Where triggers come from:
 Each kind fires once per process (a NaN that stays would otherwise write every step), but SIGUSR1
 writes each time it is sent. A signal handler only enqueues (queue.SimpleQueue is reentrant); the
 flight thread does the work.
+
+A CUDA error is written differently: the process may abort at any moment after one (a C++
+destructor meeting the sticky error, device_fault.py), so the thread that sees it writes the ring
+itself, at once, before returning: the steps whose host copies landed, then the trigger line,
+each file and line on disk before the next is started. From then on the recorder touches host
+memory only: no event, no copy, no device sync.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from typing import Any
 
 import torch
 
-from attndbg.record import spool
+from attndbg.record import device_fault, spool
 from attndbg.record.ring import Ring, RingEntry
 from attndbg.record.host_copy import HostCopy
 from attndbg.record.session import Build, RecordingSession
@@ -91,12 +97,17 @@ class FlightRecorder:
     # -- what the session and the adapters call -------------------------------------------------
 
     def open(self, step: int, copy: HostCopy, build: Build) -> RingEntry:
-        self.ring.poll()
+        error = self.ring.poll()
         entry = RingEntry(step=step, copy=copy, build=build)
         self.ring.add(entry)
+        if error is not None:  # an earlier step's work ended in a CUDA error
+            self.fire(from_exception(error, self.in_flight_step(), "seen by the flight recorder"))
         return entry
 
     def close(self, entry: RingEntry, *, stream: torch.cuda.Stream | None = None) -> None:
+        if device_fault.faulted():  # no event can be recorded: the step stays in flight
+            self.ring.close(entry, None, lost=True)
+            return
         done = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             # Blocking sync: the flight thread waiting on it sleeps instead of spinning a core.
@@ -119,7 +130,11 @@ class FlightRecorder:
         self._jobs.put(_Fire(trigger))
 
     def fire(self, trigger: Trigger) -> None:
-        """Write the ring now: its steps (in flight marked), then the trigger line."""
+        """Write the ring now: its steps (in flight marked), then the trigger line. On a CUDA error
+        (or once the device faulted) in this thread, synchronously (the module docstring)."""
+        if trigger.kind is TriggerKind.CUDA_ERROR:
+            device_fault.latch(trigger.message)
+        now = device_fault.faulted()
         with self._lock:
             if trigger.kind in self._fired_kinds and trigger.kind is not TriggerKind.SIGNAL:
                 self.skipped[trigger.kind] = self.skipped.get(trigger.kind, 0) + 1
@@ -127,15 +142,20 @@ class FlightRecorder:
             self._fired_kinds.add(trigger.kind)
             self.fired.append(trigger)
             taken = self.ring.take()
-            # Queued under the lock: a trigger's line follows its own steps, whichever thread fires.
-            for entry, in_flight in taken:
-                self.session.write(entry.copy, entry.build, in_flight=in_flight, evidence=True)
-            self.session.write_line(trigger_line(trigger.line(os.getpid())))
+            # Under the lock: a trigger's line follows its own steps, whichever thread fires.
+            if now:
+                written = [entry.step for entry, in_flight in taken if self.session.write_now(entry.copy, entry.build, in_flight=in_flight)]
+                self.session.write_line_now(trigger_line(trigger.line(os.getpid())))
+            else:
+                for entry, in_flight in taken:
+                    self.session.write(entry.copy, entry.build, in_flight=in_flight, evidence=True)
+                self.session.write_line(trigger_line(trigger.line(os.getpid())))
         flying = [entry.step for entry, in_flight in taken if in_flight]
         where = f"step {trigger.step}" if trigger.step is not None else "no step yet"
+        count = f"{len(written)} of {len(taken)}" if now else f"{len(taken)}"
         self.session.log(
             f"ring written to {self.session.out_dir} on {trigger.kind.value} at {where}: {trigger.message}; "
-            f"{len(taken)} step(s){f', in flight: {flying}' if flying else ''}"
+            f"{count} step(s){f', in flight: {flying}' if flying else ''}"
         )
 
     def in_flight_step(self) -> int | None:
@@ -173,6 +193,8 @@ class FlightRecorder:
 
     def _follow(self, entry: RingEntry) -> None:
         """Wait until the step's device work is done, judge `--when nan`."""
+        if device_fault.faulted():
+            return  # no event may be waited on; the ring was written when the fault was seen
         if entry.done is not None:
             try:
                 entry.done.synchronize()
@@ -214,7 +236,7 @@ class FlightRecorder:
                 break
             if isinstance(job, _Fire):
                 self.fire(job.trigger)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if not device_fault.faulted() and torch.cuda.is_available() and torch.cuda.is_initialized():
             try:
                 torch.cuda.synchronize()
             except RuntimeError as e:

@@ -6,6 +6,9 @@ device 1 into a pinned marker the host zeroed: stream order makes the marker lan
 so `landed()` tells, by reading host memory alone, whether the data arrived. That is what can still
 be asked after a CUDA error, when every CUDA call (an event's query included) fails: the flight
 recorder writes the steps whose copies landed and leaves out those whose copies never ran.
+
+After a CUDA error (device_fault.py) a copy waits on no event, starts no new copy, and its pinned
+tensors are never freed (freeing one would abort the process).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from attndbg.record import device_fault
 
 
 class CopyLost(RuntimeError):
@@ -48,6 +53,8 @@ class HostCopy:
         """Copy more tensors (a step's layer tensors once its forward ran) into this copy."""
         host: dict[str, Tensor | None] = {}
         device: torch.device | None = None
+        if device_fault.faulted() and any(t is not None and t.is_cuda for t in tensors.values()):
+            return  # no pinned allocation and no copy can succeed now: the tensors are lost
         with contextlib.ExitStack() as on_stream:
             if stream is not None:
                 on_stream.enter_context(torch.cuda.stream(stream))
@@ -94,12 +101,18 @@ class HostCopy:
             return all(int(m[0]) == 1 for m in self._markers)
 
     def wait(self) -> dict[str, Tensor | None]:
+        """The host tensors once every copy completed; CopyLost when the device faulted first."""
         with self._lock:
             events = list(self._events)
         for event in events:
+            if device_fault.faulted():  # no event may be waited on: what landed is all there is
+                if not self.landed():
+                    raise CopyLost(f"its host copies never completed (the device faulted: {device_fault.reason()})")
+                break
             try:
                 event.synchronize()
             except RuntimeError as e:  # a CUDA error (torch.AcceleratorError is a RuntimeError)
+                device_fault.seen_in(e)
                 if not self.landed():
                     raise CopyLost(f"its host copies never completed ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
                 break
@@ -108,6 +121,21 @@ class HostCopy:
         for reading in readings:
             host.update(reading.wait())
         return host
+
+    def __del__(self) -> None:
+        """Freeing pinned memory a copy used aborts the process once the device faulted: then the
+        tensors are kept instead. The last event tells a fault not yet reported (it raises)."""
+        events, markers = getattr(self, "_events", None), getattr(self, "_markers", None)
+        if not events or not markers:
+            return  # no device copy: plain host memory
+        if not device_fault.faulted():
+            try:
+                events[-1].query()
+                return
+            except Exception as e:  # noqa: BLE001 - a destructor must not raise
+                if not device_fault.seen_in(e):
+                    return
+        device_fault.keep([*markers, *(t for t in self._host.values() if t is not None)])  # no is_pinned(): a CUDA call
 
 
 class StepCopies(HostCopy):

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from attndbg.record import device_fault
 from attndbg.record.session import capturing
 
 
@@ -64,6 +65,9 @@ class GraphProbes:
         if staged is None or staged.shape != tensor.shape or staged.dtype != tensor.dtype:
             self.staging[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             self.stamps[name] = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+            # Held for the process's life: a graph copies into them, and freeing them after a CUDA
+            # error would abort the process (device_fault.py); a staging resized leaves the old one.
+            device_fault.keep([self.staging[name], self.stamps[name]])
 
     def capture(self, name: str, tensor: Tensor) -> None:
         """Inside the capture: the copy into staging, then the stamp."""
@@ -92,9 +96,12 @@ class Reading:
 
     def ready(self) -> bool:
         """The replay's work is done (False, never an exception, after a CUDA error)."""
+        if device_fault.faulted():
+            return False
         try:
             return self.done is None or bool(self.done.query())
-        except RuntimeError:
+        except RuntimeError as e:
+            device_fault.seen_in(e)
             return False
 
     def collect(self) -> dict[str, Tensor]:
@@ -121,11 +128,11 @@ class Reading:
 
     def wait(self) -> dict[str, Tensor]:
         """Wait for the replay (a CUDA error ends the wait: what landed is read) and collect."""
-        if self.done is not None:
+        if self.done is not None and not device_fault.faulted():
             try:
                 self.done.synchronize()
-            except RuntimeError:
-                pass
+            except RuntimeError as e:
+                device_fault.seen_in(e)
         return self.collect()
 
 

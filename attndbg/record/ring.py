@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from attndbg.record import device_fault
 from attndbg.record.host_copy import HostCopy
 from attndbg.record.session import Build
 
@@ -52,25 +53,34 @@ class Ring:
             self._entries.append(entry)
             self._evict()
 
-    def close(self, entry: RingEntry, done: torch.cuda.Event | None) -> None:
+    def close(self, entry: RingEntry, done: torch.cuda.Event | None, *, lost: bool = False) -> None:
+        """The engine's call returned; `done` marks where its device work ends (None: host work
+        only, finished now). `lost`: the device had faulted, no event could be recorded: in flight."""
         with self._lock:
             entry.done = done
             entry.closed = True
-            if done is None:
+            if done is None and not lost:
                 entry.finished = True
             self._evict()
 
-    def poll(self) -> None:
-        """Mark the closed steps whose device work completed (a cheap event query each; a CUDA
-        error raised by the query leaves the step unfinished: it is in flight)."""
+    def poll(self) -> RuntimeError | None:
+        """Mark the closed steps whose device work completed (a cheap event query each). A CUDA
+        error raised by a query leaves that step and the later ones unfinished (in flight) and is
+        returned, for the caller to fire on; after one, nothing is queried (device_fault.py)."""
+        error = None
         with self._lock:
             for entry in self._entries:
+                if device_fault.faulted():
+                    break
                 if entry.closed and not entry.finished and entry.done is not None:
                     try:
                         entry.finished = bool(entry.done.query())
-                    except RuntimeError:
+                    except RuntimeError as e:
+                        if device_fault.seen_in(e):
+                            error = e
                         break
             self._evict()
+        return error
 
     def take(self) -> list[tuple[RingEntry, bool]]:
         """Empty the ring: every entry, oldest first, with whether it was in flight."""

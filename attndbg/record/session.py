@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attndbg.record import problems
+from attndbg.record import device_fault, problems
 from attndbg.record.host_copy import CopyLost, HostCopy
 from attndbg.record.options import RecordOptions
 from attndbg.record.writer_process import ProcessWriter
@@ -110,6 +110,8 @@ class RecordingSession:
         self._queue: queue.Queue[_StepJob | _LineJob | None] = queue.Queue()
         self._pending_bytes = 0
         self._bytes_at_start = sum(p.stat().st_size for p in self.out_dir.glob("*.pt"))
+        self._write_lock = threading.Lock()  # the writer thread and a synchronous write (a fault) take turns
+        device_fault.reset()
         # Started now: its Python and torch take seconds to import, and steps queue meanwhile. Not
         # in ring mode: a ring is written rarely, in one burst, and a process per engine process
         # that may never write would cost every engine process seconds of CPU at start.
@@ -148,6 +150,8 @@ class RecordingSession:
         counted) inside a graph capture."""
         if capturing():
             self.stats.skipped_in_capture += 1
+            return None
+        if device_fault.faulted():  # nothing can be copied off the device any more (device_fault.py)
             return None
         return HostCopy(tensors) if stream is None else HostCopy(tensors, stream=stream)
 
@@ -205,6 +209,26 @@ class RecordingSession:
         """Queue a manifest line, written after the steps queued before it."""
         self._queue.put_nowait(_LineJob(line))
 
+    def write_now(self, copy: HostCopy, build: Build, *, in_flight: bool) -> bool:
+        """Write a step in this thread, from what already landed on the host (the device faulted:
+        the process may abort at any moment, flight.py); whether it was written. Not through
+        `guard`: the caller holds the flight recorder's lock, which a guard's firing would take."""
+        if self._stop_writing:
+            return False
+        try:
+            return self._write(_StepJob(copy, build, in_flight, evidence=True), in_process=True)
+        except Exception as e:  # noqa: BLE001 - one step that cannot be built: the others go on
+            self.log(f"a step of the ring was not written ({type(e).__name__}: {e})")
+            return False
+
+    def write_line_now(self, line: str) -> None:
+        """Append a manifest line in this thread (after write_now's steps)."""
+        try:
+            with self._write_lock:
+                append_manifest_line(self.out_dir, line)
+        except OSError as e:
+            self.log(f"cannot write the trigger line to {self.out_dir}: {os_reason(e)}")
+
     @contextlib.contextmanager
     def guard(self, where: str) -> Iterator[None]:
         """Run hook code; the first exception disables recording with one log line. In ring mode a
@@ -216,7 +240,7 @@ class RecordingSession:
             if self.flight is not None:
                 from attndbg.record.triggers import from_exception, is_cuda_error
 
-                if is_cuda_error(e):
+                if is_cuda_error(e):  # fire latches device_fault: host memory only from now on
                     self.flight.fire(from_exception(e, self.flight.in_flight_step(), f"seen in {where}"))
             self.disable(f"error in {where}: {type(e).__name__}: {e}")
 
@@ -254,7 +278,7 @@ class RecordingSession:
                 if job is None:
                     return
                 if isinstance(job, _LineJob):
-                    with self.guard("writing a manifest line"):
+                    with self.guard("writing a manifest line"), self._write_lock:
                         append_manifest_line(self.out_dir, job.line)
                     continue
                 if self._enabled or (job.evidence and not self._stop_writing):
@@ -265,26 +289,30 @@ class RecordingSession:
             finally:
                 self._queue.task_done()
 
-    def _write(self, job: _StepJob) -> None:
+    def _write(self, job: _StepJob, *, in_process: bool = False) -> bool:
+        """Build and write one step; whether it was written. `in_process`: not through the writer
+        process, whatever the options say (a write after a CUDA error)."""
         try:
             host = job.copy.wait()
         except CopyLost as e:  # a ring step behind a device fault: the others are still written
             self.log(f"a step in flight was not written: {e}")
-            return
+            return False
         trace = job.build(host)
         if trace is None:
-            return
+            return False
         name = step_file_name(self.options, trace)
         try:
-            if self._process is not None:
-                size = self._process.write(name, to_dict(trace), in_flight=job.in_flight)
-            else:
-                size = append_to_recording(self.out_dir, trace, name, in_flight=job.in_flight).stat().st_size
+            with self._write_lock:
+                if self._process is not None and not in_process:
+                    size = self._process.write(name, to_dict(trace), in_flight=job.in_flight)
+                else:
+                    size = append_to_recording(self.out_dir, trace, name, in_flight=job.in_flight).stat().st_size
         except OSError as e:  # a full disk (ENOSPC), a quota, a read-only mount: stop, say where and why
             self._stop_writing = True
             self.disable(f"cannot write {name} to {self.out_dir}: {os_reason(e)}")
-            return
+            return False
         self._written(name, size)
+        return True
 
     def _written(self, name: str, size: int) -> None:
         self.stats.written += 1
