@@ -22,9 +22,10 @@ from typing import Any
 
 from attndbg.record.options import RecordOptions
 from attndbg.record.triggers import TriggerKind
-from attndbg.trace.io import MANIFEST, TriggerLine, append_manifest_line, append_to_recording, read_manifest, trigger_line
+from attndbg.trace.io import MANIFEST, TriggerLine, append_manifest_line, append_to_recording, read_manifest, read_triggers, trigger_line
 
 PIDS = "pids"
+LEFT = "left"  # `<spool>/left/<pid>`: the process ran its exit code (its ring, if any, is spooled)
 
 
 def register(options: RecordOptions, pid: int) -> None:
@@ -49,11 +50,19 @@ def leave(session: Any, taken: list[tuple[Any, bool]]) -> None:
     """Write the ring's remaining steps (RingEntry, in flight) to `<spool>/<pid>/` (this process's
     exit; in-process writes: the writer thread is stopping)."""
     spool_dir = session.options.spool_dir
-    if not spool_dir or not taken:
+    if not spool_dir:
         return
+    try:
+        _leave_steps(session, Path(spool_dir) / str(os.getpid()), taken)
+    finally:
+        with contextlib.suppress(OSError):
+            (Path(spool_dir) / LEFT).mkdir(parents=True, exist_ok=True)
+            (Path(spool_dir) / LEFT / str(os.getpid())).touch()
+
+
+def _leave_steps(session: Any, folder: Path, taken: list[tuple[Any, bool]]) -> None:
     from attndbg.record.session import CopyLost, step_file_name
 
-    folder = Path(spool_dir) / str(os.getpid())
     for entry, in_flight in taken:
         try:
             trace = entry.build(entry.copy.wait())
@@ -67,22 +76,33 @@ def leave(session: Any, taken: list[tuple[Any, bool]]) -> None:
 
 
 def promote(spool_dir: str | os.PathLike, out_dir: str | os.PathLike, *, code: int, words: str) -> list[TriggerLine]:
-    """Move every spooled ring into `out_dir` (steps, then an `exit` trigger line per process);
-    returns the trigger lines written. A file name already taken gets the process id as prefix."""
+    """Move every spooled ring into `out_dir` and write an `exit` trigger line for each process that
+    held a ring (after its steps); returns the trigger lines written. A file name already taken gets
+    the process id as prefix.
+
+    A process that spooled nothing still gets its line, naming the last step its own triggers named
+    (what it wrote when they fired stays in `out_dir` as it was): its ring was empty, or it never
+    ran its exit code (killed by SIGABRT, SIGKILL or SIGSEGV; a CUDA error's abort among them),
+    which the message says."""
     spool_dir, out_dir = Path(spool_dir), Path(out_dir)
     written = []
-    rings = sorted((p for p in spool_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)) if spool_dir.is_dir() else []
-    for folder in rings:
-        if not (folder / MANIFEST).exists():
-            continue
-        pid = int(folder.name)
-        entries = read_manifest(folder)
-        for entry in entries:
-            name = entry.file if not (out_dir / entry.file).exists() else f"p{pid}_{entry.file}"
-            shutil.move(str(folder / entry.file), out_dir / name)
-            append_manifest_line(out_dir, replace(entry, file=name).line())
-        last = entries[-1].step if entries else None
-        line = TriggerLine(kind=TriggerKind.EXIT.value, step=last, message=f"the command {words}", code=code, pid=pid)
+    spooled = {int(p.name): p for p in spool_dir.iterdir() if p.is_dir() and p.name.isdigit() and (p / MANIFEST).exists()} if spool_dir.is_dir() else {}
+    left = {int(p.name) for p in (spool_dir / LEFT).iterdir() if p.name.isdigit()} if (spool_dir / LEFT).is_dir() else set()
+    for pid in sorted(set(spooled) | set(ring_pids(spool_dir))):
+        message = f"the command {words}"
+        if pid in spooled:
+            entries = read_manifest(spooled[pid])
+            for entry in entries:
+                name = entry.file if not (out_dir / entry.file).exists() else f"p{pid}_{entry.file}"
+                shutil.move(str(spooled[pid] / entry.file), out_dir / name)
+                append_manifest_line(out_dir, replace(entry, file=name).line())
+            last = entries[-1].step if entries else None
+        else:
+            fired = [t for t in read_triggers(out_dir) if t.pid == pid] if (out_dir / MANIFEST).exists() else []
+            last = next((t.step for t in reversed(fired) if t.step is not None), None)
+            if pid not in left:
+                message += f"; process {pid} ended without running its exit code: its ring is what its triggers wrote"
+        line = TriggerLine(kind=TriggerKind.EXIT.value, step=last, message=message, code=code, pid=pid)
         append_manifest_line(out_dir, trigger_line(line))
         written.append(line)
     return written
