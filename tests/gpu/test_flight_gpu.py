@@ -2,10 +2,12 @@
 (tests/record/flight_engine.py: the CPU test engine with a fault put in on purpose):
 
 - crash: a corrupted KV read index at a graph-replayed decode step makes the engine fault on the
-  device (a device-side assert or an illegal memory access, surfacing at the step's sync); the
-  ring written holds that step, in flight, and `attndbg check` flags its index;
-- NaN: `--when nan` fires on the step whose layer-0 output carries the NaN, and the ring holds it
-  with layer 0's tensors as the in-graph probes copied them out of the replay;
+  device (a device-side assert or an illegal memory access, surfacing late); the ring written
+  holds that step, in flight, with one `cuda-error` line, then `record`'s `exit` line, and
+  `attndbg check` flags its index;
+- NaN: `--when nan` fires on the step whose layer-0 output carries the NaN (request 0's row
+  alone), and the ring holds it with layer 0's tensors as the in-graph probes copied them out of
+  the replay;
 - probe values are exact: each of a few replayed decode steps is first run eagerly on the same
   padded inputs (CUDA graphs off for that call, recorded as a step of its own), then replayed; the
   probe values equal the eager recording bit for bit;
@@ -53,20 +55,37 @@ def _record_engine(out: Path, record_options: list[str], engine_options: list[st
     return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
+def _explain(done: subprocess.CompletedProcess[str], out: Path) -> str:
+    """What a failed assertion shows: record's exit, the child's stderr tail, the manifest."""
+    manifest = out / io.MANIFEST
+    lines = manifest.read_text().splitlines() if manifest.exists() else ["(no manifest)"]
+    return f"\nrecord exited {done.returncode}\n--- stderr tail ---\n{done.stderr[-5000:]}\n--- manifest ---\n" + "\n".join(lines[-40:])
+
+
 @needs_engine
 def test_a_device_fault_under_cuda_graphs_leaves_the_faulting_step_in_the_ring(tmp_path: Path) -> None:
+    """The fault surfaces late (at a later step's event query or copy, or at the engine's final
+    sync); the thread that sees it writes the ring at once, host memory only, before the process
+    can abort (device_fault.py); `record` adds the exit line, whether the process exited 1 or the
+    engine's own teardown aborted it (134)."""
     out = tmp_path / "rec"
     done = _record_engine(out, ["--ring", "8"], ["--corrupt-step", str(FAULT_STEP)])
-    print(done.stderr[-4000:])
-    assert done.returncode != 0, "the engine should have faulted"
+    why = _explain(done, out)
+    assert done.returncode != 0, "the engine should have faulted" + why
     triggers = io.read_triggers(out)
     cuda = [t for t in triggers if t.kind == "cuda-error"]
-    assert cuda, [(t.kind, t.message) for t in triggers]
+    assert len(cuda) == 1, why
+    exits = [t for t in triggers if t.kind == "exit"]
+    assert [t.code for t in exits] == [done.returncode] and exits[0].pid == cuda[0].pid, why
     entries = io.read_manifest(out)
     faulty = [e for e in entries if (plan := io.load(out / e.file).plan) is not None and plan.backend == "transformers"]
-    assert len(faulty) == 1, [e.file for e in entries]
+    assert len(faulty) == 1, [e.file for e in entries] + [why]
     step = faulty[0]
-    assert step.in_flight and cuda[0].step == step.step and step.mode == "DECODE"
+    assert step.in_flight and step.mode == "DECODE", why
+    # The trigger names the oldest step in flight: the faulty one, or one before it whose event was
+    # not seen complete before the error went sticky (every query fails after it).
+    flying = [e.step for e in entries if e.in_flight]
+    assert cuda[0].step in flying and cuda[0].step <= step.step, why
     trace = io.load(out / step.file)
     assert int(trace.plan.tensors["read_index"][0]) >= trace.plan.scalars["token_rows"]
     check = subprocess.run([sys.executable, "-m", "attndbg", "check", str(out), "--backend", "reference", "--json"], capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -76,21 +95,26 @@ def test_a_device_fault_under_cuda_graphs_leaves_the_faulting_step_in_the_ring(t
 
 @needs_engine
 def test_when_nan_fires_with_the_tensors_of_a_graph_replay(tmp_path: Path) -> None:
+    """The NaN is planted in request 0's attention-mask row (flight_engine.py says why not in a
+    cached key: on the GPU that makes every row NaN), so request 0's layer-0 output row alone is
+    NaN, as the probes copied it out of the replay."""
     out = tmp_path / "rec"
     done = _record_engine(out, ["--ring", "6", "--layers", "0", "--when", "nan"], ["--nan-step", str(FAULT_STEP)])
-    print(done.stderr[-4000:])
-    assert done.returncode == 0, done.stderr[-4000:]
-    [trigger] = io.read_triggers(out)
-    assert trigger.kind == "nan" and trigger.message.startswith("layer0.output: "), trigger
+    why = _explain(done, out)
+    assert done.returncode == 0, why
+    triggers = io.read_triggers(out)
+    assert len(triggers) == 1, why
+    [trigger] = triggers
+    assert trigger.kind == "nan" and trigger.message.startswith("layer0.output: "), why
     entries = {e.step: e for e in io.read_manifest(out)}
-    assert trigger.step in entries and entries[trigger.step].layers == [0]
+    assert trigger.step in entries and entries[trigger.step].layers == [0], why
     trace = io.load(out / entries[trigger.step].file)
     layer = trace.tensors[0]
-    assert trace.batch.forward_mode.value == "DECODE" and layer.kv_slots.numel() == 0  # probe values: no KV rows (probes.py)
+    assert trace.batch.forward_mode.value == "DECODE" and layer.kv_slots.numel() == 0, why  # probe values: no KV rows (probes.py)
     finite = torch.isfinite(layer.output.float()).flatten(1).all(1)
-    assert not bool(finite.all()) and bool(finite.any()), finite  # the poisoned request's row, not every row
+    assert finite.numel() > 1 and not bool(finite[0]) and bool(finite[1:].all()), f"{finite}{why}"  # the poisoned request's row alone
     before = [e for s, e in entries.items() if s < trigger.step]
-    assert all(bool(torch.isfinite(io.load(out / e.file).tensors[0].output.float()).all()) for e in before)
+    assert all(bool(torch.isfinite(io.load(out / e.file).tensors[0].output.float()).all()) for e in before), why
 
 
 def _generate_under(options: RecordOptions, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Stats | None:

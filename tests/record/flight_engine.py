@@ -7,8 +7,12 @@ the engine's own:
 - `--corrupt-step K`: request 0's first KV read index points past the cache's token view, as a
   wrong index from an engine would: the gather faults (an IndexError on the CPU, a device-side
   assert or an illegal memory access on a GPU, where under CUDA graphs the replay reads it);
-- `--nan-step K`: layer 0's cached key of request 0's first token becomes NaN, so the attention
-  output of that request (and the logits) carry NaN from step K on, under CUDA graphs too.
+- `--nan-step K`: the attention-mask entry of request 0's query row for its first key becomes NaN,
+  so at step K the attention output of that request alone carries NaN (in every layer: the mask is
+  one bias all layers read), under CUDA graphs too. Not a cached key or value: transformers' sdpa
+  path attends each query over every key of the step, masked by an additive bias
+  (`build_attention_mask`: 0 or finfo.min), so one NaN key makes every row NaN on a GPU (NaN +
+  finfo.min and 0 x NaN stay NaN); a mask row is read by its own query alone.
 
 Run under `attndbg record` (the startup hook installs the recorder when the model runner is
 imported, before the fault is wrapped around it):
@@ -57,8 +61,8 @@ def inject(*, corrupt_step: int | None = None, nan_step: int | None = None) -> A
             if step == corrupt_step and read is not None and read.numel():
                 rows = _token_view(batch_data["cache"], 0).shape[0]
                 read[0] = rows + PAST_THE_CACHE
-            if step == nan_step and read is not None and read.numel():
-                _token_view(batch_data["cache"], 0).index_fill_(0, read[:1], float("nan"))
+            if step == nan_step:
+                _first_mask_entry(batch_data).fill_(float("nan"))
         return inner(self, model, batch_data)
 
     model_runner.ModelRunner.compute_batch = compute_batch
@@ -67,6 +71,17 @@ def inject(*, corrupt_step: int | None = None, nan_step: int | None = None) -> A
         model_runner.ModelRunner.compute_batch = inner
 
     return remove
+
+
+def _first_mask_entry(batch_data: dict[str, Any]) -> torch.Tensor:
+    """The mask entry (a view) of the batch's first query row, request 0's, for its first key."""
+    mask = batch_data.get("attention_mask")
+    if isinstance(mask, dict):  # one mask per layer type (sliding-window models): the full one
+        mask = mask.get("full_attention", next(iter(mask.values()), None))
+    if mask is None or not mask.is_floating_point():
+        raise SystemExit(f"--nan-step needs transformers' additive attention mask in batch_data, got {type(mask).__name__}")
+    # Request 0's queries and keys start the batch (cu_seq_lens_q[0] == cu_seq_lens_k[0] == 0).
+    return mask[..., 0, 0]
 
 
 def _token_view(cache: Any, layer: int) -> torch.Tensor:
