@@ -28,7 +28,7 @@ from typing import Any
 
 from attndbg.record.triggers import is_cuda_error
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entered when a collection finalizes a host copy (its __del__ keeps) inside `keep`
 _faulted = False
 _reason = ""
 # Tensors that must never be freed; referenced once more from C (ctypes) when the device faults,
