@@ -23,8 +23,10 @@ Prints the generated tokens as JSON on the last line, or the error's first line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,10 +61,12 @@ def inject(*, corrupt_step: int | None = None, nan_step: int | None = None) -> A
             seen[0] += 1
             read = batch_data["read_index"][0] if batch_data.get("read_index") else None
             if step == corrupt_step and read is not None and read.numel():
-                rows = _token_view(batch_data["cache"], 0).shape[0]
-                read[0] = rows + PAST_THE_CACHE
+                with _ordered(read.device):
+                    read[0] = _token_view(batch_data["cache"], 0).shape[0] + PAST_THE_CACHE
             if step == nan_step:
-                _first_mask_entry(batch_data).fill_(float("nan"))
+                entry = _first_mask_entry(batch_data)
+                with _ordered(entry.device):
+                    entry.fill_(float("nan"))
         return inner(self, model, batch_data)
 
     model_runner.ModelRunner.compute_batch = compute_batch
@@ -71,6 +75,18 @@ def inject(*, corrupt_step: int | None = None, nan_step: int | None = None) -> A
         model_runner.ModelRunner.compute_batch = inner
 
     return remove
+
+
+@contextlib.contextmanager
+def _ordered(device: torch.device) -> Iterator[None]:
+    """On a GPU, the fault's write lands after the engine's copy of the step's inputs (which may
+    run on a stream of its own) and before the step's kernels (on the compute stream): a device
+    sync on each side, at the planted step only."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _first_mask_entry(batch_data: dict[str, Any]) -> torch.Tensor:
