@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from attndbg.record import signals, spool
+from attndbg.record import device_fault, signals, spool
 from attndbg.record.options import OptionError, RecordOptions
 from attndbg.record.pointer_audit import PointerAudit, addresses
 from attndbg.record.probes import GraphProbes, Reading
@@ -22,6 +23,15 @@ from attndbg.record.session import HostCopy, RecordingSession
 from attndbg.record.triggers import LOGITS_FINITE, Trigger, TriggerKind, from_exception, nonfinite, parse_when
 from attndbg.trace import io, synth
 from attndbg.trace.validate import TraceError
+
+
+@pytest.fixture(autouse=True)
+def healthy_device() -> Iterator[None]:
+    """A stand-in event that raises latches the process-wide fault (device_fault.py): each test
+    starts and ends with a healthy device."""
+    device_fault.reset()
+    yield
+    device_fault.reset()
 
 
 def _trace(step: int):
