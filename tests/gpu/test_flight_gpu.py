@@ -88,7 +88,7 @@ def test_a_device_fault_under_cuda_graphs_leaves_the_faulting_step_in_the_ring(t
     assert cuda[0].step in flying and cuda[0].step <= step.step, why
     trace = io.load(out / step.file)
     assert int(trace.plan.tensors["read_index"][0]) >= trace.plan.scalars["token_rows"]
-    check = subprocess.run([sys.executable, "-m", "attndbg", "check", str(out), "--backend", "reference", "--json"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    check = subprocess.run([sys.executable, "-m", "attndbg", "check", str(out), "--backend", "reference", "--json", "-"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert check.returncode == 1, check.stdout[-3000:] + check.stderr[-3000:]
     assert '"index-outside-cache"' in check.stdout and f'"step": {step.step}' in check.stdout
 
