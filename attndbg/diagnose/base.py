@@ -19,6 +19,7 @@ from torch import Tensor
 
 from attndbg import numerics
 from attndbg.backends import reference
+from attndbg.backends.plan_view import RequestKV
 from attndbg.plans.reading import PlanReading, read
 from attndbg.replay.step_data import StepData
 from attndbg.trace.schema import Trace
@@ -118,6 +119,39 @@ class PartialStates:
 def with_batch(trace: Trace, **fields: Any) -> Trace:
     """The step with some batch fields replaced: what a kernel given the wrong metadata sees."""
     return replace(trace, batch=replace(trace.batch, **fields))
+
+
+def with_rows(trace: Trace, rows: list[torch.Tensor], kv_lens: list[int]) -> Trace:
+    """The step as a kernel sees it when request b's KV row is rows[b] (kv_lens[b] columns), its
+    queries at the end of that row as the step's own are at the end of theirs."""
+    batch = trace.batch
+    lens = torch.tensor(kv_lens, dtype=torch.int64)
+    shift = torch.repeat_interleave(lens - batch.kv_lens, batch.extend_lens, output_size=batch.num_tokens)
+    return with_batch(
+        trace,
+        slot_ids=torch.cat(rows) if rows else batch.slot_ids,
+        slot_indptr=torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]),
+        kv_lens=lens,
+        prefix_lens=lens - batch.extend_lens,
+        query_cols=batch.query_cols + shift,
+    )
+
+
+def plan_kv(plan: PlanReading) -> RequestKV | None:
+    """The recorded plan's per-request KV ids for the step's real requests, as its kernel reads
+    them, or None when the plan cannot be read safely (the plan guard refuses it, or no adapter has
+    it) or its view gives none."""
+    view = plan.launch_view
+    if plan.adapter is None or view is None or view.kv is None or view.kv.lengths.numel() < plan.trace.batch.batch_size:
+        return None
+    return view.kv
+
+
+def plan_slots(ids: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
+    """The first `length` token slots of a request's ids (slot ids, or pages of page_size tokens)."""
+    if page_size == 1:
+        return ids[:length].to(torch.int64)
+    return (ids.to(torch.int64)[:, None] * page_size + torch.arange(page_size)).flatten()[:length]
 
 
 def spans(indices: list[int]) -> str:

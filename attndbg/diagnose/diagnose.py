@@ -17,8 +17,10 @@ from torch import Tensor
 
 from attndbg.diagnose.base import Candidate, MistakeModel, PartialStates
 from attndbg.diagnose.kv_models import KeyOffByOne, OtherRequestRow, PlanFromCapture, RecordedPlanKV, StalePositions
-from attndbg.diagnose.mask_models import MaskBitOrder, MaskIgnored, MaskIgnoredPastCausalTile, MaskTransposed, RecordedPlanMask, WindowWithoutDraftOffset
-from attndbg.diagnose.split_models import EmptySplitsStale, EmptySplitsZeros, PrefixMergeLseBase, SplitLseBase, SplitsBeyondCapture
+from attndbg.diagnose.mask_models import MaskBitOrder, MaskIgnored, MaskIgnoredPastCausalTile, MaskRowStride, MaskTransposed, RecordedPlanMask, WindowWithoutDraftOffset
+from attndbg.diagnose.page_models import LastPageDropped
+from attndbg.diagnose.split_models import EmptySplitsStale, EmptySplitsZeros, PrefixMergeLseBase, SplitCountMismatch, SplitLseBase, SplitsBeyondCapture
+from attndbg.diagnose.stale_models import StalePlanMask
 from attndbg.plans.reading import PlanReading
 from attndbg.replay.step_data import StepData
 from attndbg.trace.schema import Trace
@@ -29,6 +31,7 @@ MASK_MODELS: tuple[MistakeModel, ...] = (
     MaskTransposed(),
     MaskBitOrder(),
     MaskIgnoredPastCausalTile(),
+    MaskRowStride(),
     RecordedPlanMask(),
     WindowWithoutDraftOffset(),
 )
@@ -37,11 +40,14 @@ MODELS: tuple[MistakeModel, ...] = (
     EmptySplitsZeros(),
     EmptySplitsStale(),
     SplitsBeyondCapture(),
+    SplitCountMismatch(),
     PrefixMergeLseBase(),
     OtherRequestRow(),
     RecordedPlanKV(),
     PlanFromCapture(),
+    StalePlanMask(),
     KeyOffByOne(),
+    LastPageDropped(),
     StalePositions(),
     *MASK_MODELS,
 )

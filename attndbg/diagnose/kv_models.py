@@ -12,9 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-from attndbg.backends.plan_view import RequestKV
-from attndbg.diagnose.base import Candidate, MistakeModel, PartialStates, with_batch
-from attndbg.plans.reading import PlanReading
+from attndbg.diagnose.base import Candidate, MistakeModel, PartialStates, plan_kv, plan_slots, with_batch, with_rows
 from attndbg.trace.schema import ForwardMode, Trace
 from attndbg.trace.visibility import visibility
 
@@ -53,15 +51,15 @@ class OtherRequestRow(MistakeModel):
             other = [(b + shift) % bs for b in range(bs)]
             # Requests the variant does not apply to keep their own row in the wrong batch.
             row = [kv[other[b]] >= kv[b] for b in range(bs)]
-            yield from self._of(states, ("row", shift), _reading(trace, [own[other[b]][: kv[b]] if row[b] else own[b] for b in range(bs)], kv), requests, other, row, "row", "attention that read another request's req_to_token row, for its own KV length")
+            yield from self._of(states, ("row", shift), with_rows(trace, [own[other[b]][: kv[b]] if row[b] else own[b] for b in range(bs)], kv), requests, other, row, "row", "attention that read another request's req_to_token row, for its own KV length")
             if decode:
                 whole = [kv[other[b]] != kv[b] for b in range(bs)]
                 lens = [kv[other[b]] if whole[b] else kv[b] for b in range(bs)]
-                yield from self._of(states, ("row-and-length", shift), _reading(trace, [own[other[b]] if whole[b] else own[b] for b in range(bs)], lens), requests, other, whole, "row and length", "decode attention that read another request's KV row and length (its kv_indptr entries)")
+                yield from self._of(states, ("row-and-length", shift), with_rows(trace, [own[other[b]] if whole[b] else own[b] for b in range(bs)], lens), requests, other, whole, "row and length", "decode attention that read another request's KV row and length (its kv_indptr entries)")
             else:
                 part = [0 < prefix[b] <= kv[other[b]] for b in range(bs)]
                 rows = [torch.cat([own[other[b]][: prefix[b]], own[b][prefix[b] :]]) if part[b] else own[b] for b in range(bs)]
-                yield from self._of(states, ("prefix", shift), _reading(trace, rows, kv), requests, other, part, "prefix", "attention that read its prefix from another request's req_to_token row, its new tokens' own K/V")
+                yield from self._of(states, ("prefix", shift), with_rows(trace, rows, kv), requests, other, part, "prefix", "attention that read its prefix from another request's req_to_token row, its new tokens' own K/V")
 
     def _of(self, states: PartialStates, key: tuple, wrong: Trace, requests: list[int], other: list[int], valid: list[bool], variant: str, summary: str) -> Iterator[Candidate]:
         wanted = [b for b in requests if valid[b]]
@@ -78,22 +76,6 @@ class OtherRequestRow(MistakeModel):
                 detail=f"request {b} read request {c}'s {variant}{off}",
                 params={"read_request": c, "variant": variant},
             )
-
-
-def _reading(trace: Trace, rows: list[torch.Tensor], kv_lens: list[int]) -> Trace:
-    """The step as a kernel sees it when request b's KV row is rows[b] (kv_lens[b] columns), its
-    queries at the end of that row as the step's own are at the end of theirs."""
-    batch = trace.batch
-    lens = torch.tensor(kv_lens, dtype=torch.int64)
-    shift = torch.repeat_interleave(lens - batch.kv_lens, batch.extend_lens, output_size=batch.num_tokens)
-    return with_batch(
-        trace,
-        slot_ids=torch.cat(rows) if rows else batch.slot_ids,
-        slot_indptr=torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]),
-        kv_lens=lens,
-        prefix_lens=lens - batch.extend_lens,
-        query_cols=batch.query_cols + shift,
-    )
 
 
 class KeyOffByOne(MistakeModel):
@@ -161,7 +143,7 @@ class RecordedPlanKV(MistakeModel):
 
     def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
         trace = states.trace
-        kv = _plan_kv(states.plan)
+        kv = plan_kv(states.plan)
         if kv is None:
             return
         batch = trace.batch
@@ -171,7 +153,7 @@ class RecordedPlanKV(MistakeModel):
         wrong: dict[int, str] = {}
         for b in requests:
             ids, length = kv.of(b)
-            slots = _slots(ids, length, kv.page_size)
+            slots = plan_slots(ids, length, kv.page_size)
             own, n, prefix = rows[b], int(batch.kv_lens[b]), int(batch.prefix_lens[b])
             if slots.numel() != length:
                 continue
@@ -190,7 +172,7 @@ class RecordedPlanKV(MistakeModel):
             rows[b], lens[b], wrong[b] = row, row.numel(), what
         if not wrong:
             return
-        output = states.under("recorded-plan-kv", _reading(trace, rows, lens))
+        output = states.under("recorded-plan-kv", with_rows(trace, rows, lens))
         for b, what in wrong.items():
             differ = int((rows[b][: min(lens[b], int(batch.kv_lens[b]))] != batch.request_slots(b)[: min(lens[b], int(batch.kv_lens[b]))]).sum())
             yield Candidate(
@@ -200,23 +182,6 @@ class RecordedPlanKV(MistakeModel):
                 detail=f"request {b}: {what}, {differ} slots differ",
                 params={"read": what, "slots_differ": differ},
             )
-
-
-def _plan_kv(plan: PlanReading) -> RequestKV | None:
-    """The recorded plan's per-request KV ids for the step's real requests, as its kernel reads
-    them, or None when the plan cannot be read safely (the plan guard refuses it, or no adapter has
-    it) or its view gives none."""
-    view = plan.launch_view
-    if plan.adapter is None or view is None or view.kv is None or view.kv.lengths.numel() < plan.trace.batch.batch_size:
-        return None
-    return view.kv
-
-
-def _slots(ids: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
-    """The first `length` token slots of a request's ids (slot ids, or pages of page_size tokens)."""
-    if page_size == 1:
-        return ids[:length].to(torch.int64)
-    return (ids.to(torch.int64)[:, None] * page_size + torch.arange(page_size)).flatten()[:length]
 
 
 class PlanFromCapture(MistakeModel):
@@ -259,7 +224,7 @@ class PlanFromCapture(MistakeModel):
             return
         batch = states.trace.batch
         rows = [row_of(b) if b in hit else batch.request_slots(b) for b in range(batch.batch_size)]
-        output = states.under(key, _reading(states.trace, rows, [r.numel() for r in rows]))
+        output = states.under(key, with_rows(states.trace, rows, [r.numel() for r in rows]))
         for b in hit:
             yield Candidate(request=b, output=output[states.rows(b)].double(), summary=summary, detail=detail_of(b), params=params)
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from attndbg.diagnose.base import Candidate, MistakeModel, PartialStates, spans
+from attndbg.diagnose.base import Candidate, MistakeModel, PartialStates, plan_kv, plan_slots, spans, with_rows
 from attndbg.trace import tree
 from attndbg.trace.mask_geometry import word_bits, word_dtype
 from attndbg.trace.schema import Trace
@@ -271,4 +271,75 @@ class RecordedPlanMask(MistakeModel):
                 summary=f"verify attention with the recorded plan's {view.kind} mask, which differs from the draft tree's",
                 detail=f"request {b}, {differ[b]} mask entries differ",
                 params={"plan_mask": view.kind, "entries_differ": differ[b]},
+            )
+
+
+class MaskRowStride(_WrongTreeMask):
+    """A tree mask laid out with one row stride and read with another. SGLang lays each request's
+    verify mask out FULL: [n, prefix + n] row-major, stride prefix + n (build_tree). Two kernels read
+    it with another stride:
+
+    draft stride   a kernel that takes the prefix as visible and reads only the draft columns, as
+                   from a QLEN_ONLY [n, n] mask: draft row r column j from element r * n + j;
+    listed stride  a kernel over the KV its plan lists (L columns, e.g. a sliding-window layer's
+                   kept prefix columns and the drafts) that reads the mask as [n, L] blocks: listed
+                   column j of row r from element r * L + j, where the mask was laid out for the
+                   whole row (SGLang #39287: FlashInfer and Triton's deterministic path).
+
+    A reading past the mask's n * (prefix + n) elements is the kernel reading other memory: not
+    reproducible, not tried."""
+
+    name = "mask-row-stride"
+    cause = (
+        "The verify kernel read the tree mask with another row stride than the one it was laid out with (a FULL "
+        "[n, prefix + n] mask read as [n, n] draft rows, or as [n, L] rows over the L columns the plan lists, as "
+        "in SGLang #39287's sliding-window verify), so each draft row read part of another row's mask."
+    )
+
+    def variants(self, trace: Trace, b: int) -> Iterator[tuple[Tensor, str, str, dict]]:
+        prefix, n = int(trace.batch.prefix_lens[b]), trace.spec.draft_token_num
+        if prefix == 0:
+            return  # no prefix columns: both layouts are [n, n]
+        laid = _tree_rows(trace, b).flatten()
+        read = torch.ones(n, prefix + n, dtype=torch.bool)
+        read[:, prefix:] = laid[: n * n].view(n, n)
+        yield read, "verify attention with the FULL tree mask (row stride prefix + n) read as [n, n] draft rows", f"request {b}, stride {n} for {prefix + n}", {"laid_stride": prefix + n, "read_stride": n, "columns": "drafts"}
+
+    def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
+        yield from super().candidates(states, requests)
+        yield from self._listed(states, requests)
+
+    def _listed(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
+        """The kernel over the KV its recorded plan lists, reading the FULL mask at that width."""
+        trace = states.trace
+        kv = plan_kv(states.plan)
+        if kv is None:
+            return
+        batch, n = trace.batch, trace.spec.draft_token_num
+        rows = [batch.request_slots(b) for b in range(batch.batch_size)]
+        masks: dict[int, Tensor] = {}
+        for b in requests:
+            ids, length = kv.of(b)
+            listed = plan_slots(ids, length, kv.page_size)
+            prefix = int(batch.prefix_lens[b])
+            if listed.numel() != length or not n <= length < prefix + n:
+                continue  # a listed row as long as the whole row reads the mask at its own stride
+            laid = _tree_rows(trace, b).flatten()
+            rows[b], masks[b] = listed, laid[: n * length].view(n, length)
+        if not masks:
+            return
+        wrong = with_rows(trace, rows, [r.numel() for r in rows])
+
+        def seen(b: int, part: slice) -> Tensor:
+            return masks[b][part] if b in masks else visibility(wrong, b, part)
+
+        output = states.under("mask-row-stride-listed", wrong, visible=seen)
+        for b, mask in masks.items():
+            prefix, length = int(batch.prefix_lens[b]), mask.shape[1]
+            yield Candidate(
+                request=b,
+                output=output[states.rows(b)].double(),
+                summary="verify attention over the KV its plan lists with the FULL tree mask (row stride prefix + n) read at the listed width",
+                detail=f"request {b}, stride {length} for {prefix + n} ({length - n} prefix columns listed of {prefix})",
+                params={"laid_stride": prefix + n, "read_stride": length, "columns": "listed"},
             )

@@ -186,16 +186,28 @@ class EmptySplitsStale(_ShownBySplitPlan):
                 )
 
 
+# Which partials of a prefix + new-token merge a base confusion rescales (0: prefix, 1: new tokens).
+MERGE_PARTS: dict[str, tuple[int, ...]] = {"both": (0, 1), "prefix": (0,), "new-token": (1,)}
+
+
+def merged_lses(part: str) -> str:
+    """"both partials' LSEs", "the prefix partial's LSE": the LSEs a `part` confusion rescales."""
+    return "both partials' LSEs" if part == "both" else f"the {part} partial's LSE"
+
+
 class PrefixMergeLseBase(MistakeModel):
     """A step that merges each request's prefix partial with its new tokens' partial (FlashInfer's
-    cascade, FA3's two-call verify, vLLM's cascade) with one part's LSE in the wrong base.
+    cascade, FA3's two-call verify, vLLM's cascade, DeepSeek's chunked prefix) with LSEs in the
+    wrong base: both (SGLang #40903: both partials from FlashInfer's or trtllm-gen's base-2 kernels,
+    merged by the natural-log merge_state_v2), or one (the two partials from kernels of different
+    conventions: #40903's table lists base-2 FlashInfer and trtllm-gen beside base-e FA4).
 
     Tried on every extend, mixed or verify step with a cached prefix, whatever merge_path says: the
     recording backend may run such a merge where we do not know its path by name."""
 
     name = "prefix-merge-lse-base"
     cause = (
-        "One partial's LSE entered the merge of the prefix and new-token partials in the wrong base (FlashInfer "
+        "The partials' LSEs entered the merge of the prefix and new-token partials in the wrong base (FlashInfer "
         "writes base-2 LSEs, merge code expected natural log: FlashInfer #2113, SGLang #40903), mis-weighting the two parts."
     )
 
@@ -214,14 +226,14 @@ class PrefixMergeLseBase(MistakeModel):
             got = states.of([(b, 0, prefix), (b, prefix, kv)])
             outputs = torch.stack([got[(b, 0, prefix)][0], got[(b, prefix, kv)][0]])
             lses = torch.stack([got[(b, 0, prefix)][1], got[(b, prefix, kv)][1]])
-            for index, part in enumerate(("prefix", "new-token")):
+            for part, scaled in MERGE_PARTS.items():
                 for factor, (reading, ratio) in _READINGS.items():
                     scale = torch.ones(2, 1, 1, dtype=torch.float64)
-                    scale[index] = factor
+                    scale[list(scaled)] = factor
                     yield Candidate(
                         request=b,
                         output=merge(outputs, lses * scale),
-                        summary=f"the merge of the prefix and new-token partials with the {part} partial's LSE x {ratio} ({reading.replace('LSEs', 'LSE')})",
+                        summary=f"the merge of the prefix and new-token partials with {merged_lses(part)} x {ratio} ({reading if part == 'both' else reading.replace('LSEs', 'LSE')})",
                         detail=f"request {b}, prefix {prefix}, {kv - prefix} new",
                         params={"part": part, "factor": factor},
                     )
@@ -263,3 +275,39 @@ def _captured_splits(trace: Trace) -> int | None:
     if value is None and trace.capture is not None:
         value = trace.capture.max_kv_splits
     return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+class SplitCountMismatch(_SplitDecodeModel):
+    """Split-KV decode whose two stages used different split counts: stage 1 cut the request's KV
+    into the plan's num_kv_splits splits and wrote each one's partial, stage 2 computed the splits
+    from another count (a stale or another layer's num_kv_splits buffer) and merged only the slots
+    that count makes non-empty: fewer than stage 1 wrote, so the keys of the splits past them were
+    never merged. (A count that merges more slots than stage 1 wrote reads empty scratch:
+    empty-splits-zeros / -stale; the captured maximum is splits-beyond-capture's.)"""
+
+    name = "split-count-mismatch"
+    cause = (
+        "The merge (stage 2) used another num_kv_splits than stage 1 (a split-count buffer left from another "
+        "batch or layer), so it merged only the first of the splits stage 1 wrote and the keys of the rest were lost."
+    )
+
+    def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
+        splits = _Splits(states, requests)
+        captured = _captured_splits(states.trace)
+        for b in splits.requests:
+            wrote = [c for c in splits.columns(b) if c is not None]
+            # Stage 2 merges slot s of a count's split geometry when that count makes it non-empty.
+            merged_by: dict[int, list[int]] = {}  # slots merged -> the counts that merge that many
+            for count in range(1, max(STALE_MAX_SPLITS, int(splits.counts[b])) + 1):
+                merged = min(sum(1 for c in splits.columns(b, count) if c is not None), count)
+                if merged < len(wrote) and merged != captured:
+                    merged_by.setdefault(merged, []).append(count)
+            for merged, counts in merged_by.items():
+                kept = wrote[:merged]
+                yield Candidate(
+                    request=b,
+                    output=merge(*splits.stack(b, kept)),
+                    summary="a split-KV decode whose merge used another split count than stage 1, merging only the first of the splits stage 1 wrote",
+                    detail=f"request {b}, {merged} of {len(wrote)} splits merged (stage 2 count {spans(counts)}, stage 1 {int(splits.counts[b])}), kv {splits.lengths[b]}",
+                    params={"num_kv_splits": int(splits.counts[b]), "merged_splits": merged, "stage2_num_kv_splits": counts, "kept_columns": kept[-1][1]},
+                )

@@ -197,6 +197,12 @@ def test_decode_seq_len_one_short() -> None:
     assert params == [{"request": 0, "offset": -1}]
 
 
+def request_kv(trace: Trace, inputs: AttentionInputs, b: int) -> tuple[Tensor, Tensor]:
+    """Request b's keys and values [kv, Hq, D] in float64, its KV heads repeated for its query heads."""
+    slots, group = trace.batch.request_slots(b), trace.model.gqa_group
+    return inputs.k_cache[slots].double().repeat_interleave(group, 1), inputs.v_cache[slots].double().repeat_interleave(group, 1)
+
+
 def masked_engine(trace: Trace, sees) -> Tensor:
     """A float64 engine of this test: request b's query row r attends to the columns c of its KV row
     where sees(b, r, c) holds (written here, independently of the reference and of the models)."""
@@ -205,9 +211,7 @@ def masked_engine(trace: Trace, sees) -> Tensor:
     out = torch.zeros(batch.num_tokens, model.num_qo_heads, model.v_head_dim, dtype=torch.float64)
     for b in range(batch.batch_size):
         start, n, kv = int(batch.qo_indptr[b]), int(batch.extend_lens[b]), int(batch.kv_lens[b])
-        slots = batch.request_slots(b)
-        k = inputs.k_cache[slots].double().repeat_interleave(model.gqa_group, 1)  # [kv, Hq, Dk]
-        v = inputs.v_cache[slots].double().repeat_interleave(model.gqa_group, 1)
+        k, v = request_kv(trace, inputs, b)  # [kv, Hq, D]
         visible = torch.tensor([[sees(b, r, c) for c in range(kv)] for r in range(n)])  # [n, kv]
         for r in range(n):
             scores = torch.einsum("hd,khd->hk", inputs.q[start + r].double(), k) * model.sm_scale

@@ -15,7 +15,7 @@ What it runs (DESIGN.md "The detectors"):
                     confusion named by its ratio (log2 e: a base-2 LSE read as natural log; ln 2:
                     the reverse; FlashInfer #2113, SGLang #40903), FA2's +inf empty marker
                     recognised, NaN rows of requests with empty splits, and a merged output that
-                    matches the reference only with one partial's LSE rescaled by log2 e or ln 2.
+                    matches the reference only with one or both partials' LSEs rescaled by log2 e or ln 2.
   GPU only          FlashInfer's cascade (ragged + paged merged) against one paged pass, with empty
                     prefixes; `flashinfer.cascade.merge_state` on empty states; graph replay
                     against eager for paths with a merge (a merge launched off the capture stream

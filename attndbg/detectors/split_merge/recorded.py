@@ -2,7 +2,8 @@
 confusion (log2 e / ln 2), FA2's +inf empty marker, NaN rows of requests with empty splits, and
 finite wrong outputs attributed by reproduction (attndbg/diagnose): the mistake models whose
 float64 output equals the engine's are named with their parameters (a merge of the prefix and
-new-token partials with one LSE in the wrong base keeps its own check, merge-lse-base-confusion).
+new-token partials with their LSEs (one or both) in the wrong base keeps its own check,
+merge-lse-base-confusion).
 
 An engine output that fails the reference on a path without any merge is still reported (as
 `recorded-output-mismatch` / `-nonfinite`): the recorded tensors are the engine's own result, and a
@@ -25,7 +26,7 @@ from attndbg.detector_api.context import CheckContext
 from attndbg.detector_api.findings import Finding, Location
 from attndbg.detectors.split_merge.base import KIND, _request_of
 from attndbg.diagnose import Reproduction, applicable, diagnose
-from attndbg.diagnose.split_models import PrefixMergeLseBase, engine_splits
+from attndbg.diagnose.split_models import PrefixMergeLseBase, engine_splits, merged_lses
 from attndbg.numerics import LN2, LOG2E
 from attndbg.replay.step_data import StepData
 from attndbg.trace.schema import DTYPES, ForwardMode, LayerTensors, LseBase, Trace
@@ -139,14 +140,15 @@ def _mismatch(ctx: CheckContext, data: StepData, *, output: Tensor, judged: Tens
     if merged is not None:
         part, factor = merged.params[0]["part"], merged.params[0]["factor"]
         ratio = "log2 e" if factor == LOG2E else "ln 2"
-        reading = "a base-2 LSE read as natural log" if factor == LOG2E else "a natural-log LSE read as base 2"
+        reading = "base-2 LSEs read as natural log" if factor == LOG2E else "natural-log LSEs read as base 2"
+        lses = merged_lses(part)
         return Finding(
             KIND,
             "merge-lse-base-confusion",
             spot,
             f"the engine's output fails the reference in {len(rows)} rows (max abs {max_abs:.3e}) but matches, "
-            f"within tolerance, the merge of the prefix and new-token partials with the {part} partial's LSE x {ratio}",
-            f"The {part} partial's LSE entered the merge as {reading} (FlashInfer writes base-2 LSEs, merge code "
+            f"within tolerance, the merge of the prefix and new-token partials with {lses} x {ratio}",
+            f"{lses[0].upper() + lses[1:]} entered the merge as {reading} (FlashInfer writes base-2 LSEs, merge code "
             "expected natural log: FlashInfer #2113, SGLang #40903), mis-weighting the two parts.",
             data={**data_out, "part": part, "factor": factor},
         )
