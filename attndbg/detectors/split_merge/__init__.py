@@ -9,4 +9,6 @@ DETECTOR = Detector(
     detect="attndbg.detectors.split_merge.detect:detect",
     injections="attndbg.detectors.split_merge.injections",
     forced_runs="attndbg.detectors.split_merge.gpu:forced_runs",
+    recording_digest="attndbg.detectors.split_merge.stale:recording_digest",
+    recording_state="attndbg.detectors.split_merge.stale:RecordingState",
 )
