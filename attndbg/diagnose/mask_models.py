@@ -275,23 +275,24 @@ class RecordedPlanMask(MistakeModel):
 
 
 class MaskRowStride(_WrongTreeMask):
-    """A tree mask laid out with one row stride and read with another. SGLang lays each request's
-    verify mask out FULL: [n, prefix + n] row-major, stride prefix + n (build_tree). Two kernels read
-    it with another stride:
+    """A tree mask laid out with one row stride and read with another. SGLang lays the verify mask
+    out FULL: each request's [n, prefix + n] block row-major (stride prefix + n), the blocks back to
+    back (build_tree). Kernels that read it with another stride:
 
     draft stride   a kernel that takes the prefix as visible and reads only the draft columns, as
-                   from a QLEN_ONLY [n, n] mask: draft row r column j from element r * n + j;
-    listed stride  a kernel over the KV its plan lists (L columns, e.g. a sliding-window layer's
-                   kept prefix columns and the drafts) that reads the mask as [n, L] blocks: listed
-                   column j of row r from element r * L + j, where the mask was laid out for the
-                   whole row (SGLang #39287: FlashInfer and Triton's deterministic path).
+                   from a QLEN_ONLY [n, n] mask: draft row r column j from element r * n + j of the
+                   request's block;
+    listed stride  a kernel over the KV its plan lists (L columns: a sliding-window layer's kept
+                   prefix columns and the drafts) that reads [n, L] blocks: listed column j of row
+                   r from element r * L + j, either of the request's own block (a kernel handed the
+                   engine's block offsets) or of the blocks laid back to back at the offsets the
+                   kernel computes itself, cumsum(n * L) (FlashInfer's plan(); SGLang #39287).
 
-    A reading past the mask's n * (prefix + n) elements is the kernel reading other memory: not
-    reproducible, not tried."""
+    A reading past the mask (the kernel reading other memory) is not reproducible, not tried."""
 
     name = "mask-row-stride"
     cause = (
-        "The verify kernel read the tree mask with another row stride than the one it was laid out with (a FULL "
+        "The verify kernel read the tree mask with another row stride than it was laid out with (a FULL "
         "[n, prefix + n] mask read as [n, n] draft rows, or as [n, L] rows over the L columns the plan lists, as "
         "in SGLang #39287's sliding-window verify), so each draft row read part of another row's mask."
     )
@@ -307,39 +308,64 @@ class MaskRowStride(_WrongTreeMask):
 
     def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
         yield from super().candidates(states, requests)
-        yield from self._listed(states, requests)
-
-    def _listed(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
-        """The kernel over the KV its recorded plan lists, reading the FULL mask at that width."""
-        trace = states.trace
-        kv = plan_kv(states.plan)
-        if kv is None:
+        listed = _listed_rows(states)
+        if listed is None:
             return
+        trace = states.trace
         batch, n = trace.batch, trace.spec.draft_token_num
-        rows = [batch.request_slots(b) for b in range(batch.batch_size)]
-        masks: dict[int, Tensor] = {}
-        for b in requests:
-            ids, length = kv.of(b)
-            listed = plan_slots(ids, length, kv.page_size)
-            prefix = int(batch.prefix_lens[b])
-            if listed.numel() != length or not n <= length < prefix + n:
-                continue  # a listed row as long as the whole row reads the mask at its own stride
-            laid = _tree_rows(trace, b).flatten()
-            rows[b], masks[b] = listed, laid[: n * length].view(n, length)
+        laid = [_tree_rows(trace, b).flatten() for b in range(batch.batch_size)]
+        back_to_back, own_starts = torch.cat(laid), torch.tensor([0, *[x.numel() for x in laid]]).cumsum(0)
+        lengths = torch.tensor([r.numel() for r in listed])
+        kernel_starts = torch.cat([torch.zeros(1, dtype=torch.int64), (n * lengths).cumsum(0)])
+        for offsets, starts in (("the engine's", own_starts), ("its own cumsum(n x listed)", kernel_starts)):
+            masks = {}
+            for b in requests:
+                prefix, length, start = int(batch.prefix_lens[b]), int(lengths[b]), int(starts[b])
+                if length == prefix + n or start + n * length > back_to_back.numel():
+                    continue  # the request's own stride, or a reading past the mask
+                masks[b] = back_to_back[start : start + n * length].view(n, length)
+            yield from self._listed(states, listed, masks, offsets)
+
+    def _listed(self, states: PartialStates, listed: list[Tensor], masks: dict[int, Tensor], offsets: str) -> Iterator[Candidate]:
+        """The kernel over each request's listed KV, request b reading `masks[b]` [n, L]."""
         if not masks:
             return
-        wrong = with_rows(trace, rows, [r.numel() for r in rows])
+        trace = states.trace
+        wrong = with_rows(trace, listed, [r.numel() for r in listed])
 
         def seen(b: int, part: slice) -> Tensor:
             return masks[b][part] if b in masks else visibility(wrong, b, part)
 
-        output = states.under("mask-row-stride-listed", wrong, visible=seen)
+        output = states.under(("mask-row-stride-listed", offsets), wrong, visible=seen)
+        n = trace.spec.draft_token_num
         for b, mask in masks.items():
-            prefix, length = int(batch.prefix_lens[b]), mask.shape[1]
+            prefix, length = int(trace.batch.prefix_lens[b]), mask.shape[1]
             yield Candidate(
                 request=b,
                 output=output[states.rows(b)].double(),
-                summary="verify attention over the KV its plan lists with the FULL tree mask (row stride prefix + n) read at the listed width",
-                detail=f"request {b}, stride {length} for {prefix + n} ({length - n} prefix columns listed of {prefix})",
-                params={"laid_stride": prefix + n, "read_stride": length, "columns": "listed"},
+                summary=f"verify attention over the KV its plan lists with the FULL tree mask (row stride prefix + n) read as [n, listed] blocks at {offsets} offsets",
+                detail=f"request {b}, stride {length} for {prefix + n} ({length - n} of {prefix} prefix columns listed)",
+                params={"laid_stride": prefix + n, "read_stride": length, "columns": "listed", "offsets": "engine" if offsets.startswith("the engine") else "kernel"},
             )
+
+
+def _listed_rows(states: PartialStates) -> list[Tensor] | None:
+    """Every request's KV slots as its recorded plan lists them, when the plan lists the drafts
+    after some of the prefix (a list that ends with the request's draft slots, shorter than its
+    row); requests listing their whole row keep it. None when no request lists fewer columns, or
+    the plan cannot be read safely."""
+    trace = states.trace
+    kv = plan_kv(states.plan)
+    if kv is None:
+        return None
+    batch, n = trace.batch, trace.spec.draft_token_num
+    rows, shorter = [], False
+    for b in range(batch.batch_size):
+        own = batch.request_slots(b)
+        ids, length = kv.of(b)
+        listed = plan_slots(ids, length, kv.page_size)
+        if listed.numel() != length or length < n or not torch.equal(listed[-n:], own[-n:]):
+            return None  # not a list of kept prefix columns and the drafts
+        shorter |= length < own.numel()
+        rows.append(listed)
+    return rows if shorter else None
