@@ -331,3 +331,68 @@ def triton_decode_metadata(made: Any, fb: Any, *, size: int | None = None) -> An
     return env.TritonForwardMetadata(
         torch.empty(bs, HEADS, 8, HEAD_DIM), torch.empty(bs, HEADS, 8), None, split_counts(lens), indptr, indices, None, None, None, None, None, None, None
     )
+
+
+# -- what the engine's attention computed (float32 torch; the real kernels need a GPU) ----------------
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of queries q [T, Hq, D] over keys k / values v [K, Hkv, D] (KV heads repeated for
+    their query heads), query t seeing key j where visible[t, j]: output [T, Hq, Dv] and its
+    natural-log LSE [T, Hq], in float32. A row that sees no key gets output 0 and LSE -inf."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    scores = torch.einsum("thd,khd->thk", q.float(), k) * scale
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    weights = torch.nan_to_num(torch.exp(scores - lse[..., None]), nan=0.0)
+    return torch.einsum("thk,khd->thd", weights, v), lse
+
+
+def unpack_bits(packed: Tensor, first_bit: int, count: int) -> Tensor:
+    """`count` bits of FlashInfer's little-endian packed mask from bit `first_bit` on."""
+    bits = ((packed.to(I64)[:, None] >> torch.arange(8)) & 1).flatten().to(torch.bool)
+    return bits[first_bit : first_bit + count]
+
+
+def flashinfer_paged_prefill(paged: Any, q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float) -> Tensor:
+    """What FlashInfer's paged prefill kernel computes from what a wrapper holds after plan() (page
+    size 1): request b's queries (`_qo_indptr_buf`) over the slots it lists (`_paged_kv_indptr_buf`
+    / `_paged_kv_indices_buf`), with the custom mask `_custom_mask_buf` when the wrapper holds one
+    (request b's q_len x kv_len block, row-major, from byte `_mask_indptr_buf[b]`; it replaces the
+    causal mask), else causal with the queries at the end of the KV. The caches hold this step's
+    new K/V already (SGLang writes them before the paged call)."""
+    qo, indptr, indices = paged._qo_indptr_buf.to(I64), paged._paged_kv_indptr_buf.to(I64), paged._paged_kv_indices_buf.to(I64)
+    mask = getattr(paged, "_custom_mask_buf", None)
+    out = []
+    for b in range(qo.numel() - 1):
+        rows = slice(int(qo[b]), int(qo[b + 1]))
+        slots = indices[int(indptr[b]) : int(indptr[b + 1])]
+        n, kv = rows.stop - rows.start, slots.numel()
+        if mask is not None:
+            visible = unpack_bits(mask, int(paged._mask_indptr_buf[b]) * 8, n * kv).view(n, kv)
+        else:
+            visible = torch.arange(kv)[None, :] <= (kv - n + torch.arange(n))[:, None]
+        out.append(attend(q[rows], k_cache[slots], v_cache[slots], visible, scale)[0])
+    return torch.cat(out)
+
+
+def layer_data(seed: int, *, tokens: int, heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM, v_dim: int | None = None) -> dict[str, Tensor]:
+    """One layer's q and new K/V for `tokens` tokens, and the KV pool's rows (bf16, drawn)."""
+    g = torch.Generator().manual_seed(seed)
+    v_dim = head_dim if v_dim is None else v_dim
+    slots = POOL_SLOTS + 1 + 200
+    return {
+        "q": torch.randn(tokens, heads, head_dim, generator=g).to(torch.bfloat16),
+        "k": torch.randn(tokens, kv_heads, head_dim, generator=g).to(torch.bfloat16),
+        "v": torch.randn(tokens, kv_heads, v_dim, generator=g).to(torch.bfloat16),
+        "k_pool": torch.randn(slots, kv_heads, head_dim, generator=g).to(torch.bfloat16),
+        "v_pool": torch.randn(slots, kv_heads, v_dim, generator=g).to(torch.bfloat16),
+    }
+
+
+def with_new_kv(data: dict[str, Tensor], fb: Any) -> tuple[Tensor, Tensor]:
+    """The pool's K/V with this step's new tokens written to their slots (out_cache_loc)."""
+    k, v = data["k_pool"].clone(), data["v_pool"].clone()
+    k[fb.out_cache_loc.to(I64)], v[fb.out_cache_loc.to(I64)] = data["k"], data["v"]
+    return k, v

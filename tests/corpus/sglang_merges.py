@@ -32,31 +32,11 @@ PREFIX, NEW = [96, 40], [4, 3]  # a long cached prefix and a short chunk, as in 
 ROWS = {2: list(range(1, 1 + PREFIX[0] + NEW[0])), 5: list(range(120, 120 + PREFIX[1] + NEW[1]))}
 
 
-def _partial(q: Tensor, k: Tensor, v: Tensor, visible: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """One partial state: output [T, H, Dv] and natural-log LSE [T, H] over the visible keys."""
-    scores = torch.einsum("thd,khd->thk", q.float(), k.float()) * scale
-    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, -1)
-    return torch.einsum("thk,khd->thd", torch.softmax(scores, -1), v.float()), lse
-
-
 def _merge(o_a: Tensor, s_a: Tensor, o_b: Tensor, s_b: Tensor) -> Tensor:
     """merge_state_v2: natural-log LSEs (sgl-kernel's merge_state, exp/log base e)."""
     top = torch.maximum(s_a, s_b)
     w_a, w_b = torch.exp(s_a - top), torch.exp(s_b - top)
     return (o_a * w_a[..., None] + o_b * w_b[..., None]) / (w_a + w_b)[..., None]
-
-
-def _data(seed: int) -> dict[str, Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    tokens, slots = sum(NEW), sg.POOL_SLOTS + 1 + 200
-    return {
-        "q": torch.randn(tokens, HEADS, HEAD_DIM, generator=g).to(torch.bfloat16),
-        "k": torch.randn(tokens, HEADS, HEAD_DIM, generator=g).to(torch.bfloat16),
-        "v": torch.randn(tokens, HEADS, V_DIM, generator=g).to(torch.bfloat16),
-        "k_pool": torch.randn(slots, HEADS, HEAD_DIM, generator=g).to(torch.bfloat16),
-        "v_pool": torch.randn(slots, HEADS, V_DIM, generator=g).to(torch.bfloat16),
-    }
 
 
 def _cascade_plan(made: Any, fb: Any) -> None:
@@ -82,8 +62,8 @@ def _engine_output(base_two: bool):
             p, n = PREFIX[b], NEW[b]
             rows = slice(start, start + n)
             slots = torch.tensor(ROWS[req][:p])
-            o_p, s_p = _partial(q[rows], k_pool[slots], v_pool[slots], torch.ones(n, p, dtype=torch.bool), layer.scaling)
-            o_s, s_s = _partial(q[rows], k[rows], v[rows], torch.ones(n, n, dtype=torch.bool).tril(), layer.scaling)
+            o_p, s_p = sg.attend(q[rows], k_pool[slots], v_pool[slots], torch.ones(n, p, dtype=torch.bool), layer.scaling)
+            o_s, s_s = sg.attend(q[rows], k[rows], v[rows], torch.ones(n, n, dtype=torch.bool).tril(), layer.scaling)
             if base_two:  # FlashInfer's LSEs are base 2; merge_state_v2 reads natural logs
                 s_p, s_s = s_p / math.log(2), s_s / math.log(2)
             out.append(_merge(o_p, s_p, o_s, s_s))
@@ -95,7 +75,7 @@ def _engine_output(base_two: bool):
 
 
 def _chunked_prefix(out: Path, *, base_two: bool) -> None:
-    data = _data(40903)
+    data = sg.layer_data(40903, tokens=sum(NEW), heads=HEADS, kv_heads=HEADS, head_dim=HEAD_DIM, v_dim=V_DIM)
     with sg.recording(out, layers=(0,)) as session:
         layer = sg.layer(heads=HEADS, kv_heads=HEADS, head_dim=HEAD_DIM, v_head_dim=V_DIM)
         made = sg.backend(sg.CorpusFlashInfer, ROWS, _cascade_plan)
