@@ -71,13 +71,23 @@ def _plan(made: Any, fb: Any, *, keeps_mask: bool) -> None:
     made.forward_metadata = sg.flashinfer_backend.PrefillMetadata(prefill_wrappers=[paged], use_ragged=False, extend_no_prefix=False)
 
 
+STALE_EXTEND_NEW = [3, 2]  # the extend of #1028's steps: each request's q_len x kv_len block lies inside the stale mask
+
+
 def _two_steps(out: Path, *, keeps_mask: bool) -> None:
-    with sg.recording(out) as session:
-        layer = sg.layer()  # noqa: F841
+    """Both steps recorded with their layer (`record --layers 0`): the engine's output is what
+    FlashInfer computes from the wrapper as each step left it (sg.flashinfer_paged_prefill)."""
+    with sg.recording(out, layers=(0,)) as session:
+        layer = sg.layer()
         made = sg.backend(sg.CorpusFlashInfer, ROWS, lambda m, fb: _plan(m, fb, keeps_mask=keeps_mask))
         made.shared_wrapper = SimpleNamespace()
-        sg.record_eager(session, made, sg.verify_batch(ROWS, VERIFY_PREFIX, PARENTS))
-        sg.record_eager(session, made, sg.extend_batch(ROWS, EXTEND_PREFIX, EXTEND_NEW))
+        for seed, fb in enumerate((sg.verify_batch(ROWS, VERIFY_PREFIX, PARENTS), sg.extend_batch(ROWS, EXTEND_PREFIX, STALE_EXTEND_NEW))):
+            data = sg.layer_data(1028 + seed, tokens=int(fb.out_cache_loc.numel()))
+            k_cache, v_cache = sg.with_new_kv(data, fb)
+            made.token_to_kv_pool = sg.kv_pool(data["k_pool"], data["v_pool"])
+            made.run_layer = lambda q, k, v, layer, fb, k_cache=k_cache, v_cache=v_cache: sg.flashinfer_paged_prefill(made.shared_wrapper, q, k_cache, v_cache, layer.scaling).to(q.dtype)
+            sg.record_eager(session, made, fb)
+            made.forward(data["q"], data["k"], data["v"], layer, fb)
 
 
 def write_1028(bug: Path, twin: Path) -> None:
@@ -123,8 +133,10 @@ BUGS = (
         "wrapper planned for a speculative verify and then for a causal prefill (no draft tokens) ran the causal step with "
         "the old tree mask",
         encoding="one FlashInfer prefill wrapper recorded at two steps: an EAGLE verify (topk 2, n=4) with its packed mask, "
-        "then a causal extend (prefixes 10, 8; 3 and 4 new) whose wrapper still holds the verify's _custom_mask_buf",
-        expected=("tree-mask/stale-mask", "tree-mask/stale-after-causal", "tree-mask/mask-on-causal-step"),
+        "then a causal extend (prefixes 10, 8; 3 and 2 new) whose wrapper still holds the verify's _custom_mask_buf and "
+        "_mask_indptr_buf; layer 0 recorded at both, with the output FlashInfer computes from the wrapper (the extend's from "
+        "the stale mask, each request's block inside it)",
+        expected=("tree-mask/stale-mask", "tree-mask/stale-after-causal", "tree-mask/mask-on-causal-step", "split-merge/recorded-output-mismatch"),
         keywords=("stale", "earlier verify", "#1028"),
         capabilities=(Capability.STALE_PLAN, Capability.PACKED_MASK),
         write=write_1028,

@@ -146,12 +146,20 @@ def _swa_verify(fixed: bool) -> sg.Plan:
 
 
 def _verify(out: Path, *, fixed: bool) -> None:
-    with sg.recording(out) as session:
-        layer = sg.layer(window=WINDOW)  # noqa: F841
+    """The verify step recorded with its layer (`record --layers 0`): the engine's output is what
+    FlashInfer computes from the SWA wrapper it was planned with (sg.flashinfer_paged_prefill)."""
+    fb = sg.verify_batch(VERIFY_ROWS, VERIFY_PREFIX, PARENTS)
+    data = sg.layer_data(39287, tokens=len(VERIFY_PREFIX) * N)
+    k_cache, v_cache = sg.with_new_kv(data, fb)
+    with sg.recording(out, layers=(0,)) as session:
+        layer = sg.layer(window=WINDOW)
         made = sg.backend(sg.CorpusFlashInfer, VERIFY_ROWS, _swa_verify(fixed))
         made.sliding_window_size = WINDOW
         made.dispatch_reason = SimpleNamespace(name="SLIDING_WINDOW")
-        sg.record_eager(session, made, sg.verify_batch(VERIFY_ROWS, VERIFY_PREFIX, PARENTS))
+        made.token_to_kv_pool = sg.kv_pool(data["k_pool"], data["v_pool"])
+        made.run_layer = lambda q, k, v, layer, fb: sg.flashinfer_paged_prefill(made.forward_metadata.prefill_wrappers[0], q, k_cache, v_cache, layer.scaling).to(q.dtype)
+        sg.record_eager(session, made, fb)
+        made.forward(data["q"], data["k"], data["v"], layer, fb)
 
 
 def write_39287(bug: Path, twin: Path) -> None:
@@ -229,8 +237,9 @@ BUGS = (
         "of the clipped length: the wrong keys, and mask rows read with another stride (incorrect verify outputs)",
         encoding="2 EAGLE verifies (topk 2, n=4; prefixes 10, 7) of a window-4 layer; FlashInfer wrapper 0 (SWA) lists the "
         "first min(prefix, 4) prefix columns + the drafts, with the FULL bool mask packed in segments of 4 x (kept + 4) bits; "
+        "layer 0 recorded (q, new K/V, prefix rows) with the output FlashInfer computes from that wrapper; "
         "fix PR open at the time of writing",
-        expected=("invariants/kv-index", "tree-mask/plan-mask", "tree-mask/window-offset"),
+        expected=("invariants/kv-index", "tree-mask/plan-mask", "tree-mask/window-offset", "split-merge/recorded-output-mismatch"),
         keywords=("stride", "offset zero", "column 0"),
         capabilities=(Capability.WINDOW_VERIFY, Capability.VERIFY_GEOMETRY, Capability.STRIDE_MODEL),
         twin_note="the fix's layout: the prefix's window tail gathered, a compact mask over the kept columns with the window bound per node",

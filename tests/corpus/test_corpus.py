@@ -49,9 +49,9 @@ CAUGHT = {
     "sglang-27738": "invariants/kv-length",
     "sglang-25015": "invariants/positions",
     "sglang-26880": "fill-value/seq-lens-sum-ignores-padding",
-    "sglang-40903": "split-merge/recorded-output-mismatch",
+    "sglang-40903": "split-merge/merge-lse-base-confusion",
     "vllm-28739": "invariants/plan-pointer-moved",
-    "flashinfer-1028": "invariants/plan-unsafe",
+    "flashinfer-1028": "split-merge/recorded-output-mismatch",
 }
 
 
@@ -112,3 +112,26 @@ def test_the_bugs_caught_today_stay_caught(written: dict[str, Path], bug_id: str
     found = findings(written[bug_id] / "bug")
     assert CAUGHT[bug_id] in labels(found), sorted(labels(found))
     assert any(f.severity.value == "defect" for f in found)
+
+
+def output_level(path: Path) -> bool:
+    """Whether a recording holds the engine's output (recorded with its layers, `record --layers`)."""
+    return any(io.load(path / e.file).tensors for e in io.read_manifest(path))
+
+
+OUTPUT_LEVEL = [b for b in catalog.ENCODED if b.id in ("sglang-40903", "sglang-39287", "flashinfer-1028")]
+
+
+@pytest.mark.parametrize("bug", OUTPUT_LEVEL, ids=[b.id for b in OUTPUT_LEVEL])
+def test_diagnosis_names_each_output_level_bug_and_nothing_on_its_twin(written: dict[str, Path], bug: RealBug) -> None:
+    # The engine's output is in the step: diagnosis reproduces it by a mistake model whose words
+    # name the bug's mechanism; on the twin's (right) output no model is attributed anything.
+    assert output_level(written[bug.id] / "bug") and output_level(written[bug.id] / "twin")
+    reproductions = [r for f in findings(written[bug.id] / "bug") for r in f.data.get("reproductions", [])]
+    said = [f"{r['mechanism']}: {r['summary']}".lower() for r in reproductions]
+    assert any(word.lower() in text for word in bug.keywords for text in said), said
+    assert not [r for f in findings(written[bug.id] / "twin") for r in f.data.get("reproductions", [])]
+
+
+def test_every_output_level_bug_is_judged_by_diagnosis(written: dict[str, Path]) -> None:
+    assert sorted(b.id for b in catalog.ENCODED if output_level(written[b.id] / "bug")) == sorted(b.id for b in OUTPUT_LEVEL)
