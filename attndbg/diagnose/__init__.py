@@ -5,7 +5,8 @@ one known engine mistake, and `diagnose`, which names the ones that reproduce an
                   both), empty splits merged from zeroed or stale scratch, splits beyond the
                   captured max_kv_splits, a merge that used another split count than stage 1
     kv_models     another request's KV row; the recorded plan's wrong slots; the capture batch's
-                  metadata left in a graph; a KV length / query position one off; stale positions
+                  metadata left in a graph; a KV length / query position one off; stale positions;
+                  new tokens' keys read twice (a prefix list over them)
     page_models   a paged KV length a page short (last_page_len 0)
     mask_models   a verify tree mask ignored (causal by index), transposed, in the other bit order,
                   ignored past the causal tile, read with another row stride; the recorded plan's

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from attndbg.diagnose.base import Candidate, MistakeModel, PartialStates
-from attndbg.diagnose.kv_models import KeyOffByOne, OtherRequestRow, PlanFromCapture, RecordedPlanKV, StalePositions
+from attndbg.diagnose.kv_models import KeyOffByOne, NewTokensTwice, OtherRequestRow, PlanFromCapture, RecordedPlanKV, StalePositions
 from attndbg.diagnose.mask_models import MaskBitOrder, MaskIgnored, MaskIgnoredPastCausalTile, MaskRowStride, MaskTransposed, RecordedPlanMask, WindowWithoutDraftOffset
 from attndbg.diagnose.page_models import LastPageDropped
 from attndbg.diagnose.split_models import EmptySplitsStale, EmptySplitsZeros, PrefixMergeLseBase, SplitCountMismatch, SplitLseBase, SplitsBeyondCapture
@@ -44,6 +44,7 @@ MODELS: tuple[MistakeModel, ...] = (
     PrefixMergeLseBase(),
     OtherRequestRow(),
     RecordedPlanKV(),
+    NewTokensTwice(),
     PlanFromCapture(),
     StalePlanMask(),
     KeyOffByOne(),

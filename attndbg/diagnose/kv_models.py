@@ -1,6 +1,6 @@
 """Mistakes of which keys a request reads: another request's KV row, the slots a wrong recorded plan
-names, the capture batch's lengths left in a graph, a KV length / query position one off, or
-positions left from the previous chunk.
+names, the capture batch's lengths left in a graph, a KV length / query position one off,
+positions left from the previous chunk, or new tokens' keys read twice (listed and passed apart).
 
 Each is the reference run on the step's own q and KV cache with the batch a kernel was wrongly
 given (`PartialStates.under`): the same math, other metadata.
@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
+from attndbg.backends.plan_layout import KvEnd
 from attndbg.diagnose.base import Candidate, MistakeModel, PartialStates, plan_kv, plan_slots, with_batch, with_rows
 from attndbg.trace.schema import ForwardMode, Trace
 from attndbg.trace.visibility import visibility
@@ -260,4 +261,55 @@ class StalePositions(MistakeModel):
                 summary="attention with the query positions of the previous chunk (not advanced by the extend length)",
                 detail=f"request {b}, {e} queries {e} columns early",
                 params={"shift": -e},
+            )
+
+
+class NewTokensTwice(MistakeModel):
+    """An extend (or draft extend) whose kernel takes this step's new K/V from its inputs (the plan
+    lists only the prefix: SGLang's Triton extend) while its plan's list ran on past the prefix
+    into the request's new tokens' columns: those keys were read twice, once from the cache (where
+    the engine wrote them before the kernel) as if prefix keys every query sees, once from the
+    inputs, causally. SGLang #27738: Triton's DRAFT_EXTEND kv_indices built over seq_lens (prefix +
+    accepted tokens) instead of extend_prefix_lens."""
+
+    name = "new-tokens-twice"
+    cause = (
+        "The kernel takes this step's new K/V from its inputs, but its prefix KV list ran past the prefix over the "
+        "new tokens' own columns (built from seq_lens instead of extend_prefix_lens, as SGLang #27738's draft extend "
+        "did with the accepted tokens), so their keys were attended twice."
+    )
+
+    def applies(self, trace: Trace) -> bool:
+        batch = trace.batch
+        return trace.plan is not None and not trace.is_tree_verify and not batch.selective and batch.forward_mode not in (ForwardMode.DECODE, ForwardMode.IDLE)
+
+    def shown_by_metadata(self, trace: Trace) -> bool:
+        return self.applies(trace)  # candidates come only from a recorded plan whose list runs past the prefix
+
+    def candidates(self, states: PartialStates, requests: list[int]) -> Iterator[Candidate]:
+        trace, reading = states.trace, states.plan
+        kv = plan_kv(reading)
+        if kv is None or reading.ends != (KvEnd.PREFIX,):
+            return  # the plan's kernel reads the new tokens from its list, or cannot be read safely
+        batch = trace.batch
+        rows = [batch.request_slots(b) for b in range(batch.batch_size)]
+        twice: dict[int, int] = {}
+        for b in requests:
+            ids, length = kv.of(b)
+            own, prefix = rows[b], int(batch.prefix_lens[b])
+            listed = plan_slots(ids, length, kv.page_size)
+            if listed.numel() != length or not prefix < length <= own.numel() or not torch.equal(listed, own[:length]):
+                continue  # not the request's own row from column 0 past its prefix (recorded-plan-kv's case)
+            rows[b], twice[b] = torch.cat([listed, own[prefix:]]), length - prefix
+        if not twice:
+            return
+        output = states.under("new-tokens-twice", with_rows(trace, rows, [r.numel() for r in rows]))
+        tokens = "accepted tokens" if batch.forward_mode is ForwardMode.DRAFT_EXTEND else "new tokens"
+        for b, count in twice.items():
+            yield Candidate(
+                request=b,
+                output=output[states.rows(b)].double(),
+                summary=f"attention that read the {tokens}' K/V twice: the prefix list ran over their columns, and the kernel read them again from its inputs",
+                detail=f"request {b}, prefix {int(batch.prefix_lens[b])} listed as {int(batch.prefix_lens[b]) + count}, {count} of its {int(batch.extend_lens[b])} {tokens} twice",
+                params={"listed": int(batch.prefix_lens[b]) + count, "prefix": int(batch.prefix_lens[b]), "twice": count},
             )

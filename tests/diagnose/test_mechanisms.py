@@ -1,7 +1,7 @@
 """Diagnosis of the mechanisms behind real output bugs: a merge with both LSEs in base 2 (SGLang
 #40903), a tree mask read with another row stride (SGLang #39287), a merge with another split
-count than stage 1, a paged KV length a page short (last_page_len 0), and a custom mask a plan kept from
-an earlier plan (FlashInfer #1028).
+count than stage 1, a paged KV length a page short (last_page_len 0), a custom mask a plan kept from
+an earlier plan (FlashInfer #1028), and new tokens' keys read twice (SGLang #27738).
 
 Each mistake is made by its own mechanism, not by the model's code: our real Triton stage 1 and 2
 with the wrong split count, our Triton kernels given the wrong rows or mask, or a float64 engine
@@ -256,9 +256,50 @@ def make_verify() -> Trace:
     return recorded("verify", *SMALL, "prefix_lens=40,60")
 
 
+# -- new tokens' keys read twice: a prefix list over them (SGLang #27738) --------------------------------
+
+
+def listed_past_prefix(trace: Trace, extra: dict[int, int]) -> tuple[Trace, Trace]:
+    """The step with a Triton plan whose prefix list runs `extra[b]` columns into request b's new
+    tokens (kv_indices built over more than extend_prefix_lens), and the batch its kernel was told:
+    that list as the prefix, the new tokens again after it."""
+    batch = trace.batch
+    rows = {}
+    for b, count in extra.items():
+        own, prefix = batch.request_slots(b), int(batch.prefix_lens[b])
+        rows[b] = torch.cat([own[: prefix + count], own[prefix:]])
+    told = with_rows(trace, rows)
+    return replace(trace, plan=registry.create("triton").derive_plan(told)), told
+
+
+def test_new_tokens_listed_in_the_prefix_and_read_again() -> None:
+    # Request 0's list covers its whole row (seq_lens), request 1's two of its six new tokens: our
+    # real Triton extend reads those keys from the cache as prefix keys and again from its inputs.
+    trace = recorded(*EXTEND)
+    trace, told = listed_past_prefix(trace, {0: 5, 1: 2})
+    params = attributed(engine_said(trace, triton_on(trace, told)), "new-tokens-twice")
+    assert [(p["request"], p["prefix"], p["listed"], p["twice"]) for p in params] == [(0, 10, 15, 5), (1, 40, 42, 2)]
+
+
+def test_a_prefix_list_over_the_prefix_is_not_attributed() -> None:
+    trace = recorded(*EXTEND)
+    no_claim(replace(trace, plan=registry.create("triton").derive_plan(trace)))
+
+
+def test_new_tokens_twice_reads_only_the_requests_own_row() -> None:
+    from attndbg.diagnose.kv_models import NewTokensTwice
+
+    trace, _ = listed_past_prefix(recorded(*EXTEND), {0: 5, 1: 2})
+    clean = candidate_outputs(NewTokensTwice(), trace)
+    bad = candidate_outputs(NewTokensTwice(), poisoned(trace, {0: list(range(15))}))
+    assert clean.keys() == bad.keys() and {b for _, b in clean} == {0, 1}
+    for (summary, b), output in clean.items():
+        assert torch.isfinite(bad[(summary, b)]).all() == (b == 1) and (b == 0 or torch.equal(bad[(summary, b)], output))
+
+
 def test_every_new_model_is_listed() -> None:
     names = {m.name for m in MODELS}
-    assert {"split-count-mismatch", "last-page-dropped", "mask-row-stride", "stale-plan-mask"} <= names
+    assert {"split-count-mismatch", "last-page-dropped", "mask-row-stride", "stale-plan-mask", "new-tokens-twice"} <= names
 
 
 # -- soundness: a key the mistake's kernel does not read never reaches the model's output -------------
