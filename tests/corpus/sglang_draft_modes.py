@@ -47,12 +47,19 @@ def _draft_extend(over_seq_lens: bool) -> sg.Plan:
 
 
 def _record(out: Path, *, over_seq_lens: bool) -> None:
-    with sg.recording(out) as session:
-        layer = sg.layer()  # noqa: F841
+    """The draft extend recorded with its layer (`record --layers 0`): the engine's output is what
+    Triton's extend kernel computes from the metadata it was given (sg.triton_extend)."""
+    fb = sg.extend_batch(ROWS, PREFIX, ACCEPTED)
+    fb.forward_mode = sg.env.ForwardMode.DRAFT_EXTEND_V2  # SGL-new renamed DRAFT_EXTEND
+    data = sg.layer_data(27738, tokens=sum(ACCEPTED))
+    k_cache, v_cache = sg.with_new_kv(data, fb)
+    with sg.recording(out, layers=(0,)) as session:
+        layer = sg.layer()
         made = sg.backend(sg.CorpusTriton, ROWS, _draft_extend(over_seq_lens))
-        fb = sg.extend_batch(ROWS, PREFIX, ACCEPTED)
-        fb.forward_mode = sg.env.ForwardMode.DRAFT_EXTEND_V2  # SGL-new renamed DRAFT_EXTEND
+        made.token_to_kv_pool = sg.kv_pool(data["k_pool"], data["v_pool"])
+        made.run_layer = lambda q, k, v, layer, fb: sg.triton_extend(made.forward_metadata, q, k, v, k_cache, v_cache, layer.scaling).to(q.dtype)
         sg.record_eager(session, made, fb)
+        made.forward(data["q"], data["k"], data["v"], layer, fb)
 
 
 def write_27738(bug: Path, twin: Path) -> None:
@@ -120,8 +127,9 @@ BUGS = (
         "(wrong draft outputs on ragged accepted lengths); the fix uses extend_prefix_lens",
         encoding="3 draft-extend requests (prefixes 9, 5, 12; accepted 3, 1, 2) with the v1 worker's seq_lens = prefix + accepted "
         "(the installed SGLang 0.5.23 names the mode DRAFT_EXTEND_V2 only: the step carries that name); Triton ForwardMetadata "
-        "with kv lists over seq_lens",
-        expected=("invariants/kv-length", "invariants/kv-index"),
+        "with kv lists over seq_lens; layer 0 recorded (q, new K/V, prefix rows) with the output Triton's extend kernel computes "
+        "from that metadata",
+        expected=("invariants/kv-length", "invariants/kv-index", "split-merge/recorded-output-mismatch"),
         keywords=("accepted", "extend_prefix_lens"),
         capabilities=(Capability.FORWARD_MODES,),
         write=write_27738,

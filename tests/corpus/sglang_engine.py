@@ -97,9 +97,9 @@ Plan = Callable[[Any, Any], None]  # (backend, forward batch or replay view) -> 
 
 
 class PlannedBackend(AttentionBackend):
-    """The metadata entry points of a corpus backend: `plan_step` (the engine code of the step)
-    fills its metadata, eager or at a graph replay. A subclass of SGLang's AttentionBackend, so the
-    recorder's hooks wrap these methods as they wrap the real backends'."""
+    """The metadata entry points and the attention call of a corpus backend: `plan_step` (the
+    engine code of the step) fills its metadata, eager or at a graph replay. A subclass of SGLang's
+    AttentionBackend, so the recorder's hooks wrap these methods as they wrap the real backends'."""
 
     plan_step: Plan
     fill: int = 1
@@ -113,19 +113,19 @@ class PlannedBackend(AttentionBackend):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.fill
 
+    run_layer: Callable[..., Tensor]  # (q, k, v, layer, forward_batch) -> the output the engine computed
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: Any, forward_batch: Any, save_kv_cache: bool = True, **kwargs: Any) -> Tensor:
+        """The attention call (the real one launches GPU kernels): what `run_layer` says the engine computed."""
+        return self.run_layer(q, k, v, layer, forward_batch)
+
 
 class CorpusTriton(PlannedBackend, env.TritonAttnBackend):
     """SGLang's Triton backend."""
 
 
 class CorpusFlashInfer(PlannedBackend, flashinfer_backend.FlashInferAttnBackend):
-    """SGLang's FlashInfer backend, whose attention call returns `run_layer(q, k, v, layer,
-    forward_batch)`: the output the engine computed."""
-
-    run_layer: Callable[..., Tensor]
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, layer: Any, forward_batch: Any, save_kv_cache: bool = True, **kwargs: Any) -> Tensor:
-        return self.run_layer(q, k, v, layer, forward_batch)
+    """SGLang's FlashInfer backend."""
 
 
 class CorpusFA3(PlannedBackend):
@@ -374,6 +374,23 @@ def flashinfer_paged_prefill(paged: Any, q: Tensor, k_cache: Tensor, v_cache: Te
         else:
             visible = torch.arange(kv)[None, :] <= (kv - n + torch.arange(n))[:, None]
         out.append(attend(q[rows], k_cache[slots], v_cache[slots], visible, scale)[0])
+    return torch.cat(out)
+
+
+def triton_extend(metadata: Any, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float) -> Tensor:
+    """What SGLang's Triton extend kernel computes from its ForwardMetadata: request b's queries
+    (`qo_indptr`) over the slots its prefix list names (`kv_indptr` / `kv_indices`, read from the
+    cache, every one visible to every query) and over this step's new K/V from its inputs, causally.
+    The cache holds the new K/V already (SGLang writes them before the kernel)."""
+    qo, indptr, indices = metadata.qo_indptr.to(I64), metadata.kv_indptr.to(I64), metadata.kv_indices.to(I64)
+    out = []
+    for b in range(qo.numel() - 1):
+        rows = slice(int(qo[b]), int(qo[b + 1]))
+        listed = indices[int(indptr[b]) : int(indptr[b + 1])]
+        n, length = rows.stop - rows.start, listed.numel()
+        visible = torch.cat([torch.ones(n, length, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], dim=1)
+        keys, values = torch.cat([k_cache[listed], k[rows]]), torch.cat([v_cache[listed], v[rows]])
+        out.append(attend(q[rows], keys, values, visible, scale)[0])
     return torch.cat(out)
 
 

@@ -119,7 +119,7 @@ def output_level(path: Path) -> bool:
     return any(io.load(path / e.file).tensors for e in io.read_manifest(path))
 
 
-OUTPUT_LEVEL = [b for b in catalog.ENCODED if b.id in ("sglang-40903", "sglang-39287", "flashinfer-1028")]
+OUTPUT_LEVEL = [b for b in catalog.ENCODED if b.id in ("sglang-40903", "sglang-39287", "sglang-27738", "flashinfer-1028")]
 
 
 @pytest.mark.parametrize("bug", OUTPUT_LEVEL, ids=[b.id for b in OUTPUT_LEVEL])
