@@ -1,5 +1,6 @@
 """The real-bug corpus: every bug's recording loads and validates (a wrong plan is evidence, never
-refused), every correct twin checks clean, and the bugs today's metadata detectors catch stay caught.
+refused), every correct twin checks clean, the bugs today's metadata detectors catch stay caught,
+and diagnosis names each output-level bug (recorded with its layer) and nothing on its twin.
 
 The checks here run the detectors on metadata and recorded tensors only (no kernel backend: the
 float64 reference is not a kernel under test), so the module stays cheap on the CPU;
