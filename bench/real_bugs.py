@@ -15,7 +15,9 @@ only its own check), and writes DIR/real_bugs.json and DIR/real_bugs.md.
 
 Columns, per bug: caught = `check` exits 1 with a defect on the bug's recording; twin clean = exit 0
 and no finding at all on the twin's; specific = a finding of the bug's expected class/check; named =
-a finding's cause, or a diagnosis' reproduction, names the mechanism (one of the bug's words).
+a finding's cause, or a diagnosis' reproduction, names the mechanism (one of the bug's words). The
+counts end with the output-level bugs (whose recording holds the engine's output, `--layers`): those
+diagnosis can name by reproducing the output.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ def write(out: Path) -> None:
         if bug.write is not None:
             started = time.monotonic()
             bug.write(folder / "bug", folder / "twin")
+            meta["output_level"] = catalog.holds_output(folder / "bug")
+            (folder / META).write_text(json.dumps(meta, indent=1))
             print(f"{bug.id}: written in {time.monotonic() - started:.1f} s", flush=True)
         else:
             print(f"{bug.id}: not expressible ({bug.not_expressible[:80]}...)", flush=True)
@@ -184,11 +188,13 @@ def render(rows: list[dict], *, backend: str, cuda_graph: bool) -> str:
         lines.append(f"{head} {expected} | {marks} | {', '.join(row['bug_findings']) or 'none'} | {', '.join(row['twin_findings']) or 'none'} | {'' if done else capabilities} |")
     encoded = [r for r in rows if r["meta"]["encoded"]]
     count = lambda key: sum(1 for r in encoded if r[key])  # noqa: E731
+    output_level = [r for r in encoded if r["meta"].get("output_level")]
     lines += [
         "",
         f"{len(rows)} bugs, {len(encoded)} encoded: caught {count('caught')}, twin clean {count('twin_clean')}, "
         f"specific {count('specific')}, named {count('named')}; caught with a clean twin "
-        f"{sum(1 for r in encoded if r['caught'] and r['twin_clean'])}.",
+        f"{sum(1 for r in encoded if r['caught'] and r['twin_clean'])}; output-level (the engine's output recorded) "
+        f"named {sum(1 for r in output_level if r['named'])} of {len(output_level)}.",
     ]
     return "\n".join(lines)
 

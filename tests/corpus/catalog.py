@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from attndbg.trace import io
 from tests.corpus import (
     flashinfer_wrappers,
     not_expressible,
@@ -28,6 +31,12 @@ FAMILIES = (
 )
 BUGS: tuple[RealBug, ...] = tuple(bug for family in FAMILIES for bug in family.BUGS)
 ENCODED: tuple[RealBug, ...] = tuple(bug for bug in BUGS if bug.write is not None)
+
+
+def holds_output(recording: Path) -> bool:
+    """Whether a recording holds the engine's output (recorded with its layers, `record --layers`):
+    an output-level bug, which diagnosis can name by reproducing that output."""
+    return any(io.load(recording / entry.file).tensors for entry in io.read_manifest(recording))
 
 
 def by_id(bug_id: str) -> RealBug:

@@ -115,11 +115,6 @@ def test_the_bugs_caught_today_stay_caught(written: dict[str, Path], bug_id: str
     assert any(f.severity.value == "defect" for f in found)
 
 
-def output_level(path: Path) -> bool:
-    """Whether a recording holds the engine's output (recorded with its layers, `record --layers`)."""
-    return any(io.load(path / e.file).tensors for e in io.read_manifest(path))
-
-
 OUTPUT_LEVEL = [b for b in catalog.ENCODED if b.id in ("sglang-40903", "sglang-39287", "sglang-27738", "flashinfer-1028")]
 
 
@@ -127,7 +122,7 @@ OUTPUT_LEVEL = [b for b in catalog.ENCODED if b.id in ("sglang-40903", "sglang-3
 def test_diagnosis_names_each_output_level_bug_and_nothing_on_its_twin(written: dict[str, Path], bug: RealBug) -> None:
     # The engine's output is in the step: diagnosis reproduces it by a mistake model whose words
     # name the bug's mechanism; on the twin's (right) output no model is attributed anything.
-    assert output_level(written[bug.id] / "bug") and output_level(written[bug.id] / "twin")
+    assert catalog.holds_output(written[bug.id] / "bug") and catalog.holds_output(written[bug.id] / "twin")
     reproductions = [r for f in findings(written[bug.id] / "bug") for r in f.data.get("reproductions", [])]
     said = [f"{r['mechanism']}: {r['summary']}".lower() for r in reproductions]
     assert any(word.lower() in text for word in bug.keywords for text in said), said
@@ -135,4 +130,4 @@ def test_diagnosis_names_each_output_level_bug_and_nothing_on_its_twin(written: 
 
 
 def test_every_output_level_bug_is_judged_by_diagnosis(written: dict[str, Path]) -> None:
-    assert sorted(b.id for b in catalog.ENCODED if output_level(written[b.id] / "bug")) == sorted(b.id for b in OUTPUT_LEVEL)
+    assert sorted(b.id for b in catalog.ENCODED if catalog.holds_output(written[b.id] / "bug")) == sorted(b.id for b in OUTPUT_LEVEL)
