@@ -16,14 +16,25 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from attndbg.trace.schema import AttentionKind, ForwardMode, LseBase, Trace
+import torch
+
+from attndbg.trace.schema import AttentionKind, ForwardMode, GraphCapture, LseBase, Trace
 from attndbg.trace.tree import is_chain
 
 ALL_MODES = frozenset(ForwardMode) - {ForwardMode.IDLE}
 MHA_ALL_MODES = {AttentionKind.MHA: ALL_MODES}
-# What engines capture in CUDA graphs at all (SGLang's and vLLM's runners): decode and verify.
+# What engines capture in CUDA graphs by default (SGLang's runner, vLLM's decode-only full graphs):
+# decode and verify. A trace's graph.captured says when its runner captured more (vLLM FULL graphs).
 ENGINE_GRAPH_MODES = frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY})
+CAPTURED_MODES = {
+    GraphCapture.DECODE: ENGINE_GRAPH_MODES,
+    GraphCapture.MIXED: ENGINE_GRAPH_MODES | {ForwardMode.MIXED},
+    GraphCapture.FULL: ENGINE_GRAPH_MODES | {ForwardMode.MIXED, ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND},
+}
 HALF_DTYPES = frozenset({"float16", "bfloat16"})
+# Every layer kind and batch form added within trace version 1, for kernels that take them all
+# (Capabilities(**EVERY_LAYER_KIND)).
+EVERY_LAYER_KIND = {"non_causal": True, "window_right": True, "sinks": True, "kv_scales": True, "cross": True, "extend_mask": True, "empty_kv": True}
 _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float8_e4m3fn": "fp8 e4m3", "float8_e5m2": "fp8 e5m2"}
 
 
@@ -85,6 +96,14 @@ class Capabilities:
     # window_left: the query's own key and the W before it).
     window_extra_keys: int = 1
     soft_cap: bool = False
+    # What the trace model added for the layers engines run today (schema.Model / Batch):
+    non_causal: bool = False  # model.causal false: queries also see later keys (encoder, bidirectional layers)
+    window_right: bool = False  # model.window_right: a two-sided sliding window
+    sinks: bool = False  # model.sinks: a learned per-head sink logit in the softmax (gpt-oss)
+    kv_scales: bool = False  # model.k_scale / v_scale other than 1 (a scaled fp8 KV cache)
+    cross: bool = False  # batch.cross: cross-attention over cached encoder KV (KV lengths independent of the queries)
+    extend_mask: bool = False  # batch.custom_mask: a custom mask on a step that is not a verify
+    empty_kv: bool = False  # a request with no key at all (kv_len 0), whose rows are fully masked
     lse_base: LseBase = LseBase.E  # what its kernels write (adapters always return natural log)
     # Why a capability is missing, keyed by field name: appended to the derived reason.
     why: Mapping[str, str] = field(default_factory=dict)
@@ -123,7 +142,28 @@ class Capabilities:
             return f"{self.kernels} have no logit soft-cap"
         if model.sliding_window >= 0 and not self.sliding_window:
             return f"{self.kernels} have no sliding window"
-        return self._dims_gap(trace)
+        return self._model_gap(trace) or self._dims_gap(trace)
+
+    def _model_gap(self, trace: Trace) -> str | None:
+        """The layer kinds and batch forms added within trace version 1 (schema.Model, Batch)."""
+        model, batch = trace.model, trace.batch
+        if not model.causal and not self.non_causal and batch.forward_mode is not ForwardMode.DECODE:
+            # A decode query is its row's last column: causal or not, it sees the same keys.
+            return f"a non-causal layer (model.causal = false): {self.kernels} run causal attention only{self._because('non_causal')}"
+        if model.window_right >= 0 and not self.window_right and batch.forward_mode is not ForwardMode.DECODE:
+            return f"a right sliding window (model.window_right = {model.window_right}): {self.kernels} take a left window only{self._because('window_right')}"
+        if model.sinks is not None and not self.sinks:
+            return f"attention sinks (model.sinks): {self.kernels} have no sink term{self._because('sinks')}"
+        if (model.k_scale != 1.0 or model.v_scale != 1.0) and not self.kv_scales:
+            return f"a scaled KV cache (k_scale {model.k_scale}, v_scale {model.v_scale}): {self.kernels} take no KV scales{self._because('kv_scales')}"
+        if batch.cross and not self.cross:
+            return f"cross-attention (batch.cross): {self.kernels} run self-attention only{self._because('cross')}"
+        if batch.custom_mask is not None and not self.extend_mask:
+            return f"a custom mask on a {_mode_words(batch.forward_mode)} step (batch.custom_mask): {self.kernels} take none there{self._because('extend_mask')}"
+        if not self.empty_kv and bool((batch.kv_lens == 0).any()):
+            b = int(torch.nonzero(batch.kv_lens == 0)[0])
+            return f"request {b} has no KV (kv_len 0): {self.kernels} need at least one key per request{self._because('empty_kv')}"
+        return None
 
     def _dims_gap(self, trace: Trace) -> str | None:
         model, mode = trace.model, trace.batch.forward_mode
@@ -150,8 +190,11 @@ class Capabilities:
     def graph_gap(self, trace: Trace) -> str | None:
         """Beyond `gap`: why this trace's step is not replayed under a CUDA graph by these kernels."""
         mode = trace.batch.forward_mode
-        if mode not in ENGINE_GRAPH_MODES or (mode is ForwardMode.TARGET_VERIFY and not trace.is_tree_verify):
-            return f"engines capture only decode and verify steps in CUDA graphs, not {mode.value}"
+        captured = trace.graph.captured if trace.graph is not None and trace.graph.captured is not None else GraphCapture.DECODE
+        if mode not in CAPTURED_MODES[captured] or (mode is ForwardMode.TARGET_VERIFY and not trace.is_tree_verify):
+            if captured is GraphCapture.DECODE:
+                return f"engines capture only decode and verify steps in CUDA graphs, not {mode.value}"
+            return f"a runner capturing {captured.value} graphs does not capture {mode.value} steps"
         if mode not in self.graph_modes:
             return f"{self.kernels}: no CUDA-graph replay of {mode.value} here{self._because('graph_modes')}"
         return None

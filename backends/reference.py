@@ -2,7 +2,13 @@
 in the run's own low precision).
 
 Nothing here reads a plan. Which keys a query sees comes from the batch: its column in the
-request's KV row (causal), the draft tree (verify), the sliding window and the soft-cap.
+request's KV row (causal or not), a custom mask, the draft tree (verify), the sliding windows; the
+scores take the soft-cap, the softmax a per-head sink logit (one more term with no value, as
+gpt-oss's sinks), and the fp8 cache its dequantisation scales (k_scale, v_scale).
+
+Fully masked rows (a row that sees no key): output 0 and LSE -inf, the logsumexp of nothing; with
+a sink, the sink alone: output 0 and LSE = the sink's logit (FlashInfer's AttentionSink variant
+writes the same). Adapters map their library's convention onto this one.
 
 The whole batch is computed at once, on the inputs' device: requests are sorted by KV length and
 packed into groups whose padded work fits a memory budget; each group is one gather of its KV
@@ -20,7 +26,7 @@ import torch
 from torch import Tensor
 
 from attndbg.backends.base import AttentionInputs, AttentionResult, Backend
-from attndbg.backends.capabilities import Capabilities
+from attndbg.backends.capabilities import EVERY_LAYER_KIND, Capabilities
 from attndbg.trace.schema import DTYPES, Q_DTYPES, AttentionKind, ForwardMode, Plan, Trace
 from attndbg.trace.visibility import visibility
 
@@ -60,7 +66,8 @@ def attention(
 
     With `columns`, each request attends only to its columns in [start, end): the partial state a
     split-KV kernel computes for that split (output normalised over those keys, their LSE); a row
-    that sees none of them has output 0 and LSE -inf.
+    that sees none of them has output 0 and LSE -inf. A partial state holds no sink: the merge of
+    the splits adds it once.
 
     `tables`: the gather and mask tables of every group, built by the first call that gets an empty
     list and reused by later calls on the same step (the float64 and the low-precision reference
@@ -81,8 +88,9 @@ def attention(
             tables.extend(built)
     else:
         built = tables
+    sinks = trace.model.sinks if columns is None else None
     for group in built:
-        _attend_group(trace, inputs, group, compute_dtype, out, lse)
+        _attend_group(trace, inputs, group, compute_dtype, out, lse, sinks=sinks)
     return AttentionResult(output=out, lse=lse)
 
 
@@ -170,6 +178,8 @@ def _attend_group(
     compute_dtype: torch.dtype,
     out: Tensor,
     lse: Tensor,
+    *,
+    sinks: Tensor | None,  # [Hq] float32 sink logits, or None
 ) -> None:
     model = trace.model
     low = compute_dtype != torch.float64
@@ -180,6 +190,10 @@ def _attend_group(
     # GQA without copying K/V per query head: query heads of one KV head become extra rows.
     k = inputs.k_cache[slots].to(compute_dtype).permute(0, 2, 1, 3)  # [B, Hkv, kv, Dk]
     v = inputs.v_cache[slots].to(compute_dtype).permute(0, 2, 1, 3)  # [B, Hkv, kv, Dv]
+    if model.k_scale != 1.0:  # the cache stores K / k_scale (fp8): dequantise
+        k = k * model.k_scale
+    if model.v_scale != 1.0:
+        v = v * model.v_scale
     q = inputs.q[rows].to(compute_dtype)  # [B, e, Hq, Dk]
     q = q.view(n, rows_max, hkv, group_size, -1).permute(0, 2, 3, 1, 4).reshape(n, hkv, group_size * rows_max, -1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * model.sm_scale  # [B, Hkv, g*e, kv]
@@ -187,9 +201,16 @@ def _attend_group(
         scores = model.logit_cap * torch.tanh(scores / model.logit_cap)
     visible = mask[:, None, None].expand(n, 1, group_size, rows_max, kv_max).reshape(n, 1, group_size * rows_max, kv_max)
     scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        # One more softmax term per query head, with no value: [Hq] -> a last column of every row
+        # (rows are (head in group, query row) per KV head, as q above).
+        sink = sinks.to(device=scores.device, dtype=scores.dtype).view(hkv, group_size, 1).expand(hkv, group_size, rows_max)
+        scores = torch.cat([scores, sink.reshape(1, hkv, group_size * rows_max, 1).expand(n, -1, -1, -1)], dim=-1)
     softmax_dtype = torch.float32 if low else torch.float64
     probs = torch.softmax(scores.to(softmax_dtype), dim=-1).to(compute_dtype)
     probs = torch.nan_to_num(probs, nan=0.0)  # a row that sees nothing has no weights
+    if sinks is not None:
+        probs = probs[..., :kv_max]  # the sink's weight has no value
     o = _weighted_values(probs, v, visible)  # [B, Hkv, g*e, Dv]
     o = o.view(n, hkv, group_size, rows_max, -1).permute(0, 3, 1, 2, 4).reshape(n, rows_max, model.num_qo_heads, -1)
     m = torch.logsumexp(scores.to(torch.float64), dim=-1)  # [B, Hkv, g*e]
@@ -239,6 +260,7 @@ class ReferenceBackend(Backend):
             sliding_window=True,
             window_in_tree_verify=True,
             soft_cap=True,
+            **EVERY_LAYER_KIND,
         )
 
     def derive_plan(self, trace: Trace) -> Plan:

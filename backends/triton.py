@@ -29,12 +29,13 @@ from attndbg.backends.base import (
     PartialStates,
     ScriptLibrary,
 )
-from attndbg.backends.capabilities import ALL_MODES, ENGINE_GRAPH_MODES, Capabilities
+from attndbg.backends.capabilities import ALL_MODES, ENGINE_GRAPH_MODES, EVERY_LAYER_KIND, Capabilities
 from attndbg.backends import plan_declaration as pd
 from attndbg.backends import script_calls
 from attndbg.backends import plan_layout as pl
 from attndbg.trace import tree
 from attndbg.trace.mask_geometry import MaskGeometry
+from attndbg.trace.visibility import visibility
 from attndbg.trace.schema import DTYPES, Q_DTYPES, AttentionKind, ForwardMode, MaskLayout, Plan, Trace, indptr
 
 # SGLang's default `--triton-attention-num-kv-splits`.
@@ -47,7 +48,16 @@ FALLBACK_CORE_COUNT = 132
 @dataclass(frozen=True)
 class TritonOptions:
     num_kv_splits: int | None = None  # force this many splits for every request (else the heuristic)
-    max_kv_splits: int = DEFAULT_MAX_KV_SPLITS
+    # The heuristic's cap. None: the engine's own, as the trace records it (capture.max_kv_splits,
+    # SGLang's --triton-attention-num-kv-splits), else SGLang's default.
+    max_kv_splits: int | None = None
+
+    def cap(self, trace: Trace) -> int:
+        """The split cap a plan for `trace` uses."""
+        if self.max_kv_splits is not None:
+            return self.max_kv_splits
+        recorded = trace.capture.max_kv_splits if trace.capture is not None else None
+        return recorded if recorded else DEFAULT_MAX_KV_SPLITS
 
     def __post_init__(self) -> None:
         for field in ("num_kv_splits", "max_kv_splits"):
@@ -177,13 +187,15 @@ class TritonBackend(Backend):
             modes={AttentionKind.MHA: ALL_MODES, AttentionKind.MLA: frozenset({ForwardMode.DECODE})},
             graph_modes=ENGINE_GRAPH_MODES,
             q_dtypes=frozenset(Q_DTYPES),
-            kv_dtypes=frozenset(Q_DTYPES),
+            # An fp8 cache is read as stored and computed in q's dtype (k_scale folded into
+            # sm_scale, v_scale on the output), as SGLang's Triton kernels read one.
+            kv_dtypes=frozenset(DTYPES),
             tree_mask=True,
             column_mask=True,
             sliding_window=True,
             soft_cap=True,
+            **EVERY_LAYER_KIND,
             why={
-                "kv_dtypes": "fp8 KV is not implemented yet",
                 "window_in_tree_verify": "needs SGLang's window_kv_offsets, not implemented",
             },
         )
@@ -218,7 +230,7 @@ class TritonBackend(Backend):
                 lens.tolist(),
                 num_qo_heads=model.num_qo_heads,
                 num_kv_heads=model.num_kv_heads,
-                max_kv_splits=self.options.max_kv_splits,
+                max_kv_splits=self.options.cap(trace),
                 core_count=self.core_count(),
             )
         return Plan(
@@ -228,7 +240,7 @@ class TritonBackend(Backend):
                 "kv_indices": torch.cat(rows).to(torch.int64),
                 "num_kv_splits": torch.tensor(splits, dtype=torch.int32),
             },
-            scalars={"max_kv_splits": max([self.options.max_kv_splits, *splits])},
+            scalars={"max_kv_splits": max([self.options.cap(trace), *splits])},
         )
 
     def _extend_plan(self, trace: Trace, padding: Padding | None = None) -> Plan:
@@ -244,26 +256,28 @@ class TritonBackend(Backend):
             "skip_prefix_custom_mask": True,
             "sliding_window": trace.model.sliding_window,
         }
-        if batch.selective:
-            # The recomputed tokens' K/V are already written into their slots, so the whole row is
-            # read from the cache as "prefix" and a custom mask applies causality by column; the
-            # extend block's columns are all masked (those keys were read from the cache).
+        if batch.selective or batch.cross or batch.custom_mask is not None:
+            # The whole row is read from the cache as "prefix" and a custom mask says what each
+            # query sees by column (causality, the step's own mask, the windows folded in); the
+            # extend block's columns are all masked. Selective recompute: the recomputed tokens'
+            # K/V are already in their slots; cross-attention: the row is the encoder's KV and the
+            # queries' own K/V are no keys; a custom mask: this step's K/V are in the cache too.
             prefix_lens = batch.kv_lens
-            window = trace.model.sliding_window
             masks = []
-            qo = batch.qo_indptr
             for b in range(batch.batch_size):
-                query_cols = batch.query_cols[int(qo[b]) : int(qo[b + 1])]
-                distance = query_cols[:, None] - torch.arange(int(prefix_lens[b]))[None, :]
-                seen = (distance >= 0) & ((distance <= window) if window >= 0 else True)
+                seen = visibility(trace, b)
                 extend_block = torch.zeros(seen.shape[0], seen.shape[0], dtype=torch.bool)
                 masks.append(torch.cat([seen, extend_block], 1).flatten())
-            tensors["custom_mask"] = torch.cat(masks)
+            tensors["custom_mask"] = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
             tensors["mask_indptr"] = MaskGeometry.full(rows=batch.extend_lens, prefix_lens=prefix_lens).indptr
             scalars["sliding_window"] = -1  # folded into the mask: kernel columns are shifted here
             scalars["skip_prefix_custom_mask"] = False
         else:
             prefix_lens = batch.prefix_lens
+            if not trace.model.causal:
+                scalars["is_causal"] = False
+                if trace.model.window_right >= 0:
+                    scalars["window_right"] = trace.model.window_right
         rows = [batch.request_slots(b)[: int(prefix_lens[b])] for b in range(batch.batch_size)]
         rows += _padded_rows(batch.batch_size, padding)
         if trace.is_tree_verify:
@@ -383,8 +397,13 @@ def _split_scratch(model, tokens: int, max_kv_splits: int, device) -> tuple[torc
 
 
 def _launch(model, t: dict[str, torch.Tensor], scalars, inputs: AttentionInputs, out, lse, scratch) -> None:
-    """One forward with plan tensors `t` (SGLang names): decode when the plan has split counts."""
+    """One forward with plan tensors `t` (SGLang names): decode when the plan has split counts.
+
+    The layer's sinks and KV scales are the model's, not the plan's: a scaled fp8 cache folds
+    k_scale into sm_scale and hands v_scale to the kernel's output."""
     decode, extend = _kernels()
+    sinks = None if model.sinks is None else model.sinks.to(device=inputs.q.device, dtype=torch.float32)
+    layer = {"sm_scale": model.sm_scale * model.k_scale, "logit_cap": model.logit_cap, "sinks": sinks, "v_scale": model.v_scale}
     if "num_kv_splits" in t:
         decode.decode_attention_fwd(
             q=inputs.q,
@@ -398,8 +417,7 @@ def _launch(model, t: dict[str, torch.Tensor], scalars, inputs: AttentionInputs,
             attn_lse=scratch[1],
             num_kv_splits=t["num_kv_splits"],
             max_kv_splits=scratch[0].shape[2],
-            sm_scale=model.sm_scale,
-            logit_cap=model.logit_cap,
+            **layer,
         )
         return
     extend.extend_attention_fwd(
@@ -417,10 +435,10 @@ def _launch(model, t: dict[str, torch.Tensor], scalars, inputs: AttentionInputs,
         mask_indptr=t.get("mask_indptr"),
         is_causal=bool(scalars["is_causal"]),
         max_len_extend=int(scalars["max_extend_len"]),
-        sm_scale=model.sm_scale,
-        logit_cap=model.logit_cap,
         skip_prefix_custom_mask=bool(scalars["skip_prefix_custom_mask"]),
         sliding_window=int(scalars["sliding_window"]),
+        window_right=int(scalars.get("window_right", -1)),
+        **layer,
     )
 
 
@@ -439,7 +457,8 @@ class _TritonGraphState(GraphState):
         }
         if self.decode:
             # SGLang fills the static split counts with max_kv_splits.
-            self.max_kv_splits = options.max_kv_splits if options.num_kv_splits is None else max(options.max_kv_splits, options.num_kv_splits)
+            cap = options.cap(trace)
+            self.max_kv_splits = cap if options.num_kv_splits is None else max(cap, options.num_kv_splits)
             self.buffers["num_kv_splits"] = torch.full((bs,), self.max_kv_splits, dtype=torch.int32, device=device)
             self.scratch = _split_scratch(self.model, capacity.max_tokens, self.max_kv_splits, device)
             self.scalars: dict = {}

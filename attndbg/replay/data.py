@@ -187,10 +187,12 @@ def build_inputs(
 
     k_new = k_new.to(kv_dtype)
     v_new = v_new.to(kv_dtype)
-    # This step's K/V land in their slots before attention reads the cache.
-    loc = batch.out_cache_loc.to(device)
-    _put_rows(k_cache, loc, k_new)
-    _put_rows(v_cache, loc, v_new)
+    # This step's K/V land in their slots before attention reads the cache (a cross-attention
+    # step writes none: its out_cache_loc is -1).
+    if not batch.cross:
+        loc = batch.out_cache_loc.to(device)
+        _put_rows(k_cache, loc, k_new)
+        _put_rows(v_cache, loc, v_new)
     if mla:
         # MLA values are the latent part of the keys: views, exactly as the engine's cache.
         v_cache = k_cache[..., : model.kv_lora_rank]

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 FORMAT_NAME = "attndbg.trace"
-FORMAT_VERSION = 1  # `buffers`, `capture`, graph.padded_qo_indptr / padded_block_table, source.inferred and source.crash (optional, absent in older files) were added within version 1
+FORMAT_VERSION = 1  # `buffers`, `capture`, graph.padded_qo_indptr / padded_block_table / captured, source.inferred, source.crash, model.causal / window_right / sinks / k_scale / v_scale and batch.cross / custom_mask (optional, absent in older files) were added within version 1
 
 
 class ForwardMode(enum.Enum):
@@ -46,6 +46,14 @@ class MaskLayout(enum.Enum):
     FULL = "full"  # per request a row-major [n, prefix + n] bool block
     QLEN_ONLY = "qlen_only"  # per request [n, n] bool
     QLEN_ONLY_BITPACKED = "qlen_only_bitpacked"  # one little-endian word per row, bit 0 = root
+
+
+class GraphCapture(enum.Enum):
+    """Which steps the engine's runner captured in CUDA graphs (what a replayed graph may hold)."""
+
+    DECODE = "decode"  # uniform decode / verify batches only: SGLang's runner, vLLM FULL_DECODE_ONLY and FULL_AND_PIECEWISE's full graphs
+    MIXED = "mixed"  # also batches mixing prefill chunks with decode rows (vLLM FULL with a backend that captures them)
+    FULL = "full"  # every batch, pure extend / prefill included (vLLM FULL, AttentionCGSupport.ALWAYS)
 
 
 class LseBase(enum.Enum):
@@ -107,6 +115,12 @@ class Model:
     q_dtype: str  # a key of DTYPES
     kv_dtype: str
     page_size: int
+    # Added within version 1 (absent in older files: these defaults, and left out when they hold).
+    causal: bool = True  # False: a query also sees the keys after its own column (encoder / bidirectional layers)
+    window_right: int = -1  # non-causal only: key k visible from query q iff pos(k) - pos(q) <= window_right; -1 = no bound
+    sinks: Tensor | None = None  # [num_qo_heads] float32: learned sink logit per query head (gpt-oss): one more softmax term with no value
+    k_scale: float = 1.0  # dequantisation scale of the (fp8) KV cache: a key is its stored value * k_scale
+    v_scale: float = 1.0  # a value is its stored value * v_scale
 
     @property
     def gqa_group(self) -> int:
@@ -137,6 +151,17 @@ class Batch:
     seq_lens_raw: Tensor  # [bs] int64: the engine's own seq_lens, as recorded
     kv_cache_size: int  # slots in the KV pool; slot 0 (page 0) is the engine's dummy slot
     selective: bool = False  # CacheBlend-style: query_cols is a subset of the row, not its tail
+    # Added within version 1 (absent in older files: False / None, and left out when so).
+    # Cross-attention (vLLM's ENCODER_DECODER layers): a request's KV row is the encoder's tokens,
+    # all cached before this step (prefix_lens == kv_lens, independent of extend_lens); its queries
+    # sit at no column of that row and write nothing (out_cache_loc -1). query_cols then hold the
+    # bottom-right alignment FlashAttention and FlashInfer use for a causal mask over q_len != kv_len,
+    # kv_len - q_len + i, negative for the rows of a request with more queries than keys.
+    cross: bool = False
+    # A custom mask on a non-verify step (an extend with bidirectional spans, say): per request a
+    # row-major [extend_len, kv_len] bool block over its KV row, blocks back to back; it replaces
+    # causality (a sliding window still applies).
+    custom_mask: Tensor | None = None  # [sum(extend_lens * kv_lens)] bool
 
     @property
     def batch_size(self) -> int:
@@ -153,6 +178,11 @@ class Batch:
 
     def request_slots(self, b: int) -> Tensor:
         return self._request_rows[b]
+
+    def mask_block(self, b: int) -> Tensor:
+        """[extend_lens[b], kv_lens[b]] bool: request b's block of `custom_mask` (a view)."""
+        assert self.custom_mask is not None, "mask_block needs a custom_mask"
+        return self._mask_blocks[b].view(int(self.extend_lens[b]), int(self.kv_lens[b]))
 
     def slot_owner(self, slot: int, *, other_than: int | None = None) -> tuple[int, int] | None:
         """(request, column) of the first request, in batch order, whose KV row holds `slot`
@@ -172,6 +202,10 @@ class Batch:
         # One split for every request's row (views): replay, plans and the reference ask per request
         # hundreds of times a step, and indexing the indptr tensor each time costs more than the work.
         return list(torch.split(self.slot_ids, self.slot_indptr.diff().tolist()))
+
+    @functools.cached_property
+    def _mask_blocks(self) -> list[Tensor]:
+        return list(torch.split(self.custom_mask, (self.extend_lens * self.kv_lens).tolist()))
 
 
 @dataclass(frozen=True)
@@ -210,11 +244,15 @@ class Graph:
     # [capture_bs, width] block/page ids per row (vLLM block_table_tensor), padded rows included
     # (vLLM fills them with NULL_BLOCK_ID 0; a -1 fill shows as recorded).
     padded_block_table: Tensor | None = None
+    # Which steps the runner captured (None: decode and verify only, what every engine did before).
+    captured: GraphCapture | None = None
 
 
-# Graph fields added within version 1: left out of the stored dict when None, so a file without
-# them stays byte-identical to one written before they existed.
-GRAPH_OPTIONAL = ("padded_qo_indptr", "padded_block_table")
+# Fields added within version 1, with the value that means "absent": left out of the stored dict
+# when they hold it, so a file without them stays byte-identical to one written before they existed.
+GRAPH_OPTIONAL = ("padded_qo_indptr", "padded_block_table", "captured")
+MODEL_DEFAULTS: dict[str, Any] = {"causal": True, "window_right": -1, "sinks": None, "k_scale": 1.0, "v_scale": 1.0}
+BATCH_DEFAULTS: dict[str, Any] = {"cross": False, "custom_mask": None}
 
 
 @dataclass(frozen=True)
@@ -333,6 +371,11 @@ def to_dict(trace: Trace) -> dict[str, Any]:
         for name in GRAPH_OPTIONAL:
             if out["graph"][name] is None:
                 del out["graph"][name]
+    for section, defaults in (("model", MODEL_DEFAULTS), ("batch", BATCH_DEFAULTS)):
+        for name, absent in defaults.items():
+            value = out[section][name]
+            if value is absent or (absent is not None and type(value) is type(absent) and value == absent):
+                del out[section][name]
     out["format"] = FORMAT_NAME
     out["version"] = FORMAT_VERSION
     return out

@@ -6,17 +6,21 @@ The same spec and seed give the same trace, bit for bit.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
 import attndbg
 from attndbg.trace import tree
-from attndbg.trace.synth_spec import PRESETS, SpecError, SynthSpec, parse_spec  # noqa: F401  (the spec API, re-exported)
+from attndbg.trace.synth_layout import allocate_rows, extend_mask
+from attndbg.trace.synth_spec import PRESETS, SpecError, SynthSpec, is_causal, parse_spec  # noqa: F401  (the spec API, re-exported)
 from attndbg.trace.schema import (
     AttentionKind,
     Batch,
+    CaptureSizes,
     ForwardMode,
     Graph,
+    GraphCapture,
     MaskLayout,
     Model,
     Source,
@@ -35,13 +39,15 @@ _MODES = {
 
 
 def _lengths(spec: SynthSpec) -> tuple[list[int], list[int]]:
-    """(prefix_lens, extend_lens) per request for the spec's mode."""
+    """(prefix_lens, extend_lens) per request for the spec's mode (cross=1: the encoder KV as prefix)."""
     if spec.mode == "decode":
+        if spec.cross:
+            return list(spec.kv_lens), [1] * len(spec.kv_lens)
         if any(n < 1 for n in spec.kv_lens):
-            raise SpecError("kv_lens: a decode request has at least its current token (>= 1)")
+            raise SpecError("kv_lens: a decode request has at least its current token (>= 1); 0 only with cross=1")
         return [n - 1 for n in spec.kv_lens], [1] * len(spec.kv_lens)
     if spec.mode == "verify":
-        return list(spec.prefix_lens), [spec.draft_tokens] * len(spec.prefix_lens)
+        return list(spec.prefix_lens), [_draft_tokens(spec)] * len(spec.prefix_lens)
     if spec.mode == "selective":
         if any(n < spec.select for n in spec.kv_lens):
             raise SpecError(f"kv_lens: selective recompute needs rows of at least select={spec.select} columns")
@@ -49,6 +55,15 @@ def _lengths(spec: SynthSpec) -> tuple[list[int], list[int]]:
     if len(spec.prefix_lens) != len(spec.extend_lens):
         raise SpecError(f"prefix_lens has {len(spec.prefix_lens)} entries but extend_lens has {len(spec.extend_lens)}")
     return list(spec.prefix_lens), list(spec.extend_lens)
+
+
+def _draft_tokens(spec: SynthSpec) -> int:
+    return len(spec.parents) if spec.parents else spec.draft_tokens
+
+
+def _layer(spec: SynthSpec) -> dict:
+    """The Model fields of the layer keys (sinks are drawn last, in `build`)."""
+    return {"causal": is_causal(spec), "window_right": spec.window_right, "k_scale": spec.k_scale, "v_scale": spec.v_scale}
 
 
 def _model(spec: SynthSpec) -> Model:
@@ -69,6 +84,7 @@ def _model(spec: SynthSpec) -> Model:
             q_dtype=spec.dtype,
             kv_dtype=spec.kv_dtype or spec.dtype,
             page_size=spec.page_size,
+            **_layer(spec),
         )
     q_heads, kv_heads = (int(x) for x in spec.heads.split(":"))  # parse_spec checked them
     return Model(
@@ -85,35 +101,8 @@ def _model(spec: SynthSpec) -> Model:
         q_dtype=spec.dtype,
         kv_dtype=spec.kv_dtype or spec.dtype,
         page_size=spec.page_size,
+        **_layer(spec),
     )
-
-
-def _allocate_rows(
-    kv_lens: list[int], shareable: list[int], *, page_size: int, shared_prefix: int, scatter: bool, g: torch.Generator
-) -> tuple[list[torch.Tensor], int]:
-    """Give each request a req_to_token row of slot ids, paged, optionally sharing a prefix.
-
-    Page 0 is reserved (the engine's dummy slot for padded tokens), as SGLang and vLLM reserve it.
-    Shared prefixes are whole pages, as a paged radix cache matches them, and only columns already
-    cached (`shareable`) are shared: slots written this step belong to one request.
-    """
-    shared_pages = shared_prefix // page_size
-    reused = [min(shared_pages, s // page_size) for s in shareable]
-    pages_needed = [math.ceil(n / page_size) for n in kv_lens]
-    own_pages = [p - r for p, r in zip(pages_needed, reused)]
-    used = shared_pages + sum(own_pages)
-    # Spare pages make the pool larger than the batch, so wrong indices can land on unused data.
-    pool_pages = 1 + used + max(used // 4, 2)
-    order = torch.randperm(pool_pages - 1, generator=g) + 1 if scatter else torch.arange(1, pool_pages)
-    shared = order[:shared_pages]
-    cursor = shared_pages
-    rows = []
-    for n, own, reuse in zip(kv_lens, own_pages, reused):
-        pages = torch.cat([shared[:reuse], order[cursor : cursor + own]])
-        cursor += own
-        slots = (pages[:, None] * page_size + torch.arange(page_size)).flatten()[:n]
-        rows.append(slots.to(torch.int64))
-    return rows, pool_pages * page_size
 
 
 def build(spec: SynthSpec) -> Trace:
@@ -128,26 +117,37 @@ def build(spec: SynthSpec) -> Trace:
         raise SpecError("the batch is empty: give at least one request")
     if any(x < 0 for x in prefix + extend):
         raise SpecError("lengths must be >= 0")
-    kv = [p + e for p, e in zip(prefix, extend)]
+    cross = bool(spec.cross)
+    kv = list(prefix) if cross else [p + e for p, e in zip(prefix, extend)]
     mode = _MODES[spec.mode]
     selective = spec.mode == "selective"
     shareable = [0] * len(kv) if selective else prefix
-    rows, cache_size = _allocate_rows(
-        kv, shareable, page_size=spec.page_size, shared_prefix=spec.shared_prefix, scatter=bool(spec.scatter), g=g
+    rows, cache_size = allocate_rows(
+        kv, shareable, page_size=spec.page_size, shared_prefix=spec.shared_prefix, slots=spec.slots or ("scatter" if spec.scatter else "contiguous"), g=g
     )
     query_cols, positions = [], []
     spec_section = None
     parents = None
+    topk, steps = spec.topk, spec.steps
     if mode is ForwardMode.TARGET_VERIFY:
-        try:
-            parents = torch.stack(
-                [tree.eagle_tree(topk=spec.topk, steps=spec.steps, draft_token_num=spec.draft_tokens, generator=g) for _ in prefix]
-            )
-        except ValueError as e:
-            raise SpecError(str(e)) from None
+        if spec.parents:
+            given = torch.tensor(spec.parents, dtype=torch.int64)
+            parents = given.expand(len(prefix), -1).clone()
+            topk, steps = tree.shape(given)
+        else:
+            try:
+                parents = torch.stack(
+                    [tree.eagle_tree(topk=spec.topk, steps=spec.steps, draft_token_num=spec.draft_tokens, generator=g) for _ in prefix]
+                )
+            except ValueError as e:
+                raise SpecError(str(e)) from None
         depth = [tree.depths(p) for p in parents]
     for b, (p, e, n) in enumerate(zip(prefix, extend, kv)):
-        if selective:
+        if cross:
+            # Bottom-right aligned (schema.Batch.cross); positions are the decoder's own.
+            query_cols.append(torch.arange(n - e, n))
+            positions.append(torch.arange(e))
+        elif selective:
             # Recompute a sorted subset of the row that always includes the last column.
             picked = torch.randperm(n - 1, generator=g)[: e - 1].sort().values if e > 1 else torch.zeros(0, dtype=torch.int64)
             cols = torch.cat([picked, torch.tensor([n - 1])])
@@ -158,7 +158,10 @@ def build(spec: SynthSpec) -> Trace:
             query_cols.append(cols)
             positions.append(p + depth[b] if parents is not None else cols)
     query_cols_t = torch.cat(query_cols).to(torch.int64)
-    out_cache_loc = torch.cat([rows[b][c] for b, c in enumerate(query_cols)]) if rows else torch.zeros(0, dtype=torch.int64)
+    if cross:  # the encoder's K/V are cached: nothing is written
+        out_cache_loc = torch.full((query_cols_t.numel(),), -1, dtype=torch.int64)
+    else:
+        out_cache_loc = torch.cat([rows[b][c] for b, c in enumerate(query_cols)]) if rows else torch.zeros(0, dtype=torch.int64)
 
     prefix_t = torch.tensor(prefix, dtype=torch.int64)
     if mode is ForwardMode.TARGET_VERIFY:
@@ -166,9 +169,9 @@ def build(spec: SynthSpec) -> Trace:
         layout = MaskLayout(spec.mask_layout)
         spec_section = Spec(
             algorithm="EAGLE",
-            draft_token_num=spec.draft_tokens,
-            topk=spec.topk,
-            steps=spec.steps,
+            draft_token_num=_draft_tokens(spec),
+            topk=topk,
+            steps=steps,
             parents=parents,
             custom_mask=tree.build_mask(layout, parents, prefix_t),
             mask_layout=layout,
@@ -188,7 +191,16 @@ def build(spec: SynthSpec) -> Trace:
         seq_lens_raw=seq_lens_raw,
         kv_cache_size=cache_size,
         selective=selective,
+        cross=cross,
     )
+    if spec.extend_mask:
+        if mode not in (ForwardMode.EXTEND, ForwardMode.MIXED) or selective:
+            raise SpecError(f"extend_mask={spec.extend_mask}: a custom mask on an extend or mixed step, not mode={spec.mode}")
+        batch = replace(batch, custom_mask=extend_mask(batch, spec.extend_mask, causal=model.causal, g=g))
+    if spec.sinks:
+        # Drawn last, so every other draw of the spec is the same with and without sinks. gpt-oss's
+        # learned sinks sit around the logsumexp of a short row: some heads let the sink dominate.
+        model = replace(model, sinks=(torch.rand(model.num_qo_heads, generator=g) * 6.0 - 1.0).to(torch.float32))
     source = Source(
         engine="synth",
         engine_version=attndbg.__version__,
@@ -199,19 +211,36 @@ def build(spec: SynthSpec) -> Trace:
         attndbg_version=attndbg.__version__,
     )
     graph = _graph_section(batch, spec) if spec.capture_bs else None
-    return Trace(source=source, model=model, batch=batch, seed=spec.seed, spec=spec_section, graph=graph)
+    capture = CaptureSizes(max_kv_splits=spec.max_kv_splits) if spec.max_kv_splits else None
+    return Trace(source=source, model=model, batch=batch, seed=spec.seed, spec=spec_section, graph=graph, capture=capture)
+
+
+_CAPTURES = {
+    GraphCapture.DECODE: (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY),
+    GraphCapture.MIXED: (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.MIXED),
+    GraphCapture.FULL: (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.MIXED, ForwardMode.EXTEND),
+}
 
 
 def _graph_section(batch: Batch, spec: SynthSpec) -> Graph:
-    """The static buffers a correct SGLang graph runner holds for this step (newer runner:
-    seq_lens padded with the fill value; req_pool_indices, out_cache_loc, positions zeroed)."""
-    if batch.forward_mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
-        raise SpecError(f"capture_bs: engines capture only decode and verify steps, not {batch.forward_mode.value}")
+    """The static buffers a correct graph runner holds for this step (SGLang's newer runner: seq_lens
+    padded with the fill value; req_pool_indices, out_cache_loc, positions zeroed). A mixed or extend
+    step (graph_mode=mixed/full) pads like vLLM's full graphs: one token per padded request, the
+    query offsets recorded with their padded tail."""
+    captured = GraphCapture(spec.graph_mode) if spec.graph_mode else GraphCapture.DECODE
+    if batch.forward_mode not in _CAPTURES[captured]:
+        if not spec.graph_mode:
+            raise SpecError(f"capture_bs: engines capture only decode and verify steps, not {batch.forward_mode.value} (give graph_mode=mixed or full)")
+        raise SpecError(f"graph_mode={spec.graph_mode}: such a runner does not capture {batch.forward_mode.value} steps")
+    if batch.cross:
+        raise SpecError("capture_bs: a cross-attention step is recorded eager here")
     if spec.capture_bs < batch.batch_size:
         raise SpecError(f"capture_bs={spec.capture_bs} is smaller than the batch ({batch.batch_size} requests)")
     pad = spec.capture_bs - batch.batch_size
-    per_req = int(batch.extend_lens[0]) if batch.batch_size else 1
+    uniform = batch.forward_mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
+    per_req = int(batch.extend_lens[0]) if batch.batch_size and uniform else 1
     zeros = torch.zeros(pad * per_req, dtype=torch.int64)
+    qo = None if uniform else torch.cat([batch.qo_indptr, batch.num_tokens + torch.arange(1, pad + 1)])
     return Graph(
         is_graph_replay=True,
         capture_bs=spec.capture_bs,
@@ -221,4 +250,6 @@ def _graph_section(batch: Batch, spec: SynthSpec) -> Graph:
         padded_req_pool_indices=torch.cat([torch.arange(1, batch.batch_size + 1), torch.zeros(pad, dtype=torch.int64)]),
         padded_out_cache_loc=torch.cat([batch.out_cache_loc, zeros]),
         padded_positions=torch.cat([batch.positions, zeros]),
+        padded_qo_indptr=qo,
+        captured=GraphCapture(spec.graph_mode) if spec.graph_mode else None,
     )

@@ -13,7 +13,7 @@ Keys (lists are comma-separated):
     v_head_dim    value width (MHA)
     kv_lora_rank  MLA latent width (default 512)
     rope_dim      MLA rope width (default 64)
-    kv_lens       decode: total KV length per request, current token included
+    kv_lens       decode: total KV length per request, current token included (cross=1: the encoder's)
     prefix_lens   extend/mixed/verify: cached KV per request
     extend_lens   extend/mixed: new tokens per request (mixed: 1 = a decode row)
     page_size     tokens per KV page (default 1)
@@ -29,6 +29,22 @@ Keys (lists are comma-separated):
     select        selective: query positions recomputed per request
     capture_bs    record the step as a CUDA-graph replay padded to this many requests (0 = eager)
     fill_value    seq_len of padded requests in that graph (SGLang: 1)
+    graph_mode    decode | mixed | full: which steps the runner captured (default: decode and verify
+                  only, as SGLang's); mixed also captures mixed steps, full extend steps too (vLLM FULL)
+    causal        1 | 0: queries see only the keys up to their own column (default 1; 0 with cross=1
+                  or window_right)
+    window_right  keys after a query's column it sees (non-causal layers; -1 = unbounded)
+    sinks         1: a learned sink logit per query head (gpt-oss), drawn from the seed
+    k_scale       dequantisation scale of an fp8 KV cache's keys (needs kv_dtype=float8_e4m3fn or e5m2)
+    v_scale       the same for values
+    cross         1: cross-attention: prefix_lens (decode: kv_lens) are encoder KV, cached, 0 allowed;
+                  extend_lens are the queries, aligned bottom-right when causal
+    extend_mask   causal | random | blocks: a custom mask on an extend/mixed step (random: each key
+                  drawn from the seed, a query's own column kept; blocks: causal plus bidirectional spans)
+    parents       verify: the draft tree as parent indices (-1 first), for every request, e.g. -1,0,0,1,2
+    slots         contiguous | scatter | shuffled_pages | interleaved_pages | non_monotonic: how each
+                  request's pages lie in the pool (default: scatter's); non_monotonic: descending pages
+    max_kv_splits the engine's cap on split-KV partials per request (capture.max_kv_splits; 0 = none)
     seed          RNG seed of the layout and of replay's data
 
 The same spec and seed give the same trace, bit for bit.
@@ -77,6 +93,17 @@ class SynthSpec:
     capture_bs: int = 0
     fill_value: int = 1
     seed: int = 0
+    graph_mode: str = ""  # "" = decode and verify only, stored as before (no graph.captured)
+    causal: int = -1  # -1 = 1, or 0 with cross=1 / window_right
+    window_right: int = -1
+    sinks: int = 0
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    cross: int = 0
+    extend_mask: str = ""
+    parents: tuple[int, ...] = ()
+    slots: str = ""  # "" = as `scatter` says
+    max_kv_splits: int = 0
 
 
 PRESETS: dict[str, dict[str, str]] = {
@@ -96,6 +123,12 @@ PRESETS: dict[str, dict[str, str]] = {
     "softcap": {"mode": "decode", "heads": "16:8", "kv_lens": "7,150,400", "logit_cap": "30.0"},
     "fp16": {"mode": "extend", "heads": "16:4", "dtype": "float16", "prefix_lens": "30,0", "extend_lens": "20,45"},
     "selective": {"mode": "selective", "heads": "16:4", "kv_lens": "64,150", "select": "6"},
+    "sinks-decode": {"mode": "decode", "heads": "8:1", "head_dim": "64", "kv_lens": "1,40,300", "sinks": "1"},
+    "bidirectional": {"mode": "extend", "heads": "8:2", "head_dim": "64", "prefix_lens": "0,30", "extend_lens": "40,17", "causal": "0"},
+    "fp8-scaled": {"mode": "decode", "heads": "16:4", "kv_lens": "9,130", "kv_dtype": "float8_e4m3fn", "k_scale": "0.5", "v_scale": "2.0"},
+    "cross": {"mode": "extend", "heads": "8:8", "head_dim": "64", "prefix_lens": "0,12,90", "extend_lens": "5,30,7", "cross": "1"},
+    "extend-mask": {"mode": "extend", "heads": "8:2", "head_dim": "64", "prefix_lens": "0,24", "extend_lens": "33,12", "extend_mask": "blocks"},
+    "mixed-graph": {"mode": "mixed", "heads": "16:4", "prefix_lens": "48,0,90,33", "extend_lens": "40,25,1,1", "capture_bs": "8", "graph_mode": "mixed"},
 }
 
 
@@ -108,7 +141,12 @@ _CHOICES = {
     "dtype": Q_DTYPE_NAMES,
     "kv_dtype": KV_DTYPE_NAMES,
     "mask_layout": ("full", "qlen_only", "qlen_only_bitpacked"),
+    "graph_mode": ("decode", "mixed", "full"),
+    "extend_mask": ("causal", "random", "blocks"),
+    "slots": ("contiguous", "scatter", "shuffled_pages", "interleaved_pages", "non_monotonic"),
 }
+# Keys whose 0/1 value is a switch.
+_SWITCHES = ("sinks", "cross")
 
 
 # Lower bounds of numeric keys (lists: every element), and what the bound means.
@@ -130,6 +168,12 @@ _AT_LEAST = {
     "fill_value": (0, ""),
     "prefix_lens": (0, ""),
     "extend_lens": (0, ""),
+    "kv_lens": (0, ""),
+    "causal": (0, ""),
+    "window_right": (-1, " (-1 = unbounded)"),
+    "k_scale": (0, ""),
+    "v_scale": (0, ""),
+    "max_kv_splits": (0, " (0 = none)"),
 }
 
 
@@ -173,12 +217,43 @@ def parse_spec(words: list[str] | tuple[str, ...]) -> SynthSpec:
         choices = _CHOICES.get(key)
         if choices and value not in choices and not (key == "kv_dtype" and value == ""):
             raise SpecError(f"{key}={value!r}: expected one of {', '.join(choices)}")
+        if (key in _SWITCHES or key == "causal") and kwargs[key] not in (0, 1):
+            raise SpecError(f"{key}={value!r}: expected 0 or 1")
         low = _AT_LEAST.get(key)
         if low is not None and (min(kwargs[key]) if isinstance(kwargs[key], tuple) and kwargs[key] else kwargs[key]) < low[0]:
             raise SpecError(f"{key}={value!r}: must be >= {low[0]}{low[1]}")
     spec = replace(SynthSpec(), **kwargs)
     _check_heads(spec)
+    _check_layer(spec)
     return spec
+
+
+def _check_layer(spec: SynthSpec) -> None:
+    """What the layer keys need of each other (the trace validator would refuse the result)."""
+    if spec.window_right >= 0 and spec.causal == 1:
+        raise SpecError(f"window_right={spec.window_right}: a causal layer sees no key after the query; give causal=0 (or leave causal out)")
+    for key in ("k_scale", "v_scale"):
+        value = getattr(spec, key)
+        if value <= 0:
+            raise SpecError(f"{key}={value}: must be > 0")
+        if value != 1.0 and not (spec.kv_dtype or spec.dtype).startswith("float8"):
+            raise SpecError(f"{key}={value}: engines scale only an fp8 KV cache; add kv_dtype=float8_e4m3fn")
+    if spec.cross and spec.mode not in ("decode", "extend", "mixed"):
+        raise SpecError(f"cross=1: cross-attention steps are decode, extend or mixed, not mode={spec.mode}")
+    if spec.mode == "verify" and spec.causal == 0:
+        raise SpecError("causal=0: a verify step attends by its draft tree")
+    if spec.parents and spec.parents[0] != -1:
+        raise SpecError(f"parents={','.join(map(str, spec.parents))}: the root (first) has parent -1")
+    if any(not 0 <= p < i for i, p in enumerate(spec.parents) if i > 0):
+        first = next(i for i, p in enumerate(spec.parents) if i > 0 and not 0 <= p < i)
+        raise SpecError(f"parents: entry {first} is {spec.parents[first]}: a draft token's parent comes before it (in [0, {first}))")
+
+
+def is_causal(spec: SynthSpec) -> bool:
+    """The spec's causal flag: as given, else causal unless cross=1 or window_right makes it not."""
+    if spec.causal >= 0:
+        return bool(spec.causal)
+    return not (spec.cross or spec.window_right >= 0)
 
 
 def _check_heads(spec: SynthSpec) -> None:
@@ -205,6 +280,8 @@ _USED_BY = {
     "draft_tokens": ("mode", ("verify",)),
     "mask_layout": ("mode", ("verify",)),
     "select": ("mode", ("selective",)),
+    "parents": ("mode", ("verify",)),
+    "extend_mask": ("mode", ("extend", "mixed")),
     "kv_lora_rank": ("attention", (MLA,)),
     "rope_dim": ("attention", (MLA,)),
     "head_dim": ("attention", (MHA,)),
@@ -223,8 +300,10 @@ def unused_keys(words: list[str] | tuple[str, ...]) -> list[str]:
             field, users = _USED_BY[key]
             if getattr(spec, field) not in users:
                 notes.append(f"{key}: not used by {field}={getattr(spec, field)} (used by {field}={', '.join(users)})")
-        elif key == "fill_value" and not spec.capture_bs:
-            notes.append("fill_value: not used without capture_bs (the step is not a CUDA-graph replay)")
+        elif key in ("fill_value", "graph_mode") and not spec.capture_bs:
+            notes.append(f"{key}: not used without capture_bs (the step is not a CUDA-graph replay)")
+        elif key in ("topk", "steps", "draft_tokens") and spec.parents:
+            notes.append(f"{key}: not used with parents= (the tree is given)")
     return notes
 
 

@@ -69,6 +69,14 @@ def is_chain(parents: Tensor) -> bool:
     return bool((parents == torch.arange(-1, n - 1)).all())
 
 
+def shape(parents: Tensor) -> tuple[int, int]:
+    """(topk, steps) of one request's tree [n]: the most children of a node, and the deepest draft token."""
+    if parents.numel() <= 1:
+        return 1, 1
+    children = torch.bincount(parents[1:], minlength=parents.numel())
+    return int(children.max()), max(int(depths(parents).max()), 1)
+
+
 def depths(parents: Tensor) -> Tensor:
     """[n] int64 depth of each draft token (root 0)."""
     out = torch.zeros(parents.numel(), dtype=torch.int64)

@@ -28,6 +28,7 @@ from attndbg.trace.schema import (
     EngineBuffer,
     ForwardMode,
     Graph,
+    GraphCapture,
     LayerTensors,
     LseBase,
     MaskLayout,
@@ -76,8 +77,10 @@ class _Reader:
             raise TraceError(self.name(key), f"= {value}, must be >= {min_value}")
         return value
 
-    def float(self, key: str) -> float:
-        value = self.raw(key)
+    def float(self, key: str, *, optional: bool = False, default: float = 0.0) -> float:
+        value = self.raw(key, optional)
+        if value is None and optional:
+            return default
         try:
             finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
         except OverflowError:  # an int too large for a float
@@ -232,7 +235,22 @@ def _model(r: _Reader) -> Model:
         q_dtype=r.str("q_dtype", Q_DTYPES),
         kv_dtype=r.str("kv_dtype", tuple(DTYPES)),
         page_size=r.int("page_size", min_value=1),
+        causal=r.bool("causal", optional=True, default=True),
+        window_right=r.int("window_right", min_value=-1, optional=True, default=-1),
+        sinks=_sinks(r),
+        k_scale=r.float("k_scale", optional=True, default=1.0),
+        v_scale=r.float("v_scale", optional=True, default=1.0),
     )
+    if model.window_right >= 0 and model.causal:
+        raise TraceError("model.window_right", f"= {model.window_right}, but model.causal is true: a causal query sees no key to its right (a right window needs causal = false)")
+    for name in ("k_scale", "v_scale"):
+        value = getattr(model, name)
+        if value <= 0:
+            raise TraceError(f"model.{name}", f"= {value}, must be > 0")
+        if value != 1.0 and not model.kv_dtype.startswith("float8"):
+            raise TraceError(f"model.{name}", f"= {value}, but the KV cache is {model.kv_dtype}: engines scale only an fp8 KV cache (1.0 otherwise)")
+    if model.sinks is not None and model.sinks.numel() != model.num_qo_heads:
+        raise TraceError("model.sinks", f"has {model.sinks.numel()} elements, expected one per query head ({model.num_qo_heads})")
     if model.num_qo_heads % model.num_kv_heads:
         raise TraceError(
             "model.num_qo_heads",
@@ -256,6 +274,16 @@ def _model(r: _Reader) -> Model:
     return model
 
 
+def _sinks(r: _Reader) -> Tensor | None:
+    """model.sinks (optional): a 1-D float32 tensor of finite logits (its length is checked with the heads)."""
+    sinks = r.tensor("sinks", dtypes=(torch.float32,), ndim=1, optional=True)
+    if sinks is not None:
+        bad = _first_bad(~torch.isfinite(sinks))
+        if bad >= 0:
+            raise TraceError(f"model.sinks[{bad}]", f"= {float(sinks[bad])}, expected a finite logit")
+    return sinks
+
+
 def _batch(r: _Reader, model: Model) -> Batch:
     mode = r.enum("forward_mode", ForwardMode)
     prefix = r.index("prefix_lens")
@@ -264,7 +292,13 @@ def _batch(r: _Reader, model: Model) -> Batch:
     kv = r.index("kv_lens", bs)
     for name, values in (("prefix_lens", prefix), ("extend_lens", extend), ("kv_lens", kv)):
         _check_nonneg(r.name(name), values)
-    bad = _first_bad(kv != prefix + extend)
+    cross = r.bool("cross", optional=True)
+    if cross:
+        # Cross-attention: every KV column is the encoder's, cached before the step.
+        bad = _first_bad(kv != prefix)
+        if bad >= 0:
+            raise TraceError(f"batch.kv_lens[{bad}]", f"= {int(kv[bad])}, expected prefix_lens = {int(prefix[bad])}: a cross-attention row is all cached encoder KV")
+    bad = -1 if cross else _first_bad(kv != prefix + extend)
     if bad >= 0:
         raise TraceError(
             f"batch.kv_lens[{bad}]",
@@ -296,6 +330,15 @@ def _batch(r: _Reader, model: Model) -> Batch:
     positions = r.index("positions", num_tokens)
     seq_lens_raw = r.index("seq_lens_raw", bs)
     selective = r.bool("selective", optional=True)
+    if cross and selective:
+        raise TraceError("batch.cross", "is true, but the step is a selective recompute: a cross-attention query recomputes no column of its row")
+    custom_mask = r.tensor("custom_mask", dtypes=(torch.bool,), ndim=1, optional=True)
+    if custom_mask is not None:
+        need = int((extend * kv).sum())
+        if custom_mask.numel() != need:
+            raise TraceError("batch.custom_mask", f"has {custom_mask.numel()} elements, expected sum(extend_lens * kv_lens) = {need} (a [extend_len, kv_len] block per request)")
+        if selective:
+            raise TraceError("batch.custom_mask", "is given on a selective recompute, whose columns already say what each query sees")
     batch = Batch(
         forward_mode=mode,
         prefix_lens=prefix,
@@ -309,6 +352,8 @@ def _batch(r: _Reader, model: Model) -> Batch:
         seq_lens_raw=seq_lens_raw,
         kv_cache_size=cache_size,
         selective=selective,
+        cross=cross,
+        custom_mask=custom_mask,
     )
     _check_query_cols(batch)
     if mode is ForwardMode.DECODE:
@@ -348,6 +393,9 @@ def _check_query_cols(batch: Batch) -> None:
     req_of_token = torch.repeat_interleave(torch.arange(batch.batch_size), batch.extend_lens)
     cols = batch.query_cols
     kv_of_token = batch.kv_lens[req_of_token]
+    if batch.cross:
+        _check_cross_queries(batch, req_of_token)
+        return
     bad = _first_bad((cols < 0) | (cols >= kv_of_token))
     if bad >= 0:
         raise TraceError(
@@ -376,6 +424,21 @@ def _check_query_cols(batch: Batch) -> None:
             f"batch.out_cache_loc[{bad}]",
             f"= {int(batch.out_cache_loc[bad])}, but the token's column {int(cols[bad])} maps to slot {int(expected_loc[bad])}",
         )
+
+
+def _check_cross_queries(batch: Batch, req_of_token: Tensor) -> None:
+    """A cross-attention query sits bottom-right aligned (kv_len - q_len + i) and writes nothing (-1)."""
+    within = torch.arange(batch.num_tokens) - batch.qo_indptr[req_of_token]
+    expected = batch.kv_lens[req_of_token] - batch.extend_lens[req_of_token] + within
+    bad = _first_bad(batch.query_cols != expected)
+    if bad >= 0:
+        raise TraceError(
+            f"batch.query_cols[{bad}]",
+            f"= {int(batch.query_cols[bad])}, expected kv_len - q_len + token index = {int(expected[bad])} (cross-attention queries are aligned bottom-right)",
+        )
+    bad = _first_bad(batch.out_cache_loc != -1)
+    if bad >= 0:
+        raise TraceError(f"batch.out_cache_loc[{bad}]", f"= {int(batch.out_cache_loc[bad])}, expected -1: a cross-attention step writes no K/V (the encoder's are cached)")
 
 
 def _spec(r: _Reader, batch: Batch) -> Spec:
@@ -434,6 +497,7 @@ def _graph(r: _Reader) -> Graph:
         # Values are evidence (a decreasing padded tail, a -1 block): only their shape is checked.
         padded_qo_indptr=qo.to(torch.int64) if qo is not None else None,
         padded_block_table=table.to(torch.int64) if table is not None else None,
+        captured=r.enum("captured", GraphCapture) if r.raw("captured", optional=True) is not None else None,
     )
 
 
@@ -528,6 +592,11 @@ def from_dict(data: Any) -> Trace:
         tensors[int(layer)] = _layer_tensors(_Reader(section, f"tensors.{layer}"), model, batch)
     if batch.forward_mode is ForwardMode.TARGET_VERIFY and spec_r is None:
         raise TraceError("spec", "missing: a TARGET_VERIFY step needs its draft tree")
+    if batch.forward_mode is ForwardMode.TARGET_VERIFY:
+        # A verify step attends by its draft tree (spec), which says everything a query sees.
+        for name, set_ in (("model.causal", not model.causal), ("batch.cross", batch.cross), ("batch.custom_mask", batch.custom_mask is not None)):
+            if set_:
+                raise TraceError(name, "is set on a TARGET_VERIFY step, whose draft tree (spec) decides what each query sees")
     spec = _spec(spec_r, batch) if spec_r else None
     plan = _plan(plan_r) if plan_r else None
     buffers_r = _section(top, "buffers", optional=True)

@@ -1,9 +1,13 @@
 """Which keys each query of a request sees: decided from the batch alone.
 
 This is the ground truth every comparison rests on (the reference backend, the detectors, the
-injections): a query attends causally to the columns at or before its own; a draft token of a
-verify step to the prefix, the root, itself and its ancestors; the sliding window and rope
-positions (a draft token sits at prefix + its depth) cut what is left.
+injections): a query attends causally to the columns at or before its own (a non-causal layer: to
+every column of its row); a step's custom mask replaces that rule; a draft token of a verify step
+attends to the prefix, the root, itself and its ancestors; the sliding windows (left, and right
+for a non-causal layer) and rope positions (a draft token sits at prefix + its depth) cut what is
+left. A cross-attention query's column is its bottom-right alignment (schema.Batch.cross), so a causal
+request with more queries than keys has rows that see nothing: they are fully masked, and the
+reference gives them output 0 and LSE -inf (or the sink's logit, model.sinks).
 """
 
 from __future__ import annotations
@@ -39,8 +43,16 @@ def visibility(trace: Trace, b: int, rows: slice = slice(None), *, tree_mask: Te
         key_pos = torch.cat([cols[:prefix], prefix + tree.depths(parents)])
         query_pos = (prefix + tree.depths(parents))[rows]
     else:
-        visible = cols[None, :] <= query_cols[:, None]
+        model = trace.model
+        if batch.custom_mask is not None:
+            visible = batch.mask_block(b)[rows].clone()
+        elif model.causal:
+            visible = cols[None, :] <= query_cols[:, None]
+        else:
+            visible = torch.ones(query_cols.numel(), kv, dtype=torch.bool)
         key_pos, query_pos = cols, query_cols
+        if model.window_right >= 0:
+            visible &= (key_pos[None, :] - query_pos[:, None]) <= model.window_right
     window = trace.model.sliding_window
     if window >= 0:
         visible &= (query_pos[:, None] - key_pos[None, :]) <= window

@@ -11,7 +11,9 @@ Split boundaries (both stages compute them the same way, `_split_range`):
   kv_len_per_split = cdiv(cdiv(seq_len, num_kv_splits[b]), MIN_BLOCK_KV) * MIN_BLOCK_KV
   split s covers [s * kv_len_per_split, min((s + 1) * kv_len_per_split, seq_len)).
 An empty split writes nothing in stage 1 and is skipped in stage 2, so merging never computes
-exp(-inf - -inf) (FlashInfer #4051 is that bug).
+exp(-inf - -inf) (FlashInfer #4051 is that bug). Sinks (one more softmax term per query head, with
+no value) and a scaled fp8 cache's v_scale belong to the merge, so stage 2 applies them once; K
+and V are read in any dtype and computed in q's (k_scale is folded into sm_scale by the caller).
 
 The score/softmax step is shared with the extend kernel through common.py.
 """
@@ -154,6 +156,7 @@ def _decode_stage1_kernel(
                 K, V, kv_loc, mask_n, stride_kn, stride_kd, stride_vn, stride_vd,
                 D_MODEL, DV, BLOCK_DMODEL, BLOCK_DPE, BLOCK_DV,
             )
+            k, k_pe, v = k.to(q.dtype), k_pe.to(q.dtype), v.to(q.dtype)  # an fp8 cache is computed in q's dtype
             # Padded head rows have q = 0 and finite scores, so only key columns are masked;
             # the first tile of a non-empty split always has a visible key.
             acc, l_i, m_i = attend_tile(
@@ -186,7 +189,9 @@ def _decode_stage2_kernel(
     Lse,  # [bs, Hq] float32
     Kv_Indptr,
     Num_Kv_Splits,
+    Sinks,  # [Hq] float32 sink logits (a dummy pointer when HAS_SINKS is False)
     max_kv_splits,
+    v_scale,
     stride_ab, stride_ah, stride_as, stride_ad,
     stride_lb, stride_lh, stride_ls,
     stride_ob, stride_oh, stride_od,
@@ -194,6 +199,7 @@ def _decode_stage2_kernel(
     DV: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     MIN_BLOCK_KV: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     cur_batch = tl.program_id(0)
     cur_head = tl.program_id(1)
@@ -226,9 +232,18 @@ def _decode_stage2_kernel(
             total = total * alpha + w
             m = m_new
 
-    # seq_len 0: no split was merged; write 0 and lse = -inf instead of 0/0
+    if HAS_SINKS:
+        # the sink: one more term exp(sink - m) in the denominator, with no value
+        sink = tl.load(Sinks + cur_head)
+        m_new = tl.maximum(m, sink)  # finite: the sink is
+        alpha = tl.exp(m - m_new)
+        acc = acc * alpha
+        total = total * alpha + tl.exp(sink - m_new)
+        m = m_new
+
+    # seq_len 0 (and no sink): no split was merged; write 0 and lse = -inf instead of 0/0
     has_kv = total > 0.0
-    o = tl.where(has_kv, acc / tl.where(has_kv, total, 1.0), 0.0)
+    o = tl.where(has_kv, acc / tl.where(has_kv, total, 1.0), 0.0) * v_scale
     lse = tl.where(has_kv, m + tl.log(tl.where(has_kv, total, 1.0)), float("-inf"))
     tl.store(O + cur_batch * stride_ob + cur_head * stride_oh + offs_dv * stride_od,
              o.to(O.dtype.element_ty), mask=mask_dv)
@@ -332,22 +347,27 @@ def decode_stage2(
     kv_indptr: torch.Tensor,  # [bs + 1] int32
     num_kv_splits: torch.Tensor,  # [bs] int32, the same values stage 1 used
     max_kv_splits: int,
+    sinks: torch.Tensor | None = None,  # [Hq] float32 sink logits, merged in once
+    v_scale: float = 1.0,  # the output's scale (an fp8 cache's v_scale)
 ) -> None:
-    """Stage 2: merge each request's non-empty splits into o and its natural-log LSE."""
+    """Stage 2: merge each request's non-empty splits (and the sinks) into o and its natural-log LSE."""
     bs, num_q_heads, dv = o.shape
     _check_scratch(
         attn_logits, attn_lse, bs=bs, num_q_heads=num_q_heads, max_kv_splits=max_kv_splits, dv=dv
     )
     _check(lse.shape == (bs, num_q_heads), f"lse {tuple(lse.shape)}: expected ({bs}, {num_q_heads})")
+    _check(sinks is None or sinks.shape == (num_q_heads,), f"sinks {None if sinks is None else tuple(sinks.shape)}: expected ({num_q_heads},)")
     if bs == 0:
         return
     grid = (bs, num_q_heads)
     _decode_stage2_kernel[grid](
-        attn_logits, attn_lse, o, lse, kv_indptr, num_kv_splits, max_kv_splits,
+        attn_logits, attn_lse, o, lse, kv_indptr, num_kv_splits,
+        sinks if sinks is not None else lse, max_kv_splits, v_scale,
         *attn_logits.stride(), *attn_lse.stride(), *o.stride(), *lse.stride(),
         DV=dv,
         BLOCK_DV=triton.next_power_of_2(dv),
         MIN_BLOCK_KV=MIN_BLOCK_KV,
+        HAS_SINKS=sinks is not None,
         num_warps=4,
         num_stages=2,
     )
@@ -368,6 +388,8 @@ def decode_attention_fwd(
     max_kv_splits: int,
     sm_scale: float,
     logit_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,  # [Hq] float32 sink logits
+    v_scale: float = 1.0,  # an fp8 cache's v_scale (fold k_scale into sm_scale)
 ) -> None:
     """Split-KV decode attention: stage 1 then stage 2 (see the module docstring)."""
     decode_stage1(
@@ -391,4 +413,6 @@ def decode_attention_fwd(
         kv_indptr=kv_indptr,
         num_kv_splits=num_kv_splits,
         max_kv_splits=max_kv_splits,
+        sinks=sinks,
+        v_scale=v_scale,
     )

@@ -12,8 +12,12 @@ Visibility of key column j for query i (all conditions AND-ed):
   prefix j < p_b:     custom_mask[i, j] when a mask is given and not skip_prefix_custom_mask
   extend j = p_b + k: custom_mask[i, p_b + k] when a mask is given, else k <= i when causal
   sliding_window >= 0: c - j <= sliding_window
+  window_right >= 0:   j - c <= window_right (a non-causal layer's right window)
 where request b's custom mask is a row-major [e_b, p_b + e_b] block at element mask_indptr[b] of
-the flat mask. A query row that sees no key writes 0 and lse = -inf.
+the flat mask. A query row that sees no key writes 0 and lse = -inf. With sinks, each query head's
+sink logit is one more softmax term with no value (a row that sees no key: output 0, lse = the
+sink). K and V are read in any dtype (an fp8 cache included) and computed in q's; a scaled fp8
+cache passes k_scale folded into sm_scale and v_scale, which multiplies the output.
 """
 
 from __future__ import annotations
@@ -41,9 +45,12 @@ def _extend_kernel(
     Kv_Indices,  # prefix slot ids, int32/int64
     Custom_Mask,  # flat uint8 (or a dummy pointer when USE_CUSTOM_MASK is False)
     Mask_Indptr,  # [bs + 1] int64
+    Sinks,  # [Hq] float32 sink logits (a dummy pointer when HAS_SINKS is False)
     sm_scale,
     logit_cap,
     sliding_window,
+    window_right,
+    v_scale,
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
@@ -63,7 +70,9 @@ def _extend_kernel(
     USE_CUSTOM_MASK: tl.constexpr,
     SKIP_PREFIX_CUSTOM_MASK: tl.constexpr,
     USE_SLIDING_WINDOW: tl.constexpr,
+    USE_WINDOW_RIGHT: tl.constexpr,
     USE_LOGIT_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -126,6 +135,7 @@ def _extend_kernel(
             K, V, kv_loc, mask_n, stride_kbn, stride_kbd, stride_vbn, stride_vbd,
             D_MODEL, DV, BLOCK_DMODEL, BLOCK_DPE, BLOCK_DV,
         )
+        k, k_pe, v = k.to(q.dtype), k_pe.to(q.dtype), v.to(q.dtype)  # an fp8 cache is computed in q's dtype
         visible = mask_m[:, None] & mask_n[None, :]
         if USE_CUSTOM_MASK and not SKIP_PREFIX_CUSTOM_MASK:
             visible &= tl.load(mask_rows + offs_n[None, :], mask=visible, other=0) != 0
@@ -151,6 +161,7 @@ def _extend_kernel(
             K, V, rows_kv, mask_n, stride_kt, stride_kd, stride_vt, stride_vd,
             D_MODEL, DV, BLOCK_DMODEL, BLOCK_DPE, BLOCK_DV,
         )
+        k, k_pe, v = k.to(q.dtype), k_pe.to(q.dtype), v.to(q.dtype)
         visible = mask_m[:, None] & mask_n[None, :]
         if USE_CUSTOM_MASK:
             visible &= tl.load(mask_rows + prefix_len + offs_n[None, :], mask=visible, other=0) != 0
@@ -158,15 +169,26 @@ def _extend_kernel(
             visible &= offs_n[None, :] <= offs_m[:, None]
         if USE_SLIDING_WINDOW:
             visible &= offs_m[:, None] - offs_n[None, :] <= sliding_window
+        if USE_WINDOW_RIGHT:
+            visible &= offs_n[None, :] - offs_m[:, None] <= window_right
         acc, l_i, m_i = attend_tile(
             acc, l_i, m_i, q, q_pe, k, k_pe, v, visible, sm_scale, logit_cap,
             BLOCK_DPE, USE_LOGIT_CAP, DOT_FP32, DOT_PRECISION,
         )
 
+    if HAS_SINKS:
+        # the sink: one more term exp(sink - m) in the denominator, with no value
+        sink = tl.load(Sinks + cur_head)
+        m_new = tl.maximum(m_i, sink)  # finite: the sink is
+        alpha = tl.exp(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.exp(sink - m_new)
+        m_i = m_new
+
     # normalise; a row that saw no key has l_i = 0: write 0 and lse = -inf, never 0/0
     has_kv = l_i > 0.0
     l_safe = tl.where(has_kv, l_i, 1.0)
-    out = tl.where(has_kv[:, None], acc / l_safe[:, None], 0.0)
+    out = tl.where(has_kv[:, None], acc / l_safe[:, None], 0.0) * v_scale
     lse = tl.where(has_kv, m_i + tl.log(l_safe), float("-inf"))
     offs_dv = tl.arange(0, BLOCK_DV)
     tl.store(
@@ -222,6 +244,9 @@ def extend_attention_fwd(
     logit_cap: float = 0.0,
     skip_prefix_custom_mask: bool = True,
     sliding_window: int = -1,
+    window_right: int = -1,  # keys after the query's column it sees (non-causal layers); -1 = no bound
+    sinks: torch.Tensor | None = None,  # [Hq] float32 sink logits
+    v_scale: float = 1.0,  # the output's scale (an fp8 cache's v_scale; fold k_scale into sm_scale)
 ) -> None:
     """Extend attention over the cached prefix and the new tokens (see the module docstring)."""
     num_tokens, num_q_heads, dk = q_extend.shape
@@ -252,10 +277,13 @@ def extend_attention_fwd(
     grid = (bs, num_q_heads, triton.cdiv(max_len_extend, launch.block_m))
     if num_tokens == 0 or grid[2] == 0:
         return
+    if sinks is not None and sinks.shape != (num_q_heads,):
+        raise ValueError(f"sinks {tuple(sinks.shape)}: expected one logit per query head ({num_q_heads},)")
     _extend_kernel[grid](
         q_extend, k_extend, v_extend, o_extend, lse_extend, k_buffer, v_buffer,
         qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr,
-        sm_scale, logit_cap, sliding_window,
+        sinks if sinks is not None else lse_extend,
+        sm_scale, logit_cap, sliding_window, window_right, v_scale,
         *q_extend.stride(), *k_extend.stride(), *v_extend.stride(),
         *o_extend.stride(), *lse_extend.stride(),
         *k_buffer.stride(), *v_buffer.stride(),
@@ -267,7 +295,9 @@ def extend_attention_fwd(
         USE_CUSTOM_MASK=use_custom_mask,
         SKIP_PREFIX_CUSTOM_MASK=skip_prefix_custom_mask,
         USE_SLIDING_WINDOW=sliding_window >= 0,
+        USE_WINDOW_RIGHT=window_right >= 0,
         USE_LOGIT_CAP=logit_cap > 0,
+        HAS_SINKS=sinks is not None,
         **dot_flags(q_extend.dtype),
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
