@@ -46,16 +46,18 @@ def examples(directory: str, overwrite: bool) -> None:
 
 @main.command()
 @click.argument("spec", nargs=-1)
-@options.output_file("trace file to write", required=False)
+@click.option("-o", "--output", "output", type=click.Path(), help="trace file to write (with --recording: the recording's directory)")
 @click.option("--list", "list_presets", is_flag=True, help="list presets, spec keys and injectable mistakes")
 @click.option("--inject", "inject_kind", default=None, metavar="KIND:MISTAKE", help="carry a realistic mistake a detector finds, e.g. tree-mask:bit-order (see --list)")
+@click.option("--recording", "steps", type=click.IntRange(min=1), default=None, metavar="N", help="write a recording of N steps whose batch shrinks and grows back")
 @handles_bad_input
-def synth(spec: tuple[str, ...], output: str | None, list_presets: bool, inject_kind: str | None) -> None:
+def synth(spec: tuple[str, ...], output: str | None, list_presets: bool, inject_kind: str | None, steps: int | None) -> None:
     """Build a trace from a spec: a preset, then key=value overrides.
 
     \b
-    Example:
+    Examples:
       attndbg synth decode-gqa kv_lens=1,33,2000 page_size=16 -o decode.pt
+      attndbg synth decode-gqa capture_bs=8 --recording 6 -o rec
     """
     from attndbg.detectors import registry as detectors
     from attndbg.trace import synth_spec
@@ -78,6 +80,13 @@ def synth(spec: tuple[str, ...], output: str | None, list_presets: bool, inject_
     from attndbg.replay.plans import with_engine_plan
     from attndbg.trace import io, synth as synth_mod
 
+    if steps is not None:
+        if inject_kind:
+            raise BadInput("synth --recording: --inject carries a mistake into one step; write the step alone")
+        _write_recording(synth_spec.parse_spec(spec), steps, Path(output))
+        return
+    if Path(output).is_dir():
+        raise BadInput(f"-o {output}: is a directory (a recording's? give --recording N, or a file name)")
     trace = with_engine_plan(synth_mod.build(synth_spec.parse_spec(spec)))
     for note in synth_spec.unused_keys(spec):
         click.echo(f"note: {note}", err=True)
@@ -93,6 +102,24 @@ def synth(spec: tuple[str, ...], output: str | None, list_presets: bool, inject_
     io.save(trace, output)
     b = trace.batch
     click.echo(f"wrote {output}: {b.forward_mode.value} bs={b.batch_size} tokens={b.num_tokens} kv_lens={b.kv_lens.tolist()[:8]}")
+
+
+def _write_recording(spec: Any, steps: int, out: Path) -> None:
+    """`synth --recording N`: N steps through the recorder's writer (manifest.jsonl + step files)."""
+    from dataclasses import replace
+
+    from attndbg.replay.plans import with_engine_plan
+    from attndbg.trace import io, synth as synth_mod
+
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise BadInput(f"-o {out}: exists and is not an empty directory; a recording is written into a new one")
+    traces = [synth_mod.build(step_spec) for step_spec in synth_mod.recording_specs(spec, steps)]  # every step builds before one is written
+    out.mkdir(parents=True, exist_ok=True)
+    for number, trace in enumerate(traces):
+        trace = with_engine_plan(replace(trace, source=replace(trace.source, step=number)))
+        io.append_to_recording(out, trace)
+    sizes = [t.batch.batch_size for t in traces]
+    click.echo(f"wrote {out}: {steps} steps, {traces[0].batch.forward_mode.value}, batch sizes {sizes[:12]}{' ...' if len(sizes) > 12 else ''}")
 
 
 def _mistake_hint(kind: str) -> str:

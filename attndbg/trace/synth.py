@@ -253,3 +253,26 @@ def _graph_section(batch: Batch, spec: SynthSpec) -> Graph:
         padded_qo_indptr=qo,
         captured=GraphCapture(spec.graph_mode) if spec.graph_mode else None,
     )
+
+
+def recording_specs(spec: SynthSpec, steps: int) -> list[SynthSpec]:
+    """The specs of `attndbg synth --recording N`: N steps of one server whose batch shrinks to one
+    request and grows back (first requests of the spec kept, a triangle wave between the spec's
+    batch and 1), so that detectors of state left by an earlier step (a graph replayed with a
+    smaller batch, stale padded rows) see more than one step. Decode and verify requests grow by
+    one token a step, as they would decoding; each step draws its own data (seed + step). A spec
+    with capture_bs replays every step into that one captured graph."""
+    counts = {"decode": len(spec.kv_lens), "selective": len(spec.kv_lens)}.get(spec.mode, len(spec.prefix_lens))
+    if counts < 1:
+        raise SpecError("the batch is empty: give at least one request")
+    period = 2 * (counts - 1)
+    out = []
+    for step in range(steps):
+        phase = step % period if period else 0
+        bs = counts - phase if phase < counts else 2 + phase - counts
+        grown = {"decode": "kv_lens", "verify": "prefix_lens"}.get(spec.mode)
+        fields = {name: tuple(getattr(spec, name)[:bs]) for name in ("kv_lens", "prefix_lens", "extend_lens")}
+        if grown:
+            fields[grown] = tuple(n + step for n in fields[grown])
+        out.append(replace(spec, seed=spec.seed + step, **fields))
+    return out
