@@ -130,8 +130,18 @@ class FA3Call:
     max_seqlen_q: int
     max_seqlen_k: int
     causal: bool
-    window_left: int  # -1 = off; FA3's window_size = (window_left, 0)
+    window_left: int  # -1 = off; FA3's window_size = (window_left, window_right)
     page_size: int
+    window_right: int = -1  # a non-causal layer's right window; -1 = off
+
+    def rows_without_keys(self) -> Tensor:
+        """[T] bool: query rows that see no key: a request with none, or, causal (aligned
+        bottom-right), row i of q_len over k keys with k - q_len + i < 0."""
+        q_lens = (self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]).to(torch.int64)
+        k = self.cache_seqlens.to(torch.int64).repeat_interleave(q_lens)
+        q = q_lens.repeat_interleave(q_lens)
+        i = torch.arange(int(q_lens.sum())) - torch.repeat_interleave(self.cu_seqlens_q[:-1].to(torch.int64), q_lens)
+        return (k == 0) | ((k - q + i < 0) if self.causal else torch.zeros_like(k, dtype=torch.bool))
 
     @classmethod
     def from_plan(cls, plan: Plan, prefix: str = "") -> FA3Call:
@@ -145,6 +155,7 @@ class FA3Call:
             causal=bool(s[f"{prefix}causal"]),
             window_left=int(s["window_left"]),
             page_size=int(s[f"{prefix}page_size"]),
+            window_right=int(s.get("window_right", -1)),
         )
 
 
@@ -234,10 +245,22 @@ class FA3Backend(Backend):
             tree_mask=True,  # SGLang's two-call path (verify_path='mask' is refused by configuration_reason)
             sliding_window=True,
             soft_cap=True,
+            # causal=False; cross-attention as a call over the encoder's KV (FA3's causal mask is
+            # aligned bottom-right); a request without keys (cache_seqlens 0, as vLLM pads).
+            non_causal=True,
+            cross=True,
+            empty_kv=True,
+            # window_size=(left, right) in flash_attn_with_kvcache / flash_attn_varlen_func;
+            # FlashInfer's wrapper takes window_left only.
+            window_right=not on_flashinfer,
             lse_base=LseBase.TWO if on_flashinfer else LseBase.E,
             why={
                 "column_mask": "FA3 masks are causal or sliding-window only",
+                "extend_mask": "FA3 masks are causal or sliding-window only",
                 "window_in_tree_verify": "SGLang uses a separate swa_spec_metadata path",
+                "window_right": "FlashInfer's backend='fa3' wrapper takes window_left only (prefill.py plan(): no right window)",
+                "sinks": "the sink term (sgl_kernel's sinks, vLLM's s_aux, FlashInfer's fa3 AttentionSink variant) is not wired into this adapter",
+                "kv_dtype_is_q_dtype": "an fp8 cache with scales is not wired into this adapter",
             },
         )
 
@@ -277,7 +300,10 @@ class FA3Backend(Backend):
             return self._two_call_plan(trace, rows, padding)
         tensors = _call_tensors(rows, q_lens, model.page_size)
         scalars: dict[str, int | float | bool | str] = {"window_left": model.sliding_window, "verify_path": "causal"}
-        scalars.update(_call_scalars(rows, q_lens, causal=True, page_size=model.page_size))
+        if model.window_right >= 0:
+            scalars["window_right"] = model.window_right
+        # A chain verify is causal whatever the layer; cross-attention: causal aligned bottom-right.
+        scalars.update(_call_scalars(rows, q_lens, causal=model.causal or trace.is_tree_verify, page_size=model.page_size))
         return Plan(backend=self.name, tensors=tensors, scalars=scalars)
 
     def _two_call_plan(self, trace: Trace, rows: list[Tensor], padding: Padding | None) -> Plan:
@@ -390,20 +416,26 @@ class FA3Backend(Backend):
                 raise library_error(e, trace.model, library=impl.value) from e
             first = (str(e).strip().splitlines() or [""])[0]
             raise KernelError(f"{impl.value}: {type(e).__name__}: {first[:300]}") from e
-        # A request with an empty prefix contributes nothing to the merge, whatever LSE the
-        # kernel leaves in its rows (kernels differ: -inf, or 0 with a zero output).
-        q_lens = (main_call.cu_seqlens_q[1:] - main_call.cu_seqlens_q[:-1]).to(torch.int64)
-        empty = (main_call.cache_seqlens == 0).repeat_interleave(q_lens).to(main.lse.device)
-        main = AttentionResult(output=main.output, lse=main.lse.masked_fill(empty[:, None], float("-inf")))
+        # A request with an empty prefix contributes nothing to the merge (its LSE is -inf: _call).
         return merge_states(main, expand, dtype=inputs.q.dtype)
 
     def _call(self, impl: Impl, key: str, trace: Trace, inputs: AttentionInputs, call: FA3Call) -> AttentionResult:
-        """One FA3 call: output [T, Hq, Dv] in q's dtype, LSE [T, Hq] natural log."""
+        """One FA3 call: output [T, Hq, Dv] in q's dtype, LSE [T, Hq] natural log, and -inf for the
+        rows that see no key (the reference's convention: kernels write +inf there, flash-attn's
+        softmax.h, or 0 with a zero output; only the LSE is mapped, the output is compared as written)."""
+        result = self._launch(impl, key, trace, inputs, call)
+        empty = call.rows_without_keys().to(result.lse.device)
+        if not bool(empty.any()):
+            return result
+        return AttentionResult(output=result.output, lse=result.lse.masked_fill(empty[:, None], float("-inf")))
+
+    def _launch(self, impl: Impl, key: str, trace: Trace, inputs: AttentionInputs, call: FA3Call) -> AttentionResult:
         model = trace.model
         device = inputs.q.device
         k_cache = inputs.k_cache.view(-1, call.page_size, model.num_kv_heads, model.head_dim)
         v_cache = inputs.v_cache.view(-1, call.page_size, model.num_kv_heads, model.v_head_dim)
-        window = (call.window_left, 0) if call.window_left >= 0 else (-1, -1)
+        # FA3's window_size: (left, right), -1 = unbounded on that side; a causal call's right is 0.
+        window = (call.window_left, call.window_right if not call.causal else 0) if call.window_left >= 0 or call.window_right >= 0 else (-1, -1)
         if impl is Impl.FLASHINFER:
             wrapper = self._wrappers.get(key)
             if wrapper is None:

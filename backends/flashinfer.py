@@ -56,6 +56,7 @@ from attndbg.backends import plan_layout as pl
 from attndbg.backends import plan_view as pv
 from attndbg.trace import tree
 from attndbg.trace.schema import DTYPES, ForwardMode, LseBase, Model, Plan, Trace, indptr
+from attndbg.trace.visibility import visibility
 
 INSTALL_HINT = "flashinfer is not installed: `pip install 'attndbg[flashinfer]'`"
 # FlashInfer's FA2 prefill kernels (bf16, tensor-core decode) need Ampere or newer.
@@ -229,26 +230,59 @@ class FlashInferBackend(Backend):
             sliding_window=True,
             window_in_tree_verify=True,
             soft_cap=True,
+            # plan(causal=False); BatchAttentionWithAttentionSinkWrapper (the AttentionSink variant,
+            # fa2); run(k_scale=, v_scale=); cross-attention and an extend's mask through the paged
+            # prefill wrapper over the KV the plan lists (causal masks aligned bottom-right).
+            non_causal=True,
+            sinks=True,
+            kv_scales=True,
+            cross=True,
+            extend_mask=True,
             lse_base=LseBase.TWO,
+            why={
+                "window_right": "plan() and run() take window_left only (prefill.py, decode.py: no right window)",
+                "empty_kv": "its decode kernels need seq_len >= 1: seq_len 0 gave illegal memory accesses (SGLang #1469) and NaN rows (FlashInfer #2883)",
+            },
         )
 
     def configuration_reason(self, trace: Trace) -> str | None:
         mode = trace.batch.forward_mode
+        if trace.model.sinks is not None:
+            return self._sink_problem(trace)
         if mode in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND) and not trace.is_tree_verify:
             return self._extend_path_problem(trace)
         return None
 
     def known_defect(self, trace: Trace) -> str | None:
-        if trace.batch.forward_mode is ForwardMode.DECODE:
+        # (A decode with sinks runs the sink wrapper, a prefill kernel: not the decode kernels.)
+        if trace.batch.forward_mode is ForwardMode.DECODE and trace.model.sinks is None:
             return decode_head_dim_defect(trace.model.head_dim, self.use_tensor_cores(trace))
         return None
 
     def library(self) -> LibraryRelease:
         return LibraryRelease("FlashInfer", package_version("flashinfer") or "not installed")
 
+    def _sink_problem(self, trace: Trace) -> str | None:
+        """Sinks run through BatchAttentionWithAttentionSinkWrapper (attention/_core.py): a paged
+        prefill whose AttentionSink variant (jit/attention/variants.py) declares the sink and
+        sm_scale only, so no soft-cap, and no mask beyond causal and window_left."""
+        model, batch = trace.model, trace.batch
+        if model.logit_cap > 0:
+            return "attention sinks with a logit soft-cap: FlashInfer's AttentionSink variant applies no soft-cap"
+        if trace.is_tree_verify or batch.selective or batch.custom_mask is not None:
+            return "attention sinks with a custom mask: FlashInfer's sink wrapper is run here with causal / window_left masks only"
+        if self.options.extend_path not in (ExtendPath.AUTO, ExtendPath.PAGED) and batch.forward_mode is not ForwardMode.DECODE:
+            return f"extend_path={self.options.extend_path.value} with attention sinks: the sink is one term of one softmax, so only the paged path (one pass) runs it"
+        return None
+
     def _extend_path_problem(self, trace: Trace) -> str | None:
         requested = self.options.extend_path
         batch = trace.batch
+        if requested in (ExtendPath.RAGGED, ExtendPath.CASCADE) and _one_paged_pass(trace):
+            return (
+                f"extend_path={requested.value}: {_one_paged_pass(trace)} is run in one pass of the paged prefill "
+                "wrapper over the KV it lists (the ragged pass attends causally to the new tokens alone): use paged"
+            )
         if batch.selective and requested in (ExtendPath.RAGGED, ExtendPath.CASCADE):
             return (
                 f"extend_path={requested.value}: selective recompute reads its whole row from the cache with a "
@@ -286,14 +320,14 @@ class FlashInferBackend(Backend):
         if requested is not ExtendPath.AUTO:
             return PlanPath(requested.value)
         batch = trace.batch
-        if batch.selective or trace.model.sliding_window >= 0 or batch.forward_mode is ForwardMode.DRAFT_EXTEND:
+        if batch.selective or trace.model.sliding_window >= 0 or batch.forward_mode is ForwardMode.DRAFT_EXTEND or _one_paged_pass(trace):
             return PlanPath.PAGED
         return PlanPath.CASCADE if bool((batch.prefix_lens > 0).any()) else PlanPath.RAGGED
 
     def derive_plan(self, trace: Trace, padding: Padding | None = None) -> Plan:
         if padding is not None and padding.capture_bs < trace.batch.batch_size:
             raise ValueError(f"capture_bs {padding.capture_bs} < batch size {trace.batch.batch_size}")
-        if trace.batch.forward_mode is ForwardMode.DECODE:
+        if trace.batch.forward_mode is ForwardMode.DECODE and trace.model.sinks is None:
             return self._decode_plan(trace, padding)
         if trace.is_tree_verify:
             return self._verify_plan(trace, padding)
@@ -359,16 +393,14 @@ class FlashInferBackend(Backend):
         window = trace.model.sliding_window
         tensors = {"qo_indptr": indptr(batch.extend_lens).to(torch.int32)}
         pages = []
-        if batch.selective:
-            # The recomputed tokens' K/V are already in their slots: the whole row is read from the
-            # cache and a custom mask applies causality (and the window) by each query's column.
+        if batch.selective or batch.custom_mask is not None:
+            # The whole row is read from the cache and a custom mask says what each query sees by
+            # column (selective recompute: causality by each query's column; an extend's own mask),
+            # the window folded in.
             blocks = []
-            qo = batch.qo_indptr
             for b in range(batch.batch_size):
-                kv = int(batch.kv_lens[b])
-                pages.append((_page_ids(batch.request_slots(b), ps), kv))
-                distance = batch.query_cols[int(qo[b]) : int(qo[b + 1])][:, None] - torch.arange(kv)[None, :]
-                blocks.append((distance >= 0) & ((distance <= window) if window >= 0 else True))
+                pages.append((_page_ids(batch.request_slots(b), ps), int(batch.kv_lens[b])))
+                blocks.append(visibility(trace, b))
             tensors.update(_paged_arrays(pages, ps))
             tensors["custom_mask"] = torch.cat([blk.flatten() for blk in blocks])
             tensors["mask_indptr"] = indptr(torch.tensor([blk.numel() for blk in blocks])).to(torch.int32)
@@ -378,6 +410,7 @@ class FlashInferBackend(Backend):
             if path is PlanPath.PAGED:
                 kv = int(batch.kv_lens[b])
                 # SGLang's window wrapper: paged_kernel_lens = min(seq_len, window + extend_len).
+                # (A cross-attention row's window counts from its bottom-right too.)
                 keep = window + int(batch.extend_lens[b])
                 start = _window_start(kv, keep=keep, page_size=ps) if window >= 0 else 0
                 pages.append((_page_ids(slots[start:kv], ps), kv - start))
@@ -385,8 +418,11 @@ class FlashInferBackend(Backend):
                 prefix = int(batch.prefix_lens[b])
                 pages.append((_page_ids(slots[:prefix], ps), prefix))
         tensors.update(_paged_arrays(pages, ps))
-        # Only the cascade's prefix pass is non-causal (every new token sees the whole prefix).
-        return Plan(backend=self.name, tensors=tensors, scalars=self._scalars(trace, path, causal=path is not PlanPath.CASCADE))
+        # The cascade's prefix pass is non-causal (every new token sees the whole prefix); the paged
+        # pass is as the layer is (FlashInfer's causal mask is aligned bottom-right: query i of q_len
+        # sees the kv_len - q_len + i first keys, a cross-attention query's column).
+        causal = path is not PlanPath.CASCADE and trace.model.causal
+        return Plan(backend=self.name, tensors=tensors, scalars=self._scalars(trace, path, causal=causal))
 
     def plan_declaration(self, trace: Trace, plan: Plan) -> pd.PlanDeclaration:
         """SGLang's FlashInferAttnBackend plan as the wrappers read it, by `path`.
@@ -431,7 +467,7 @@ class FlashInferBackend(Backend):
             return None
         batch = trace.batch
         cached = bool((batch.prefix_lens > 0).any())
-        if batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and cached and not batch.selective:
+        if batch.forward_mode in (ForwardMode.EXTEND, ForwardMode.MIXED) and cached and not batch.selective and not _one_paged_pass(trace):
             return "FlashInfer cascade (ragged new tokens + paged prefix merged with merge_state)"
         return None
 
@@ -440,8 +476,8 @@ class FlashInferBackend(Backend):
     def jit_specs(self, trace: Trace, at: fm.Target) -> list:
         """The modules of the derived plan's wrappers (its graph replays load the same), and of
         the recorded plan's when this backend built it (its own path, tensor cores, window)."""
-        if not fm.available() or self.unsupported_reason(trace):
-            return []
+        if not fm.available() or self.unsupported_reason(trace) or trace.model.sinks is not None:
+            return []  # (the sink wrapper's module is built on its first use)
         m = trace.model
         path = PlanPath.DECODE if trace.batch.forward_mode is ForwardMode.DECODE else PlanPath.PAGED
         masked = trace.is_tree_verify or trace.batch.selective
@@ -478,11 +514,9 @@ class FlashInferBackend(Backend):
                     self._workspace(), "NHD", use_tensor_cores=bool(plan.scalars["use_tensor_cores"])
                 )
                 _plan_decode(wrapper, trace.model, plan, q_dtype=inputs.q.dtype, kv_dtype=inputs.k_cache.dtype)
-                out, lse = wrapper.run(inputs.q, _paged_kv(inputs, int(plan.scalars["page_size"])), return_lse=True)
+                out, lse = wrapper.run(inputs.q, _paged_kv(inputs, int(plan.scalars["page_size"])), return_lse=True, **_kv_scales(trace.model))
             elif path is PlanPath.PAGED:
-                wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace(), "NHD", backend="fa2")
-                _plan_paged(wrapper, trace.model, plan, q_dtype=inputs.q.dtype, kv_dtype=inputs.k_cache.dtype)
-                out, lse = wrapper.run(inputs.q, _paged_kv(inputs, int(plan.scalars["page_size"])), return_lse=True)
+                out, lse = self._paged(fi, trace, plan, inputs)
             elif path is PlanPath.RAGGED:
                 out, lse = self._ragged(fi, trace, plan, inputs)
             else:
@@ -490,6 +524,29 @@ class FlashInferBackend(Backend):
         except KERNEL_ERRORS as e:
             raise library_error(e, trace.model) from e
         return AttentionResult(output=out, lse=lse * numerics.LN2)
+
+    def _paged(self, fi, trace: Trace, plan: Plan, inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
+        """One pass of the paged prefill wrapper over the KV the plan lists; with sinks, FlashInfer's
+        BatchAttentionWithAttentionSinkWrapper (the same plan, the sinks handed to run())."""
+        m = trace.model
+        kv = _paged_kv(inputs, int(plan.scalars["page_size"]))
+        if m.sinks is None:
+            wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace(), "NHD", backend="fa2")
+            _plan_paged(wrapper, m, plan, q_dtype=inputs.q.dtype, kv_dtype=inputs.k_cache.dtype)
+            return wrapper.run(inputs.q, kv, return_lse=True, **_kv_scales(m))
+        wrapper = fi.BatchAttentionWithAttentionSinkWrapper(
+            self._workspace(),
+            "NHD",
+            backend="fa2",
+            q_data_type=inputs.q.dtype,
+            kv_data_type=inputs.k_cache.dtype,
+            head_dim_qk=m.head_dim,
+            head_dim_vo=m.v_head_dim,
+            window_left=int(plan.scalars["window_left"]),
+        )
+        _plan_paged(wrapper, m, plan, q_dtype=inputs.q.dtype, kv_dtype=inputs.k_cache.dtype)
+        # The variant's additional tensor "sink": [Hq] float32, consumed from run()'s positional args.
+        return wrapper.run(inputs.q, kv, m.sinks.to(device=inputs.q.device, dtype=torch.float32), return_lse=True, **_kv_scales(m))
 
     def _ragged(self, fi, trace: Trace, plan: Plan, inputs: AttentionInputs) -> tuple[Tensor, Tensor]:
         """This step's tokens against themselves, causal; SGLang's ragged wrapper (backend auto)."""
@@ -524,7 +581,7 @@ class FlashInferBackend(Backend):
         o_new, s_new = self._ragged(fi, trace, plan, inputs)
         wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace(), "NHD", backend="fa2")
         _plan_paged(wrapper, trace.model, plan, q_dtype=inputs.q.dtype, kv_dtype=inputs.k_cache.dtype)
-        o_prefix, s_prefix = wrapper.run(inputs.q, _paged_kv(inputs, int(plan.scalars["page_size"])), return_lse=True)
+        o_prefix, s_prefix = wrapper.run(inputs.q, _paged_kv(inputs, int(plan.scalars["page_size"])), return_lse=True, **_kv_scales(trace.model))
         return fi.cascade.merge_state(o_new, s_new, o_prefix, s_prefix)
 
     def merge_states(self, states: PartialStates) -> AttentionResult:
@@ -543,6 +600,8 @@ class FlashInferBackend(Backend):
     # -- CUDA graphs ----------------------------------------------------------------------------
 
     def graph_configuration_reason(self, trace: Trace) -> str | None:
+        if trace.model.sinks is not None:
+            return "attention sinks run through BatchAttentionWithAttentionSinkWrapper, whose CUDA-graph buffers are not wired here"
         if trace.model.v_head_dim not in MERGE_HEAD_DIMS:
             # Measured on the H200: the graph replay fails with "Unsupported head_dim: 32".
             return (
@@ -642,7 +701,7 @@ class _FlashInferGraphState(FlashInferGraphState):
 
     def forward(self, inputs: AttentionInputs) -> AttentionResult:
         tokens = inputs.q.shape[0]
-        self.wrapper.run(inputs.q, _paged_kv(inputs, self.model.page_size), out=self.out[:tokens], lse=self.lse_base2[:tokens], return_lse=True)
+        self.wrapper.run(inputs.q, _paged_kv(inputs, self.model.page_size), out=self.out[:tokens], lse=self.lse_base2[:tokens], return_lse=True, **_kv_scales(self.model))
         return self.result(tokens)
 
 
@@ -732,6 +791,28 @@ def _plan_paged(wrapper, m: Model, plan: Plan, *, q_dtype: torch.dtype, kv_dtype
         q_data_type=q_dtype,
         kv_data_type=kv_dtype,
     )
+
+
+def _kv_scales(m: Model) -> dict[str, float]:
+    """run()'s k_scale / v_scale for a scaled fp8 cache (k_scale folded into sm_scale, v_scale on
+    the output, prefill.py / decode.py); nothing for an unscaled one, so those calls stay as they were."""
+    return {"k_scale": m.k_scale, "v_scale": m.v_scale} if (m.k_scale, m.v_scale) != (1.0, 1.0) else {}
+
+
+def _one_paged_pass(trace: Trace) -> str:
+    """What in this step needs one paged pass over the whole visible KV ('' when nothing does)."""
+    model, batch = trace.model, trace.batch
+    if not model.causal:
+        return "a non-causal layer"
+    if batch.cross:
+        return "cross-attention"
+    if batch.custom_mask is not None:
+        return "an extend step's custom mask"
+    if model.sinks is not None:
+        return "attention sinks"
+    if (model.k_scale, model.v_scale) != (1.0, 1.0):
+        return "a scaled fp8 cache"
+    return ""
 
 
 def _paged_kv(inputs: AttentionInputs, ps: int) -> tuple[Tensor, Tensor]:
