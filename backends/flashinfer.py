@@ -331,12 +331,12 @@ class FlashInferBackend(Backend):
             return self._decode_plan(trace, padding)
         if trace.is_tree_verify:
             return self._verify_plan(trace, padding)
-        if padding is not None:
+        if padding is not None and trace.batch.forward_mode is not ForwardMode.DECODE:
             raise ValueError("only decode and verify steps are padded for CUDA graphs")
         problem = self.unsupported_reason(trace)
         if problem:
             raise ValueError(problem)
-        return self._extend_plan(trace)
+        return self._extend_plan(trace, padding)  # (a decode step with sinks: the sink wrapper is a prefill wrapper)
 
     def _scalars(self, trace: Trace, path: PlanPath, **extra) -> dict[str, int | float | bool | str]:
         return {
@@ -387,11 +387,12 @@ class FlashInferBackend(Backend):
         scalars["window_left"] = -1
         return Plan(backend=self.name, tensors=tensors, scalars=scalars)
 
-    def _extend_plan(self, trace: Trace) -> Plan:
+    def _extend_plan(self, trace: Trace, padding: Padding | None = None) -> Plan:
         batch, ps = trace.batch, trace.model.page_size
         path = self.extend_path(trace)
         window = trace.model.sliding_window
-        tensors = {"qo_indptr": indptr(batch.extend_lens).to(torch.int32)}
+        pad = padding.capture_bs - batch.batch_size if padding is not None else 0  # decode rows only: one query each
+        tensors = {"qo_indptr": indptr(torch.cat([batch.extend_lens, torch.ones(pad, dtype=torch.int64)])).to(torch.int32)}
         pages = []
         if batch.selective or batch.custom_mask is not None:
             # The whole row is read from the cache and a custom mask says what each query sees by
@@ -417,6 +418,8 @@ class FlashInferBackend(Backend):
             else:  # ragged and cascade: SGLang plans the paged wrapper over the prefix only
                 prefix = int(batch.prefix_lens[b])
                 pages.append((_page_ids(slots[:prefix], ps), prefix))
+        if padding is not None:
+            pages += [_padded_pages(padding.fill_value, padding, ps)] * pad
         tensors.update(_paged_arrays(pages, ps))
         # The cascade's prefix pass is non-causal (every new token sees the whole prefix); the paged
         # pass is as the layer is (FlashInfer's causal mask is aligned bottom-right: query i of q_len

@@ -363,7 +363,8 @@ class TritonBackend(Backend):
 def triton_plan_declaration(plan: Plan) -> pd.PlanDeclaration:
     """SGLang's Triton ForwardMetadata as `_launch` hands it to the kernels.
 
-    Slot ids over kv_indptr, both kernels, so a request's length is its count of ids. Decode (a
+    Slot ids over kv_indptr, both kernels, so a request's length is its count of ids (whole rows in
+    the by-column form, prefix otherwise). Decode (a
     plan with num_kv_splits): one query row per request, and split counts in [1, max_kv_splits]
     (stage 1 writes one partial per split into scratch sized by max_kv_splits). Extend and verify:
     qo_indptr over query rows (and this step's K/V rows, which extend.py takes separately: the ids
@@ -374,11 +375,14 @@ def triton_plan_declaration(plan: Plan) -> pd.PlanDeclaration:
     SGLang's window list instead of kv_indices.
     """
     decode = "num_kv_splits" in plan.tensors
+    # A mask over the prefix columns too (skip_prefix_custom_mask false) is the by-column form
+    # (selective recompute, cross-attention, an extend's own mask): the ids list whole rows.
+    by_column = "custom_mask" in plan.tensors and plan.scalars.get("skip_prefix_custom_mask") is False
     return pd.PlanDeclaration(
         call=pd.Call(pl.KvIds.SLOTS, ids="kv_indices", count="kv_indptr", length=None, page_size=1, queries=None if decode else "qo_indptr"),
         scalars=() if decode else ("is_causal", "max_extend_len", "skip_prefix_custom_mask", "sliding_window"),
         splits=pd.SplitCounts("num_kv_splits", "max_kv_splits") if decode else None,
-        ends=(pl.KvEnd.PREFIX,),
+        ends=(pl.KvEnd.KV,) if by_column else (pl.KvEnd.PREFIX,),
         mask=pl.MaskReading.FULL_BLOCKS if "custom_mask" in plan.tensors else pl.MaskReading.CAUSAL,
         mask_offsets="mask_indptr",
         window="sliding_window",

@@ -52,8 +52,17 @@ Distributions (per step, drawn independently from `random.Random(seed)`):
             NULL_BLOCK 0, slot_mapping -1, positions stale; the builder's metadata as vLLM's
             TRITON_ATTN / FLASH_ATTN / FLASHINFER builders hold it (index tensors; no data pointers)
 
+With --layer-kinds (off by default: without it the recording is byte-identical to one made
+before the flag existed; with it, every other step is too, its draws coming from a second RNG):
+
+  sinks     10 % of SGLang's MHA steps are gpt-oss layers: 64:8 d64, a learned sink per query head,
+            a 128-token window on half of them (none on verify steps: SGLang runs windowed verify
+            on no backend here)
+  fp8 KV    10 % of SGLang's MHA steps keep their model with an fp8 e4m3 cache and per-layer
+            k_scale / v_scale in [0.25, 2] (SGLang's --kv-cache-dtype fp8_e4m3 with checkpoint scales)
+
 Not modelled: vLLM verify and vLLM eager/extend steps, draft-model steps (DRAFT_EXTEND, draft
-decode), fp8 KV, MLA extend/verify, encoder-decoder. `run` prints, from check's JSON, the steps
+decode), fp8 KV without --layer-kinds, MLA extend/verify, encoder-decoder. `run` prints, from check's JSON, the steps
 with findings by class/check (and severity where findings carry one), the steps not checked with
 their reasons, backend crashes, wall time, ms/step, and the first 3 steps of each finding with
 their shapes.
@@ -256,9 +265,35 @@ def _csv(values: list[int]) -> str:
     return ",".join(map(str, values))
 
 
-def draw_all(steps: int, seed: int) -> list[StepDraw]:
+# --layer-kinds: shares of SGLang's MHA steps (drawn from their own RNG, after the step's own draws).
+SINK_SHARE = 0.10
+FP8_SCALED_SHARE = 0.10
+GPT_OSS_WORDS = ("heads=64:8", "head_dim=64", "logit_cap=0.0", "sinks=1")
+GPT_OSS_WINDOW = 127  # gpt-oss's 128-token sliding window (window_left counts the keys before the query)
+
+
+def draw_all(steps: int, seed: int, *, layer_kinds: bool = False) -> list[StepDraw]:
     rng = random.Random(seed)
-    return [draw_step(rng, step, seed) for step in range(steps)]
+    draws = [draw_step(rng, step, seed) for step in range(steps)]
+    if not layer_kinds:
+        return draws
+    kinds = random.Random(f"layer-kinds/{seed}")  # its own stream: the steps' own draws stay as they were
+    return [_with_layer_kind(kinds, draw) for draw in draws]
+
+
+def _with_layer_kind(rng: random.Random, draw: StepDraw) -> StepDraw:
+    """Some of SGLang's MHA steps become gpt-oss layers (sinks) or run an fp8 cache with scales."""
+    x, window, k_scale, v_scale = rng.random(), rng.random() < 0.5, rng.uniform(0.25, 2.0), rng.uniform(0.25, 2.0)
+    if draw.engine != "sglang" or draw.mla:
+        return draw
+    if x < SINK_SHARE:
+        windowed = window and draw.mode != "verify"
+        words = (*draw.words, *GPT_OSS_WORDS, f"window={GPT_OSS_WINDOW if windowed else -1}")
+        return replace(draw, words=words, model="gpt-oss" + ("-swa" if windowed else ""))
+    if x < SINK_SHARE + FP8_SCALED_SHARE:
+        words = (*draw.words, "kv_dtype=float8_e4m3fn", f"k_scale={k_scale:.4f}", f"v_scale={v_scale:.4f}")
+        return replace(draw, words=words, model=f"{draw.model}-fp8")
+    return draw
 
 
 # -- building a step (in a worker) -------------------------------------------------------------------
@@ -408,6 +443,9 @@ def shape_of(draw: StepDraw, trace, note: str) -> dict:
         "dtype": m.q_dtype,
         "window": m.sliding_window,
         "logit_cap": m.logit_cap,
+        # --layer-kinds only (absent otherwise, so the default shapes file is as it was):
+        **({"sinks": True} if m.sinks is not None else {}),
+        **({"kv_dtype": m.kv_dtype, "k_scale": m.k_scale, "v_scale": m.v_scale} if (m.k_scale, m.v_scale) != (1.0, 1.0) else {}),
         "capture_bs": trace.graph.capture_bs if trace.graph else 0,
         "tree": f"topk{trace.spec.topk}/steps{trace.spec.steps}/n{trace.spec.draft_token_num}" if trace.spec else "",
         "model": draw.model,
@@ -462,14 +500,15 @@ SHAPES = "server_sweep_steps.jsonl"  # beside the manifest: each step's shape, f
 PARAMS = "server_sweep.json"
 
 
-def _params(steps: int, seed: int) -> dict:
+def _params(steps: int, seed: int, layer_kinds: bool = False) -> dict:
     """What a recording was made from: `all` reuses one only when these match (this file included)."""
     import hashlib
 
-    return {"steps": steps, "seed": seed, "generator_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]}
+    params = {"steps": steps, "seed": seed, "generator_sha256": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]}
+    return {**params, "layer_kinds": True} if layer_kinds else params
 
 
-def make(out: Path, steps: int, seed: int, jobs: int, progress: bool = True) -> float:
+def make(out: Path, steps: int, seed: int, jobs: int, progress: bool = True, *, layer_kinds: bool = False) -> float:
     """Write the recording; returns seconds. Steps are drawn here and built in `jobs` processes;
     the manifest is written in step order, so the bytes do not depend on `jobs`."""
     from attndbg.trace import io
@@ -478,7 +517,7 @@ def make(out: Path, steps: int, seed: int, jobs: int, progress: bool = True) -> 
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    draws = draw_all(steps, seed)
+    draws = draw_all(steps, seed, layer_kinds=layer_kinds)
     blocks = [draws[i : i + 25] for i in range(0, steps, 25)]
     shapes: list[dict] = []
     if jobs <= 1:
@@ -501,7 +540,7 @@ def make(out: Path, steps: int, seed: int, jobs: int, progress: bool = True) -> 
     with open(out / SHAPES, "w", encoding="utf-8") as f:
         for shape in shapes:
             f.write(json.dumps(shape) + "\n")
-    (out / PARAMS).write_text(json.dumps(_params(steps, seed)) + "\n")
+    (out / PARAMS).write_text(json.dumps(_params(steps, seed, layer_kinds)) + "\n")
     return time.perf_counter() - start
 
 # -- run ---------------------------------------------------------------------------------------------
@@ -734,6 +773,10 @@ def _shape_text(shape: dict | None) -> str:
         text += f" window={shape['window']}"
     if shape["logit_cap"]:
         text += f" softcap={shape['logit_cap']}"
+    if shape.get("sinks"):
+        text += " sinks"
+    if "k_scale" in shape:
+        text += f" {shape['kv_dtype']} k_scale={shape['k_scale']} v_scale={shape['v_scale']}"
     return text
 
 
@@ -749,7 +792,8 @@ def recording_summary(rec: Path) -> str:
         f"- {len(shapes)} steps: " + ", ".join(f"{m} {c}" for m, c in sorted(modes.items())),
         f"- engine/backend: " + ", ".join(f"{k} {c}" for k, c in sorted(engines.items())),
         f"- graph replays {graph}, pages " + ", ".join(f"{p}: {c}" for p, c in sorted(pages.items())),
-        f"- windowed {sum(1 for s in shapes if s['window'] >= 0)}, soft-cap {sum(1 for s in shapes if s['logit_cap'])}, fp16 {sum(1 for s in shapes if s['dtype'] == 'float16')}",
+        f"- windowed {sum(1 for s in shapes if s['window'] >= 0)}, soft-cap {sum(1 for s in shapes if s['logit_cap'])}, fp16 {sum(1 for s in shapes if s['dtype'] == 'float16')}"
+        + (f", sinks {sum(1 for s in shapes if s.get('sinks'))}, scaled fp8 KV {sum(1 for s in shapes if 'k_scale' in s)}" if any(s.get("sinks") or "k_scale" in s for s in shapes) else ""),
         f"- steps no candidate backend could plan (recorded without a plan): {len(no_plan)}",
     ]
     return "\n".join(lines)
@@ -789,6 +833,7 @@ def main() -> int:
     p_make.add_argument("--steps", type=int, default=1000)
     p_make.add_argument("--seed", type=int, default=0)
     p_make.add_argument("--jobs", type=int, default=_default_jobs(), help="build processes (the bytes do not depend on it)")
+    p_make.add_argument("--layer-kinds", action="store_true", help="also draw gpt-oss sink layers and scaled fp8 caches (see the module docstring)")
     p_run = sub.add_parser("run", help="attndbg check the recording and summarise")
     p_run.add_argument("rec", type=Path)
     p_run.add_argument("--backend", default="triton,flashinfer,fa3,mla")
@@ -801,6 +846,7 @@ def main() -> int:
     p_all = sub.add_parser("all", help="make + run eager + run --cuda-graph + a markdown summary")
     p_all.add_argument("--steps", type=int, default=1000)
     p_all.add_argument("--seed", type=int, default=0)
+    p_all.add_argument("--layer-kinds", action="store_true", help="also draw gpt-oss sink layers and scaled fp8 caches")
     p_all.add_argument("--out-dir", required=True, type=Path)
     p_all.add_argument("--work", type=Path, default=Path("/tmp/attndbg_server_sweep"), help="where the recording is written (reused when steps and seed match)")
     p_all.add_argument("--backend", default="triton,flashinfer,fa3,mla")
@@ -813,7 +859,7 @@ def main() -> int:
     args = parser.parse_args()
 
     if args.command == "make":
-        seconds = make(args.out, args.steps, args.seed, args.jobs)
+        seconds = make(args.out, args.steps, args.seed, args.jobs, layer_kinds=args.layer_kinds)
         print(f"made {args.steps} steps (seed {args.seed}) in {seconds:.1f} s: {args.out}")
         print(recording_summary(args.out))
         return 0
@@ -827,13 +873,13 @@ def main() -> int:
     out = args.out_dir
     out.mkdir(parents=True, exist_ok=True)
     # The recording (about 0.7 MB a step) stays outside --out-dir, which holds only the results.
-    rec = args.work / f"server_sweep_{args.steps}_seed{args.seed}"
+    rec = args.work / f"server_sweep_{args.steps}_seed{args.seed}{'_kinds' if args.layer_kinds else ''}"
     params = rec / PARAMS
-    if params.exists() and json.loads(params.read_text()) == _params(args.steps, args.seed):
+    if params.exists() and json.loads(params.read_text()) == _params(args.steps, args.seed, args.layer_kinds):
         print(f"reusing {rec} (same steps, seed and generator)", flush=True)
         made = None
     else:
-        made = make(rec, args.steps, args.seed, args.make_jobs)
+        made = make(rec, args.steps, args.seed, args.make_jobs, layer_kinds=args.layer_kinds)
         print(f"made {args.steps} steps in {made:.1f} s", flush=True)
     sections = [
         f"# server_sweep: {args.steps} steps, seed {args.seed}, backends {args.backend}",

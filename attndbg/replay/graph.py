@@ -74,7 +74,7 @@ def decoy(trace: Trace) -> Trace:
 def _make_decoy(trace: Trace) -> Trace:
     b = trace.batch
     page = trace.model.page_size
-    rows, kv, prefix, cols = [], [], [], []
+    rows, kv, prefix, cols, masks = [], [], [], [], []
     for r in range(b.batch_size):
         slots = b.request_slots(r)
         p, e = int(b.prefix_lens[r]), int(b.extend_lens[r])
@@ -84,10 +84,14 @@ def _make_decoy(trace: Trace) -> Trace:
         new_p = p - drop
         rows.append(torch.cat([slots[: page_start - drop], slots[page_start:]]))
         prefix.append(new_p)
-        kv.append(new_p + e)
-        cols.append(torch.arange(new_p, new_p + e))
+        # A cross-attention row is all cached encoder KV, its queries aligned bottom-right.
+        kv.append(new_p if b.cross else new_p + e)
+        cols.append(torch.arange(new_p - e, new_p) if b.cross else torch.arange(new_p, new_p + e))
+        if b.custom_mask is not None:
+            block = b.mask_block(r)
+            masks.append(torch.cat([block[:, : page_start - drop], block[:, page_start:]], 1).flatten())
     query_cols = torch.cat(cols)
-    positions = b.positions - torch.repeat_interleave(b.prefix_lens - torch.tensor(prefix), b.extend_lens)
+    positions = b.positions if b.cross else b.positions - torch.repeat_interleave(b.prefix_lens - torch.tensor(prefix), b.extend_lens)
     batch = replace(
         b,
         prefix_lens=torch.tensor(prefix),
@@ -97,6 +101,7 @@ def _make_decoy(trace: Trace) -> Trace:
         query_cols=query_cols,
         positions=positions,
         seq_lens_raw=torch.tensor(prefix if trace.is_tree_verify else kv),
+        custom_mask=torch.cat(masks) if masks else b.custom_mask,
     )
     return replace(trace, batch=batch)
 
@@ -151,7 +156,8 @@ class GraphHarness:
         write_kv: bool = True,  # False: attention alone (timing)
     ):
         self.padding = padding
-        self.write_kv = write_kv
+        # A cross-attention step writes no K/V (its out_cache_loc is -1: the encoder's are cached).
+        self.write_kv = write_kv and not trace.batch.cross
         self.capacity = _capacity(traces, padding, plans)
         self.state = backend.graph_state(trace, self.capacity)
         self.device = inputs.q.device

@@ -126,7 +126,7 @@ PRESETS: dict[str, dict[str, str]] = {
     "sinks-decode": {"mode": "decode", "heads": "8:1", "head_dim": "64", "kv_lens": "1,40,300", "sinks": "1"},
     "bidirectional": {"mode": "extend", "heads": "8:2", "head_dim": "64", "prefix_lens": "0,30", "extend_lens": "40,17", "causal": "0"},
     "fp8-scaled": {"mode": "decode", "heads": "16:4", "kv_lens": "9,130", "kv_dtype": "float8_e4m3fn", "k_scale": "0.5", "v_scale": "2.0"},
-    "cross": {"mode": "extend", "heads": "8:8", "head_dim": "64", "prefix_lens": "0,12,90", "extend_lens": "5,30,7", "cross": "1"},
+    "cross": {"mode": "extend", "heads": "8:8", "head_dim": "64", "prefix_lens": "6,12,90", "extend_lens": "5,30,7", "cross": "1"},
     "extend-mask": {"mode": "extend", "heads": "8:2", "head_dim": "64", "prefix_lens": "0,24", "extend_lens": "33,12", "extend_mask": "blocks"},
     "mixed-graph": {"mode": "mixed", "heads": "16:4", "prefix_lens": "48,0,90,33", "extend_lens": "40,25,1,1", "capture_bs": "8", "graph_mode": "mixed"},
 }

@@ -77,3 +77,19 @@ def test_a_sliced_check_resumes_where_it_stopped(tmp_path: Path) -> None:
     assert again["slices"].startswith("2 of 2 slices of 5 steps checked, 1 of them by this call")
     assert any("--steps=5:8" in word for word in again["command"])
     assert [s["step"] for s in json.loads(out.read_text())["steps"]] == list(range(8))
+
+
+def test_layer_kinds_are_opt_in_and_change_only_their_steps() -> None:
+    """--layer-kinds: about 10 % of SGLang's MHA steps become gpt-oss sink layers and 10 % run a
+    scaled fp8 cache, every other step drawn as without the flag; each such step builds with a plan."""
+    plain, kinds = server_sweep.draw_all(400, 0), server_sweep.draw_all(400, 0, layer_kinds=True)
+    changed = [(a, b) for a, b in zip(plain, kinds) if a != b]
+    assert all(a.words == b.words[: len(a.words)] and a.engine == "sglang" and not a.mla for a, b in changed)
+    sinks = [b for _, b in changed if "sinks=1" in b.words]
+    fp8 = [b for _, b in changed if "kv_dtype=float8_e4m3fn" in b.words]
+    mha = sum(1 for d in plain if d.engine == "sglang" and not d.mla)
+    assert len(sinks) + len(fp8) == len(changed) and 0.05 < len(sinks) / mha < 0.15 and 0.05 < len(fp8) / mha < 0.15
+    for draw in (sinks[0], fp8[0], next(d for d in sinks if d.mode == "verify")):
+        trace, note = server_sweep.build_step(draw)
+        assert not note and trace.plan is not None, (draw.words, note)
+        assert (trace.model.sinks is not None) == (draw in sinks)

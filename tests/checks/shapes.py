@@ -12,4 +12,13 @@ SWEEP_SHAPES = {
     "softcap": ("kv_lens=7,150",),
     "verify": ("prefix_lens=20,75",),
     "verify-chain": ("prefix_lens=31,64",),
+    "sinks-decode": ("kv_lens=1,40",),
+    "fp8-scaled": ("kv_lens=9,70",),
 }
+
+
+def kv_dtype_word(preset: str, dtype: str) -> str:
+    """The sweep's KV dtype: the run's, unless the preset is about its own (fp8-scaled's fp8 cache)."""
+    from attndbg.trace import synth
+
+    return f"kv_dtype={synth.PRESETS[preset].get('kv_dtype', dtype)}"

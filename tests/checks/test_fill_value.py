@@ -27,7 +27,7 @@ from attndbg.replay.graph import default_capture_bs
 from attndbg.trace import io, synth
 from attndbg.trace.schema import to_dict
 from attndbg.trace.validate import from_dict
-from tests.checks.shapes import SMALL, SWEEP_SHAPES
+from tests.checks.shapes import SMALL, SWEEP_SHAPES, kv_dtype_word
 from tests.factories import make_trace
 
 GRAPHED = list(SWEEP_SHAPES)
@@ -35,7 +35,7 @@ GRAPHED = list(SWEEP_SHAPES)
 
 def sweep_trace(preset: str, dtype: str, *extra: str):
     shape = SMALL + SWEEP_SHAPES[preset] if preset in SWEEP_SHAPES else ()
-    return make_trace(preset, *shape, f"dtype={dtype}", f"kv_dtype={dtype}", *extra, plan=True)
+    return make_trace(preset, *shape, f"dtype={dtype}", kv_dtype_word(preset, dtype), *extra, plan=True)
 
 
 def decode(capture_bs: int = 4, *extra: str, plan: bool = True):

@@ -25,7 +25,7 @@ from attndbg.detectors.split_merge import injections as mutate
 from attndbg.trace import synth
 from attndbg.trace.schema import LseBase, to_dict
 from attndbg.trace.validate import from_dict
-from tests.checks.shapes import SMALL, SWEEP_SHAPES
+from tests.checks.shapes import SMALL, SWEEP_SHAPES, kv_dtype_word
 from tests.factories import make_trace
 
 machine.select_triton_mode()
@@ -40,7 +40,7 @@ DECODES = {
 
 def sweep_trace(preset: str, dtype: str, *extra: str):
     shape = SMALL + SWEEP_SHAPES[preset] if preset in SWEEP_SHAPES else ()
-    return make_trace(preset, *shape, f"dtype={dtype}", f"kv_dtype={dtype}", *extra, plan=True)
+    return make_trace(preset, *shape, f"dtype={dtype}", kv_dtype_word(preset, dtype), *extra, plan=True)
 
 
 def detect(trace, **options):

@@ -34,7 +34,7 @@ A correct engine with a sliding window either folds the window into the plan's m
 and turns the kernel's window off (what attndbg's FlashInfer plan does), or passes only the
 window's KV plus `window_kv_offsets` (SGLang's Triton SWA path) where the draft tree is a chain.
 
-    stale-mask          a non-verify, non-selective step whose plan still carries a custom_mask
+    stale-mask          a non-verify step that needs no mask (not selective, cross or masked) whose plan still carries a custom_mask
                         (FlashInfer #1028); across a recording, a verify step whose mask equals the
                         previous verify step's although the trees differ
     verify-output       rows of a verify step that fail against the reference with plans derived
@@ -185,8 +185,9 @@ def _plan_mask(trace: Trace) -> Tensor | None:
 
 def _check_stale_plan(trace: Trace, out: list[Finding]) -> None:
     plan = trace.plan
-    if plan is None or trace.batch.selective:
-        return  # selective recompute legitimately runs a custom mask
+    batch = trace.batch
+    if plan is None or batch.selective or batch.cross or batch.custom_mask is not None:
+        return  # selective recompute, cross-attention and a step with its own mask legitimately run a custom mask
     mask = plan.tensors.get("custom_mask")
     if mask is None or mask.numel() == 0:
         return
