@@ -135,7 +135,8 @@ def fewer_heads(trace: Trace, num_qo_heads: int, num_kv_heads: int) -> Reduced:
 
     smaller = replace(
         trace,
-        model=replace(model, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads),
+        # The first query heads are kept, and with them their sink logits.
+        model=replace(model, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, sinks=None if model.sinks is None else model.sinks[:num_qo_heads].clone()),
         tensors={k: layer(t) for k, t in trace.tensors.items()},
     )
     rows = tuple(range(trace.batch.batch_size + padded_count(trace)))
@@ -149,6 +150,8 @@ def drop_columns(trace: Trace, request: int, count: int) -> Reduced:
     prefix = int(batch.prefix_lens[request])
     if batch.selective:
         raise NotApplicable("a selective step's query columns are a subset of the row")
+    if batch.cross or batch.custom_mask is not None:
+        raise NotApplicable("a cross-attention row or a custom mask's columns are not cut here")
     if not 0 < count <= prefix or count % model.page_size:
         raise NotApplicable(f"request {request} has {prefix} cached columns (page size {model.page_size})")
     if trace.graph is not None and trace.graph.padded_block_table is not None:

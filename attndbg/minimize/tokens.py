@@ -75,6 +75,8 @@ def shorter_extend(trace: Trace, request: int, keep: int) -> Reduced:
     batch = trace.batch
     if trace.spec is not None or batch.selective:
         raise NotApplicable("a verify or selective step's query tokens are not a chunk of the row's tail")
+    if batch.cross or batch.custom_mask is not None:
+        raise NotApplicable("a cross-attention step's or a custom mask's query rows are not cut here")
     extend = int(batch.extend_lens[request])
     if not 1 <= keep < extend:
         raise NotApplicable(f"request {request} has {extend} new tokens")

@@ -92,7 +92,32 @@ def render_backends(statuses: list[BackendStatus], *, capabilities: bool) -> Ren
     for status in statuses:
         reason = status.unavailable
         table.add_row(status.name, "no" if reason else "yes", Text(_COMMAND.sub(r"\1", reason) if reason else status.description))  # Text: '[flashinfer]' is not markup
-    return Group(table, _Capabilities(statuses)) if capabilities else table
+    return Group(table, _Capabilities(statuses), render_layer_kinds(statuses)) if capabilities else table
+
+
+# The layer kinds and batch forms of trace/schema.py beyond causal self-attention, as capability fields.
+LAYER_KINDS = (
+    ("non-causal", "non_causal"),
+    ("right window", "window_right"),
+    ("sinks", "sinks"),
+    ("KV scales", "kv_scales"),
+    ("cross-attention", "cross"),
+    ("extend mask", "extend_mask"),
+    ("empty KV", "empty_kv"),
+)
+
+
+def render_layer_kinds(statuses: list[BackendStatus]) -> Group:
+    """Which layer kinds (docs/trace-format.md) each backend takes, and why not where it declares
+    why: a line a backend, which folds at any width."""
+    lines: list[RenderableType] = [Text("layer kinds each takes (docs/trace-format.md)", style="bold")]
+    for status in statuses:
+        c = status.capabilities
+        takes = [word for word, name in LAYER_KINDS if getattr(c, name)]
+        refuses = [f"{word} ({c.why[name]})" if name in c.why else word for word, name in LAYER_KINDS if not getattr(c, name)]
+        text = f"{status.name}: takes {', '.join(takes) or 'none'}" + (f"; not {'; '.join(refuses)}" if refuses else "")
+        lines.append(Text(text))
+    return Group(*lines)
 
 
 def install_commands(statuses: list[BackendStatus]) -> list[Text]:

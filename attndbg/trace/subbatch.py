@@ -63,6 +63,7 @@ def sub_batch(trace: Trace, requests: Sequence[int]) -> SubBatch:
         out_cache_loc=batch.out_cache_loc[rows],
         positions=batch.positions[rows],
         seq_lens_raw=batch.seq_lens_raw[index],
+        custom_mask=None if batch.custom_mask is None else torch.cat([batch.mask_block(b).flatten() for b in chosen]),
     )
     part = replace(
         trace,

@@ -126,3 +126,15 @@ def test_fa3_rows_without_keys() -> None:
     assert FA3Call.from_plan(plan).rows_without_keys().tolist() == [True, True, True, True, False, False, False]
     plan = FA3Backend().derive_plan(make_trace("extend-prefix", "prefix_lens=0,2,5", "extend_lens=2,4,1", "cross=1"))
     assert FA3Call.from_plan(plan).rows_without_keys().tolist() == [True, True, False, False, False, False, False]
+
+
+def test_backends_command_shows_the_layer_kinds() -> None:
+    from click.testing import CliRunner
+
+    from attndbg.cli import main
+
+    result = CliRunner().invoke(main, ["backends", "--capabilities"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    kinds = " ".join(result.output.split("layer kinds each takes", 1)[1].split())
+    assert "triton: takes non-causal, right window, sinks, KV scales, cross-attention, extend mask, empty KV" in kinds
+    assert "not right window (plan() and run() take window_left only" in kinds.split("flashinfer: ", 1)[1]

@@ -191,7 +191,7 @@ def test_cross_attention_queries_are_checked() -> None:
     cols = data["batch"]["query_cols"].clone()
     cols[0] = 0
     data["batch"]["query_cols"] = cols
-    with pytest.raises(TraceError, match=r"batch.query_cols\[0\]: = 0, expected kv_len - q_len \+ token index = -5"):
+    with pytest.raises(TraceError, match=r"batch.query_cols\[0\]: = 0, expected kv_len - q_len \+ token index = 1"):
         from_dict(data)
 
 
