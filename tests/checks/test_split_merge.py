@@ -74,7 +74,8 @@ def torch_stage2(*, skip_empty: bool = True, exp=torch.exp, keep: int | None = N
                       +inf empty marker then gets in);
     scale             every output off by a factor, one split or many (an error outside the merge)."""
 
-    def stage2(*, attn_logits, attn_lse, o, lse, kv_indptr, num_kv_splits, max_kv_splits):
+    def stage2(*, attn_logits, attn_lse, o, lse, kv_indptr, num_kv_splits, max_kv_splits, sinks=None, v_scale=1.0):
+        assert sinks is None and v_scale == 1.0, "this stand-in merges layers without sinks or KV scales"
         for b in range(o.shape[0]):
             n = int(kv_indptr[b + 1] - kv_indptr[b])
             s = min(int(num_kv_splits[b]), max_kv_splits)
