@@ -73,6 +73,7 @@ def _naive(trace, inputs):
         ("decode-gqa", "kv_lens=3,30", "heads=4:2", "head_dim=16", "page_size=4", "shared_prefix=8"),
         ("extend-prefix", "prefix_lens=0,7", "extend_lens=5,4", "heads=2:1", "head_dim=8"),
         ("verify", "prefix_lens=4,9", "heads=2:1", "head_dim=8", "topk=2", "steps=3", "draft_tokens=5"),
+        ("verify", "prefix_lens=4,9", "heads=2:1", "head_dim=8", "parents=-1,0,0,1,2,2"),
         ("window", "prefix_lens=12,0", "extend_lens=6,9", "heads=2:1", "head_dim=8", "window=4"),
         ("softcap", "kv_lens=5,17", "heads=2:1", "head_dim=8", "logit_cap=0.7"),
         ("selective", "kv_lens=10,20", "select=3", "heads=2:1", "head_dim=8"),

@@ -134,3 +134,33 @@ def test_partial_states_hold_no_sink() -> None:
     lse = torch.logaddexp(whole.lse, sinks)
     torch.testing.assert_close(lse, full.lse, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(whole.output * torch.exp(whole.lse - lse)[..., None], full.output, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ("window", "prefix_lens=12,0", "extend_lens=6,9", "window=3", "window_right=2"),
+        ("extend-prefix", "prefix_lens=0,7", "extend_lens=5,4", "extend_mask=random"),
+        ("extend-prefix", "prefix_lens=2,6", "extend_lens=5,3", "cross=1", "causal=1", "sinks=1"),
+    ],
+    ids=lambda spec: " ".join(spec),
+)
+def test_a_row_reads_only_the_keys_it_sees(spec: tuple[str, ...]) -> None:
+    """NaN planted in one KV column reaches exactly the rows that see it (visibility.py's answer):
+    the reference reads no key a row may not see, for each new mask kind."""
+    from dataclasses import replace
+
+    from attndbg.trace.visibility import visibility
+
+    trace = make_trace(*spec, *SMALL)
+    inputs = build_inputs(trace)
+    b = trace.batch.batch_size - 1
+    seen = visibility(trace, b)
+    column = int(torch.nonzero(seen.any(0) & ~seen.all(0))[0])  # seen by some of the request's rows, not all
+    slot = int(trace.batch.request_slots(b)[column])
+    k_cache, v_cache = inputs.k_cache.clone(), inputs.v_cache.clone()
+    k_cache[slot], v_cache[slot] = float("nan"), float("nan")
+    result = reference.attention(trace, replace(inputs, k_cache=k_cache, v_cache=v_cache))
+    rows = slice(int(trace.batch.qo_indptr[b]), int(trace.batch.qo_indptr[b + 1]))
+    poisoned = torch.isnan(result.output[rows]).any(-1).any(-1)
+    assert torch.equal(poisoned, seen[:, column])
