@@ -560,11 +560,18 @@ class _FlashInferFA3Graph(FlashInferGraphState):
             paged_kv_last_page_len_buf=self.buffers["kv_last_page_len"],
             backend="fa3",
         )
+        # The rows of the loaded plan that see no key, whose LSE the replay maps to -inf as an
+        # eager call does (FA3Backend._call): static, rewritten in place by each load_plan.
+        self.rows_without_keys = torch.zeros(capacity.max_tokens, dtype=torch.bool, device=device)
 
     def load_plan(self, plan: Plan) -> None:
         if plan.scalars["verify_path"] == "two-call":
             raise ValueError("a two-call plan cannot be loaded into a captured fa3 graph")
-        _flashinfer_plan(self.wrapper, self.model, FA3Call.from_plan(plan))
+        call = FA3Call.from_plan(plan)
+        _flashinfer_plan(self.wrapper, self.model, call)
+        empty = call.rows_without_keys()
+        self.rows_without_keys.zero_()
+        self.rows_without_keys[: empty.numel()].copy_(empty, non_blocking=True)
 
     def forward(self, inputs: AttentionInputs) -> AttentionResult:
         m = self.model
@@ -572,7 +579,9 @@ class _FlashInferFA3Graph(FlashInferGraphState):
         k_cache = inputs.k_cache.view(-1, self.model.page_size, m.num_kv_heads, m.head_dim)
         v_cache = inputs.v_cache.view(-1, self.model.page_size, m.num_kv_heads, m.v_head_dim)
         self.wrapper.run(inputs.q, (k_cache, v_cache), out=self.out[:tokens], lse=self.lse_base2[:tokens], return_lse=True)
-        return self.result(tokens)
+        result = self.result(tokens)
+        result.lse.masked_fill_(self.rows_without_keys[:tokens, None], float("-inf"))
+        return result
 
 
 # -- translation helpers ----------------------------------------------------------------------
