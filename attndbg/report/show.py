@@ -162,9 +162,12 @@ def _model(m: Model) -> Panel:
                 ("attention", kind),
                 ("sm_scale", _sm_scale(m.sm_scale)),
                 ("soft-cap", "off" if m.logit_cap == 0 else f"{m.logit_cap:g}"),
-                ("window", "off" if m.sliding_window < 0 else f"window_left {m.sliding_window}"),
-                ("dtypes", f"q {m.q_dtype}, kv {m.kv_dtype}"),
+                ("window", "off" if m.sliding_window < 0 and m.window_right < 0 else ", ".join(w for w in (f"window_left {m.sliding_window}" if m.sliding_window >= 0 else "", f"window_right {m.window_right}" if m.window_right >= 0 else "") if w)),
+                ("dtypes", f"q {m.q_dtype}, kv {m.kv_dtype}" + (f" (k_scale {m.k_scale:g}, v_scale {m.v_scale:g})" if (m.k_scale, m.v_scale) != (1.0, 1.0) else "")),
                 ("page size", str(m.page_size)),
+                # The layer kinds added within trace version 1, shown only when a trace has them.
+                *([("causal", "no (queries see later keys)")] if not m.causal else []),
+                *([("sinks", f"{m.sinks.numel()} logits, {float(m.sinks.min()):.3g}..{float(m.sinks.max()):.3g}")] if m.sinks is not None else []),
             ]
         ),
         title="model",
@@ -210,7 +213,7 @@ def _batch(trace: Trace) -> Panel:
     pages = f" ({b.kv_cache_size // m.page_size} pages of {m.page_size})" if m.page_size > 1 else ""
     summary = _kv_grid(
         [
-            ("mode", b.forward_mode.value + (" (selective recompute)" if b.selective else "")),
+            ("mode", b.forward_mode.value + (" (selective recompute)" if b.selective else "") + (" (cross-attention)" if b.cross else "") + (" (custom mask)" if b.custom_mask is not None else "")),
             ("batch size", str(b.batch_size)),
             ("num tokens", str(b.num_tokens)),
             ("KV lengths", f"sum {int(b.kv_lens.sum())}, max {int(b.kv_lens.max()) if b.batch_size else 0}"),

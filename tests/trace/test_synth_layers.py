@@ -221,3 +221,13 @@ def test_recording_specs_cover_every_mode() -> None:
         specs = synth.recording_specs(synth.parse_spec([preset]), 5)
         sizes = [synth.build(s).batch.batch_size for s in specs]
         assert sizes[0] > min(sizes) and len(set(s.seed for s in specs)) == 5, (preset, sizes)
+
+
+def test_show_names_the_layer_kinds(tmp_path: Path) -> None:
+    path = io.save(make_trace("cross", "sinks=1"), tmp_path / "t.pt")
+    text = " ".join(invoke("show", str(path), columns=200).output.split())
+    assert "causal no (queries see later keys)" in text and "sinks 8 logits" in text and "EXTEND (cross-attention)" in text
+    plain = " ".join(invoke("show", str(io.save(make_trace("extend-prefix"), tmp_path / "p.pt")), columns=200).output.split())
+    assert "causal" not in plain and "sinks" not in plain
+    scaled = " ".join(invoke("show", str(io.save(make_trace("fp8-scaled"), tmp_path / "s.pt")), columns=200).output.split())
+    assert "(k_scale 0.5, v_scale 2)" in scaled
