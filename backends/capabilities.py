@@ -159,7 +159,7 @@ class Capabilities:
         if batch.cross and not self.cross:
             return f"cross-attention (batch.cross): {self.kernels} run self-attention only{self._because('cross')}"
         if batch.custom_mask is not None and not self.extend_mask:
-            return f"a custom mask on a {_mode_words(batch.forward_mode)} step (batch.custom_mask): {self.kernels} take none there{self._because('extend_mask')}"
+            return f"a custom mask on this {_mode_words(batch.forward_mode)} step (batch.custom_mask): {self.kernels} take none there{self._because('extend_mask')}"
         if not self.empty_kv and bool((batch.kv_lens == 0).any()):
             b = int(torch.nonzero(batch.kv_lens == 0)[0])
             return f"request {b} has no KV (kv_len 0): {self.kernels} need at least one key per request{self._because('empty_kv')}"

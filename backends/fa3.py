@@ -261,6 +261,7 @@ class FA3Backend(Backend):
                 "window_right": "FlashInfer's backend='fa3' wrapper takes window_left only (prefill.py plan(): no right window)",
                 "sinks": "the sink term (sgl_kernel's sinks, vLLM's s_aux, FlashInfer's fa3 AttentionSink variant) is not wired into this adapter",
                 "kv_dtype_is_q_dtype": "an fp8 cache with scales is not wired into this adapter",
+                "kv_scales": "an fp8 cache with scales is not wired into this adapter",
             },
         )
 

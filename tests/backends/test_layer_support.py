@@ -39,7 +39,7 @@ EXPECTED = {
     "fa3": {
         "sinks": "attention sinks (model.sinks): FlashAttention-3 kernels have no sink term (the sink term",
         "fp8 scales": "FlashAttention-3 kernels take fp16 or bf16 KV; this trace's is float8_e4m3fn",
-        "extend mask": "a custom mask on a extend step (batch.custom_mask): FlashAttention-3 kernels take none there (FA3 masks are causal or sliding-window only)",
+        "extend mask": "a custom mask on this extend step (batch.custom_mask): FlashAttention-3 kernels take none there (FA3 masks are causal or sliding-window only)",
     },
     "vllm_paged": {
         name: "MHA " for name in ("non-causal", "right window", "cross", "extend mask", "parents", "mixed graph")
@@ -138,3 +138,5 @@ def test_backends_command_shows_the_layer_kinds() -> None:
     kinds = " ".join(result.output.split("layer kinds each takes", 1)[1].split())
     assert "triton: takes non-causal, right window, sinks, KV scales, cross-attention, extend mask, empty KV" in kinds
     assert "not right window (plan() and run() take window_left only" in kinds.split("flashinfer: ", 1)[1]
+    fa3 = kinds.split("fa3: ", 1)[1].split(" mla: ", 1)[0]
+    assert "KV scales (an fp8 cache with scales is not wired into this adapter)" in fa3, fa3
