@@ -170,8 +170,8 @@ class FlashInferBackend(Backend):
     options_class = FlashInferOptions
     fill_requirement = FillRequirement(
         1,
-        "FlashInfer's decode kernels need seq_len >= 1 in every row: seq_len 0 gave illegal memory accesses "
-        "(SGLang #1469) and NaN padded rows (FlashInfer #2883, vLLM #38436), so SGLang fills 1 (#1779)",
+        "FlashInfer's decode kernels need seq_len >= 1 in every row: seq_len 0 gave NaN padded rows (SGLang #1571, "
+        "FlashInfer #2883, vLLM #38436), so SGLang fills 1 (#1779, which undid #1469's fill of 0)",
         stale_positions=(
             "The runner left stale positions in padded verify tokens; FlashInfer's verify plan reads them and hit an "
             "illegal memory access (SGLang #24361, why the newer runner zeroes positions)."

@@ -32,11 +32,7 @@ TWIN_HAZARDS = {
     # NaN padded rows hurt only where a later op mixes rows (vLLM #38436, FlashInfer #3057).
     "vllm-28739": {"fill-value/padded-seq-len-unsupported"},
 }
-TWIN_FALSE_ALARMS = {
-    "sglang-39287": "record/sglang/plan.py gives a FlashInfer verify plan window_left = the layer's window, but SGLang plans "
-    "EAGLE verify wrappers without a window (PR #31501: the per-element window is compiled out; the tree mask carries the "
-    "window), so tree-mask/window-offset judges the fix's compact mask by a kernel window that does not run",
-}
+TWIN_FALSE_ALARMS: dict[str, str] = {}
 # What today's metadata detectors name on each bug's recording (class/check): kept caught.
 CAUGHT = {
     "sglang-1782": "invariants/index-outside-cache",

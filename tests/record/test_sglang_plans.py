@@ -86,3 +86,29 @@ def test_flashinfer_decode_and_prefill_metadata() -> None:
 
 def test_unknown_metadata_gives_no_plan() -> None:
     assert plan_from_backend(SimpleNamespace(forward_metadata=SimpleNamespace(something=1))) is None
+
+
+def test_flashinfer_window_is_the_one_the_wrapper_was_planned_with() -> None:
+    """FlashInfer compiles the per-element window in or out at plan() (sglang#31501): a window
+    given at forward applies only where the plan had one. The recorded window_left is the layer's
+    where the wrapper was planned with a window, -1 where it was planned without (the wrapper's
+    plan-time `_window_left`); where the wrapper keeps none, SGLang's rule: a verify or draft
+    extend is planned without one, a paged extend with the layer's."""
+    layer = env.RadixAttention(4, 16, 16**-0.5, 2, 0, sliding_window_size=4)
+    model = model_from_layer(layer, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
+    buffers = dict(
+        _qo_indptr_buf=torch.tensor([0, 2, 4], dtype=I32),
+        _paged_kv_indptr_buf=torch.tensor([0, 5, 10], dtype=I32),
+        _paged_kv_indices_buf=torch.arange(10, 20, dtype=I32),
+        _paged_kv_last_page_len_buf=torch.tensor([1, 1], dtype=I32),
+    )
+
+    def window(*, planned: int | None = None, **mode: bool) -> int:
+        wrapper = SimpleNamespace(**buffers, **({} if planned is None else {"_window_left": planned}))
+        md = env.sgl.flashinfer_backend.PrefillMetadata(prefill_wrappers=[wrapper], use_ragged=False, extend_no_prefix=False)
+        return plan_from_backend(SimpleNamespace(forward_metadata=md), model=model, **mode).scalars["window_left"]
+
+    assert window() == 4 and window(planned=4) == 4  # a paged extend planned with the layer's window
+    assert window(planned=-1) == -1  # planned without one: compiled out, whatever forward passes
+    assert window(verify=True) == -1 and window(draft_extend=True) == -1  # the tree mask carries it
+    assert window(verify=True, planned=4) == 4  # an engine that did plan its verify with a window

@@ -137,7 +137,7 @@ def wrong_req_row(trace: Trace, *, request: int | None = None, source: int | Non
 
 
 def index_outside_cache(trace: Trace, *, request: int | None = None, column: int | None = None) -> Trace:
-    """A garbage KV index from a req_to_token pool allocated with torch.empty (SGLang #1469), past the end of the cache.
+    """A garbage KV index from a req_to_token pool allocated with torch.empty (SGLang #1782), past the end of the cache.
 
     `column` counts entries of the request's indices (pages on a paged plan).
     """

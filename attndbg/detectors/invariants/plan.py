@@ -22,7 +22,7 @@ CAUSE_WRONG_ROW = "the engine built request {b}'s kv_indices from request {c}'s 
 CAUSE_SHIFTED = "the engine's indices for request {b} start {k} column(s) too {direction} (a wrong kv_start_idx or window offset)"
 CAUSE_STALE_ROW = "the engine built request {b}'s indices from a stale or overwritten req_to_token row"
 CAUSE_GARBAGE = (
-    "the engine read a req_to_token entry that was never written (garbage from a torch.empty pool, SGLang #1469) "
+    "the engine read a req_to_token entry that was never written (garbage from a torch.empty pool, SGLang #1782) "
     "or read past the row's used length"
 )
 

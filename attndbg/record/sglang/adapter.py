@@ -186,10 +186,11 @@ def record_step(session: RecordingSession, backend: Any, fb: Any, *, raw_bs: int
     model = model_from_backend(backend, layer_for(backend))
     # The seq_lens a FlashMLA forward hands its kernel as cache_seqlens: a graph's padded buffer.
     seq_lens = graph[1]["padded_seq_lens"] if graph is not None else getattr(fb, "seq_lens", None)
-    plan = capture_plan(backend, graph_bs=graph_bs, verify=verify, spec_info=spec_info, sized=sized, model=model, seq_lens=seq_lens)
+    options = dict(graph_bs=graph_bs, verify=verify, draft_extend=mode is ForwardMode.DRAFT_EXTEND, spec_info=spec_info, sized=sized, model=model, seq_lens=seq_lens)
+    plan = capture_plan(backend, **options)
     if plan is None:
         for child in getattr(backend, "attn_backend_list", None) or []:
-            plan = capture_plan(child, graph_bs=graph_bs, verify=verify, spec_info=spec_info, sized=sized, model=model, seq_lens=seq_lens)
+            plan = capture_plan(child, **options)
             if plan is not None:
                 break
     if plan is not None:

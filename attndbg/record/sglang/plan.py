@@ -254,6 +254,12 @@ def _flashinfer(backend: Any, md: Any, model: Model | None) -> PlanCapture:
         cores = getattr(wrapper, "_use_tensor_cores", getattr(backend, "decode_use_tensor_cores", None))
         if isinstance(cores, bool):
             scalars["use_tensor_cores"] = cores
+    planned = getattr(wrapper, "_window_left", None)
+    if isinstance(planned, int) and not isinstance(planned, bool) and not decode:
+        # plan() keeps the window it was given; no layer's forward has run since this step's plan
+        # (the hook runs right after init_forward_metadata), so this is the plan-time window, which
+        # chose the compiled module (sglang#31501): read by _call_arguments.
+        scalars["plan_window_left"] = planned
     # SGLang allocates FlashInfer's kv_indices with slack (paged_kernel_lens_sum + 256): capacity.
     trim = {"kv_indices": "kv_indptr"} if "kv_indptr" in tensors else {}
     capacity = set(trim)
@@ -275,7 +281,7 @@ def _wrapper_index(backend: Any, count: int, model: Model | None) -> int:
     return 0
 
 
-def _call_arguments(capture: PlanCapture, backend: Any, model: Model, *, verify: bool, draft_tokens: int | None, seq_lens: Tensor | None) -> None:
+def _call_arguments(capture: PlanCapture, backend: Any, model: Model, *, verify: bool, spec: bool, draft_tokens: int | None, seq_lens: Tensor | None) -> None:
     """What SGLang hands its kernels at each layer's call and keeps on no metadata object, as the
     adapter's plan names it: derived here, and only here, from the recorded layer (`model`, read
     from the RadixAttention layer: sliding_window_size, logit_cap) and the step. A FlashInfer
@@ -287,6 +293,13 @@ def _call_arguments(capture: PlanCapture, backend: Any, model: Model, *, verify:
       paged extend, draft extend and verify pass window_left=layer.sliding_window_size and
       causal=True (a planned custom mask rules over causal); the cascade's paged prefix pass
       causal=False with the window; the ragged pass of an extend without prefix no window_left.
+      A window given at forward applies only where the wrapper was *planned* with one: plan()
+      compiles the per-element window in or out (sglang#31501), so the recorded window_left is the
+      layer's window where the plan had one and -1 where it had none. The plan-time window is the
+      wrapper's (`plan_window_left`, read right after this step's plan) when it keeps one; else
+      SGLang's rule: verify and draft extend are planned without a window (the tree mask, or the
+      accepted tokens' causal block, carries it; flashinfer_backend.py `window_left=... if
+      spec_info is None else -1`), paged and cascade extends with the layer's.
       logits_soft_cap=layer.logit_cap everywhere.
     - FA3 (flashattention_backend.py forward_extend/forward_decode): window_size=(sw, 0) from the
       layer, softcap=layer.logit_cap, causal=True but in a tree verify (topk > 1: both calls
@@ -299,7 +312,13 @@ def _call_arguments(capture: PlanCapture, backend: Any, model: Model, *, verify:
     if capture.backend == "flashinfer":
         path = scalars["path"]
         scalars["logits_soft_cap"] = cap
-        scalars["window_left"] = window if path in ("paged", "cascade") else -1
+        planned = scalars.pop("plan_window_left", None)
+        if path not in ("paged", "cascade"):
+            scalars["window_left"] = -1
+        elif planned is not None:
+            scalars["window_left"] = window if planned >= 0 else -1
+        else:
+            scalars["window_left"] = -1 if spec else window
         if path != "decode":
             scalars["causal"] = path != "cascade"
     elif capture.backend == "fa3":
@@ -324,6 +343,7 @@ def capture_plan(
     *,
     graph_bs: int | None = None,
     verify: bool = False,
+    draft_extend: bool = False,
     spec_info: Any = None,
     sized: bool = False,
     model: Model | None = None,
@@ -332,7 +352,8 @@ def capture_plan(
     """The live backend's plan as device views; None when its metadata is of no known kind.
 
     `graph_bs`: the padded batch size of a CUDA-graph replay (read graph buffers where the backend
-    keeps them); None for an eager step. `sized`: the engine sized this step's index buffers from
+    keeps them); None for an eager step. `verify` / `draft_extend`: the step's mode is
+    TARGET_VERIFY / a draft extend (both planned with the spec input). `sized`: the engine sized this step's index buffers from
     a host sum (see the module docstring); unknown is False, and the buffers are cut as capacity.
     `model` (the recorded layer) and `seq_lens` (the step's, as the backend's forward reads them)
     give the call arguments SGLang keeps on no object (`_call_arguments`); without `model` the
@@ -347,7 +368,15 @@ def capture_plan(
             return None
         if isinstance(seq_lens, Tensor) and graph_bs is not None:
             seq_lens = seq_lens[:graph_bs]
-        _call_arguments(capture, backend, model, verify=verify, draft_tokens=_draft_tokens(backend, verify, spec_info), seq_lens=seq_lens if isinstance(seq_lens, Tensor) else None)
+        _call_arguments(
+            capture,
+            backend,
+            model,
+            verify=verify,
+            spec=verify or draft_extend,
+            draft_tokens=_draft_tokens(backend, verify, spec_info),
+            seq_lens=seq_lens if isinstance(seq_lens, Tensor) else None,
+        )
     return capture
 
 
