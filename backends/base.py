@@ -115,6 +115,9 @@ class FillRequirement:
     why: str  # the reason, with its source
     # Where its verify plan reads padded positions: why stale ones there hurt (None: they do not).
     stale_positions: str | None = None
+    # Below min_seq_len the kernel reads outside its tensors (an illegal memory access: a defect of
+    # the step), not only writes NaN into the padded rows' own output (a hazard).
+    out_of_bounds: bool = False
 
 
 @dataclass(frozen=True)

@@ -6,17 +6,53 @@ anything about an engine's backend from its name.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from attndbg.backends import registry
 from attndbg.backends.base import Backend, FillRequirement
 from attndbg.trace.schema import ForwardMode, Trace
 
-# Engine backends no adapter here reproduces. Sources: ../shared/reference/engines.md A4.0
-# (get_cuda_graph_seq_len_fill_value per SGLang backend), B2 and "padding semantics" (vLLM).
-UNADAPTED: dict[str, FillRequirement] = {
+
+@dataclass(frozen=True)
+class ByKvCache:
+    """A requirement that depends on the KV cache's dtype: one library's FP8 decode kernel is not
+    its bf16 one (FlashMLA's FP8 path faults where its bf16 path does not, vLLM #35969)."""
+
+    fp8: FillRequirement
+    other: FillRequirement
+
+    def pick(self, kv_dtype: str | None) -> FillRequirement:
+        return self.fp8 if kv_dtype is not None and kv_dtype.startswith("float8") else self.other
+
+
+# Engine backends no adapter here reproduces, by the name the engine reports (SGLang's
+# `--attention-backend` names, vLLM's AttentionBackendEnum names). Sources: ../shared/reference/
+# engines.md A4.0 (get_cuda_graph_seq_len_fill_value per SGLang backend), B2 and "padding semantics"
+# (vLLM pads requests with seq_len 0, query_len 0, block-table rows of NULL_BLOCK_ID or -1), and
+# each entry's own. A name in neither this table nor an adapter's `engine_names` has no known
+# requirement: its padded rows are not judged, and the verdict line names it (`unknown_name`).
+UNADAPTED: dict[str, FillRequirement | ByKvCache] = {
     "ascend": FillRequirement(0, "SGLang's Ascend backend declares fill value 0"),
     # vLLM pads requests with seq_len 0 and query_len 0; its unified Triton attention launches
     # work per query block, so a padded request (no query tokens) is read by no program.
     "TRITON_ATTN": FillRequirement(0, "vLLM's unified Triton attention reads nothing of a request without query tokens (vLLM pads with seq_len 0)"),
+    "FLASHMLA": ByKvCache(
+        fp8=FillRequirement(
+            1,
+            "FlashMLA's FP8 decode kernel computes n_block = -1 from a padded seq_len 0 and reads block_table[-1], and a "
+            "padded block id -1 gives a negative KV offset: an illegal memory access under graph replay (vLLM #35969, "
+            "issue #33664; the builder clamps seq_lens >= 1 and block ids >= 0)",
+            out_of_bounds=True,
+        ),
+        other=FillRequirement(0, "vLLM pads with seq_len 0, which FlashMLA's bf16 decode takes (vLLM #35969: the fault is its FP8 path's)"),
+    ),
+    # vLLM's Triton MLA decode (triton_decode_attention, SGLang's split-KV design): stage 1 writes
+    # nothing for an empty row and stage 2 divides by the softmax sum.
+    "TRITON_MLA": FillRequirement(
+        1, "vLLM's Triton MLA decode divides by the softmax sum in stage 2: a padded seq_len 0 gives 0/0 = NaN rows (vLLM #57017, fix #57094)"
+    ),
+    # vLLM's FlashAttention MLA calls flash_attn_varlen_func like FLASH_ATTN (seqused_k = 0 is taken).
+    "FLASH_ATTN_MLA": FillRequirement(0, "FlashAttention-3's MLA path takes seqused_k = 0 like its MHA path (vLLM pads with 0)"),
 }
 
 
@@ -48,17 +84,19 @@ def adapter_for(engine_backend: str) -> type[Backend] | None:
     return next((cls for cls in adapters() if engine_backend in cls.engine_names), None)
 
 
-def fill_requirement(engine_backend: str) -> FillRequirement | None:
-    """What the kernels of `engine_backend` need of padded requests: its adapter's declaration,
-    else this module's table, else (an adapter that declares none, under its own name) the
-    seq_len it pads with; None when nothing is known of it."""
+def fill_requirement(engine_backend: str, kv_dtype: str | None = None) -> FillRequirement | None:
+    """What the kernels of `engine_backend` need of padded requests (`kv_dtype`: the step's KV
+    cache dtype, where the requirement depends on it): its adapter's declaration, else this
+    module's table, else (an adapter that declares none, under its own name) the seq_len it pads
+    with; None when nothing is known of it."""
     cls = adapter_for(engine_backend)
     if cls is not None:
         own = cls.engine_names[engine_backend] or cls.fill_requirement
         if own is not None:
             return own
     if engine_backend in UNADAPTED:
-        return UNADAPTED[engine_backend]
+        need = UNADAPTED[engine_backend]
+        return need.pick(kv_dtype) if isinstance(need, ByKvCache) else need
     try:
         cls = cls or registry.adapter_class(engine_backend)
     except (KeyError, ImportError, AttributeError):
@@ -75,8 +113,16 @@ def fill_requirements() -> dict[str, FillRequirement]:
             if need is not None:
                 known.setdefault(name, need)
     for name, need in UNADAPTED.items():
-        known.setdefault(name, need)
+        known.setdefault(name, need.other if isinstance(need, ByKvCache) else need)
     return known
+
+
+def unknown_name(trace: Trace) -> str | None:
+    """The engine backend that ran `trace`, when no adapter answers to its name and nothing here
+    says what its kernels need of padded rows (None otherwise): a CUDA-graph step padded for it
+    has its padded rows judged by no kernel's rules, which the verdict says."""
+    backend = trace.source.backend
+    return backend if fill_requirement(backend, trace.model.kv_dtype) is None else None
 
 
 def merge_path(trace: Trace) -> str | None:

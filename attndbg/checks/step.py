@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from attndbg.backends import engine_names
 from attndbg.checks.crashes import Recheck, crash_finding, recorded_crash_finding, with_crashes
 from attndbg.detector_api.context import CheckContext, CheckOptions
 from attndbg.detector_api.findings import Finding, FindingClass
@@ -41,6 +42,10 @@ class StepReport:
     plan_unread: str | None = None
     # The step's call crashed where it ran (source.crash) and could not be run again here: why.
     crash_unrun: str | None = None
+    # A CUDA-graph step padded for an engine backend no adapter answers to and no table gives
+    # padding rules for (backends/engine_names.py): its name, which the verdict says; its padded
+    # rows were judged by no kernel's rules, never by another backend's.
+    unknown_engine_backend: str | None = None
 
     @property
     def checked(self) -> bool:
@@ -123,8 +128,17 @@ def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions)
         backends=ctx.backends_consulted(),
         plan_unread=_plan_unread(ctx, detectors),
         crash_unrun=crash_unrun,
+        unknown_engine_backend=_unknown_engine_backend(trace),
     )
     return StepResult(report, {k: d for k, d in digests.items() if d is not None})
+
+
+def _unknown_engine_backend(trace: Trace) -> str | None:
+    """The engine backend of a graph step with padded rows, when nothing here knows its padding rules."""
+    graph = trace.graph
+    if graph is None or not graph.is_graph_replay or graph.capture_bs <= trace.batch.batch_size:
+        return None
+    return engine_names.unknown_name(trace)
 
 
 def _context_probe(kind: FindingClass) -> AbstractContextManager[None]:

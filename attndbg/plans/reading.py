@@ -18,6 +18,9 @@ asked for and kept:
     real_plan, refusal    the real requests' part of a graph-padded plan, and the guard's answer
                           on it (launch_view: its view when the guard lets it run)
     padded_offsets        the per-request offsets lists over the possibly padded batch
+    kernel_seq_lens       the seq_lens an engine's builder hands its kernels (padded rows included)
+    builder_copies, builder_counts, builder_paged_kv, engine_field
+                          an engine's own metadata and its builder's copies of it (engine_metadata.py)
     pieces                how each plan tensor divides into per-request pieces
 
 Facts, not findings: a structural problem is data (plans/problems.py); the detectors word and
@@ -35,7 +38,7 @@ from attndbg.backends import registry
 from attndbg.backends.base import Backend
 from attndbg.backends.plan_layout import KvEnd, MaskReading, PlanLayout, expected_dims, is_index
 from attndbg.backends.plan_view import USUAL_OFFSETS, Offsets, PlanUnreadable, PlanView, PlanViewError, RequestKV
-from attndbg.plans import guard, scalars
+from attndbg.plans import engine_metadata, guard, scalars
 from attndbg.plans.kv import kv_ends, read_kv, request_coverage
 from attndbg.plans.offsets import is_indptr, offsets_problem
 from attndbg.plans.pieces import Piece, metadata_pieces, pieces_of
@@ -277,6 +280,47 @@ class PlanReading:
                 if isinstance(bound, Offsets):
                     offsets.setdefault(bound.field, stride.get(bound.field, 1))
         return offsets
+
+    @cached_property
+    def kernel_seq_lens(self) -> tuple[str, Tensor] | None:
+        """(plan name, [rows] int64) of the seq_lens an engine's builder hands its kernels, padded
+        rows included, where the engine records them beside the runner's (vLLM: the builder's
+        output, which may clamp what the runner padded); None where it records none."""
+        metadata = engine_conventions(self.trace).metadata
+        if metadata is None or self.plan is None:
+            return None
+        for name in metadata.kernel_seq_lens:
+            value = self.plan.tensors.get(name)
+            if value is not None and value.dim() == 1 and not value.is_floating_point() and value.dtype is not torch.bool:
+                return name, value.to(torch.int64)
+        return None
+
+    @cached_property
+    def builder_copies(self) -> list[engine_metadata.BuilderCopy]:
+        """The builder's tensors that copy one of the engine's own fields (vLLM), each with the
+        request its row 0 is; empty for an engine that records no metadata of its own."""
+        metadata = engine_conventions(self.trace).metadata
+        return engine_metadata.builder_copies(self.plan, metadata) if metadata is not None and self.plan is not None else []
+
+    @cached_property
+    def builder_counts(self) -> dict[str, int]:
+        """The builder's request and token counts (num_decodes, num_decode_tokens, ...) it recorded."""
+        metadata = engine_conventions(self.trace).metadata
+        return engine_metadata.counts(self.plan, metadata) if metadata is not None and self.plan is not None else {}
+
+    @cached_property
+    def builder_paged_kv(self) -> list[engine_metadata.PagedKv]:
+        """The builder's paged-KV lists (paged_kv_indptr, paged_kv_last_page_len), per part."""
+        metadata = engine_conventions(self.trace).metadata
+        return engine_metadata.paged_kv(self.plan, metadata) if metadata is not None and self.plan is not None else []
+
+    def engine_field(self, meaning: str) -> engine_metadata.EngineField | None:
+        """The engine's own field `meaning` ("seq_lens", "query_start_loc", "block_table",
+        "slot_mapping") as recorded, the verbatim evidence first."""
+        metadata = engine_conventions(self.trace).metadata
+        if metadata is None or self.plan is None:
+            return None
+        return engine_metadata.engine_field(self.plan, getattr(metadata, meaning))
 
     # -- per-request pieces -----------------------------------------------------------------------
 

@@ -132,6 +132,8 @@ class CheckVerdict:
     findings: int = 0
     # "<plan backend>: <why>" -> steps whose recorded plan the plan detectors could not read
     plans_unread: dict[str, int] = field(default_factory=dict)
+    # engine backend -> graph steps padded for it, whose padding rules nothing here knows
+    unknown_engine_backends: dict[str, int] = field(default_factory=dict)
     # why -> steps whose crashed call (source.crash) could not be run again here
     crashes_not_run: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -203,6 +205,13 @@ def check_verdict(
     # run), but the plan detectors checked less than the plan: said, never silent.
     unread = Counter(r.plan_unread for r in checked if r.plan_unread)
     parts += [f"recorded plan not read by the plan detectors on {counted(n, 'step')} ({what})" for what, n in sorted(unread.items())]
+    # An engine backend no adapter answers to and no table gives padding rules for: its padded rows
+    # were judged by no kernel's requirement (never by another backend's), which is said.
+    unknown = Counter(r.unknown_engine_backend for r in checked if r.unknown_engine_backend)
+    parts += [
+        f"padded rows of {counted(n, 'graph step')} not judged by a kernel's fill rules (engine backend {printable(name, 60)}: no adapter or padding rules here)"
+        for name, n in sorted(unknown.items())
+    ]
     # A step whose call crashed where it ran, not run again here: its crash is neither confirmed nor
     # cleared, so the check is incomplete.
     unrun = Counter(r.crash_unrun for r in checked if r.crash_unrun)
@@ -226,6 +235,7 @@ def check_verdict(
         backends_skipped=skipped,
         findings=findings,
         plans_unread=dict(sorted(unread.items())),
+        unknown_engine_backends=dict(sorted(unknown.items())),
         crashes_not_run=dict(sorted(unrun.items())),
         defects=defects,
         hazards=dict(sorted(hazards.items())),
@@ -302,6 +312,7 @@ def checks_to_json(reports: list[StepReport], verdict: CheckVerdict | None = Non
             "compared": verdict.backends_ran,
             "skipped": verdict.backends_skipped,
             "plans_unread": verdict.plans_unread,
+            "unknown_engine_backends": verdict.unknown_engine_backends,
             "crashes_not_run": verdict.crashes_not_run,
             "not_compared_by_mode": verdict.unreplayed,
             "not_checked": verdict.not_checked,

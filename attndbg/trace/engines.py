@@ -32,6 +32,18 @@ class VerifySeqLens:
 
 
 @dataclass(frozen=True)
+class BuilderTensor:
+    """A tensor an engine's metadata builder hands its kernels that copies one of the engine's own
+    metadata fields for some of the requests: the two must agree on the real requests."""
+
+    name: str  # plan.tensors: the builder's name for it (nested parts dotted: "decode.seq_lens")
+    meaning: str  # the MetadataFields field it copies: "query_start_loc", "seq_lens", "block_table", "slot_mapping"
+    # Which requests its rows are: "all" from request 0, "decodes" the first num_decodes (the
+    # builder's count), "prefills" the rest (MLA's decode and prefill parts, vLLM: decodes first).
+    rows: str = "all"
+
+
+@dataclass(frozen=True)
 class MetadataFields:
     """Where an engine that records its own attention metadata keeps it in the plan. Each field
     lists the names to read, first present wins: the verbatim evidence, then the names a backend's
@@ -49,6 +61,20 @@ class MetadataFields:
     num_actual_tokens: tuple[str, ...]  # plan.scalars: the step's query tokens
     max_seq_len: tuple[str, ...]  # plan.scalars: the longest seq_len kernels are sized for
     num_blocks: tuple[str, ...]  # plan.scalars: blocks in the KV pool (from the engine's config)
+    # plan.tensors: the seq_lens the builder hands its kernels ([rows], padded rows included),
+    # first present wins. A builder may hand its kernel other padded rows than the runner's
+    # (vLLM's FlashMLA FP8 path clamps them to >= 1, #35969): what the kernel gets is judged.
+    kernel_seq_lens: tuple[str, ...] = ()
+    # The builder's copies of these fields (plan.tensors), each judged against the field it copies.
+    builder_tensors: tuple[BuilderTensor, ...] = ()
+    # Builders that hand their kernels a batch of their own making (chunked local attention's
+    # virtual batches), whose tensors copy nothing: by the builder's class name (plan.scalars).
+    builder_name: str = ""
+    transforming_builders: tuple[str, ...] = ()
+    # plan.scalars: the builder's request and token counts (decodes first), and its paged-KV lists'
+    # prefixes ("" top level, "decode." an MLA decode part): paged_kv_indptr, paged_kv_last_page_len.
+    counts: tuple[str, ...] = ()
+    paged_kv_prefixes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -109,6 +135,23 @@ VLLM = EngineConventions(
         num_actual_tokens=("common.num_actual_tokens", "vllm.num_actual_tokens"),
         max_seq_len=("common.max_seq_len", "vllm.max_seq_len"),
         num_blocks=("vllm.num_gpu_blocks",),
+        kernel_seq_lens=("decode.seq_lens", "seq_lens"),
+        # Names from vLLM 0.33's metadata classes (engines.md B3): FlashAttention's, Triton's and
+        # FlashInfer's pass the step's tensors through; MLACommonMetadata splits decodes and prefills.
+        builder_tensors=(
+            BuilderTensor("query_start_loc", "query_start_loc"),
+            BuilderTensor("seq_lens", "seq_lens"),
+            BuilderTensor("block_table", "block_table"),
+            BuilderTensor("block_table_tensor", "block_table"),
+            BuilderTensor("slot_mapping", "slot_mapping"),
+            BuilderTensor("decode.seq_lens", "seq_lens", rows="decodes"),
+            BuilderTensor("decode.block_table", "block_table", rows="decodes"),
+            BuilderTensor("prefill.block_table", "block_table", rows="prefills"),
+        ),
+        builder_name="vllm.builder",
+        transforming_builders=("ChunkedLocalAttentionBuilder", "ChunkedLocalAttentionMetadataBuilder"),
+        counts=("num_decodes", "num_decode_tokens", "num_prefills", "num_prefill_tokens", "num_actual_tokens"),
+        paged_kv_prefixes=("", "decode."),
     ),
 )
 

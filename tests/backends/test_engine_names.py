@@ -3,6 +3,8 @@ table), so fill-value judges a vLLM step's padding by the kernel that consumes i
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from attndbg.backends import engine_names
@@ -10,6 +12,7 @@ from attndbg.backends.fa3 import FA3Backend
 from attndbg.backends.flashinfer import FlashInferBackend
 from attndbg.backends.mla import MLABackend
 from attndbg.backends.triton import TritonBackend
+from attndbg.detector_api.findings import Severity
 from attndbg.detectors.fill_value import detect as fill_value
 from tests.checks.test_fill_value import decode, on, with_graph
 
@@ -43,3 +46,72 @@ def test_a_vllm_step_padded_with_seq_len_0_is_judged_by_its_kernel(name: str, un
     assert bool(hits) is unsupported, [f.check for f in findings]
     if unsupported:
         assert f"ran on {name}, which needs >= 1" in hits[0].evidence and "#38436" in hits[0].cause
+
+
+def _padded_zero(name: str, *, kv_dtype: str = "bfloat16", fill: int = 0):
+    trace = on(decode(4), name, engine="vllm")
+    trace = replace(trace, model=replace(trace.model, kv_dtype=kv_dtype), plan=None)
+    seq_lens = trace.graph.padded_seq_lens.clone()
+    seq_lens[trace.batch.batch_size :] = fill
+    return with_graph(trace, padded_seq_lens=seq_lens, fill_value=fill)
+
+
+def test_flashmla_fp8_padding_of_seq_len_0_reads_out_of_bounds() -> None:
+    """vLLM's runner pads with seq_len 0; FlashMLA's FP8 decode computes n_block = -1 from it and
+    reads block_table[-1] (vLLM #35969): a defect there, nothing on its bf16 path, and a clamped
+    padding (seq_len 1, the fix) is clean on both."""
+    found = [f for f in fill_value.recorded_padding(_padded_zero("FLASHMLA", kv_dtype="float8_e4m3fn")) if f.check == "padded-seq-len-unsupported"]
+    assert len(found) == 1 and found[0].severity is Severity.DEFECT
+    assert "n_block = -1" in found[0].cause and "#35969" in found[0].cause
+    assert not [f for f in fill_value.recorded_padding(_padded_zero("FLASHMLA")) if f.check == "padded-seq-len-unsupported"]
+    for kv_dtype in ("float8_e4m3fn", "bfloat16"):
+        assert fill_value.recorded_padding(_padded_zero("FLASHMLA", kv_dtype=kv_dtype, fill=1)) == []
+
+
+def test_triton_mla_padding_of_seq_len_0_gives_nan_rows() -> None:
+    """vLLM's Triton MLA decode divides by an empty softmax sum at seq_len 0 (vLLM #57017): NaN
+    padded rows, a hazard while nothing mixes rows."""
+    found = [f for f in fill_value.recorded_padding(_padded_zero("TRITON_MLA")) if f.check == "padded-seq-len-unsupported"]
+    assert len(found) == 1 and found[0].severity is Severity.HAZARD and "0/0" in found[0].cause
+
+
+# Every name the installed engines can report (SGLang's --attention-backend choices, vLLM's
+# AttentionBackendEnum): each has an adapter, padding rules, or is named by unknown_name.
+def _engine_names() -> list[str]:
+    names = []
+    choices = pytest.importorskip("sglang.srt.arg_groups.choices", reason="SGLang not installed")
+    names += list(choices.ATTENTION_BACKEND_CHOICES)
+    registry = pytest.importorskip("vllm.v1.attention.backends.registry", reason="vLLM not installed")
+    names += [member.name for member in registry.AttentionBackendEnum]
+    return names
+
+
+def test_every_engine_backend_name_is_known_or_named() -> None:
+    known, unknown = [], []
+    for name in _engine_names():
+        trace = on(decode(4), name)
+        (unknown if engine_names.unknown_name(trace) == name else known).append(name)
+        if engine_names.unknown_name(trace) is None:
+            assert engine_names.fill_requirement(name, trace.model.kv_dtype) is not None
+    assert {"flashinfer", "fa3", "triton", "flashmla", "FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLASHMLA", "TRITON_MLA"} <= set(known)
+    assert "ROCM_AITER_MLA" in unknown  # no fact about its kernels' padding here: named, never judged
+
+
+def test_a_graph_step_of_an_unknown_backend_is_named_on_the_verdict_line(tmp_path) -> None:
+    """Its padded rows get no kernel's rules (not another backend's): the verdict says so; a known
+    backend's step does not get the note."""
+    from attndbg.checks.run import check_steps
+    from attndbg.checks.selection import parse_only
+    from attndbg.detector_api.context import CheckOptions
+    from attndbg.detectors import registry as detectors
+    from attndbg.report.checks import check_verdict
+    from attndbg.trace import io
+
+    for name, named in (("ROCM_AITER_MLA", True), ("FLASH_ATTN", False)):
+        path = tmp_path / f"{name}.pt"
+        io.save(_padded_zero(name, fill=1), path)
+        reports = list(check_steps(str(path), parse_only(None), CheckOptions(backends=("reference",))))
+        verdict = check_verdict(reports, [d for d in detectors.BUILTIN], None)
+        assert (f"engine backend {name}: no adapter or padding rules here" in verdict.line) is named, verdict.line
+        assert verdict.unknown_engine_backends == ({name: 1} if named else {})
+        assert not [f for r in reports for f in r.findings if f.check == "padded-seq-len-unsupported"]

@@ -39,11 +39,12 @@ def mha_model(*, block_size: int = 16, window: int = -1) -> Model:
     )  # fmt: skip
 
 
-def mla_model(*, block_size: int = 64) -> Model:
-    """DeepSeek's absorbed MLA at a small width (latent 64, rope 16) for the Triton interpreter."""
+def mla_model(*, block_size: int = 64, kv_dtype: str = "bfloat16") -> Model:
+    """DeepSeek's absorbed MLA at a small width (latent 64, rope 16) for the Triton interpreter;
+    `kv_dtype`: the KV cache's (vLLM's --kv-cache-dtype)."""
     return Model(
         num_qo_heads=4, num_kv_heads=1, head_dim=80, v_head_dim=64, attention=AttentionKind.MLA, kv_lora_rank=64, qk_rope_head_dim=16,
-        sm_scale=(128 + 16) ** -0.5, logit_cap=0.0, sliding_window=-1, q_dtype="bfloat16", kv_dtype="bfloat16", page_size=block_size,
+        sm_scale=(128 + 16) ** -0.5, logit_cap=0.0, sliding_window=-1, q_dtype="bfloat16", kv_dtype=kv_dtype, page_size=block_size,
     )  # fmt: skip
 
 

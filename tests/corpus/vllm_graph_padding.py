@@ -35,13 +35,15 @@ def _flashmla_decode(out: Path, *, clamped: bool) -> None:
     if clamped:
         seq_lens.clamp_(min=1)
         table.clamp_(min=0)
+    # split_decodes_and_prefills (a uniform decode): num_decodes = num_reqs, num_decode_tokens = num_actual_tokens.
     decode = flashmla.FlashMLADecodeMetadata(block_table=table, seq_lens=seq_lens, dcp_tot_seq_lens=None, scheduler_metadata=None)
     metadata = flashmla.FlashMLAMetadata(
         num_reqs=cm.num_reqs, max_query_len=1, max_seq_len=cm.max_seq_len, num_actual_tokens=cm.num_actual_tokens, query_start_loc=cm.query_start_loc,
-        slot_mapping=cm.slot_mapping, num_decodes=cm.num_reqs, num_decode_tokens=cm.num_reqs, num_prefills=0, causal=True, head_dim=None, prefill=None, decode=decode,
+        slot_mapping=cm.slot_mapping, num_decodes=cm.num_reqs, num_decode_tokens=cm.num_actual_tokens, num_prefills=0, causal=True, head_dim=None, prefill=None, decode=decode,
     )  # fmt: skip
     capture = vl.CaptureSizes(max_bs=64, max_num_tokens=8, block_table_width=int(cm.block_table_tensor.shape[1]))
-    vl.record(out, cm, metadata, backend="FLASHMLA", model=vl.mla_model(block_size=64), capture=capture, builder="FlashMLAMetadataBuilder")
+    model = vl.mla_model(block_size=64, kv_dtype="float8_e4m3fn")  # --kv-cache-dtype fp8: the FP8 decode path
+    vl.record(out, cm, metadata, backend="FLASHMLA", model=model, capture=capture, builder="FlashMLAMetadataBuilder")
 
 
 def write_35969(bug: Path, twin: Path) -> None:
@@ -72,7 +74,7 @@ def _local_attention(out: Path, *, persistent: bool) -> None:
             fresh = dict(buffers)
         metadata = SimpleNamespace(
             num_actual_tokens=cm.num_actual_tokens, max_q_len=1, max_seq_len=cm.max_seq_len,
-            num_decodes=cm.num_reqs, num_decode_tokens=cm.num_reqs, num_prefills=0, num_prefill_tokens=0, use_cascade=False, **fresh,
+            num_decodes=cm.num_reqs, num_decode_tokens=cm.num_actual_tokens, num_prefills=0, num_prefill_tokens=0, use_cascade=False, **fresh,
         )  # fmt: skip
         vl.record(out, cm, metadata, backend="FLASHINFER", model=vl.mha_model(), step=step, builder="ChunkedLocalAttentionBuilder", pointers=True)
 
@@ -93,8 +95,8 @@ BUGS = (
         mechanism="the model runner padded unused graph rows with seq_lens=0 and block_table=-1; FlashMLA's FP8 kernel "
         "computes n_block = -1 from seq_len 0 (block_table[-1]) and a negative KV offset from -1: illegal memory access. "
         "Fixed by clamping seq_lens >= 1 and block_table >= 0 in FlashMLAMetadataBuilder.build_decode",
-        encoding="3 MLA decodes (block 64) in a bs-4 FULL graph: padded row seq_len 0, block-table row -1, in the "
-        "CommonAttentionMetadata and the FlashMLA decode metadata; twin: the builder's clamped copies",
+        encoding="3 MLA decodes (block 64, FP8 KV cache) in a bs-4 FULL graph: padded row seq_len 0, block-table row -1, in "
+        "the CommonAttentionMetadata and the FlashMLA decode metadata; twin: the builder's clamped copies",
         expected=("fill-value/padded-seq-len-unsupported", "invariants/index-outside-cache"),
         keywords=("FlashMLA", "seq_len 0", "-1"),
         capabilities=(Capability.BACKEND_NAMES, Capability.PADDED_ROWS),

@@ -66,10 +66,11 @@ DUMMY_SLOTS = (0, -1)
 IMPLAUSIBLE_POOL_ROWS = 1 << 20
 
 
-def requirement(backend: str) -> FillRequirement | None:
-    """What the engine backend `backend` (trace.source.backend) needs of padded rows: the capability
-    its adapter declares, or backends/engine_names.py's table for one without an adapter."""
-    return engine_names.fill_requirement(backend)
+def requirement(backend: str, kv_dtype: str | None = None) -> FillRequirement | None:
+    """What the engine backend `backend` (trace.source.backend) needs of padded rows, with a KV
+    cache of `kv_dtype`: the capability its adapter declares, or backends/engine_names.py's table
+    for one without an adapter."""
+    return engine_names.fill_requirement(backend, kv_dtype)
 
 
 def requirements_summary(trace: Trace) -> str:
@@ -101,11 +102,12 @@ def recorded_padding(trace: Trace, reading: PlanReading | None = None) -> list[F
         # uniform decode pads tokens past query_start_loc[-1] without padded rows: their slots are
         # still written.
         return _padded_out_cache_loc(trace) if graph.padded_out_cache_loc.numel() > batch.num_tokens else []
+    reading = reading if reading is not None else read(trace)
     return (
-        _padded_seq_lens(trace)
+        _padded_seq_lens(trace, reading)
         + _padded_out_cache_loc(trace)
         + _seq_lens_sum(trace)
-        + _padded_indptrs(trace, reading if reading is not None else read(trace))
+        + _padded_indptrs(trace, reading)
         + _padded_req_pool_indices(trace)
         + _padded_positions(trace)
     )
@@ -116,25 +118,33 @@ def _graded(trace: Trace, check: str, evidence: str, cause: str, *, severity: Se
     return finding(KIND, check, step=trace.source.step, evidence=evidence, cause=cause, severity=severity, **where, **(data or {}))
 
 
-def _padded_seq_lens(trace: Trace) -> list[Finding]:
+def _padded_seq_lens(trace: Trace, reading: PlanReading) -> list[Finding]:
     graph, bs = trace.graph, trace.batch.batch_size
     padded = graph.padded_seq_lens[bs : graph.capture_bs].tolist()
     backend = trace.source.backend
-    need = requirement(backend)
+    need = requirement(backend, trace.model.kv_dtype)
     findings = []
+    # What the kernel gets: the builder's own seq_lens where the engine records them (it may clamp
+    # the runner's padding), else the runner's static buffer.
+    given, field = padded, "graph.padded_seq_lens"
+    kernel = reading.kernel_seq_lens
+    if kernel is not None and kernel[1].numel() >= graph.capture_bs:
+        given, field = kernel[1][bs : graph.capture_bs].tolist(), f"plan.{kernel[0]}"
     if need is not None:
-        bad = [(bs + i, n) for i, n in enumerate(padded) if n < need.min_seq_len]
+        bad = [(bs + i, n) for i, n in enumerate(given) if n < need.min_seq_len]
         if bad:
             row, value = bad[0]
-            # A negative length makes the kernel's offsets decrease (reads before a request's KV):
-            # a defect. A short one (0) reads nothing: only the padded rows' own output is at stake.
-            negative = any(n < 0 for _, n in bad)
+            # A negative length makes the kernel's offsets decrease (reads before a request's KV),
+            # and a kernel declared to read out of bounds below its minimum does (FlashMLA's FP8
+            # decode at seq_len 0): defects. Otherwise a short length (0) reads nothing: only the
+            # padded rows' own output is at stake.
+            negative = any(n < 0 for _, n in bad) or need.out_of_bounds
             findings.append(
                 _graded(
                     trace,
                     "padded-seq-len-unsupported",
                     f"{len(bad)} of {len(padded)} padded requests have seq_len < {need.min_seq_len} "
-                    f"(first: graph.padded_seq_lens[{row}] = {value}; graph.fill_value = {graph.fill_value}); "
+                    f"(first: {field}[{row}] = {value}; graph.fill_value = {graph.fill_value}); "
                     f"the step ran on {backend}, which needs >= {need.min_seq_len}. attndbg's backends for this step need: {requirements_summary(trace)}",
                     f"The graph runner padded with a fill value {backend} cannot take: {need.why}."
                     + (
@@ -146,8 +156,8 @@ def _padded_seq_lens(trace: Trace) -> list[Finding]:
                     ),
                     severity=DEFECT if negative else HAZARD,
                     request=row,
-                    field=f"graph.padded_seq_lens[{row}]",
-                    data={"backend": backend, "min_seq_len": need.min_seq_len, "padded_seq_lens": padded, "fill_value": graph.fill_value},
+                    field=f"{field}[{row}]",
+                    data={"backend": backend, "min_seq_len": need.min_seq_len, "padded_seq_lens": given, "fill_value": graph.fill_value},
                 )
             )
             return findings
@@ -336,7 +346,7 @@ def _padded_positions(trace: Trace) -> list[Finding]:
     if not bad.numel():
         return []
     i = int(bad[0])
-    need = requirement(trace.source.backend)
+    need = requirement(trace.source.backend, trace.model.kv_dtype)
     read_by_verify_plan = batch.forward_mode is ForwardMode.TARGET_VERIFY and need is not None and need.stale_positions is not None
     if read_by_verify_plan:
         cause = need.stale_positions
@@ -403,7 +413,7 @@ def padded_replays(ctx: CheckContext) -> tuple[list[Finding], list[requirements.
         # The engine's adapter is held to what is declared for the engine backend that ran the
         # step (Backend.engine_names: an engine's name may carry its own requirement); any other
         # adapter, to what it declares under its own name.
-        need = requirement(trace.source.backend if engine_adapter is type(backend) else name)
+        need = requirement(trace.source.backend if engine_adapter is type(backend) else name, trace.model.kv_dtype)
         if need is not None:
             needs[name] = need
         runs = []
@@ -428,7 +438,7 @@ def padded_replays(ctx: CheckContext) -> tuple[list[Finding], list[requirements.
 
 
 def _fill_note(trace: Trace, backend: str, fill: int) -> str:
-    need = requirement(backend)
+    need = requirement(backend, trace.model.kv_dtype)
     if need is not None and fill < need.min_seq_len:
         return f" seq_len {fill} is below what {backend} takes: {need.why}."
     return ""
