@@ -36,6 +36,9 @@ The batch is the ground truth (validated on load); what the engine *recorded* is
     plan-pointer-moved (recording) plan tensors keep their data pointers across graph replays
     vLLM's CommonAttentionMetadata (query_start_loc, seq_lens, block table, slot_mapping, host
                        mirrors), kept verbatim as `common.*` plan tensors: invariants_vllm.py
+    builder-copy, builder-counts
+                       what a vLLM builder handed its kernels (its copies of those fields, its
+                       decode/prefill counts, its paged-KV lists) against them: vllm_builder.py
     transformers' raw token-row indices (read_index, write_index), kept when one is outside its
                        token view: invariants/token_indices.py
 
@@ -72,6 +75,7 @@ from attndbg.detectors.invariants.capture import check_capture
 from attndbg.detectors.invariants.plan import _check_plan
 from attndbg.detectors.invariants.token_indices import check_token_indices
 from attndbg.detectors.invariants.vllm import check_vllm
+from attndbg.detectors.invariants.vllm_builder import check_builder
 from attndbg.detectors.invariants.window import check_window_list
 from attndbg.plans.reading import PlanReading, read
 from attndbg.trace.schema import Trace
@@ -101,6 +105,8 @@ def check_trace(trace: Trace, reading: PlanReading | None = None) -> list[Findin
         _check_plan(trace, reading, out)
         check_window_list(trace, reading.layout, out)
     check_vllm(trace, out)
+    if trace.plan is not None:
+        check_builder(trace, reading, out)
     check_token_indices(trace, out)
     check_capture(trace, out)  # last: it defers to block-table-short and replaces indptr-end on a captured buffer
     return out
