@@ -13,6 +13,7 @@ from tests.corpus import (
     sglang_kv_lists,
     sglang_merges,
     sglang_window_lists,
+    vllm_builder_lists,
     vllm_graph_padding,
     vllm_host_hints,
 )
@@ -26,6 +27,7 @@ FAMILIES = (
     sglang_merges,
     vllm_graph_padding,
     vllm_host_hints,
+    vllm_builder_lists,
     flashinfer_wrappers,
     not_expressible,
 )

@@ -49,6 +49,9 @@ CAUGHT = {
     "sglang-40903": "split-merge/merge-lse-base-confusion",
     "vllm-28739": "invariants/plan-pointer-moved",
     "flashinfer-1028": "split-merge/recorded-output-mismatch",
+    "vllm-35969": "fill-value/padded-seq-len-unsupported",
+    "vllm-31282": "invariants/kv-last-page-len",
+    "vllm-27753": "invariants/slot-mapping",
 }
 
 

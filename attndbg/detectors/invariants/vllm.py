@@ -368,6 +368,31 @@ def _slot_mapping(trace: Trace, c: _Common, out: list[Finding]) -> None:
             return
 
 
+def _block_size_of_slots(trace: Trace, c: _Common, page: int) -> int | None:
+    """A block size smaller than `page` (dividing it) under which every real token's slot is its
+    KV column in the block table, where the table holds that column (it is cut to the columns
+    `page` needs): the table and slots are in smaller blocks than the step's page size says."""
+    table, slots, batch = c.table, c.slots, trace.batch
+    assert table is not None and slots is not None
+    qsl = c.qsl
+    for block in range(page // 2, 0, -1):
+        if page % block:
+            continue
+        seen, t = 0, 0
+        agrees = True
+        for b in range(min(batch.batch_size, table.shape[0])):
+            for i in range(int(batch.extend_lens[b])):
+                col, engine = int(batch.query_cols[t]), int(qsl[b]) + i
+                t += 1
+                if col // block >= table.shape[1] or not 0 <= engine < slots.numel():
+                    continue
+                seen += 1
+                agrees = agrees and int(slots[engine]) == int(table[b, col // block]) * block + col % block
+        if agrees and seen:
+            return block
+    return None
+
+
 def _slot_finding(trace: Trace, c: _Common, *, b: int, t: int, col: int, engine: int, expected: int, found: int | None) -> Finding:
     table, name, page = c.table, c.slots_name, trace.model.page_size
     assert table is not None
@@ -381,6 +406,13 @@ def _slot_finding(trace: Trace, c: _Common, *, b: int, t: int, col: int, engine:
         cause = "the slot is outside the KV pool: the write lands outside the cache"
     elif position != col and 0 <= position // page < table.shape[1] and found == int(table[b, position // page]) * page + position % page:
         cause = f"slot_mapping was computed from the token's position {position} instead of its KV column {col}"
+    elif (block := _block_size_of_slots(trace, c, page)) is not None:
+        cause = (
+            f"slot_mapping and the block table are in blocks of {block} tokens, while the step's page size is {page}: the "
+            f"builder was given another block size than the cache's pages (vLLM's hybrid models handed the KV manager's "
+            f"block size instead of the kernel's, #27753), so the lists it derives at page size {page} (pages per request, "
+            "last-page lengths) do not match the pages the kernel reads"
+        )
     elif (owner := trace.batch.slot_owner(found, other_than=b)) is not None:
         cause = f"the slot is request {owner[0]}'s KV column {owner[1]}: this token overwrites another request's cache (slot_mapping computed from another request's block-table row, or rows out of order)"
     else:
