@@ -398,6 +398,11 @@ def _vllm_step(draw: StepDraw, base):
         metadata = SimpleNamespace(**shared, max_query_len=1, query_start_loc=qsl, block_table=table, common_prefix_len=0)
         if draw.backends[0] == "FLASH_ATTN":
             metadata.causal = True
+            # FA3's ahead-of-time schedule under a FULL graph: vLLM's persistent scheduler_metadata
+            # buffer (FA3's size, 1 + round_up(rows, 4) * 4; its contents are FA3's, made on the GPU)
+            # and the split bound the capture sized for (VLLM_FLASH_ATTN_MAX_NUM_SPLITS_FOR_CUDA_GRAPH).
+            metadata.scheduler_metadata = torch.zeros(1 + -(-rows // 4) * 4 * 4, dtype=torch.int32)
+            metadata.max_num_splits = 16
     # No data pointers: these tensors are not the engine's persistent buffers (a real recording's
     # pointers stay put across replays; made-up ones would either move or mean nothing).
     plan_tensors, plan_scalars = plan_parts(metadata, block_size=block, max_seq_len=max(kv), pointers=False)

@@ -35,6 +35,16 @@ class BuilderCopy:
 
 
 @dataclass(frozen=True)
+class SplitSchedule:
+    """A split-KV schedule the builder computed ahead of time for this step (outside any graph),
+    and the bound on its split count it was given (0: none)."""
+
+    schedule: str  # plan.tensors name of the schedule
+    bound_name: str  # plan.scalars name of the bound
+    bound: int
+
+
+@dataclass(frozen=True)
 class PagedKv:
     """A builder's paged-KV lists (FlashInfer's layout, AITER MLA's): per request, its pages'
     offsets and the tokens in its last page."""
@@ -121,3 +131,12 @@ def paged_kv(plan: Plan, fields: MetadataFields) -> list[PagedKv]:
             continue
         found.append(PagedKv(prefix, indptr, last, 0))
     return found
+
+
+def split_schedule(plan: Plan, fields: MetadataFields) -> SplitSchedule | None:
+    """The builder's ahead-of-time split schedule and its bound, where it recorded both."""
+    schedule = next((name for name in fields.split_schedule if plan.tensors.get(name) is not None), None)
+    bound = next(((name, value) for name in fields.split_bound if (value := _scalar(plan, name)) is not None), None)
+    if schedule is None or bound is None:
+        return None
+    return SplitSchedule(schedule, bound[0], bound[1])

@@ -19,7 +19,7 @@ asked for and kept:
                           on it (launch_view: its view when the guard lets it run)
     padded_offsets        the per-request offsets lists over the possibly padded batch
     kernel_seq_lens       the seq_lens an engine's builder hands its kernels (padded rows included)
-    builder_copies, builder_counts, builder_paged_kv, engine_field
+    builder_copies, builder_counts, builder_paged_kv, builder_split_schedule, engine_field
                           an engine's own metadata and its builder's copies of it (engine_metadata.py)
     pieces                how each plan tensor divides into per-request pieces
 
@@ -313,6 +313,13 @@ class PlanReading:
         """The builder's paged-KV lists (paged_kv_indptr, paged_kv_last_page_len), per part."""
         metadata = engine_conventions(self.trace).metadata
         return engine_metadata.paged_kv(self.plan, metadata) if metadata is not None and self.plan is not None else []
+
+    @cached_property
+    def builder_split_schedule(self) -> engine_metadata.SplitSchedule | None:
+        """The builder's ahead-of-time split-KV schedule for the step and its split bound (vLLM's
+        FA3 scheduler_metadata and max_num_splits), where it recorded both."""
+        metadata = engine_conventions(self.trace).metadata
+        return engine_metadata.split_schedule(self.plan, metadata) if metadata is not None and self.plan is not None else None
 
     def engine_field(self, meaning: str) -> engine_metadata.EngineField | None:
         """The engine's own field `meaning` ("seq_lens", "query_start_loc", "block_table",

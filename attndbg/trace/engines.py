@@ -75,6 +75,11 @@ class MetadataFields:
     # prefixes ("" top level, "decode." an MLA decode part): paged_kv_indptr, paged_kv_last_page_len.
     counts: tuple[str, ...] = ()
     paged_kv_prefixes: tuple[str, ...] = ()
+    # A split-KV kernel scheduled ahead of time outside the graph: plan.tensors holding the
+    # schedule (present: scheduled at each step) and plan.scalars holding the bound on its split
+    # count that the graph's capture sized its split buffers for (0: no bound).
+    split_schedule: tuple[str, ...] = ()
+    split_bound: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,9 @@ VLLM = EngineConventions(
         transforming_builders=("ChunkedLocalAttentionBuilder", "ChunkedLocalAttentionMetadataBuilder"),
         counts=("num_decodes", "num_decode_tokens", "num_prefills", "num_prefill_tokens", "num_actual_tokens"),
         paged_kv_prefixes=("", "decode."),
+        # FlashAttentionMetadata (FA3's ahead-of-time scheduler, vLLM #20301).
+        split_schedule=("scheduler_metadata",),
+        split_bound=("max_num_splits",),
     ),
 )
 

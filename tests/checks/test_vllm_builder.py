@@ -189,3 +189,28 @@ def test_a_server_shaped_graph_padded_decode_batch_is_clean(tmp_path: Path, monk
     capture = vl.CaptureSizes(max_bs=72, max_num_tokens=72, block_table_width=int(cm.block_table_tensor.shape[1]))
     found = _checked(tmp_path, cm, _fa(cm), backend="FLASH_ATTN", model=vl.mha_model(), capture=capture)
     assert [f for f in found if f.check.startswith("builder-") or f.check.startswith("kv-")] == [], _labels(found)
+
+
+DECODES = dict(seq_lens=[20, 33, 40], query_lens=[1, 1, 1], blocks=[[7, 3], [5, 1, 9], [2, 4, 6]])
+
+
+@pytest.mark.parametrize(
+    ("bound", "scheduled", "padded", "named"),
+    [
+        (0, True, True, True),  # scheduled each step, no bound, graph replay: vLLM #20301
+        (16, True, True, False),  # the fix: the capture's bound
+        (0, False, True, False),  # no ahead-of-time schedule (FA2): nothing is scheduled outside the graph
+        (0, True, False, False),  # eager: nothing was captured
+    ],
+)
+def test_split_bound_of_an_ahead_of_time_schedule_under_a_graph(tmp_path: Path, bound: int, scheduled: bool, padded: bool, named: bool) -> None:
+    """FlashAttentionMetadata of a FULL-graph decode with FA3's ahead-of-time schedule (vLLM's
+    persistent buffer at FA3's size; its contents are FA3's, made on the GPU) and a split bound."""
+    cm = vl.Step(**DECODES, pad_reqs=1 if padded else 0).common()
+    schedule = {"scheduler_metadata": torch.zeros(1 + -(-int(cm.num_reqs) // 4) * 4 * 4, dtype=torch.int32)} if scheduled else {}
+    metadata = _fa(cm, **schedule)
+    metadata.max_num_splits = bound
+    capture = vl.CaptureSizes(max_bs=64, max_num_tokens=64, block_table_width=int(cm.block_table_tensor.shape[1]))
+    found = _checked(tmp_path, cm, metadata, backend="FLASH_ATTN", model=vl.mha_model(), capture=capture)
+    assert ("split-bound" in _labels(found)) is named, _labels(found)
+    assert [c for c in _labels(found) if c != "split-bound"] == [], _labels(found)

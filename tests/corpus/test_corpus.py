@@ -52,6 +52,7 @@ CAUGHT = {
     "vllm-35969": "fill-value/padded-seq-len-unsupported",
     "vllm-31282": "invariants/kv-last-page-len",
     "vllm-27753": "invariants/slot-mapping",
+    "vllm-20301": "invariants/split-bound",
 }
 
 

@@ -12,6 +12,10 @@ it was built from (the plan reading's engine facts, attndbg/plans/engine_metadat
                         paged_kv_last_page_len) give each real request ceil(seq_len / page) pages,
                         the last one holding seq_len - (pages - 1) * page tokens, at the kernel's
                         page size (the model's)
+    split-bound         a CUDA-graph replay whose split-KV schedule the builder computed at this
+                        step (FA3's ahead-of-time scheduler_metadata) carries a bound on the split
+                        count (max_num_splits > 0): the captured kernel's split buffers were sized
+                        for one count, the schedule is made afresh each step
 
 A builder that makes a batch of its own (chunked local attention's virtual batches) copies nothing
 and is not judged here.
@@ -24,7 +28,7 @@ from torch import Tensor
 
 from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND, _first
-from attndbg.plans.engine_metadata import BuilderCopy, EngineField, PagedKv
+from attndbg.plans.engine_metadata import BuilderCopy, EngineField, PagedKv, SplitSchedule
 from attndbg.plans.reading import PlanReading
 from attndbg.trace.schema import Trace
 
@@ -47,6 +51,29 @@ def check_builder(trace: Trace, reading: PlanReading, out: list[Finding]) -> Non
     _counts(trace, reading.builder_counts, qsl.values.reshape(-1), seq.values.numel(), out)
     for lists in reading.builder_paged_kv:
         _paged_kv(trace, lists, seq, reading.builder_counts, out)
+    _split_bound(trace, reading.builder_split_schedule, out)
+
+
+def _split_bound(trace: Trace, schedule: SplitSchedule | None, out: list[Finding]) -> None:
+    graph = trace.graph
+    if schedule is None or schedule.bound > 0 or graph is None or not graph.is_graph_replay:
+        return
+    out.append(
+        finding(
+            KIND,
+            "split-bound",
+            step=trace.source.step,
+            field=f"plan.scalars.{schedule.bound_name}",
+            evidence=f"plan.scalars.{schedule.bound_name} = {schedule.bound} (no bound) while the builder computed this step's "
+            f"split schedule (plan.{schedule.schedule}) for a CUDA-graph replay of {graph.capture_bs} rows",
+            cause="the split-KV schedule is computed at every step outside the graph with no bound on the split count, while "
+            "the captured kernel's split accumulators were sized for the count chosen at capture: a step whose schedule "
+            "picks more splits writes past them (an illegal memory access; vLLM #20301 bounds it by max_num_splits at "
+            "capture and at run time)",
+            expected=">= 1",
+            found=schedule.bound,
+        )
+    )
 
 
 def _rows_compared(trace: Trace, copy: BuilderCopy, rows: int) -> range:
