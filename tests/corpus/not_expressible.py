@@ -62,15 +62,6 @@ BUGS = (
         Capability.EVERY_PLAN, Capability.WINDOW_VERIFY,
     ),
     _bug(
-        "sglang-31501", "FlashInfer SWA paged prefill planned without window_left: the per-element window compiled out",
-        ("https://github.com/sgl-project/sglang/pull/31501",), "2026-07", "SGLang flashinfer", "EXTEND (paged-only)",
-        "the sliding-window paged prefill wrapper was planned without window_left, so FlashInfer compiled its module without "
-        "the window; the window_left given at forward() only skipped whole KV tiles: tokens past the window attended to stale keys",
-        "the recorder derives a call's window_left from the layer (SGLang passes it at every forward and keeps it on no object); "
-        "the plan-time window that chose the compiled module is not recorded",
-        Capability.HOST_HINTS, Capability.EVERY_PLAN,
-    ),
-    _bug(
         "sglang-9344", "Triton extend/decode kernels overflow kv_indices * stride (int32)",
         ("https://github.com/sgl-project/sglang/pull/9344", "https://github.com/sgl-project/sglang/issues/9412"), "2025-08",
         "SGLang triton", "EXTEND, DECODE",

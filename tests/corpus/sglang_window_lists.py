@@ -17,8 +17,11 @@ sliding-window one; wrapper 1 serves the full-attention layers).
   request's FULL mask from column 0 while its keys came from the window list (the prefix's tail):
   the window's mask columns are offset by prefix - window_len (window_kv_offsets, added by the fix).
 
-The recorder derives a call's window_left from the layer (SGLang passes it at every call and keeps
-it on no object), so the missing window_left is not in the step; the over-long paged list is.
+- sgl-project/sglang#31501 (2026-07): FlashInfer's sliding-window paged prefill wrapper was planned
+  without window_left: plan() compiled the module without the per-element window, and the
+  window_left given at forward() only skipped whole KV tiles, so later queries of an extend attended
+  keys before their window. The recorder reads the window a wrapper was planned with (its
+  `_window_left`, right after the step's plan).
 """
 
 from __future__ import annotations
@@ -71,18 +74,51 @@ def _swa_cascade(reads_new_columns: bool) -> sg.Plan:
     return plan
 
 
-def _record(out: Path, *, reads_new_columns: bool) -> None:
+def _record(out: Path, plan: sg.Plan) -> None:
+    """The SWA layer's extend of ROWS (prefixes PREFIX, NEW new tokens), planned by `plan`."""
     with sg.recording(out) as session:
         layer = sg.layer(window=WINDOW)  # noqa: F841 - a sliding-window layer: the recorder reads wrapper 0
-        made = sg.backend(sg.CorpusFlashInfer, ROWS, _swa_cascade(reads_new_columns))
+        made = sg.backend(sg.CorpusFlashInfer, ROWS, plan)
         made.sliding_window_size = WINDOW
         made.dispatch_reason = SimpleNamespace(name="SLIDING_WINDOW")
         sg.record_eager(session, made, sg.extend_batch(ROWS, PREFIX, NEW))
 
 
 def write_26513(bug: Path, twin: Path) -> None:
-    _record(bug, reads_new_columns=True)
-    _record(twin, reads_new_columns=False)
+    _record(bug, _swa_cascade(reads_new_columns=True))
+    _record(twin, _swa_cascade(reads_new_columns=False))
+
+
+def _swa_paged(planned_window: int) -> sg.Plan:
+    def plan(made: Any, fb: Any) -> None:
+        """Paged-only extend (the new tokens' K/V written before attention): wrapper 0 lists each
+        request's window tail through its new tokens, min(seq_len, W + extend_len) columns ending
+        at seq_len, and keeps the window it was planned with; wrapper 1 every column."""
+        prefix, extend = fb.extend_prefix_lens.to(I64), fb.extend_seq_lens.to(I64)
+        seq = prefix + extend
+        rows = made.req_to_token_pool.req_to_token[fb.req_pool_indices]
+        qo_indptr = torch.nn.functional.pad(torch.cumsum(extend, 0), (1, 0)).to(I32)
+        wrappers = []
+        for window in (True, False):
+            count = torch.minimum(seq, WINDOW + extend) if window else seq
+            indptr = torch.nn.functional.pad(torch.cumsum(count, 0), (1, 0)).to(I32)
+            indices = torch.cat([rows[b, int(seq[b] - count[b]) : int(seq[b])] for b in range(count.numel())]).to(I32)
+            made_wrapper = sg.wrapper(
+                qo_indptr_buf=qo_indptr,
+                paged_kv_indptr_buf=indptr,
+                paged_kv_indices_buf=torch.cat([indices, torch.zeros(256, dtype=I32)]),
+                paged_kv_last_page_len_buf=torch.ones(count.numel(), dtype=I32),
+            )
+            made_wrapper._window_left = planned_window if window else -1  # plan(window_left=...) keeps it
+            wrappers.append(made_wrapper)
+        made.forward_metadata = sg.flashinfer_backend.PrefillMetadata(prefill_wrappers=wrappers, use_ragged=False, extend_no_prefix=False)
+
+    return plan
+
+
+def write_31501(bug: Path, twin: Path) -> None:
+    _record(bug, _swa_paged(planned_window=-1))
+    _record(twin, _swa_paged(planned_window=WINDOW))
 
 
 VERIFY_ROWS = {2: list(range(10, 24)), 4: list(range(40, 51))}
@@ -224,6 +260,23 @@ BUGS = (
         keywords=("written after", "unwritten", "not yet written"),
         capabilities=(Capability.EVERY_PLAN, Capability.WINDOW_VERIFY),
         write=write_26513,
+    ),
+    RealBug(
+        id="sglang-31501",
+        title="FlashInfer SWA paged prefill planned without window_left: the per-element window compiled out",
+        links=("https://github.com/sgl-project/sglang/pull/31501",),
+        date="2026-07",
+        engine="SGLang flashinfer",
+        mode="EXTEND (paged-only)",
+        mechanism="the sliding-window paged prefill wrapper was planned without window_left, so FlashInfer compiled its module "
+        "without the window; the window_left given at forward() only skipped whole KV tiles: tokens past the window attended "
+        "to keys before it",
+        encoding="2 requests (prefixes 10, 6; 3 and 2 new) of a window-4 layer, paged-only; wrapper 0 (SWA) lists min(seq_len, "
+        "4 + new) columns up to seq_len and keeps _window_left = -1 from its plan(); twin: planned with 4",
+        expected=("invariants/window-off",),
+        keywords=("planned without", "window"),
+        capabilities=(Capability.HOST_HINTS, Capability.EVERY_PLAN),
+        write=write_31501,
     ),
     RealBug(
         id="sglang-39287",

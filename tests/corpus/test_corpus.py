@@ -43,6 +43,7 @@ CAUGHT = {
     "sglang-26513": "invariants/kv-index",
     "sglang-39287": "invariants/kv-index",
     "sglang-9279": "tree-mask/window-offset",
+    "sglang-31501": "invariants/window-off",
     "sglang-27738": "invariants/kv-length",
     "sglang-25015": "invariants/positions",
     "sglang-26880": "fill-value/seq-lens-sum-ignores-padding",

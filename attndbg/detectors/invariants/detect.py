@@ -36,6 +36,8 @@ The batch is the ground truth (validated on load); what the engine *recorded* is
     plan-pointer-moved (recording) plan tensors keep their data pointers across graph replays
     vLLM's CommonAttentionMetadata (query_start_loc, seq_lens, block table, slot_mapping, host
                        mirrors), kept verbatim as `common.*` plan tensors: invariants_vllm.py
+    window-off         a sliding-window layer's kernel planned without its window while a request's
+                       list reaches past its queries' windows: invariants/window.py
     builder-copy, builder-counts
                        what a vLLM builder handed its kernels (its copies of those fields, its
                        decode/prefill counts, its paged-KV lists) against them: vllm_builder.py
@@ -76,7 +78,7 @@ from attndbg.detectors.invariants.plan import _check_plan
 from attndbg.detectors.invariants.token_indices import check_token_indices
 from attndbg.detectors.invariants.vllm import check_vllm
 from attndbg.detectors.invariants.vllm_builder import check_builder
-from attndbg.detectors.invariants.window import check_window_list
+from attndbg.detectors.invariants.window import check_kernel_window, check_window_list
 from attndbg.plans.reading import PlanReading, read
 from attndbg.trace.schema import Trace
 
@@ -104,6 +106,7 @@ def check_trace(trace: Trace, reading: PlanReading | None = None) -> list[Findin
         reading = reading if reading is not None else read(trace)
         _check_plan(trace, reading, out)
         check_window_list(trace, reading.layout, out)
+        check_kernel_window(trace, reading, out)
     check_vllm(trace, out)
     if trace.plan is not None:
         check_builder(trace, reading, out)

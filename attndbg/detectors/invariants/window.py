@@ -21,6 +21,13 @@ Checked as `window-kv`, one finding at the first wrong element. A verify step's 
 tree mask, so they are tree-mask's (window-offset); padded requests of a graph replay are
 fill-value's. W is the layer's window (`model.sliding_window`) or, for a full-attention layer of a
 hybrid model, the backend's (`plan.scalars.sliding_window`).
+
+`window-off`: a sliding-window layer's plan whose kernel applies no window (the layout's window
+scalar recorded as -1: FlashInfer's plan-time window_left, which compiles the per-element window in
+or out, sglang#31501) while a real request's listed keys reach further back than its last query's
+window: that query attends keys outside it. Judged for the modes whose engine passes the window
+to the kernel (extend, mixed, decode); a verify's tree mask and a draft extend's causal block carry
+the window themselves, and a layout with its own window list (SGLang's Triton) reads that list.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from torch import Tensor
 from attndbg.backends.plan_layout import PlanLayout, WindowList
 from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND, _first
+from attndbg.plans.reading import PlanReading
+from attndbg.plans.scalars import ScalarSource
 from attndbg.trace.schema import ForwardMode, Trace
 
 CAUSE_LENGTH = "the window list was built from other lengths than the batch's (seq_lens where the prefix is meant, or a stale length)"
@@ -49,6 +58,45 @@ def _window(trace: Trace) -> int | None:
         return trace.model.sliding_window
     value = trace.plan.scalars.get("sliding_window")
     return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+WINDOWED_BY_KERNEL = (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE)
+
+
+def check_kernel_window(trace: Trace, reading: PlanReading, out: list[Finding]) -> None:
+    """window-off (see the module docstring): the first real request one of whose queries the
+    plan lets attend keys outside the layer's window."""
+    window, layout = trace.model.sliding_window, reading.layout
+    if window < 0 or layout is None or layout.window_list is not None or trace.batch.forward_mode not in WINDOWED_BY_KERNEL:
+        return
+    kernel = reading.scalars.get("window")
+    coverage = reading.coverage
+    if kernel is None or kernel.source is not ScalarSource.RECORDED or kernel.value >= 0 or coverage is None:
+        return
+    for b, span in enumerate(coverage):
+        if span is None:
+            continue
+        last = int(trace.batch.kv_lens[b]) - 1  # the request's last query's position
+        start = span[0]
+        if start < last - window:
+            out.append(
+                finding(
+                    KIND,
+                    "window-off",
+                    step=trace.source.step,
+                    request=b,
+                    field=f"plan.scalars.{kernel.name}",
+                    evidence=f"plan.scalars.{kernel.name} = {kernel.value} on a layer with sliding window {window}, and request {b}'s "
+                    f"listed keys start at column {start}: its query at position {last} attends {last - window - start} keys before "
+                    f"its window [{last - window}, {last}]",
+                    cause="the kernel was planned without the layer's window (FlashInfer compiles the per-element window in or out "
+                    "at plan(); a window_left given at forward then only skips whole KV tiles, sglang#31501), and the list it was "
+                    "given reaches past the window of the request's later queries: they attend keys outside their window",
+                    expected=window,
+                    found=kernel.value,
+                )
+            )
+            return
 
 
 def check_window_list(trace: Trace, layout: PlanLayout | None, out: list[Finding]) -> None:
