@@ -82,16 +82,6 @@ BUGS = (
         Capability.SPLIT_MODEL, Capability.BACKEND_NAMES,
     ),
     _bug(
-        "vllm-35175", "FP8 FlashMLA decode metadata not copied into the persistent CUDA-graph buffers",
-        ("https://github.com/vllm-project/vllm/pull/35175", "https://github.com/vllm-project/vllm/issues/33638"), "2026-02",
-        "vLLM FLASHMLA (fp8 KV)", "DECODE graph",
-        "after the FlashMLASchedMeta refactor the FP8 path set freshly allocated tile_scheduler_metadata / num_splits on it "
-        "instead of copying into cg_buf_*: graph replays read the capture-time metadata (garbled output after ~50 tokens)",
-        "FlashMLASchedMeta is not a dataclass: record/vllm/plan.py records dataclass fields only, so its tile_scheduler_metadata "
-        "and num_splits, and their data pointers, are not recorded",
-        Capability.STALE_PLAN, Capability.SPLITS_VS_CAPTURE,
-    ),
-    _bug(
         "vllm-17283", "Cascade attention's prefix scheduler metadata planned for num_reqs requests instead of one",
         ("https://github.com/vllm-project/vllm/pull/17283", "https://github.com/vllm-project/vllm/issues/17276"), "2025-04",
         "vLLM FLASH_ATTN", "EXTEND (cascade)",

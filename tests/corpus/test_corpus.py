@@ -51,6 +51,7 @@ CAUGHT = {
     "vllm-28739": "invariants/plan-pointer-moved",
     "flashinfer-1028": "split-merge/recorded-output-mismatch",
     "vllm-35969": "fill-value/padded-seq-len-unsupported",
+    "vllm-35175": "invariants/plan-pointer-moved",
     "vllm-31282": "invariants/kv-last-page-len",
     "vllm-27753": "invariants/slot-mapping",
     "vllm-20301": "invariants/split-bound",

@@ -8,6 +8,9 @@ metadata reached a kernel that cannot take vLLM's padding convention (seq_len 0,
   get_cudagraph_support, so Llama-4's local attention layers were captured in CUDA graphs although
   the builder makes its metadata tensors afresh every step: replays read the capture-time tensors
   (wrong outputs). Fixed by keeping it out of graphs (cudagraph support NEVER).
+- vllm-project/vllm#35175 (2026-02, issue #33638): after FlashMLA's scheduler metadata moved into
+  FlashMLASchedMeta, the FP8 decode path set freshly made tile_scheduler_metadata / num_splits on it
+  instead of copying them into the persistent CUDA-graph buffers: replays read the capture's.
 """
 
 from __future__ import annotations
@@ -84,6 +87,59 @@ def write_28739(bug: Path, twin: Path) -> None:
     _local_attention(twin, persistent=True)
 
 
+FP8_STEPS = [dict(MLA_STEP, seq_lens=[70, 33, 100]), dict(MLA_STEP, seq_lens=[71, 34, 101])]
+SM_PARTS, TILE_METADATA_SIZE = 4, 8  # FlashMLA's tile_scheduler_metadata: [num_sm_parts, TileSchedulerMetaDataSize] int32
+
+
+def _flashmla_fp8_replays(out: Path, *, persistent: bool) -> None:
+    """Two FULL-graph replays (bs-4 graph) of FlashMLA's FP8 decode: the builder's
+    FlashMLASchedMeta holds the split schedule get_mla_metadata_dense_fp8 made for the step (its
+    contents are FlashMLA's, made on the GPU: zeros and one split per request here, read by
+    nothing). The fix copies them into the builder's persistent cg_buf_* tensors; before it, each
+    step's fresh tensors were set on the holder, so their addresses move between replays."""
+    buffers: dict[str, torch.Tensor] = {}
+    kept: list[torch.Tensor] = []  # the fresh tensors stay alive: a moved address is not a reused one
+    for step, layout in enumerate(FP8_STEPS):
+        cm = vl.Step(**layout).common()
+        # The runner's persistent inputs, refilled in place at every replay (in the bug too).
+        steady = {
+            "seq_lens": cm.seq_lens.clamp(min=1),  # the builder's clamp (vLLM #35969)
+            "block_table": cm.block_table_tensor.clamp(min=0),
+            "query_start_loc": cm.query_start_loc,
+            "slot_mapping": cm.slot_mapping,
+        }
+        for name, value in steady.items():
+            buffers.setdefault(name, torch.zeros_like(value)).copy_(value)
+        rows = steady["seq_lens"].numel()
+        fresh = {
+            "tile_scheduler_metadata": torch.zeros(SM_PARTS, TILE_METADATA_SIZE, dtype=torch.int32),
+            "num_splits": torch.arange(rows + 1, dtype=torch.int32),
+        }
+        kept += fresh.values()
+        if persistent:
+            for name, value in fresh.items():
+                buffers.setdefault(name, torch.zeros_like(value)).copy_(value)
+            fresh = {name: buffers[name] for name in fresh}
+        schedule = flashmla.FlashMLASchedMeta()  # FlashMLA's holder (vLLM's stand-in of that name where FlashMLA is absent)
+        schedule.tile_scheduler_metadata, schedule.num_splits = fresh["tile_scheduler_metadata"], fresh["num_splits"]
+        decode = flashmla.FlashMLADecodeMetadata(
+            block_table=buffers["block_table"], seq_lens=buffers["seq_lens"], dcp_tot_seq_lens=None, scheduler_metadata=schedule
+        )
+        metadata = flashmla.FlashMLAMetadata(
+            num_reqs=cm.num_reqs, max_query_len=1, max_seq_len=cm.max_seq_len, num_actual_tokens=cm.num_actual_tokens,
+            query_start_loc=buffers["query_start_loc"], slot_mapping=buffers["slot_mapping"], num_decodes=cm.num_reqs,
+            num_decode_tokens=cm.num_actual_tokens, num_prefills=0, causal=True, head_dim=None, prefill=None, decode=decode,
+        )  # fmt: skip
+        capture = vl.CaptureSizes(max_bs=64, max_num_tokens=8, block_table_width=int(cm.block_table_tensor.shape[1]))
+        model = vl.mla_model(block_size=64, kv_dtype="float8_e4m3fn")
+        vl.record(out, cm, metadata, backend="FLASHMLA", model=model, step=step, capture=capture, builder="FlashMLAMetadataBuilder", pointers=True)
+
+
+def write_35175(bug: Path, twin: Path) -> None:
+    _flashmla_fp8_replays(bug, persistent=False)
+    _flashmla_fp8_replays(twin, persistent=True)
+
+
 BUGS = (
     RealBug(
         id="vllm-35969",
@@ -120,5 +176,22 @@ BUGS = (
         capabilities=(Capability.ALREADY, Capability.STALE_PLAN),
         twin_note="the fix keeps the backend out of graphs; the twin is the graph-safe form: the same steps over persistent buffers",
         write=write_28739,
+    ),
+    RealBug(
+        id="vllm-35175",
+        title="FP8 FlashMLA decode metadata not copied into the persistent CUDA-graph buffers",
+        links=("https://github.com/vllm-project/vllm/pull/35175", "https://github.com/vllm-project/vllm/issues/33638"),
+        date="2026-02",
+        engine="vLLM FLASHMLA (fp8 KV)",
+        mode="DECODE graph, two replays",
+        mechanism="after the FlashMLASchedMeta refactor the FP8 path set freshly allocated tile_scheduler_metadata / num_splits on "
+        "it instead of copying into cg_buf_*: graph replays read the capture-time metadata (garbled output after ~50 tokens)",
+        encoding="two FP8 MLA decode steps replayed in the bs-4 FULL graph; the decode part's FlashMLASchedMeta holds "
+        "tile_scheduler_metadata and num_splits made afresh each step (their data pointers recorded, as the hook records them); "
+        "twin: the persistent buffers refilled in place",
+        expected=("invariants/plan-pointer-moved",),
+        keywords=("pointer", "captured", "replay"),
+        capabilities=(Capability.STALE_PLAN, Capability.SPLITS_VS_CAPTURE),
+        write=write_35175,
     ),
 )

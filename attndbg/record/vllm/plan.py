@@ -14,7 +14,8 @@ versions. Rules:
 - every tensor's data pointer is recorded as the int scalar `NAME_data_ptr` (the invariants
   detector checks that graph-replayed plans keep their pointers);
 - int/float/bool/str/enum fields become scalars; nested dataclasses are flattened with dotted
-  names (`decode.block_table`); wrapper objects (FlashInfer planners, ...) and dicts are skipped.
+  names (`decode.block_table`), and so are the few plain objects that hold a kernel's schedule
+  (`SCHEDULE_HOLDERS`); wrapper objects (FlashInfer planners, ...) and dicts are skipped.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ from torch import Tensor
 from attndbg.trace.schema import Plan
 
 SMALL_FLOAT_TENSOR = 1024  # elements: a tree bias of up to 32 tokens fits; per-step scratch workspaces do not
+# Plain classes (not dataclasses) whose instance attributes are tensors a kernel reads: FlashMLA's
+# FlashMLASchedMeta holds its FP8 decode's tile_scheduler_metadata and num_splits, which a FULL
+# graph must read from persistent buffers (vLLM #35175).
+SCHEDULE_HOLDERS = ("FlashMLASchedMeta",)
 MAX_DEPTH = 3  # MLACommonMetadata.prefill.chunked_context is the deepest nesting seen (0.33)
 Scalar = int | float | bool | str
 
@@ -69,7 +74,7 @@ def _collect(obj: Any, prefix: str, depth: int, tensors: dict[str, Tensor], scal
             scalars[key] = value
         elif isinstance(value, (tuple, list)) and value and all(isinstance(v, (bool, int, float)) for v in value):
             scalars[key] = str(tuple(value))  # e.g. window_size=(-1, -1)
-        elif dataclasses.is_dataclass(value) and not isinstance(value, type) and depth < MAX_DEPTH:
+        elif ((dataclasses.is_dataclass(value) and not isinstance(value, type)) or type(value).__name__ in SCHEDULE_HOLDERS) and depth < MAX_DEPTH:
             _collect(value, key + ".", depth + 1, tensors, scalars, cut)
 
 
