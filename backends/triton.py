@@ -314,7 +314,7 @@ class TritonBackend(Backend):
         out = torch.full((tokens, model.num_qo_heads, model.v_head_dim), float("nan"), dtype=inputs.q.dtype, device=device)
         lse = torch.full((tokens, model.num_qo_heads), float("nan"), dtype=torch.float32, device=device)
         scratch = _split_scratch(model, tokens, int(plan.scalars.get("max_kv_splits", 0)), device)
-        _launch(model, tensors, plan.scalars, inputs, out, lse, scratch)
+        _launch(model, tensors, plan.scalars, inputs, out, lse, scratch, sinks=_device_sinks(model, device))
         return AttentionResult(output=out, lse=lse)
 
     def merge_states(self, states: PartialStates) -> AttentionResult:
@@ -400,13 +400,18 @@ def _split_scratch(model, tokens: int, max_kv_splits: int, device) -> tuple[torc
     return logits, lse
 
 
-def _launch(model, t: dict[str, torch.Tensor], scalars, inputs: AttentionInputs, out, lse, scratch) -> None:
+def _device_sinks(model, device: torch.device) -> torch.Tensor | None:
+    """The layer's sink logits on the kernel's device, in float32 (the kernels' dtype for them)."""
+    return None if model.sinks is None else model.sinks.to(device=device, dtype=torch.float32)
+
+
+def _launch(model, t: dict[str, torch.Tensor], scalars, inputs: AttentionInputs, out, lse, scratch, *, sinks: torch.Tensor | None) -> None:
     """One forward with plan tensors `t` (SGLang names): decode when the plan has split counts.
 
-    The layer's sinks and KV scales are the model's, not the plan's: a scaled fp8 cache folds
-    k_scale into sm_scale and hands v_scale to the kernel's output."""
+    The layer's sinks (`sinks`, already on the device: a graph state makes them before its capture,
+    which may copy nothing from the host) and KV scales are the model's, not the plan's: a scaled
+    fp8 cache folds k_scale into sm_scale and hands v_scale to the kernel's output."""
     decode, extend = _kernels()
-    sinks = None if model.sinks is None else model.sinks.to(device=inputs.q.device, dtype=torch.float32)
     layer = {"sm_scale": model.sm_scale * model.k_scale, "logit_cap": model.logit_cap, "sinks": sinks, "v_scale": model.v_scale}
     if "num_kv_splits" in t:
         decode.decode_attention_fwd(
@@ -474,6 +479,7 @@ class _TritonGraphState(GraphState):
             self.scalars = {}
         self.out = torch.full((capacity.max_tokens, self.model.num_qo_heads, self.model.v_head_dim), float("nan"), dtype=DTYPES[self.model.q_dtype], device=device)
         self.lse = torch.full((capacity.max_tokens, self.model.num_qo_heads), float("nan"), dtype=torch.float32, device=device)
+        self.sinks = _device_sinks(self.model, device)
 
     def load_plan(self, plan: Plan) -> None:
         if self.decode and int(plan.scalars["max_kv_splits"]) > self.max_kv_splits:
@@ -495,7 +501,7 @@ class _TritonGraphState(GraphState):
             self.scratch[1].fill_(float("nan"))
 
     def forward(self, inputs: AttentionInputs) -> AttentionResult:
-        _launch(self.model, self.buffers, self.scalars, inputs, self.out, self.lse, self.scratch)
+        _launch(self.model, self.buffers, self.scalars, inputs, self.out, self.lse, self.scratch, sinks=self.sinks)
         return AttentionResult(output=self.out, lse=self.lse)
 
 
