@@ -140,19 +140,30 @@ def test_a_module_starts_while_another_builds_and_one_locked_elsewhere_waits_for
     assert locked.library.exists() and _times(log, "locked", "start")[0] >= released[0]
 
 
+# Interrupted in a process of its own: Ctrl-C reaches a process's main thread, which under a test
+# runner's workers (pytest-xdist) is not the thread running the test.
+_INTERRUPTED_BUILD = """
+import _thread, sys, threading
+from attndbg.backends import flashinfer_jit
+threading.Timer(0.8, _thread.interrupt_main).start()
+try:
+    flashinfer_jit.build([flashinfer_jit.Unbuilt("slow", sys.argv[1], sys.argv[2])], jobs=2)
+except KeyboardInterrupt:
+    sys.exit(7)
+"""
+
+
 @pytest.mark.skipif(shutil.which("ninja") is None or shutil.which("pgrep") is None, reason="ninja or pgrep is not installed")
 def test_an_interrupted_build_leaves_no_step_compiling(tmp_path: Path) -> None:
     """A ninja left running would go on writing into a module's directory, where the next build (or
     FlashInfer's own, at the first load) then runs a second ninja beside it."""
-    import _thread
-    import threading
+    import sys
 
     build = tmp_path / "cached_ops" / "slow"
     build.mkdir(parents=True)
     (build / "build.ninja").write_text(f"rule s\n  command = sleep 31.25 && touch $out\nbuild {build}/a.o: s\nbuild {build}/slow.so: s {build}/a.o\n")
-    threading.Timer(0.8, _thread.interrupt_main).start()
-    with pytest.raises(KeyboardInterrupt):
-        flashinfer_jit.build([flashinfer_jit.Unbuilt("slow", str(build / "build.ninja"), str(tmp_path / "cached_ops"))], jobs=2)
+    interrupted = subprocess.run([sys.executable, "-c", _INTERRUPTED_BUILD, str(build / "build.ninja"), str(tmp_path / "cached_ops")], capture_output=True, text=True, timeout=60)
+    assert interrupted.returncode == 7, interrupted.stderr[-2000:]  # the build raised KeyboardInterrupt, after 0.8 s, not 31
     time.sleep(0.3)
     assert subprocess.run(["pgrep", "-f", "sleep 31.25"], capture_output=True).returncode == 1  # none left
 
