@@ -101,6 +101,18 @@ BUGS = (
         Capability.CROSS_FIELDS,
     ),
     _bug(
+        "vllm-21196", "FULL-graph padded tokens' slot_mapping not reset to -1: padded tokens write K/V through stale slots",
+        ("https://github.com/vllm-project/vllm/pull/21196", "https://github.com/vllm-project/vllm/pull/20466"), "2025-07", "vLLM (any)",
+        "DECODE graph",
+        "after #20466 moved slot_mapping into the block table, _prepare_inputs no longer filled the persistent slot_mapping past "
+        "the real tokens with -1; CUDA-graph padding happens after it, so the captured reshape_and_cache wrote the padded tokens' "
+        "K/V through whatever slots an earlier step left there (a live request's KV, or out of bounds). The fix fills them with -1",
+        "CommonAttentionMetadata.slot_mapping is the view blk_table.slot_mapping[:num_actual_tokens] (the stale tail is not in "
+        "it) and the recorder keeps a per-token field's first num_actual_tokens entries (record/vllm/fields.py, Trim.PER_TOKEN): "
+        "the padded tail the captured graph reads is in no trace",
+        Capability.PADDED_ROWS,
+    ),
+    _bug(
         "vllm-40961", "Micro-batch metadata captured with max_seq_len 1: SWA layers captured with full-attention kernels",
         ("https://github.com/vllm-project/vllm/pull/40961",), "2026-04", "vLLM (any)", "capture",
         "during CUDA-graph capture the ubatch metadata carried max_seq_len 1, so the kernel chosen for sliding-window layers was "
