@@ -55,6 +55,7 @@ CAUGHT = {
     "vllm-31282": "invariants/kv-last-page-len",
     "vllm-27753": "invariants/slot-mapping",
     "vllm-20301": "invariants/split-bound",
+    "vllm-19321": "invariants/indptr-decreases",
 }
 
 

@@ -11,6 +11,9 @@ metadata reached a kernel that cannot take vLLM's padding convention (seq_len 0,
 - vllm-project/vllm#35175 (2026-02, issue #33638): after FlashMLA's scheduler metadata moved into
   FlashMLASchedMeta, the FP8 decode path set freshly made tile_scheduler_metadata / num_splits on it
   instead of copying them into the persistent CUDA-graph buffers: replays read the capture's.
+- vllm-project/vllm#19321 (2025-06): the FULL-graph runner padded query_start_loc past the real
+  requests with -1; FlashAttention reads it as cu_seqlens_q, which must not decrease: wrong results
+  under the compiled graph. The fix repeats the last real offset.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from tests.corpus.bug import Capability, RealBug
 from tests.record.engines import import_engine
 
 flashmla = import_engine("vllm.v1.attention.backends.mla.flashmla")
+flash_attn = import_engine("vllm.v1.attention.backends.flash_attn")
 
 MLA_STEP = dict(seq_lens=[70, 33, 100], query_lens=[1, 1, 1], blocks=[[3, 7], [5], [9, 2]], block_size=64, pad_reqs=1)
 
@@ -140,6 +144,30 @@ def write_35175(bug: Path, twin: Path) -> None:
     _flashmla_fp8_replays(twin, persistent=True)
 
 
+FA_DECODE = dict(seq_lens=[20, 33, 7], query_lens=[1, 1, 1], blocks=[[7, 3], [5, 1, 9], [2]], pad_reqs=1)
+PADDED_QSL_END = -1  # what the runner of #19321 put past the real requests' offsets
+
+
+def _flash_attn_graph_decode(out: Path, **overrides: torch.Tensor) -> None:
+    """FlashAttentionMetadataBuilder.build of 3 decodes padded to the bs-4 FULL graph: the
+    runner's persistent buffers (`overrides` where the runner filled them otherwise than the fixed
+    code) handed to FlashAttention as they are."""
+    cm = vl.Step(**FA_DECODE, overrides=overrides).common()
+    metadata = flash_attn.FlashAttentionMetadata(
+        num_actual_tokens=cm.num_actual_tokens, max_query_len=1, query_start_loc=cm.query_start_loc, max_seq_len=cm.max_seq_len, seq_lens=cm.seq_lens,
+        block_table=cm.block_table_tensor, slot_mapping=cm.slot_mapping, scheduler_metadata=None, max_num_splits=0, causal=True,
+    )  # fmt: skip
+    capture = vl.CaptureSizes(max_bs=64, max_num_tokens=8, block_table_width=int(cm.block_table_tensor.shape[1]))
+    vl.record(out, cm, metadata, backend="FLASH_ATTN", model=vl.mha_model(), capture=capture, builder="FlashAttentionMetadataBuilder")
+
+
+def write_19321(bug: Path, twin: Path) -> None:
+    real = [0, 1, 2, 3]
+    padded = torch.tensor(real + [PADDED_QSL_END], dtype=torch.int32)
+    _flash_attn_graph_decode(bug, query_start_loc=padded, query_start_loc_cpu=padded.clone())
+    _flash_attn_graph_decode(twin)  # vl.Step repeats the last real offset, as the fix does
+
+
 BUGS = (
     RealBug(
         id="vllm-35969",
@@ -193,5 +221,22 @@ BUGS = (
         keywords=("pointer", "captured", "replay"),
         capabilities=(Capability.STALE_PLAN, Capability.SPLITS_VS_CAPTURE),
         write=write_35175,
+    ),
+    RealBug(
+        id="vllm-19321",
+        title="FULL-graph query_start_loc padded with -1: FlashAttention's cu_seqlens_q decreases",
+        links=("https://github.com/vllm-project/vllm/pull/19321",),
+        date="2025-06",
+        engine="vLLM FLASH_ATTN",
+        mode="DECODE graph",
+        mechanism="the FULL-graph runner captured with a max-shaped persistent query_start_loc and padded its tail past the "
+        "real requests with -1; FlashAttention reads it as cu_seqlens_q, which it requires non-decreasing: incorrect results "
+        "under the compiled graph (eager was fine). The fix pads with the last real offset",
+        encoding="3 decodes (seq_lens 20, 33, 7; block 16) padded to a bs-4 FULL graph; CommonAttentionMetadata and "
+        "FlashAttentionMetadata with query_start_loc [0, 1, 2, 3, -1]; twin: [0, 1, 2, 3, 3]",
+        expected=("invariants/indptr-decreases",),
+        keywords=("query_start_loc", "padded tail", "negative query length"),
+        capabilities=(Capability.PADDED_ROWS, Capability.CROSS_FIELDS),
+        write=write_19321,
     ),
 )
