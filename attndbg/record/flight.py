@@ -202,7 +202,7 @@ class FlightRecorder:
                 if is_cuda_error(e):
                     self.fire(from_exception(e, self.in_flight_step(), "seen by the flight recorder"))
                 return
-            entry.finished = True
+            self.ring.mark_finished(entry)
         self._judge(_Check(entry.copy, lambda host, step=entry.step: self._nan(host, step)))
 
     def _nan(self, host: dict[str, Any], step: int) -> Trigger | None:

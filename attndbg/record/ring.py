@@ -36,21 +36,29 @@ class RingEntry:
     done: torch.cuda.Event | None = None  # recorded after the step's work was queued (None: host only)
     closed: bool = False  # the engine's call returned
     finished: bool = False  # its device work was seen complete
+    evicted: bool = False  # left the ring (evicted or taken): no longer counted or polled
 
 
 class Ring:
-    """Thread-safe: the engine's thread adds and closes, the flight thread polls, a trigger takes."""
+    """Thread-safe: the engine's thread adds and closes, the flight thread polls, a trigger takes.
+
+    Every step costs the engine's thread an add, a close and a poll, none of which walks the ring:
+    the finished steps are counted as they finish, and a poll asks only the closed steps still
+    waiting on their device work (the ones the device has not caught up with), oldest first."""
 
     def __init__(self, depth: int):
         if depth < 1:
             raise ValueError(f"a ring holds at least one step, got {depth}")
         self.depth = depth
         self._entries: deque[RingEntry] = deque()
+        self._waiting: deque[RingEntry] = deque()  # closed with an event, not seen finished, in close order
+        self._finished = 0  # entries of the ring marked finished
         self._lock = threading.Lock()
 
     def add(self, entry: RingEntry) -> None:
         with self._lock:
             self._entries.append(entry)
+            self._finished += entry.finished
             self._evict()
 
     def close(self, entry: RingEntry, done: torch.cuda.Event | None, *, lost: bool = False) -> None:
@@ -60,7 +68,15 @@ class Ring:
             entry.done = done
             entry.closed = True
             if done is None and not lost:
-                entry.finished = True
+                self._finish(entry)
+            elif done is not None and not entry.finished:
+                self._waiting.append(entry)
+            self._evict()
+
+    def mark_finished(self, entry: RingEntry) -> None:
+        """Its device work was seen complete elsewhere (the flight thread waited on its event)."""
+        with self._lock:
+            self._finish(entry)
             self._evict()
 
     def poll(self) -> RuntimeError | None:
@@ -69,16 +85,25 @@ class Ring:
         returned, for the caller to fire on; after one, nothing is queried (device_fault.py)."""
         error = None
         with self._lock:
-            for entry in self._entries:
+            still: deque[RingEntry] = deque()
+            for i, entry in enumerate(self._waiting):
+                if entry.finished or entry.evicted:
+                    continue
                 if device_fault.faulted():
+                    still.extend(self._waiting[j] for j in range(i, len(self._waiting)))
                     break
-                if entry.closed and not entry.finished and entry.done is not None:
-                    try:
-                        entry.finished = bool(entry.done.query())
-                    except RuntimeError as e:
-                        if device_fault.seen_in(e):
-                            error = e
-                        break
+                try:
+                    done = bool(entry.done.query())  # type: ignore[union-attr] - a waiting entry holds an event
+                except RuntimeError as e:
+                    if device_fault.seen_in(e):
+                        error = e
+                    still.extend(self._waiting[j] for j in range(i, len(self._waiting)))
+                    break
+                if done:
+                    self._finish(entry)
+                else:
+                    still.append(entry)
+            self._waiting = still
             self._evict()
         return error
 
@@ -87,7 +112,11 @@ class Ring:
         self.poll()
         with self._lock:
             taken = [(entry, not entry.finished) for entry in self._entries]
+            for entry in self._entries:
+                entry.evicted = True
             self._entries.clear()
+            self._waiting.clear()
+            self._finished = 0
         return taken
 
     def steps(self) -> list[int]:
@@ -99,12 +128,18 @@ class Ring:
         with self._lock:
             return next((entry.step for entry in self._entries if not entry.finished), None)
 
+    def _finish(self, entry: RingEntry) -> None:
+        if not entry.finished:
+            entry.finished = True
+            self._finished += not entry.evicted
+
     def _evict(self) -> None:
-        finished = sum(1 for entry in self._entries if entry.finished)
-        while finished > self.depth:
+        while self._finished > self.depth:
             oldest = next(entry for entry in self._entries if entry.finished)
-            self._entries.remove(oldest)
-            finished -= 1
+            self._entries.remove(oldest)  # the oldest finished is at or near the front: cheap
+            oldest.evicted = True
+            self._finished -= 1
         while len(self._entries) > self.depth + MAX_IN_FLIGHT:
             gone = self._entries.popleft()
-            finished -= gone.finished
+            gone.evicted = True
+            self._finished -= gone.finished

@@ -80,6 +80,35 @@ def test_the_ring_keeps_k_finished_steps_and_every_step_in_flight() -> None:
     assert len(ring.steps()) == 3 + MAX_IN_FLIGHT and ring.steps()[0] == 2
 
 
+def test_the_ring_counts_steps_finished_out_of_order_and_by_the_flight_thread() -> None:
+    """A later step seen done before an earlier one (another stream), a step the flight thread
+    waited on (mark_finished), a step taken while open: the ring keeps exactly K finished steps and
+    marks in flight exactly the steps not seen done."""
+    ring = Ring(2)
+    events = {step: _Event() for step in range(5)}
+    entries = {step: _entry(step) for step in range(5)}
+    for step in range(5):
+        ring.add(entries[step])
+        ring.close(entries[step], events[step])
+    events[3].done = True  # step 3 done while 0-2 are not
+    ring.poll()
+    assert entries[3].finished and ring.first_in_flight() == 0 and ring.steps() == [0, 1, 2, 3, 4]
+    ring.mark_finished(entries[1])  # the flight thread waited on step 1's event
+    events[0].done = events[2].done = True
+    ring.poll()  # finished: 0, 1, 2, 3; the ring keeps the newest two of them and step 4
+    assert ring.steps() == [2, 3, 4] and ring.first_in_flight() == 4
+    open_entry = _entry(5)
+    ring.add(open_entry)
+    taken = ring.take()  # a trigger takes the ring while step 5 is open
+    assert [(e.step, flying) for e, flying in taken] == [(2, False), (3, False), (4, True), (5, True)]
+    ring.close(open_entry, None)  # its call returns after the take: not back in the ring, not counted
+    for step in range(6, 9):
+        entry = _entry(step)
+        ring.add(entry)
+        ring.close(entry, None)
+    assert ring.steps() == [7, 8]
+
+
 def test_when_conditions_parse_and_bad_ones_name_themselves() -> None:
     assert parse_when(["nan"]).nan and parse_when(["nan"]).accept_below is None
     both = parse_when(["nan, accept<0.2"])
