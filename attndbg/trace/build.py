@@ -28,6 +28,12 @@ def mode_from_lengths(extend_lens: Tensor | Sequence[int], prefix_lens: Tensor |
 
     A one-token prompt without prefix is a prefill (EXTEND), as in SGLang.
     """
+    if isinstance(extend_lens, (list, tuple)) and isinstance(prefix_lens, (list, tuple)) and len(extend_lens) == len(prefix_lens):
+        # Host ints (a recorder's label for every step): no tensor built, the same answer.
+        decode = [int(e) == 1 and int(p) > 0 for e, p in zip(extend_lens, prefix_lens)]
+        if decode and all(decode):
+            return ForwardMode.DECODE
+        return ForwardMode.MIXED if any(decode) else ForwardMode.EXTEND
     decode_rows = (_i64(extend_lens) == 1) & (_i64(prefix_lens) > 0)
     if decode_rows.numel() and bool(decode_rows.all()):
         return ForwardMode.DECODE

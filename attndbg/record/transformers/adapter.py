@@ -61,7 +61,7 @@ from attndbg.record.transformers.graphs import AUDIT, BOOK, EAGER, GraphStep, au
 from attndbg.record.transformers.trace import ENGINE, CacheGeometry, cache_geometry, model_from_config, per_allocator, trace_from_step
 from attndbg.record.triggers import LOGITS_FINITE, from_exception
 from attndbg.trace.build import device_name, mode_from_lengths
-from attndbg.trace.schema import Trace
+from attndbg.trace.schema import Model, Trace
 
 # (engine field, where it lands in the trace; "" = not recorded) for the fields the detectors read:
 # the module docstring's table, checked against a recorded step by tests/record/test_transformers_live.py.
@@ -241,7 +241,7 @@ def _open(session: RecordingSession, runner: Any, model: Any, batch_data: dict[s
     config, dtype = model.config, batch_data["cache"].dtype
     device = batch_data["cu_seq_lens_q"].device
     device_name(device)  # asked now: a trace may be built after a CUDA error
-    engine_model = model_from_config(config, dtype, state.geometry.page_size)
+    engine_model = _engine_model(config, dtype, state.geometry.page_size)
     geometry, step = state.geometry, state.step
     backend = str(getattr(config, "_attn_implementation", "?"))
 
@@ -249,6 +249,20 @@ def _open(session: RecordingSession, runner: Any, model: Any, batch_data: dict[s
         return trace_from_step(host, model=engine_model, geometry=geometry, step=step, backend=backend, device=device)
 
     return session.open_step(step, copy, build)
+
+
+_MODEL_CACHE: list[tuple[Any, torch.dtype, int, Model]] = []  # the last (config, dtype, page size, model)
+
+
+def _engine_model(config: Any, dtype: torch.dtype, page_size: int) -> Model:
+    """model_from_config, read once per model config rather than every step (transformers' config
+    attribute reads are slow); a config that raises is asked again each step, as before."""
+    for cached_config, cached_dtype, cached_page, model in _MODEL_CACHE:
+        if cached_config is config and cached_dtype == dtype and cached_page == page_size:
+            return model
+    model = model_from_config(config, dtype, page_size)
+    _MODEL_CACHE[:] = [(config, dtype, page_size, model)]
+    return model
 
 
 def _close(session: RecordingSession, state: _StepState, handle: OpenStep, stream: torch.cuda.Stream | None) -> None:
