@@ -24,6 +24,7 @@ Run on the GPU machine (transformers wheels carried in .gpu-hf/):
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import statistics
 import sys
@@ -36,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attndbg.record.transformers import adapter as transformers_cb  # noqa: E402
+from bench.ring_hook_cpu import hook_profile_text, profile_hook  # noqa: E402
 from attndbg.record.options import RecordOptions  # noqa: E402
 from attndbg.record.session import end_session, start_session  # noqa: E402
 from attndbg.trace import io  # noqa: E402
@@ -95,6 +97,7 @@ def main() -> int:
     parser.add_argument("--configs", default="off,ring,ring_probe", help=f"comma-separated, from {','.join(CONFIGS)} (off is always run)")
     parser.add_argument("--ring", type=int, default=64, help="ring depth of the ring configurations")
     parser.add_argument("--json", help="write the results as JSON")
+    parser.add_argument("--profile-hook", action="store_true", help="after the rounds, one more round of each ring configuration with the hook under cProfile (its thread only, the engine's call left out): the top functions by own time")
     args = parser.parse_args()
     chosen = ["off"] + [c for c in args.configs.split(",") if c and c != "off"]
     unknown = [c for c in chosen if c not in CONFIGS]
@@ -132,6 +135,16 @@ def main() -> int:
                 per_step[config].append(seconds / steps * 1e6)
                 print(f"round {round_} {config:10s} {steps} steps {seconds:.3f} s {seconds / steps * 1e6:.1f} us/step", flush=True)
         modes = sorted({e.mode for e in io.read_manifest(f"{tmp}/process0")}) if "process" in per_step else []
+        if args.profile_hook:  # after the timed rounds: the profiler's own cost is in none of them
+            for config in [c for c in per_step if c.startswith("ring")]:
+                transformers_cb.install()
+                start_session(session_options(config, f"{tmp}/{config}_profiled", args.ring))
+                profiler = cProfile.Profile()
+                profile_hook(transformers_cb, profiler)
+                run(model, args)
+                transformers_cb._on_step = transformers_cb._on_step.__wrapped__
+                end_session()
+                print(f"hook profile, {config}:\n{hook_profile_text(profiler)}", flush=True)
     transformers_cb.uninstall()
     median = {k: statistics.median(v) for k, v in per_step.items()}
     others = [k for k in per_step if k != "off"]
