@@ -56,7 +56,9 @@ def make_backend(cls: type) -> object:
 
 
 def manifest(session) -> list[dict]:
-    session.flush()
+    # Long: flush gives up at its timeout, and on a machine loaded by other test workers the writer
+    # process's start can take a while; an early give-up reads as "nothing recorded".
+    session.flush(timeout=300.0)
     path = session.out_dir / io.MANIFEST
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
