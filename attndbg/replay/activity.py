@@ -141,10 +141,15 @@ def launching(backend: str, what: str) -> Iterator[None]:
     except CudaContextLost:
         raise  # an inner launch already handled it
     except Exception as e:
-        if is_cuda_error(e):
-            crash = replace(_launch, error=first_line(e))
-            if poisoned(e):
-                lose(crash, e)
+        # A host-side error (a library refusing a head dim after its first kernel was queued) can
+        # leave that kernel's asynchronous fault pending: it is surfaced here, inside the launch
+        # it belongs to, not blamed on whatever synchronises next (FlashInfer 0.7.2's tensor-core
+        # decode at head_dim 80 faults, then its merge raises "Unsupported head_dim").
+        error = e if is_cuda_error(e) else _pending_fault() or e
+        if is_cuda_error(error):
+            crash = replace(_launch, error=first_line(error))
+            if poisoned(error):
+                lose(crash, error)
             _suspect = crash
         raise
     finally:
@@ -259,6 +264,15 @@ def probe() -> str | None:
         return None
     except Exception as e:  # noqa: BLE001 - any other failure here means the context is gone
         return first_line(e)
+    return None
+
+
+def _pending_fault() -> BaseException | None:
+    """The CUDA error a synchronise raises now (a fault queued before a host-side error), if any."""
+    try:
+        _synchronize()
+    except Exception as e:  # noqa: BLE001 - only a CUDA error is returned; anything else is not a fault
+        return e if is_cuda_error(e) else None
     return None
 
 

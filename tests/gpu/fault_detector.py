@@ -8,7 +8,9 @@ poisoned fails in it. On the step numbered ATTNDBG_TEST_FAULT_STEP it faults the
 ATTNDBG_TEST_FAULT says: `launch` inside a launch it announces (as triton, the runner's way),
 `kernel` in its own code, not announced and not synchronised (the fault surfaces later, as in
 split-merge's own launch on the H100), `assert` a device-side assert, not announced,
-`merge` in split-merge's stage-2 probe, launched through the runner's `merge` (our stage 2 swapped,
+`raise` inside a launch it announces, a kernel that faults and then a host-side error (as
+FlashInfer 0.7.2's tensor-core decode at head_dim 80 faults, then its merge raises "Unsupported
+head_dim"), `merge` in split-merge's stage-2 probe, launched through the runner's `merge` (our stage 2 swapped,
 in this process only, for a kernel that reads far past its tensors)."""
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ def detect(ctx) -> list:
             return []  # left out after its crash: the detector launches only the step's backends
         with activity.launching("triton", WHAT):
             _read_far[(1,)](x, x, FAR)
+    elif how == "raise":
+        if "triton" not in ctx.backends():
+            return []  # left out after its crash, as above
+        with activity.launching("triton", WHAT):
+            _read_far[(1,)](x, x, FAR)  # asynchronous: still pending when the error below is raised
+            raise RuntimeError("Unsupported head_dim: 80")
     elif how == "merge":
         if "triton" not in ctx.backends():
             return []  # left out after its crash, as above

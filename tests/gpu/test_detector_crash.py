@@ -44,6 +44,7 @@ def _recording(directory: Path) -> Path:
     [
         ("launch", "triton", "without-backend", "an illegal memory access was encountered"),
         ("kernel", "", "without-detector", "an illegal memory access was encountered"),  # split-merge's H100 case
+        ("raise", "triton", "without-backend", "an illegal memory access was encountered"),  # a fault, then a host-side error
         ("assert", "", "without-detector", "device-side assert triggered"),
         ("merge", "triton", "without-backend", "an illegal memory access was encountered"),  # split-merge's probe, through the runner
     ],

@@ -124,3 +124,27 @@ def test_a_fault_found_after_a_detector_is_blamed_on_the_last_launch_that_raised
     finally:
         monkeypatch.undo()
         activity.start_check()
+
+
+def test_a_fault_pending_when_a_launch_raises_is_blamed_on_that_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library that queued a faulting kernel and then raised on the host (FlashInfer 0.7.2's
+    tensor-core decode at head_dim 80: an illegal memory access, then "Unsupported head_dim" from its
+    merge): the fault is surfaced inside the launch and named with it, not with whatever launch
+    synchronises next. Without a pending fault the host-side error is the launch's own."""
+
+    def pending() -> None:
+        raise torch.AcceleratorError(ILLEGAL)
+
+    monkeypatch.setattr(activity, "_synchronize", pending)
+    monkeypatch.setattr(activity, "probe", lambda: ILLEGAL)
+    try:
+        with pytest.raises(activity.CudaContextLost) as lost, activity.launching("flashinfer", "eager"):
+            raise RuntimeError("Unsupported head_dim: 80")
+        assert lost.value.crash == activity.Launch("flashinfer", "eager", ILLEGAL)
+    finally:
+        monkeypatch.undo()
+        activity.start_check()
+    assert activity.lost() is None
+    with pytest.raises(RuntimeError, match="Unsupported head_dim"), activity.launching("flashinfer", "eager"):
+        raise RuntimeError("Unsupported head_dim: 80")  # no CUDA here: nothing pending, the error is the launch's
+    assert activity.lost() is None
