@@ -161,6 +161,26 @@ def decode_head_dim_defect(head_dim: int, tensor_cores: bool) -> str | None:
     )
 
 
+# FlashInfer 0.7.2's paged prefill (BatchPrefillWithPagedKVCache, the extend path SGLang picks) ends
+# in an illegal memory access at head_dim 80 and 96, measured on an H100 by bench/flashinfer_sweep.py
+# (docs/benchmarks.md: 16:4 heads, bf16, pages 1 and 16; each reproduced by its `attndbg repro`
+# script). Declared like the decode defect: `check` runs it in a worker, `replay` refuses it.
+PREFILL_HEAD_DIMS_FAULTING = (80, 96)
+
+
+def prefill_head_dim_defect(head_dim: int) -> str | None:
+    """The known library defect an extend at `head_dim` would hit with the installed FlashInfer, if any."""
+    if head_dim not in PREFILL_HEAD_DIMS_FAULTING:
+        return None
+    version = str(getattr(_flashinfer(), "__version__", "")) if machine.module_available("flashinfer") else ""
+    if not version.startswith(DECODE_HEAD_DIM_DEFECT_RELEASES):
+        return None  # a release we have not measured: run it (check's workers contain a crash)
+    return (
+        f"known FlashInfer {version} defect: paged prefill at head_dim {head_dim} ends in an illegal memory access "
+        "(measured, docs/benchmarks.md); standalone reproduction: python bench/flashinfer_sweep.py OUT --part prefill"
+    )
+
+
 def _flashinfer():
     return script_calls.flashinfer_module()
 
@@ -255,8 +275,11 @@ class FlashInferBackend(Backend):
 
     def known_defect(self, trace: Trace) -> str | None:
         # (A decode with sinks runs the sink wrapper, a prefill kernel: not the decode kernels.)
-        if trace.batch.forward_mode is ForwardMode.DECODE and trace.model.sinks is None:
+        mode = trace.batch.forward_mode
+        if mode is ForwardMode.DECODE and trace.model.sinks is None:
             return decode_head_dim_defect(trace.model.head_dim, self.use_tensor_cores(trace))
+        if mode in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND) and not trace.is_tree_verify:
+            return prefill_head_dim_defect(trace.model.head_dim)
         return None
 
     def library(self) -> LibraryRelease:

@@ -96,6 +96,26 @@ def test_flashinfer_decode_head_dim_defect_is_declared_for_the_measured_release(
     assert flashinfer.decode_head_dim_defect(head_dim, tensor_cores) is None
 
 
+@pytest.mark.parametrize(("head_dim", "defect"), [(80, True), (96, True), (64, False), (128, False), (192, False), (256, False)])
+def test_flashinfer_prefill_head_dim_defect_is_declared_for_the_measured_release(monkeypatch: pytest.MonkeyPatch, head_dim: int, defect: bool) -> None:
+    """bench/flashinfer_sweep.py's prefill part on the H100: the measured release's paged prefill faults
+    at head_dim 80 and 96 (192 raises its own error, which needs no declaration); declared on extend
+    steps only, and only for that release."""
+    import types
+
+    from attndbg.backends import flashinfer
+
+    monkeypatch.setattr(flashinfer.machine, "module_available", lambda name: True)
+    monkeypatch.setattr(flashinfer, "_flashinfer", lambda: types.SimpleNamespace(__version__="0.7.2.post1"))
+    extend = make_trace("extend-prefix", "heads=4:4", f"head_dim={head_dim}")
+    declared = flashinfer.FlashInferBackend().known_defect(extend)
+    assert (declared is not None) == defect
+    if defect:
+        assert declared.startswith(f"known FlashInfer 0.7.2.post1 defect: paged prefill at head_dim {head_dim}")
+    monkeypatch.setattr(flashinfer, "_flashinfer", lambda: types.SimpleNamespace(__version__="0.8.0"))
+    assert flashinfer.FlashInferBackend().known_defect(extend) is None
+
+
 def test_a_known_flashinfer_defect_is_refused_by_default_and_run_by_a_checks_adapter(monkeypatch: pytest.MonkeyPatch) -> None:
     """The measured release's head_dim-80 decode defect is a prediction (Backend.known_defect), not
     a capability gap: replay's adapters refuse the step with it, a check's adapters run it (their
