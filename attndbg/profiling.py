@@ -68,6 +68,19 @@ def step_range(path: str | os.PathLike[str], trace: Trace) -> contextlib.Abstrac
     return phase("step", f"trace={os.path.basename(os.fspath(path))} {step_label(trace)}")
 
 
+# Set by an NVTX tool (Nsight Systems, Nsight Compute) in the processes it profiles: the library it
+# injects into NVTX, which is what records a range's message.
+NVTX_TOOL_VARIABLE = "NVTX_INJECTION64_PATH"
+
+
+def labels_read() -> bool:
+    """Whether a range's words are read by anyone now: `--timeline`'s observer, or an NVTX tool.
+    A hot path (the recorder's per-step range) words its label in full only then."""
+    if _observer is None and not _environment_read:
+        _observe_from_environment()
+    return _observer is not None or bool(os.environ.get(NVTX_TOOL_VARIABLE))
+
+
 @contextlib.contextmanager
 def phase(name: str, detail: str = "") -> Iterator[None]:
     message = f"{PREFIX}{name}" + (f" {detail}" if detail else "")

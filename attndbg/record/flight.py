@@ -109,7 +109,7 @@ class FlightRecorder:
             self.ring.close(entry, None, lost=True)
             return
         done = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():  # (is_available() asks NVML: too slow for every step)
             # Blocking sync: the flight thread waiting on it sleeps instead of spinning a core.
             done = torch.cuda.Event(blocking=True)
             done.record(stream)

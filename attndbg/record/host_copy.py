@@ -1,9 +1,15 @@
 """Host copies of a step's tensors: started on the engine's stream without a device sync, completed
 on the writer's thread (`wait`).
 
-Each batch of device copies (the constructor's, then each `add`) ends with a 4-byte copy of a
-device 1 into a pinned marker the host zeroed: stream order makes the marker land after the data,
-so `landed()` tells, by reading host memory alone, whether the data arrived. That is what can still
+Each batch of device copies (the constructor's, then each `add`) is packed: the batch's device
+tensors are concatenated as bytes on the device (widest elements first, so every tensor's offset
+suits its type) and copied with one device-to-host copy into one pinned buffer, taken from torch's
+caching host allocator once per batch. A per-tensor allocation and copy cost the engine's thread
+most of the recorder's time per step on the H100 (bench/record_overhead.py --profile-hook); the
+tensors are cut out of the buffer on the writer's thread (`wait`). The buffer ends with a 4-byte
+marker the host zeroed, into which a device 1 is copied after the data: stream order makes the
+marker land after the data, so `landed()` tells, by reading host memory alone, whether the data
+arrived. That is what can still
 be asked after a CUDA error, when every CUDA call (an event's query included) fails: the flight
 recorder writes the steps whose copies landed and leaves out those whose copies never ran.
 
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,11 +44,47 @@ def _one_on(device: torch.device) -> Tensor:
     return one
 
 
+@dataclass(frozen=True)
+class _Packed:
+    """One batch's device tensors in one pinned buffer: (name, dtype, shape, byte offset, bytes) each."""
+
+    buffer: Tensor
+    layout: tuple[tuple[str, torch.dtype, tuple[int, ...], int, int], ...]
+
+    def unpack(self) -> dict[str, Tensor]:
+        # Copies (on the writer's thread): a view would keep, and a saved trace would store, the
+        # whole pinned buffer.
+        return {name: self.buffer[offset : offset + n].view(dtype).view(shape).clone() for name, dtype, shape, offset, n in self.layout}
+
+
+def _pack(parts: list[tuple[str, Tensor]]) -> tuple[_Packed, Tensor]:
+    """Queue one copy of `parts` (device tensors of one device) into a new pinned buffer on the
+    current stream, then its marker's; the packed copy and the marker (zeroed) are returned."""
+    parts = sorted(parts, key=lambda part: -part[1].element_size())  # stable: widest first
+    layout = []
+    flat = []
+    offset = 0
+    for name, t in parts:
+        n = t.numel() * t.element_size()
+        layout.append((name, t.dtype, tuple(t.shape), offset, n))
+        flat.append(t.reshape(-1).view(torch.uint8))
+        offset += n
+    marker_at = -(-offset // 4) * 4
+    buffer = torch.empty(marker_at + 4, dtype=torch.uint8, pin_memory=True)
+    marker = buffer[marker_at:].view(torch.int32)
+    marker.zero_()
+    if offset:
+        buffer[:offset].copy_(flat[0] if len(flat) == 1 else torch.cat(flat), non_blocking=True)
+    marker.copy_(_one_on(parts[0][1].device), non_blocking=True)
+    return _Packed(buffer, tuple(layout)), marker
+
+
 class HostCopy:
     """Tensors copied to (pinned) host memory without a device sync; `wait()` completes them."""
 
     def __init__(self, tensors: dict[str, Tensor | None], *, stream: torch.cuda.Stream | None = None):
         self._host: dict[str, Tensor | None] = {}
+        self._packs: list[_Packed] = []
         self._events: list[torch.cuda.Event] = []
         self._markers: list[Tensor] = []
         self._readings: list[Any] = []  # probes.Reading: values a graph replay copies (probes.py)
@@ -52,33 +95,31 @@ class HostCopy:
     def add(self, tensors: dict[str, Tensor | None], *, stream: torch.cuda.Stream | None = None) -> None:
         """Copy more tensors (a step's layer tensors once its forward ran) into this copy."""
         host: dict[str, Tensor | None] = {}
-        device: torch.device | None = None
-        if device_fault.faulted() and any(t is not None and t.is_cuda for t in tensors.values()):
+        on_device: dict[torch.device, list[tuple[str, Tensor]]] = {}
+        for name, t in tensors.items():
+            if t is None:
+                host[name] = None
+                continue
+            self.nbytes += t.numel() * t.element_size()
+            if t.is_cuda:
+                on_device.setdefault(t.device, []).append((name, t))
+            else:
+                # A host tensor may be reused by the engine for the next step: copy it now.
+                host[name] = t.detach().clone()
+        if on_device and device_fault.faulted():
             return  # no pinned allocation and no copy can succeed now: the tensors are lost
-        with contextlib.ExitStack() as on_stream:
-            if stream is not None:
-                on_stream.enter_context(torch.cuda.stream(stream))
-            for name, t in tensors.items():
-                if t is None:
-                    host[name] = None
-                    continue
-                self.nbytes += t.numel() * t.element_size()
-                if t.is_cuda:
-                    pinned = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-                    pinned.copy_(t, non_blocking=True)
-                    host[name] = pinned
-                    device = t.device
-                else:
-                    # A host tensor may be reused by the engine for the next step: copy it now.
-                    host[name] = t.detach().clone()
-            if device is not None:
-                marker = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-                marker.copy_(_one_on(device), non_blocking=True)
+        if on_device:
+            with contextlib.ExitStack() as on_stream:
+                if stream is not None:
+                    on_stream.enter_context(torch.cuda.stream(stream))
+                packed = [_pack(parts) for parts in on_device.values()]
                 event = torch.cuda.Event()
                 event.record()
-                with self._lock:
+            with self._lock:
+                for pack, marker in packed:
+                    self._packs.append(pack)
                     self._markers.append(marker)
-                    self._events.append(event)
+                self._events.append(event)
         with self._lock:
             self._host.update(host)
 
@@ -117,7 +158,9 @@ class HostCopy:
                     raise CopyLost(f"its host copies never completed ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
                 break
         with self._lock:
-            host, readings = dict(self._host), list(self._readings)
+            host, packs, readings = dict(self._host), list(self._packs), list(self._readings)
+        for pack in packs:
+            host.update(pack.unpack())
         for reading in readings:
             host.update(reading.wait())
         return host
@@ -135,7 +178,8 @@ class HostCopy:
             except Exception as e:  # noqa: BLE001 - a destructor must not raise
                 if not device_fault.seen_in(e):
                     return
-        device_fault.keep([*markers, *(t for t in self._host.values() if t is not None)])  # no is_pinned(): a CUDA call
+        kept = [*markers, *(pack.buffer for pack in getattr(self, "_packs", ())), *(t for t in self._host.values() if t is not None)]
+        device_fault.keep(kept)  # no is_pinned(): a CUDA call
 
 
 class StepCopies(HostCopy):

@@ -35,37 +35,57 @@ def on_device(t: Tensor) -> bool:
     return t.device.type != "cpu"  # host mirrors are rebuilt every step by design; the graph reads device memory
 
 
+# How a path's step is taken: an item of a dict, list or tuple (by its own key), or an attribute.
+ITEM, ATTRIBUTE = 0, 1
+Route = tuple[tuple[int, Any], ...]
+
+
 def addresses(obj: Any, *, keep: Callable[[Tensor], bool] = on_device) -> dict[str, tuple[int, tuple[int, ...]]]:
     """{path: (data_ptr, shape)} of the tensors reachable from `obj` (dicts, lists, tuples,
     dataclasses, plain objects' attributes), `keep` choosing which (device tensors by default)."""
-    found: dict[str, tuple[int, tuple[int, ...]]] = {}
+    return {path: found for path, (found, _) in _walk(obj, keep).items()}
+
+
+def _walk(obj: Any, keep: Callable[[Tensor], bool]) -> dict[str, tuple[tuple[int, tuple[int, ...]], Route]]:
+    """addresses(), each path with its route from `obj` (how a replay finds the tensor again)."""
+    found: dict[str, tuple[tuple[int, tuple[int, ...]], Route]] = {}
     seen: set[int] = set()
 
-    def walk(value: Any, path: str, depth: int) -> None:
+    def walk(value: Any, path: str, route: Route, depth: int) -> None:
         if len(found) >= MAX_TENSORS or depth > MAX_DEPTH or len(seen) >= MAX_VISITS:
             return
         if isinstance(value, Tensor):
             if keep(value):
-                found[path] = (value.data_ptr(), tuple(value.shape))
+                found[path] = ((value.data_ptr(), tuple(value.shape)), route)
             return
         if value is None or isinstance(value, (str, bytes, int, float, bool, types.ModuleType, enum.Enum)) or id(value) in seen:
             return
         seen.add(id(value))
         if isinstance(value, dict):
-            items = [(str(k), v) for k, v in value.items()]
+            items = [(str(k), (ITEM, k), v) for k, v in value.items()]
         elif isinstance(value, (list, tuple)):
-            items = [(str(i), v) for i, v in enumerate(value)]
+            items = [(str(i), (ITEM, i), v) for i, v in enumerate(value)]
         elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-            items = [(f.name, getattr(value, f.name, None)) for f in dataclasses.fields(value)]
+            items = [(f.name, (ATTRIBUTE, f.name), getattr(value, f.name, None)) for f in dataclasses.fields(value)]
         elif hasattr(value, "__dict__") and not isinstance(value, type) and not callable(value):
-            items = [(k, v) for k, v in vars(value).items() if not k.startswith("__")]
+            items = [(k, (ATTRIBUTE, k), v) for k, v in vars(value).items() if not k.startswith("__")]
         else:
             return
-        for name, item in items:
-            walk(item, f"{path}.{name}" if path else name, depth + 1)
+        for name, step, item in items:
+            walk(item, f"{path}.{name}" if path else name, (*route, step), depth + 1)
 
-    walk(obj, "", 0)
+    walk(obj, "", (), 0)
     return found
+
+
+def _follow(obj: Any, route: Route) -> Any:
+    """The value at `route` from `obj`, or None where the route no longer leads anywhere."""
+    try:
+        for how, key in route:
+            obj = obj[key] if how == ITEM else getattr(obj, key)
+    except (KeyError, IndexError, AttributeError, TypeError):
+        return None
+    return obj
 
 
 @dataclass(frozen=True)
@@ -102,24 +122,28 @@ class PointerAudit:
         self._lock = threading.Lock()
 
     def captured(self, key: Hashable, obj: Any) -> None:
-        found = addresses(obj, keep=self._keep)
+        found = _walk(obj, self._keep)
         with self._lock:
             self._captured[key] = found
             self._reported = {r for r in self._reported if r[0] != key}
 
     def replayed(self, key: Hashable, obj: Any) -> list[Moved]:
-        """The paths whose pointer differs from capture, not reported before (none for a key never captured)."""
+        """The paths whose pointer differs from capture, not reported before (none for a key never
+        captured). Every replay pays this: only the captured paths are followed, by the routes
+        found at capture, instead of walking the whole object again."""
         with self._lock:
             before = self._captured.get(key)
         if not before:
             return []
-        now = addresses(obj, keep=self._keep)
         moved = []
-        for path, (ptr, _) in before.items():
-            current = now.get(path)
-            if current is None or current[0] == ptr or (key, path) in self._reported:
+        for path, ((ptr, _), route) in before.items():
+            current = _follow(obj, route)
+            if not isinstance(current, Tensor) or not self._keep(current):
+                continue  # gone since capture (only paths present at both are compared)
+            now = current.data_ptr()
+            if now == ptr or (key, path) in self._reported:
                 continue
-            moved.append(Moved(key=key, path=path, captured=ptr, now=current[0]))
+            moved.append(Moved(key=key, path=path, captured=ptr, now=now))
         with self._lock:
             self._reported.update((key, m.path) for m in moved)
         return moved
