@@ -282,12 +282,26 @@ class CaptureSizes:
 
 
 @dataclass(frozen=True)
+class PlanInfo:
+    """A kernel library's own schedule of the plan, as its plan() left it on the host: the library
+    reads it, never the engine. FlashInfer: the wrapper's `_plan_info` vector and the head of its
+    pinned int workspace (`_pin_memory_int_workspace_buffer`), whose arrays the vector's offsets
+    place (request_indices, kv_tile_indices, block_valid_mask, ...). What the entries mean is the
+    backend's (backends/flashinfer_plan_info.py); read in attndbg/plans/schedule.py."""
+
+    vector: Tensor  # [n] int64: the plan-info vector, as plan() returned it
+    workspace: Tensor  # [bytes] uint8: the host int workspace from its start, as far as the vector's arrays reach
+
+
+@dataclass(frozen=True)
 class Plan:
     """What the live backend built, by the backend's own names. Evidence: loaded, never fixed."""
 
     backend: str
     tensors: dict[str, Tensor]
     scalars: dict[str, int | float | bool | str]
+    # The library's own schedule of this plan (added; absent in older files and where not recorded).
+    plan_info: PlanInfo | None = None
 
 
 @dataclass(frozen=True)
@@ -361,6 +375,8 @@ def to_dict(trace: Trace) -> dict[str, Any]:
     # byte-identical to those written before they existed.
     if not out["buffers"]:
         del out["buffers"]
+    if out["plan"] is not None and out["plan"]["plan_info"] is None:
+        del out["plan"]["plan_info"]
     if out["capture"] is None:
         del out["capture"]
     if not out["source"]["inferred"]:

@@ -34,6 +34,7 @@ from attndbg.trace.schema import (
     MaskLayout,
     Model,
     Plan,
+    PlanInfo,
     Source,
     Spec,
     Trace,
@@ -534,7 +535,32 @@ def _plan(r: _Reader) -> Plan:
             raise TraceError(f"plan.scalars.{name}", f"= {reprlib.repr(value)}, does not fit in 64 bits")
         if isinstance(value, str) and len(value) > MAX_NAME_LENGTH:
             raise TraceError(f"plan.scalars.{name}", f"is a string of {len(value)} characters (at most {MAX_NAME_LENGTH})")
-    return Plan(backend=r.str("backend"), tensors=dict(tensors), scalars=dict(scalars))
+    info = r.data.get("plan_info")
+    return Plan(backend=r.str("backend"), tensors=dict(tensors), scalars=dict(scalars), plan_info=None if info is None else _plan_info(_Reader(info, "plan.plan_info")))
+
+
+# A plan-info vector is a few dozen entries (FlashInfer's: 10 or 15); its workspace head at most the
+# library's int workspace (FlashInfer's is 8 MiB). Their values are read in attndbg/plans.
+MAX_PLAN_INFO_ENTRIES = 64
+MAX_PLAN_INFO_BYTES = 8 * 1024 * 1024
+
+
+def _plan_info(r: _Reader) -> PlanInfo:
+    vector, workspace = r.raw("vector"), r.raw("workspace")
+    if not isinstance(vector, Tensor) or vector.dtype is not torch.int64 or vector.dim() != 1 or vector.numel() > MAX_PLAN_INFO_ENTRIES:
+        raise TraceError(r.name("vector"), f"expected a 1-D int64 tensor of at most {MAX_PLAN_INFO_ENTRIES} entries, found {_described(vector)}")
+    if not isinstance(workspace, Tensor) or workspace.dtype is not torch.uint8 or workspace.dim() != 1 or workspace.numel() > MAX_PLAN_INFO_BYTES:
+        raise TraceError(r.name("workspace"), f"expected a 1-D uint8 tensor of at most {MAX_PLAN_INFO_BYTES} bytes, found {_described(workspace)}")
+    for key in r.data:
+        if key not in ("vector", "workspace"):
+            raise TraceError(f"{r.prefix}[{reprlib.repr(key)}]", "is not a plan-info field (expected vector, workspace)")
+    return PlanInfo(vector=vector, workspace=workspace)
+
+
+def _described(value: object) -> str:
+    if isinstance(value, Tensor):
+        return f"a {str(value.dtype).replace('torch.', '')} tensor of shape {list(value.shape)}"
+    return f"a {type(value).__name__}"
 
 
 def _layer_tensors(r: _Reader, model: Model, batch: Batch) -> LayerTensors:
