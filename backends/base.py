@@ -19,6 +19,7 @@ from torch import Tensor
 
 from attndbg.backends import plan_declaration, script_calls
 from attndbg.backends.capabilities import Capabilities
+from attndbg.backends.flashinfer_plan_info import Schedule
 from attndbg.backends.plan_declaration import PlanDeclaration
 from attndbg.backends.plan_layout import PlanLayout
 from attndbg.backends.plan_view import PlanView
@@ -284,6 +285,13 @@ class Backend(abc.ABC):
 
         None: this backend declares no plan, so a recorded plan for it cannot be guarded (never
         launched) and the plan detectors cannot read it."""
+        return None
+
+    def plan_schedule(self, plan: Plan, requests: int) -> Schedule | None:
+        """The library's own work-item schedule of a recorded plan (`plan.plan_info`: the vector its
+        plan() returned and the host int workspace it indexes), read for a wrapper of `requests`
+        requests. None where this backend keeps no such schedule or the plan recorded none. Raises
+        PlanInfoError where the stored vector places an array outside the stored workspace."""
         return None
 
     def plan_view(self, trace: Trace, plan: Plan) -> PlanView | None:

@@ -49,6 +49,7 @@ from attndbg.backends.base import (
 )
 from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, HALF_DTYPES, MHA_ALL_MODES, Capabilities, HeadDims
 from attndbg.backends import flashinfer_modules as fm
+from attndbg.backends import flashinfer_plan_info as fpi
 from attndbg.backends import script_calls
 from attndbg.backends.flashinfer_runtime import KERNEL_ERRORS, SCRIPT_INSTALL, SCRIPT_VERSION, WORKSPACE_BYTES, FlashInferGraphState, compiling_note, library_error, wait_for_pending_plans
 from attndbg.backends import plan_declaration as pd
@@ -484,6 +485,13 @@ class FlashInferBackend(Backend):
             window="window_left",
             rows=None if path is PlanPath.RAGGED else PLAN_ROWS,
         )
+
+    def plan_schedule(self, plan: Plan, requests: int) -> fpi.Schedule | None:
+        """The wrapper's schedule as plan() left it (backends/flashinfer_plan_info.py), where the
+        recorder kept it."""
+        if plan.plan_info is None:
+            return None
+        return fpi.read_schedule(plan.plan_info.vector.tolist(), plan.plan_info.workspace, requests=requests)
 
     @classmethod
     def merge_path(cls, trace: Trace) -> str | None:
