@@ -22,6 +22,8 @@ asked for and kept:
     builder_copies, builder_counts, builder_paged_kv, builder_split_schedule, engine_field
                           an engine's own metadata and its builder's copies of it (engine_metadata.py)
     pieces                how each plan tensor divides into per-request pieces
+    schedule              the kernel library's own work-item schedule (plan.plan_info) and the
+                          plan's batch it must match (schedule.py)
 
 Facts, not findings: a structural problem is data (plans/problems.py); the detectors word and
 judge. This package imports only backends/ and trace/.
@@ -44,6 +46,7 @@ from attndbg.plans.offsets import is_indptr, offsets_problem
 from attndbg.plans.pieces import Piece, metadata_pieces, pieces_of
 from attndbg.plans.problems import PlanProblem, ProblemKind
 from attndbg.plans.scalars import PlanScalar
+from attndbg.plans.schedule import PlanSchedule, read_schedule
 from attndbg.plans.visibility import Coverage, MaskSettings, PlanVisibility, read_visibility
 from attndbg.trace.engines import engine_conventions
 from attndbg.trace.schema import Plan, Trace
@@ -341,6 +344,17 @@ class PlanReading:
             return pieces_of(self.adapter.plan_declaration(self.trace, self.plan))
         metadata = engine_conventions(self.trace).metadata
         return metadata_pieces(metadata) if metadata is not None else {}
+
+    # -- the library's own schedule -------------------------------------------------------------------
+
+    @cached_property
+    def schedule(self) -> PlanSchedule | None:
+        """The kernel library's work-item schedule the plan recorded (plan.plan_info) with the batch
+        it must match (plans/schedule.py); None where none was recorded or the plan's KV cannot be
+        read. Raises TraceError where the stored vector places an array outside its workspace."""
+        if self.plan is None or self.plan.plan_info is None or self.layout is None or self.kv is None:
+            return None
+        return read_schedule(self.trace, self.adapter, self.kv, self.scalars["page_size"].value, self.scalars["window"].value)
 
     # -- every problem ------------------------------------------------------------------------------
 
