@@ -113,6 +113,33 @@ def test_flashinfer_decode_eager(tmp_path) -> None:
     assert ("invariants", "kv-index", "plan.kv_indices[5]") in check(tmp_path, batch, wrong, engine_backend="flashinfer", model=model, name="wrong")
 
 
+def test_flashinfer_plan_info_is_recorded_and_judged(tmp_path) -> None:
+    """The wrapper's schedule (`_plan_info`, `_pin_memory_int_workspace_buffer`, as FlashInfer's
+    plan() leaves them; made by the scheduler's rules: tests/plans/flashinfer_scheduler.py) goes to
+    plan.plan_info, cut at the arrays' end; checked clean for this batch, and a schedule left from an
+    earlier, larger batch is named."""
+    from tests.plans.flashinfer_scheduler import decode_plan_info
+
+    model, batch = layer_model(), decode_step()
+
+    def planned_for(pages: list[int]) -> SimpleNamespace:
+        backend = flashinfer_decode_backend(ROWS[1] + ROWS[5])
+        vector, workspace = decode_plan_info(pages, 1, max_grid_size=132, gdy=2, graph=False)
+        pinned = torch.zeros(8 * 1024 * 1024, dtype=torch.uint8)
+        pinned[: len(workspace)] = torch.frombuffer(bytearray(workspace), dtype=torch.uint8)
+        wrapper = backend.forward_metadata.decode_wrappers[0]
+        wrapper._plan_info, wrapper._pin_memory_int_workspace_buffer, wrapper._backend = vector, pinned, "auto"
+        return backend
+
+    plan = recorded(planned_for([5, 9]), model)
+    assert plan.plan_info is not None and plan.plan_info.vector.tolist()[0] == 2  # two work items: no split at these lengths
+    assert plan.plan_info.workspace.numel() < 256  # the arrays, not the 8 MiB buffer
+    assert check(tmp_path, batch, plan, engine_backend="flashinfer", model=model) == []
+    # A schedule left from an earlier batch of three requests: its third work item reads request 2.
+    stale = recorded(planned_for([5, 9, 4]), model)
+    assert ("invariants", "plan-info-request-index", "plan.plan_info.request_indices[2]") in check(tmp_path, batch, stale, engine_backend="flashinfer", model=model, name="stale")
+
+
 CAPTURE_BS, RAW_BS, FILL = 4, 2, 1
 
 

@@ -12,7 +12,8 @@ backends between versions):
   FlashInfer  DecodeMetadata / PrefillMetadata: wrappers whose planned buffers hold the indices
               (FlashInfer's `_paged_kv_*_buf`, `_qo_indptr_buf`) and a verify step's mask as
               FlashInfer packed it (`_custom_mask_buf`, `_mask_indptr_buf`) -> `flashinfer` names,
-              the mask as `packed_custom_mask` / `packed_mask_indptr`
+              the mask as `packed_custom_mask` / `packed_mask_indptr`; the wrapper's own schedule
+              (`_plan_info` and the pinned int workspace it indexes) -> `Plan.plan_info`
 
 Each plan carries the scalars its adapter's plan declares (backends/*.py), so the checker reads it
 as written. Those the engine keeps on the object are read there (FA3's max_seq_len_q/k, the
@@ -53,7 +54,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attndbg.trace.schema import EngineBuffer, Model, Plan
+from attndbg.backends.flashinfer_plan_info import wrapper_plan_info
+from attndbg.trace.schema import EngineBuffer, Model, Plan, PlanInfo
 
 Scalars = dict[str, int | float | bool | str]
 
@@ -71,6 +73,9 @@ class PlanCapture:
     capacity: set[str] = field(default_factory=set)
     # the engine buffer's real length, for a tensor already cut on the device (`cut_on_device`)
     length: dict[str, int] = field(default_factory=dict)
+    # the library's own schedule, copied on the host when the plan was read (FlashInfer's wrapper
+    # keeps it in a pinned host buffer the next plan() overwrites: nothing to copy from the device)
+    plan_info: PlanInfo | None = None
 
 
 def cut_on_device(capture: PlanCapture, reads: dict[str, int]) -> None:
@@ -267,7 +272,17 @@ def _flashinfer(backend: Any, md: Any, model: Model | None) -> PlanCapture:
         trim["packed_custom_mask"] = "packed_mask_indptr"
         if getattr(wrapper, "is_cuda_graph_enabled", False) or getattr(wrapper, "_use_cuda_graph", False):
             capacity.add("packed_custom_mask")  # the graph's custom_mask_buf, sized for the capture
-    return PlanCapture("flashinfer", tensors, scalars, trim, capacity)
+    return PlanCapture("flashinfer", tensors, scalars, trim, capacity, plan_info=_plan_info(wrapper))
+
+
+def _plan_info(wrapper: Any) -> PlanInfo | None:
+    """The wrapper's schedule as its last plan() left it (this step's: the hook runs right after
+    init_forward_metadata, and under a graph replay after SGLang re-planned the graph's wrapper)."""
+    read = wrapper_plan_info(wrapper)
+    if read is None:
+        return None
+    vector, workspace = read
+    return PlanInfo(vector=torch.tensor(vector, dtype=torch.int64), workspace=workspace.to(torch.uint8))
 
 
 def _wrapper_index(backend: Any, count: int, model: Model | None) -> int:
@@ -419,7 +434,7 @@ def plan_from_host(capture: PlanCapture, host: dict[str, Tensor | None]) -> tupl
         if name in capture.capacity:
             tensors[name] = tensors[name][: max(min(read, length), 0)]
         buffers[f"plan.{name}"] = EngineBuffer(length=length, read=read, capacity=name in capture.capacity)
-    return Plan(backend=capture.backend, tensors=tensors, scalars=dict(capture.scalars)), buffers
+    return Plan(backend=capture.backend, tensors=tensors, scalars=dict(capture.scalars), plan_info=capture.plan_info), buffers
 
 
 def plan_from_backend(backend: Any, **options: Any) -> Plan | None:
