@@ -5,7 +5,7 @@ from attndbg.detectors.base import Detector
 
 DETECTOR = Detector(
     kind=FindingClass.INVARIANT,
-    summary="the engine's positions and seq_lens, and the recorded plan's indptrs, KV ids and lengths, split counts and window lists, against the batch; plan pointers that move between graph replays",
+    summary="the engine's positions and seq_lens, and the recorded plan's indptrs, KV ids and lengths, split counts, window lists and FlashInfer's own work-item schedule (plan info), against the batch; plan pointers that move between graph replays",
     detect="attndbg.detectors.invariants.detect:detect",
     injections="attndbg.detectors.invariants.injections",
     recording_digest="attndbg.detectors.invariants.detect:recording_digest",

@@ -41,6 +41,9 @@ The batch is the ground truth (validated on load); what the engine *recorded* is
     builder-copy, builder-counts
                        what a vLLM builder handed its kernels (its copies of those fields, its
                        decode/prefill counts, its paged-KV lists) against them: vllm_builder.py
+    plan-info-*        FlashInfer's own schedule of the plan (plan.plan_info: request_indices,
+                       kv_tile_indices, padded_batch_size, block_valid_mask, o_indptr, merge_indptr)
+                       against the plan's batch: invariants/schedule.py
     transformers' raw token-row indices (read_index, write_index), kept when one is outside its
                        token view: invariants/token_indices.py
 
@@ -75,6 +78,7 @@ from attndbg.detectors.invariants.base import KIND
 from attndbg.detectors.invariants.batch import _check_positions, _check_seq_lens
 from attndbg.detectors.invariants.capture import check_capture
 from attndbg.detectors.invariants.plan import _check_plan
+from attndbg.detectors.invariants.schedule import check_schedule
 from attndbg.detectors.invariants.token_indices import check_token_indices
 from attndbg.detectors.invariants.vllm import check_vllm
 from attndbg.detectors.invariants.vllm_builder import check_builder
@@ -107,6 +111,7 @@ def check_trace(trace: Trace, reading: PlanReading | None = None) -> list[Findin
         _check_plan(trace, reading, out)
         check_window_list(trace, reading.layout, out)
         check_kernel_window(trace, reading, out)
+        check_schedule(trace, reading.schedule, out)
     check_vllm(trace, out)
     if trace.plan is not None:
         check_builder(trace, reading, out)

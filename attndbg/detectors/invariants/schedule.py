@@ -1,0 +1,164 @@
+"""invariants against the kernel library's own schedule of the plan (`plan.plan_info`, read in
+attndbg/plans/schedule.py): the work items FlashInfer's plan() wrote for the batch its kernels read.
+
+Every kernel launch of a planned wrapper runs one thread block per work item; a plan left from an
+earlier batch (the engine refilled kv_indptr in place but skipped plan(), or planned another
+wrapper) hands the kernel tiles for that batch's lengths. Checks, each naming the schedule's array
+and its first bad element:
+
+    plan-info-request-index      a valid work item's request_indices entry is a request of the plan
+    plan-info-qo-tiles           each (request, qo tile) the batch needs is listed once, none past its rows
+    plan-info-kv-tiles           each request's KV tiles (kv_tile_indices x kv_chunk_size) cover exactly
+                                 its KV length: none missing, none past it, none twice
+    plan-info-padded-batch-size  padded_batch_size holds every work item the batch needs
+    plan-info-valid-mask         block_valid_mask (split-KV) true on the work items, false exactly on
+                                 the padding past them
+    plan-info-o-indptr           o_indptr: each request's partial outputs, kv tiles (x rows, prefill)
+    plan-info-merge-indptr       merge_indptr (prefill split-KV): each row's kv tiles
+    plan-info-total-rows         total_num_rows (and a graph plan's device copy of the rows) against
+                                 the plan's query rows
+    plan-info-chunk-size         kv_chunk_size > 0 under split-KV, cta_tile_q > 0 for a prefill
+
+Each is a defect: a missing tile leaves keys unread or a partial state unwritten, a tile or request
+past the batch reads and writes another request's memory, an offset list for another batch merges
+the wrong partials.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from attndbg.backends.flashinfer_plan_info import ScheduleKind
+from attndbg.detector_api.findings import Finding, finding
+from attndbg.detectors.invariants.base import KIND, _first
+from attndbg.plans.schedule import PlanSchedule
+from attndbg.trace.schema import Trace, indptr
+
+CAUSE_STALE = (
+    "the wrapper's schedule (plan()'s work items in the int workspace) was made for another batch than the one its kernels "
+    "read: a plan left from an earlier batch (indptrs refilled in place without plan()), or a schedule of another wrapper"
+)
+
+
+def check_schedule(trace: Trace, facts: PlanSchedule | None, out: list[Finding]) -> None:
+    if facts is None:
+        return
+    s = facts.schedule
+    step = trace.source.step
+
+    def add(check: str, field: str, evidence: str, cause: str = CAUSE_STALE, **data: object) -> None:
+        out.append(finding(KIND, check, step=step, field=f"plan.plan_info.{field}", evidence=evidence, cause=cause, **data))
+
+    if s.split_kv and s.kv_chunk_size <= 0:
+        add("plan-info-chunk-size", "kv_chunk_size[0]", f"kv_chunk_size = {s.kv_chunk_size} under split-KV, expected a positive token count", found=s.kv_chunk_size)
+        return
+    if s.kind is ScheduleKind.PREFILL and s.cta_tile_q <= 0:
+        add("plan-info-chunk-size", "cta_tile_q", f"cta_tile_q = {s.cta_tile_q}, expected a positive tile height", found=s.cta_tile_q)
+        return
+    qo_tiles, kv_tiles = facts.tiles_needed()
+    items = int((qo_tiles * kv_tiles).sum())
+    _check_items(facts, qo_tiles, kv_tiles, add)
+    padded = s.padded_batch_size
+    if items > padded:
+        add(
+            "plan-info-padded-batch-size",
+            "padded_batch_size",
+            f"padded_batch_size = {padded}, but the plan's {facts.requests} requests need {items} work items; the kernel runs {padded} blocks",
+            expected=items,
+            found=padded,
+        )
+    mask = s.arrays.get("block_valid_mask")
+    if mask is not None:
+        want = torch.arange(mask.numel()) < items
+        bad = _first(mask != want)
+        if bad >= 0:
+            what = "a work item the batch needs" if bool(want[bad]) else "padding past the batch's work items"
+            add("plan-info-valid-mask", f"block_valid_mask[{bad}]", f"block_valid_mask[{bad}] = {bool(mask[bad])} on {what} ({items} work items, padded to {padded})", expected=bool(want[bad]), found=bool(mask[bad]))
+    _check_offsets(facts, kv_tiles, add)
+
+
+def _check_items(facts: PlanSchedule, qo_tiles: Tensor, kv_tiles: Tensor, add) -> None:
+    """Walk the valid work items; name the first out-of-batch request, stray or repeated tile, then
+    the first (request, qo tile) or KV tile the batch needs that no item lists."""
+    s = facts.schedule
+    arrays = s.arrays
+    request, kv_tile = arrays["request_indices"], arrays["kv_tile_indices"]
+    qo_tile = arrays.get("qo_tile_indices", torch.zeros_like(request))
+    mask = arrays.get("block_valid_mask")
+    seen: dict[tuple[int, int], set[int]] = {}
+    flagged: set[str] = set()
+    for i in range(s.padded_batch_size):
+        if mask is not None and not bool(mask[i]):
+            continue
+        r, qt, kt = int(request[i]), int(qo_tile[i]), int(kv_tile[i])
+        if not 0 <= r < facts.requests:
+            if "request" not in flagged:
+                flagged.add("request")
+                add("plan-info-request-index", f"request_indices[{i}]", f"request_indices[{i}] = {r}: the plan has {facts.requests} requests", found=r, maximum=facts.requests - 1)
+            continue
+        if qt >= int(qo_tiles[r]) and "qo" not in flagged:
+            flagged.add("qo")
+            add(
+                "plan-info-qo-tiles",
+                f"qo_tile_indices[{i}]",
+                f"qo_tile_indices[{i}] = {qt} for request {r}, whose {int(facts.qo_lens[r])} query rows (x group {facts.group}) make {int(qo_tiles[r])} tiles of {s.cta_tile_q}",
+                request=r,
+                found=qt,
+                expected=int(qo_tiles[r]) - 1,
+            )
+        if kt in seen.setdefault((r, qt), set()) and "kv" not in flagged:
+            flagged.add("kv")
+            add("plan-info-kv-tiles", f"kv_tile_indices[{i}]", f"work item {i} repeats request {r}'s qo tile {qt}, KV tile {kt}", request=r, found=kt)
+        elif kt >= int(kv_tiles[r]) and "kv" not in flagged:
+            flagged.add("kv")
+            add("plan-info-kv-tiles", f"kv_tile_indices[{i}]", _kv_evidence(facts, r, int(kv_tiles[r]), f"kv_tile_indices[{i}] = {kt}"), request=r, found=kt, expected=int(kv_tiles[r]) - 1)
+        seen[(r, qt)].add(kt)
+    for r in range(facts.requests):
+        for qt in range(int(qo_tiles[r])):
+            listed = seen.get((r, qt))
+            if listed is None:
+                if "qo" not in flagged:
+                    flagged.add("qo")
+                    add("plan-info-qo-tiles", "request_indices", f"request {r}'s qo tile {qt} is in no work item ({int(qo_tiles[r])} tiles needed for {int(facts.qo_lens[r])} query rows)", request=r, expected=qt)
+                continue
+            missing = sorted(set(range(int(kv_tiles[r]))) - listed)
+            if missing and "kv" not in flagged:
+                flagged.add("kv")
+                add("plan-info-kv-tiles", "kv_tile_indices", _kv_evidence(facts, r, int(kv_tiles[r]), f"KV tile {missing[0]} of qo tile {qt} is in no work item"), request=r, expected=missing[0])
+
+
+def _kv_evidence(facts: PlanSchedule, r: int, tiles: int, what: str) -> str:
+    s = facts.schedule
+    size = f"{s.kv_chunk_size}-token chunks" if s.split_kv else "one tile (no split-KV)"
+    return f"request {r}: {what}; its KV list holds {int(facts.kv_lens[r])} tokens ({int(facts.kv_pages[r])} pages of {facts.page_size}), {tiles} tiles in {size}"
+
+
+def _check_offsets(facts: PlanSchedule, kv_tiles: Tensor, add) -> None:
+    s = facts.schedule
+    arrays = s.arrays
+    rows = int(facts.qo_lens.sum())
+    decode = s.kind is ScheduleKind.DECODE
+    if not decode or s.split_kv:
+        # Decode reads o_indptr only for split-KV partials; prefill always (the output's row offsets).
+        per_request = kv_tiles if decode else facts.qo_lens * kv_tiles
+        want = indptr(per_request)
+        got = arrays["o_indptr"][: want.numel()]
+        bad = _first(got != want[: got.numel()])
+        if bad >= 0:
+            add("plan-info-o-indptr", f"o_indptr[{bad}]", f"o_indptr[{bad}] = {int(got[bad])}, expected {int(want[bad])} (the partial outputs of requests 0..{bad - 1})", expected=int(want[bad]), found=int(got[bad]))
+    if decode:
+        return
+    total = s.info["total_num_rows"]
+    if (total < rows) if s.graph else (total != rows):
+        add("plan-info-total-rows", "total_num_rows", f"total_num_rows = {total}, the plan's qo_indptr lists {rows} query rows" + (" (a graph plan may hold more, never fewer)" if s.graph else ""), expected=rows, found=total)
+    host = arrays.get("total_num_rows_host")
+    if host is not None and int(host[0]) != rows and total >= rows:
+        add("plan-info-total-rows", "total_num_rows_host[0]", f"the rows the merge reads under a graph = {int(host[0])}, the plan's qo_indptr lists {rows}", expected=rows, found=int(host[0]))
+    merge = arrays.get("merge_indptr")
+    if merge is not None:
+        want = indptr(torch.repeat_interleave(kv_tiles, facts.qo_lens))
+        got = merge[: want.numel()]  # (as far as it goes: a total_num_rows short of the rows is named above)
+        bad = _first(got != want[: got.numel()])
+        if bad >= 0:
+            add("plan-info-merge-indptr", f"merge_indptr[{bad}]", f"merge_indptr[{bad}] = {int(got[bad])}, expected {int(want[bad])} (the KV tiles of query rows 0..{bad - 1})", expected=int(want[bad]), found=int(got[bad]))
