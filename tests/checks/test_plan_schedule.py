@@ -140,9 +140,26 @@ def test_block_valid_mask_must_be_false_exactly_on_the_padding(index, value, exp
     trace = scheduled(planned(*SERVER_DECODE, padding=Padding(capture_bs=64, fill_value=1)), graph=True, max_grid_size=1056)
     items = int(read_mask(trace).sum())
     index = index if expected else items + index
-    found = one(_edit(trace, ScheduleKind.DECODE, byte=("block_valid_mask_offset", index, value)), "plan-info-valid-mask")
+    edited = _edit(trace, ScheduleKind.DECODE, byte=("block_valid_mask_offset", index, value))
+    found = one(edited, "plan-info-valid-mask")
     assert found.location.field == f"plan.plan_info.block_valid_mask[{index}]"
-    assert found.data["expected"] is expected
+    assert found.data["expected"] is expected and found.severity is Severity.DEFECT
+    # the padding item made valid holds what the pinned buffer held before: no request of the batch
+    assert expected or one(edited, "plan-info-request-index").location.field == f"plan.plan_info.request_indices[{index}]"
+
+
+def test_a_valid_padding_item_that_repeats_a_listed_tile_is_a_hazard() -> None:
+    """The block recomputes request 0's tile 0: the output stays right, the finding says when not."""
+    trace = scheduled(planned(*SERVER_DECODE, padding=Padding(capture_bs=64, fill_value=1)), graph=True, max_grid_size=1056)
+    items = int(read_mask(trace).sum())
+    trace = _edit(trace, ScheduleKind.DECODE, byte=("block_valid_mask_offset", items, 1))
+    for offset_field in ("request_indices_offset", "kv_tile_indices_offset"):
+        for b in range(4):
+            trace = _edit(trace, ScheduleKind.DECODE, byte=(offset_field, 4 * items + b, 0))
+    found = {f.check: f for f in findings(trace) if f.check.startswith("plan-info")}
+    assert set(found) == {"plan-info-valid-mask", "plan-info-repeated-item"}
+    assert all(f.severity is Severity.HAZARD for f in found.values())
+    assert found["plan-info-repeated-item"].location.field == f"plan.plan_info.kv_tile_indices[{items}]"
 
 
 def read_mask(trace):

@@ -9,7 +9,8 @@ and its first bad element:
     plan-info-request-index      a valid work item's request_indices entry is a request of the plan
     plan-info-qo-tiles           each (request, qo tile) the batch needs is listed once, none past its rows
     plan-info-kv-tiles           each request's KV tiles (kv_tile_indices x kv_chunk_size) cover exactly
-                                 its KV length: none missing, none past it, none twice
+                                 its KV length: none missing, none past it
+    plan-info-repeated-item      a work item listed twice (a hazard: both blocks write the same state)
     plan-info-padded-batch-size  padded_batch_size holds every work item the batch needs
     plan-info-valid-mask         block_valid_mask (split-KV) true on the work items, false exactly on
                                  the padding past them
@@ -19,9 +20,11 @@ and its first bad element:
                                  the plan's query rows
     plan-info-chunk-size         kv_chunk_size > 0 under split-KV, cta_tile_q > 0 for a prefill
 
-Each is a defect: a missing tile leaves keys unread or a partial state unwritten, a tile or request
-past the batch reads and writes another request's memory, an offset list for another batch merges
-the wrong partials.
+Each is a defect but one: a missing tile leaves keys unread or a partial state unwritten, a tile or
+request past the batch reads and writes another request's memory, an offset list for another batch
+merges the wrong partials. A work item listed twice (or a padding item left valid that repeats a
+listed one) only computes the same state twice: a hazard, wrong once the two blocks see different
+inputs.
 """
 
 from __future__ import annotations
@@ -30,11 +33,15 @@ import torch
 from torch import Tensor
 
 from attndbg.backends.flashinfer_plan_info import ScheduleKind
-from attndbg.detector_api.findings import Finding, finding
+from attndbg.detector_api.findings import Finding, Severity, finding
 from attndbg.detectors.invariants.base import KIND, _first
 from attndbg.plans.schedule import PlanSchedule
 from attndbg.trace.schema import Trace, indptr
 
+CAUSE_REPEATED = (
+    "two thread blocks compute and write the same partial state: the output is unaffected while both read the same inputs "
+    "(deterministic kernels), but the schedule lists more work than the batch has, as a schedule made for another batch does"
+)
 CAUSE_STALE = (
     "the wrapper's schedule (plan()'s work items in the int workspace) was made for another batch than the one its kernels "
     "read: a plan left from an earlier batch (indptrs refilled in place without plan()), or a schedule of another wrapper"
@@ -47,8 +54,8 @@ def check_schedule(trace: Trace, facts: PlanSchedule | None, out: list[Finding])
     s = facts.schedule
     step = trace.source.step
 
-    def add(check: str, field: str, evidence: str, cause: str = CAUSE_STALE, **data: object) -> None:
-        out.append(finding(KIND, check, step=step, field=f"plan.plan_info.{field}", evidence=evidence, cause=cause, **data))
+    def add(check: str, field: str, evidence: str, cause: str = CAUSE_STALE, severity: Severity = Severity.DEFECT, **data: object) -> None:
+        out.append(finding(KIND, check, step=step, field=f"plan.plan_info.{field}", evidence=evidence, cause=cause, severity=severity, **data))
 
     if s.split_kv and s.kv_chunk_size <= 0:
         add("plan-info-chunk-size", "kv_chunk_size[0]", f"kv_chunk_size = {s.kv_chunk_size} under split-KV, expected a positive token count", found=s.kv_chunk_size)
@@ -58,7 +65,7 @@ def check_schedule(trace: Trace, facts: PlanSchedule | None, out: list[Finding])
         return
     qo_tiles, kv_tiles = facts.tiles_needed()
     items = int((qo_tiles * kv_tiles).sum())
-    _check_items(facts, qo_tiles, kv_tiles, add)
+    repeated = _check_items(facts, qo_tiles, kv_tiles, add)
     padded = s.padded_batch_size
     if items > padded:
         add(
@@ -73,14 +80,27 @@ def check_schedule(trace: Trace, facts: PlanSchedule | None, out: list[Finding])
         want = torch.arange(mask.numel()) < items
         bad = _first(mask != want)
         if bad >= 0:
-            what = "a work item the batch needs" if bool(want[bad]) else "padding past the batch's work items"
-            add("plan-info-valid-mask", f"block_valid_mask[{bad}]", f"block_valid_mask[{bad}] = {bool(mask[bad])} on {what} ({items} work items, padded to {padded})", expected=bool(want[bad]), found=bool(mask[bad]))
+            needed = bool(want[bad])
+            what = "a work item the batch needs" if needed else "padding past the batch's work items"
+            # A valid padding item that repeats a listed tile computes that tile again (harmless while
+            # inputs agree); one that is no tile of the batch is named by the item checks, and is harm.
+            harmless = not needed and bad in repeated
+            add(
+                "plan-info-valid-mask",
+                f"block_valid_mask[{bad}]",
+                f"block_valid_mask[{bad}] = {bool(mask[bad])} on {what} ({items} work items, padded to {padded})" + (", which repeats a listed work item" if harmless else ""),
+                cause=CAUSE_REPEATED if harmless else CAUSE_STALE,
+                severity=Severity.HAZARD if harmless else Severity.DEFECT,
+                expected=needed,
+                found=bool(mask[bad]),
+            )
     _check_offsets(facts, kv_tiles, add)
 
 
-def _check_items(facts: PlanSchedule, qo_tiles: Tensor, kv_tiles: Tensor, add) -> None:
+def _check_items(facts: PlanSchedule, qo_tiles: Tensor, kv_tiles: Tensor, add) -> set[int]:
     """Walk the valid work items; name the first out-of-batch request, stray or repeated tile, then
-    the first (request, qo tile) or KV tile the batch needs that no item lists."""
+    the first (request, qo tile) or KV tile the batch needs that no item lists. Returns the indices
+    of the items that repeat an earlier one (and are otherwise tiles of the batch)."""
     s = facts.schedule
     arrays = s.arrays
     request, kv_tile = arrays["request_indices"], arrays["kv_tile_indices"]
@@ -88,6 +108,7 @@ def _check_items(facts: PlanSchedule, qo_tiles: Tensor, kv_tiles: Tensor, add) -
     mask = arrays.get("block_valid_mask")
     seen: dict[tuple[int, int], set[int]] = {}
     flagged: set[str] = set()
+    repeated: set[int] = set()
     for i in range(s.padded_batch_size):
         if mask is not None and not bool(mask[i]):
             continue
@@ -97,23 +118,38 @@ def _check_items(facts: PlanSchedule, qo_tiles: Tensor, kv_tiles: Tensor, add) -
                 flagged.add("request")
                 add("plan-info-request-index", f"request_indices[{i}]", f"request_indices[{i}] = {r}: the plan has {facts.requests} requests", found=r, maximum=facts.requests - 1)
             continue
-        if qt >= int(qo_tiles[r]) and "qo" not in flagged:
-            flagged.add("qo")
-            add(
-                "plan-info-qo-tiles",
-                f"qo_tile_indices[{i}]",
-                f"qo_tile_indices[{i}] = {qt} for request {r}, whose {int(facts.qo_lens[r])} query rows (x group {facts.group}) make {int(qo_tiles[r])} tiles of {s.cta_tile_q}",
-                request=r,
-                found=qt,
-                expected=int(qo_tiles[r]) - 1,
-            )
-        if kt in seen.setdefault((r, qt), set()) and "kv" not in flagged:
-            flagged.add("kv")
-            add("plan-info-kv-tiles", f"kv_tile_indices[{i}]", f"work item {i} repeats request {r}'s qo tile {qt}, KV tile {kt}", request=r, found=kt)
-        elif kt >= int(kv_tiles[r]) and "kv" not in flagged:
-            flagged.add("kv")
-            add("plan-info-kv-tiles", f"kv_tile_indices[{i}]", _kv_evidence(facts, r, int(kv_tiles[r]), f"kv_tile_indices[{i}] = {kt}"), request=r, found=kt, expected=int(kv_tiles[r]) - 1)
-        seen[(r, qt)].add(kt)
+        if qt >= int(qo_tiles[r]):
+            if "qo" not in flagged:
+                flagged.add("qo")
+                add(
+                    "plan-info-qo-tiles",
+                    f"qo_tile_indices[{i}]",
+                    f"qo_tile_indices[{i}] = {qt} for request {r}, whose {int(facts.qo_lens[r])} query rows (x group {facts.group}) make {int(qo_tiles[r])} tiles of {s.cta_tile_q}",
+                    request=r,
+                    found=qt,
+                    expected=int(qo_tiles[r]) - 1,
+                )
+            continue
+        if kt >= int(kv_tiles[r]):
+            if "kv" not in flagged:
+                flagged.add("kv")
+                add("plan-info-kv-tiles", f"kv_tile_indices[{i}]", _kv_evidence(facts, r, int(kv_tiles[r]), f"kv_tile_indices[{i}] = {kt}"), request=r, found=kt, expected=int(kv_tiles[r]) - 1)
+            continue
+        listed = seen.setdefault((r, qt), set())
+        if kt in listed:
+            repeated.add(i)
+            if "repeat" not in flagged:
+                flagged.add("repeat")
+                add(
+                    "plan-info-repeated-item",
+                    f"kv_tile_indices[{i}]",
+                    f"work item {i} repeats request {r}'s qo tile {qt}, KV tile {kt}",
+                    cause=CAUSE_REPEATED,
+                    severity=Severity.HAZARD,
+                    request=r,
+                    found=kt,
+                )
+        listed.add(kt)
     for r in range(facts.requests):
         for qt in range(int(qo_tiles[r])):
             listed = seen.get((r, qt))
@@ -126,6 +162,7 @@ def _check_items(facts: PlanSchedule, qo_tiles: Tensor, kv_tiles: Tensor, add) -
             if missing and "kv" not in flagged:
                 flagged.add("kv")
                 add("plan-info-kv-tiles", "kv_tile_indices", _kv_evidence(facts, r, int(kv_tiles[r]), f"KV tile {missing[0]} of qo tile {qt} is in no work item"), request=r, expected=missing[0])
+    return repeated
 
 
 def _kv_evidence(facts: PlanSchedule, r: int, tiles: int, what: str) -> str:
