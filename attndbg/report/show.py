@@ -383,6 +383,10 @@ def _plan(plan: Plan) -> Panel:
         table.add_column(name)
     for name, t in plan.tensors.items():
         _add_row(table, name, str(t.dtype).replace("torch.", ""), str(list(t.shape)), _values(t))
+    if plan.plan_info is not None:  # the library's own schedule, as stored (read by `check`: attndbg/plans/schedule.py)
+        vector, workspace = plan.plan_info.vector, plan.plan_info.workspace
+        _add_row(table, "plan_info.vector", "int64", str(list(vector.shape)), _values(vector))
+        _add_row(table, "plan_info.workspace", "uint8", str(list(workspace.shape)), f"{workspace.numel()} bytes of the host int workspace")
     body: list[RenderableType] = [Text(f"built by {plan.backend}"), table]
     if plan.scalars:
         body.append(_kv_grid([(k, repr(v) if isinstance(v, str) else str(v)) for k, v in plan.scalars.items()]))
@@ -487,4 +491,6 @@ def trace_to_json(trace: Trace, path: str) -> dict[str, object]:
             "tensors": {k: _plain(v) for k, v in trace.plan.tensors.items()},
             "scalars": dict(trace.plan.scalars),
         }
+        if trace.plan.plan_info is not None:
+            out["plan"]["plan_info"] = {"vector": trace.plan.plan_info.vector.tolist(), "workspace_bytes": trace.plan.plan_info.workspace.numel()}
     return out

@@ -212,3 +212,14 @@ def test_wide_trees_are_cut() -> None:
     text = _text(render_trace(trace, "wide.pt"), width=200)
     assert "(first 64 of 70 draft tokens shown)" in text
     assert "recorded mask same as rebuilt from parents" in text
+
+
+def test_a_recorded_plan_info_is_shown_as_stored() -> None:
+    from attndbg.trace.schema import PlanInfo
+
+    trace = build(parse_spec(["decode-mha"]))
+    info = PlanInfo(vector=torch.tensor([6, 0, 4096, 0, 32, 64, 96, 100, 0, 1]), workspace=torch.zeros(112, dtype=torch.uint8))
+    plan = Plan(backend="flashinfer", tensors={"kv_indptr": trace.batch.slot_indptr.to(torch.int32)}, scalars={"page_size": 1}, plan_info=info)
+    lines = _lines(_text(render_trace(dataclasses.replace(trace, plan=plan), "p.pt"), width=160))
+    assert next(line for line in lines if line.startswith("plan_info.vector")).split(None, 3)[:3] == ["plan_info.vector", "int64", "[10]"]
+    assert any(line.startswith("plan_info.workspace") and "112 bytes" in line for line in lines)
