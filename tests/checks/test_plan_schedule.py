@@ -188,3 +188,14 @@ def test_graph_rows_the_merge_reads_must_be_the_plans() -> None:
     found = one(_edit(trace, ScheduleKind.PREFILL, byte=("total_num_rows_offset", 0, (rows + 3) % 256)), "plan-info-total-rows")
     assert found.location.field == "plan.plan_info.total_num_rows_host[0]"
     assert torch.tensor(found.data["expected"]) == rows
+
+
+def test_a_hostile_qo_indptr_is_judged_without_enumerating_its_claim() -> None:
+    """qo_indptr claiming 2^40 rows for request 1: the schedule's work items are walked, never the
+    tiles such a claim would need (that would not end), and the mismatch is named."""
+    trace = scheduled(planned("extend-prefix"), graph=True)
+    qo = trace.plan.tensors["qo_indptr"].to(torch.int64).clone()
+    qo[2:] += 1 << 40
+    trace = dataclasses.replace(trace, plan=dataclasses.replace(trace.plan, tensors={**trace.plan.tensors, "qo_indptr": qo}))
+    checks = {c for c, _ in schedule_findings(trace)}
+    assert {"plan-info-qo-tiles", "plan-info-total-rows"} <= checks

@@ -150,18 +150,23 @@ def _check_items(facts: PlanSchedule, qo_tiles: Tensor, kv_tiles: Tensor, add) -
                     found=kt,
                 )
         listed.add(kt)
+    # The first tile the batch needs that no item lists. Bounded by what is listed, not by what the
+    # batch needs (a hostile qo_indptr can claim 2^40 rows): a request's walk stops at its first
+    # unlisted qo tile, and an unlisted KV tile is found among the first len(listed) + 1.
     for r in range(facts.requests):
+        if {"qo", "kv"} <= flagged:
+            break
         for qt in range(int(qo_tiles[r])):
             listed = seen.get((r, qt))
             if listed is None:
                 if "qo" not in flagged:
                     flagged.add("qo")
                     add("plan-info-qo-tiles", "request_indices", f"request {r}'s qo tile {qt} is in no work item ({int(qo_tiles[r])} tiles needed for {int(facts.qo_lens[r])} query rows)", request=r, expected=qt)
-                continue
-            missing = sorted(set(range(int(kv_tiles[r]))) - listed)
-            if missing and "kv" not in flagged:
+                break
+            if len(listed) < int(kv_tiles[r]) and "kv" not in flagged:
+                first = next(k for k in range(len(listed) + 1) if k not in listed)
                 flagged.add("kv")
-                add("plan-info-kv-tiles", "kv_tile_indices", _kv_evidence(facts, r, int(kv_tiles[r]), f"KV tile {missing[0]} of qo tile {qt} is in no work item"), request=r, expected=missing[0])
+                add("plan-info-kv-tiles", "kv_tile_indices", _kv_evidence(facts, r, int(kv_tiles[r]), f"KV tile {first} of qo tile {qt} is in no work item"), request=r, expected=first)
     return repeated
 
 
@@ -194,8 +199,11 @@ def _check_offsets(facts: PlanSchedule, kv_tiles: Tensor, add) -> None:
         add("plan-info-total-rows", "total_num_rows_host[0]", f"the rows the merge reads under a graph = {int(host[0])}, the plan's qo_indptr lists {rows}", expected=rows, found=int(host[0]))
     merge = arrays.get("merge_indptr")
     if merge is not None:
-        want = indptr(torch.repeat_interleave(kv_tiles, facts.qo_lens))
-        got = merge[: want.numel()]  # (as far as it goes: a total_num_rows short of the rows is named above)
-        bad = _first(got != want[: got.numel()])
+        # Each row's KV tiles, over the rows the array holds (more rows than it holds: total_num_rows
+        # is named above; a hostile qo_indptr's claim is never materialised).
+        held = facts.qo_lens.clamp(max=merge.numel()).cumsum(0).clamp(max=merge.numel() - 1)
+        want = indptr(torch.repeat_interleave(kv_tiles, held.diff(prepend=held.new_zeros(1))))
+        got = merge[: want.numel()]
+        bad = _first(got != want)
         if bad >= 0:
             add("plan-info-merge-indptr", f"merge_indptr[{bad}]", f"merge_indptr[{bad}] = {int(got[bad])}, expected {int(want[bad])} (the KV tiles of query rows 0..{bad - 1})", expected=int(want[bad]), found=int(got[bad]))
