@@ -170,7 +170,7 @@ def _step(kind: str, d: dict[str, Any], inputs: dict[str, Any], axes: dict[str, 
     decode = kind in ("decode", "mla")  # not a backend name: flashinfer-bench's definition kinds
     if decode and bool((kv_lens < 1).any()):
         raise TraceError(f"{where}.kv_indptr", "a decode request without KV", str(path))
-    mode = ForwardMode.DECODE if decode else mode_from_lengths(q_lens, torch.tensor(prefix))
+    mode = ForwardMode.DECODE if decode else mode_from_lengths(q_lens, prefix, path=str(path))
     if mla:
         model = Model(num_qo_heads=heads, num_kv_heads=1, head_dim=dim, v_head_dim=ckv, attention=AttentionKind.MLA, kv_lora_rank=ckv, qk_rope_head_dim=kpe,
                       sm_scale=float(scale), logit_cap=0.0, sliding_window=-1, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=ps)  # fmt: skip

@@ -192,7 +192,7 @@ def _paged(item: Run, step: int) -> StepParts:
         elif causal is False:
             raise fa.NotImported("a non-causal paged prefill without a mask: every query sees every key, which no attndbg step means (only as a cascade's prefix pass)")
         else:
-            mode = mode_from_lengths(q_lens, torch.tensor(prefix))
+            mode = mode_from_lengths(q_lens, prefix, path=plan.where)
             if causal is None:
                 inferred["plan.causal"] = CAUSAL_NOTE
                 causal = True
@@ -329,7 +329,7 @@ def _ragged(item: Run, step: int) -> StepParts:
                       q_dtype=dtype_name(q.dtype, "q", run.directory, q=True), kv_dtype=dtype_name(k.dtype, "k", run.directory), page_size=1)  # fmt: skip
     layer = layer_from_pool(rows=rows, extend_lens=q_lens.tolist(), q=q, k_pool=k_pool, v_pool=v_pool, output=_shaped(out, q.shape, run, "result"), lse=_shaped(lse, q.shape[:2], run, "result_1"), lse_base=LseBase.TWO)
     return StepParts(
-        source=imported_source(engine=ENGINE, version=_version(run), backend="flashinfer", step=step), model=model, mode=mode_from_lengths(q_lens, torch.tensor(prefix)),
+        source=imported_source(engine=ENGINE, version=_version(run), backend="flashinfer", step=step), model=model, mode=mode_from_lengths(q_lens, prefix, path=plan.where),
         prefix_lens=prefix, extend_lens=q_lens.tolist(), rows=rows, kv_cache_size=total + 1, plan=plan_out, tensors={item.layer: layer}, inferred=inferred,
     )  # fmt: skip
 
@@ -395,7 +395,7 @@ def _cascade(item: Cascade, step: int) -> StepParts:
     model = Model(**{**vars(m), "page_size": ps, "kv_dtype": dtype_name(k_pool.dtype, "paged_kv_cache", paged_run.directory)})
     prefix = prefix_lens.tolist()
     return StepParts(
-        source=ragged.source, model=model, mode=mode_from_lengths(torch.tensor(extend), prefix_lens), prefix_lens=prefix, extend_lens=extend, rows=rows,
+        source=ragged.source, model=model, mode=mode_from_lengths(extend, prefix, path=paged_plan.where), prefix_lens=prefix, extend_lens=extend, rows=rows,
         kv_cache_size=size, plan=Plan(backend="flashinfer", tensors=tensors, scalars=_scalars("cascade", ps, cap, window, causal=prefix_causal)),
         tensors={item.ragged.layer: merged}, inferred=inferred,
     )  # fmt: skip
@@ -456,6 +456,6 @@ def _mla(item: Run, step: int) -> StepParts:
         scalars["causal"] = bool(causal) and not decode
     return StepParts(
         source=imported_source(engine=ENGINE, version=_version(run), backend="flashinfer_mla", step=step), model=model,
-        mode=ForwardMode.DECODE if decode else mode_from_lengths(q_lens, torch.tensor(prefix)), prefix_lens=prefix, extend_lens=q_lens.tolist(), rows=rows,
+        mode=ForwardMode.DECODE if decode else mode_from_lengths(q_lens, prefix, path=plan.where), prefix_lens=prefix, extend_lens=q_lens.tolist(), rows=rows,
         kv_cache_size=pages * ps, graph=_graph(item, len(rows), inferred), plan=Plan(backend="mla", tensors=tensors, scalars=scalars), tensors={item.layer: layer}, inferred=inferred,
     )  # fmt: skip

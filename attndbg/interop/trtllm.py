@@ -122,7 +122,7 @@ def _step(line: dict[str, Any], number: int, path: Path, step: int) -> StepParts
         rows.append(torch.arange(page * ps, page * ps + n + c))
         page += pages
     # TensorRT-LLM orders context requests first; the mode follows from the lengths either way.
-    mode = mode_from_lengths(torch.tensor(q_lens), torch.tensor(cached))
+    mode = mode_from_lengths(q_lens, cached, path=str(path))
     return StepParts(
         source=imported_source(engine=ENGINE, version="capture", backend="trtllm", step=step), model=model, mode=mode,
         prefix_lens=list(cached), extend_lens=list(q_lens), rows=rows, kv_cache_size=page * ps, inferred=inferred,

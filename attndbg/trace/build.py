@@ -16,6 +16,7 @@ from importlib import metadata
 import torch
 from torch import Tensor
 
+from attndbg.trace.errors import TraceError
 from attndbg.trace.schema import Batch, ForwardMode, Source, indptr
 
 
@@ -23,21 +24,24 @@ def _i64(x: Tensor | Sequence[int]) -> Tensor:
     return torch.as_tensor(x).detach().to("cpu", torch.int64).reshape(-1)
 
 
-def mode_from_lengths(extend_lens: Tensor | Sequence[int], prefix_lens: Tensor | Sequence[int]) -> ForwardMode:
+def _host_ints(values: Tensor | Sequence[int]) -> list[int]:
+    """Per-request lengths as host ints (a tensor's copied once; a recorder's list taken as is)."""
+    return values.reshape(-1).tolist() if isinstance(values, Tensor) else list(values)
+
+
+def mode_from_lengths(extend_lens: Tensor | Sequence[int], prefix_lens: Tensor | Sequence[int], *, path: str | None = None) -> ForwardMode:
     """DECODE if every request adds one token to a cached prefix, MIXED if only some do, else EXTEND.
 
-    A one-token prompt without prefix is a prefill (EXTEND), as in SGLang.
+    A one-token prompt without prefix is a prefill (EXTEND), as in SGLang. Lists of different
+    lengths are bad input (a TraceError naming `path` when given), never a guess.
     """
-    if isinstance(extend_lens, (list, tuple)) and isinstance(prefix_lens, (list, tuple)) and len(extend_lens) == len(prefix_lens):
-        # Host ints (a recorder's label for every step): no tensor built, the same answer.
-        decode = [int(e) == 1 and int(p) > 0 for e, p in zip(extend_lens, prefix_lens)]
-        if decode and all(decode):
-            return ForwardMode.DECODE
-        return ForwardMode.MIXED if any(decode) else ForwardMode.EXTEND
-    decode_rows = (_i64(extend_lens) == 1) & (_i64(prefix_lens) > 0)
-    if decode_rows.numel() and bool(decode_rows.all()):
+    extend, prefix = _host_ints(extend_lens), _host_ints(prefix_lens)
+    if len(extend) != len(prefix):
+        raise TraceError("batch.prefix_lens", f"has {len(prefix)} entries, batch.extend_lens {len(extend)}: one of each per request", path)
+    decode = [e == 1 and p > 0 for e, p in zip(extend, prefix)]
+    if decode and all(decode):
         return ForwardMode.DECODE
-    return ForwardMode.MIXED if bool(decode_rows.any()) else ForwardMode.EXTEND
+    return ForwardMode.MIXED if any(decode) else ForwardMode.EXTEND
 
 
 def batch_from_rows(
