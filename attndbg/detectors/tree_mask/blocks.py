@@ -1,7 +1,7 @@
 """A verify request's tree mask, explained: a request's true FULL block (prefix visible, drafts see
-their ancestors), a KV column named for a reader, and the sentence that explains a wrong mask
-element. Shared by the tree-mask detector's checks of the spec's mask (spec.py) and of the mask the
-recorded plan's kernel reads (recorded.py).
+their ancestors), a KV column named for a reader, and the sentences that explain a wrong mask
+element and a hidden prefix. Shared by the tree-mask detector's checks of the spec's mask
+(spec.py) and of the mask the recorded plan's kernel reads (recorded.py).
 """
 
 from __future__ import annotations
@@ -25,6 +25,13 @@ def tree_block(trace: Trace, b: int) -> Tensor:
 def describe_column(trace: Trace, b: int, column: int) -> str:
     prefix = int(trace.batch.prefix_lens[b])
     return f"KV column {column}" + (f" = draft token {column - prefix}" if column >= prefix else " (prefix)")
+
+
+def prefix_hidden_cause(how: str) -> str:
+    """The mask-prefix-hidden cause, for the spec's mask and for the mask the plan's kernel reads:
+    `how` says how this mask hides prefix columns; the rule it breaks is the same (SGLang's FULL
+    layout fills each block's prefix part True: engines.md A3)."""
+    return f"{how}; every draft token must see the whole prefix"
 
 
 def mismatch_cause(trace: Trace, b: int, row: int, column: int, found: bool, found_draft: Tensor | None) -> str:

@@ -12,7 +12,7 @@ import torch
 from attndbg.backends.plan_layout import PlanLayout
 from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.tree_mask.base import KIND
-from attndbg.detectors.tree_mask.blocks import describe_column, mismatch_cause, tree_block
+from attndbg.detectors.tree_mask.blocks import describe_column, mismatch_cause, prefix_hidden_cause, tree_block
 from attndbg.plans.problems import PlanProblem, ProblemKind
 from attndbg.plans.reading import PlanReading
 from attndbg.plans.visibility import PlanVisibility, index_window
@@ -183,7 +183,7 @@ def _compare_plan(reading: PlanReading, view: PlanVisibility, out: list[Finding]
         elif check == "plan-mask-missing":
             cause = "the plan runs the verify step as causal attention by token index with no tree mask, but the draft tree is not a chain"
         elif check == "mask-prefix-hidden":
-            cause = "the plan's FULL mask hides prefix columns that the kernel reads; every draft token must see the whole prefix"
+            cause = prefix_hidden_cause("the plan's FULL mask hides prefix columns that the kernel reads")
         else:
             found_draft = view.blocks[b][:, prefix:] if view.kind != "causal" else None
             cause = mismatch_cause(trace, b, r, c, found, found_draft)

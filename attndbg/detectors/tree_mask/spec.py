@@ -9,7 +9,7 @@ from torch import Tensor
 
 from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.tree_mask.base import KIND
-from attndbg.detectors.tree_mask.blocks import describe_column, mismatch_cause, tree_block
+from attndbg.detectors.tree_mask.blocks import describe_column, mismatch_cause, prefix_hidden_cause, tree_block
 from attndbg.trace import tree
 from attndbg.trace.mask_geometry import MaskElement, MaskGeometry, as_bool, full_prefix_sum, reverse_bits, unpack_bits, word_bits, word_dtype
 from attndbg.trace.schema import MaskLayout, Trace
@@ -222,7 +222,7 @@ def _compare_spec_bool(trace: Trace, mask: Tensor, layout: MaskLayout, out: list
     check = "mask-prefix-hidden" if prefix_only else "mask-mismatch"
     found_value = bool(blocks[b][r, c])
     if prefix_only:
-        cause = "the engine built the FULL mask with its prefix part False (zeros instead of torch.full(True)); every draft token must see the whole prefix"
+        cause = prefix_hidden_cause("the engine built the FULL mask with its prefix part False (zeros instead of torch.full(True))")
     else:
         cause = mismatch_cause(trace, b, r, c, found_value, blocks[b][:, prefix:])
     out.append(
