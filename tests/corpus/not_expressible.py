@@ -35,21 +35,23 @@ BUGS = (
         Capability.VERIFY_GEOMETRY, Capability.FORWARD_MODES, Capability.SPLITS_VS_CAPTURE,
     ),
     _bug(
-        "sglang-26512", "FA3 DRAFT_EXTEND_V2 cache extent covers the prefix only",
-        ("https://github.com/sgl-project/sglang/pull/26512",), "2026-05", "SGLang fa3", "DRAFT_EXTEND (V2)",
-        "in DRAFT_EXTEND_V2 seq_lens are the prefixes, and the new K/V are written before the kernel: cache_seqlens, "
-        "cu_seqlens_k and max_seq_len_k had to cover prefix + extend, but took seq_lens (0.55 max abs diff)",
-        "the SGLang recorder reads DRAFT_EXTEND_V2 by the classic DRAFT_EXTEND rule (seq_lens = prefix + new tokens); a V2 step "
-        "stops the recording: 'extend_prefix_lens 7 + extend_seq_lens 4 != seq_lens 7' (record/sglang/batch.py lengths_from_host)",
-        Capability.FORWARD_MODES,
-    ),
-    _bug(
         "sglang-22958", "Multi-layer EAGLE draft-extend graph runner never pads its replay buffers",
         ("https://github.com/sgl-project/sglang/pull/22958",), "2026-04", "SGLang (any)", "DRAFT_EXTEND graph",
         "init_replay_state left req_pool_indices, seq_lens, out_cache_loc and extend_seq_lens_cpu of padded rows stale: "
         "stale pool rows indexed req_to_token out of bounds (fix PR closed; the single-layer runner had the padding)",
-        "SGL-new's draft-extend graph runners build their replay batch without build_replay_fb_view, the only replay view whose "
-        "padding the recorder reads; and DRAFT_EXTEND_V2 steps stop the recording (see sglang-26512)",
+        "SGL-new's draft-extend graph runners build their replay batch without build_replay_fb_view (a view without "
+        "num_padding, its extend lengths in spec_info), the only replay view whose padding the recorder reads: their replays "
+        "are not recorded",
+        Capability.FORWARD_MODES, Capability.PADDED_ROWS,
+    ),
+    _bug(
+        "sglang-27545", "Triton spec-v2 draft-extend graph strides qo_indptr by num_steps + 1, not the window",
+        ("https://github.com/sgl-project/sglang/pull/27545",), "2026-06", "SGLang triton", "DRAFT_EXTEND_V2 graph (topk > 1)",
+        "_update_draft_extend_buffers laid qo_indptr out with speculative_num_steps + 1 tokens per request (the classic draft "
+        "extend's width) while the spec-v2 runner lays out num_draft_tokens per request; with topk > 1 the two differ and at "
+        "bs > 1 every request after the first read another's queries (NaN); eager steps were right",
+        "the mistake is only in the draft-extend graph replay, whose view the recorder does not read (see sglang-22958); an "
+        "eager DRAFT_EXTEND_V2 step with such offsets is judged (invariants/qo-lens, by the window its spec input declares)",
         Capability.FORWARD_MODES, Capability.PADDED_ROWS,
     ),
     _bug(

@@ -3,7 +3,11 @@
 - sgl-project/sglang#27738 (2026-06): Triton's eager DRAFT_EXTEND built kv_indices over
   forward_batch.seq_lens (prefix + accepted tokens); the extend kernel gets the accepted tokens'
   K/V from its inputs, so their columns were attended twice (ragged accepted lengths mismatched the
-  dense reference). The fix builds them over extend_prefix_lens.
+  dense reference). The fix builds them over extend_prefix_lens. Spec v1's draft extend: recorded
+  as SGL-classic's DRAFT_EXTEND (the accepted tokens are the query).
+- sgl-project/sglang#26628 (2026-05): the revert of #26512, which took DRAFT_EXTEND_V2's seq_lens
+  for the prefixes and added extend_seq_lens to FA's cache extent; spec v2 bumps seq_lens to
+  prefix + window before the backend plans (#26651), so FA3 read each request's window twice over.
 - sgl-project/sglang#25015 (2026-05): EAGLE's draft decode advanced forward_batch.positions before
   each draft forward instead of after: every draft decode step ran at its position + 1.
 - sgl-project/sglang#26880 (2026-06): EAGLEDraftCudaGraphRunner padded seq_lens but left
@@ -50,7 +54,7 @@ def _record(out: Path, *, over_seq_lens: bool) -> None:
     """The draft extend recorded with its layer (`record --layers 0`): the engine's output is what
     Triton's extend kernel computes from the metadata it was given (sg.triton_extend)."""
     fb = sg.extend_batch(ROWS, PREFIX, ACCEPTED)
-    fb.forward_mode = sg.env.ForwardMode.DRAFT_EXTEND_V2  # SGL-new renamed DRAFT_EXTEND
+    fb.forward_mode = sg.env.ClassicForwardMode.DRAFT_EXTEND  # spec v1: the accepted tokens are the query
     data = sg.layer_data(27738, tokens=sum(ACCEPTED))
     k_cache, v_cache = sg.with_new_kv(data, fb)
     with sg.recording(out, layers=(0,)) as session:
@@ -65,6 +69,42 @@ def _record(out: Path, *, over_seq_lens: bool) -> None:
 def write_27738(bug: Path, twin: Path) -> None:
     _record(bug, over_seq_lens=True)
     _record(twin, over_seq_lens=False)
+
+
+WINDOW = 4  # speculative_num_draft_tokens: every request's draft-extend window in spec v2
+V2_ROWS = {1: list(range(10, 23)), 3: list(range(30, 41)), 6: list(range(50, 67))}  # prefix + window, then spare columns
+V2_PREFIX, V2_ACCEPTED = [9, 5, 12], [3, 1, 2]
+
+
+def _fa3_draft_extend_v2(double_extent: bool) -> sg.Plan:
+    def plan(made: Any, fb: Any) -> None:
+        """FA3's eager DRAFT_EXTEND_V2 metadata (flashattention_backend.py, the extend branch):
+        cache_seqlens = seq_lens (already prefix + window), or, as #26512 had it, seq_lens +
+        extend_seq_lens; cu_seqlens_q over extend_seq_lens; page_table = req_to_token rows cut to
+        max_seq_len_k (page size 1)."""
+        cache = fb.seq_lens.to(I64) + (fb.extend_seq_lens.to(I64) if double_extent else 0)
+        made.forward_metadata = sg.FlashAttentionMetadata(
+            cache_seqlens_int32=cache.to(I32),
+            max_seq_len_q=max(fb.extend_seq_lens_cpu),
+            max_seq_len_k=int(cache.max()),
+            cu_seqlens_q=torch.nn.functional.pad(torch.cumsum(fb.extend_seq_lens.to(I64), 0), (1, 0)).to(I32),
+            cu_seqlens_k=torch.nn.functional.pad(torch.cumsum(cache, 0), (1, 0)).to(I32),
+            page_table=made.req_to_token_pool.req_to_token[fb.req_pool_indices.to(torch.long), : int(cache.max())].to(I32),
+        )
+
+    return plan
+
+
+def _fa3_v2(out: Path, *, double_extent: bool) -> None:
+    with sg.recording(out) as session:
+        layer = sg.layer()  # noqa: F841
+        made = sg.backend(sg.CorpusFA3, V2_ROWS, _fa3_draft_extend_v2(double_extent))
+        sg.record_eager(session, made, sg.draft_extend_v2_batch(V2_ROWS, V2_PREFIX, WINDOW, V2_ACCEPTED))
+
+
+def write_26628(bug: Path, twin: Path) -> None:
+    _fa3_v2(bug, double_extent=True)
+    _fa3_v2(twin, double_extent=False)
 
 
 DECODE_ROWS = {1: list(range(10, 22)), 3: list(range(30, 37)), 6: list(range(50, 59))}
@@ -125,14 +165,32 @@ BUGS = (
         mechanism="the eager DRAFT_EXTEND path built kv_indptr/kv_indices from forward_batch.seq_lens (prefix + accepted); the "
         "Triton extend kernel reads the accepted tokens' K/V from its inputs, so those columns were attended twice "
         "(wrong draft outputs on ragged accepted lengths); the fix uses extend_prefix_lens",
-        encoding="3 draft-extend requests (prefixes 9, 5, 12; accepted 3, 1, 2) with the v1 worker's seq_lens = prefix + accepted "
-        "(the installed SGLang 0.5.23 names the mode DRAFT_EXTEND_V2 only: the step carries that name); Triton ForwardMetadata "
-        "with kv lists over seq_lens; layer 0 recorded (q, new K/V, prefix rows) with the output Triton's extend kernel computes "
-        "from that metadata",
+        encoding="3 draft-extend requests (prefixes 9, 5, 12; accepted 3, 1, 2) with the v1 worker's seq_lens = prefix + accepted, "
+        "as SGL-classic's DRAFT_EXTEND (the installed SGLang 0.5.23 names only DRAFT_EXTEND_V2, whose query is the whole window: "
+        "the step carries the classic name); Triton ForwardMetadata with kv lists over seq_lens; layer 0 recorded (q, new K/V, "
+        "prefix rows) with the output Triton's extend kernel computes from that metadata",
         expected=("invariants/kv-length", "invariants/kv-index", "split-merge/recorded-output-mismatch"),
         keywords=("accepted", "extend_prefix_lens"),
         capabilities=(Capability.FORWARD_MODES,),
         write=write_27738,
+    ),
+    RealBug(
+        id="sglang-26628",
+        title="FA3 DRAFT_EXTEND_V2 cache extent counts the window twice (#26512, reverted)",
+        links=("https://github.com/sgl-project/sglang/pull/26628", "https://github.com/sgl-project/sglang/pull/26512", "https://github.com/sgl-project/sglang/pull/26651"),
+        date="2026-05",
+        engine="SGLang fa3",
+        mode="DRAFT_EXTEND_V2",
+        mechanism="#26512 read DRAFT_EXTEND_V2's seq_lens as the prefixes and set FA's cache_seqlens, cu_seqlens_k and max_seq_len_k "
+        "to seq_lens + extend_seq_lens; spec v2 bumps seq_lens to prefix + window before init_forward_metadata (#26651), so the "
+        "kernel's cache extent ran a whole window past each request's KV (columns req_to_token never filled); #26628 reverted it",
+        encoding="3 spec-v2 draft extends (prefixes 9, 5, 12; window 4; accepted 3, 1, 2) as prepare_for_draft_extend builds them "
+        "(extend_seq_lens = 4 each, seq_lens = prefix + 4); FA3 metadata with cache_seqlens = seq_lens + extend_seq_lens and the "
+        "page table cut to that max",
+        expected=("invariants/kv-length", "invariants/page-table"),
+        keywords=("window", "twice", "extend_seq_lens"),
+        capabilities=(Capability.FORWARD_MODES,),
+        write=write_26628,
     ),
     RealBug(
         id="sglang-25015",

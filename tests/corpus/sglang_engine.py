@@ -79,7 +79,7 @@ def layer(*, window: int | None = None, heads: int = HEADS, kv_heads: int = KV_H
 def prepare(backend: Any, rows: dict[int, list[int]], *, req_to_token: Tensor | None = None, page_size: int = 1, dtype: torch.dtype = torch.bfloat16) -> Any:
     """Set the attributes the recorder reads of a backend built with object.__new__ (the real
     __init__ needs a ModelRunner and a GPU): its pools, head count, window."""
-    pool = env.req_pool(rows, size=8, width=max(64, *(len(r) for r in rows.values())))
+    pool = env.req_pool(rows, size=max(8, max(rows) + 1), width=max(64, *(len(r) for r in rows.values())))
     if req_to_token is not None:
         pool.req_to_token = req_to_token
     backend.req_to_token_pool = pool
@@ -195,6 +195,21 @@ def extend_batch(rows: dict[int, list[int]], prefix_lens: list[int], extend_lens
         extend_seq_lens_cpu=list(extend_lens),
         extend_prefix_lens_cpu=list(prefix_lens),
     )
+
+
+def draft_extend_v2_batch(rows: dict[int, list[int]], prefix_lens: list[int], window: int, accepted: list[int]) -> Any:
+    """A DRAFT_EXTEND_V2 ForwardBatch as spec v2's `prepare_for_draft_extend` builds it (SGLang
+    0.5.23, speculative/eagle_worker_common.py): every request runs its whole verify window of
+    `window` tokens (the slots after its prefix), whatever it accepted; extend_prefix_lens = the
+    prefix, extend_seq_lens = window, and seq_lens bumped to prefix + window before the backend
+    plans; the spec input carries the window as num_tokens_per_req and the accepted counts."""
+    fb = extend_batch(rows, prefix_lens, [window] * len(prefix_lens))
+    fb.forward_mode = env.ForwardMode.DRAFT_EXTEND_V2
+    accept = torch.tensor(accepted, dtype=I32)
+    fb.spec_info = env.EagleDraftExtendInput(
+        num_correct_drafts=accept - 1, num_accept_tokens=accept, num_tokens_per_req=window, num_tokens_for_logprob_per_req=window
+    )
+    return fb
 
 
 def verify_batch(rows: dict[int, list[int]], prefix_lens: list[int], parents: list[list[int]], *, custom_mask: Tensor | None = None, algorithm: Any = None) -> Any:

@@ -45,6 +45,7 @@ CAUGHT = {
     "sglang-9279": "tree-mask/window-offset",
     "sglang-31501": "invariants/window-off",
     "sglang-27738": "invariants/kv-length",
+    "sglang-26628": "invariants/kv-length",
     "sglang-25015": "invariants/positions",
     "sglang-26880": "fill-value/seq-lens-sum-ignores-padding",
     "sglang-40903": "split-merge/merge-lse-base-confusion",

@@ -10,6 +10,7 @@ torchvision cannot be imported, and only right before SGLang is.
 
 from __future__ import annotations
 
+import enum
 import importlib.util
 import sys
 import types
@@ -80,6 +81,11 @@ def load_sglang() -> SimpleNamespace:
 sgl = load_sglang()
 ForwardBatch = sgl.forward_batch_info.ForwardBatch
 ForwardMode = sgl.forward_batch_info.ForwardMode
+# SGL-classic's ForwardMode.DRAFT_EXTEND (6 in SGLang 0.5.3, engines.md A1), the spec-v1 draft extend:
+# the installed SGLang names only DRAFT_EXTEND_V2. The recorder reads a mode by its name, so this
+# member stands for the classic one on a real ForwardBatch.
+ClassicForwardMode = enum.Enum("ClassicForwardMode", {"DRAFT_EXTEND": 6})
+EagleDraftExtendInput = sgl.eagle_info.EagleDraftExtendInput
 CaptureHiddenMode = sgl.forward_batch_info.CaptureHiddenMode
 EagleVerifyInput = sgl.eagle_info.EagleVerifyInput
 ReqToTokenPool = sgl.memory_pool.ReqToTokenPool

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from attndbg.detector_api.findings import Finding, finding
-from attndbg.detectors.invariants.base import KIND, _first, _request_of
+from attndbg.detectors.invariants.base import DRAFT_EXTEND_QUERIES, KIND, _first, _request_of
 from attndbg.trace import tree
 from attndbg.trace.engines import engine_conventions
 from attndbg.trace.schema import ForwardMode, Trace
@@ -99,6 +99,8 @@ def _check_seq_lens(trace: Trace, out: list[Finding]) -> None:
             cause = verify.mixup_cause
         elif batch.forward_mode is ForwardMode.DECODE and int(found[b]) == kv - 1:
             cause = "seq_lens were taken before the decode step's seq_lens += 1 (the current token is missing)"
+        elif batch.forward_mode is ForwardMode.DRAFT_EXTEND and prefix <= int(found[b]) != kv:
+            cause = f"seq_lens count {int(found[b]) - prefix} new tokens past the prefix where the step runs {kv - prefix}: {DRAFT_EXTEND_QUERIES}"
         else:
             cause = "the engine's seq_lens buffer holds another step's or another request's lengths"
         out.append(

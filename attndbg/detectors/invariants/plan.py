@@ -9,7 +9,7 @@ from torch import Tensor
 
 from attndbg.backends.plan_layout import KvEnd
 from attndbg.detector_api.findings import Finding, finding
-from attndbg.detectors.invariants.base import KIND, _first
+from attndbg.detectors.invariants.base import DRAFT_EXTEND_QUERIES, KIND, _first
 from attndbg.detectors.invariants.capture import captured_split_limit
 from attndbg.detectors.invariants.indptr import _indptr_ends
 from attndbg.detectors.invariants.structure import worded
@@ -203,6 +203,14 @@ def _length_finding(trace: Trace, reading: PlanReading, b: int, found: int, ends
         cause = "the length was taken before the decode step's seq_lens += 1, so the current token is missing"
     elif found == main + 1:
         cause = "one column too many: the current token was counted twice"
+    elif not trace.is_tree_verify and (extend := int(batch.extend_lens[b])) > 1 and found == main + extend:
+        if KvEnd.PREFIX in ends and main == ends[KvEnd.PREFIX]:
+            cause = f"the prefix list runs over this step's {extend} new tokens, which the kernel also takes from its inputs: built from seq_lens instead of extend_prefix_lens"
+        else:
+            cause = (
+                f"this step's {extend} new tokens are counted twice: extend_seq_lens added to seq_lens that already hold them "
+                "(SGLang #26512 on DRAFT_EXTEND_V2, whose seq_lens are prefix + the whole window)"
+            )
     elif any(found == int(v) for v in batch.kv_lens) or any(found == int(v) for v in batch.prefix_lens):
         cause = "the length belongs to another request (lengths in the wrong order, or a wrong req_pool_indices entry)"
     else:
@@ -235,6 +243,8 @@ def _check_qo(trace: Trace, t: dict[str, Tensor], sane: set[str], requests: int,
             continue
         if batch.forward_mode is ForwardMode.DECODE or trace.is_tree_verify:
             cause = "the query offsets assume another number of tokens per request (decode 1, verify draft_token_num)"
+        elif batch.forward_mode is ForwardMode.DRAFT_EXTEND:
+            cause = f"the query offsets count other queries than the step runs: {DRAFT_EXTEND_QUERIES}"
         else:
             cause = "the query offsets were computed from stale extend lengths (or prefix lengths taken as extend lengths)"
         out.append(

@@ -7,9 +7,20 @@ Two halves, because a hook must not synchronise the device:
 `batch_from_forward_batch` composes the two for host-side callers and tests.
 
 SGLang's `seq_lens` (engines.md A2): DECODE and EXTEND/MIXED count the tokens of this step,
-TARGET_VERIFY counts only the prefix (the backend adds draft_token_num itself), DRAFT_EXTEND counts
-the accepted tokens. Fields are read by name from a real ForwardBatch or from SGL-new's replay
-view (a SimpleNamespace with the same names), so both work.
+TARGET_VERIFY counts only the prefix (the backend adds draft_token_num itself). The draft model's
+extend has two versions with their own conventions:
+- DRAFT_EXTEND (SGL-classic, spec v1): each request's query is its accepted tokens
+  (`extend_seq_lens` = accept lengths, ragged) and `seq_lens` = prefix + accepted: the extend rule;
+- DRAFT_EXTEND_V2 (spec v2, `prepare_for_draft_extend` in speculative/eagle_worker_common.py of
+  SGLang 0.5.23, `prepare_for_extend_to_fill_draft_kvcache` before it): every request runs its whole
+  verify window, `num_tokens_per_req` (= speculative_num_draft_tokens, plus `num_front_tokens` when
+  the window is widened) queries whatever it accepted; `extend_prefix_lens` = the prefix before
+  the window, `seq_lens` = prefix + window (bumped before init_forward_metadata; SGLang #26651, and
+  #26512, reverted by #26628, which took them for the prefix alone). The window's width is the
+  step's query count, so a V2 step's batch is the window (like a verify step's), and the engine's
+  `seq_lens` / `extend_seq_lens` are evidence judged against it (`batch.seq_lens_raw`, the plan).
+Fields are read by name from a real ForwardBatch or from SGL-new's replay view (a SimpleNamespace
+with the same names), so both work.
 """
 
 from __future__ import annotations
@@ -53,6 +64,16 @@ def trace_mode(fb: Any) -> ForwardMode:
     return MODES[name]
 
 
+def draft_extend_window(spec_info: Any) -> int:
+    """Queries per request of a DRAFT_EXTEND_V2 step: its spec input's `num_tokens_per_req` (the
+    verify window) plus `num_front_tokens` (the rows a widened window prepends), both host ints."""
+    per_req = getattr(spec_info, "num_tokens_per_req", None)
+    if not isinstance(per_req, int) or isinstance(per_req, bool) or per_req < 1:
+        raise ValueError(f"a DRAFT_EXTEND_V2 ForwardBatch whose spec input has no num_tokens_per_req ({per_req!r}): the window each request runs is unknown")
+    front = getattr(spec_info, "num_front_tokens", 0)
+    return per_req + (front if isinstance(front, int) and not isinstance(front, bool) and front > 0 else 0)
+
+
 def draft_token_num(spec_info: Any) -> int:
     """Tokens per request of a verify step: SGL-new's per-step `num_tokens_per_req` when set (> 0),
     else the configured `draft_token_num`."""
@@ -68,7 +89,9 @@ class BatchInfo:
 
     mode: ForwardMode
     batch_size: int  # real requests (graph padding excluded)
-    tokens_per_req: int  # 1 for decode, draft_token_num for verify, 0 when it varies (extend)
+    # 1 for decode, draft_token_num for verify, the window for a DRAFT_EXTEND_V2 step, 0 when it
+    # varies (extend, mixed, the classic draft extend's accepted tokens)
+    tokens_per_req: int
 
 
 def _cpu_max(values: Any) -> int | None:
@@ -97,14 +120,17 @@ def capture_batch(fb: Any, req_to_token: Tensor, *, raw_bs: int | None = None) -
         per_req = draft_token_num(fb.spec_info)
     elif mode is ForwardMode.DECODE:
         per_req = 1
+    elif engine_mode_name(fb) == "DRAFT_EXTEND_V2":
+        per_req = draft_extend_window(getattr(fb, "spec_info", None))
     else:
         per_req = 0
     seq_lens = fb.seq_lens[:bs]
     req_pool_indices = fb.req_pool_indices[:bs]
     seq_lens_cpu = getattr(fb, "seq_lens_cpu", None)
     longest = _cpu_max(seq_lens_cpu[:bs] if seq_lens_cpu is not None else None)
-    # Verify seq_lens exclude the draft tokens, whose slots follow the prefix in the row.
-    extra = per_req if mode is ForwardMode.TARGET_VERIFY else 0
+    # Verify seq_lens exclude the draft tokens, whose slots follow the prefix in the row; a V2
+    # draft extend's include its window, unless they are wrong (judged, so the row is kept whole).
+    extra = per_req if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND) else 0
     width = req_to_token.shape[1] if longest is None else min(longest + extra, req_to_token.shape[1])
     tokens = bs * per_req if per_req else None
     positions = getattr(fb, "positions", None)
@@ -118,8 +144,10 @@ def capture_batch(fb: Any, req_to_token: Tensor, *, raw_bs: int | None = None) -
         "extend_prefix_lens": None,
         "extend_seq_lens": None,
     }
+    if per_req == 0 or mode is ForwardMode.DRAFT_EXTEND:
+        prefix = getattr(fb, "extend_prefix_lens", None)
+        tensors["extend_prefix_lens"] = prefix if per_req == 0 or prefix is None else prefix[:bs]
     if per_req == 0:
-        tensors["extend_prefix_lens"] = getattr(fb, "extend_prefix_lens", None)
         tensors["extend_seq_lens"] = getattr(fb, "extend_seq_lens", None)
     return BatchInfo(mode=mode, batch_size=bs, tokens_per_req=per_req), tensors
 
@@ -133,6 +161,17 @@ def lengths_from_host(info: BatchInfo, host: dict[str, Tensor | None]) -> tuple[
         return seq_lens - 1, torch.ones_like(seq_lens)
     if info.mode is ForwardMode.TARGET_VERIFY:
         return seq_lens, torch.full_like(seq_lens, info.tokens_per_req)
+    if info.mode is ForwardMode.DRAFT_EXTEND and info.tokens_per_req:
+        # V2: the window is the query; the prefix is the engine's extend_prefix_lens (what the
+        # kernels' prefix lists are built from), else seq_lens less the window.
+        prefix = host["extend_prefix_lens"]
+        window = torch.full_like(seq_lens, info.tokens_per_req)
+        prefix = seq_lens - window if prefix is None else prefix.to(torch.int64)
+        bad = torch.nonzero(prefix < 0).flatten()
+        if bad.numel():
+            b = int(bad[0])
+            raise ValueError(f"request {b}: a DRAFT_EXTEND_V2 prefix of {int(prefix[b])} (seq_lens {int(seq_lens[b])} less the window of {info.tokens_per_req})")
+        return prefix, window
     prefix, extend = host["extend_prefix_lens"], host["extend_seq_lens"]
     if extend is None:
         raise ValueError(f"a {info.mode.value} ForwardBatch without extend_seq_lens: the new tokens per request are unknown")

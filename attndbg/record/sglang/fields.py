@@ -39,6 +39,15 @@ SGLANG_FIELDS: tuple[EngineField, ...] = (
     EngineField("positions", "fb.positions (verify: spec_info.positions)", "fb.positions", "view.positions[:tokens]", "batch.positions", "invariants: positions"),
     EngineField("extend_prefix_lens / extend_seq_lens", "fb.*", "", "", "batch.prefix_lens / extend_lens", "every detector"),
     EngineField(
+        "EagleDraftExtendInput.num_tokens_per_req (+ num_front_tokens)",
+        "spec_info.* (DRAFT_EXTEND_V2)",
+        "",
+        "",
+        "batch.extend_lens of a V2 draft extend (the window; extend_seq_lens and seq_lens are judged against it)",
+        "invariants: seq-lens, qo-lens; every detector",
+        why_not="the draft-extend graph runners replay through a view without num_padding: not recorded",
+    ),
+    EngineField(
         "seq_lens_sum",
         "fb.seq_lens_sum",
         "the seq_lens_sum argument of init_forward_metadata_replay_cuda_graph",
