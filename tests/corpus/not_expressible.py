@@ -30,8 +30,10 @@ BUGS = (
         "SGLang flashinfer", "draft DECODE graph (topk > 1)",
         "generate_draft_decode_kv_indices packs topk branch rows per request (topk x seq_len entries); the multi-step draft "
         "graph buffer was max_bs x max_context_len, so past it the kernel wrote into adjacent graph memory (out-of-vocab draft ids)",
-        "a topk > 1 draft decode step reads bs x topk branch rows (prefix + its own branch tokens): the Batch has one row per "
-        "request and no draft-decode mode, so the recorder writes it as a plain decode whose plan does not match its batch",
+        "the mistake is in the draft decode's CUDA-graph buffer: EAGLEDraftCudaGraphRunner replays through the multi-step "
+        "backend with a namespace view the recorder does not read, so graph-replayed draft steps are not recorded (eager draft "
+        "steps are, as bs x topk branch rows, and kv_indices cut without the topk factor are caught there: "
+        "tests/record/test_sglang_draft_modes.py)",
         Capability.VERIFY_GEOMETRY, Capability.FORWARD_MODES, Capability.SPLITS_VS_CAPTURE,
     ),
     _bug(

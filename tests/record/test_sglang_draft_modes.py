@@ -1,11 +1,15 @@
-"""The draft model's extend steps, each recorded by its own SGLang mode's conventions through the
-installed hooks (real ForwardBatch, EagleDraftExtendInput, ReqToTokenPool, Triton ForwardMetadata):
+"""The draft model's steps, each recorded by its own SGLang mode's conventions through the
+installed hooks (real ForwardBatch, EagleDraftExtendInput / EagleDraftInput, ReqToTokenPool, Triton
+ForwardMetadata):
 
 - DRAFT_EXTEND_V2 (spec v2): every request runs its whole verify window (the spec input's
   num_tokens_per_req) whatever it accepted; seq_lens = prefix + window. A correct step checks
   clean, small and server-shaped; one whose seq_lens and extend_seq_lens follow the classic
   convention (the accepted tokens) is recorded as the window it ran and judged by it.
 - DRAFT_EXTEND (SGL-classic, spec v1): the accepted tokens are the query.
+- draft decode (a multi-step draft backend's sub-backend per step): bs x topk branch rows, each
+  its request's prefix and its own draft tokens so far. A correct topk > 1 step checks clean; one
+  whose kv_indices are cut without the topk factor is caught.
 
 Checks run on metadata only (the reference backend): they are what judges a mode's lengths.
 """
@@ -126,3 +130,103 @@ def test_v2_step_without_its_window_is_not_guessed(tmp_path: Path) -> None:
     fb.spec_info.num_tokens_per_req = -1  # the dataclass default: never set by the worker
     with pytest.raises(RuntimeError, match="num_tokens_per_req"):
         record(tmp_path / "rec", fb)
+
+
+TOPK, STEPS = 2, 3
+DRAFT_PREFIX = [9, 5, 12]
+
+
+def draft_rows(prefix: list[int]) -> tuple[dict[int, list[int]], int]:
+    """req_to_token rows: each request's prefix, then its topk x steps draft slots (branch-major,
+    as assign_draft_cache_locs lays them out); and the pool's slot count."""
+    rows, slot = {}, 1
+    for r, p in enumerate(prefix, start=1):
+        rows[r] = list(range(slot, slot + p + TOPK * STEPS))
+        slot += p + TOPK * STEPS
+    return rows, slot
+
+
+def draft_decode_step(rows: dict[int, list[int]], prefix: list[int], step: int, *, topk_factor: bool = True) -> Any:
+    """Draft step `step` of an EAGLE draft decode as SGLang 0.5.23 plans it before the first step
+    runs: seq_lens the committed prefixes, positions one per branch (step 0's), out_cache_loc
+    [bs, topk, steps], and the spec input's lists as generate_draft_decode_kv_indices fills them
+    (branch t of request b: its prefix, then columns prefix + t * steps + 0..step), kv_indices cut to
+    draft_kv_indices_used_len(seq_lens_sum, topk, bs * topk, step + 1) = seq_lens_sum * topk +
+    bs * topk * (step + 1), or without the topk factor (seq_lens_sum + bs * (step + 1))."""
+    pools, bs = list(rows), len(prefix)
+    branches = [rows[r][:p] + rows[r][p + t * STEPS : p + t * STEPS + step + 1] for r, p in zip(pools, prefix) for t in range(TOPK)]
+    indptr = torch.nn.functional.pad(torch.cumsum(torch.tensor([len(x) for x in branches]), 0), (1, 0)).to(I32)
+    buffer = torch.full((bs * TOPK * (max(prefix) + STEPS),), -1, dtype=I64)  # the step's row of the multi-step buffer: bs x topk x context
+    buffer[: int(indptr[-1])] = torch.tensor([s for x in branches for s in x])
+    used = sum(prefix) * TOPK + bs * TOPK * (step + 1) if topk_factor else sum(prefix) + bs * (step + 1)
+    spec_info = sg.env.sgl.eagle_info.EagleDraftInput(num_tokens_per_req=TOPK, kv_indptr=indptr, kv_indices=buffer[:used])
+    return sg.env.ForwardBatch(
+        forward_mode=sg.env.ForwardMode.DECODE,
+        batch_size=bs,
+        input_ids=torch.zeros(bs * TOPK, dtype=I64),
+        req_pool_indices=torch.tensor(pools, dtype=I64),
+        seq_lens=torch.tensor(prefix, dtype=I64),
+        out_cache_loc=torch.tensor([rows[r][p + j] for r, p in zip(pools, prefix) for j in range(TOPK * STEPS)], dtype=I64),
+        seq_lens_sum=sum(prefix),
+        positions=torch.tensor(prefix, dtype=I64).repeat_interleave(TOPK),
+        seq_lens_cpu=torch.tensor(prefix, dtype=I64),
+        spec_info=spec_info,
+    )
+
+
+def triton_draft_decode(made: Any, fb: Any) -> None:
+    """Triton's decode metadata of a draft step: the spec input's lists, one row per branch
+    (`bs = kv_indptr.shape[0] - 1`), a split count per row."""
+    indptr, indices = fb.spec_info.kv_indptr, fb.spec_info.kv_indices
+    rows = indptr.numel() - 1
+    made.forward_metadata = sg.env.TritonForwardMetadata(
+        torch.empty(rows, sg.HEADS, 8, sg.HEAD_DIM), torch.empty(rows, sg.HEADS, 8), None, sg.split_counts(indptr.diff()), indptr, indices, None, None, None, None, None, None, None
+    )
+
+
+def record_draft_steps(out: Path, prefix: list[int], *, topk_factor: bool = True) -> list[Any]:
+    """Every draft step but the last (the worker runs speculative_num_steps - 1 forwards), planned
+    by its own sub-backend, which holds row `step` of the multi-step backend's kv_indptr buffer."""
+    rows, slots = draft_rows(prefix)
+    multi_kv_indptr = torch.zeros(STEPS, len(prefix) * TOPK + 1, dtype=I32)
+    with sg.recording(out) as session:
+        layer = sg.layer()  # noqa: F841
+        for step in range(STEPS - 1):
+            made = sg.backend(sg.CorpusTriton, rows, triton_draft_decode)
+            made.kv_indptr = multi_kv_indptr[step]
+            made.token_to_kv_pool.size = slots
+            sg.record_eager(session, made, draft_decode_step(rows, prefix, step, topk_factor=topk_factor))
+    return [io.load(out / entry.file) for entry in io.read_manifest(out)]
+
+
+def test_draft_decode_topk_steps_are_branch_rows(tmp_path: Path) -> None:
+    first, second = record_draft_steps(tmp_path / "rec", DRAFT_PREFIX)
+    for step, trace in enumerate((first, second)):
+        batch = trace.batch
+        assert batch.forward_mode.value == "DECODE" and batch.batch_size == 3 * TOPK
+        assert batch.kv_lens.tolist() == [p + step + 1 for p in DRAFT_PREFIX for _ in range(TOPK)]
+        assert batch.seq_lens_raw.tolist() == [p for p in DRAFT_PREFIX for _ in range(TOPK)]
+        assert batch.positions.tolist() == [p + step for p in DRAFT_PREFIX for _ in range(TOPK)]
+        assert (trace.plan.scalars["draft_topk"], trace.plan.scalars["draft_step"]) == (TOPK, step)
+    # request 1 (prefix 5, slots 16..20), branch 1 at step 1: its prefix, then columns 5 + 3 + 0..1
+    assert second.batch.request_slots(3).tolist() == [*range(16, 21), 24, 25]
+    assert second.batch.out_cache_loc.tolist() == [11, 14, 22, 25, 40, 43]  # out_cache_loc[b, t, 1]
+    assert findings(tmp_path / "rec") == []
+
+
+def test_draft_decode_server_shaped_steps_check_clean(tmp_path: Path) -> None:
+    prefix = torch.randint(1, 2000, (64,), generator=torch.Generator().manual_seed(3)).tolist()
+    record_draft_steps(tmp_path / "rec", prefix)
+    assert findings(tmp_path / "rec") == []
+
+
+def test_draft_decode_kv_indices_without_the_topk_factor_are_caught(tmp_path: Path) -> None:
+    record_draft_steps(tmp_path / "rec", DRAFT_PREFIX, topk_factor=False)
+    found = findings(tmp_path / "rec")
+    assert [(f.location.step, f"{f.kind.value}/{f.check}", f.location.field) for f in found] == [
+        (0, "invariants/indptr-end", "plan.kv_indptr[-1]"),
+        (1, "invariants/indptr-end", "plan.kv_indptr[-1]"),
+    ], [(f.check, f.location.field, f.evidence) for f in found]
+    first, second = found
+    assert (first.data["expected"], first.data["found"]) == (29, 58)  # kv_indices length, kv_indptr[-1]: 26 x 2 + 3 x 2 x 1
+    assert second.severity.value == "defect" and "without the topk factor" in second.cause

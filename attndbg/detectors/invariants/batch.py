@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from attndbg.detector_api.findings import Finding, finding
-from attndbg.detectors.invariants.base import DRAFT_EXTEND_QUERIES, KIND, _first, _request_of
+from attndbg.detectors.invariants.base import DRAFT_EXTEND_QUERIES, KIND, _first, _request_of, draft_decode
 from attndbg.trace import tree
 from attndbg.trace.engines import engine_conventions
 from attndbg.trace.schema import ForwardMode, Trace
@@ -77,10 +77,15 @@ def _check_positions(trace: Trace, out: list[Finding]) -> None:
 
 def expected_seq_lens(trace: Trace) -> Tensor:
     """The raw seq_lens a correct engine records: kv_len, except a verify step's of an engine whose
-    verify seq_lens exclude the drafts (SGLang's): the prefix."""
+    verify seq_lens exclude the drafts (SGLang's): the prefix; and a draft decode step's, whose
+    seq_lens are the requests' committed prefixes (one per branch row): kv_len less the step's
+    draft tokens (the multi-step backend adds them to each branch)."""
     batch = trace.batch
     if trace.is_tree_verify and not engine_conventions(trace).verify_seq_lens.includes_drafts:
         return batch.prefix_lens.clone()
+    draft = draft_decode(trace)
+    if draft is not None:
+        return batch.kv_lens - (draft[1] + 1)
     return batch.kv_lens.clone()
 
 
@@ -92,7 +97,13 @@ def _check_seq_lens(trace: Trace, out: list[Finding]) -> None:
     if b >= 0:
         kv, prefix = int(batch.kv_lens[b]), int(batch.prefix_lens[b])
         verify = engine_conventions(trace).verify_seq_lens
-        rule = verify.rule if trace.is_tree_verify else f"{batch.forward_mode.value}: prefix + extend = {kv}"
+        draft = draft_decode(trace)
+        if trace.is_tree_verify:
+            rule = verify.rule
+        elif draft is not None:
+            rule = f"draft decode step {draft[1]}: the committed prefix, without the branch's {draft[1] + 1} draft tokens"
+        else:
+            rule = f"{batch.forward_mode.value}: prefix + extend = {kv}"
         # A verify step's seq_lens that follow the other convention: the prefix where the drafts
         # belong, or the whole row where they do not (a verify step is never a decode).
         if trace.is_tree_verify and int(found[b]) == (prefix if verify.includes_drafts else kv):
@@ -127,11 +138,13 @@ def _check_sums(trace: Trace, expected: Tensor, out: list[Finding]) -> None:
     batch, plan = trace.batch, trace.plan
     if plan is None:
         return
+    draft = draft_decode(trace)
     for name in ("seq_lens_sum", "spec_seq_lens_sum"):
         value = plan.scalars.get(name)
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        want = int(expected.sum())
+        # A draft decode's seq_lens_sum is over its requests, each of which has topk branch rows.
+        want = int(expected.sum()) // (draft[0] if draft else 1)
         accepted = {want}
         graph = trace.graph
         if name == "seq_lens_sum" and graph is not None and graph.is_graph_replay and graph.capture_bs > batch.batch_size:

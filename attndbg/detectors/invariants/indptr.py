@@ -9,13 +9,20 @@ import torch
 from torch import Tensor
 
 from attndbg.detector_api.findings import Finding, finding
-from attndbg.detectors.invariants.base import KIND, _first
+from attndbg.detectors.invariants.base import KIND, _first, draft_decode
 from attndbg.trace.schema import Trace
 
 
-def _end_cause(trace: Trace, target: str, length: int) -> str:
+def _end_cause(trace: Trace, target: str, length: int, end: int) -> str:
     """Why a buffer and its offsets disagree; SGLang's Triton backend allocates an eager step's
     kv_indices `torch.empty(seq_lens_sum)`, recorded whole (`Trace.buffers`), so a wrong host sum shows here."""
+    draft = draft_decode(trace)
+    if draft is not None and target == "kv_indices" and draft[0] > 1 and length * draft[0] == end:
+        topk, step = draft
+        return (
+            f"plan.kv_indices holds 1/topk of the ids its offsets index: a draft decode's kv_indices sized without the topk factor "
+            f"(each request has {topk} branch rows: seq_lens_sum x topk + bs x topk x (step + 1) = {end} at step {step}; SGLang #27338, #27460)"
+        )
     buffer = trace.buffers.get(f"plan.{target}")
     sized = buffer is not None and not buffer.capacity
     total = trace.plan.scalars.get("seq_lens_sum")
@@ -47,7 +54,7 @@ def _indptr_ends(trace: Trace, tensors: dict[str, Tensor], sane: set[str], out: 
                 evidence=f"plan.{indptr}[-1] = {end} but plan.{target} has {length} elements ("
                 + ("the kernel reads past its end" if end > length else f"{length - end} trailing entries no request owns")
                 + ")",
-                cause=_end_cause(trace, target, length),
+                cause=_end_cause(trace, target, length, end),
                 expected=length,
                 found=end,
             )

@@ -42,6 +42,7 @@ from attndbg.record import hooks
 from attndbg.trace.build import package_version, source
 from attndbg.record.session import RecordingSession, capturing, current_session
 from attndbg.record.sglang.batch import BatchInfo, UnsupportedStep, batch_from_host, capture_batch, engine_mode_name, trace_mode
+from attndbg.record.sglang.draft import DraftStepUnknown, draft_decode
 from attndbg.record.sglang.graph import PADDED_OUT_CACHE_LOC, STATIC_SIZES, GraphInfo, capture_graph_from_runner, capture_graph_from_view, graph_from_host
 from attndbg.record.sglang.model import kv_cache_size, model_from_backend
 from attndbg.record.sglang.plan import PlanCapture, capture_plan, cut_on_device, is_verify_mask, plan_from_host
@@ -168,8 +169,14 @@ def record_step(session: RecordingSession, backend: Any, fb: Any, *, raw_bs: int
         mode = trace_mode(fb)
     except UnsupportedStep:
         return False  # IDLE and friends: nothing for attention to get wrong
+    draft = None
+    if mode is ForwardMode.DECODE and graph is None:
+        try:
+            draft = draft_decode(fb, backend, int(fb.batch_size))
+        except DraftStepUnknown:
+            return False  # its branch rows cannot be told: nothing recorded rather than a wrong batch
     req_to_token = req_to_token_of(backend, fb)
-    binfo, btensors = capture_batch(fb, req_to_token, raw_bs=raw_bs)
+    binfo, btensors = capture_batch(fb, req_to_token, raw_bs=raw_bs, draft=draft)
     tensors: dict[str, Tensor | None] = {f"batch.{k}": v for k, v in btensors.items()}
     sinfo = None
     spec_info = getattr(fb, "spec_info", None)
@@ -197,6 +204,8 @@ def record_step(session: RecordingSession, backend: Any, fb: Any, *, raw_bs: int
         if graph is not None and plan.backend == "triton":  # the reads below are SGLang Triton's buffers'
             cut_on_device(plan, _graph_reads(graph[0], mode, binfo.tokens_per_req))
         plan.scalars.update(_engine_sums(backend, fb, graph, raw_bs))
+        if draft is not None:  # the multi-step draft backend's host facts: seq_lens count neither
+            plan.scalars.update({"draft_topk": draft.topk, "draft_step": draft.step})
         tensors.update({f"plan.{k}": v for k, v in plan.tensors.items()})
     if graph is not None:
         tensors.update({f"graph.{k}": v for k, v in graph[1].items()})

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from attndbg.record.sglang.draft import DraftDecode, branch_parts
 from attndbg.trace.build import batch_from_rows
 from attndbg.trace.schema import Batch, ForwardMode
 
@@ -89,9 +90,10 @@ class BatchInfo:
 
     mode: ForwardMode
     batch_size: int  # real requests (graph padding excluded)
-    # 1 for decode, draft_token_num for verify, the window for a DRAFT_EXTEND_V2 step, 0 when it
-    # varies (extend, mixed, the classic draft extend's accepted tokens)
+    # 1 for decode (topk for a draft decode), draft_token_num for verify, the window for a
+    # DRAFT_EXTEND_V2 step, 0 when it varies (extend, mixed, the classic draft extend's accepted tokens)
     tokens_per_req: int
+    draft: DraftDecode | None = None  # a multi-step draft backend's decode step: branch rows (draft.py)
 
 
 def _cpu_max(values: Any) -> int | None:
@@ -105,12 +107,13 @@ def _cpu_max(values: Any) -> int | None:
     return max(values) if len(values) else 0
 
 
-def capture_batch(fb: Any, req_to_token: Tensor, *, raw_bs: int | None = None) -> tuple[BatchInfo, dict[str, Tensor | None]]:
+def capture_batch(fb: Any, req_to_token: Tensor, *, raw_bs: int | None = None, draft: DraftDecode | None = None) -> tuple[BatchInfo, dict[str, Tensor | None]]:
     """Device tensors describing the batch's real requests, plus host facts; never syncs.
 
     `raw_bs` is the number of real requests when `fb` is padded for a CUDA graph (the first
     `raw_bs` rows are the real ones). Each request's req_to_token row is gathered on the device and
     cut to the longest KV length when the engine has it on the host (seq_lens_cpu), else kept whole.
+    `draft`: the step is a draft decode (draft.py), whose rows are its requests' branches.
     """
     mode = trace_mode(fb)
     bs = int(fb.batch_size if raw_bs is None else raw_bs)
@@ -119,7 +122,7 @@ def capture_batch(fb: Any, req_to_token: Tensor, *, raw_bs: int | None = None) -
             raise ValueError("a TARGET_VERIFY ForwardBatch without spec_info: the draft token count is unknown")
         per_req = draft_token_num(fb.spec_info)
     elif mode is ForwardMode.DECODE:
-        per_req = 1
+        per_req = 1 if draft is None else draft.topk
     elif engine_mode_name(fb) == "DRAFT_EXTEND_V2":
         per_req = draft_extend_window(getattr(fb, "spec_info", None))
     else:
@@ -131,6 +134,8 @@ def capture_batch(fb: Any, req_to_token: Tensor, *, raw_bs: int | None = None) -
     # Verify seq_lens exclude the draft tokens, whose slots follow the prefix in the row; a V2
     # draft extend's include its window, unless they are wrong (judged, so the row is kept whole).
     extra = per_req if mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND) else 0
+    if draft is not None:  # every branch's draft columns follow the prefix
+        extra = draft.topk * draft.columns
     width = req_to_token.shape[1] if longest is None else min(longest + extra, req_to_token.shape[1])
     tokens = bs * per_req if per_req else None
     positions = getattr(fb, "positions", None)
@@ -139,7 +144,7 @@ def capture_batch(fb: Any, req_to_token: Tensor, *, raw_bs: int | None = None) -
     tensors: dict[str, Tensor | None] = {
         "seq_lens": seq_lens,
         "rows": req_to_token[req_pool_indices.to(torch.long), :width],
-        "out_cache_loc": fb.out_cache_loc[:tokens] if tokens is not None else fb.out_cache_loc,
+        "out_cache_loc": fb.out_cache_loc[: tokens * (draft.columns if draft else 1)] if tokens is not None else fb.out_cache_loc,
         "positions": None if positions is None else (positions[:tokens] if tokens is not None else positions),
         "extend_prefix_lens": None,
         "extend_seq_lens": None,
@@ -149,7 +154,7 @@ def capture_batch(fb: Any, req_to_token: Tensor, *, raw_bs: int | None = None) -
         tensors["extend_prefix_lens"] = prefix if per_req == 0 or prefix is None else prefix[:bs]
     if per_req == 0:
         tensors["extend_seq_lens"] = getattr(fb, "extend_seq_lens", None)
-    return BatchInfo(mode=mode, batch_size=bs, tokens_per_req=per_req), tensors
+    return BatchInfo(mode=mode, batch_size=bs, tokens_per_req=per_req, draft=draft), tensors
 
 
 def lengths_from_host(info: BatchInfo, host: dict[str, Tensor | None]) -> tuple[Tensor, Tensor]:
@@ -188,6 +193,9 @@ def lengths_from_host(info: BatchInfo, host: dict[str, Tensor | None]) -> tuple[
 
 def batch_from_host(info: BatchInfo, host: dict[str, Tensor | None], *, kv_cache_size: int) -> Batch:
     """The trace's Batch from host copies of `capture_batch`'s tensors."""
+    if info.draft is not None:
+        parts = branch_parts(info.draft, seq_lens=host["seq_lens"].to(torch.int64), rows=host["rows"], out_cache_loc=host["out_cache_loc"], positions=host["positions"])
+        return batch_from_rows(forward_mode=info.mode, kv_cache_size=kv_cache_size, **parts)
     prefix, extend = lengths_from_host(info, host)
     kv = prefix + extend
     rows = host["rows"]
