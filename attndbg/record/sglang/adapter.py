@@ -218,7 +218,9 @@ def record_step(session: RecordingSession, backend: Any, fb: Any, *, raw_bs: int
         plan=plan,
         graph=graph[0] if graph else None,
     )
-    layers = bool(session.options.layers) and graph is None  # under graph replay no layer runs in Python
+    # Under graph replay no layer runs in Python; a draft step's layer slots (layers.read_slots, by
+    # request) are not its branch rows: its metadata is recorded without them.
+    layers = bool(session.options.layers) and graph is None and draft is None
     if layers:
         _instrument_model_runner()
         extra = binfo.tokens_per_req if mode is ForwardMode.TARGET_VERIFY else 0
