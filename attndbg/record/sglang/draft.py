@@ -80,10 +80,12 @@ def draft_decode(fb: Any, backend: Any, batch_size: int) -> DraftDecode | None:
     return DraftDecode(topk=topk, step=step, columns=columns)
 
 
-def branch_parts(draft: DraftDecode, *, seq_lens: Tensor, rows: Tensor, out_cache_loc: Tensor, positions: Tensor) -> dict[str, Any]:
+def branch_parts(draft: DraftDecode, *, seq_lens: Tensor, rows: Tensor, out_cache_loc: Tensor, positions: Tensor | None) -> dict[str, Any]:
     """batch_from_rows' arguments of a draft step, from host copies of the request-level tensors:
     one decode row per (request, branch), request-major (the order of the backend's kv_indptr)."""
     k, i = draft.topk, draft.step
+    if positions is None or positions.numel() < seq_lens.numel() * k:
+        raise ValueError(f"a draft decode step needs a position per branch row ({seq_lens.numel()} x {k}); the ForwardBatch has {None if positions is None else positions.numel()}")
     branch_rows = []
     for b, prefix in enumerate(seq_lens.tolist()):
         for t in range(k):
