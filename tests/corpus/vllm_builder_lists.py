@@ -92,6 +92,41 @@ def write_27753(bug: Path, twin: Path) -> None:
     _flashinfer_hybrid(twin, page=KERNEL_BLOCK)
 
 
+# A draft decode of 3 requests (one token each) in a PIECEWISE graph captured for 4 tokens.
+DRAFT_DECODE = dict(seq_lens=[21, 34, 9], query_lens=[1, 1, 1], blocks=[[7, 3], [5, 1, 9], [2]])
+PIECEWISE_TOKENS = 4
+STALE_INDPTR_TAIL = 11  # what the persistent paged_kv_indptr buffer held past the requests (an earlier, larger batch)
+
+
+def _draft_decode(out: Path, *, padded_tokens: int) -> None:
+    """FlashInferMetadataBuilder.build of an EAGLE draft decode whose CommonAttentionMetadata counts
+    `padded_tokens` tokens (the PIECEWISE capture size; the real 3 tokens in the fix's eager or FULL
+    runs): split_decodes_and_prefills returns num_decode_tokens = num_actual_tokens for a uniform
+    single-token batch, and the native decode path plans paged_kv_indptr[:num_decode_tokens + 1]
+    and paged_kv_last_page_len[:num_decode_tokens] from the persistent buffers, written only for
+    the requests (vLLM 0.11's host-list field names, as the builder kept them)."""
+    real = len(DRAFT_DECODE["seq_lens"])
+    slots = vl.Step(**DRAFT_DECODE).common().slot_mapping
+    padded_slots = torch.cat([slots, torch.full((padded_tokens - real,), -1, dtype=torch.int64)])  # PAD_SLOT_ID
+    cm = vl.Step(**DRAFT_DECODE, overrides=dict(num_actual_tokens=padded_tokens, slot_mapping=padded_slots)).common()
+    indptr, indices, last = _paged_lists(cm.seq_lens, cm.block_table_tensor, KERNEL_BLOCK)
+    rows = padded_tokens  # the plan's rows: one per decode token
+    stale_indptr = torch.full((rows - real,), STALE_INDPTR_TAIL, dtype=I32)
+    stale_last = torch.full((rows - real,), 5, dtype=I32)
+    metadata = SimpleNamespace(
+        num_actual_tokens=padded_tokens, qo_indptr_cpu=cm.query_start_loc_cpu, paged_kv_indptr_cpu=torch.cat([indptr, stale_indptr]),
+        paged_kv_indices=indices, paged_kv_last_page_len_cpu=torch.cat([last, stale_last]), page_size=KERNEL_BLOCK, slot_mapping=cm.slot_mapping,
+        max_seq_len=cm.max_seq_len, seq_lens=cm.seq_lens, block_table_tensor=cm.block_table_tensor, num_decodes=real,
+        num_decode_tokens=padded_tokens, num_prefills=0, num_prefill_tokens=0, use_cascade=False,
+    )  # fmt: skip
+    vl.record(out, cm, metadata, backend="FLASHINFER", model=vl.mha_model(block_size=KERNEL_BLOCK), builder="FlashInferMetadataBuilder")
+
+
+def write_39773(bug: Path, twin: Path) -> None:
+    _draft_decode(bug, padded_tokens=PIECEWISE_TOKENS)
+    _draft_decode(twin, padded_tokens=len(DRAFT_DECODE["seq_lens"]))
+
+
 BUGS = (
     RealBug(
         id="vllm-31282",
@@ -129,5 +164,26 @@ BUGS = (
         keywords=("blocks of 16", "page size"),
         capabilities=(Capability.CROSS_FIELDS,),
         write=write_27753,
+    ),
+    RealBug(
+        id="vllm-39773",
+        title="EAGLE draft decodes in PIECEWISE graphs: FlashInfer's native decode plans a row per padded token",
+        links=("https://github.com/vllm-project/vllm/pull/39773",),
+        date="2026-04",
+        engine="vLLM FLASHINFER",
+        mode="DECODE (EAGLE draft decode, PIECEWISE graph)",
+        mechanism="Model Runner V2 let EAGLE draft decodes run in PIECEWISE mode, which pads num_tokens to the capture size "
+        "but not the requests; for a single-token decode batch FlashInfer's builder takes num_decode_tokens (= the padded "
+        "num_actual_tokens, split_decodes_and_prefills) as its row count and planned paged_kv_indptr[:num_decode_tokens + 1] "
+        "from its persistent buffer, whose entries past the requests are stale: stale paged-KV rows read by the decode "
+        "kernel. The fix keeps draft decodes out of PIECEWISE graphs (FULL or eager only)",
+        encoding="3 draft-decode requests (seq_lens 21, 34, 9; block 16) with num_actual_tokens padded to 4 (slot -1 for the "
+        "padded token); FlashInfer metadata (0.11 host-list fields) with num_decodes 3, num_decode_tokens 4, "
+        "paged_kv_indptr_cpu of 5 entries whose last (stale) is 11 past the 6 listed pages, paged_kv_last_page_len_cpu of 4; "
+        "twin: the eager step (3 tokens, 3 rows)",
+        expected=("invariants/builder-counts", "invariants/kv-length", "invariants/indptr-end"),
+        keywords=("num_decode_tokens", "stale", "paged_kv_indptr"),
+        capabilities=(Capability.CROSS_FIELDS, Capability.PADDED_ROWS),
+        write=write_39773,
     ),
 )

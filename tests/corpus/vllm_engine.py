@@ -11,6 +11,7 @@ imports FlashInfer). `_Static` holds what the hook reads from the builder and it
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,26 @@ from tests.record.engines import import_engine
 CommonAttentionMetadata = import_engine("vllm.v1.attention.backend").CommonAttentionMetadata
 NUM_BLOCKS = 24  # the KV pool (cache_config.num_gpu_blocks); block 0 is vLLM's null block
 I32, I64 = torch.int32, torch.int64
+
+
+class FlashInferDecodeKernel(enum.Enum):
+    """vLLM's FlashInferDecodeKernel (0.33, v1/attention/backends/flashinfer.py), whose module
+    imports FlashInfer: the decode kernels its FLASHINFER backend picks besides FlashInfer's own."""
+
+    XQA = "xqa"
+    TRTLLM_GEN = "trtllm-gen"
+
+
+@dataclass
+class FlashInferTrtllmAPIDecode:
+    """vLLM's decode part of FlashInferMetadata for the XQA / trtllm-gen decode kernels (0.33):
+    the fields the builder fills, under the class's own name (its module imports FlashInfer)."""
+
+    kernel: FlashInferDecodeKernel
+    block_tables: Tensor  # block_table_tensor[:num_decodes]
+    seq_lens: Tensor  # seq_lens[:num_decodes]
+    max_seq_len: int  # the CommonAttentionMetadata's, handed to the kernel as is
+    q_len_per_req: int = 1
 
 
 def mha_model(*, block_size: int = 16, window: int = -1) -> Model:

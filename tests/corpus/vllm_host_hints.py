@@ -4,6 +4,8 @@ launch size: right tensors, wrong hint.
 - vllm-project/vllm#43991 (2026-05): Model Runner V2's hybrid and draft paths built the attention
   metadata with max_seq_len = max_model_len instead of the batch's longest sequence; FlashInfer's
   TRT-LLM attention, sized by it, walked past the valid block-table entries.
+- vllm-project/vllm#40654 (2026-05, named by #43991): the same mistake in Model Runner V2's
+  DefaultModelState, the path every plain (non-hybrid) model takes, fixed first.
 - vllm-project/vllm#20301 (2025-07): FlashAttention-3's ahead-of-time scheduler under FULL CUDA
   graphs: with no explicit num_splits, the split factor chosen at run time could exceed the one the
   captured graph's buffers were sized for (illegal memory access); fixed by passing max_num_splits
@@ -25,23 +27,40 @@ flash_attn = import_engine("vllm.v1.attention.backends.flash_attn")
 
 MAX_MODEL_LEN = 4096
 DECODE = dict(seq_lens=[20, 33, 7], query_lens=[1, 1, 1], blocks=[[7, 3], [5, 1, 9], [2]])
+# A plain model's decode batch (DefaultModelState), blocks of 32 and a longer context window.
+PLAIN_MAX_MODEL_LEN = 8192
+PLAIN_DECODE = dict(seq_lens=[70, 12, 95, 33, 128], query_lens=[1] * 5, blocks=[[3, 8, 11], [4], [5, 9, 12], [6, 10], [13, 14, 15, 16]], block_size=32)
 
 
-def _flashinfer_decode(out: Path, *, max_seq_len: int) -> None:
-    """FlashInferMetadataBuilder.build over a decode batch whose CommonAttentionMetadata carries
-    `max_seq_len` (the builder passes it to the TRT-LLM decode kernel as max_kv_len)."""
-    cm = vl.Step(**DECODE, max_seq_len=max_seq_len).common()
+def _trtllm_decode(out: Path, layout: dict, *, max_seq_len: int) -> None:
+    """FlashInferMetadataBuilder.build (vLLM 0.33) of a decode batch on the trtllm-gen decode
+    kernel: its decode part (FlashInferTrtllmAPIDecode) holds the decode rows of the block table
+    and seq_lens and the CommonAttentionMetadata's max_seq_len, which the kernel gets as is. The
+    runner's block table is as wide as the batch's longest row needs, plus one column (the
+    recorder keeps at most ceil(max_seq_len / block_size) of them)."""
+    step = vl.Step(**layout, max_seq_len=max_seq_len)
+    cm = step.common()
+    rows = len(step.seq_lens)
+    decode = vl.FlashInferTrtllmAPIDecode(
+        kernel=vl.FlashInferDecodeKernel.TRTLLM_GEN, block_tables=cm.block_table_tensor[:rows], seq_lens=cm.seq_lens[:rows], max_seq_len=max_seq_len
+    )
     # FlashInferMetadata's fields as the builder fills them (its module imports FlashInfer).
     metadata = SimpleNamespace(
-        num_actual_tokens=cm.num_actual_tokens, slot_mapping=cm.slot_mapping, max_q_len=1, max_seq_len=max_seq_len, seq_lens=cm.seq_lens,
-        block_table_tensor=cm.block_table_tensor, num_decodes=3, num_decode_tokens=3, num_prefills=0, num_prefill_tokens=0, use_cascade=False,
+        num_actual_tokens=cm.num_actual_tokens, slot_mapping=cm.slot_mapping, num_decodes=rows, num_decode_tokens=rows, num_prefills=0,
+        num_prefill_tokens=0, causal=True, prefill=None, decode=decode,
     )  # fmt: skip
-    vl.record(out, cm, metadata, backend="FLASHINFER", model=vl.mha_model(), builder="FlashInferMetadataBuilder")
+    model = vl.mha_model(block_size=step.block_size)
+    vl.record(out, cm, metadata, backend="FLASHINFER", model=model, builder="FlashInferMetadataBuilder")
 
 
 def write_43991(bug: Path, twin: Path) -> None:
-    _flashinfer_decode(bug, max_seq_len=MAX_MODEL_LEN)
-    _flashinfer_decode(twin, max_seq_len=33)
+    _trtllm_decode(bug, DECODE, max_seq_len=MAX_MODEL_LEN)  # MambaHybridModelState.prepare_attn before the fix
+    _trtllm_decode(twin, DECODE, max_seq_len=33)  # the batch's longest sequence
+
+
+def write_40654(bug: Path, twin: Path) -> None:
+    _trtllm_decode(bug, PLAIN_DECODE, max_seq_len=PLAIN_MAX_MODEL_LEN)  # DefaultModelState before the fix
+    _trtllm_decode(twin, PLAIN_DECODE, max_seq_len=128)
 
 
 def _fa3_graph_decode(out: Path, *, max_num_splits: int) -> None:
@@ -77,11 +96,33 @@ BUGS = (
         mechanism="MambaHybridModelState.prepare_attn and the EAGLE/MTP draft metadata passed max_seq_len=max_model_len; "
         "FlashInfer's TRT-LLM attention sizes its walk over the block table by it and read past the valid entries; the fix "
         "uses the batch's own max (max_model_len only at capture)",
-        encoding="3 decodes (seq_lens 20, 33, 7; block 16); CommonAttentionMetadata and FlashInfer metadata with max_seq_len 4096",
+        encoding="3 decodes (seq_lens 20, 33, 7; block 16; a block table of 4 columns); CommonAttentionMetadata and FlashInfer "
+        "metadata (vLLM 0.33) whose decode part is the trtllm-gen decode's (FlashInferTrtllmAPIDecode), max_seq_len 4096 in both; "
+        "twin: 33",
         expected=("invariants/max-seq-len", "invariants/seq-lens-max", "invariants/host-hint"),
         keywords=("max_seq_len", "max_model_len", "hint"),
         capabilities=(Capability.HOST_HINTS,),
         write=write_43991,
+    ),
+    RealBug(
+        id="vllm-40654",
+        title="Model Runner V2's DefaultModelState built attention metadata with max_seq_len = max_model_len",
+        links=("https://github.com/vllm-project/vllm/pull/40654", "https://github.com/vllm-project/vllm/pull/43991"),
+        date="2026-05",
+        engine="vLLM FLASHINFER",
+        mode="DECODE",
+        mechanism="Model Runner V2's DefaultModelState (every non-hybrid model) passed max_seq_len=max_model_len to the "
+        "attention metadata at every step, not only at CUDA-graph capture; FlashInfer's TRT-LLM decode sizes its walk over the "
+        "block table by it (#43991 names the walk past the valid entries). The fix uses the batch's longest sequence "
+        "(seq_lens_cpu_upper_bound's max) and max_model_len only for capture",
+        encoding="5 decodes (seq_lens 70, 12, 95, 33, 128; block 32; a block table of 5 columns); CommonAttentionMetadata and "
+        "FlashInfer metadata (vLLM 0.33) whose decode part is the trtllm-gen decode's, max_seq_len 8192; twin: 128",
+        expected=("invariants/host-hint",),
+        keywords=("max_seq_len", "block table", "hint"),
+        capabilities=(Capability.HOST_HINTS,),
+        twin_note="the runner's block table is as wide as the batch needs plus one column; with a max_model_len-wide table the "
+        "walk stays inside it",
+        write=write_40654,
     ),
     RealBug(
         id="vllm-20301",
