@@ -20,6 +20,7 @@ from torch import Tensor
 from attndbg.backends import plan_declaration, script_calls
 from attndbg.backends.capabilities import Capabilities
 from attndbg.backends.flashinfer_plan_info import Schedule
+from attndbg.backends.host_hints import HostHint
 from attndbg.backends.plan_declaration import PlanDeclaration
 from attndbg.backends.plan_layout import PlanLayout
 from attndbg.backends.plan_view import PlanView
@@ -210,6 +211,9 @@ class Backend(abc.ABC):
     # AttentionBackend.get_name()), each with its own requirement where it differs from
     # `fill_requirement` (None: the adapter's). Names no adapter answers to: engine_names.py.
     engine_names: ClassVar[Mapping[str, FillRequirement | None]] = {}
+    # The host-side hints (max_seq_len, max_query_len, ...) the kernels of each engine backend it
+    # answers to read beside their tensors, by that name (backends/host_hints.py).
+    host_hints: ClassVar[Mapping[str, tuple[HostHint, ...]]] = {}
     # Its options: a frozen dataclass the constructor takes as its one argument (None: it takes
     # none). `--backend-option NAME.FIELD=VALUE` sets its fields, parsed from their types
     # (backends/options.py), so what a user may choose is declared here and nowhere else.

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from attndbg.backends import registry
 from attndbg.backends.base import Backend, FillRequirement
+from attndbg.backends.host_hints import HostHint
 from attndbg.trace.schema import ForwardMode, Trace
 
 
@@ -82,6 +83,13 @@ def adapters() -> list[type[Backend]]:
 def adapter_for(engine_backend: str) -> type[Backend] | None:
     """The adapter that reproduces the engine backend named `engine_backend`, if any."""
     return next((cls for cls in adapters() if engine_backend in cls.engine_names), None)
+
+
+def host_hints(engine_backend: str) -> tuple[HostHint, ...]:
+    """The host-side hints the kernels of `engine_backend` read, as the adapter that reproduces it
+    declares them (none where no adapter answers to the name)."""
+    cls = adapter_for(engine_backend)
+    return cls.host_hints.get(engine_backend, ()) if cls is not None else ()
 
 
 def fill_requirement(engine_backend: str, kv_dtype: str | None = None) -> FillRequirement | None:

@@ -47,6 +47,7 @@ from attndbg.backends.flashinfer_runtime import KERNEL_ERRORS, SCRIPT_INSTALL, S
 from attndbg.backends import plan_declaration as pd
 from attndbg.backends import plan_layout as pl
 from attndbg.backends.tables import build_page_table, padded_requests
+from attndbg.backends.host_hints import HostHint, Measures, Sizes
 from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, MHA_ALL_MODES, Capabilities, HeadDims
 from attndbg.backends import plan_view as pv
 from attndbg.trace import tree
@@ -165,6 +166,14 @@ class FA3Backend(Backend):
     fill_requirement = FillRequirement(0, "FlashAttention takes cache_seqlens = 0 (vLLM pads with 0); SGLang fills 1")
     # SGLang's FlashAttention backend (the recorder names it fa3) and vLLM's (engines.md B3).
     engine_names = {SGLANG_NAME: None, "FLASH_ATTN": None}
+    # FlashAttention's varlen grid covers ceil(max_seqlen_q / block_m) query blocks per request:
+    # SGLang passes its metadata's max_seq_len_q (engines.md A4.4, recorded as max_seqlen_q), vLLM
+    # its FlashAttentionMetadata.max_query_len (v1/attention/backends/flash_attn.py forward). Its
+    # max_seqlen_k (vLLM's max_seq_len) is judged as vLLM's metadata: invariants' seq-lens-max.
+    host_hints = {
+        SGLANG_NAME: (HostHint("max_seqlen_q", Measures.QUERY_LEN, Sizes.ROWS, "FlashAttention-3's flash_attn_with_kvcache (max_seqlen_q)", replayed=True),),
+        "FLASH_ATTN": (HostHint("max_query_len", Measures.QUERY_LEN, Sizes.ROWS, "FlashAttention's flash_attn_varlen_func (max_seqlen_q = max_query_len)"),),
+    }
 
     def __init__(self, options: FA3Options | None = None):
         self.options = options or FA3Options()

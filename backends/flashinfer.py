@@ -47,6 +47,7 @@ from attndbg.backends.base import (
     ScriptLibrary,
     coerce_option,
 )
+from attndbg.backends.host_hints import HostHint, Measures, Rows, Sizes
 from attndbg.backends.capabilities import ENGINE_GRAPH_MODES, HALF_DTYPES, MHA_ALL_MODES, Capabilities, HeadDims
 from attndbg.backends import flashinfer_modules as fm
 from attndbg.backends import flashinfer_plan_info as fpi
@@ -200,6 +201,28 @@ class FlashInferBackend(Backend):
     )
     # SGLang's and vLLM's FlashInfer backends (vLLM pads with seq_len 0: its #38436 above).
     engine_names = {SGLANG_NAME: None, "FLASHINFER": None}
+    # vLLM's FLASHINFER builder hands FlashInfer's trtllm-gen / XQA kernels host maxima beside their
+    # block tables (vLLM 0.33 FlashInferTrtllmAPIDecode and TRTLLMPrefill, whose presence in the
+    # metadata says those kernels ran): trtllm_batch_decode_with_kv_cache(max_seq_len) and
+    # trtllm_batch_context_with_kv_cache(max_q_len, max_kv_len) size their work by them, and a
+    # max_seq_len past the block table makes the walk read past its valid entries (vLLM #43991).
+    # FlashInfer's own wrappers plan from the indptrs and read no such hint.
+    host_hints = {
+        "FLASHINFER": (
+            HostHint(
+                "decode.max_seq_len", Measures.KV_LEN, Sizes.TABLE_WALK, "FlashInfer's trtllm-gen / XQA decode (trtllm_batch_decode_with_kv_cache's max_seq_len)",
+                rows=Rows.DECODES, table="decode.block_tables", present=("decode.block_tables",),
+            ),
+            HostHint(
+                "prefill.max_seq_len", Measures.KV_LEN, Sizes.TABLE_WALK, "FlashInfer's trtllm-gen prefill (trtllm_batch_context_with_kv_cache's max_kv_len)",
+                rows=Rows.PREFILLS, table="prefill.block_tables", present=("prefill.block_tables",),
+            ),
+            HostHint(
+                "prefill.max_q_len", Measures.QUERY_LEN, Sizes.ROWS, "FlashInfer's trtllm-gen prefill (trtllm_batch_context_with_kv_cache's max_q_len)",
+                rows=Rows.PREFILLS, present=("prefill.block_tables",),
+            ),
+        ),
+    }  # fmt: skip
 
     def __init__(self, options: FlashInferOptions | None = None):
         self.options = options or FlashInferOptions()

@@ -29,6 +29,7 @@ from attndbg.backends.base import (
     PartialStates,
     ScriptLibrary,
 )
+from attndbg.backends.host_hints import HostHint, Measures, Sizes
 from attndbg.backends.capabilities import ALL_MODES, ENGINE_GRAPH_MODES, EVERY_LAYER_KIND, Capabilities
 from attndbg.backends import plan_declaration as pd
 from attndbg.backends import script_calls
@@ -146,6 +147,10 @@ class TritonBackend(Backend):
         "so SGLang's Triton backend fills 1",
     )
     engine_names = {"triton": None}  # SGLang's Triton backend
+    # SGLang's extend kernel launches ceil(max_extend_len / BLOCK_M) query blocks per request
+    # (extend_attention_fwd's max_len_extend; triton_kernels/extend.py's grid): extend, verify and
+    # draft-extend metadata carry it (engines.md A4.2); a decode plan has none.
+    host_hints = {"triton": (HostHint("max_extend_len", Measures.QUERY_LEN, Sizes.ROWS, "SGLang's Triton extend kernel (max_len_extend sizes its grid)", replayed=True),)}
 
     def __init__(self, options: TritonOptions | None = None):
         self.options = options or TritonOptions()

@@ -57,6 +57,8 @@ CAUGHT = {
     "vllm-27753": "invariants/slot-mapping",
     "vllm-20301": "invariants/split-bound",
     "vllm-19321": "invariants/indptr-decreases",
+    "vllm-43991": "invariants/host-hint",
+    "vllm-40654": "invariants/host-hint",
 }
 
 

@@ -52,6 +52,19 @@ class FlashInferTrtllmAPIDecode:
     q_len_per_req: int = 1
 
 
+@dataclass
+class TRTLLMPrefill:
+    """vLLM's prefill part of FlashInferMetadata for the trtllm-gen prefill kernel (0.33), under
+    the class's own name (its module imports FlashInfer)."""
+
+    block_tables: Tensor  # block_table_tensor[num_decodes:]
+    seq_lens: Tensor  # seq_lens[num_decodes:]
+    cum_seq_lens_q: Tensor
+    cum_seq_lens_kv: Tensor
+    max_q_len: int  # the longest query among the prefills
+    max_seq_len: int
+
+
 def mha_model(*, block_size: int = 16, window: int = -1) -> Model:
     """4 query heads over 2 KV heads of width 32: small enough for the Triton interpreter."""
     return Model(

@@ -44,6 +44,9 @@ The batch is the ground truth (validated on load); what the engine *recorded* is
     plan-info-*        FlashInfer's own schedule of the plan (plan.plan_info: request_indices,
                        kv_tile_indices, padded_batch_size, block_valid_mask, o_indptr, merge_indptr)
                        against the plan's batch: invariants/schedule.py
+    host-hint          a host-side hint a kernel sizes its grid or block-table walk by (max_seq_len,
+                       max_query_len, max_seqlen_q, max_extend_len; which reach which kernel: the
+                       adapters' declarations) against the batch: invariants/host_hints.py
     transformers' raw token-row indices (read_index, write_index), kept when one is outside its
                        token view: invariants/token_indices.py
 
@@ -77,6 +80,7 @@ from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND
 from attndbg.detectors.invariants.batch import _check_positions, _check_seq_lens
 from attndbg.detectors.invariants.capture import check_capture
+from attndbg.detectors.invariants.host_hints import check_host_hints
 from attndbg.detectors.invariants.plan import _check_plan
 from attndbg.detectors.invariants.schedule import check_schedule
 from attndbg.detectors.invariants.token_indices import check_token_indices
@@ -115,6 +119,7 @@ def check_trace(trace: Trace, reading: PlanReading | None = None) -> list[Findin
     check_vllm(trace, out)
     if trace.plan is not None:
         check_builder(trace, reading, out)
+        check_host_hints(trace, reading, out)
     check_token_indices(trace, out)
     check_capture(trace, out)  # last: it defers to block-table-short and replaces indptr-end on a captured buffer
     return out
