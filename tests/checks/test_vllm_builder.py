@@ -214,3 +214,33 @@ def test_split_bound_of_an_ahead_of_time_schedule_under_a_graph(tmp_path: Path, 
     found = _checked(tmp_path, cm, metadata, backend="FLASH_ATTN", model=vl.mha_model(), capture=capture)
     assert ("split-bound" in _labels(found)) is named, _labels(found)
     assert [c for c in _labels(found) if c != "split-bound"] == [], _labels(found)
+
+
+def _decode_lists(cm: Any, tail: list[int], *, decode_tokens: int) -> Any:
+    """FlashInfer's native-decode lists (0.11 host names) for cm's rows, then `tail` more indptr
+    entries (rows the builder planned past the requests) and last-page lengths of 1 for them."""
+    seq = cm.seq_lens.to(torch.int64)
+    pages = (seq + 15) // 16
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), pages.cumsum(0), torch.tensor(tail, dtype=torch.int64)]).to(torch.int32)
+    last = torch.cat([torch.where(seq > 0, seq - (pages - 1) * 16, 0), torch.ones(len(tail), dtype=torch.int64)]).to(torch.int32)
+    rows = int(cm.num_reqs)
+    return SimpleNamespace(
+        num_actual_tokens=int(cm.num_actual_tokens), paged_kv_indptr_cpu=indptr, paged_kv_last_page_len_cpu=last, num_decodes=rows,
+        num_decode_tokens=decode_tokens, num_prefills=0, num_prefill_tokens=0, seq_lens=cm.seq_lens, block_table_tensor=cm.block_table_tensor,
+    )  # fmt: skip
+
+
+def test_paged_kv_rows_past_the_requests_that_list_pages_are_named(tmp_path: Path) -> None:
+    # A PIECEWISE draft decode (vLLM #39773): 3 requests, tokens padded to 4; the builder planned 4
+    # rows, the 4th from a stale persistent entry (11 past the 8 listed pages).
+    padded = vl.Step(**DECODES).common()
+    padded.num_actual_tokens = 4
+    found = [f for f in _checked(tmp_path, padded, _decode_lists(padded, [11], decode_tokens=4), backend="FLASHINFER", model=vl.mha_model()) if f.check == "builder-rows"]
+    assert len(found) == 1 and found[0].location.field == "plan.paged_kv_indptr[4]" and found[0].location.row == 3, found
+    assert "5 entries for 3 requests (num_decode_tokens = 4): row 3 is no request, yet plan.paged_kv_indptr[4] = 11 lists pages past the 8" in found[0].evidence
+    # Rows past the requests that list no page, and a FULL graph's padded requests (seq_len 0): clean.
+    assert [f for f in _checked(tmp_path / "empty", padded, _decode_lists(padded, [8], decode_tokens=4), backend="FLASHINFER", model=vl.mha_model()) if f.check == "builder-rows"] == []
+    graph = vl.Step(**DECODES, pad_reqs=5).common()
+    capture = vl.CaptureSizes(max_bs=8, max_num_tokens=8, block_table_width=int(graph.block_table_tensor.shape[1]))
+    found = _checked(tmp_path / "graph", graph, _decode_lists(graph, [], decode_tokens=3), backend="FLASHINFER", model=vl.mha_model(), capture=capture)
+    assert [f for f in found if f.check.startswith("builder-") or f.check.startswith("kv-")] == [], _labels(found)

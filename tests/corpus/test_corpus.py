@@ -59,6 +59,7 @@ CAUGHT = {
     "vllm-19321": "invariants/indptr-decreases",
     "vllm-43991": "invariants/host-hint",
     "vllm-40654": "invariants/host-hint",
+    "vllm-39773": "invariants/builder-rows",
 }
 
 

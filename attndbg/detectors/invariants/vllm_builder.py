@@ -4,6 +4,8 @@ it was built from (the plan reading's engine facts, attndbg/plans/engine_metadat
     builder-copy        each builder tensor that copies an engine field (query_start_loc, seq_lens,
                         block_table, slot_mapping; MLA's decode and prefill parts) equals it on the
                         real requests (padded rows are fill-value's: a builder may clamp them)
+    builder-rows        a builder's paged-KV lists have no row past the step's requests that lists
+                        pages (a row per token where the kernel takes a row per request, vLLM #39773)
     builder-counts      num_decodes + num_prefills cover the requests; num_decode_tokens covers the
                         decode requests' query tokens; num_prefill_tokens is the rest of them; the
                         counts' tokens fit the step's num_actual_tokens
@@ -214,6 +216,7 @@ def _paged_kv(trace: Trace, lists: PagedKv, seq: EngineField, counts: dict[str, 
             )
     if lists.indptr is not None:
         indptr = lists.indptr.reshape(-1)
+        _rows_past_requests(trace, lists, indptr, seq.values.numel() if not lists.prefix else rows, counts, out)
         n = min(rows, indptr.numel() - 1)
         given = indptr[1 : n + 1] - indptr[:n]
         b = _first(given != pages[:n])
@@ -232,3 +235,36 @@ def _paged_kv(trace: Trace, lists: PagedKv, seq: EngineField, counts: dict[str, 
                     found=int(given[b]),
                 )
             )
+
+
+def _rows_past_requests(trace: Trace, lists: PagedKv, indptr: Tensor, requests: int, counts: dict[str, int], out: list[Finding]) -> None:
+    """Rows of the paged-KV lists past the step's rows (its requests, padded ones included) are
+    no request: they must list no page. vLLM's FlashInfer builder plans its native decode with a
+    row per decode token; a batch whose tokens are padded but not its requests (a PIECEWISE graph)
+    gets rows past the requests, read from stale entries of its persistent buffer (vLLM #39773)."""
+    if indptr.numel() <= requests + 1:
+        return
+    end = int(indptr[requests])
+    r = _first(indptr[requests + 1 :] != end)
+    if r < 0:
+        return
+    row = requests + r  # the list row whose end entry lists pages
+    name = f"{lists.prefix}paged_kv_indptr"
+    tokens = counts.get("num_decode_tokens")
+    out.append(
+        finding(
+            KIND,
+            "builder-rows",
+            step=trace.source.step,
+            row=row,
+            field=f"plan.{name}[{row + 1}]",
+            evidence=f"plan.{name} has {indptr.numel()} entries for {requests} requests"
+            + (f" (num_decode_tokens = {tokens})" if tokens is not None else "")
+            + f": row {row} is no request, yet plan.{name}[{row + 1}] = {int(indptr[row + 1])} lists pages past the {end} the requests list",
+            cause="the builder planned its kernel with more rows than the step has requests (FlashInfer's native decode takes a row per "
+            "decode token, and a PIECEWISE graph pads the tokens but not the requests, vLLM #39773): the rows past the requests "
+            "come from stale entries of its persistent buffers, so the kernel reads page ids past the ones listed for this step",
+            expected=end,
+            found=int(indptr[row + 1]),
+        )
+    )
