@@ -105,6 +105,10 @@ class Capabilities:
     extend_mask: bool = False  # batch.custom_mask: a custom mask on a step that is not a verify
     empty_kv: bool = False  # a request with no key at all (kv_len 0), whose rows are fully masked
     lse_base: LseBase = LseBase.E  # what its kernels write (adapters always return natural log)
+    # A standalone merge of given partial states (trace.merge) through a merge kernel of the library,
+    # and the widths it is compiled for (empty: any).
+    merge_state: bool = False
+    merge_head_dims: frozenset[int] = frozenset()
     # Why a capability is missing, keyed by field name: appended to the derived reason.
     why: Mapping[str, str] = field(default_factory=dict)
 
@@ -114,6 +118,8 @@ class Capabilities:
     def gap(self, trace: Trace) -> str | None:
         """The first thing in `trace` these kernels cannot run, worded for a reader; None: none."""
         model, batch = trace.model, trace.batch
+        if trace.merge is not None:
+            return self._merge_gap(trace)
         mode, kind = batch.forward_mode, model.attention
         if kind not in self.attention:
             if kind is AttentionKind.MLA:
@@ -143,6 +149,18 @@ class Capabilities:
         if model.sliding_window >= 0 and not self.sliding_window:
             return f"{self.kernels} have no sliding window"
         return self._model_gap(trace) or self._dims_gap(trace)
+
+    def _merge_gap(self, trace: Trace) -> str | None:
+        """A merge step (trace.merge): it has no attention of its own, only states to merge."""
+        model = trace.model
+        if not self.merge_state:
+            return f"a standalone merge of given partial states (trace.merge): {self.kernels} have no merge of given states{self._because('merge_state')}"
+        if model.q_dtype not in self.q_dtypes:
+            return f"{self.kernels} merge {dtype_words(self.q_dtypes)} states; this merge's are {model.q_dtype}"
+        if self.merge_head_dims and model.v_head_dim not in self.merge_head_dims:
+            widths = "/".join(map(str, sorted(self.merge_head_dims)))
+            return f"states of width {model.v_head_dim}: {self.kernels} merge widths {widths} only{self._because('merge_head_dims')}"
+        return None
 
     def _model_gap(self, trace: Trace) -> str | None:
         """The layer kinds and batch forms added within trace version 1 (schema.Model, Batch)."""

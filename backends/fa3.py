@@ -271,6 +271,7 @@ class FA3Backend(Backend):
                 "sinks": "the sink term (sgl_kernel's sinks, vLLM's s_aux, FlashInfer's fa3 AttentionSink variant) is not wired into this adapter",
                 "kv_dtype_is_q_dtype": "an fp8 cache with scales is not wired into this adapter",
                 "kv_scales": "an fp8 cache with scales is not wired into this adapter",
+                "merge_state": "FlashAttention returns a call's LSE but has no merge of given states; engines merge FA3's states with their own kernels (vLLM merge_attn_states, SGLang's sgl_kernel merge_state): replay such a step on triton or flashinfer",
             },
         )
 

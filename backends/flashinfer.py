@@ -283,8 +283,12 @@ class FlashInferBackend(Backend):
             cross=True,
             extend_mask=True,
             lse_base=LseBase.TWO,
+            # flashinfer.cascade.merge_state (two states) and merge_states (any number): base-2 LSEs.
+            merge_state=True,
+            merge_head_dims=frozenset(MERGE_HEAD_DIMS),
             why={
                 "window_right": "plan() and run() take window_left only (prefill.py, decode.py: no right window)",
+                "merge_head_dims": "MergeState dispatches head_dim through DISPATCH_HEAD_DIM (include/flashinfer/attention/cascade.cuh)",
                 "empty_kv": "its decode kernels need seq_len >= 1: seq_len 0 gave illegal memory accesses (SGLang #1469) and NaN rows (FlashInfer #2883)",
             },
         )
@@ -642,10 +646,14 @@ class FlashInferBackend(Backend):
         return fi.cascade.merge_state(o_new, s_new, o_prefix, s_prefix)
 
     def merge_states(self, states: PartialStates) -> AttentionResult:
-        """flashinfer.cascade.merge_state on the two states of each row (base-2 LSEs in and out),
-        merged by their LSEs alone."""
+        """flashinfer.cascade.merge_state on the two states of each row, merge_states on any other
+        number (base-2 LSEs in and out), merged by their LSEs alone."""
         if states.output.shape[2] != 2:
-            raise KernelUnsupported(f"merge_state merges two states per row; these rows have {states.output.shape[2]}")
+            # merge_states(v [seq, num_states, heads, dim], s [seq, num_states, heads]).
+            v = states.output.permute(0, 2, 1, 3).contiguous()
+            s = states.lse.permute(0, 2, 1).contiguous().to(torch.float32)
+            out, lse = _flashinfer().cascade.merge_states(v, s)
+            return AttentionResult(output=out, lse=lse)
         v_a, v_b = (states.output[:, :, i].contiguous() for i in (0, 1))
         s_a, s_b = (states.lse[:, :, i].contiguous() for i in (0, 1))
         out, lse = _flashinfer().cascade.merge_state(v_a, s_a, v_b, s_b)

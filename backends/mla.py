@@ -65,6 +65,9 @@ _CAUSAL_VERIFY = "SGLang's MLA backends run verify causally, so they support top
 _FLASHINFER_MODES = (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND, ForwardMode.TARGET_VERIFY)
 
 
+# Why the mla backend runs no merge step, whatever its implementation.
+_NO_MERGE = "the mla backend runs MLA attention; a merge of given states runs on the triton or flashinfer backend"
+
 class MLAImpl(enum.Enum):
     AUTO = "auto"
     FLASHINFER = "flashinfer"
@@ -160,9 +163,12 @@ class MLABackend(Backend):
             "attention": frozenset({AttentionKind.MLA}),
             "other_attention": "use the fa3, flashinfer or triton backend",
             "column_mask": False,
+            # A merge of given states is no MLA kernel's: the triton and flashinfer backends run one.
+            "merge_state": False,
         }
         if impl is MLAImpl.TRITON:
-            return replace(self._triton.capabilities(), **only_mla)
+            triton = self._triton.capabilities()
+            return replace(triton, **only_mla, why={**triton.why, "merge_state": _NO_MERGE})
         one_dtype = "fp8 KV needs scales, not wired"
         if impl is MLAImpl.FLASHINFER:
             return Capabilities(
@@ -172,7 +178,7 @@ class MLABackend(Backend):
                 kv_dtype_is_q_dtype=True,
                 latent_dims=LatentDims(multiples=(128, 64)),
                 lse_base=LseBase.TWO,
-                why={"tree_mask": _CAUSAL_VERIFY, "kv_dtype_is_q_dtype": one_dtype},
+                why={"tree_mask": _CAUSAL_VERIFY, "kv_dtype_is_q_dtype": one_dtype, "merge_state": _NO_MERGE},
                 **only_mla,
             )
         return Capabilities(
@@ -186,6 +192,7 @@ class MLABackend(Backend):
                 "modes": "SGLang runs MLA extend through FlashInfer MLA (use impl=flashinfer)",
                 "tree_mask": _CAUSAL_VERIFY,
                 "kv_dtype_is_q_dtype": one_dtype,
+                "merge_state": _NO_MERGE,
             },
             **only_mla,
         )

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from attndbg.backends.base import AttentionInputs, AttentionResult, Backend
+from attndbg import numerics
+from attndbg.backends.base import AttentionInputs, AttentionResult, Backend, KernelUnsupported, PartialStates
 from attndbg.backends.capabilities import EVERY_LAYER_KIND, Capabilities
-from attndbg.trace.schema import DTYPES, Q_DTYPES, AttentionKind, ForwardMode, Plan, Trace
+from attndbg.trace.schema import DTYPES, Q_DTYPES, AttentionKind, ForwardMode, LseBase, MergeStates, Plan, Trace
 from attndbg.trace.visibility import visibility
 
 # Bytes of padded work (gathered K/V in the compute dtype plus scores and their softmax) one group
@@ -92,6 +93,26 @@ def attention(
     for group in built:
         _attend_group(trace, inputs, group, compute_dtype, out, lse, sinks=sinks)
     return AttentionResult(output=out, lse=lse)
+
+
+def natural_lse(lse: Tensor, base: LseBase) -> Tensor:
+    """LSEs in `base` as natural logs, in float64 (a base-2 LSE times ln 2)."""
+    lse = lse.to(torch.float64)
+    return lse * numerics.LN2 if base is LseBase.TWO else lse
+
+
+def merge(states: MergeStates, compute_dtype: torch.dtype = torch.float64) -> AttentionResult:
+    """A standalone merge of given partial states (trace.merge): output [tokens, heads, Dv] and
+    natural-log LSE [tokens, heads] float64.
+
+    float64: the reference, numerics.merge_states's rule (a state of LSE -inf weighs 0 and its
+    output is never read, NaN included; a row whose every state is empty gives 0 / -inf). A low
+    dtype: what a merge kernel commits, float32 math with the output rounded to that dtype (the
+    tolerance model's same-dtype run)."""
+    math_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
+    lse = natural_lse(states.s, states.lse_base).to(math_dtype)
+    output, merged = numerics.merge_states(states.v.to(math_dtype), lse)
+    return AttentionResult(output=output.to(compute_dtype), lse=merged.to(torch.float64))
 
 
 def _unit_bytes(trace: Trace, rows: int, kv: int, compute_dtype: torch.dtype) -> int:
@@ -260,6 +281,7 @@ class ReferenceBackend(Backend):
             sliding_window=True,
             window_in_tree_verify=True,
             soft_cap=True,
+            merge_state=True,
             **EVERY_LAYER_KIND,
         )
 
@@ -268,3 +290,10 @@ class ReferenceBackend(Backend):
 
     def run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
         return attention(trace, inputs, torch.float64)
+
+    def merge_states(self, states: PartialStates) -> AttentionResult:
+        """The float64 merge of [rows, Hq, parts, Dv] states by their natural-log LSEs alone."""
+        if states.kv_lens is not None or states.num_splits is not None:
+            raise KernelUnsupported("the reference merges by the LSEs alone; it takes no split rule")
+        output, lse = numerics.merge_states(states.output.permute(2, 0, 1, 3).double(), states.lse.permute(2, 0, 1).double())
+        return AttentionResult(output=output, lse=lse)

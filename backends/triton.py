@@ -131,6 +131,14 @@ def _kernels():
     return decode, extend
 
 
+def _merge_kernel():
+    """Our merge of given states (triton_kernels/merge.py), imported once the Triton mode is chosen."""
+    machine.select_triton_mode()
+    from attndbg.backends.triton_kernels import merge
+
+    return merge
+
+
 def _triton_errors() -> tuple[type[BaseException], ...]:
     import triton
 
@@ -199,6 +207,7 @@ class TritonBackend(Backend):
             column_mask=True,
             sliding_window=True,
             soft_cap=True,
+            merge_state=True,  # triton_kernels/merge.py
             **EVERY_LAYER_KIND,
             why={
                 "window_in_tree_verify": "needs SGLang's window_kv_offsets, not implemented",
@@ -323,15 +332,20 @@ class TritonBackend(Backend):
         return AttentionResult(output=out, lse=lse)
 
     def merge_states(self, states: PartialStates) -> AttentionResult:
-        """Stage 2 alone (decode_stage2) on `states` as stage 1's scratch: each row's non-empty
-        splits merged by SGLang's rule, natural-log LSEs; outputs NaN-filled before it writes."""
-        if states.kv_lens is None or states.num_splits is None:
-            raise KernelUnsupported("our stage 2 tells empty splits by each row's KV length and split count; the states give none")
-        decode, _ = _kernels()
+        """With each row's KV length and split count: stage 2 alone (decode_stage2) on `states` as
+        stage 1's scratch, each row's non-empty splits merged by SGLang's rule. Without them: our
+        merge of given states (triton_kernels/merge.py), by their LSEs alone. Natural-log LSEs;
+        outputs NaN-filled before the kernel writes."""
         rows, heads, parts, dv = states.output.shape
         device = states.output.device
         out = torch.full((rows, heads, dv), float("nan"), dtype=states.output.dtype, device=device)
         lse = torch.full((rows, heads), float("nan"), dtype=torch.float32, device=device)
+        if states.kv_lens is None and states.num_splits is None:
+            _merge_kernel().merge_states(v=states.output, s=states.lse.to(torch.float32), o=out, lse=lse)
+            return AttentionResult(output=out, lse=lse)
+        if states.kv_lens is None or states.num_splits is None:
+            raise KernelUnsupported("our stage 2 tells empty splits by each row's KV length and split count; the states give one of them")
+        decode, _ = _kernels()
         decode.decode_stage2(
             attn_logits=states.output,
             attn_lse=states.lse,

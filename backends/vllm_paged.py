@@ -78,7 +78,10 @@ class VllmPagedBackend(Backend):
             kv_dtypes=frozenset({"float16", "bfloat16", "float32"}),
             kv_dtype_is_q_dtype=True,  # launched with kv_cache_dtype "auto": the cache is in q's dtype
             head_dims=HeadDims(one_in_decode=True, why="one head_size argument for q, k and v"),
-            why={"modes": "a decode kernel: one query token per request"},
+            why={
+                "modes": "a decode kernel: one query token per request",
+                "merge_state": "PagedAttention v2 merges its own 512-token partitions inside the kernel; vLLM's merge of given states (merge_attn_states) is another op, not wired into this adapter",
+            },
         )
 
     def derive_plan(self, trace: Trace, padding: Padding | None = None) -> Plan:

@@ -125,6 +125,8 @@ def repro(
     check_outputs(output=output)
     path = _repro_step(trace, step_number)
     loaded = io.load(path)
+    if loaded.merge is not None:
+        raise BadInput(f"{path}: a merge step (trace.merge): repro scripts attention calls; replay it with --backend triton,flashinfer")
     chosen_layer, _ = data_layer(loaded, layer, str(path), single=True)
     try:
         mode = None if graph is None else Mode.GRAPH if graph else Mode.EAGER

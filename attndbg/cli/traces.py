@@ -101,6 +101,9 @@ def synth(spec: tuple[str, ...], output: str | None, list_presets: bool, inject_
             raise BadInput(f"--inject {inject_kind}: {e}") from None
     io.save(trace, output)
     b = trace.batch
+    if trace.merge is not None:
+        click.echo(f"wrote {output}: {trace.merge.words()}")
+        return
     click.echo(f"wrote {output}: {b.forward_mode.value} bs={b.batch_size} tokens={b.num_tokens} kv_lens={b.kv_lens.tolist()[:8]}")
 
 

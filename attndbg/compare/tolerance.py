@@ -163,7 +163,8 @@ def reference_basis(trace: Trace, reference: AttentionResult, lowp: AttentionRes
         lowp_output=lowp.output,
         lowp_lse=lowp.lse,
         dtype=DTYPES[trace.model.q_dtype],
-        qo_indptr=trace.batch.qo_indptr,
+        # A merge step's rows are its merged tokens, each located as a request of its own.
+        qo_indptr=trace.batch.qo_indptr if trace.merge is None else torch.arange(trace.merge.num_tokens + 1),
     )
 
 

@@ -78,7 +78,7 @@ class TraceDiff:
         return tuple(f for f in self.fields if f.field.split(".", 1)[0] == name)
 
 
-SECTIONS = ("source", "model", "seed", "batch", "spec", "graph", "capture", "plan", "buffers", "tensors")
+SECTIONS = ("source", "model", "seed", "batch", "spec", "graph", "capture", "plan", "buffers", "tensors", "merge")
 CONTENTS = "contents"  # buffers.<field>.contents: the recorded head of the engine's buffer
 
 
@@ -95,6 +95,7 @@ def diff_traces(a: Trace, b: Trace) -> TraceDiff:
         out += _compare_buffer(name, a, b, locate)
     for layer in sorted(set(a.tensors) | set(b.tensors)):
         out += _compare_optional(f"tensors.{layer}", a.tensors.get(layer), b.tensors.get(layer), locate)
+    out += _compare_optional("merge", a.merge, b.merge, locate)
     return TraceDiff(fields=tuple(out))
 
 

@@ -14,6 +14,8 @@ from attndbg.trace.schema import Trace
 
 
 def with_engine_plan(trace: Trace) -> Trace:
+    if trace.merge is not None:
+        return trace  # a merge of given states is planned by nobody
     backend = registry.create(trace.source.backend)
     if backend.unsupported_reason(trace):
         return trace  # that engine backend could not run this step: no plan to record

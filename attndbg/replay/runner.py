@@ -31,7 +31,9 @@ from attndbg.replay.step_data import StepData
 from attndbg.plans.guard import Refusal, merge_refusal, real_requests_only, refusal
 from attndbg.replay.variants import EAGER, RECORDED, Graph, Variant
 from attndbg.trace.errors import TraceError
-from attndbg.trace.schema import Plan, Trace
+from attndbg.backends.reference import natural_lse
+from attndbg.numerics import LN2, LOG2E
+from attndbg.trace.schema import LseBase, MergeStates, Plan, Trace
 
 
 class RunStatus(enum.Enum):
@@ -179,6 +181,35 @@ def merge(backend: Backend, states: PartialStates, *, what: str) -> AttentionRes
     return AttentionResult(output=result.output.cpu(), lse=result.lse.cpu())
 
 
+def given_states(states: MergeStates, base: LseBase) -> PartialStates:
+    """A merge step's states as a merge kernel of LSE `base` takes them, the way a correct caller
+    hands them over: [tokens, heads, states, Dv] and the LSEs converted from the step's base."""
+    lse = natural_lse(states.s, states.lse_base) * (LOG2E if base is LseBase.TWO else 1.0)
+    return PartialStates(states.v.permute(1, 2, 0, 3), lse.to(torch.float32).permute(1, 2, 0))
+
+
+def _merge_step(backend: Backend, ctx: _Context, description: str) -> BackendRun:
+    """`backend`'s merge of a merge step's given states (trace.merge), run `repeat` times, its LSE
+    read back as natural log and compared with the float64 merge."""
+    base = backend.capabilities().lse_base
+    states = given_states(ctx.trace.merge, base)
+    try:
+        start = time.perf_counter()
+        runs = [merge(backend, states, what=ctx.announced("merge step")) for _ in range(ctx.options.repeat)]
+        seconds = (time.perf_counter() - start) / len(runs)
+    except KernelUnsupported as e:
+        return BackendRun(backend.name, RunStatus.UNSUPPORTED, description, reason=str(e))
+    except (KernelError, RuntimeError) as e:  # what the library raised, first line
+        return BackendRun(backend.name, RunStatus.ERROR, description, reason=(str(e).strip().splitlines() or [type(e).__name__])[0])
+    problems = [f"run {i + 1} differs from run 1 (not deterministic)" for i, again in enumerate(runs[1:], 1) if not (torch.equal(again.output, runs[0].output) and torch.equal(again.lse, runs[0].lse))][:1]
+    lse = runs[0].lse.double() * (LN2 if base is LseBase.TWO else 1.0)
+    result = AttentionResult(output=runs[0].output, lse=lse)
+    comparison = ctx.compare(result)
+    status = RunStatus.PASSED if comparison.passed and not problems else RunStatus.FAILED
+    identical = None if ctx.options.repeat < 2 else not problems
+    return BackendRun(backend.name, status, description, comparison=comparison, result=result, seconds=seconds, problems=problems, repeat_identical=identical)
+
+
 def _runs_of(backend: Backend, ctx: _Context) -> list[BackendRun]:
     reason = backend.unavailable_reason()
     if reason:
@@ -187,6 +218,8 @@ def _runs_of(backend: Backend, ctx: _Context) -> list[BackendRun]:
     reason = backend.unsupported_reason(ctx.trace)
     if reason:
         return [BackendRun(backend.name, RunStatus.UNSUPPORTED, description, reason=reason)]
+    if ctx.trace.merge is not None:  # a merge of given states: no plan, no graph, one eager merge
+        return [_merge_step(backend, ctx, description)]
     with _explained_if_slow(backend, ctx.trace):
         inputs = ctx.data.on(backend.device())
         runs = []

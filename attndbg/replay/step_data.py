@@ -67,7 +67,10 @@ class StepData:
         """float64, on the CPU (comparisons happen there)."""
         if self._reference is None:
             with phase("reference", self.label):
-                self._reference = _cpu(reference.attention(self.trace, self.inputs, torch.float64, tables=self._tables))
+                if self.trace.merge is not None:  # a merge of given states: no inputs to build
+                    self._reference = reference.merge(self.trace.merge)
+                else:
+                    self._reference = _cpu(reference.attention(self.trace, self.inputs, torch.float64, tables=self._tables))
         return self._reference
 
     @property
@@ -75,7 +78,11 @@ class StepData:
         """The same math in the run's dtype, on the CPU: it sizes the tolerance."""
         if self._lowp is None:
             with phase("reference", self.label):
-                self._lowp = _cpu(reference.attention(self.trace, self.inputs, DTYPES[self.trace.model.q_dtype], tables=self._tables))
+                dtype = DTYPES[self.trace.model.q_dtype]
+                if self.trace.merge is not None:
+                    self._lowp = reference.merge(self.trace.merge, dtype)
+                else:
+                    self._lowp = _cpu(reference.attention(self.trace, self.inputs, dtype, tables=self._tables))
         return self._lowp
 
     @property

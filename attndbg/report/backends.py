@@ -104,6 +104,7 @@ LAYER_KINDS = (
     ("cross-attention", "cross"),
     ("extend mask", "extend_mask"),
     ("empty KV", "empty_kv"),
+    ("merge of given states", "merge_state"),
 )
 
 

@@ -79,6 +79,8 @@ class StepReport:
 
     @property
     def data(self) -> str:
+        if self.result.trace.merge is not None:
+            return "the merge's given states (trace.merge)"
         if self.layer is None:
             return f"seeded data (seed {self.result.trace.seed})"
         return f"recorded tensors of layer {self.layer}"
@@ -108,6 +110,8 @@ def _repeat_identical(run: BackendRun) -> bool:
 def _trace_line(result: ReplayResult) -> str:
     t = result.trace
     m, b = t.model, t.batch
+    if t.merge is not None:
+        return f"{printable(result.trace_path)}: {t.merge.words()}"
     return (
         f"{printable(result.trace_path)}: {b.forward_mode.value} bs={b.batch_size} tokens={b.num_tokens} "
         f"heads={m.num_qo_heads}:{m.num_kv_heads} d={m.head_dim}/{m.v_head_dim} {m.attention.value} "
@@ -122,6 +126,8 @@ def _short(values: list[int], limit: int = 8) -> str:
 
 def _row_in_request(result: ReplayResult, location: Location) -> int:
     """Location.row counts the step's query tokens; people count rows within a request."""
+    if result.trace.merge is not None:  # a merge step's rows are requests of their own
+        return 0
     return location.row - int(result.trace.batch.qo_indptr[location.request])
 
 
@@ -270,7 +276,7 @@ def step_to_json(step: StepReport) -> dict[str, Any]:
         "mode": t.batch.forward_mode.value,
         "batch_size": t.batch.batch_size,
         "num_tokens": t.batch.num_tokens,
-        "data": {"source": "seeded" if step.layer is None else "recorded", "layer": step.layer, "seed": t.seed},
+        "data": {"source": "merge" if t.merge is not None else "seeded" if step.layer is None else "recorded", "layer": step.layer, "seed": t.seed},
         "verdict": step.verdict.value,
         "passed": step.verdict is Verdict.PASSED,
         "compared": [_run_name(r) for r in step.ran],

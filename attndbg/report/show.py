@@ -21,7 +21,7 @@ from attndbg.report.terminal import FittedPanel
 from attndbg.trace import tree
 from attndbg.trace.errors import printable
 from attndbg.trace.mask_geometry import MaskGeometry, word_dtype
-from attndbg.trace.schema import AttentionKind, Batch, CaptureSizes, Graph, MaskLayout, Model, Plan, Spec, Trace
+from attndbg.trace.schema import AttentionKind, Batch, CaptureSizes, Graph, MaskLayout, MergeStates, Model, Plan, Spec, Trace
 
 MAX_REQUEST_ROWS = 24  # per-request table rows before "... N more requests"
 MAX_TREES = 4  # verify requests whose mask is drawn
@@ -46,6 +46,8 @@ def render_trace(trace: Trace, path: str) -> RenderableType:
         parts.append(_capture(trace.capture))
     if trace.tensors:
         parts.append(_tensors(trace))
+    if trace.merge is not None:
+        parts.append(_merge(trace.merge))
     return Group(*parts)
 
 
@@ -422,6 +424,18 @@ def _capture(capture: CaptureSizes) -> Panel:
     return FittedPanel(_kv_grid(rows), title="capture sizes", title_align="left")
 
 
+def _merge(merge: MergeStates) -> Panel:
+    """A merge step's given states: their shape and base, and which rows each leaves empty."""
+    empty = torch.isneginf(merge.s).flatten(1).sum(1).tolist()
+    rows: list[tuple[str, str | Text]] = [
+        ("states", f"{merge.num_states} x {merge.num_tokens} tokens: v {_meta(merge.v)}, s {_meta(merge.s)}"),
+        ("LSE base", merge.lse_base.value),
+        ("empty (s = -inf)", ", ".join(f"state {i}: {n}" for i, n in enumerate(empty) if n) or "none"),
+        ("recorded", ", ".join(name for name in ("output", "lse") if getattr(merge, name) is not None) or "nothing (replay merges the states; check judges no engine output)"),
+    ]
+    return FittedPanel(_kv_grid(rows), title="merge of given states", title_align="left")
+
+
 def _tensors(trace: Trace) -> Panel:
     table = Table(box=None, header_style="bold", pad_edge=False)
     for name in ("layer", "q", "k_new", "v_new", "KV rows (k / v)", "output", "lse"):
@@ -485,6 +499,8 @@ def trace_to_json(trace: Trace, path: str) -> dict[str, object]:
         "plan": None,
         "layers": sorted(trace.tensors),
     }
+    if trace.merge is not None:  # only where present: other steps' JSON keeps its keys
+        out["merge"] = {k: _plain(v) for k, v in vars(trace.merge).items()}
     if trace.plan is not None:
         out["plan"] = {
             "backend": trace.plan.backend,

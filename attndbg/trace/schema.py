@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 FORMAT_NAME = "attndbg.trace"
-FORMAT_VERSION = 1  # `buffers`, `capture`, graph.padded_qo_indptr / padded_block_table / captured, source.inferred, source.crash, model.causal / window_right / sinks / k_scale / v_scale and batch.cross / custom_mask (optional, absent in older files) were added within version 1
+FORMAT_VERSION = 1  # `buffers`, `capture`, graph.padded_qo_indptr / padded_block_table / captured, source.inferred, source.crash, model.causal / window_right / sinks / k_scale / v_scale, batch.cross / custom_mask and `merge` (optional, absent in older files) were added within version 1
 
 
 class ForwardMode(enum.Enum):
@@ -336,6 +336,40 @@ class LayerTensors:
 
 
 @dataclass(frozen=True)
+class MergeStates:
+    """A standalone merge of given partial attention states: what FlashInfer's
+    `merge_state(v_a, s_a, v_b, s_b)` / `merge_state_in_place` / `merge_states(v, s)` and vLLM's
+    `merge_attn_states` compute (SGLang's cascade and chunked-prefix paths, vLLM's MLA chunked
+    prefill). State i of a row is a normalised output v[i] with its LSE s[i]; the merge weighs each
+    by exp(s[i]) (2**s[i] in base 2). A state with LSE -inf attended to no key (an empty chunk): it
+    weighs 0 and its output is never read.
+
+    Layouts are FlashInfer's, states first: vLLM's LSEs are [heads, tokens] and its natural-log base,
+    an adapter's to map. The step that holds one runs no attention of its own (an IDLE batch of no
+    requests); its model gives the heads (num_qo_heads), width (v_head_dim) and dtype (q_dtype)."""
+
+    v: Tensor  # [num_states, tokens, heads, v_head_dim] in the model's q_dtype
+    s: Tensor  # [num_states, tokens, heads] float32: finite or -inf
+    lse_base: LseBase  # of `s` and of the recorded `lse`
+    output: Tensor | None = None  # [tokens, heads, v_head_dim]: the engine's merged output, as recorded
+    lse: Tensor | None = None  # [tokens, heads] float32: its merged LSE, in lse_base
+
+    @property
+    def num_states(self) -> int:
+        return int(self.v.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.v.shape[1])
+
+    def words(self) -> str:
+        """'merge of 2 states x 48 tokens x 8 heads, width 128 bfloat16, LSE base 2' (what a reader is told)."""
+        states, tokens, heads, width = self.v.shape
+        recorded = ", output recorded" if self.output is not None else ""
+        return f"merge of {states} states x {tokens} tokens x {heads} heads, width {width} {str(self.v.dtype).replace('torch.', '')}, LSE base {self.lse_base.value}{recorded}"
+
+
+@dataclass(frozen=True)
 class Trace:
     source: Source
     model: Model
@@ -350,6 +384,9 @@ class Trace:
     buffers: dict[str, EngineBuffer] = field(default_factory=dict)
     # What the engine sized at graph capture (absent in older files and for engines that expose none).
     capture: CaptureSizes | None = None
+    # Added within version 1 (absent in older files: None, and then not stored): the step is a
+    # standalone merge of these given partial states, not an attention step.
+    merge: MergeStates | None = None
 
     @property
     def is_tree_verify(self) -> bool:
@@ -379,6 +416,12 @@ def to_dict(trace: Trace) -> dict[str, Any]:
         del out["plan"]["plan_info"]
     if out["capture"] is None:
         del out["capture"]
+    if out["merge"] is None:
+        del out["merge"]
+    else:
+        for name in ("output", "lse"):
+            if out["merge"][name] is None:
+                del out["merge"][name]
     if not out["source"]["inferred"]:
         del out["source"]["inferred"]
     if out["source"]["crash"] is None:

@@ -13,6 +13,7 @@ import torch
 import attndbg
 from attndbg.trace import tree
 from attndbg.trace.synth_layout import allocate_rows, extend_mask
+from attndbg.trace.synth_merge import build_merge
 from attndbg.trace.synth_spec import PRESETS, SpecError, SynthSpec, is_causal, parse_spec  # noqa: F401  (the spec API, re-exported)
 from attndbg.trace.schema import (
     AttentionKind,
@@ -108,6 +109,8 @@ def _model(spec: SynthSpec) -> Model:
 def build(spec: SynthSpec) -> Trace:
     """The trace a correct engine would describe for this spec (no plan: see replay.plans)."""
     # parse_spec checked mode, attention, dtypes and mask_layout against their closed sets.
+    if spec.mode == "merge":
+        return build_merge(spec)
     if spec.page_size < 1:
         raise SpecError("page_size must be >= 1")
     g = torch.Generator().manual_seed(spec.seed)
@@ -262,6 +265,8 @@ def recording_specs(spec: SynthSpec, steps: int) -> list[SynthSpec]:
     smaller batch, stale padded rows) see more than one step. Decode and verify requests grow by
     one token a step, as they would decoding; each step draws its own data (seed + step). A spec
     with capture_bs replays every step into that one captured graph."""
+    if spec.mode == "merge":
+        raise SpecError("--recording: a merge step has no batch to shrink and grow; write the step alone")
     counts = {"decode": len(spec.kv_lens), "selective": len(spec.kv_lens)}.get(spec.mode, len(spec.prefix_lens))
     if counts < 1:
         raise SpecError("the batch is empty: give at least one request")

@@ -6,7 +6,8 @@ A spec is a preset name followed by `key=value` overrides, e.g.
 
 Keys (lists are comma-separated):
 
-    mode          decode | extend | mixed | verify | selective
+    mode          decode | extend | mixed | verify | selective | merge (a standalone merge of given
+                  partial states: the keys states, tokens, lse_base, empty; heads Q, head_dim, dtype)
     attention     mha | mla
     heads         Q:KV query and KV head counts, e.g. 32:8 (MLA: Q only, one latent KV head)
     head_dim      key width (MHA); v_head_dim defaults to it
@@ -45,6 +46,11 @@ Keys (lists are comma-separated):
     slots         contiguous | scatter | shuffled_pages | interleaved_pages | non_monotonic: how each
                   request's pages lie in the pool (default: scatter's); non_monotonic: descending pages
     max_kv_splits the engine's cap on split-KV partials per request (capture.max_kv_splits; 0 = none)
+    states        merge: partial states per row (2: FlashInfer merge_state, vLLM merge_attn_states;
+                  more: merge_states, one per chunk of SGLang's chunked prefix)
+    tokens        merge: rows (query tokens) merged
+    lse_base      merge: 2 | e, the base of the given LSEs (2: FlashInfer's; e: vLLM's, FA3's, Triton's)
+    empty         merge: states that are an empty chunk (LSE -inf, output 0) on every other row, e.g. 1
     seed          RNG seed of the layout and of replay's data
 
 The same spec and seed give the same trace, bit for bit.
@@ -104,6 +110,10 @@ class SynthSpec:
     parents: tuple[int, ...] = ()
     slots: str = ""  # "" = as `scatter` says
     max_kv_splits: int = 0
+    states: int = 2
+    tokens: int = 32
+    lse_base: str = "2"
+    empty: tuple[int, ...] = ()
 
 
 PRESETS: dict[str, dict[str, str]] = {
@@ -129,6 +139,8 @@ PRESETS: dict[str, dict[str, str]] = {
     "cross": {"mode": "extend", "heads": "8:8", "head_dim": "64", "prefix_lens": "6,12,90", "extend_lens": "5,30,7", "cross": "1"},
     "extend-mask": {"mode": "extend", "heads": "8:2", "head_dim": "64", "prefix_lens": "0,24", "extend_lens": "33,12", "extend_mask": "blocks"},
     "mixed-graph": {"mode": "mixed", "heads": "16:4", "prefix_lens": "48,0,90,33", "extend_lens": "40,25,1,1", "capture_bs": "8", "graph_mode": "mixed"},
+    "merge-state": {"mode": "merge", "heads": "8", "head_dim": "128", "states": "2", "tokens": "32", "lse_base": "2"},
+    "merge-chunks": {"mode": "merge", "heads": "8", "head_dim": "128", "states": "5", "tokens": "24", "lse_base": "e", "empty": "2"},
 }
 
 
@@ -136,7 +148,7 @@ PRESETS: dict[str, dict[str, str]] = {
 _EXPECTED = {tuple: "comma-separated integers, e.g. 1,33,20000", int: "an integer", float: "a number", bool: "0 or 1"}
 # Keys with a closed set of values (checked here, so the error names the key the user typed).
 _CHOICES = {
-    "mode": ("decode", "extend", "mixed", "verify", "selective"),
+    "mode": ("decode", "extend", "mixed", "verify", "selective", "merge"),
     "attention": (MHA, MLA),
     "dtype": Q_DTYPE_NAMES,
     "kv_dtype": KV_DTYPE_NAMES,
@@ -144,6 +156,7 @@ _CHOICES = {
     "graph_mode": ("decode", "mixed", "full"),
     "extend_mask": ("causal", "random", "blocks"),
     "slots": ("contiguous", "scatter", "shuffled_pages", "interleaved_pages", "non_monotonic"),
+    "lse_base": ("2", "e"),
 }
 # Keys whose 0/1 value is a switch.
 _SWITCHES = ("sinks", "cross")
@@ -174,6 +187,9 @@ _AT_LEAST = {
     "k_scale": (0, ""),
     "v_scale": (0, ""),
     "max_kv_splits": (0, " (0 = none)"),
+    "states": (1, ""),
+    "tokens": (0, ""),
+    "empty": (0, ""),
 }
 
 
@@ -242,6 +258,9 @@ def _check_layer(spec: SynthSpec) -> None:
         raise SpecError(f"cross=1: cross-attention steps are decode, extend or mixed, not mode={spec.mode}")
     if spec.mode == "verify" and spec.causal == 0:
         raise SpecError("causal=0: a verify step attends by its draft tree")
+    bad = next((i for i in spec.empty if i >= spec.states), None)
+    if bad is not None:
+        raise SpecError(f"empty={','.join(map(str, spec.empty))}: state {bad} is not one of the {spec.states} states (0 to {spec.states - 1})")
     if spec.parents and spec.parents[0] != -1:
         raise SpecError(f"parents={','.join(map(str, spec.parents))}: the root (first) has parent -1")
     if any(not 0 <= p < i for i, p in enumerate(spec.parents) if i > 0):
@@ -265,6 +284,8 @@ def _check_heads(spec: SynthSpec) -> None:
         raise SpecError(f"heads={spec.heads!r}: expected {expected}") from None
     if min(counts) < 1 or len(counts) > 2:
         raise SpecError(f"heads={spec.heads!r}: expected Q:KV head counts >= 1, e.g. 32:8")
+    if spec.mode == "merge" and len(counts) == 1:
+        return  # a merge's heads: the states' own, no KV heads
     if spec.attention == MHA and (len(counts) != 2 or counts[0] % counts[1]):
         raise SpecError(f"heads={spec.heads!r}: expected Q:KV with Q a multiple of KV (grouped-query attention), e.g. 32:8")
 
@@ -282,6 +303,10 @@ _USED_BY = {
     "select": ("mode", ("selective",)),
     "parents": ("mode", ("verify",)),
     "extend_mask": ("mode", ("extend", "mixed")),
+    "states": ("mode", ("merge",)),
+    "tokens": ("mode", ("merge",)),
+    "lse_base": ("mode", ("merge",)),
+    "empty": ("mode", ("merge",)),
     "kv_lora_rank": ("attention", (MLA,)),
     "rope_dim": ("attention", (MLA,)),
     "head_dim": ("attention", (MHA,)),

@@ -17,6 +17,7 @@ from torch import Tensor
 from attndbg.trace import offsets
 from attndbg.trace.errors import TraceError  # noqa: F401  (defined without torch, re-exported)
 from attndbg.trace.offsets import OffsetsFault
+from attndbg.trace.validate_merge import read_merge
 from attndbg.trace.schema import (
     DTYPES,
     FORMAT_NAME,
@@ -627,6 +628,7 @@ def from_dict(data: Any) -> Trace:
     plan = _plan(plan_r) if plan_r else None
     buffers_r = _section(top, "buffers", optional=True)
     capture_r = _section(top, "capture", optional=True)
+    merge_r = _section(top, "merge", optional=True)
     return Trace(
         source=source,
         model=model,
@@ -638,6 +640,7 @@ def from_dict(data: Any) -> Trace:
         tensors=tensors,
         buffers=_buffers(buffers_r, spec, plan) if buffers_r else {},
         capture=_capture(capture_r) if capture_r is not None else None,
+        merge=read_merge(merge_r, model, batch) if merge_r is not None else None,
     )
 
 

@@ -312,6 +312,7 @@ INJECTED = {
     "split-merge:lse-base-2": (RECORDED["decode"], "lse-base-confusion"),
     "split-merge:nan-empty-split": (RECORDED["decode"], "empty-split-nan"),
     "split-merge:cascade-lse-base-2": (RECORDED["extend"], "merge-lse-base-confusion"),
+    "split-merge:merge-step-lse-base": (("merge-state", "tokens=8", "heads=2"), "merge-step-lse-base"),
 }
 
 
@@ -333,6 +334,7 @@ def test_injections_round_trip_and_are_detected(kind: str) -> None:
         ("split-merge:cascade-lse-base-2", RECORDED["decode"]),
         ("split-merge:cascade-lse-base-2", ("extend-noprefix", *SMALL)),
         ("split-merge:cascade-lse-base-2", RECORDED["window"]),
+        ("split-merge:merge-step-lse-base", RECORDED["decode"]),
     ],
 )
 def test_injections_refuse_steps_they_do_not_apply_to(kind: str, spec) -> None:

@@ -75,7 +75,8 @@ def row_of(trace: Trace, b: int, r: int) -> int:
 # -- clean inputs ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset", list(synth.PRESETS))
+# Merge steps (mode=merge) plan no attention: their detectors' runs are tests/trace/test_merge_step.py's.
+@pytest.mark.parametrize("preset", [p for p in synth.PRESETS if synth.PRESETS[p]["mode"] != "merge"])
 def test_every_preset_every_plan_is_clean(preset: str) -> None:
     """Masks and plans at the preset's own size; replays (verify steps only) with fewer heads."""
     for page_size in (1, 16):

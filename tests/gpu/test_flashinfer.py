@@ -26,7 +26,8 @@ from attndbg.trace.schema import DTYPES, Plan, Trace
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not module_available("flashinfer"), reason=INSTALL_HINT)]
 
 LN2 = math.log(2.0)
-PRESETS = [name for name in synth.PRESETS if name != "mla-decode"]
+# Attention presets (merge steps run through merge_state: tests/gpu/test_merge_state.py).
+PRESETS = [name for name in synth.PRESETS if name != "mla-decode" and synth.PRESETS[name]["mode"] != "merge"]
 
 
 def spec_trace(*words: str) -> Trace:

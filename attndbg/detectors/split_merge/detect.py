@@ -16,6 +16,9 @@ What it runs (DESIGN.md "The detectors"):
                     the reverse; FlashInfer #2113, SGLang #40903), FA2's +inf empty marker
                     recognised, NaN rows of requests with empty splits, and a merged output that
                     matches the reference only with one or both partials' LSEs rescaled by log2 e or ln 2.
+  merge steps       a standalone merge of given states (trace.merge): the engine's recorded merge
+                    against the float64 merge of the same states, an LSE base confusion named by
+                    the rescaling (log2 e, ln 2; every state or one) that reproduces it.
   GPU only          FlashInfer's cascade (ragged + paged merged) against one paged pass, with empty
                     prefixes; `flashinfer.cascade.merge_state` on empty states; graph replay
                     against eager for paths with a merge (a merge launched off the capture stream
@@ -35,12 +38,15 @@ from __future__ import annotations
 from attndbg.detector_api.context import CheckContext
 from attndbg.detector_api.findings import Finding
 from attndbg.detectors.split_merge.counts import split_counts
+from attndbg.detectors.split_merge.merge_step import merge_step
 from attndbg.detectors.split_merge.gpu import cascade_vs_single_pass, flashinfer_merge_state, merge_in_capture
 from attndbg.detectors.split_merge.recorded import recorded_tensors
 from attndbg.detectors.split_merge.stage2 import empty_split_merge
 
 
 def detect(ctx: CheckContext) -> list[Finding]:
+    if ctx.trace.merge is not None:  # a merge of given states: its recorded merge is all there is to judge
+        return merge_step(ctx)
     return (
         split_counts(ctx)
         + empty_split_merge(ctx)

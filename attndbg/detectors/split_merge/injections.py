@@ -44,6 +44,8 @@ class _Step:
 def _layer(trace: Trace) -> _Step:
     """Layer tensors: the recorded ones when the trace has them, else drawn for layer 0."""
     model, batch = trace.model, trace.batch
+    if trace.merge is not None:
+        raise ValueError("a merge step (trace.merge) has no attention tensors; its mistake is split-merge:merge-step-lse-base")
     recorded = trace.tensors.get(LAYER)
     mla = model.attention is AttentionKind.MLA
     if recorded is None:
@@ -176,7 +178,23 @@ def cascade_lse_base_2(trace: Trace) -> Trace:
     return replace(_recorded(trace, step, output, None, LseBase.E), source=source, plan=plan)
 
 
+def merge_step_lse_base(trace: Trace) -> Trace:
+    """A merge step's states handed to a merge kernel of the other LSE base (FlashInfer #2113).
+
+    Base-2 states weighed as natural logs, or natural-log states as base 2: the recorded output is
+    the merge of the given states with every LSE rescaled by log2 e (or ln 2). The engine keeps the
+    output and drops the merged LSE, as SGLang's cascade does.
+    """
+    states = trace.merge
+    if states is None:
+        raise ValueError("split-merge:merge-step-lse-base applies to a merge step (synth merge-state), not this step")
+    factor = LOG2E if states.lse_base is LseBase.TWO else LN2
+    output, _ = merge_states(states.v.float(), (reference.natural_lse(states.s, states.lse_base) * factor).float())
+    return replace(trace, merge=replace(states, output=output.to(states.v.dtype), lse=None))
+
+
 INJECTIONS: dict[str, Callable[[Trace], Trace]] = {
+    "split-merge:merge-step-lse-base": merge_step_lse_base,
     "split-merge:lse-base-2": lse_base_2,
     "split-merge:nan-empty-split": nan_empty_split,
     "split-merge:cascade-lse-base-2": cascade_lse_base_2,
