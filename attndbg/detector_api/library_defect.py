@@ -44,7 +44,12 @@ class LibraryDefect:
 
 
 def library_defect(trace: Trace, path: str, backend: Backend, *, variant: Variant, plan: Plan | None, options: BackendOptions) -> LibraryDefect:
-    """The defect report of `backend`'s run (`variant`, with `plan` when known) of the step at `path`."""
+    """The defect report of `backend`'s run (`variant`, with `plan` when known) of the step at `path`.
+    A merge step (trace.merge) plans nothing and is scripted by no repro: its shape is the merge's,
+    and the command that shows it again is its replay on that backend."""
+    if trace.merge is not None:
+        command = shlex.join(["attndbg", "replay", path, "--backend", backend.name, *(w for spec in options.specs(backend.name) for w in ("--backend-option", spec))])
+        return LibraryDefect(backend=backend.name, library=backend.library(), shape=trace.merge.words(), repro=command)
     if plan is None:
         plan = _derived_plan(backend, trace)
     return LibraryDefect(

@@ -239,6 +239,17 @@ def test_every_detector_is_clean_on_the_presets(preset: str) -> None:
         assert detector.run(ctx) == [], kind
 
 
+def test_a_kernel_defect_on_a_merge_step_names_the_merge_and_its_replay() -> None:
+    """The kernels detector's report of a failing merge: the merge's shape, and a command that runs
+    it again (repro scripts no merge step)."""
+    from attndbg.backends.options import BackendOptions
+    from attndbg.detector_api.library_defect import library_defect
+    from attndbg.replay.variants import EAGER
+
+    defect = library_defect(make_trace(*SMALL), "m.pt", registry.create("triton"), variant=EAGER, plan=None, options=BackendOptions())
+    assert defect.shape.startswith("merge of 3 states x 5 tokens x 2 heads") and defect.repro == "attndbg replay m.pt --backend triton"
+
+
 def test_check_and_replay_exit_0_on_a_correct_step_and_check_catches_the_mistake(tmp_path: Path) -> None:
     good, bad = tmp_path / "good.pt", tmp_path / "bad.pt"
     assert invoke("synth", *SMALL, "-o", str(good)).exit_code == 0

@@ -109,7 +109,10 @@ def _defect(ctx: CheckContext, eager: BackendRun, graph: BackendRun | None, *, d
         )
     else:
         cause = f"{library} computes this step wrongly, or the {name} adapter calls it wrongly (no other backend ran the step to rule the adapter out); "
-    cause += f"`{defect.repro}` makes only the library's calls on this step's data and exits 1 when it reproduces."
+    if ctx.trace.merge is not None:
+        cause += f"`{defect.repro}` merges the step's states on {name} again and exits 1 when it reproduces."
+    else:
+        cause += f"`{defect.repro}` makes only the library's calls on this step's data and exits 1 when it reproduces."
     if predicted is not None:
         cause += f" Predicted: {predicted}."
     return finding(
