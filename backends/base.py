@@ -85,12 +85,15 @@ class PartialStates:
     lse: Tensor  # [rows, Hq, parts] float32
     kv_lens: Tensor | None = None  # [rows] int64
     num_splits: Tensor | None = None  # [rows] int64, each in [1, parts]
+    # [rows] bool: merge only these rows (two states, merge_state_in_place's mask); the others keep
+    # state 0 as given.
+    rows: Tensor | None = None
 
     def to(self, device: str) -> PartialStates:
         def moved(t: Tensor | None) -> Tensor | None:
             return None if t is None else t.to(device)
 
-        return PartialStates(self.output.to(device), self.lse.to(device), moved(self.kv_lens), moved(self.num_splits))
+        return PartialStates(self.output.to(device), self.lse.to(device), moved(self.kv_lens), moved(self.num_splits), moved(self.rows))
 
 
 @dataclass(frozen=True)

@@ -647,7 +647,13 @@ class FlashInferBackend(Backend):
 
     def merge_states(self, states: PartialStates) -> AttentionResult:
         """flashinfer.cascade.merge_state on the two states of each row, merge_states on any other
-        number (base-2 LSEs in and out), merged by their LSEs alone."""
+        number (base-2 LSEs in and out), merged by their LSEs alone; with a row mask,
+        merge_state_in_place(mask=) on a copy of the first states (the rows left out keep them)."""
+        if states.rows is not None:
+            v, s = states.output[:, :, 0].clone(memory_format=torch.contiguous_format), states.lse[:, :, 0].contiguous().clone()
+            v_other, s_other = states.output[:, :, 1].contiguous(), states.lse[:, :, 1].contiguous()
+            _flashinfer().cascade.merge_state_in_place(v, s, v_other, s_other, mask=states.rows)
+            return AttentionResult(output=v, lse=s)
         if states.output.shape[2] != 2:
             # merge_states(v [seq, num_states, heads, dim], s [seq, num_states, heads]).
             v = states.output.permute(0, 2, 1, 3).contiguous()

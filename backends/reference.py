@@ -106,12 +106,16 @@ def merge(states: MergeStates, compute_dtype: torch.dtype = torch.float64) -> At
     natural-log LSE [tokens, heads] float64.
 
     float64: the reference, numerics.merge_states's rule (a state of LSE -inf weighs 0 and its
-    output is never read, NaN included; a row whose every state is empty gives 0 / -inf). A low
+    output is never read, NaN included; a row whose every state is empty gives 0 / -inf); a row
+    the row mask leaves out keeps state 0. A low
     dtype: what a merge kernel commits, float32 math with the output rounded to that dtype (the
     tolerance model's same-dtype run)."""
     math_dtype = torch.float64 if compute_dtype == torch.float64 else torch.float32
     lse = natural_lse(states.s, states.lse_base).to(math_dtype)
     output, merged = numerics.merge_states(states.v.to(math_dtype), lse)
+    if states.mask is not None:  # rows not merged keep state 0 as given
+        output = torch.where(states.mask[:, None, None], output, states.v[0].to(math_dtype))
+        merged = torch.where(states.mask[:, None], merged, lse[0])
     return AttentionResult(output=output.to(compute_dtype), lse=merged.to(torch.float64))
 
 
@@ -295,5 +299,9 @@ class ReferenceBackend(Backend):
         """The float64 merge of [rows, Hq, parts, Dv] states by their natural-log LSEs alone."""
         if states.kv_lens is not None or states.num_splits is not None:
             raise KernelUnsupported("the reference merges by the LSEs alone; it takes no split rule")
-        output, lse = numerics.merge_states(states.output.permute(2, 0, 1, 3).double(), states.lse.permute(2, 0, 1).double())
-        return AttentionResult(output=output, lse=lse)
+        v, lse = states.output.permute(2, 0, 1, 3).double(), states.lse.permute(2, 0, 1).double()
+        output, merged = numerics.merge_states(v, lse)
+        if states.rows is not None:
+            output = torch.where(states.rows[:, None, None], output, v[0])
+            merged = torch.where(states.rows[:, None], merged, lse[0])
+        return AttentionResult(output=output, lse=merged)

@@ -341,7 +341,7 @@ class TritonBackend(Backend):
         out = torch.full((rows, heads, dv), float("nan"), dtype=states.output.dtype, device=device)
         lse = torch.full((rows, heads), float("nan"), dtype=torch.float32, device=device)
         if states.kv_lens is None and states.num_splits is None:
-            _merge_kernel().merge_states(v=states.output, s=states.lse.to(torch.float32), o=out, lse=lse)
+            _merge_kernel().merge_states(v=states.output, s=states.lse.to(torch.float32), o=out, lse=lse, rows=states.rows)
             return AttentionResult(output=out, lse=lse)
         if states.kv_lens is None or states.num_splits is None:
             raise KernelUnsupported("our stage 2 tells empty splits by each row's KV length and split count; the states give one of them")

@@ -153,6 +153,10 @@ def merge_refusal(states: PartialStates) -> str | None:
     output, lse = states.output, states.lse
     if output.dim() != 4 or tuple(lse.shape) != tuple(output.shape[:3]):
         return f"lse {tuple(lse.shape)} does not hold one LSE per state of output {tuple(output.shape)} ([rows, heads, parts, dv])"
+    if states.rows is not None:
+        mask = states.rows
+        if mask.dtype != torch.bool or tuple(mask.shape) != (output.shape[0],) or output.shape[2] != 2 or states.kv_lens is not None:
+            return f"rows {mask.dtype} {tuple(mask.shape)}: a row mask is one bool per row of two states ({tuple(output.shape)}), without a split rule"
     if states.kv_lens is None and states.num_splits is None:
         return None
     if states.kv_lens is None or states.num_splits is None:

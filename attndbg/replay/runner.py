@@ -185,7 +185,7 @@ def given_states(states: MergeStates, base: LseBase) -> PartialStates:
     """A merge step's states as a merge kernel of LSE `base` takes them, the way a correct caller
     hands them over: [tokens, heads, states, Dv] and the LSEs converted from the step's base."""
     lse = natural_lse(states.s, states.lse_base) * (LOG2E if base is LseBase.TWO else 1.0)
-    return PartialStates(states.v.permute(1, 2, 0, 3), lse.to(torch.float32).permute(1, 2, 0))
+    return PartialStates(states.v.permute(1, 2, 0, 3), lse.to(torch.float32).permute(1, 2, 0), rows=states.mask)
 
 
 def _merge_step(backend: Backend, ctx: _Context, description: str) -> BackendRun:

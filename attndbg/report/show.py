@@ -431,6 +431,7 @@ def _merge(merge: MergeStates) -> Panel:
         ("states", f"{merge.num_states} x {merge.num_tokens} tokens: v {_meta(merge.v)}, s {_meta(merge.s)}"),
         ("LSE base", merge.lse_base.value),
         ("empty (s = -inf)", ", ".join(f"state {i}: {n}" for i, n in enumerate(empty) if n) or "none"),
+        ("row mask", "none: every row merged" if merge.mask is None else f"{int(merge.mask.sum())} of {merge.num_tokens} rows merged, the others keep state 0 (merge_state_in_place)"),
         ("recorded", ", ".join(name for name in ("output", "lse") if getattr(merge, name) is not None) or "nothing (replay merges the states; check judges no engine output)"),
     ]
     return FittedPanel(_kv_grid(rows), title="merge of given states", title_align="left")

@@ -353,6 +353,9 @@ class MergeStates:
     lse_base: LseBase  # of `s` and of the recorded `lse`
     output: Tensor | None = None  # [tokens, heads, v_head_dim]: the engine's merged output, as recorded
     lse: Tensor | None = None  # [tokens, heads] float32: its merged LSE, in lse_base
+    # [tokens] bool: merge_state_in_place's row mask: rows where it is false are not merged and keep
+    # state 0 (v_a, s_a) as they were. Two states only.
+    mask: Tensor | None = None
 
     @property
     def num_states(self) -> int:
@@ -366,7 +369,8 @@ class MergeStates:
         """'merge of 2 states x 48 tokens x 8 heads, width 128 bfloat16, LSE base 2' (what a reader is told)."""
         states, tokens, heads, width = self.v.shape
         recorded = ", output recorded" if self.output is not None else ""
-        return f"merge of {states} states x {tokens} tokens x {heads} heads, width {width} {str(self.v.dtype).replace('torch.', '')}, LSE base {self.lse_base.value}{recorded}"
+        masked = f", {int(self.mask.sum())} of {tokens} rows merged (row mask)" if self.mask is not None else ""
+        return f"merge of {states} states x {tokens} tokens x {heads} heads, width {width} {str(self.v.dtype).replace('torch.', '')}, LSE base {self.lse_base.value}{masked}{recorded}"
 
 
 @dataclass(frozen=True)
@@ -419,7 +423,7 @@ def to_dict(trace: Trace) -> dict[str, Any]:
     if out["merge"] is None:
         del out["merge"]
     else:
-        for name in ("output", "lse"):
+        for name in ("output", "lse", "mask"):
             if out["merge"][name] is None:
                 del out["merge"][name]
     if not out["source"]["inferred"]:

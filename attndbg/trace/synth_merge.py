@@ -4,7 +4,8 @@
 The states are what attention over disjoint chunks of keys gives: normalised outputs of unit
 scale and LSEs of different sizes per state (a short chunk beside a long one), so that a merge
 with the wrong LSE base weighs them visibly wrong. An empty chunk (`empty=`) is a state of LSE -inf
-with output 0, what FlashAttention writes for a row that sees no key, on every other row.
+with output 0, what FlashAttention writes for a row that sees no key, on every other row. A row
+mask (`row_mask=1`, two states) is merge_state_in_place's: the rows it leaves out keep state 0.
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ from attndbg.trace.schema import DTYPES, AttentionKind, Batch, ForwardMode, LseB
 from attndbg.trace.synth_spec import SynthSpec
 
 
-def merged_as_recorded(v: torch.Tensor, s: torch.Tensor, base: LseBase) -> tuple[torch.Tensor, torch.Tensor]:
+def merged_as_recorded(v: torch.Tensor, s: torch.Tensor, base: LseBase, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What a correct merge kernel returns for states `v` [K, T, H, D] and LSEs `s` [K, T, H] in
-    `base`: float32 math, the output in v's dtype, the LSE float32 in the same base."""
+    `base`: float32 math, the output in v's dtype, the LSE float32 in the same base; with a row
+    `mask` [T] bool, the rows left out keep state 0 (merge_state_in_place)."""
     scale = numerics.LN2 if base is LseBase.TWO else 1.0
     output, lse = numerics.merge_states(v.float(), s.float() * scale)
-    return output.to(v.dtype), (lse / scale).to(torch.float32)
+    output, lse = output.to(v.dtype), (lse / scale).to(torch.float32)
+    if mask is not None:
+        output, lse = torch.where(mask[:, None, None], output, v[0]), torch.where(mask[:, None], lse, s[0])
+    return output, lse
 
 
 def build_merge(spec: SynthSpec) -> Trace:
@@ -42,7 +47,9 @@ def build_merge(spec: SynthSpec) -> Trace:
         lse[i, ::2] = float("-inf")
         v[i, ::2] = 0
     s = (lse * (numerics.LOG2E if base is LseBase.TWO else 1.0)).to(torch.float32)
-    output, merged = merged_as_recorded(v, s, base)
+    # Drawn last, so every other draw is the same with and without it; at least one row merged.
+    mask = (torch.rand(tokens, generator=g) < 0.5) | (torch.arange(tokens) == 0) if spec.row_mask else None
+    output, merged = merged_as_recorded(v, s, base, mask)
     model = Model(
         num_qo_heads=heads,
         num_kv_heads=heads,
@@ -81,4 +88,4 @@ def build_merge(spec: SynthSpec) -> Trace:
         step=0,
         attndbg_version=attndbg.__version__,
     )
-    return Trace(source=source, model=model, batch=batch, seed=spec.seed, merge=MergeStates(v=v, s=s, lse_base=base, output=output, lse=merged))
+    return Trace(source=source, model=model, batch=batch, seed=spec.seed, merge=MergeStates(v=v, s=s, lse_base=base, output=output, lse=merged, mask=mask))

@@ -51,6 +51,8 @@ Keys (lists are comma-separated):
     tokens        merge: rows (query tokens) merged
     lse_base      merge: 2 | e, the base of the given LSEs (2: FlashInfer's; e: vLLM's, FA3's, Triton's)
     empty         merge: states that are an empty chunk (LSE -inf, output 0) on every other row, e.g. 1
+    row_mask      merge: 1: merge_state_in_place's row mask, drawn from the seed: the rows it leaves
+                  out keep state 0 (states=2)
     seed          RNG seed of the layout and of replay's data
 
 The same spec and seed give the same trace, bit for bit.
@@ -114,6 +116,7 @@ class SynthSpec:
     tokens: int = 32
     lse_base: str = "2"
     empty: tuple[int, ...] = ()
+    row_mask: int = 0
 
 
 PRESETS: dict[str, dict[str, str]] = {
@@ -159,7 +162,7 @@ _CHOICES = {
     "lse_base": ("2", "e"),
 }
 # Keys whose 0/1 value is a switch.
-_SWITCHES = ("sinks", "cross")
+_SWITCHES = ("sinks", "cross", "row_mask")
 
 
 # Lower bounds of numeric keys (lists: every element), and what the bound means.
@@ -236,7 +239,10 @@ def parse_spec(words: list[str] | tuple[str, ...]) -> SynthSpec:
         if (key in _SWITCHES or key == "causal") and kwargs[key] not in (0, 1):
             raise SpecError(f"{key}={value!r}: expected 0 or 1")
         low = _AT_LEAST.get(key)
-        if low is not None and (min(kwargs[key]) if isinstance(kwargs[key], tuple) and kwargs[key] else kwargs[key]) < low[0]:
+        given = kwargs[key]
+        if isinstance(given, tuple):  # a list: its least element (an empty list has none to bound)
+            given = min(given, default=low[0] if low is not None else 0)
+        if low is not None and given < low[0]:
             raise SpecError(f"{key}={value!r}: must be >= {low[0]}{low[1]}")
     spec = replace(SynthSpec(), **kwargs)
     _check_heads(spec)
@@ -261,6 +267,8 @@ def _check_layer(spec: SynthSpec) -> None:
     bad = next((i for i in spec.empty if i >= spec.states), None)
     if bad is not None:
         raise SpecError(f"empty={','.join(map(str, spec.empty))}: state {bad} is not one of the {spec.states} states (0 to {spec.states - 1})")
+    if spec.row_mask and spec.states != 2:
+        raise SpecError(f"row_mask=1: merge_state_in_place merges two states; this merge has states={spec.states}")
     if spec.parents and spec.parents[0] != -1:
         raise SpecError(f"parents={','.join(map(str, spec.parents))}: the root (first) has parent -1")
     if any(not 0 <= p < i for i, p in enumerate(spec.parents) if i > 0):
@@ -307,6 +315,7 @@ _USED_BY = {
     "tokens": ("mode", ("merge",)),
     "lse_base": ("mode", ("merge",)),
     "empty": ("mode", ("merge",)),
+    "row_mask": ("mode", ("merge",)),
     "kv_lora_rank": ("attention", (MLA,)),
     "rope_dim": ("attention", (MLA,)),
     "head_dim": ("attention", (MHA,)),

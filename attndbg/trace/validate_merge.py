@@ -61,4 +61,7 @@ def read_merge(r: Any, model: Model, batch: Batch) -> MergeStates:
     lse = r.tensor("lse", dtypes=(torch.float32,), optional=True)
     if lse is not None and tuple(lse.shape) != (tokens, heads):
         raise TraceError(r.name("lse"), f"shape {list(lse.shape)}, expected [tokens, heads] = {[tokens, heads]}")
-    return MergeStates(v=v, s=s, lse_base=r.enum("lse_base", LseBase), output=output, lse=lse)
+    mask = r.tensor("mask", dtypes=(torch.bool,), ndim=1, optional=True)
+    if mask is not None and (states != 2 or mask.numel() != tokens):
+        raise TraceError(r.name("mask"), f"has {mask.numel()} rows for {states} states of {tokens} tokens, expected one per token with two states (merge_state_in_place merges v_other into v)")
+    return MergeStates(v=v, s=s, lse_base=r.enum("lse_base", LseBase), output=output, lse=lse, mask=mask)

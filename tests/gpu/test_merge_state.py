@@ -30,6 +30,7 @@ SPECS = (
     ("merge-chunks",),  # five natural-log states, one an empty chunk: merge_states
     ("merge-chunks", "lse_base=2", "heads=32", "head_dim=64", "tokens=300"),
     ("merge-state", "states=1", "head_dim=256"),
+    ("merge-state", "row_mask=1", "tokens=100"),  # merge_state_in_place(mask=): rows left out keep state a
 )
 IDS = [" ".join(words) for words in SPECS]
 

@@ -82,6 +82,31 @@ def test_reference_merge_matches_a_naive_loop(base: LseBase) -> None:
     assert torch.equal(got.output[4, 0], torch.zeros(16, dtype=torch.float64)) and float(got.lse[4, 0]) == float("-inf")
 
 
+def test_a_row_mask_leaves_rows_as_state_0() -> None:
+    """merge_state_in_place(mask=): rows left out keep state 0 (output and LSE) as given."""
+    g = torch.Generator().manual_seed(5)
+    v = torch.randn(2, 7, 3, 16, generator=g).to(torch.float16)
+    s = (torch.randn(2, 7, 3, generator=g) * 2).to(torch.float32)
+    mask = torch.tensor([True, False, True, True, False, False, True])
+    got = reference.merge(MergeStates(v=v, s=s, lse_base=LseBase.TWO, mask=mask))
+    want_out, want_lse = naive_merge(v, s, LseBase.TWO)
+    assert torch.allclose(got.output[mask], want_out[mask], atol=1e-12, rtol=0)
+    assert torch.equal(got.output[~mask], v[0][~mask].double()) and torch.equal(got.lse[~mask], s[0][~mask].double() * LN2)
+    trace = make_trace(*SMALL[:1], "row_mask=1", "tokens=6", "heads=2", "head_dim=64")
+    assert trace.merge.mask is not None and 0 < int(trace.merge.mask.sum()) < 6
+    kept = ~trace.merge.mask
+    assert torch.equal(trace.merge.output[kept], trace.merge.v[0][kept])  # the engine's in-place merge left them
+
+
+def test_the_guard_refuses_a_row_mask_a_kernel_would_read_outside_of() -> None:
+    from attndbg.plans.guard import merge_refusal
+
+    states = given_states(make_trace(*SMALL[:1], "row_mask=1", "tokens=6", "heads=2").merge, LseBase.E)
+    assert merge_refusal(states) is None
+    assert "a row mask is one bool per row" in merge_refusal(replace(states, rows=states.rows[:5]))
+    assert "a row mask is one bool per row" in merge_refusal(replace(states, rows=states.rows.to(torch.int32)))
+
+
 def test_the_base_is_honoured() -> None:
     """The same numbers read in base 2 and in base e are different merges (the base is not ignored)."""
     two, e = _states(LseBase.TWO), _states(LseBase.E)
@@ -123,6 +148,8 @@ def test_other_steps_store_no_merge_key() -> None:
         (lambda d: d["merge"].update(output=d["merge"]["output"][:4]), "merge.output"),
         (lambda d: d["merge"].update(lse_base="10"), "merge.lse_base"),
         (lambda d: d["batch"].update(forward_mode="DECODE"), "batch.forward_mode"),
+        (lambda d: d["merge"].update(mask=torch.ones(5, dtype=torch.bool)), "merge.mask: has 5 rows for 3 states"),
+        (lambda d: d["merge"].update(mask=torch.ones(5, dtype=torch.int64)), "merge.mask: dtype int64"),
     ],
 )
 def test_bad_merge_sections_are_one_line(tmp_path: Path, edit, needle: str) -> None:
@@ -139,11 +166,13 @@ def test_bad_merge_sections_are_one_line(tmp_path: Path, edit, needle: str) -> N
 
 def test_synth_keys_are_listed_and_checked(tmp_path: Path) -> None:
     listed = subprocess.run([sys.executable, "-m", "attndbg", "synth", "--list"], capture_output=True, text=True, check=True).stdout
-    for key in ("states", "tokens", "lse_base", "empty"):
+    for key in ("states", "tokens", "lse_base", "empty", "row_mask"):
         assert f"\n    {key} " in listed, key
     assert "\n  merge-state " in listed and "\n  merge-chunks " in listed and "split-merge:merge-step-lse-base" in listed
     with pytest.raises(SpecError, match="empty=3: state 3 is not one of the 3 states"):
         make_trace(*SMALL, "empty=3")
+    with pytest.raises(SpecError, match="row_mask=1: merge_state_in_place merges two states"):
+        make_trace(*SMALL, "row_mask=1")
     with pytest.raises(SpecError, match="lse_base='10'"):
         make_trace(*SMALL, "lse_base=10")
     one_line_error(invoke("synth", "merge-state", "--recording", "2", "-o", str(tmp_path / "rec")), "a merge step has no batch")
@@ -164,9 +193,9 @@ def test_backends_declare_the_merge() -> None:
     assert "this merge's are float32" in registry.create("flashinfer").capabilities().gap(make_trace(*SMALL, "dtype=float32"))
 
 
-@pytest.mark.parametrize("base", ["2", "e"])
-def test_triton_merge_passes_on_the_cpu(base: str) -> None:
-    trace = make_trace(*SMALL, f"lse_base={base}")
+@pytest.mark.parametrize("words", [("lse_base=2",), ("lse_base=e",), ("lse_base=e", "states=2", "empty=", "row_mask=1")])
+def test_triton_merge_passes_on_the_cpu(words: tuple[str, ...]) -> None:
+    trace = make_trace(*SMALL, *words)
     result = replay(trace, "m.pt", ["reference", "triton"], ReplayOptions(repeat=2))
     runs = {r.name: r for r in result.runs}
     # The backends get float32 LSEs in their own base (as kernels take them): the reference's run is

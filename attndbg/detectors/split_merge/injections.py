@@ -189,8 +189,9 @@ def merge_step_lse_base(trace: Trace) -> Trace:
     if states is None:
         raise ValueError("split-merge:merge-step-lse-base applies to a merge step (synth merge-state), not this step")
     factor = LOG2E if states.lse_base is LseBase.TWO else LN2
-    output, _ = merge_states(states.v.float(), (reference.natural_lse(states.s, states.lse_base) * factor).float())
-    return replace(trace, merge=replace(states, output=output.to(states.v.dtype), lse=None))
+    misread = replace(states, s=reference.natural_lse(states.s, states.lse_base) * factor, lse_base=LseBase.E)
+    output = reference.merge(misread, states.v.dtype).output
+    return replace(trace, merge=replace(states, output=output, lse=None))
 
 
 INJECTIONS: dict[str, Callable[[Trace], Trace]] = {

@@ -12,18 +12,17 @@ a mismatch: the recorded output is the engine's own result.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
-from torch import Tensor
 
 from attndbg.backends.base import AttentionResult
-from attndbg.backends.reference import natural_lse
+from attndbg.backends.reference import merge, natural_lse
 from attndbg.compare.tolerance import Comparison, ReferenceBasis
 from attndbg.detector_api.context import CheckContext
 from attndbg.detector_api.findings import Finding
 from attndbg.detectors.split_merge.base import KIND, _location
-from attndbg.numerics import LN2, LOG2E, merge_states
+from attndbg.numerics import LN2, LOG2E
 from attndbg.trace.schema import DTYPES, LseBase, MergeStates
 
 # What a rescaled LSE means, by its factor on the natural-log LSE.
@@ -96,7 +95,7 @@ def _reproduced_by(states: MergeStates, q_dtype: str) -> _Rescaling | None:
     for rescaling in candidates:
         scale = torch.ones(count, 1, 1, dtype=torch.float64)
         scale[list(rescaling.states)] = rescaling.factor
-        wrong = _merged(states.v, lse * scale)
+        wrong = merge(replace(states, s=lse * scale, lse_base=LseBase.E)).output
         rounded = wrong.to(dtype)
         basis = ReferenceBasis.of(reference_output=wrong, reference_lse=torch.zeros(wrong.shape[:2], dtype=torch.float64), lowp_output=rounded,
                                   lowp_lse=torch.zeros(wrong.shape[:2]), dtype=dtype, qo_indptr=torch.arange(wrong.shape[0] + 1))
@@ -104,6 +103,3 @@ def _reproduced_by(states: MergeStates, q_dtype: str) -> _Rescaling | None:
             return rescaling
     return None
 
-
-def _merged(v: Tensor, lse: Tensor) -> Tensor:
-    return merge_states(v.double(), lse)[0]
