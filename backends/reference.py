@@ -298,7 +298,7 @@ class ReferenceBackend(Backend):
     def merge_states(self, states: PartialStates) -> AttentionResult:
         """The float64 merge of [rows, Hq, parts, Dv] states by their natural-log LSEs alone."""
         if states.kv_lens is not None or states.num_splits is not None:
-            raise KernelUnsupported("the reference merges by the LSEs alone; it takes no split rule")
+            raise KernelUnsupported(f"{self.name} has no merge of partial states by the split rule (kv_lens, num_splits): it merges given states by their LSEs alone")
         v, lse = states.output.permute(2, 0, 1, 3).double(), states.lse.permute(2, 0, 1).double()
         output, merged = numerics.merge_states(v, lse)
         if states.rows is not None:

@@ -82,7 +82,7 @@ def build_merge(spec: SynthSpec) -> Trace:
     source = Source(
         engine="synth",
         engine_version=attndbg.__version__,
-        backend="flashinfer" if base is LseBase.TWO else "triton",  # the engine backend whose merge takes LSEs in this base
+        backend="flashinfer" if base is LseBase.TWO else "triton",  # names a backend: the engine backend whose merge takes LSEs in this base
         device="any",
         tp_rank=0,
         step=0,

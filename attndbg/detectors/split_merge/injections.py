@@ -195,8 +195,8 @@ def merge_step_lse_base(trace: Trace) -> Trace:
 
 
 INJECTIONS: dict[str, Callable[[Trace], Trace]] = {
-    "split-merge:merge-step-lse-base": merge_step_lse_base,
     "split-merge:lse-base-2": lse_base_2,
     "split-merge:nan-empty-split": nan_empty_split,
     "split-merge:cascade-lse-base-2": cascade_lse_base_2,
+    "split-merge:merge-step-lse-base": merge_step_lse_base,
 }
