@@ -57,9 +57,10 @@ class _Packed:
         return {name: self.buffer[offset : offset + n].view(dtype).view(shape).clone() for name, dtype, shape, offset, n in self.layout}
 
 
-def _pack(parts: list[tuple[str, Tensor]]) -> tuple[_Packed, Tensor]:
-    """Queue one copy of `parts` (device tensors of one device) into a new pinned buffer on the
-    current stream, then its marker's; the packed copy and the marker (zeroed) are returned."""
+def packed_layout(parts: list[tuple[str, Tensor]]) -> tuple[tuple[tuple[str, torch.dtype, tuple[int, ...], int, int], ...], list[Tensor], int]:
+    """How `parts` pack: their layout (widest elements first, so every offset suits its type), each
+    one's bytes as a flat uint8 tensor on its device (a copy only where it is not contiguous), and
+    the total byte count."""
     parts = sorted(parts, key=lambda part: -part[1].element_size())  # stable: widest first
     layout = []
     flat = []
@@ -67,8 +68,15 @@ def _pack(parts: list[tuple[str, Tensor]]) -> tuple[_Packed, Tensor]:
     for name, t in parts:
         n = t.numel() * t.element_size()
         layout.append((name, t.dtype, tuple(t.shape), offset, n))
-        flat.append(t.reshape(-1).view(torch.uint8))
+        flat.append(t.contiguous().reshape(-1).view(torch.uint8))
         offset += n
+    return tuple(layout), flat, offset
+
+
+def _pack(parts: list[tuple[str, Tensor]]) -> tuple[_Packed, Tensor]:
+    """Queue one copy of `parts` (device tensors of one device) into a new pinned buffer on the
+    current stream, then its marker's; the packed copy and the marker (zeroed) are returned."""
+    layout, flat, offset = packed_layout(parts)
     marker_at = -(-offset // 4) * 4
     buffer = torch.empty(marker_at + 4, dtype=torch.uint8, pin_memory=True)
     marker = buffer[marker_at:].view(torch.int32)
@@ -76,7 +84,7 @@ def _pack(parts: list[tuple[str, Tensor]]) -> tuple[_Packed, Tensor]:
     if offset:
         buffer[:offset].copy_(flat[0] if len(flat) == 1 else torch.cat(flat), non_blocking=True)
     marker.copy_(_one_on(parts[0][1].device), non_blocking=True)
-    return _Packed(buffer, tuple(layout)), marker
+    return _Packed(buffer, layout), marker
 
 
 class HostCopy:
