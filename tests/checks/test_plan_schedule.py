@@ -109,9 +109,28 @@ def test_a_prefill_schedule_left_from_an_earlier_batch_names_its_offsets() -> No
 def test_a_prefill_schedule_short_of_a_requests_qo_tiles_is_a_defect() -> None:
     now = planned("extend-prefix", "extend_lens=37,5,64")
     earlier = planned("extend-prefix", "extend_lens=37,5,10")
-    found = one(scheduled(now, for_plan=earlier.plan, cta_tile_q=64), "plan-info-qo-tiles")
+    found = one(scheduled(now, for_plan=earlier.plan, cta_tile_q=64, graph=True), "plan-info-qo-tiles")
     assert found.location.request == 2
     says(found, "64 query rows")
+
+
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_an_eager_prefill_schedule_is_read_but_not_judged(tensor_cores) -> None:
+    """On the H100, correct eager prefill-kind schedules of FlashInfer 0.7.2.post1 (paged prefill,
+    tensor-core decode) read as missing their query tiles: until our reading matches that layout,
+    such a schedule is shown, not judged, even when it is stale. Graph-planned ones are judged."""
+    from attndbg.plans.reading import read
+
+    if tensor_cores:
+        now, earlier = planned("decode-paged", "kv_lens=5,16,33,2600"), planned("decode-paged")
+        options = dict(tensor_cores=True, max_grid_size=10000)
+    else:
+        now, earlier = planned("extend-prefix", "extend_lens=37,5,64"), planned("extend-prefix", "extend_lens=37,5,10")
+        options = dict(cta_tile_q=64)
+    stale = scheduled(now, for_plan=earlier.plan, **options)
+    assert read(stale).schedule.schedule.kind is ScheduleKind.PREFILL and not read(stale).schedule.schedule.graph
+    assert schedule_findings(stale) == []
+    assert schedule_findings(scheduled(now, for_plan=earlier.plan, graph=True, **options)) != []
 
 
 # -- each field broken alone ---------------------------------------------------------------------------

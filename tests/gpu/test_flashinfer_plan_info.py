@@ -23,6 +23,7 @@ from attndbg.backends.flashinfer_plan_info import ScheduleKind
 from attndbg.detectors.invariants.detect import check_trace
 from attndbg.machine import module_available
 from attndbg.plans.reading import read
+from attndbg.detectors.invariants.schedule import judged
 from attndbg.record.sglang.plan import plan_from_backend
 from attndbg.trace import synth
 from attndbg.trace.schema import DTYPES, Trace
@@ -139,7 +140,10 @@ def test_real_schedules_are_clean_and_a_reused_one_is_caught(case) -> None:
     # Another wrapper's schedule, planned for the earlier batch, with this batch's indices.
     stale = planned(earlier, kind, cores, graph)
     reused = replace(trace, plan=replace(trace.plan, plan_info=recorded(earlier, stale, kind, cores).plan.plan_info))
-    assert schedule_findings(reused), "a schedule planned for the earlier batch was not caught"
+    if judged(facts):
+        assert schedule_findings(reused), "a schedule planned for the earlier batch was not caught"
+    else:  # an eager prefill-kind schedule is read, not judged (invariants/schedule.py says why)
+        assert schedule_findings(reused) == []
 
 
 @pytest.mark.parametrize("case", [CASES["decode-graph"], CASES["tensor-core-decode-graph"], CASES["paged-prefill-graph"]], ids=["decode", "tensor-core-decode", "paged-prefill"])
@@ -148,8 +152,10 @@ def test_a_graph_wrapper_refilled_without_plan_is_caught(case) -> None:
     describe this batch, the schedule the last one."""
     kind, cores, graph = case
     now, earlier = step(kind, "now", graph), step(kind, "earlier", graph)
-    wrapper = planned(earlier, kind, cores, graph)
-    fresh = planned(now, kind, cores, graph)  # the same arrays a correct plan() would copy in
+    # Both captured with room for the larger batch, as an engine sizes its graph buffers.
+    room = 2 * max(int(t.batch.kv_lens.sum()) + CAPTURE_BS for t in (now, earlier))
+    wrapper = planned(earlier, kind, cores, graph, wrapper_for(kind, cores, graph, room))
+    fresh = planned(now, kind, cores, graph, wrapper_for(kind, cores, graph, room))  # the same arrays a correct plan() would copy in
     for name in ("_paged_kv_indptr_buf", "_paged_kv_indices_buf", "_paged_kv_last_page_len_buf", "_qo_indptr_buf"):
         if getattr(wrapper, name, None) is not None and getattr(fresh, name, None) is not None:
             source = getattr(fresh, name)

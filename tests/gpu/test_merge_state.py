@@ -50,8 +50,10 @@ def test_merges_pass_against_the_float64_merge(words: tuple[str, ...], name: str
     record_property("max_lse_abs", run.comparison.max_lse_abs)
     assert run.repeat_identical is True and run.comparison.nonfinite == 0
     assert run.comparison.total_rows == trace.merge.num_tokens
-    if name != "reference":
-        assert run.comparison.max_abs > 0  # a kernel's rounding, not the reference again
+    if name != "reference" and trace.merge.num_states > 1:
+        # a kernel's rounding, not the reference again (a merge of one state is that state: exact,
+        # as the H100 run showed for both kernels)
+        assert run.comparison.max_abs > 0
 
 
 @pytest.mark.parametrize("name", ["fa3", "mla", "vllm_paged"])
