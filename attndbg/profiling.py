@@ -68,6 +68,13 @@ def step_range(path: str | os.PathLike[str], trace: Trace) -> contextlib.Abstrac
     return phase("step", f"trace={os.path.basename(os.fspath(path))} {step_label(trace)}")
 
 
+def _current_observer() -> Observer | None:
+    """The observer now, the environment's read first (once) in a process the CLI never ran in."""
+    if _observer is None and not _environment_read:
+        _observe_from_environment()
+    return _observer
+
+
 # Set by an NVTX tool (Nsight Systems, Nsight Compute) in the processes it profiles: the library it
 # injects into NVTX, which is what records a range's message.
 NVTX_TOOL_VARIABLE = "NVTX_INJECTION64_PATH"
@@ -76,17 +83,13 @@ NVTX_TOOL_VARIABLE = "NVTX_INJECTION64_PATH"
 def labels_read() -> bool:
     """Whether a range's words are read by anyone now: `--timeline`'s observer, or an NVTX tool.
     A hot path (the recorder's per-step range) words its label in full only then."""
-    if _observer is None and not _environment_read:
-        _observe_from_environment()
-    return _observer is not None or bool(os.environ.get(NVTX_TOOL_VARIABLE))
+    return _current_observer() is not None or bool(os.environ.get(NVTX_TOOL_VARIABLE))
 
 
 @contextlib.contextmanager
 def phase(name: str, detail: str = "") -> Iterator[None]:
     message = f"{PREFIX}{name}" + (f" {detail}" if detail else "")
-    if _observer is None and not _environment_read:
-        _observe_from_environment()
-    observer = _observer
+    observer = _current_observer()
     _open.append(message)
     if observer is not None:
         observer.push(message)

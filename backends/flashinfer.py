@@ -146,14 +146,20 @@ DECODE_HEAD_DIM_DEFECT_MULTIPLE = 8
 DECODE_HEAD_DIMS_RIGHT_ON_TENSOR_CORES = (192,)
 
 
+def _measured_release() -> str | None:
+    """The installed FlashInfer's version when it is a release the defect tables were measured on."""
+    version = str(getattr(_flashinfer(), "__version__", "")) if machine.module_available("flashinfer") else ""
+    return version if version.startswith(DECODE_HEAD_DIM_DEFECT_RELEASES) else None
+
+
 def decode_head_dim_defect(head_dim: int, tensor_cores: bool) -> str | None:
     """The known library defect a decode at `head_dim` would hit with the installed FlashInfer, if any."""
     if head_dim & (head_dim - 1) == 0 or (tensor_cores and head_dim in DECODE_HEAD_DIMS_RIGHT_ON_TENSOR_CORES):
         return None
     if head_dim % DECODE_HEAD_DIM_DEFECT_MULTIPLE:
         return None  # never builds: the JIT's own error names it (KernelUnsupported)
-    version = str(getattr(_flashinfer(), "__version__", "")) if machine.module_available("flashinfer") else ""
-    if not version.startswith(DECODE_HEAD_DIM_DEFECT_RELEASES):
+    version = _measured_release()
+    if version is None:
         return None  # a release we have not measured: run it (check's workers contain a crash)
     path = "tensor-core path: illegal memory access or wrong outputs" if tensor_cores else "CUDA-core path: wrong outputs, max abs 0.3-1.0"
     return (
@@ -174,8 +180,8 @@ def prefill_head_dim_defect(head_dim: int) -> str | None:
     """The known library defect an extend at `head_dim` would hit with the installed FlashInfer, if any."""
     if head_dim not in PREFILL_HEAD_DIMS_FAULTING:
         return None
-    version = str(getattr(_flashinfer(), "__version__", "")) if machine.module_available("flashinfer") else ""
-    if not version.startswith(DECODE_HEAD_DIM_DEFECT_RELEASES):
+    version = _measured_release()
+    if version is None:
         return None  # a release we have not measured: run it (check's workers contain a crash)
     return (
         f"known FlashInfer {version} defect: paged prefill at head_dim {head_dim} ends in an illegal memory access "

@@ -104,18 +104,20 @@ class HostCopy:
         """Copy more tensors (a step's layer tensors once its forward ran) into this copy."""
         host: dict[str, Tensor | None] = {}
         on_device: dict[torch.device, list[tuple[str, Tensor]]] = {}
+        nbytes = 0
         for name, t in tensors.items():
             if t is None:
                 host[name] = None
                 continue
-            self.nbytes += t.numel() * t.element_size()
+            nbytes += t.numel() * t.element_size()
             if t.is_cuda:
                 on_device.setdefault(t.device, []).append((name, t))
             else:
                 # A host tensor may be reused by the engine for the next step: copy it now.
                 host[name] = t.detach().clone()
         if on_device and device_fault.faulted():
-            return  # no pinned allocation and no copy can succeed now: the tensors are lost
+            return  # no pinned allocation and no copy can succeed now: the tensors are lost (and not counted)
+        self.nbytes += nbytes
         if on_device:
             with contextlib.ExitStack() as on_stream:
                 if stream is not None:
