@@ -9,7 +9,10 @@ Where triggers come from:
   device work is done (a blocking-sync event: the thread sleeps, no device sync on the engine's
   thread) and judges what landed (in-graph probe readings included, host_copy.py); a CUDA error
   seen there fires at once. Without it, the engine's thread polls the events of the steps in the
-  ring when it opens the next (a query each), which is all in-flight marking needs;
+  ring when it opens the next (a query each), which is all in-flight marking needs. A step that
+  carries in-graph probe readings is followed too, its readings read from the graph's staging on
+  this thread once its replay is done: else they would be read on the engine's thread, just before
+  the same graph replays again (probes.py);
 - signals (signals.py): SIGUSR1 asks for the ring; a process ended by SIGTERM or SIGHUP (their
   default action) first leaves its ring for `record`;
 - exceptions the engine does not hand to our hooks: an uncaught one (sys.excepthook,
@@ -114,7 +117,7 @@ class FlightRecorder:
             done = torch.cuda.Event(blocking=True)
             done.record(stream)
         self.ring.close(entry, done)
-        if self.when.nan:
+        if self.when.nan or entry.copy.has_readings():
             self._put(_Watch(entry))
 
     def keep(self, step: int, copy: HostCopy, build: Build) -> None:
@@ -192,7 +195,7 @@ class FlightRecorder:
                             self._idle.set()
 
     def _follow(self, entry: RingEntry) -> None:
-        """Wait until the step's device work is done, judge `--when nan`."""
+        """Wait until the step's device work is done, read its probe readings, judge `--when nan`."""
         if device_fault.faulted():
             return  # no event may be waited on; the ring was written when the fault was seen
         if entry.done is not None:
@@ -203,7 +206,9 @@ class FlightRecorder:
                     self.fire(from_exception(e, self.in_flight_step(), "seen by the flight recorder"))
                 return
             self.ring.mark_finished(entry)
-        self._judge(_Check(entry.copy, lambda host, step=entry.step: self._nan(host, step)))
+        entry.copy.collect_readings()
+        if self.when.nan:
+            self._judge(_Check(entry.copy, lambda host, step=entry.step: self._nan(host, step)))
 
     def _nan(self, host: dict[str, Any], step: int) -> Trigger | None:
         found = nonfinite(host, self.watched)

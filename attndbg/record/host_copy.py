@@ -68,7 +68,8 @@ def packed_layout(parts: list[tuple[str, Tensor]]) -> tuple[tuple[tuple[str, tor
     for name, t in parts:
         n = t.numel() * t.element_size()
         layout.append((name, t.dtype, tuple(t.shape), offset, n))
-        flat.append(t.contiguous().reshape(-1).view(torch.uint8))
+        # A 1-D contiguous tensor (most metadata) is viewed as bytes as it is: one view, not three.
+        flat.append(t.view(torch.uint8) if t.dim() == 1 and t.is_contiguous() else t.contiguous().reshape(-1).view(torch.uint8))
         offset += n
     return tuple(layout), flat, offset
 
@@ -145,6 +146,19 @@ class HostCopy:
             self._readings.append(reading)
             self.nbytes += sum(t.numel() * t.element_size() for t in reading.probes.staging.values())
 
+    def has_readings(self) -> bool:
+        with self._lock:
+            return bool(self._readings)
+
+    def collect_readings(self) -> None:
+        """Read the probe readings whose replay is done from their graphs' staging now (before a
+        later replay of the same graph overwrites it); the others are left to `wait`."""
+        with self._lock:
+            readings = list(self._readings)
+        for reading in readings:
+            if reading.ready():
+                reading.collect()
+
     def landed(self) -> bool:
         """Every device copy arrived (host memory only: safe after a CUDA error). Probe readings
         judge their own values by their stamps (probes.py)."""
@@ -206,6 +220,13 @@ class StepCopies(HostCopy):
 
     def add_host(self, host: dict[str, Tensor]) -> None:
         raise TypeError("add to a part, not to the merged copy")
+
+    def has_readings(self) -> bool:
+        return any(part.has_readings() for part in self._parts.values())
+
+    def collect_readings(self) -> None:
+        for part in self._parts.values():
+            part.collect_readings()
 
     def landed(self) -> bool:
         return all(part.landed() for part in self._parts.values())

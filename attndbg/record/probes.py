@@ -105,25 +105,31 @@ class Reading:
             return False
 
     def collect(self) -> dict[str, Tensor]:
-        """The values (once; later calls return the same): only stamps equal to this replay's."""
+        """The values (once; later calls return the same): only stamps equal to this replay's.
+
+        The adapter's trimming is applied to the staging's views before anything is copied: a
+        graph's staging is sized for its padded tokens (a varlen graph's thousands), the step's
+        real rows are often a few, and this copy may run on the engine's thread
+        (`ProbeBook.before_replay`)."""
         with self._lock:
             if self.values is not None:
                 return self.values
-            values: dict[str, Tensor] = {}
+            landed: dict[str, Tensor] = {}
             for name, staged in self.probes.staging.items():
                 stamp = int(self.probes.stamps[name][0])
                 if stamp == self.replay:
-                    values[name] = staged.clone()
+                    landed[name] = staged
                 elif stamp > self.replay:
                     self.notes.append(f"{name}: overwritten by a later replay before it was read")
                 else:
                     self.notes.append(f"{name}: not copied (the replay did not reach it)")
+            values = {name: view.clone() for name, view in self.shape(landed).items()}
             # A stamp read before the values: re-check that no replay overwrote them meanwhile.
             for name in list(values):
-                if int(self.probes.stamps[name][0]) != self.replay:
+                if name in self.probes.stamps and int(self.probes.stamps[name][0]) != self.replay:
                     del values[name]
                     self.notes.append(f"{name}: overwritten by a later replay while it was read")
-            self.values = self.shape(values)
+            self.values = values
             return self.values
 
     def wait(self) -> dict[str, Tensor]:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,7 +206,7 @@ def _probes_wanted(session: RecordingSession) -> bool:
 
 
 def _state(session: RecordingSession, runner: Any, step: int, graph: GraphStep, batch_data: dict[str, Any], *, probing: bool) -> _StepState:
-    geometry = cache_geometry(batch_data["cache"])
+    geometry = _cache_geometry(batch_data["cache"])
     io = current_io(runner.inputs_and_outputs, "host")
     a = geometry.allocator_index
     requests = int(getattr(io, "num_request_in_batch", len(io.requests_in_batch)))
@@ -253,6 +254,23 @@ def _open(session: RecordingSession, runner: Any, model: Any, batch_data: dict[s
         return trace_from_step(host, model=engine_model, geometry=geometry, step=step, backend=backend, device=device)
 
     return session.open_step(step, copy, build)
+
+
+_GEOMETRY_CACHE: list[tuple[weakref.ref[Any], CacheGeometry]] = []  # the last (cache, its geometry)
+
+
+def _cache_geometry(cache: Any) -> CacheGeometry:
+    """cache_geometry, read once per cache (its allocators are fixed for its life) rather than every
+    step; held by a weak reference, so a finished generation's cache is not kept alive."""
+    for ref, geometry in _GEOMETRY_CACHE:
+        if ref() is cache:
+            return geometry
+    geometry = cache_geometry(cache)
+    try:
+        _GEOMETRY_CACHE[:] = [(weakref.ref(cache), geometry)]
+    except TypeError:  # a cache that takes no weak reference: read every step, as before
+        pass
+    return geometry
 
 
 _MODEL_CACHE: list[tuple[Any, torch.dtype, int, Model]] = []  # the last (config, dtype, page size, model)
