@@ -9,6 +9,13 @@
   access, one not a multiple of 16 returns wrong results. A library defect: only running the
   kernel on the step's shape finds it (a GPU check).
 
+- flashinfer-ai/flashinfer#4002 (2026-07): under CUDA graphs with split-KV off (SGLang's
+  deterministic inference: tensor-core decode, `disable_split_kv=True`), FA2's scheduler padded
+  the grid to its split-KV occupancy bound but wrote a work item only per request and query tile,
+  and no block_valid_mask: the padded thread blocks read whatever the pinned int workspace held
+  there (an earlier plan's work items: an illegal memory access). The wrapper's own schedule
+  (`_plan_info` and the int workspace it indexes) is what the recorder keeps as `plan.plan_info`.
+
 Recorded through the SGLang hooks on SGLang's FlashInfer backend, one wrapper object planned for a
 verify step and then for an extend step: the recorder reads what the wrapper holds at each step
 (FlashInfer's `_qo_indptr_buf`, `_paged_kv_*_buf`, `_custom_mask_buf`, `_mask_indptr_buf`), which
@@ -27,6 +34,7 @@ import torch
 from attndbg.trace import tree
 from tests.corpus import sglang_engine as sg
 from tests.corpus.bug import Capability, RealBug
+from tests.plans.flashinfer_scheduler import prefill_plan_info
 
 I64, I32 = torch.int64, torch.int32
 ROWS = {1: list(range(10, 24)), 4: list(range(40, 52))}
@@ -121,6 +129,61 @@ def write_4299(bug: Path, twin: Path) -> None:
     _head_dim(twin, 128)
 
 
+DECODE_ROWS = {1: [11, 12, 13, 14, 15], 5: [30, 31, 32, 33, 34, 35, 36, 37, 38], 3: [60, 61, 62]}
+DECODE_LENS = [5, 9, 3]
+CAPTURE_BS = 4  # three decodes replayed in the bs-4 graph: one padded row (seq_len 1)
+H100_SMS = 132  # plan() asks the device; 2 blocks an SM over 2 KV heads: grid 132 when padded
+CTA_TILE_Q = 16  # FA2's query tile for one row x group 2 (FA2DetermineCtaTileQ)
+EARLIER_REQUESTS = 16  # the fix's reproduction: 16 requests planned into the workspace before
+
+
+def _schedule(kv_pages: list[int], *, exact_grid: bool, previous: bytes = b"") -> tuple[list[int], bytes]:
+    """FlashInfer's prefill scheduler as tensor-core decode calls it under a CUDA graph with
+    split-KV off: one query row a request (group 2 packed), one KV tile a request."""
+    return prefill_plan_info(
+        [1] * len(kv_pages), kv_pages, 1, group=sg.HEADS // sg.KV_HEADS, num_kv_heads=sg.KV_HEADS, num_sm=H100_SMS, cta_tile_q=CTA_TILE_Q,
+        graph=True, disable_split_kv=True, exact_grid=exact_grid, previous=previous,
+    )  # fmt: skip
+
+
+def _deterministic_decode_graph(made: Any, view: Any, *, exact_grid: bool) -> None:
+    """SGLang FlashInfer's decode replay with deterministic inference: the graph's tensor-core
+    decode wrapper re-planned over the padded batch with disable_split_kv=True (its plan(): the
+    indptrs into the graph buffers, then the scheduler's work items into the pinned int workspace,
+    which an earlier 16-request plan used before)."""
+    lens = view.seq_lens.to(I64)
+    bs = lens.numel()
+    indptr, indices = sg.kv_lists(made, view, lens, size=int(lens.sum()) + 16, garbage=0)
+    decode = sg.wrapper(
+        qo_indptr_buf=torch.arange(bs + 1, dtype=I32),  # a tensor-core graph decode wrapper's: one row a request
+        paged_kv_indptr_buf=indptr,
+        paged_kv_indices_buf=indices,
+        paged_kv_last_page_len_buf=torch.ones(bs, dtype=I32),
+    )
+    decode._use_tensor_cores = True
+    decode._use_cuda_graph = True
+    decode._backend = "fa2"
+    _, earlier = _schedule([7] * EARLIER_REQUESTS, exact_grid=exact_grid)
+    vector, workspace = _schedule(lens.tolist(), exact_grid=exact_grid, previous=earlier)
+    decode._plan_info = vector
+    decode._pin_memory_int_workspace_buffer = torch.frombuffer(bytearray(workspace.ljust(4096, b"\0")), dtype=torch.uint8)
+    made.forward_metadata = sg.flashinfer_backend.DecodeMetadata(decode_wrappers=[decode])
+
+
+def _deterministic_decode(out: Path, *, exact_grid: bool) -> None:
+    with sg.recording(out) as session:
+        layer = sg.layer()  # noqa: F841 - the model's layer, alive while the step records
+        made = sg.backend(sg.CorpusFlashInfer, DECODE_ROWS, lambda m, view: _deterministic_decode_graph(m, view, exact_grid=exact_grid))
+        made.decode_use_tensor_cores = True
+        fb = sg.decode_batch(DECODE_ROWS, DECODE_LENS)
+        sg.record_replay(session, made, sg.replay_view(fb, capture_bs=CAPTURE_BS, fill=1))
+
+
+def write_4002(bug: Path, twin: Path) -> None:
+    _deterministic_decode(bug, exact_grid=False)
+    _deterministic_decode(twin, exact_grid=True)
+
+
 BUGS = (
     RealBug(
         id="flashinfer-1028",
@@ -157,5 +220,32 @@ BUGS = (
         capabilities=(Capability.KERNEL_RUN,),
         twin_note="the same step at head_dim 128, a width FA2 prefill handles (the defect is in the library, not the step)",
         write=write_4299,
+    ),
+    RealBug(
+        id="flashinfer-4002",
+        title="FA2 CUDA-graph plans without split-KV launch padded CTAs over uninitialised scheduler entries",
+        links=(
+            "https://github.com/flashinfer-ai/flashinfer/issues/4002",
+            "https://github.com/flashinfer-ai/flashinfer/pull/5176",
+            "https://github.com/flashinfer-ai/flashinfer/pull/4794",
+            "https://github.com/sgl-project/sglang/pull/31387",
+        ),
+        date="2026-07",
+        engine="FlashInfer (SGLang deterministic decode)",
+        mode="DECODE graph",
+        mechanism="with CUDA graphs and split-KV off the planner padded grid-x to padded_batch_size (the split-KV occupancy "
+        "bound, 132 on an H100 with 2 KV heads) without a block_valid_mask; padded CTAs read plan entries never written (an "
+        "earlier plan's in a reused workspace: illegal memory access)",
+        encoding="3 decodes replayed in a bs-4 graph (fill 1) on SGLang's FlashInfer backend with deterministic inference: the "
+        "tensor-core decode wrapper planned with disable_split_kv; its plan info (FlashInfer's prefill scheduler, graph on, "
+        "split-KV off) pads the grid to 132 with 4 work items written and no block_valid_mask, the int workspace past them "
+        "holding an earlier 16-request plan's work items",
+        expected=("invariants/plan-info-request-index", "invariants/plan-info-padded-batch-size", "invariants/plan-info-valid-mask"),
+        keywords=("block_valid_mask", "never written", "split-KV off"),
+        capabilities=(Capability.PLAN_INFO,),
+        twin_note="the same replay planned with the exact grid the proposed fixes give a one-token decode without split-KV "
+        "(flashinfer#4794, sglang#31387: padded_batch_size = the 4 work items); flashinfer#5176's mask under graphs is not "
+        "read without split-KV (backends/flashinfer_plan_info.arrays), so that layout is not the twin",
+        write=write_4002,
     ),
 )

@@ -146,16 +146,6 @@ BUGS = (
         Capability.CROSS_FIELDS,
     ),
     _bug(
-        "flashinfer-4002", "FA2 CUDA-graph plans without split-KV launch padded CTAs over uninitialised scheduler entries",
-        ("https://github.com/flashinfer-ai/flashinfer/issues/4002", "https://github.com/flashinfer-ai/flashinfer/pull/5176",
-         "https://github.com/sgl-project/sglang/pull/31387"), "2026-07", "FlashInfer (SGLang deterministic decode)", "DECODE graph",
-        "with CUDA graphs and split-KV off the planner padded grid-x to padded_batch_size without a block_valid_mask; padded CTAs "
-        "read plan entries never written (an earlier plan's in a reused workspace: illegal memory access)",
-        "FlashInfer's plan info in the int workspace (request_indices, kv_tile_indices, padded_batch_size, block_valid_mask) is "
-        "recorded by neither the recorder nor the importer",
-        Capability.PLAN_INFO,
-    ),
-    _bug(
         "flashinfer-4051", "Merging two empty attention states returns NaN",
         ("https://github.com/flashinfer-ai/flashinfer/issues/4051", "https://github.com/flashinfer-ai/flashinfer/pull/5262"), "2026-07",
         "FlashInfer cascade", "any merge",

@@ -51,6 +51,7 @@ CAUGHT = {
     "sglang-40903": "split-merge/merge-lse-base-confusion",
     "vllm-28739": "invariants/plan-pointer-moved",
     "flashinfer-1028": "split-merge/recorded-output-mismatch",
+    "flashinfer-4002": "invariants/plan-info-request-index",
     "vllm-35969": "fill-value/padded-seq-len-unsupported",
     "vllm-35175": "invariants/plan-pointer-moved",
     "vllm-31282": "invariants/kv-last-page-len",

@@ -78,8 +78,26 @@ def decode_plan_info(kv_pages: list[int], page_size: int, *, max_grid_size: int,
 
 
 def prefill_plan_info(
-    qo_lens: list[int], kv_pages: list[int], page_size: int, *, group: int, num_kv_heads: int, num_sm: int, cta_tile_q: int, graph: bool, window_left: int = -1
+    qo_lens: list[int],
+    kv_pages: list[int],
+    page_size: int,
+    *,
+    group: int,
+    num_kv_heads: int,
+    num_sm: int,
+    cta_tile_q: int,
+    graph: bool,
+    window_left: int = -1,
+    disable_split_kv: bool = False,
+    exact_grid: bool = False,
+    previous: bytes = b"",
 ) -> tuple[list[int], bytes]:
+    """`disable_split_kv`: one KV tile a request, split-KV off, kv_chunk_size int64 max (its low 32
+    bits stored); under a graph the grid is still padded and, without split-KV, no block_valid_mask
+    is written (FlashInfer 0.7.2.post1). `exact_grid`: the proposed fix for a graph plan without
+    split-KV, the grid exactly the work items (padded_batch_size = their count). `previous`: what the
+    pinned workspace held before this plan (an earlier plan's bytes); bytes this plan does not
+    write keep it, the rest past it hold STALE_BYTE."""
     batch = len(qo_lens)
     total_rows = sum(qo_lens)
     max_batch_if_split = (2 * num_sm) // num_kv_heads
@@ -98,6 +116,8 @@ def prefill_plan_info(
         else:
             high = mid
     split, chunk = graph or low < max_kv, low
+    if disable_split_kv:
+        split, chunk = False, max_kv
     request, qo_tiles, kv_tiles, o_indptr = [], [], [], [0]
     for b in range(batch):
         nq, nk = _cdiv(packed[b], cta_tile_q), _cdiv(max(effective[b], 1), chunk)
@@ -108,7 +128,7 @@ def prefill_plan_info(
                 kv_tiles.append(kt)
         o_indptr.append(o_indptr[-1] + qo_lens[b] * nk)
     new_batch = len(request)
-    padded = max(max_batch_if_split, tiles_q) if graph else new_batch
+    padded = max(max_batch_if_split, tiles_q) if graph and not (exact_grid and disable_split_kv) else new_batch
     assert new_batch <= padded
     alloc = _Allocator()
     ri, qt_off, kt = (alloc.offset(padded * 4, 16) for _ in range(3))
@@ -117,12 +137,13 @@ def prefill_plan_info(
     rows_off = alloc.offset(4, 16) if graph else 0
     merge_off = alloc.offset((total_rows + 1) * 4, 16) if split else 0
     bvm = alloc.offset(padded, 16) if split else 0
-    workspace = bytearray([STALE_BYTE]) * alloc.used
+    workspace = bytearray(previous[: alloc.used]) + bytearray([STALE_BYTE]) * max(alloc.used - len(previous), 0)
     _write(workspace, ri, request)
     _write(workspace, qt_off, qo_tiles)
     _write(workspace, kt, kv_tiles)
     _write(workspace, oi, o_indptr)
-    _write(workspace, kc, [chunk * page_size])
+    # kv_chunk_size * page_size in int64, stored as IdType: int64 max x page_size (split-KV off) wraps to -page_size
+    _write(workspace, kc, [-page_size if disable_split_kv else chunk * page_size])
     if graph:
         _write(workspace, rows_off, [total_rows])
     if split:
