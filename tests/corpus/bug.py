@@ -3,7 +3,8 @@ what a detector that catches it should say.
 
 `write(bug_dir, twin_dir)` records the bug's step(s) and the correct twin's into two recording
 folders (manifest.jsonl + one trace per step), the way `attndbg record` writes them: through the
-SGLang recorder's hooks, the vLLM recorder's converter, or the FlashInfer dump importer. A bug the
+SGLang recorder's hooks, the vLLM recorder's converter, or the FlashInfer dump importer (a merge
+step, which none of them writes, as the trace format holds the library's merge call). A bug the
 recorder cannot express has no `write`, and `not_expressible` says what the trace lacks.
 """
 

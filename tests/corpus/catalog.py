@@ -6,6 +6,7 @@ from pathlib import Path
 
 from attndbg.trace import io
 from tests.corpus import (
+    flashinfer_merges,
     flashinfer_wrappers,
     not_expressible,
     sglang_draft_modes,
@@ -29,6 +30,7 @@ FAMILIES = (
     vllm_host_hints,
     vllm_builder_lists,
     flashinfer_wrappers,
+    flashinfer_merges,
     not_expressible,
 )
 BUGS: tuple[RealBug, ...] = tuple(bug for family in FAMILIES for bug in family.BUGS)

@@ -146,15 +146,6 @@ BUGS = (
         Capability.CROSS_FIELDS,
     ),
     _bug(
-        "flashinfer-4051", "Merging two empty attention states returns NaN",
-        ("https://github.com/flashinfer-ai/flashinfer/issues/4051", "https://github.com/flashinfer-ai/flashinfer/pull/5262"), "2026-07",
-        "FlashInfer cascade", "any merge",
-        "merge((0, -inf), (0, -inf)) evaluates exp2(-inf - -inf): NaN output and LSE, contaminating later cascade reductions",
-        "no step the recorders or the importer produce merges two empty FlashInfer states: the importer pairs merge_state only "
-        "into SGLang's cascade, whose new-token part always holds the query's own key; split-merge's nan-empty-split models it synthetically",
-        Capability.KERNEL_RUN, Capability.SPLIT_MODEL,
-    ),
-    _bug(
         "flashinfer-3716", "CuteDSL paged decode with is_causal=False counts padding KV lanes",
         ("https://github.com/flashinfer-ai/flashinfer/issues/3716",), "2026-06", "FlashInfer CuteDSL decode", "DECODE",
         "the non-causal path skipped the boundary mask, so lanes past seq_len entered the softmax denominator",
