@@ -83,7 +83,16 @@ NVTX_TOOL_VARIABLE = "NVTX_INJECTION64_PATH"
 def labels_read() -> bool:
     """Whether a range's words are read by anyone now: `--timeline`'s observer, or an NVTX tool.
     A hot path (the recorder's per-step range) words its label in full only then."""
-    return _current_observer() is not None or bool(os.environ.get(NVTX_TOOL_VARIABLE))
+    return _current_observer() is not None or _nvtx_tool()
+
+
+_NVTX_TOOL: list[bool] = []  # the variable as first read: NVTX reads it once too, at its first call
+
+
+def _nvtx_tool() -> bool:
+    if not _NVTX_TOOL:
+        _NVTX_TOOL.append(bool(os.environ.get(NVTX_TOOL_VARIABLE)))
+    return _NVTX_TOOL[0]
 
 
 @contextlib.contextmanager

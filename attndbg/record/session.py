@@ -49,8 +49,9 @@ MAX_PENDING_BYTES = 1 << 30
 
 
 def capturing() -> bool:
-    """True inside `torch.cuda.graph(...)` capture on the current stream."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    """True inside `torch.cuda.graph(...)` capture on the current stream. (Nothing captures before
+    CUDA is initialised; is_available() would ask the driver at every step.)"""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 Build = Callable[[dict[str, Tensor | None]], Trace | None]
