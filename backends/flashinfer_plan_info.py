@@ -8,9 +8,10 @@ copies the used head of that buffer to the device int workspace, and returns the
 as a vector of int64 (`DecodePlanInfo::ToVector`, `PrefillPlanInfo::ToVector`). Every kernel launch
 of the wrapper reads the device copy: each thread block `bx < padded_batch_size` is one work item
 (request_indices[bx], qo_tile_indices[bx], kv_tile_indices[bx]), skipped where block_valid_mask[bx]
-is false; a split-KV item covers the KV chunk [kv_tile * kv_chunk_size, (kv_tile + 1) *
-kv_chunk_size) of its request and writes its partial state at o_indptr[request] + kv_tile (decode)
-or per row (prefill), merged per row by merge_indptr (prefill) or o_indptr (decode).
+is false (where plan() wrote a mask: split-KV plans, and with flashinfer#5176 every graph plan;
+without one every block runs); a split-KV item covers the KV chunk [kv_tile * kv_chunk_size,
+(kv_tile + 1) * kv_chunk_size) of its request and writes its partial state at o_indptr[request] +
+kv_tile (decode) or per row (prefill), merged per row by merge_indptr (prefill) or o_indptr (decode).
 
 Two vectors, told apart by their length (FromVector refuses any other):
 
@@ -79,8 +80,14 @@ class ArraySpec:
     length: str  # "padded" (padded_batch_size), "requests + 1", "padded + 1", "rows + 1" (total_num_rows + 1), "one"
 
 
-def arrays(kind: ScheduleKind, *, split_kv: bool, graph: bool) -> tuple[ArraySpec, ...]:
-    """The arrays plan() writes for this kind and these settings (the others' offsets are 0, unused)."""
+def arrays(kind: ScheduleKind, *, split_kv: bool, graph: bool, mask_offset: int = 0) -> tuple[ArraySpec, ...]:
+    """The arrays plan() writes for this kind and these settings (the others' offsets are 0, unused).
+
+    block_valid_mask: FlashInfer 0.7.2.post1 allocates it under split-KV only; with flashinfer#5176
+    (the fix of #4002) every CUDA-graph plan has one, split-KV or not, and the kernels skip the
+    padded blocks it switches off. `mask_offset` (block_valid_mask_offset) tells the two apart: a
+    graph plan without split-KV has a mask where the offset is not 0 (an array plan() did not
+    allocate keeps offset 0, and the first array, request_indices, takes byte 0)."""
     tiles = (ArraySpec("request_indices", "request_indices_offset", ID_BYTES, "padded"),)
     if kind is ScheduleKind.PREFILL:
         tiles += (ArraySpec("qo_tile_indices", "qo_tile_indices_offset", ID_BYTES, "padded"),)
@@ -90,9 +97,9 @@ def arrays(kind: ScheduleKind, *, split_kv: bool, graph: bool) -> tuple[ArraySpe
     tiles += (ArraySpec("kv_chunk_size", "kv_chunk_size_ptr_offset", ID_BYTES, "one"),)
     if kind is ScheduleKind.PREFILL and graph:
         tiles += (ArraySpec("total_num_rows_host", "total_num_rows_offset", ID_BYTES, "one"),)
-    if split_kv:
-        if kind is ScheduleKind.PREFILL:
-            tiles += (ArraySpec("merge_indptr", "merge_indptr_offset", ID_BYTES, "rows + 1"),)
+    if split_kv and kind is ScheduleKind.PREFILL:
+        tiles += (ArraySpec("merge_indptr", "merge_indptr_offset", ID_BYTES, "rows + 1"),)
+    if split_kv or (graph and mask_offset != 0):
         tiles += (ArraySpec("block_valid_mask", "block_valid_mask_offset", BOOL_BYTES, "padded"),)
     return tiles
 
@@ -190,7 +197,7 @@ def read_schedule(vector: list[int], workspace: Tensor, *, requests: int) -> Sch
             raise PlanInfoError(f"vector[{names.index(size)}]", f"{size} = {info[size]}, expected 0 to {MAX_WORKSPACE_BYTES}")
     raw = workspace.reshape(-1)
     out: dict[str, Tensor] = {}
-    for spec in arrays(kind, split_kv=bool(info["split_kv"]), graph=bool(info["enable_cuda_graph"])):
+    for spec in arrays(kind, split_kv=bool(info["split_kv"]), graph=bool(info["enable_cuda_graph"]), mask_offset=info["block_valid_mask_offset"]):
         offset = info[spec.offset_field]
         count = _lengths(spec, info, requests)
         end = offset + count * spec.item_bytes
@@ -209,7 +216,7 @@ def read_schedule(vector: list[int], workspace: Tensor, *, requests: int) -> Sch
 def workspace_extent(vector: list[int]) -> int:
     """Bytes from the workspace's start that hold every array the vector places, without knowing the
     batch size: the allocator places arrays one after another (request_indices, [qo_tile_indices],
-    kv_tile_indices, o_indptr, kv_chunk_size_ptr, [total_num_rows], [merge_indptr, block_valid_mask]),
+    kv_tile_indices, o_indptr, kv_chunk_size_ptr, [total_num_rows], [merge_indptr], [block_valid_mask]),
     so the prefill o_indptr (sized by the batch) ends before kv_chunk_size_ptr. 0 for a vector of no
     known kind; at most MAX_WORKSPACE_BYTES."""
     kind = KIND_OF_LENGTH.get(len(vector))
@@ -217,7 +224,7 @@ def workspace_extent(vector: list[int]) -> int:
         return 0
     info = dict(zip(FIELDS[kind], (int(v) for v in vector)))
     ends = []
-    for spec in arrays(kind, split_kv=bool(info["split_kv"]), graph=bool(info["enable_cuda_graph"])):
+    for spec in arrays(kind, split_kv=bool(info["split_kv"]), graph=bool(info["enable_cuda_graph"]), mask_offset=info["block_valid_mask_offset"]):
         count = 1 if spec.length == "requests + 1" else _lengths(spec, info, 0)
         ends.append(info[spec.offset_field] + count * spec.item_bytes)
     return max(0, min(max(ends), MAX_WORKSPACE_BYTES))

@@ -133,6 +133,44 @@ def test_an_eager_prefill_schedule_is_read_but_not_judged(tensor_cores) -> None:
     assert schedule_findings(scheduled(now, for_plan=earlier.plan, graph=True, **options)) != []
 
 
+# -- a CUDA-graph plan without split-KV (SGLang's deterministic inference: FlashInfer #4002) -----------
+
+
+def no_split_graph(trace, *, graph_mask: bool, **options):
+    """`trace` scheduled as tensor-core decode under a graph with split-KV off: one work item a
+    request, the grid padded to the split-KV bound (66 here: 132 SMs x 2 over 4 KV heads), the pinned
+    workspace past the items an earlier 16-request plan's. graph_mask: flashinfer#5176's layout (a
+    block_valid_mask without split-KV); without it FlashInfer 0.7.2.post1's (no mask)."""
+    kept = dict(tensor_cores=True, graph=True, disable_split_kv=True, graph_mask=graph_mask)
+    earlier = scheduled(planned("decode-paged", "kv_lens=" + ",".join(["100"] * 16)), **kept)
+    return scheduled(trace, previous=bytes(earlier.plan.plan_info.workspace.numpy()), **kept, **options)
+
+
+def test_a_graph_plan_without_split_kv_is_judged_with_its_mask() -> None:
+    """flashinfer#5176: the mask switches the padded blocks off, so the earlier plan's entries past
+    the work items are never read: clean, as the kernel runs it."""
+    trace = no_split_graph(planned("decode-paged"), graph_mask=True)
+    s = read_schedule(trace)
+    items = len(s.arrays["request_indices"]) - int((~s.arrays["block_valid_mask"]).sum())
+    assert not s.split_kv and s.graph and s.padded_batch_size > items == 4
+    assert s.arrays["request_indices"][items : items + 2].tolist() == [4, 5]  # the earlier plan's, past the batch
+    assert schedule_findings(trace) == []
+
+
+@pytest.mark.parametrize(("index", "value", "expected"), [(2, 0, True), (4, 1, False)])
+def test_a_wrong_mask_of_a_graph_plan_without_split_kv_is_a_defect(index, value, expected) -> None:
+    trace = no_split_graph(planned("decode-paged"), graph_mask=True)
+    found = one(_edit(trace, ScheduleKind.PREFILL, byte=("block_valid_mask_offset", index, value)), "plan-info-valid-mask")
+    assert found.location.field == f"plan.plan_info.block_valid_mask[{index}]"
+    assert found.data["expected"] is expected and found.severity is Severity.DEFECT
+
+
+def read_schedule(trace):
+    from attndbg.plans.reading import read
+
+    return read(trace).schedule.schedule
+
+
 # -- each field broken alone ---------------------------------------------------------------------------
 
 

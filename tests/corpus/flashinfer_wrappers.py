@@ -244,8 +244,8 @@ BUGS = (
         keywords=("block_valid_mask", "never written", "split-KV off"),
         capabilities=(Capability.PLAN_INFO,),
         twin_note="the same replay planned with the exact grid the proposed fixes give a one-token decode without split-KV "
-        "(flashinfer#4794, sglang#31387: padded_batch_size = the 4 work items); flashinfer#5176's mask under graphs is not "
-        "read without split-KV (backends/flashinfer_plan_info.arrays), so that layout is not the twin",
+        "(flashinfer#4794, sglang#31387: padded_batch_size = the 4 work items); flashinfer#5176's layout (the grid still "
+        "padded, a block_valid_mask switching the padding off) reads clean too (tests/checks/test_plan_schedule.py)",
         write=write_4002,
     ),
 )

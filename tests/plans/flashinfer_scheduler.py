@@ -91,13 +91,16 @@ def prefill_plan_info(
     disable_split_kv: bool = False,
     exact_grid: bool = False,
     previous: bytes = b"",
+    graph_mask: bool = False,
 ) -> tuple[list[int], bytes]:
     """`disable_split_kv`: one KV tile a request, split-KV off, kv_chunk_size int64 max (its low 32
     bits stored); under a graph the grid is still padded and, without split-KV, no block_valid_mask
     is written (FlashInfer 0.7.2.post1). `exact_grid`: the proposed fix for a graph plan without
     split-KV, the grid exactly the work items (padded_batch_size = their count). `previous`: what the
     pinned workspace held before this plan (an earlier plan's bytes); bytes this plan does not
-    write keep it, the rest past it hold STALE_BYTE."""
+    write keep it, the rest past it hold STALE_BYTE. `graph_mask`: flashinfer#5176's layout, a graph
+    plan writes block_valid_mask (true on the work items, false on the padding) without split-KV too,
+    placed where a split-KV plan's is (after total_num_rows; no merge_indptr without split-KV)."""
     batch = len(qo_lens)
     total_rows = sum(qo_lens)
     max_batch_if_split = (2 * num_sm) // num_kv_heads
@@ -136,7 +139,8 @@ def prefill_plan_info(
     kc = alloc.offset(4, 1)
     rows_off = alloc.offset(4, 16) if graph else 0
     merge_off = alloc.offset((total_rows + 1) * 4, 16) if split else 0
-    bvm = alloc.offset(padded, 16) if split else 0
+    masked = split or (graph and graph_mask)
+    bvm = alloc.offset(padded, 16) if masked else 0
     workspace = bytearray(previous[: alloc.used]) + bytearray([STALE_BYTE]) * max(alloc.used - len(previous), 0)
     _write(workspace, ri, request)
     _write(workspace, qt_off, qo_tiles)
@@ -153,6 +157,7 @@ def prefill_plan_info(
             nk = _cdiv(max(effective[b], 1), chunk)
             rows += [nk] * qo_lens[b]
         _write(workspace, merge_off, torch.tensor([0, *rows]).cumsum(0).tolist())
+    if masked:
         _write(workspace, bvm, [int(i < new_batch) for i in range(padded)], 1)
     vector = [padded, total_rows, rows_off, cta_tile_q, ri, qt_off, kt, merge_off, oi, kc, 0, 8192, bvm, int(graph), int(split)]
     return vector, bytes(workspace)
@@ -171,10 +176,23 @@ def with_plan_info(trace: Trace, vector: list[int], workspace: bytes) -> Trace:
     return dataclasses.replace(trace, plan=dataclasses.replace(trace.plan, plan_info=info))
 
 
-def scheduled(trace: Trace, *, for_plan: Plan | None = None, tensor_cores: bool | None = None, graph: bool = False, max_grid_size: int = 264, num_sm: int = 132, cta_tile_q: int = 16) -> Trace:
+def scheduled(
+    trace: Trace,
+    *,
+    for_plan: Plan | None = None,
+    tensor_cores: bool | None = None,
+    graph: bool = False,
+    max_grid_size: int = 264,
+    num_sm: int = 132,
+    cta_tile_q: int = 16,
+    disable_split_kv: bool = False,
+    graph_mask: bool = False,
+    previous: bytes = b"",
+) -> Trace:
     """`trace` with the plan info FlashInfer's plan() would leave for `for_plan` (default: the trace's
     own plan). Decode plans use the decode scheduler unless `tensor_cores` (the plan's
-    use_tensor_cores scalar when None); the rest the prefill scheduler."""
+    use_tensor_cores scalar when None); the rest the prefill scheduler, with disable_split_kv,
+    graph_mask and previous as prefill_plan_info takes them."""
     plan = for_plan if for_plan is not None else trace.plan
     rows, pages = plan_lists(plan)
     model = trace.model
@@ -186,6 +204,7 @@ def scheduled(trace: Trace, *, for_plan: Plan | None = None, tensor_cores: bool 
     else:
         window = int(plan.scalars.get("window_left", -1)) if not decode else -1
         vector, workspace = prefill_plan_info(
-            rows, pages, ps, group=model.num_qo_heads // model.num_kv_heads, num_kv_heads=model.num_kv_heads, num_sm=num_sm, cta_tile_q=cta_tile_q, graph=graph, window_left=window
-        )
+            rows, pages, ps, group=model.num_qo_heads // model.num_kv_heads, num_kv_heads=model.num_kv_heads, num_sm=num_sm, cta_tile_q=cta_tile_q, graph=graph, window_left=window,
+            disable_split_kv=disable_split_kv, graph_mask=graph_mask, previous=previous,
+        )  # fmt: skip
     return with_plan_info(trace, vector, workspace)

@@ -107,3 +107,16 @@ def test_a_vector_of_no_known_length_is_bad_input() -> None:
     trace = with_plan_info(with_plan(build("decode-paged"), "flashinfer"), vector[:9], workspace)
     with pytest.raises(TraceError, match="10 \\(decode\\) or 15 \\(prefill\\)"):
         read(trace).schedule
+
+
+@pytest.mark.parametrize("graph_mask", [False, True])
+def test_a_graph_plan_without_split_kv_has_its_mask_read_where_plan_placed_one(graph_mask) -> None:
+    """flashinfer#5176 writes block_valid_mask under every graph plan; 0.7.2.post1 only under
+    split-KV, leaving block_valid_mask_offset 0. Read where the offset is not 0."""
+    trace = scheduled(with_plan(build("decode-paged"), "flashinfer"), tensor_cores=True, graph=True, disable_split_kv=True, graph_mask=graph_mask)
+    s = read(trace).schedule.schedule
+    assert s.graph and not s.split_kv and (s.info["block_valid_mask_offset"] != 0) is graph_mask
+    assert ("block_valid_mask" in s.arrays) is graph_mask
+    if graph_mask:
+        assert s.arrays["block_valid_mask"].tolist() == [True] * 4 + [False] * (s.padded_batch_size - 4)
+    assert workspace_extent(trace.plan.plan_info.vector.tolist()) == trace.plan.plan_info.workspace.numel()
