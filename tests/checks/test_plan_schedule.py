@@ -96,6 +96,7 @@ def test_a_schedule_for_a_larger_earlier_batch_reads_a_request_past_the_plan() -
     found = one(scheduled(now, for_plan=earlier.plan), "plan-info-request-index")
     assert found.location.field == "plan.plan_info.request_indices[3]"
     says(found, "= 3", "3 requests")
+    assert "earlier batch" in found.cause and "#4002" not in found.cause
 
 
 def test_a_prefill_schedule_left_from_an_earlier_batch_names_its_offsets() -> None:
@@ -155,6 +156,27 @@ def test_a_graph_plan_without_split_kv_is_judged_with_its_mask() -> None:
     assert not s.split_kv and s.graph and s.padded_batch_size > items == 4
     assert s.arrays["request_indices"][items : items + 2].tolist() == [4, 5]  # the earlier plan's, past the batch
     assert schedule_findings(trace) == []
+
+
+def test_the_same_plan_without_a_mask_runs_the_padded_blocks_over_entries_plan_never_wrote() -> None:
+    """FlashInfer 0.7.2.post1: no mask, every padded block runs; the first reads request 4 of a
+    4-request plan, and the cause names the padded grid, not a plan left from an earlier batch."""
+    trace = no_split_graph(planned("decode-paged"), graph_mask=False)
+    assert "block_valid_mask" not in read_schedule(trace).arrays
+    found = one(trace, "plan-info-request-index")
+    assert found.severity is Severity.DEFECT and found.location.field == "plan.plan_info.request_indices[4]"
+    assert "pads the grid" in found.cause and "block_valid_mask" in found.cause and "#4002" in found.cause
+
+
+def test_a_bad_entry_before_the_work_items_of_an_unmasked_graph_plan_is_named_stale() -> None:
+    """The same layout planned for an earlier batch (request 0 then had 16 query tiles of 16 packed
+    rows, now 3): the bad entry is among the 21 items the batch needs, not padding, so the cause is
+    the stale plan."""
+    now = planned("extend-prefix", "extend_lens=10,5,64")
+    earlier = planned("extend-prefix", "extend_lens=64,5,10")
+    found = one(no_split_graph(now, graph_mask=False, for_plan=earlier.plan, cta_tile_q=16), "plan-info-qo-tiles")
+    assert found.location.field == "plan.plan_info.qo_tile_indices[3]"
+    assert "earlier batch" in found.cause and "#4002" not in found.cause
 
 
 @pytest.mark.parametrize(("index", "value", "expected"), [(2, 0, True), (4, 1, False)])

@@ -3,8 +3,10 @@ attndbg/plans/schedule.py): the work items FlashInfer's plan() wrote for the bat
 
 Every kernel launch of a planned wrapper runs one thread block per work item; a plan left from an
 earlier batch (the engine refilled kv_indptr in place but skipped plan(), or planned another
-wrapper) hands the kernel tiles for that batch's lengths. Checks, each naming the schedule's array
-and its first bad element:
+wrapper) hands the kernel tiles for that batch's lengths. A CUDA-graph plan without split-KV pads the
+grid too but, in FlashInfer 0.7.2.post1, writes no block_valid_mask: its padded blocks run over
+entries plan() never wrote (FlashInfer #4002; flashinfer#5176 writes the mask), and a bad entry
+there is named so. Checks, each naming the schedule's array and its first bad element:
 
     plan-info-request-index      a valid work item's request_indices entry is a request of the plan
     plan-info-qo-tiles           each (request, qo tile) the batch needs is listed once, none past its rows
@@ -12,8 +14,8 @@ and its first bad element:
                                  its KV length: none missing, none past it
     plan-info-repeated-item      a work item listed twice (a hazard: both blocks write the same state)
     plan-info-padded-batch-size  padded_batch_size holds every work item the batch needs
-    plan-info-valid-mask         block_valid_mask (split-KV) true on the work items, false exactly on
-                                 the padding past them
+    plan-info-valid-mask         block_valid_mask (split-KV; any graph plan with flashinfer#5176) true
+                                 on the work items, false exactly on the padding past them
     plan-info-o-indptr           o_indptr: each request's partial outputs, kv tiles (x rows, prefill)
     plan-info-merge-indptr       merge_indptr (prefill split-KV): each row's kv tiles
     plan-info-total-rows         total_num_rows (and a graph plan's device copy of the rows) against
@@ -52,6 +54,11 @@ CAUSE_REPEATED = (
 CAUSE_STALE = (
     "the wrapper's schedule (plan()'s work items in the int workspace) was made for another batch than the one its kernels "
     "read: a plan left from an earlier batch (indptrs refilled in place without plan()), or a schedule of another wrapper"
+)
+CAUSE_PADDED = (
+    "the CUDA-graph plan without split-KV pads the grid past its work items with no block_valid_mask, so the padded thread "
+    "blocks run and read schedule entries plan() never wrote (what the int workspace held there, an earlier plan's: "
+    "FlashInfer #4002, fixed by a mask under every graph plan, flashinfer#5176, or an exact grid)"
 )
 
 
@@ -120,6 +127,13 @@ def _check_items(facts: PlanSchedule, qo_tiles: Tensor, kv_tiles: Tensor, add) -
     request, kv_tile = arrays["request_indices"], arrays["kv_tile_indices"]
     qo_tile = arrays.get("qo_tile_indices", torch.zeros_like(request))
     mask = arrays.get("block_valid_mask")
+    # A graph plan without split-KV and without a mask (FlashInfer 0.7.2.post1) runs every padded
+    # block: an entry at or past the work items the batch needs is one plan() never wrote.
+    unmasked_padding = int((qo_tiles * kv_tiles).sum()) if s.graph and not s.split_kv and mask is None else None
+
+    def cause(i: int) -> str:
+        return CAUSE_PADDED if unmasked_padding is not None and i >= unmasked_padding else CAUSE_STALE
+
     seen: dict[tuple[int, int], set[int]] = {}
     flagged: set[str] = set()
     repeated: set[int] = set()
@@ -130,7 +144,7 @@ def _check_items(facts: PlanSchedule, qo_tiles: Tensor, kv_tiles: Tensor, add) -
         if not 0 <= r < facts.requests:
             if "request" not in flagged:
                 flagged.add("request")
-                add("plan-info-request-index", f"request_indices[{i}]", f"request_indices[{i}] = {r}: the plan has {facts.requests} requests", found=r, maximum=facts.requests - 1)
+                add("plan-info-request-index", f"request_indices[{i}]", f"request_indices[{i}] = {r}: the plan has {facts.requests} requests", cause(i), found=r, maximum=facts.requests - 1)
             continue
         if qt >= int(qo_tiles[r]):
             if "qo" not in flagged:
@@ -139,6 +153,7 @@ def _check_items(facts: PlanSchedule, qo_tiles: Tensor, kv_tiles: Tensor, add) -
                     "plan-info-qo-tiles",
                     f"qo_tile_indices[{i}]",
                     f"qo_tile_indices[{i}] = {qt} for request {r}, whose {int(facts.qo_lens[r])} query rows (x group {facts.group}) make {int(qo_tiles[r])} tiles of {s.cta_tile_q}",
+                    cause(i),
                     request=r,
                     found=qt,
                     expected=int(qo_tiles[r]) - 1,
@@ -147,7 +162,7 @@ def _check_items(facts: PlanSchedule, qo_tiles: Tensor, kv_tiles: Tensor, add) -
         if kt >= int(kv_tiles[r]):
             if "kv" not in flagged:
                 flagged.add("kv")
-                add("plan-info-kv-tiles", f"kv_tile_indices[{i}]", _kv_evidence(facts, r, int(kv_tiles[r]), f"kv_tile_indices[{i}] = {kt}"), request=r, found=kt, expected=int(kv_tiles[r]) - 1)
+                add("plan-info-kv-tiles", f"kv_tile_indices[{i}]", _kv_evidence(facts, r, int(kv_tiles[r]), f"kv_tile_indices[{i}] = {kt}"), cause(i), request=r, found=kt, expected=int(kv_tiles[r]) - 1)
             continue
         listed = seen.setdefault((r, qt), set())
         if kt in listed:
