@@ -168,6 +168,30 @@ def write_24361(bug: Path, twin: Path) -> None:
     _ngram_verify(twin, stale=False)
 
 
+# A request-pool row a finished request of an earlier, larger replay held: its req_to_token head
+# still names that request's KV slots (valid ids, now free or reused).
+STALE_POOL_ROW = 7
+STALE_ROW_SLOTS = [40, 41, 42, 43, 44, 45]
+
+
+def _stale_pool_row(out: Path, *, zeroed: bool) -> None:
+    """A Triton decode graph replay of 3 requests in the bs-4 graph (fill 1) whose padded
+    req_pool_indices entry is what the runner left there: the stale row of an earlier replay (the
+    runners #26292 fixed), or 0 (the fix's req_pool_indices.zero_() beside seq_lens.fill_)."""
+    table = sg.env.req_pool({**DECODE_ROWS, STALE_POOL_ROW: STALE_ROW_SLOTS}, size=8, width=64).req_to_token
+    with sg.recording(out) as session:
+        layer = sg.layer()  # noqa: F841
+        made = _triton_graph_backend(table)
+        fb = sg.decode_batch(DECODE_ROWS, DECODE_LENS)
+        left = None if zeroed else torch.tensor([STALE_POOL_ROW], dtype=I64)
+        sg.record_replay(session, made, sg.replay_view(fb, capture_bs=CAPTURE_BS, fill=1, padded_req_pool_indices=left))
+
+
+def write_26292(bug: Path, twin: Path) -> None:
+    _stale_pool_row(bug, zeroed=False)
+    _stale_pool_row(twin, zeroed=True)
+
+
 BUGS = (
     RealBug(
         id="sglang-1469",
@@ -229,5 +253,24 @@ BUGS = (
         keywords=("stale positions",),
         capabilities=(Capability.PADDED_ROWS,),
         write=write_24361,
+    ),
+    RealBug(
+        id="sglang-26292",
+        title="Graph runners fill padded seq_lens but leave padded req_pool_indices stale",
+        links=("https://github.com/sgl-project/sglang/pull/26292",),
+        date="2026-05",
+        engine="SGLang triton",
+        mode="DECODE graph",
+        mechanism="cuda_graph_runner, cpu_graph_runner, eagle_draft_extend_cuda_graph_runner and frozen_kv_mtp_cuda_graph_runner "
+        "filled the padded seq_lens with seq_len_fill_value but did not zero the padded req_pool_indices: padded rows kept the "
+        "request-pool row an earlier replay wrote, and the captured attention's dummy reads went to that stale req_to_token row "
+        "instead of the reserved all-zero row 0; the fix pairs req_pool_indices.zero_() with the fill, as the EAGLE draft runner did",
+        encoding="3 decodes (kv 5, 9, 3) replayed in a bs-4 graph (fill 1) on SGLang's Triton backend; the padded row's "
+        "req_pool_indices is 7, a row no live request holds, whose req_to_token head still names a finished request's slots "
+        "(40..45); twin: the padded row zeroed",
+        expected=("fill-value/stale-padded-req-pool-index",),
+        keywords=("req_pool_indices", "stale"),
+        capabilities=(Capability.PADDED_ROWS,),
+        write=write_26292,
     ),
 )
