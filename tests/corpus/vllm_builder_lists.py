@@ -8,6 +8,11 @@ batch, wrong derivation.
   derived FlashInfer's paged-KV lists at the KV manager's block size, while the kernel's cache
   pages (and the block table handed to it) are of the kernel block size: too few pages listed, the
   last one's length wrong, garbage loads.
+- vllm-project/vllm#39773 (2026-04): EAGLE draft decodes in PIECEWISE graphs: FlashInfer's native
+  decode planned a row per padded token.
+- vllm-project/vllm#56181 (2026-09, after #55458): DFlash speculators under data parallelism built
+  the draft attention metadata with the DP-padded token count while query_start_loc covered only the
+  requests' tokens; FlashInfer's prefill run refused q of 52 rows for qo_indptr[-1] = 48.
 """
 
 from __future__ import annotations
@@ -127,6 +132,38 @@ def write_39773(bug: Path, twin: Path) -> None:
     _draft_decode(twin, padded_tokens=len(DRAFT_DECODE["seq_lens"]))
 
 
+# A DFlash draft pass: each request drafts its block of 4 query tokens in one parallel pass; the DP
+# sync pads the rank's 12 tokens to 16 (another rank ran more).
+DFLASH_DRAFT = dict(seq_lens=[25, 38, 13], query_lens=[4, 4, 4], blocks=[[7, 3], [5, 1, 9], [2]])
+DP_PADDED_TOKENS = 16
+
+
+def _dflash_draft(out: Path, *, tokens: int) -> None:
+    """FlashInferMetadataBuilder.build of a DFlash draft pass (eager, no FULL graph) whose
+    CommonAttentionMetadata counts `tokens` tokens: the DP-padded batch size before #56181, the
+    requests' own tokens (query_start_loc[-1]) after it. The 4-token blocks exceed the decode
+    threshold, so the builder plans them as prefills: qo_indptr over the requests' 12 tokens,
+    the DP padding in num_actual_tokens and slot_mapping (PAD_SLOT_ID -1) only."""
+    step = vl.Step(**DFLASH_DRAFT)
+    real = step.common()
+    real_tokens = int(real.num_actual_tokens)
+    slots = torch.cat([real.slot_mapping, torch.full((tokens - real_tokens,), -1, dtype=torch.int64)])
+    cm = vl.Step(**DFLASH_DRAFT, overrides=dict(num_actual_tokens=tokens, slot_mapping=slots)).common()
+    indptr, indices, last = _paged_lists(cm.seq_lens, cm.block_table_tensor, KERNEL_BLOCK)
+    metadata = SimpleNamespace(
+        num_actual_tokens=tokens, qo_indptr_cpu=cm.query_start_loc_cpu, paged_kv_indptr_cpu=indptr, paged_kv_indices=indices,
+        paged_kv_last_page_len_cpu=last, page_size=KERNEL_BLOCK, slot_mapping=cm.slot_mapping, max_seq_len=cm.max_seq_len,
+        seq_lens=cm.seq_lens, block_table_tensor=cm.block_table_tensor, num_decodes=0, num_decode_tokens=0, num_prefills=3,
+        num_prefill_tokens=real_tokens, use_cascade=False,
+    )  # fmt: skip
+    vl.record(out, cm, metadata, backend="FLASHINFER", model=vl.mha_model(block_size=KERNEL_BLOCK), builder="FlashInferMetadataBuilder")
+
+
+def write_56181(bug: Path, twin: Path) -> None:
+    _dflash_draft(bug, tokens=DP_PADDED_TOKENS)
+    _dflash_draft(twin, tokens=sum(DFLASH_DRAFT["query_lens"]))
+
+
 BUGS = (
     RealBug(
         id="vllm-31282",
@@ -185,5 +222,25 @@ BUGS = (
         keywords=("num_decode_tokens", "stale", "paged_kv_indptr"),
         capabilities=(Capability.CROSS_FIELDS, Capability.PADDED_ROWS),
         write=write_39773,
+    ),
+    RealBug(
+        id="vllm-56181",
+        title="DFlash draft attention metadata counts the DP padding tokens: q rows past qo_indptr[-1]",
+        links=("https://github.com/vllm-project/vllm/pull/56181", "https://github.com/vllm-project/vllm/pull/55458"),
+        date="2026-09",
+        engine="vLLM FLASHINFER",
+        mode="MIXED (DFlash draft pass, prefill path)",
+        mechanism="with DP > 1 the DP sync pads the drafter's tokens; the DFlash speculators built the draft attention "
+        "metadata with that padded num_tokens while query_start_loc_cpu counted only the requests' tokens, so FlashInfer's "
+        "prefill run got q of 52 rows for qo_indptr[-1] = 48 (ValueError); the fix builds the draft metadata with the "
+        "padded count only for FULL graphs and query_start_loc[-1] otherwise (#55458 did it for autoregressive drafts)",
+        encoding="a DFlash draft pass of 3 requests (4 query tokens each; seq_lens 25, 38, 13; block 16), eager, through the "
+        "vLLM converter: CommonAttentionMetadata with num_actual_tokens 16 (12 real + 4 DP padding, slot -1) and "
+        "query_start_loc ending at 12; FlashInfer metadata (0.11 host-list fields) with 3 prefills of 12 tokens; twin: "
+        "num_actual_tokens 12. The mask inside the draft block is recorded causal (the count is what the bug is about)",
+        expected=("invariants/builder-counts", "invariants/qo-lens"),
+        keywords=("num_actual_tokens", "query_start_loc", "padding"),
+        capabilities=(Capability.CROSS_FIELDS, Capability.PADDED_ROWS),
+        write=write_56181,
     ),
 )
