@@ -175,4 +175,37 @@ BUGS = (
         "TensorRT-LLM's capture lines carry no buffers and no data pointers: the importer makes structure-only steps",
         Capability.STALE_PLAN,
     ),
+    _bug(
+        "sglang-21987", "trtllm_mla draft-extend graph replay builds cu_seqlens_q with another stride than its capture",
+        ("https://github.com/sgl-project/sglang/pull/21987", "https://github.com/sgl-project/sglang/pull/19807"), "2026-04",
+        "SGLang trtllm_mla", "DRAFT_EXTEND graph",
+        "init_forward_metadata_capture_cuda_graph built cu_seqlens_q with a uniform stride (arange by num_draft_tokens), while "
+        "the replay path built it with a variable stride (cumsum(accept_length + 1)) and max_seq_len_q = max(accept_length) + 1: "
+        "the captured kernel read the replay's offsets with the capture's layout; the fix replays the uniform stride, "
+        "max_seq_len_q = num_draft_tokens and seq_lens_q filled with num_draft_tokens",
+        "the draft-extend graph runners' replays are not recorded (their view is not build_replay_fb_view's, see sglang-22958), "
+        "and no adapter maps trtllm_mla: its metadata (cu_seqlens_q, max_seq_len_q) is read by no recorder",
+        Capability.FORWARD_MODES, Capability.BACKEND_NAMES, Capability.SPLITS_VS_CAPTURE,
+    ),
+    _bug(
+        "vllm-33360", "Whisper cross-attention captured with max_seq_len 0 under FA2 full CUDA graphs",
+        ("https://github.com/vllm-project/vllm/pull/33360", "https://github.com/vllm-project/vllm/issues/33091"), "2026-01",
+        "vLLM FLASH_ATTN (CrossAttentionBuilder)", "capture",
+        "CrossAttentionBuilder.build() overrode max_seq_len with max(encoder_seq_lens); the capture's dummy batch has no encoder "
+        "tokens, so the FULL graph was captured with max_seq_len 0 and replayed that launch for real batches (wrong outputs on FA2)",
+        "build_for_cudagraph_capture is not recorded (capture runs dummy batches, not steps; see vllm-40961): the hint the graph "
+        "was captured with is never in a trace, and a replayed step's own max_seq_len is right",
+        Capability.HOST_HINTS, Capability.SPLITS_VS_CAPTURE,
+    ),
+    _bug(
+        "trtllm-18769", "FlashInfer decode plans of multi-wrapper models never re-planned under CUDA graphs",
+        ("https://github.com/NVIDIA/TensorRT-LLM/pull/18769",), "2026-09", "TensorRT-LLM (FlashInfer backend)", "DECODE graph",
+        "the page tuple that triggers _refresh_fa2_cuda_graph_plans() was recorded only for a single tensor-core 'fa2' decode "
+        "wrapper; a mixed sliding-window/full-attention model holds one decode wrapper per window and prepare() deferred their "
+        "plans to forward_impl, which a graph replay never reaches: every replay ran the plan of the warm-up batch (a "
+        "max_seq_len dummy in slot 0, one-token dummies elsewhere), so requests past slot 0 attended one token",
+        "TensorRT-LLM's capture lines carry no buffers, no plans and no data pointers (the importer makes structure-only "
+        "steps): the FlashInfer plan a replay ran is in no trace",
+        Capability.STALE_PLAN, Capability.EVERY_PLAN,
+    ),
 )
