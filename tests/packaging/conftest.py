@@ -3,6 +3,7 @@ the archive, the examples test runs commands in the venv as a user of `pip insta
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -56,7 +57,10 @@ def wheel_venv(built_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     venv = tmp_path_factory.mktemp("venv") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = str(venv / "bin" / "python")
+    # Without the developer's PYTHONPATH: pip counts a checkout on it (with its editable install's
+    # metadata) as attndbg already installed, and leaves the wheel out of the venv.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     for packages in ([TORCH], [f"{built_wheel}[interop]", *_transformers_pin()]):
-        installed = subprocess.run([python, "-m", "pip", "install", "-q", *packages], capture_output=True, text=True, timeout=600)
+        installed = subprocess.run([python, "-m", "pip", "install", "-q", *packages], capture_output=True, text=True, timeout=600, env=env)
         assert installed.returncode == 0, installed.stderr[-3000:]
     return venv
