@@ -9,6 +9,7 @@ opens and closes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 from collections.abc import Iterator
@@ -86,13 +87,10 @@ def labels_read() -> bool:
     return _current_observer() is not None or _nvtx_tool()
 
 
-_NVTX_TOOL: list[bool] = []  # the variable as first read: NVTX reads it once too, at its first call
-
-
+@functools.cache
 def _nvtx_tool() -> bool:
-    if not _NVTX_TOOL:
-        _NVTX_TOOL.append(bool(os.environ.get(NVTX_TOOL_VARIABLE)))
-    return _NVTX_TOOL[0]
+    """The variable as first read: NVTX reads it once too, at its first call."""
+    return bool(os.environ.get(NVTX_TOOL_VARIABLE))
 
 
 @contextlib.contextmanager

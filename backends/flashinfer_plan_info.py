@@ -104,6 +104,11 @@ def arrays(kind: ScheduleKind, *, split_kv: bool, graph: bool, mask_offset: int 
     return tiles
 
 
+def _placed(kind: ScheduleKind, info: dict[str, int]) -> tuple[ArraySpec, ...]:
+    """The arrays the vector `info` (by FIELDS name) places."""
+    return arrays(kind, split_kv=bool(info["split_kv"]), graph=bool(info["enable_cuda_graph"]), mask_offset=info["block_valid_mask_offset"])
+
+
 @dataclass(frozen=True)
 class Schedule:
     """A wrapper's schedule as its kernels read it. Arrays are int64 copies (block_valid_mask bool),
@@ -197,7 +202,7 @@ def read_schedule(vector: list[int], workspace: Tensor, *, requests: int) -> Sch
             raise PlanInfoError(f"vector[{names.index(size)}]", f"{size} = {info[size]}, expected 0 to {MAX_WORKSPACE_BYTES}")
     raw = workspace.reshape(-1)
     out: dict[str, Tensor] = {}
-    for spec in arrays(kind, split_kv=bool(info["split_kv"]), graph=bool(info["enable_cuda_graph"]), mask_offset=info["block_valid_mask_offset"]):
+    for spec in _placed(kind, info):
         offset = info[spec.offset_field]
         count = _lengths(spec, info, requests)
         end = offset + count * spec.item_bytes
@@ -224,7 +229,7 @@ def workspace_extent(vector: list[int]) -> int:
         return 0
     info = dict(zip(FIELDS[kind], (int(v) for v in vector)))
     ends = []
-    for spec in arrays(kind, split_kv=bool(info["split_kv"]), graph=bool(info["enable_cuda_graph"]), mask_offset=info["block_valid_mask_offset"]):
+    for spec in _placed(kind, info):
         count = 1 if spec.length == "requests + 1" else _lengths(spec, info, 0)
         ends.append(info[spec.offset_field] + count * spec.item_bytes)
     return max(0, min(max(ends), MAX_WORKSPACE_BYTES))

@@ -89,7 +89,7 @@ class Reading:
     probes: GraphProbes
     replay: int  # the counter value this replay leaves in the stamps
     done: torch.cuda.Event | None  # recorded after the replay was launched
-    shape: Callable[[dict[str, Tensor]], dict[str, Tensor]] = lambda host: host  # the adapter's trimming
+    shape: Callable[[dict[str, Tensor]], dict[str, Tensor]] = lambda host: host  # the adapter's trimming (views, each name kept)
     values: dict[str, Tensor] | None = None
     notes: list[str] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -126,7 +126,7 @@ class Reading:
             values = {name: view.clone() for name, view in self.shape(landed).items()}
             # A stamp read before the values: re-check that no replay overwrote them meanwhile.
             for name in list(values):
-                if name in self.probes.stamps and int(self.probes.stamps[name][0]) != self.replay:
+                if int(self.probes.stamps[name][0]) != self.replay:
                     del values[name]
                     self.notes.append(f"{name}: overwritten by a later replay while it was read")
             self.values = values

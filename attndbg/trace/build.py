@@ -97,19 +97,11 @@ def package_version(name: str) -> str:
 @functools.lru_cache(maxsize=16)
 def device_name(device: torch.device | str) -> str:
     """'cuda:NVIDIA H100 80GB HBM3' (asked once per device: a flight recorder builds traces after
-    a CUDA error, when the device can no longer be asked). Remembered per device: a recorder asks
-    on the engine's thread at every step."""
+    a CUDA error, when the device can no longer be asked)."""
     device = torch.device(device)
-    if device.type != "cuda":
-        return device.type
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    name = _DEVICE_NAMES.get(index)
-    if name is None:
-        name = _DEVICE_NAMES[index] = f"cuda:{torch.cuda.get_device_name(index)}"
-    return name
-
-
-_DEVICE_NAMES: dict[int, str] = {}
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
 
 
 def source(*, engine: str, backend: str, device: torch.device | str, step: int, tp_rank: int = 0, engine_version: str | None = None) -> Source:
