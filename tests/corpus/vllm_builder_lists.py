@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
+from attndbg.trace.schema import CaptureSizes
 from tests.corpus import vllm_engine as vl
 from tests.corpus.bug import Capability, RealBug
 from tests.record.engines import import_engine
@@ -97,6 +98,10 @@ def write_27753(bug: Path, twin: Path) -> None:
     _flashinfer_hybrid(twin, page=KERNEL_BLOCK)
 
 
+# scheduler_config.max_num_seqs, which the recorder keeps as capture.max_bs: the draft steps below
+# have fewer requests, so a FULL graph would have padded their rows with their tokens.
+ENGINE = CaptureSizes(max_bs=256)
+
 # A draft decode of 3 requests (one token each) in a PIECEWISE graph captured for 4 tokens.
 DRAFT_DECODE = dict(seq_lens=[21, 34, 9], query_lens=[1, 1, 1], blocks=[[7, 3], [5, 1, 9], [2]])
 PIECEWISE_TOKENS = 4
@@ -124,7 +129,7 @@ def _draft_decode(out: Path, *, padded_tokens: int) -> None:
         max_seq_len=cm.max_seq_len, seq_lens=cm.seq_lens, block_table_tensor=cm.block_table_tensor, num_decodes=real,
         num_decode_tokens=padded_tokens, num_prefills=0, num_prefill_tokens=0, use_cascade=False,
     )  # fmt: skip
-    vl.record(out, cm, metadata, backend="FLASHINFER", model=vl.mha_model(block_size=KERNEL_BLOCK), builder="FlashInferMetadataBuilder")
+    vl.record(out, cm, metadata, backend="FLASHINFER", model=vl.mha_model(block_size=KERNEL_BLOCK), builder="FlashInferMetadataBuilder", capture=ENGINE)
 
 
 def write_39773(bug: Path, twin: Path) -> None:
@@ -156,7 +161,7 @@ def _dflash_draft(out: Path, *, tokens: int) -> None:
         seq_lens=cm.seq_lens, block_table_tensor=cm.block_table_tensor, num_decodes=0, num_decode_tokens=0, num_prefills=3,
         num_prefill_tokens=real_tokens, use_cascade=False,
     )  # fmt: skip
-    vl.record(out, cm, metadata, backend="FLASHINFER", model=vl.mha_model(block_size=KERNEL_BLOCK), builder="FlashInferMetadataBuilder")
+    vl.record(out, cm, metadata, backend="FLASHINFER", model=vl.mha_model(block_size=KERNEL_BLOCK), builder="FlashInferMetadataBuilder", capture=ENGINE)
 
 
 def write_56181(bug: Path, twin: Path) -> None:
@@ -217,8 +222,8 @@ BUGS = (
         encoding="3 draft-decode requests (seq_lens 21, 34, 9; block 16) with num_actual_tokens padded to 4 (slot -1 for the "
         "padded token); FlashInfer metadata (0.11 host-list fields) with num_decodes 3, num_decode_tokens 4, "
         "paged_kv_indptr_cpu of 5 entries whose last (stale) is 11 past the 6 listed pages, paged_kv_last_page_len_cpu of 4; "
-        "twin: the eager step (3 tokens, 3 rows)",
-        expected=("invariants/builder-rows", "invariants/builder-counts", "invariants/kv-length"),
+        "twin: the eager step (3 tokens, 3 rows); max_num_seqs 256 recorded (capture.max_bs)",
+        expected=("invariants/builder-rows", "invariants/builder-counts", "invariants/kv-length", "invariants/unowned-tokens"),
         keywords=("num_decode_tokens", "stale", "paged_kv_indptr"),
         capabilities=(Capability.CROSS_FIELDS, Capability.PADDED_ROWS),
         write=write_39773,
@@ -237,8 +242,9 @@ BUGS = (
         encoding="a DFlash draft pass of 3 requests (4 query tokens each; seq_lens 25, 38, 13; block 16), eager, through the "
         "vLLM converter: CommonAttentionMetadata with num_actual_tokens 16 (12 real + 4 DP padding, slot -1) and "
         "query_start_loc ending at 12; FlashInfer metadata (0.11 host-list fields) with 3 prefills of 12 tokens; twin: "
-        "num_actual_tokens 12. The mask inside the draft block is recorded causal (the count is what the bug is about)",
-        expected=("invariants/builder-counts", "invariants/qo-lens"),
+        "num_actual_tokens 12; max_num_seqs 256 recorded (capture.max_bs). The mask inside the draft block is recorded causal "
+        "(the count is what the bug is about)",
+        expected=("invariants/unowned-tokens", "invariants/builder-counts", "invariants/qo-lens"),
         keywords=("num_actual_tokens", "query_start_loc", "padding"),
         capabilities=(Capability.CROSS_FIELDS, Capability.PADDED_ROWS),
         write=write_56181,

@@ -9,8 +9,9 @@ and its host mirror where the runner writes both (it fills the host buffer and c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,19 @@ def findings_of(session: RecordingSession, kinds: list[FindingClass], backends: 
     reports = check_steps(str(session.out_dir), kinds, CheckOptions(backends=backends))
     found = [f for report in reports for f in report.findings]
     return [(f.kind.value, f.check, f.location.request, f.location.field) for f in found]
+
+
+@contextlib.contextmanager
+def max_num_seqs(config: Any, rows: int | None) -> Iterator[None]:
+    """The engine's scheduler_config.max_num_seqs (the recorder's capture.max_bs) set to `rows`
+    while a step is recorded; None: a config without it."""
+    scheduler = config.scheduler_config
+    default = scheduler.max_num_seqs
+    scheduler.max_num_seqs = rows
+    try:
+        yield
+    finally:
+        scheduler.max_num_seqs = default
 
 
 def qsl(values: list[int]) -> dict[str, torch.Tensor]:
@@ -156,8 +170,9 @@ def test_a_padded_token_without_a_padded_row_that_writes_live_kv_is_named(sessio
 CLEAN = [
     ("decode", {"seq_lens": [20, 33], "query_lens": [1, 1], "blocks": [[7, 3], [5, 1, 9]]}),
     ("decode-graph-padded", PADDED),
-    # Tokens padded past query_start_loc[-1] with no padded row (the V1 runner's uniform decode).
-    ("decode-tokens-padded", {**PADDED, "pad_reqs": 0}),
+    # Tokens padded past query_start_loc[-1] with no padded row: a FULL graph of a batch of
+    # max_num_seqs requests (vLLM 0.33 pads the rows with the tokens up to max_num_seqs).
+    ("decode-tokens-padded-at-max-num-seqs", {**PADDED, "pad_reqs": 0, "max_num_seqs": 2}),
     ("mixed", MIXED),
     ("mixed-graph-padded", {**MIXED, "pad_reqs": 1, "pad_tokens": 3}),
     ("prefill-after-prefix", {"seq_lens": [40, 9], "query_lens": [7, 9], "seed": 4}),
@@ -166,10 +181,48 @@ CLEAN = [
 
 @pytest.mark.parametrize(("name", "layout"), CLEAN, ids=[c[0] for c in CLEAN])
 def test_the_same_steps_without_the_mistake_are_clean(session: RecordingSession, pool_config, name: str, layout: dict[str, Any]) -> None:
-    trace = record(session, pool_config, make_layout(**layout).cm)
+    layout = dict(layout)
+    rows = layout.pop("max_num_seqs", pool_config.scheduler_config.max_num_seqs)
+    with max_num_seqs(pool_config, rows):
+        trace = record(session, pool_config, make_layout(**layout).cm)
+    assert trace.capture is not None and trace.capture.max_bs == rows  # the recorder keeps max_num_seqs
     padded = layout.get("pad_reqs", 0) or layout.get("pad_tokens", 0)
     assert (trace.graph is not None) == bool(padded)
     assert findings_of(session, parse_only(None)) == []
+
+
+# num_actual_tokens past query_start_loc[-1]: vLLM 0.33 pads the tokens only in a FULL graph, and
+# pads the rows with them (zero-length rows) up to max_num_seqs. MIXED with 4 tokens more than its
+# requests' 8 and no padded row is the draft metadata of vLLM #56181 (DP padding, eager).
+UNOWNED = {**MIXED, "pad_tokens": 4}
+UNOWNED_CASES = [
+    ("dp-padded-tokens-without-rows", UNOWNED, 128, [("invariants", "unowned-tokens", None, "plan.scalars.common.num_actual_tokens")]),
+    ("the-same-step-unpadded", MIXED, 128, []),
+    ("full-graph-decode-with-padded-rows", PADDED, 128, []),
+    ("full-graph-of-max-num-seqs-requests", {**PADDED, "pad_reqs": 0}, 2, []),
+    ("max-num-seqs-not-recorded", UNOWNED, None, []),
+]
+
+
+@pytest.mark.parametrize(("name", "layout", "rows", "expected"), UNOWNED_CASES, ids=[c[0] for c in UNOWNED_CASES])
+def test_tokens_no_request_owns_outside_a_graphs_padding(
+    session: RecordingSession, pool_config, name: str, layout: dict[str, Any], rows: int | None, expected: list[tuple[str, str, int | None, str]]
+) -> None:
+    builder = new_builder(pool_config)  # built with the config's max_num_seqs (Triton sizes buffers by it)
+    with max_num_seqs(pool_config, rows):
+        builder.build(0, make_layout(**layout).cm)
+    [trace] = written(session)
+    assert (trace.capture.max_bs if trace.capture is not None else None) == rows
+    assert findings_of(session, [FindingClass.INVARIANT, FindingClass.FILL_VALUE], backends=NO_KERNELS) == expected
+
+
+def test_the_unowned_tokens_finding_states_the_counts(session: RecordingSession, pool_config) -> None:
+    record(session, pool_config, make_layout(**UNOWNED).cm)
+    [report] = list(check_steps(str(session.out_dir), [FindingClass.INVARIANT], CheckOptions(backends=NO_KERNELS)))
+    [finding] = report.findings
+    assert (finding.data["found"], finding.data["expected"], finding.data["num_reqs"], finding.data["max_num_seqs"]) == (12, 8, 3, 128)
+    assert "num_actual_tokens (12)" in finding.cause and "query_start_loc[-1] = 8" in finding.cause
+    assert "num_reqs = 3" in finding.cause and "max_num_seqs = 128" in finding.cause
 
 
 WINDOW = 16  # vLLM's sliding_window: a query sees itself and the 15 keys before it

@@ -8,6 +8,9 @@ engine's convention (attndbg/trace/engines.py `MetadataFields`).
                         repeats the last entry: FA3 and the Triton kernels need it non-decreasing),
                         and ends within the step's num_actual_tokens
     query-start-loc-shape  num_reqs + 1 entries for num_reqs seq_lens
+    unowned-tokens      num_actual_tokens past query_start_loc[-1] only where a CUDA graph padded
+                        the step: its padded rows are zero-length, or its rows are max_num_seqs
+                        (capture.max_bs; silent where the recording lacks it)
     vllm-empty-request  no row without query tokens before a real request (vLLM pads only after)
     host-mirror         query_start_loc_cpu == query_start_loc, seq_lens_cpu == seq_lens,
                         seq_lens_cpu_upper_bound >= seq_lens (builders plan from the host copies)
@@ -36,6 +39,7 @@ from torch import Tensor
 
 from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND, _first
+from attndbg.plural import counted
 from attndbg.trace.offsets import first_decrease
 from attndbg.trace.engines import MetadataFields, engine_conventions
 from attndbg.trace.schema import Trace
@@ -102,6 +106,7 @@ def check_vllm(trace: Trace, out: list[Finding]) -> None:
         slots_name=slots[1] if slots else "",
     )
     _query_start_loc(trace, common, out)
+    _unowned_tokens(trace, common, out)
     _host_mirrors(trace, common, out)
     _max_seq_len(trace, common, out)
     if common.table is not None:
@@ -194,6 +199,52 @@ def _query_start_loc(trace: Trace, c: _Common, out: list[Finding]) -> None:
                 found=0,
             )
         )
+
+
+def _unowned_tokens(trace: Trace, c: _Common, out: list[Finding]) -> None:
+    """num_actual_tokens may exceed query_start_loc[-1] only by a FULL graph's padding (vLLM 0.33:
+    the V1 dispatcher and V2's runner pad the rows with the tokens, zero-length rows whose
+    query_start_loc repeats the real total, up to max_num_seqs rows). The recording keeps no graph
+    mode, so the rows tell: excess tokens with every row owning tokens and fewer rows than
+    max_num_seqs belong to no request and to no graph (docs/checking.md, "vLLM: num_actual_tokens
+    against query_start_loc"). Builders that plan from query_start_loc_cpu and run
+    num_actual_tokens rows (FlashInfer's prefill and native decode) get rows nobody wrote."""
+    assert trace.plan is not None
+    top = trace.capture.max_bs if trace.capture is not None else None
+    found = next(((trace.plan.scalars[k], k) for k in c.names.num_actual_tokens if isinstance(trace.plan.scalars.get(k), int)), None)
+    if top is None or found is None or c.qsl.numel() < 2:
+        return
+    tokens, tokens_name = found
+    # The end the builders see: the host mirror where recorded (FlashInfer plans from it), else
+    # the device tensor; a mirror that differs is host-mirror's finding, so the larger end is taken.
+    ends = [(int(c.qsl.max()), c.qsl_name)]
+    host = trace.plan.tensors.get(c.names.query_start_loc_cpu)
+    if host is not None and host.numel() and not host.is_floating_point():
+        ends.append((int(host.max()), f"plan.{c.names.query_start_loc_cpu}"))
+    end, end_name = max(ends, key=lambda e: e[0])
+    rows = c.qsl.numel() - 1
+    last = int(c.qsl[-1] - c.qsl[-2])
+    if tokens <= end or last <= 0 or rows >= top:
+        return
+    out.append(
+        finding(
+            KIND,
+            "unowned-tokens",
+            step=trace.source.step,
+            field=f"plan.scalars.{tokens_name}",
+            evidence=f"num_actual_tokens = {tokens} but {end_name}[-1] = {end}: {counted(tokens - end, 'token')} past the last request's, "
+            f"with no zero-length row among the {counted(rows, 'row')} and {rows} < max_num_seqs = {top} (capture.max_bs)",
+            cause=f"num_actual_tokens ({tokens}) counts {counted(tokens - end, 'token')} that no request owns (query_start_loc[-1] = {end}, "
+            f"num_reqs = {rows}) and no CUDA graph padded: a FULL graph pads num_reqs with the tokens (zero-length rows) up to "
+            f"max_num_seqs = {top}. The metadata was built with a padded token count (a DP-synced or capture size) outside a FULL "
+            "graph: builders that plan from query_start_loc_cpu and run num_actual_tokens query rows (FlashInfer's prefill, its "
+            "native decode) get rows past the plan",
+            expected=end,
+            found=tokens,
+            num_reqs=rows,
+            max_num_seqs=top,
+        )
+    )
 
 
 def _host_mirrors(trace: Trace, c: _Common, out: list[Finding]) -> None:
