@@ -61,6 +61,9 @@ class MetadataFields:
     num_actual_tokens: tuple[str, ...]  # plan.scalars: the step's query tokens
     max_seq_len: tuple[str, ...]  # plan.scalars: the longest seq_len kernels are sized for
     num_blocks: tuple[str, ...]  # plan.scalars: blocks in the KV pool (from the engine's config)
+    # plan.scalars: true where the engine moves request boundaries of query_start_loc on the device
+    # only (vLLM V2's adaptive verification): its host mirror then keeps the total and row count.
+    device_only_boundaries: tuple[str, ...] = ()
     # plan.tensors: the seq_lens the builder hands its kernels ([rows], padded rows included),
     # first present wins. A builder may hand its kernel other padded rows than the runner's
     # (vLLM's FlashMLA FP8 path clamps them to >= 1, #35969): what the kernel gets is judged.
@@ -140,6 +143,7 @@ VLLM = EngineConventions(
         num_actual_tokens=("common.num_actual_tokens", "vllm.num_actual_tokens"),
         max_seq_len=("common.max_seq_len", "vllm.max_seq_len"),
         num_blocks=("vllm.num_gpu_blocks",),
+        device_only_boundaries=("vllm.adaptive_verification",),
         kernel_seq_lens=("decode.seq_lens", "seq_lens"),
         # Names from vLLM 0.33's metadata classes (engines.md B3): FlashAttention's, Triton's and
         # FlashInfer's pass the step's tensors through; MLACommonMetadata splits decodes and prefills.

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -63,16 +64,17 @@ def findings_of(session: RecordingSession, kinds: list[FindingClass], backends: 
 
 
 @contextlib.contextmanager
-def max_num_seqs(config: Any, rows: int | None) -> Iterator[None]:
-    """The engine's scheduler_config.max_num_seqs (the recorder's capture.max_bs) set to `rows`
-    while a step is recorded; None: a config without it."""
-    scheduler = config.scheduler_config
-    default = scheduler.max_num_seqs
-    scheduler.max_num_seqs = rows
+def configured(section: Any, **values: Any) -> Iterator[None]:
+    """A section of the engine's config (what the hook reads at build time) with `values` set
+    while a step is recorded, as they were after."""
+    before = {name: getattr(section, name) for name in values}
+    for name, value in values.items():
+        setattr(section, name, value)
     try:
         yield
     finally:
-        scheduler.max_num_seqs = default
+        for name, value in before.items():
+            setattr(section, name, value)
 
 
 def qsl(values: list[int]) -> dict[str, torch.Tensor]:
@@ -183,7 +185,7 @@ CLEAN = [
 def test_the_same_steps_without_the_mistake_are_clean(session: RecordingSession, pool_config, name: str, layout: dict[str, Any]) -> None:
     layout = dict(layout)
     rows = layout.pop("max_num_seqs", pool_config.scheduler_config.max_num_seqs)
-    with max_num_seqs(pool_config, rows):
+    with configured(pool_config.scheduler_config, max_num_seqs=rows):
         trace = record(session, pool_config, make_layout(**layout).cm)
     assert trace.capture is not None and trace.capture.max_bs == rows  # the recorder keeps max_num_seqs
     padded = layout.get("pad_reqs", 0) or layout.get("pad_tokens", 0)
@@ -209,7 +211,7 @@ def test_tokens_no_request_owns_outside_a_graphs_padding(
     session: RecordingSession, pool_config, name: str, layout: dict[str, Any], rows: int | None, expected: list[tuple[str, str, int | None, str]]
 ) -> None:
     builder = new_builder(pool_config)  # built with the config's max_num_seqs (Triton sizes buffers by it)
-    with max_num_seqs(pool_config, rows):
+    with configured(pool_config.scheduler_config, max_num_seqs=rows):  # None: a config without it
         builder.build(0, make_layout(**layout).cm)
     [trace] = written(session)
     assert (trace.capture.max_bs if trace.capture is not None else None) == rows
@@ -223,6 +225,32 @@ def test_the_unowned_tokens_finding_states_the_counts(session: RecordingSession,
     assert (finding.data["found"], finding.data["expected"], finding.data["num_reqs"], finding.data["max_num_seqs"]) == (12, 8, 3, 128)
     assert "num_actual_tokens (12)" in finding.cause and "query_start_loc[-1] = 8" in finding.cause
     assert "num_reqs = 3" in finding.cause and "max_num_seqs = 128" in finding.cause
+
+
+# vLLM V2's adaptive verification (speculative_config.enable_adaptive_verification): 3 verify
+# requests of 1 bonus + up to 3 drafts, a draft budget of 6 admitted on the device as 3, 1, 2
+# (query_start_loc 0, 4, 6, 9) while the host copy spreads it evenly, 2, 2, 2 (0, 3, 6, 9).
+ADAPTIVE = {"seq_lens": [30, 17, 25], "query_lens": [4, 2, 3], "seed": 11}
+ADAPTIVE_CASES = [
+    ("boundaries-differ-totals-agree", True, [0, 3, 6, 9], []),
+    ("boundaries-differ-without-adaptive-verification", False, [0, 3, 6, 9], [("invariants", "host-mirror", 1, "plan.common.query_start_loc_cpu[1]")]),
+    ("the-total-differs", True, [0, 3, 6, 8], [("invariants", "host-mirror", 3, "plan.common.query_start_loc_cpu")]),
+    ("a-request-missing", True, [0, 4, 9], [("invariants", "host-mirror", 2, "plan.common.query_start_loc_cpu")]),
+]
+
+
+@pytest.mark.parametrize(("name", "adaptive", "host", "expected"), ADAPTIVE_CASES, ids=[c[0] for c in ADAPTIVE_CASES])
+def test_adaptive_verification_keeps_only_the_host_totals(
+    session: RecordingSession, pool_config, name: str, adaptive: bool, host: list[int], expected: list[tuple[str, str, int, str]]
+) -> None:
+    builder = new_builder(pool_config)
+    cm = make_layout(**ADAPTIVE).cm
+    speculative = SimpleNamespace(enable_adaptive_verification=adaptive)  # the option alone: no draft model here
+    with configured(pool_config, speculative_config=speculative):
+        builder.build(0, cm.replace(query_start_loc_cpu=torch.tensor(host, dtype=torch.int32)))
+    [trace] = written(session)
+    assert trace.plan.scalars.get("vllm.adaptive_verification", False) is adaptive
+    assert findings_of(session, [FindingClass.INVARIANT, FindingClass.FILL_VALUE], backends=NO_KERNELS) == expected
 
 
 WINDOW = 16  # vLLM's sliding_window: a query sees itself and the 15 keys before it

@@ -13,7 +13,9 @@ engine's convention (attndbg/trace/engines.py `MetadataFields`).
                         (capture.max_bs; silent where the recording lacks it)
     vllm-empty-request  no row without query tokens before a real request (vLLM pads only after)
     host-mirror         query_start_loc_cpu == query_start_loc, seq_lens_cpu == seq_lens,
-                        seq_lens_cpu_upper_bound >= seq_lens (builders plan from the host copies)
+                        seq_lens_cpu_upper_bound >= seq_lens (builders plan from the host copies);
+                        under vLLM V2's adaptive verification (recorded as vllm.adaptive_verification)
+                        query_start_loc_cpu keeps only the total and the row count
     seq-lens-max        no seq_len past max_seq_len (vLLM sizes launches and the block table by it)
     block-table-short   each row has a column for every block its seq_len reads
     index-outside-cache every block id a row reads (a padded row too: it reads its seq_len) is in
@@ -258,11 +260,15 @@ def _host_mirrors(trace: Trace, c: _Common, out: list[Finding]) -> None:
         (names.num_computed_tokens_cpu, (c.seq - _query_lens(c))[:real], c.seq_name + " - query lengths", "=="),
         (names.seq_lens_cpu_upper_bound, c.seq[:real], c.seq_name, ">="),
     )
+    totals_only = any(trace.plan.scalars.get(k) is True for k in names.device_only_boundaries)
     for mirror, device, device_name, rule in pairs:
         host = trace.plan.tensors.get(mirror)
         if host is None or host.is_floating_point():
             continue
         host = host.to(torch.int64).reshape(-1)
+        if totals_only and mirror == names.query_start_loc_cpu:
+            _boundaries_on_device(trace, host, c, mirror, out)
+            continue
         n = min(host.numel(), device.numel())
         bad = host[:n] < device[:n] if rule == ">=" else host[:n] != device[:n]
         i = _first(bad)
@@ -281,6 +287,39 @@ def _host_mirrors(trace: Trace, c: _Common, out: list[Finding]) -> None:
                 found=int(host[i]),
             )
         )
+
+
+def _boundaries_on_device(trace: Trace, host: Tensor, c: _Common, mirror: str, out: list[Finding]) -> None:
+    """vLLM V2's adaptive verification admits each verify request's drafts on the device and
+    rewrites query_start_loc there (vllm/v1/worker/gpu/spec_decode/adaptive_verification.py:462-468
+    in 0.33, `reallocate_drafts`), while the host copy spreads the same draft budget evenly over the
+    verify requests (`compact_batch`, 409-413): per-request boundaries differ by design, the total
+    and the row count do not (v1/attention/backend.py:216-229, backends opt in). Those two are held."""
+    device, name = c.qsl, c.qsl_name
+    if host.numel() == device.numel() and (host.numel() == 0 or int(host[-1]) == int(device[-1])):
+        return
+    i = min(host.numel(), device.numel()) - 1
+    if host.numel() != device.numel():
+        evidence = f"plan.{mirror} has {host.numel()} entries, {name} {device.numel()}"
+        expected, found = device.numel(), host.numel()
+    else:
+        evidence = f"plan.{mirror}[{i}] = {int(host[i])}, expected == {name}[{i}] = {int(device[i])} (the total)"
+        expected, found = int(device[i]), int(host[i])
+    out.append(
+        finding(
+            KIND,
+            "host-mirror",
+            step=trace.source.step,
+            request=max(i, 0),
+            field=f"plan.{mirror}",
+            evidence=evidence + "; adaptive verification is on, so only the per-request boundaries may differ",
+            cause="the host copy the builder plans from was not updated with the device tensor: adaptive verification moves "
+            "drafts between verify requests on the device, but the host copy must keep the step's total and its requests "
+            "(the decode/prefill split and the token count builders take from it)",
+            expected=expected,
+            found=found,
+        )
+    )
 
 
 def _query_lens(c: _Common) -> Tensor:

@@ -194,6 +194,7 @@ def _record(session: RecordingSession, builder: Any, kind: str, args: tuple[Any,
             "vllm.max_query_len": int(cm.max_query_len),
             "vllm.max_seq_len": int(cm.max_seq_len),
             **({"vllm.num_gpu_blocks": pool // block_size} if pool else {}),
+            **({"vllm.adaptive_verification": True} if vllm_model.adaptive_verification(builder) else {}),
             **{f"vllm.{k}": v for k, v in call_scalars.items()},
         },
     )

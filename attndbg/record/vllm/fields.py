@@ -25,6 +25,7 @@ it under its own names (`plan`).
 | kv_cache_spec.block_size | builder | model.page_size | every detector |
 | cache_config.num_gpu_blocks | vllm_config (engine process) | vllm.num_gpu_blocks; batch.kv_cache_size | invariants (pool bound) |
 | speculative_config.num_speculative_tokens, .method | vllm_config | spec | tree-mask |
+| speculative_config.enable_adaptive_verification (V2, opt-in) | vllm_config | vllm.adaptive_verification (when on) | invariants (host mirror: totals only) |
 | scheduler_config.max_num_seqs; compilation_config.cudagraph_capture_sizes / max_cudagraph_capture_size | vllm_config | capture.max_bs; capture.max_num_tokens | invariants (capture sizes) |
 | FlashInfer builder `_workspace_buffer` | builder (once allocated) | capture.workspace_bytes | none (recorded) |
 | tree_attn_bias | TreeAttentionMetadata (0.11) | plan.tree_attn_bias; spec.parents | tree-mask |

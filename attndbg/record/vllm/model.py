@@ -146,6 +146,14 @@ def speculation(builder: Any) -> Speculation | None:
     return Speculation(method=str(getattr(config, "method", None) or "unknown"), num_speculative_tokens=tokens)
 
 
+def adaptive_verification(builder: Any) -> bool:
+    """`speculative_config.enable_adaptive_verification` (vLLM's V2 runner, opt-in): the draft
+    budget is reallocated among the verify requests on the device only, so query_start_loc and its
+    host mirror differ per request while their totals agree."""
+    config = getattr(getattr(builder, "vllm_config", None), "speculative_config", None)
+    return getattr(config, "enable_adaptive_verification", False) is True
+
+
 def tp_rank() -> int:
     """This worker's tensor-parallel rank; 0 when vLLM's process groups are not initialised."""
     state = sys.modules.get("vllm.distributed.parallel_state")
