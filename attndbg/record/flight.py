@@ -49,7 +49,7 @@ import torch
 
 from attndbg.record import device_fault, spool
 from attndbg.record.ring import Ring, RingEntry
-from attndbg.record.host_copy import HostCopy
+from attndbg.record.host_copy import HostCopy, PinnedPool
 from attndbg.record.session import Build, RecordingSession
 from attndbg.record.triggers import CUDA_ERROR_WORDS, LOGITS_FINITE, Trigger, TriggerKind, from_exception, is_cuda_error, nonfinite, parse_when
 from attndbg.trace.io import trigger_line
@@ -80,6 +80,9 @@ class FlightRecorder:
     def __init__(self, session: RecordingSession):
         self.session = session
         self.ring = Ring(session.options.ring)
+        # The ring's pinned buffers, reused as entries leave it (host_copy.py: `session.snapshot`
+        # takes from it in ring mode).
+        self.pool = PinnedPool()
         self.when = parse_when(session.options.when)
         # Names of recorded tensors `--when nan` judges (the adapters' keys); a flag tensor of bools
         # (LOGITS_FINITE) is a finiteness check the device made.
@@ -116,8 +119,11 @@ class FlightRecorder:
             # Blocking sync: the flight thread waiting on it sleeps instead of spinning a core.
             done = torch.cuda.Event(blocking=True)
             done.record(stream)
+        watch = self.when.nan or entry.copy.has_readings()
+        if watch:
+            entry.copy.hold()  # before the ring may evict it: the flight thread reads it
         self.ring.close(entry, done)
-        if self.when.nan or entry.copy.has_readings():
+        if watch:
             self._put(_Watch(entry))
 
     def keep(self, step: int, copy: HostCopy, build: Build) -> None:
@@ -126,6 +132,7 @@ class FlightRecorder:
 
     def check(self, copy: HostCopy, judge: Callable[[dict[str, Any]], Trigger | None]) -> None:
         """Judge `copy` on the flight thread once it landed; `judge` returns the trigger to fire."""
+        copy.hold()
         self._put(_Check(copy, judge))
 
     def request(self, trigger: Trigger) -> None:
@@ -151,8 +158,10 @@ class FlightRecorder:
                 self.session.write_line_now(trigger_line(trigger.line(os.getpid())))
             else:
                 for entry, in_flight in taken:
-                    self.session.write(entry.copy, entry.build, in_flight=in_flight, evidence=True)
+                    self.session.write(entry.copy, entry.build, in_flight=in_flight, evidence=True)  # the writer holds it now
                 self.session.write_line(trigger_line(trigger.line(os.getpid())))
+            for entry, _ in taken:
+                entry.copy.release()  # the ring's hold, which take() handed over
         flying = [entry.step for entry, in_flight in taken if in_flight]
         where = f"step {trigger.step}" if trigger.step is not None else "no step yet"
         count = f"{len(written)} of {len(taken)}" if now else f"{len(taken)}"
@@ -188,6 +197,10 @@ class FlightRecorder:
                     else:
                         self._judge(job)
             finally:
+                if isinstance(job, _Watch):
+                    job.entry.copy.release()
+                elif isinstance(job, _Check):
+                    job.copy.release()
                 if not isinstance(job, _Fire):
                     with self._lock:
                         self._pending_jobs -= 1

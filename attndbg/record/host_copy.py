@@ -13,8 +13,15 @@ arrived. That is what can still
 be asked after a CUDA error, when every CUDA call (an event's query included) fails: the flight
 recorder writes the steps whose copies landed and leaves out those whose copies never ran.
 
+In ring mode the buffers come from the flight recorder's `PinnedPool` instead, and go back to it
+once nobody will read them: torch's allocation of a pinned buffer (its lock, its event
+bookkeeping) cost the engine's thread more per step than the copy itself. A copy counts who still
+reads it (`hold`/`release`: the ring, the writer, the flight thread); the last release hands its
+buffers back only when every marker shows the device copy into them done, else they are left to
+torch's allocator, which frees them once their copy completed (as without a pool).
+
 After a CUDA error (device_fault.py) a copy waits on no event, starts no new copy, and its pinned
-tensors are never freed (freeing one would abort the process).
+tensors are never freed (freeing one would abort the process); nothing goes back to a pool.
 """
 
 from __future__ import annotations
@@ -44,12 +51,80 @@ def _one_on(device: torch.device) -> Tensor:
     return one
 
 
+def _pinned(n: int) -> Tensor:
+    return torch.empty(n, dtype=torch.uint8, pin_memory=True)
+
+
+def size_class(n: int) -> int:
+    """The pool's buffer size for `n` bytes: at least 256, else `n` rounded up to a quarter of its
+    power of two (at most a quarter more than asked), so steps whose sizes differ a little share
+    buffers."""
+    if n <= 256:
+        return 256
+    step = 1 << (n.bit_length() - 3)
+    return -(-n // step) * step
+
+
+class PinnedPool:
+    """Pinned byte buffers by size class, reused by later copies once handed back (`give`).
+
+    Bounded: a class keeps at most `per_class` free buffers and the pool `max_free_bytes` free in
+    all; a buffer beyond that goes back to torch's allocator. After a device fault nothing is taken
+    back and no free buffer is ever freed (device_fault.py)."""
+
+    def __init__(self, *, per_class: int = 8, max_free_bytes: int = 256 << 20, allocate: Any = _pinned):
+        self._free: dict[int, list[Tensor]] = {}
+        self._free_bytes = 0
+        self._per_class = per_class
+        self._max_free_bytes = max_free_bytes
+        self._allocate = allocate  # tests: plain host memory on a machine without pinned memory
+        self._lock = threading.Lock()
+        self.allocated = 0  # buffers asked of the allocator
+        self.reused = 0  # buffers handed out again
+
+    def take(self, n: int) -> Tensor:
+        """A buffer of size_class(n) bytes (its contents are what the last copy left)."""
+        size = size_class(n)
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                self._free_bytes -= size
+                self.reused += 1
+                return free.pop()
+            self.allocated += 1
+        return self._allocate(size)
+
+    def give(self, buffers: list[Tensor]) -> None:
+        """Buffers no copy will write into or be read from again."""
+        if device_fault.faulted():
+            device_fault.keep(buffers)
+            return
+        with self._lock:
+            for buffer in buffers:
+                size = buffer.numel()
+                free = self._free.setdefault(size, [])
+                if len(free) < self._per_class and self._free_bytes + size <= self._max_free_bytes:
+                    free.append(buffer)
+                    self._free_bytes += size
+
+    def free_count(self) -> int:
+        with self._lock:
+            return sum(len(free) for free in self._free.values())
+
+    def __del__(self) -> None:
+        free = getattr(self, "_free", None)
+        if free and device_fault.faulted():  # freeing a buffer a copy used would abort the process
+            device_fault.keep([buffer for buffers in free.values() for buffer in buffers])
+
+
 @dataclass(frozen=True)
 class _Packed:
-    """One batch's device tensors in one pinned buffer: (name, dtype, shape, byte offset, bytes) each."""
+    """One batch's device tensors in one pinned buffer: (name, dtype, shape, byte offset, bytes) each.
+    `slab`: the pool's whole buffer that `buffer` is the start of (None: not from a pool)."""
 
     buffer: Tensor
     layout: tuple[tuple[str, torch.dtype, tuple[int, ...], int, int], ...]
+    slab: Tensor | None = None
 
     def unpack(self) -> dict[str, Tensor]:
         # Copies (on the writer's thread): a view would keep, and a saved trace would store, the
@@ -74,24 +149,41 @@ def packed_layout(parts: list[tuple[str, Tensor]]) -> tuple[tuple[tuple[str, tor
     return tuple(layout), flat, offset
 
 
-def _pack(parts: list[tuple[str, Tensor]]) -> tuple[_Packed, Tensor]:
-    """Queue one copy of `parts` (device tensors of one device) into a new pinned buffer on the
-    current stream, then its marker's; the packed copy and the marker (zeroed) are returned."""
+def _pack(parts: list[tuple[str, Tensor]], pool: PinnedPool | None = None) -> tuple[_Packed, Tensor]:
+    """Queue one copy of `parts` (device tensors of one device) into a pinned buffer (new, or the
+    pool's) on the current stream, then its marker's; the packed copy and the marker (zeroed) are
+    returned."""
     layout, flat, offset = packed_layout(parts)
     marker_at = -(-offset // 4) * 4
-    buffer = torch.empty(marker_at + 4, dtype=torch.uint8, pin_memory=True)
+    slab = None if pool is None else pool.take(marker_at + 4)
+    buffer = _pinned(marker_at + 4) if slab is None else slab[: marker_at + 4]
     marker = buffer[marker_at:].view(torch.int32)
     marker.zero_()
     if offset:
         buffer[:offset].copy_(flat[0] if len(flat) == 1 else torch.cat(flat), non_blocking=True)
     marker.copy_(_one_on(parts[0][1].device), non_blocking=True)
-    return _Packed(buffer, layout), marker
+    return _Packed(buffer, layout, slab), marker
+
+
+def _copied_on_device(t: Tensor) -> bool:
+    """Whether `t` is packed into a pinned buffer (else cloned on the host now)."""
+    return t.is_cuda
+
+
+def _event_after(stream: torch.cuda.Stream | None) -> torch.cuda.Event:
+    """An event recorded on `stream` (None: the current one) after the copies queued on it."""
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 class HostCopy:
     """Tensors copied to (pinned) host memory without a device sync; `wait()` completes them."""
 
-    def __init__(self, tensors: dict[str, Tensor | None], *, stream: torch.cuda.Stream | None = None):
+    def __init__(self, tensors: dict[str, Tensor | None], *, stream: torch.cuda.Stream | None = None, pool: PinnedPool | None = None):
+        self._pool = pool  # where the pinned buffers come from and go back to (None: torch's allocator)
+        self._holds = 0  # readers still to come (the ring, the writer, the flight thread)
+        self._recycled = False  # the buffers went back to the pool: nothing may be read from them
         self._host: dict[str, Tensor | None] = {}
         self._packs: list[_Packed] = []
         self._events: list[torch.cuda.Event] = []
@@ -111,7 +203,7 @@ class HostCopy:
                 host[name] = None
                 continue
             nbytes += t.numel() * t.element_size()
-            if t.is_cuda:
+            if _copied_on_device(t):
                 on_device.setdefault(t.device, []).append((name, t))
             else:
                 # A host tensor may be reused by the engine for the next step: copy it now.
@@ -123,9 +215,8 @@ class HostCopy:
             with contextlib.ExitStack() as on_stream:
                 if stream is not None:
                     on_stream.enter_context(torch.cuda.stream(stream))
-                packed = [_pack(parts) for parts in on_device.values()]
-                event = torch.cuda.Event()
-                event.record()
+                packed = [_pack(parts, self._pool) for parts in on_device.values()]
+                event = _event_after(None)
             with self._lock:
                 for pack, marker in packed:
                     self._packs.append(pack)
@@ -165,9 +256,33 @@ class HostCopy:
         with self._lock:
             return all(int(m[0]) == 1 for m in self._markers)
 
+    def hold(self) -> None:
+        """One more reader will read this copy (release() when it did)."""
+        with self._lock:
+            if self._recycled:
+                raise RuntimeError("a host copy was held after its buffers went back to the pool")
+            self._holds += 1
+
+    def release(self) -> None:
+        """A reader is done. The last one hands the pinned buffers back to the pool, if the device
+        copies into them are done (every marker landed: host memory only); a buffer still being
+        copied into is left to torch's allocator, which waits for its copy before reusing it."""
+        with self._lock:
+            self._holds -= 1
+            if self._holds > 0 or self._pool is None or self._recycled or not self._packs or device_fault.faulted():
+                return
+            if not all(int(m[0]) == 1 for m in self._markers):
+                return
+            slabs = [pack.slab for pack in self._packs if pack.slab is not None]
+            self._recycled = True
+            self._packs, self._markers = [], []
+        self._pool.give(slabs)
+
     def wait(self) -> dict[str, Tensor | None]:
         """The host tensors once every copy completed; CopyLost when the device faulted first."""
         with self._lock:
+            if self._recycled:
+                raise RuntimeError("a host copy was read after its buffers went back to the pool")
             events = list(self._events)
         for event in events:
             if device_fault.faulted():  # no event may be waited on: what landed is all there is
@@ -212,6 +327,7 @@ class StepCopies(HostCopy):
 
     def __init__(self, parts: dict[str, HostCopy]):  # noqa: D107 - no super(): the parts hold the copies
         self._parts = parts
+        self._pool = None
         self._lock = threading.Lock()
         self.nbytes = sum(part.nbytes for part in parts.values())
 
@@ -220,6 +336,14 @@ class StepCopies(HostCopy):
 
     def add_host(self, host: dict[str, Tensor]) -> None:
         raise TypeError("add to a part, not to the merged copy")
+
+    def hold(self) -> None:
+        for part in self._parts.values():
+            part.hold()
+
+    def release(self) -> None:
+        for part in self._parts.values():
+            part.release()
 
     def has_readings(self) -> bool:
         return any(part.has_readings() for part in self._parts.values())

@@ -56,6 +56,7 @@ class Ring:
         self._lock = threading.Lock()
 
     def add(self, entry: RingEntry) -> None:
+        entry.copy.hold()
         with self._lock:
             self._entries.append(entry)
             self._finished += entry.finished
@@ -108,7 +109,8 @@ class Ring:
         return error
 
     def take(self) -> list[tuple[RingEntry, bool]]:
-        """Empty the ring: every entry, oldest first, with whether it was in flight."""
+        """Empty the ring: every entry, oldest first, with whether it was in flight. Each entry's
+        copy is still held for the taker (release it once written, or never)."""
         self.poll()
         with self._lock:
             taken = [(entry, not entry.finished) for entry in self._entries]
@@ -139,7 +141,9 @@ class Ring:
             self._entries.remove(oldest)  # the oldest finished is at or near the front: cheap
             oldest.evicted = True
             self._finished -= 1
+            oldest.copy.release()
         while len(self._entries) > self.depth + MAX_IN_FLIGHT:
             gone = self._entries.popleft()
             gone.evicted = True
             self._finished -= gone.finished
+            gone.copy.release()  # in flight: its buffers go back only if its copies landed

@@ -154,7 +154,12 @@ class RecordingSession:
             return None
         if device_fault.faulted():  # nothing can be copied off the device any more (device_fault.py)
             return None
-        return HostCopy(tensors) if stream is None else HostCopy(tensors, stream=stream)
+        extra: dict[str, Any] = {}
+        if stream is not None:
+            extra["stream"] = stream
+        if self.flight is not None:
+            extra["pool"] = self.flight.pool  # a ring's buffers are reused as its entries leave it
+        return HostCopy(tensors, **extra)
 
     def submit(self, copy: HostCopy, build: Build, *, step: int | None = None) -> None:
         """Hand a step to the writer: `build(host_tensors)` runs on the writer thread. In ring mode
@@ -204,6 +209,7 @@ class RecordingSession:
                 self.stats.dropped_queue_full += 1
                 return
             self._pending_bytes += copy.nbytes
+        copy.hold()  # released once written (a pooled buffer is reused only then)
         self._queue.put_nowait(_StepJob(copy, build, in_flight, evidence))
 
     def write_line(self, line: str) -> None:
@@ -287,6 +293,7 @@ class RecordingSession:
                         self._write(job)
                 with self._lock:
                     self._pending_bytes -= job.copy.nbytes
+                job.copy.release()
             finally:
                 self._queue.task_done()
 
