@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,6 +171,24 @@ def _copied_on_device(t: Tensor) -> bool:
     return t.is_cuda
 
 
+@contextlib.contextmanager
+def _on(stream: torch.cuda.Stream | None, current: torch.cuda.Stream | None) -> Iterator[None]:
+    """Make `stream` the current stream meanwhile (None: leave the current one). With the current
+    stream known (`current`, on the same device) it is set and set back without asking torch for
+    the current stream again, as torch.cuda.stream() would."""
+    if stream is None:
+        yield
+    elif current is None or current.device_index != stream.device_index:
+        with torch.cuda.stream(stream):
+            yield
+    else:
+        torch.cuda.set_stream(stream)
+        try:
+            yield
+        finally:
+            torch.cuda.set_stream(current)
+
+
 def _event_after(stream: torch.cuda.Stream | None) -> torch.cuda.Event:
     """An event recorded on `stream` (None: the current one) after the copies queued on it."""
     event = torch.cuda.Event()
@@ -180,7 +199,9 @@ def _event_after(stream: torch.cuda.Stream | None) -> torch.cuda.Event:
 class HostCopy:
     """Tensors copied to (pinned) host memory without a device sync; `wait()` completes them."""
 
-    def __init__(self, tensors: dict[str, Tensor | None], *, stream: torch.cuda.Stream | None = None, pool: PinnedPool | None = None):
+    def __init__(
+        self, tensors: dict[str, Tensor | None], *, stream: torch.cuda.Stream | None = None, pool: PinnedPool | None = None, current: torch.cuda.Stream | None = None
+    ):
         self._pool = pool  # where the pinned buffers come from and go back to (None: torch's allocator)
         self._holds = 0  # readers still to come (the ring, the writer, the flight thread)
         self._recycled = False  # the buffers went back to the pool: nothing may be read from them
@@ -191,10 +212,12 @@ class HostCopy:
         self._readings: list[Any] = []  # probes.Reading: values a graph replay copies (probes.py)
         self._lock = threading.Lock()
         self.nbytes = 0
-        self.add(tensors, stream=stream)
+        self.add(tensors, stream=stream, current=current)
 
-    def add(self, tensors: dict[str, Tensor | None], *, stream: torch.cuda.Stream | None = None) -> None:
-        """Copy more tensors (a step's layer tensors once its forward ran) into this copy."""
+    def add(self, tensors: dict[str, Tensor | None], *, stream: torch.cuda.Stream | None = None, current: torch.cuda.Stream | None = None) -> None:
+        """Copy more tensors (a step's layer tensors once its forward ran) into this copy, on
+        `stream` (None: the current one). `current`: the current stream, where the caller already
+        knows it (each lookup costs the engine's thread microseconds)."""
         host: dict[str, Tensor | None] = {}
         on_device: dict[torch.device, list[tuple[str, Tensor]]] = {}
         nbytes = 0
@@ -212,11 +235,9 @@ class HostCopy:
             return  # no pinned allocation and no copy can succeed now: the tensors are lost (and not counted)
         self.nbytes += nbytes
         if on_device:
-            with contextlib.ExitStack() as on_stream:
-                if stream is not None:
-                    on_stream.enter_context(torch.cuda.stream(stream))
+            with _on(stream, current):
                 packed = [_pack(parts, self._pool) for parts in on_device.values()]
-                event = _event_after(None)
+            event = _event_after(stream)
             with self._lock:
                 for pack, marker in packed:
                     self._packs.append(pack)
@@ -331,7 +352,7 @@ class StepCopies(HostCopy):
         self._lock = threading.Lock()
         self.nbytes = sum(part.nbytes for part in parts.values())
 
-    def add(self, tensors: dict[str, Tensor | None], *, stream: torch.cuda.Stream | None = None) -> None:
+    def add(self, tensors: dict[str, Tensor | None], *, stream: torch.cuda.Stream | None = None, current: torch.cuda.Stream | None = None) -> None:
         raise TypeError("add to a part, not to the merged copy")
 
     def add_host(self, host: dict[str, Tensor]) -> None:

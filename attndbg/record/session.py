@@ -146,9 +146,10 @@ class RecordingSession:
     def wants_layer(self, layer: int) -> bool:
         return self._enabled and self.options.wants_layer(layer)
 
-    def snapshot(self, tensors: dict[str, Tensor | None], *, stream: torch.cuda.Stream | None = None) -> HostCopy | None:
-        """Start host copies of a step's tensors (on `stream`, else the current one); None (and
-        counted) inside a graph capture."""
+    def snapshot(self, tensors: dict[str, Tensor | None], *, stream: torch.cuda.Stream | None = None, current: torch.cuda.Stream | None = None) -> HostCopy | None:
+        """Start host copies of a step's tensors (on `stream`, else the current one; `current`: the
+        current stream, where the caller already looked it up); None (and counted) inside a graph
+        capture."""
         if capturing():
             self.stats.skipped_in_capture += 1
             return None
@@ -157,6 +158,8 @@ class RecordingSession:
         extra: dict[str, Any] = {}
         if stream is not None:
             extra["stream"] = stream
+        if current is not None:
+            extra["current"] = current
         if self.flight is not None:
             extra["pool"] = self.flight.pool  # a ring's buffers are reused as its entries leave it
         return HostCopy(tensors, **extra)

@@ -238,9 +238,11 @@ def _open(session: RecordingSession, runner: Any, model: Any, batch_data: dict[s
         "read_index": None if read_index is None else (read_index[: state.reads] if state.reads is not None else read_index),
         "position_ids": batch_data["position_ids"].reshape(-1),
     }
+    current = None
     if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream())
-    copy = session.snapshot(metadata, stream=stream)
+        current = torch.cuda.current_stream()  # looked up once: the copies switch to `stream` and back
+        stream.wait_stream(current)
+    copy = session.snapshot(metadata, stream=stream, current=current)
     if copy is None:
         return None
     config, dtype = model.config, batch_data["cache"].dtype
