@@ -153,7 +153,12 @@ def packed_layout(parts: list[tuple[str, Tensor]]) -> tuple[tuple[tuple[str, tor
 def _pack(parts: list[tuple[str, Tensor]], pool: PinnedPool | None = None) -> tuple[_Packed, Tensor]:
     """Queue one copy of `parts` (device tensors of one device) into a pinned buffer (new, or the
     pool's) on the current stream, then its marker's; the packed copy and the marker (zeroed) are
-    returned."""
+    returned.
+
+    Concatenated on the device, then one copy: with the buffer reused, a copy per tensor straight
+    into its place costs the host as much or more (on an H100, five metadata tensors of 0.7 to
+    530 KB: 30-45 us a step concatenated, 43-46 us copied one by one; each copy is a driver call
+    and an event the host allocator records)."""
     layout, flat, offset = packed_layout(parts)
     marker_at = -(-offset // 4) * 4
     slab = None if pool is None else pool.take(marker_at + 4)
