@@ -9,10 +9,11 @@ Where triggers come from:
   device work is done (a blocking-sync event: the thread sleeps, no device sync on the engine's
   thread) and judges what landed (in-graph probe readings included, host_copy.py); a CUDA error
   seen there fires at once. Without it, the engine's thread polls the events of the steps in the
-  ring when it opens the next (a query each), which is all in-flight marking needs. A step that
-  carries in-graph probe readings is followed too, its readings read from the graph's staging on
-  this thread once its replay is done: else they would be read on the engine's thread, just before
-  the same graph replays again (probes.py);
+  ring when it opens the next (a query each), which is all in-flight marking needs; it leaves the
+  steps this thread follows to it, and a trigger asks every event before it names the oldest step
+  in flight or takes the ring. A step that carries in-graph probe readings is followed too, its
+  readings read from the graph's staging on this thread once its replay is done: else they would
+  be read on the engine's thread, just before the same graph replays again (probes.py);
 - signals (signals.py): SIGUSR1 asks for the ring; a process ended by SIGTERM or SIGHUP (their
   default action) first leaves its ring for `record`;
 - exceptions the engine does not hand to our hooks: an uncaught one (sys.excepthook,
@@ -103,7 +104,7 @@ class FlightRecorder:
     # -- what the session and the adapters call -------------------------------------------------
 
     def open(self, step: int, copy: HostCopy, build: Build) -> RingEntry:
-        error = self.ring.poll()
+        error = self.ring.poll(followed=False)  # the steps the flight thread follows are its to mark
         entry = RingEntry(step=step, copy=copy, build=build)
         self.ring.add(entry)
         if error is not None:  # an earlier step's work ended in a CUDA error
@@ -122,7 +123,7 @@ class FlightRecorder:
         watch = self.when.nan or entry.copy.has_readings()
         if watch:
             entry.copy.hold()  # before the ring may evict it: the flight thread reads it
-        self.ring.close(entry, done)
+        self.ring.close(entry, done, followed=watch)
         if watch:
             self._put(_Watch(entry))
 

@@ -37,6 +37,7 @@ class RingEntry:
     closed: bool = False  # the engine's call returned
     finished: bool = False  # its device work was seen complete
     evicted: bool = False  # left the ring (evicted or taken): no longer counted or polled
+    followed: bool = False  # the flight thread waits on its event and marks it finished (flight.py)
 
 
 class Ring:
@@ -44,7 +45,9 @@ class Ring:
 
     Every step costs the engine's thread an add, a close and a poll, none of which walks the ring:
     the finished steps are counted as they finish, and a poll asks only the closed steps still
-    waiting on their device work (the ones the device has not caught up with), oldest first."""
+    waiting on their device work (the ones the device has not caught up with), oldest first. The
+    engine's poll leaves out the steps the flight thread follows (it marks them as their events
+    complete and fires on an error it meets); a trigger's poll asks every step."""
 
     def __init__(self, depth: int):
         if depth < 1:
@@ -62,12 +65,14 @@ class Ring:
             self._finished += entry.finished
             self._evict()
 
-    def close(self, entry: RingEntry, done: torch.cuda.Event | None, *, lost: bool = False) -> None:
+    def close(self, entry: RingEntry, done: torch.cuda.Event | None, *, lost: bool = False, followed: bool = False) -> None:
         """The engine's call returned; `done` marks where its device work ends (None: host work
-        only, finished now). `lost`: the device had faulted, no event could be recorded: in flight."""
+        only, finished now). `lost`: the device had faulted, no event could be recorded: in flight.
+        `followed`: the flight thread will wait on `done` (the engine's poll need not ask it)."""
         with self._lock:
             entry.done = done
             entry.closed = True
+            entry.followed = followed
             if done is None and not lost:
                 self._finish(entry)
             elif done is not None and not entry.finished:
@@ -80,15 +85,21 @@ class Ring:
             self._finish(entry)
             self._evict()
 
-    def poll(self) -> RuntimeError | None:
+    def poll(self, *, followed: bool = True) -> RuntimeError | None:
         """Mark the closed steps whose device work completed (a cheap event query each). A CUDA
         error raised by a query leaves that step and the later ones unfinished (in flight) and is
-        returned, for the caller to fire on; after one, nothing is queried (device_fault.py)."""
+        returned, for the caller to fire on; after one, nothing is queried (device_fault.py).
+        `followed=False`: the steps the flight thread follows are left to it."""
+        if not self._waiting:  # nothing closed waits on the device (the ring is already evicted down)
+            return None
         error = None
         with self._lock:
             still: deque[RingEntry] = deque()
             for i, entry in enumerate(self._waiting):
                 if entry.finished or entry.evicted:
+                    continue
+                if entry.followed and not followed:
+                    still.append(entry)
                     continue
                 if device_fault.faulted():
                     still.extend(self._waiting[j] for j in range(i, len(self._waiting)))
@@ -126,7 +137,9 @@ class Ring:
             return [entry.step for entry in self._entries]
 
     def first_in_flight(self) -> int | None:
-        """The oldest step not seen finished (the likeliest to have faulted), or None."""
+        """The oldest step not seen finished (the likeliest to have faulted), or None. Asks the
+        events first (the steps the flight thread follows may not be marked yet)."""
+        self.poll()
         with self._lock:
             return next((entry.step for entry in self._entries if not entry.finished), None)
 

@@ -109,6 +109,36 @@ def test_the_ring_counts_steps_finished_out_of_order_and_by_the_flight_thread() 
     assert ring.steps() == [7, 8]
 
 
+def test_the_engine_s_poll_leaves_followed_steps_to_the_flight_thread() -> None:
+    """A step the flight thread follows is not asked by the engine's poll (the flight thread marks
+    it); a trigger asks it before naming the oldest step in flight or taking the ring, so the
+    steps written and their in-flight marks are what asking every step would give."""
+
+    class _Counted(_Event):
+        asked = 0
+
+        def query(self) -> bool:
+            type(self).asked += 1
+            return super().query()
+
+    ring = Ring(2)
+    entries = {step: _entry(step) for step in range(4)}
+    events = {step: _Counted(done=True) for step in range(4)}
+    for step in range(4):
+        assert ring.poll(followed=False) is None
+        ring.add(entries[step])
+        ring.close(entries[step], events[step], followed=True)
+    assert _Counted.asked == 0 and ring.steps() == [0, 1, 2, 3]
+    ring.mark_finished(entries[0])  # the flight thread saw step 0 done
+    assert ring.first_in_flight() is None and _Counted.asked == 3  # steps 1-3 asked, all done
+    assert ring.steps() == [2, 3]
+    events[4] = _Counted()  # not done
+    entries[4] = _entry(4)
+    ring.add(entries[4])
+    ring.close(entries[4], events[4], followed=True)
+    assert [(e.step, flying) for e, flying in ring.take()] == [(2, False), (3, False), (4, True)]
+
+
 def test_when_conditions_parse_and_bad_ones_name_themselves() -> None:
     assert parse_when(["nan"]).nan and parse_when(["nan"]).accept_below is None
     both = parse_when(["nan, accept<0.2"])
