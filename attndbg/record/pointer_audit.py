@@ -88,6 +88,15 @@ def _follow(obj: Any, route: Route) -> Any:
     return obj
 
 
+def _pointers(obj: Any, routes: tuple[Route, ...]) -> tuple[int | None, ...]:
+    """The data_ptr of the tensor at each route from `obj` (None where there is none)."""
+    found = []
+    for route in routes:
+        value = _follow(obj, route)
+        found.append(value.data_ptr() if isinstance(value, Tensor) else None)
+    return tuple(found)
+
+
 @dataclass(frozen=True)
 class Moved:
     key: Hashable
@@ -117,24 +126,32 @@ class PointerAudit:
 
     def __init__(self, keep: Callable[[Tensor], bool] = on_device):
         self._keep = keep
-        self._captured: dict[Hashable, dict[str, tuple[int, tuple[int, ...]]]] = {}
+        # per key: the paths found at capture (with their routes), and their routes and pointers
+        # as two tuples, so that a replay where nothing moved is one tuple comparison
+        self._captured: dict[Hashable, tuple[dict[str, tuple[tuple[int, tuple[int, ...]], Route]], tuple[Route, ...], tuple[int, ...]]] = {}
         self._reported: set[tuple[Hashable, str]] = set()
         self._lock = threading.Lock()
 
     def captured(self, key: Hashable, obj: Any) -> None:
         found = _walk(obj, self._keep)
+        routes = tuple(route for _, route in found.values())
+        pointers = tuple(ptr for (ptr, _), _ in found.values())
         with self._lock:
-            self._captured[key] = found
+            self._captured[key] = (found, routes, pointers)
             self._reported = {r for r in self._reported if r[0] != key}
 
     def replayed(self, key: Hashable, obj: Any) -> list[Moved]:
         """The paths whose pointer differs from capture, not reported before (none for a key never
         captured). Every replay pays this: only the captured paths are followed, by the routes
-        found at capture, instead of walking the whole object again."""
+        found at capture, instead of walking the whole object again, and their pointers compared
+        at once; only a replay where one differs looks at each path."""
         with self._lock:
-            before = self._captured.get(key)
-        if not before:
+            captured = self._captured.get(key)
+        if captured is None or not captured[0]:
             return []
+        before, routes, pointers = captured
+        if _pointers(obj, routes) == pointers:
+            return []  # every captured path still holds a tensor at its captured address
         moved = []
         for path, ((ptr, _), route) in before.items():
             current = _follow(obj, route)

@@ -267,6 +267,23 @@ def test_pointer_audit_names_a_moved_buffer_once_and_passes_a_stable_one() -> No
     assert addresses(static) == {}  # by default only device tensors: host mirrors are rebuilt by design
 
 
+def test_pointer_audit_judges_each_path_as_before_when_any_pointer_differs() -> None:
+    """A replay where every pointer is the captured one is one comparison; any difference (a moved
+    buffer, a path gone, a tensor the audit does not keep) falls back to the path-by-path judgement."""
+    device_like = lambda t: t.dtype != torch.float64  # noqa: E731 - float64 tensors stand in for host mirrors
+    audit = PointerAudit(keep=device_like)
+    static = {"a": torch.zeros(4, dtype=torch.int32), "b": torch.zeros(4, dtype=torch.int32), "c": [torch.zeros(2)], "host": torch.zeros(2, dtype=torch.float64)}
+    audit.captured("g", static)
+    assert audit.replayed("g", dict(static, a=static["a"][:2])) == []  # a view at the same address
+    assert audit.replayed("g", dict(static, b=None)) == []  # gone since capture: not compared
+    assert audit.replayed("g", dict(static, b=torch.zeros(4, dtype=torch.float64))) == []  # not kept now
+    assert audit.replayed("g", dict(static, host=torch.zeros(2, dtype=torch.float64))) == []  # never audited
+    found = audit.replayed("g", dict(static, b=None, c=[torch.zeros(2)]))
+    assert [m.path for m in found] == ["c.0"] and found[0].captured == static["c"][0].data_ptr()
+    audit.captured("empty", {"host": static["host"]})
+    assert audit.replayed("empty", {"host": torch.zeros(1)}) == []
+
+
 def test_probe_readings_pair_stamps_with_their_replay() -> None:
     probes = GraphProbes(staging={"layer0.q": torch.arange(6.0).reshape(3, 2), "layer0.output": torch.zeros(3, 2)}, stamps={"layer0.q": torch.tensor([2]), "layer0.output": torch.tensor([1])})
     reading = Reading(probes=probes, replay=2, done=None, shape=lambda host: {k: v[:2] for k, v in host.items()})
