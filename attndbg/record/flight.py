@@ -106,6 +106,9 @@ class FlightRecorder:
     def open(self, step: int, copy: HostCopy, build: Build) -> RingEntry:
         error = self.ring.poll(followed=False)  # the steps the flight thread follows are its to mark
         entry = RingEntry(step=step, copy=copy, build=build)
+        # Held while the engine's call runs (released by close): a trigger may take and write the
+        # step meanwhile, but its copy still receives the call's tensors.
+        copy.hold()
         self.ring.add(entry)
         if error is not None:  # an earlier step's work ended in a CUDA error
             self.fire(from_exception(error, self.in_flight_step(), "seen by the flight recorder"))
@@ -114,6 +117,7 @@ class FlightRecorder:
     def close(self, entry: RingEntry, *, stream: torch.cuda.Stream | None = None) -> None:
         if device_fault.faulted():  # no event can be recorded: the step stays in flight
             self.ring.close(entry, None, lost=True)
+            entry.copy.release()
             return
         done = None
         if torch.cuda.is_initialized():  # (is_available() asks NVML: too slow for every step)
@@ -126,6 +130,7 @@ class FlightRecorder:
         self.ring.close(entry, done, followed=watch)
         if watch:
             self._put(_Watch(entry))
+        entry.copy.release()  # open's hold
 
     def keep(self, step: int, copy: HostCopy, build: Build) -> None:
         """A step handed over whole (`submit`: the engines whose hooks run after the call)."""

@@ -169,6 +169,29 @@ def test_an_evicted_entry_under_judgement_keeps_its_buffer(tmp_path: Path) -> No
         session.close()
 
 
+def test_a_step_taken_while_open_keeps_its_buffers_until_its_call_returns(tmp_path: Path) -> None:
+    """A trigger may take and write a step while the engine's call still runs: the copy still
+    receives the call's tensors (and the flight thread may still judge it) after it was written."""
+    from attndbg.record.triggers import Trigger, TriggerKind
+
+    session = RecordingSession(RecordOptions(out_dir=str(tmp_path), ring=2, when=("nan",)))
+    try:
+        flight = session.flight
+        flight.pool = pool = PinnedPool(allocate=_plain)
+        copy = session.snapshot(_tensors(0))
+        handle = session.open_step(0, copy, lambda host: None)
+        slabs = set(_slabs(copy))
+        flight.fire(Trigger(kind=TriggerKind.SIGNAL, step=0, message="test"))
+        session.flush()  # written while the call runs
+        assert not slabs & _pool_ptrs(pool) and not copy._recycled
+        copy.add({"layer0.output": torch.ones(2, 3)})
+        session.close_step(handle)  # --when nan: the flight thread judges it now
+        assert flight.drain(10)
+        assert copy._recycled and slabs <= _pool_ptrs(pool)
+    finally:
+        session.close()
+
+
 def _write_ring(tmp_path: Path, *, pooled: bool) -> dict[str, bytes]:
     """Twelve steps through a ring of 3 whose step files carry their copied values; the ring is
     fired while the writer is held up, then steps go on (reusing buffers) until it is written."""
