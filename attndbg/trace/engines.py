@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from attndbg.trace.schema import Trace
+from attndbg.trace.schema import ForwardMode, Trace
 
 
 @dataclass(frozen=True)
@@ -183,3 +183,13 @@ DEFAULT = SGLANG  # an engine not in ENGINES
 def engine_conventions(trace: Trace) -> EngineConventions:
     """The conventions of the engine that recorded `trace` (DEFAULT for one not in ENGINES)."""
     return ENGINES.get(trace.source.engine, DEFAULT)
+
+
+def draft_decode(trace: Trace) -> tuple[int, int] | None:
+    """(topk, step) of a draft decode step, as the SGLang recorder keeps its multi-step draft
+    backend's host facts (plan.scalars draft_topk, draft_step; record/sglang/draft.py), else None."""
+    scalars = trace.plan.scalars if trace.plan is not None and trace.batch.forward_mode is ForwardMode.DECODE else {}
+    topk, step = scalars.get("draft_topk"), scalars.get("draft_step")
+    if isinstance(topk, int) and isinstance(step, int) and not isinstance(topk, bool) and not isinstance(step, bool) and topk >= 1 and step >= 0:
+        return topk, step
+    return None

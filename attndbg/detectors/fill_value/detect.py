@@ -51,7 +51,7 @@ from attndbg.plans.reading import PlanReading, read
 from attndbg.replay import graph as graph_replay
 from attndbg.replay.runner import BackendRun, RunStatus
 from attndbg.replay.variants import Eager, Graph
-from attndbg.trace.engines import engine_conventions
+from attndbg.trace.engines import draft_decode, engine_conventions
 from attndbg.trace.offsets import first_decrease
 from attndbg.trace.schema import ForwardMode, Trace
 
@@ -215,17 +215,21 @@ def _seq_lens_sum(trace: Trace) -> list[Finding]:
     if plan is None or "seq_lens_sum" not in plan.scalars:
         return []
     recorded = int(plan.scalars["seq_lens_sum"])
-    padded = int(graph.padded_seq_lens[: graph.capture_bs].sum())
-    raw = int(batch.seq_lens_raw.sum())
+    # A draft decode step's rows are its requests' topk branches (each with its request's seq_len);
+    # the engine's sum is over the requests.
+    draft = draft_decode(trace)
+    per_request = draft[0] if draft else 1
+    padded = int(graph.padded_seq_lens[: graph.capture_bs].sum()) // per_request
+    raw = int(batch.seq_lens_raw.sum()) // per_request
     if recorded == padded:
         return []
-    pad = graph.capture_bs - batch.batch_size
+    pad = (graph.capture_bs - batch.batch_size) // per_request
     if recorded == raw:
         return [
             _graded(
                 trace,
                 "seq-lens-sum-ignores-padding",
-                f"plan.seq_lens_sum = {recorded} = the {batch.batch_size} real requests' sum, but the padded batch's "
+                f"plan.seq_lens_sum = {recorded} = the {batch.batch_size // per_request} real requests' sum, but the padded batch's "
                 f"seq_lens sum to {padded} ({pad} padded requests x fill {graph.fill_value})",
                 "The runner passed the raw batch's seq_lens_sum instead of seq_lens_sum + padded requests x fill_value "
                 "(SGLang's replay adds it): buffers sized from it (kv_indices) miss the padded requests' entries.",

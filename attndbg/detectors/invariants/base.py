@@ -1,5 +1,5 @@
 """Shared by the invariants detector's modules: its finding class, two small tensor lookups, the
-draft extend's query rule its checks cite and a draft decode step's facts."""
+draft extend's query rule its checks cite."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from torch import Tensor
 
 from attndbg.detector_api.findings import FindingClass
 from attndbg.trace.offsets import first_true
-from attndbg.trace.schema import ForwardMode, Trace
 
 KIND = FindingClass.INVARIANT
 
@@ -25,13 +24,3 @@ def _request_of(qo_indptr: Tensor, t: int) -> int:
 
 
 _first = first_true  # the offsets rule's own (attndbg/trace/offsets.py), under the name this detector's modules use
-
-
-def draft_decode(trace: Trace) -> tuple[int, int] | None:
-    """(topk, step) of a draft decode step, as the SGLang recorder keeps its multi-step draft
-    backend's host facts (plan.scalars draft_topk, draft_step; record/sglang/draft.py), else None."""
-    scalars = trace.plan.scalars if trace.plan is not None and trace.batch.forward_mode is ForwardMode.DECODE else {}
-    topk, step = scalars.get("draft_topk"), scalars.get("draft_step")
-    if isinstance(topk, int) and isinstance(step, int) and not isinstance(topk, bool) and not isinstance(step, bool) and topk >= 1 and step >= 0:
-        return topk, step
-    return None

@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from attndbg.detector_api.findings import Finding, finding
-from attndbg.detectors.invariants.base import DRAFT_EXTEND_QUERIES, KIND, _first, _request_of, draft_decode
+from attndbg.detectors.invariants.base import DRAFT_EXTEND_QUERIES, KIND, _first, _request_of
+from attndbg.trace.engines import draft_decode
 from attndbg.trace import tree
 from attndbg.trace.engines import engine_conventions
 from attndbg.trace.schema import ForwardMode, Trace
@@ -143,12 +144,14 @@ def _check_sums(trace: Trace, expected: Tensor, out: list[Finding]) -> None:
         value = plan.scalars.get(name)
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        # A draft decode's seq_lens_sum is over its requests, each of which has topk branch rows.
-        want = int(expected.sum()) // (draft[0] if draft else 1)
+        # A draft decode's seq_lens_sum is over its requests, each of which has topk branch rows
+        # (its graph section's padded rows too).
+        per_request = draft[0] if draft else 1
+        want = int(expected.sum()) // per_request
         accepted = {want}
         graph = trace.graph
         if name == "seq_lens_sum" and graph is not None and graph.is_graph_replay and graph.capture_bs > batch.batch_size:
-            padded = want + (graph.capture_bs - batch.batch_size) * graph.fill_value
+            padded = want + (graph.capture_bs - batch.batch_size) // per_request * graph.fill_value
             accepted = {padded, want}  # `want` alone under padding is fill-value's finding
             want = padded
         if int(value) in accepted:

@@ -30,6 +30,7 @@ from attndbg.backends import plan_view as pv
 from attndbg.backends.plan_view import PlanViewError
 from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.invariants.base import KIND, _first
+from attndbg.trace.engines import draft_decode
 from attndbg.trace.mask_geometry import mask_length
 from attndbg.trace.schema import CaptureSizes, ForwardMode, Trace
 
@@ -140,11 +141,26 @@ def _kv_indices(trace: Trace, capture: CaptureSizes, out: list[Finding]) -> None
             field=f"plan.kv_indptr[{b + 1}]",
             evidence=f"plan.kv_indptr[{b + 1}] = {int(indptr[b + 1])} (request {b}'s end) is past the kv_indices buffer captured with "
             f"capture.kv_indices_capacity = {top} elements; the step reads {int(indptr.max())}",
-            cause=CAUSE_STATIC.format(what="reading more KV indices"),
+            cause=_kv_indices_cause(trace, top, int(indptr.max())),
             limit=top,
             need=int(indptr.max()),
         )
     )
+
+
+def _kv_indices_cause(trace: Trace, top: int, need: int) -> str:
+    """Why a replay reads past the captured kv_indices buffer: a draft decode step whose need fits
+    topk times the buffer had its buffer sized for one row per request, not per branch."""
+    draft = draft_decode(trace)
+    if draft is not None and draft[0] > 1 and need <= top * draft[0]:
+        topk, step = draft
+        return (
+            f"the draft decode's graph kv_indices buffer was sized without the topk factor: each request has {topk} branch rows, "
+            f"so a step lists seq_lens_sum x topk + bs x topk x (step + 1) ids ({need} at step {step}): more than the "
+            f"{top} the buffer holds, within topk times that (sized max_bs x max_context_len rather than "
+            f"max_bs x topk x max_context_len); the kernel writes past the row into the next one (SGLang #27338, #27460)"
+        )
+    return CAUSE_STATIC.format(what="reading more KV indices")
 
 
 def _mask(trace: Trace, capture: CaptureSizes, out: list[Finding]) -> None:

@@ -9,7 +9,8 @@ import torch
 from torch import Tensor
 
 from attndbg.detector_api.findings import Finding, finding
-from attndbg.detectors.invariants.base import KIND, _first, draft_decode
+from attndbg.detectors.invariants.base import KIND, _first
+from attndbg.trace.engines import draft_decode
 from attndbg.trace.schema import Trace
 
 
