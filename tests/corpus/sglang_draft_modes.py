@@ -14,15 +14,16 @@
   seq_lens_sum at the raw batch's, which the multi-step draft backends (FlashInfer, FlashInfer MLA,
   Aiter) size their draft kv_indices with.
 
-The draft decode steps are recorded for topk 1, where each request's draft step is one query over
-its own KV row (prefix and the draft tokens written so far): the DECODE form the recorder writes.
-For topk > 1 a draft step has bs x topk branch rows, which have no Batch form (see the corpus'
-not-expressible entries).
+#25015's and #26880's draft decode steps are recorded for topk 1, where each request's draft step
+is one query over its own KV row (prefix and the draft tokens written so far). A topk > 1 draft step
+is recorded as its bs x topk branch rows (record/sglang/draft.py); `MultiStepDraftGraph` replays
+them through the multi-step backend's sub-backends as SGLang runs a draft graph.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -152,6 +153,127 @@ def _draft_graph(out: Path, *, padded_sum: bool) -> None:
 def write_26880(bug: Path, twin: Path) -> None:
     _draft_graph(bug, padded_sum=False)
     _draft_graph(twin, padded_sum=True)
+
+
+class MultiStepDraftGraph:
+    """SGLang's FlashInferMultiStepDraftBackend at an EAGLE draft graph replay
+    (`init_forward_metadata_out_graph(view)`, flashinfer_backend.py): `common_template` fills every
+    step's lists at once into the [num_steps, width] graph buffer (generate_draft_decode_kv_indices,
+    row i at offset i x width: a list longer than the row runs into the next), then per step i hands
+    the spec input kv_indptr[i, :bs x topk + 1] and the row cut at draft_kv_indices_used_len
+    (seq_lens_sum x topk + bs x topk x (i + 1)) to sub-backend i through `build_inner_fb_view`,
+    whose decode wrappers for the captured bs plan them (the wrapper's buffers are those very
+    tensors). The real kernel and wrappers need a GPU: tensors only here.
+
+    `width`: the row width init_cuda_graph_state gave the buffer (the fix: max_bs x topk x
+    max_context_len; before it max_bs x max_context_len)."""
+
+    def __init__(self, rows: dict[int, list[int]], *, topk: int, steps: int, capture_bs: int, width: int, slots: int) -> None:
+        self.topk, self.steps = topk, steps
+        self.kv_indptr = torch.zeros(steps, capture_bs * topk + 1, dtype=I32)
+        self.cuda_graph_kv_indices = torch.zeros(steps, width, dtype=I32)
+        tokens = capture_bs * topk
+        self.attn_backends = []
+        for i in range(steps - 1):
+            sub = sg.backend(sg.CorpusFlashInfer, rows, _wrapper_plans)
+            sub.token_to_kv_pool.size = slots
+            del sub.max_kv_splits  # a Triton setting (sg.prepare's): SGLang's FlashInfer backend has none
+            sub.kv_indptr = [self.kv_indptr[i]]  # kv_indptr_buf: row i of the multi-step buffer
+            sub.cuda_graph_kv_indices = [self.cuda_graph_kv_indices[i]]  # init_cuda_graph_state(kv_indices_buf=row i)
+            decode = sg.wrapper(
+                paged_kv_indptr_buf=self.kv_indptr[i][: tokens + 1],
+                paged_kv_indices_buf=self.cuda_graph_kv_indices[i],
+                paged_kv_last_page_len_buf=torch.ones(tokens, dtype=I32),
+                use_tensor_cores=False,
+            )
+            sub.decode_cuda_graph_metadata = {capture_bs: [decode]}
+            self.attn_backends.append(sub)
+
+    def init_forward_metadata_out_graph(self, view: Any, in_capture: bool = False) -> None:
+        from sglang.srt.model_executor import forward_batch_info  # looked up at each call, as SGLang's code does
+
+        bs, k = int(view.batch_size), self.topk
+        req_to_token = self.attn_backends[0].req_to_token_pool.req_to_token
+        flat = self.cuda_graph_kv_indices.view(-1)
+        width = self.cuda_graph_kv_indices.shape[1]
+        for i in range(self.steps):
+            lists = []
+            for b in range(bs):
+                row, prefix = req_to_token[int(view.req_pool_indices[b])], int(view.seq_lens[b])
+                for t in range(k):
+                    lists.append(torch.cat([row[:prefix], row[prefix + t * self.steps : prefix + t * self.steps + i + 1]]))
+            self.kv_indptr[i, : bs * k + 1] = torch.nn.functional.pad(torch.cumsum(torch.tensor([x.numel() for x in lists]), 0), (1, 0)).to(I32)
+            ids = torch.cat(lists)[: flat.numel() - i * width]  # past the last row: graph memory outside this buffer
+            flat[i * width : i * width + ids.numel()] = ids.to(I32)
+        for i in range(self.steps - 1):
+            view.spec_info.kv_indptr = self.kv_indptr[i, : bs * k + 1]
+            view.spec_info.kv_indices = self.cuda_graph_kv_indices[i][: int(view.seq_lens_sum) * k + bs * k * (i + 1)]
+            inner = forward_batch_info.build_inner_fb_view(view, bs=bs, forward_mode=sg.env.ForwardMode.DECODE)
+            self.attn_backends[i].init_forward_metadata_out_graph(inner, in_capture=in_capture)
+
+
+def _wrapper_plans(made: Any, view: Any) -> None:
+    """FlashInferIndicesUpdaterDecode.update with the spec input's lists, into the captured bs's
+    decode wrapper: plan() copies them into its graph buffers (here the same tensors)."""
+    [decode] = made.decode_cuda_graph_metadata[int(view.batch_size)]
+    indptr, indices = view.spec_info.kv_indptr, view.spec_info.kv_indices
+    decode._paged_kv_indptr_buf[: indptr.numel()] = indptr
+    decode._paged_kv_indices_buf[: indices.numel()] = indices
+
+
+def draft_graph_rows(prefix: list[int], topk: int, steps: int) -> tuple[dict[int, list[int]], int]:
+    """req_to_token rows from pool row 1: each request's prefix, then its topk x steps draft slots
+    (branch-major, as assign_draft_cache_locs lays them out); and the pool's slot count."""
+    rows, slot = {}, 1
+    for r, p in enumerate(prefix, start=1):
+        rows[r] = list(range(slot, slot + p + topk * steps))
+        slot += p + topk * steps
+    return rows, slot
+
+
+def draft_replay_view(rows: dict[int, list[int]], prefix: list[int], *, topk: int, steps: int, capture_bs: int, fill: int) -> Any:
+    """EAGLEDraftCudaGraphRunner.execute's view of a draft decode padded to `capture_bs`: seq_lens
+    (the committed prefixes), seq_lens_cpu and req_pool_indices padded (fill, 0), out_cache_loc the
+    runner's [bs, topk, steps] buffer (padded slots 0), positions one per branch row (step 0's),
+    seq_lens_sum with the padded requests' fill, `num_padding` = capture_bs - raw bs."""
+    raw, pad = len(prefix), capture_bs - len(prefix)
+    pools = list(rows)
+    padded = torch.tensor(prefix + [fill] * pad, dtype=I64)
+    fb = sg.env.ForwardBatch(
+        forward_mode=sg.env.ForwardMode.DECODE,
+        batch_size=capture_bs,
+        input_ids=torch.zeros(capture_bs * topk, dtype=I64),
+        req_pool_indices=torch.tensor(pools + [0] * pad, dtype=I64),
+        seq_lens=padded,
+        out_cache_loc=torch.tensor([rows[r][p + j] for r, p in zip(pools, prefix) for j in range(topk * steps)] + [0] * (pad * topk * steps), dtype=I64),
+        seq_lens_sum=int(padded.sum()),
+        positions=torch.cat([torch.tensor(prefix, dtype=I64).repeat_interleave(topk), torch.zeros(pad * topk, dtype=I64)]),
+        seq_lens_cpu=padded.clone(),
+        spec_info=sg.env.sgl.eagle_info.EagleDraftInput(num_tokens_per_req=topk),
+    )
+    return SimpleNamespace(**vars(fb), num_padding=pad)
+
+
+def record_draft_graph(out: Path, prefix: list[int], *, topk: int, steps: int, capture_bs: int, max_context_len: int, topk_factor: bool = True) -> None:
+    """One EAGLE draft graph replay: each of its steps - 1 draft steps recorded by its sub-backend's hook."""
+    rows, slots = draft_graph_rows(prefix, topk, steps)
+    width = capture_bs * (topk if topk_factor else 1) * max_context_len
+    with sg.recording(out) as session:
+        layer = sg.layer()  # noqa: F841
+        multi = MultiStepDraftGraph(rows, topk=topk, steps=steps, capture_bs=capture_bs, width=width, slots=slots)
+        before = len(sg.written(session))
+        multi.init_forward_metadata_out_graph(draft_replay_view(rows, prefix, topk=topk, steps=steps, capture_bs=capture_bs, fill=1))
+        if len(sg.written(session)) != before + steps - 1:
+            raise RuntimeError(f"the SGLang hooks recorded {len(sg.written(session)) - before} of {steps - 1} draft steps ({session.stats.stopped_reason or 'no reason given'})")
+
+
+GRAPH_PREFIX = [18, 15, 16]  # with the padded request's fill 1: seq_lens_sum 50, x topk 2 = 100 ids past a row of 4 x 24
+
+
+def write_27338(bug: Path, twin: Path) -> None:
+    options = dict(topk=2, steps=3, capture_bs=4, max_context_len=24)
+    record_draft_graph(bug, GRAPH_PREFIX, topk_factor=False, **options)
+    record_draft_graph(twin, GRAPH_PREFIX, **options)
 
 
 BUGS = (

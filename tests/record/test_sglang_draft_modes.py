@@ -9,7 +9,10 @@ ForwardMetadata):
 - DRAFT_EXTEND (SGL-classic, spec v1): the accepted tokens are the query.
 - draft decode (a multi-step draft backend's sub-backend per step): bs x topk branch rows, each
   its request's prefix and its own draft tokens so far. A correct topk > 1 step checks clean; one
-  whose kv_indices are cut without the topk factor is caught.
+  whose kv_indices are cut without the topk factor is caught. Replayed in an EAGLE draft CUDA graph
+  (the multi-step FlashInfer backend's sub-backends, through build_inner_fb_view), each step is
+  recorded the same way, with its graph section in branch rows and the captured buffer's capacity:
+  correct steps (topk 1 and > 1) check clean, a buffer sized without the topk factor is caught.
 
 Checks run on metadata only (the reference backend): they are what judges a mode's lengths.
 """
@@ -26,6 +29,7 @@ from attndbg.checks.run import check_steps
 from attndbg.checks.selection import parse_only
 from attndbg.detector_api.context import CheckOptions
 from attndbg.trace import io
+from tests.corpus import sglang_draft_modes as draft_modes
 from tests.corpus import sglang_engine as sg
 
 I64, I32 = torch.int64, torch.int32
@@ -230,3 +234,59 @@ def test_draft_decode_kv_indices_without_the_topk_factor_are_caught(tmp_path: Pa
     first, second = found
     assert (first.data["expected"], first.data["found"]) == (29, 58)  # kv_indices length, kv_indptr[-1]: 26 x 2 + 3 x 2 x 1
     assert second.severity.value == "defect" and "without the topk factor" in second.cause
+
+
+# -- draft decode under CUDA graphs (EAGLEDraftCudaGraphRunner) ---------------------------------------
+
+
+def graph_steps(tmp_path: Path, prefix: list[int], *, topk: int, topk_factor: bool = True, max_context_len: int = 24) -> tuple[Path, list[Any]]:
+    """One EAGLE draft graph replay (bs 4, 3 steps) through the multi-step FlashInfer draft backend:
+    its two draft steps, each recorded by its sub-backend's hook."""
+    out = tmp_path / f"graph-topk{topk}-{'fixed' if topk_factor else 'short'}"
+    draft_modes.record_draft_graph(out, prefix, topk=topk, steps=STEPS, capture_bs=4, max_context_len=max_context_len, topk_factor=topk_factor)
+    return out, [io.load(out / entry.file) for entry in io.read_manifest(out)]
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_graph_replayed_draft_steps_are_branch_rows_and_check_clean(tmp_path: Path, topk: int) -> None:
+    prefix = draft_modes.GRAPH_PREFIX
+    out, traces = graph_steps(tmp_path, prefix, topk=topk)
+    assert len(traces) == STEPS - 1
+    rows, _ = draft_modes.draft_graph_rows(prefix, topk, STEPS)
+    for step, trace in enumerate(traces):
+        batch, graph = trace.batch, trace.graph
+        assert trace.source.backend == "flashinfer" and batch.forward_mode.value == "DECODE" and batch.batch_size == 3 * topk
+        assert batch.kv_lens.tolist() == [p + step + 1 for p in prefix for _ in range(topk)]
+        assert batch.positions.tolist() == [p + step for p in prefix for _ in range(topk)]
+        assert (trace.plan.scalars["draft_topk"], trace.plan.scalars["draft_step"]) == (topk, step)
+        # the graph section in the branch rows its kernels ran: the padded request's topk rows last
+        assert (graph.is_graph_replay, graph.capture_bs, graph.fill_value) == (True, 4 * topk, 1)
+        assert graph.padded_seq_lens.tolist() == [p for p in [*prefix, 1] for _ in range(topk)]
+        assert graph.padded_out_cache_loc.tolist() == [rows[r][p + t * STEPS + step] for r, p in zip(rows, prefix) for t in range(topk)] + [0] * topk
+        # the captured row: max_bs x topk x max_context_len ids (the plan is read from the bs-4 graph's wrapper)
+        assert trace.capture.kv_indices_capacity == 4 * topk * 24
+        assert trace.plan.tensors["kv_indptr"].numel() == 4 * topk + 1
+        assert trace.buffers["plan.kv_indices"].capacity
+    # request 1 (pool row 2, prefix 15), its last branch at step 1: its prefix, then its own draft columns
+    last = traces[1].batch.request_slots(2 * topk - 1).tolist()
+    assert last == rows[2][:15] + rows[2][15 + (topk - 1) * STEPS : 15 + (topk - 1) * STEPS + 2]
+    assert findings(out) == []
+
+
+def test_graph_replayed_draft_steps_server_shaped_check_clean(tmp_path: Path) -> None:
+    prefix = torch.randint(1, 500, (3,), generator=torch.Generator().manual_seed(5)).tolist()
+    out, _ = graph_steps(tmp_path, prefix, topk=4, max_context_len=512)
+    assert findings(out) == []
+
+
+def test_draft_graph_kv_indices_buffer_without_the_topk_factor_is_caught(tmp_path: Path) -> None:
+    """The multi-step backend's graph buffer rows sized max_bs x max_context_len (4 x 24 = 96): the
+    padded batch's seq_lens_sum 50 x topk 2 + 4 x 2 x (step + 1) ids run past the row."""
+    out, traces = graph_steps(tmp_path, draft_modes.GRAPH_PREFIX, topk=2, topk_factor=False)
+    assert [t.capture.kv_indices_capacity for t in traces] == [96, 96]
+    found = findings(out)
+    assert [(f.location.step, f"{f.kind.value}/{f.check}") for f in found] == [(0, "invariants/capture-kv-indices"), (1, "invariants/capture-kv-indices")], [
+        (f.check, f.location.field, f.evidence) for f in found
+    ]
+    assert [(f.data["expected"], f.data["found"]) for f in found] == [(96, 108), (96, 116)]
+    assert all(f.severity.value == "defect" and "without the topk factor" in f.cause for f in found)

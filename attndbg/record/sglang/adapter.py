@@ -9,6 +9,10 @@ Hook points (engines.md A6), each found by feature, not by SGLang version:
   `init_forward_metadata_replay_cuda_graph` has refilled its graph buffers;
 - `RadixAttention.__init__`: remembers the layers, whose shape and numerics the Model records;
 - SGL-new `build_replay_fb_view`: attaches the padded out_cache_loc buffer to the view;
+- `build_inner_fb_view`: a multi-step draft backend's per-step view of the EAGLE draft graph
+  runner's replay view (which has `num_padding`) keeps no padding; the hook carries it over
+  (`DRAFT_PADDING`), so each draft step's sub-backend replay (`init_forward_metadata_out_graph`)
+  is recorded as its bs x topk branch rows (draft.py);
 - the flight recorder's pointer audit at graph capture and replay, and the EAGLE workers' `verify`
   for `--when 'accept<X'` (`flight.py`);
 - with `--layers`: `forward(q, k, v, layer, forward_batch, ...)` on every AttentionBackend subclass
@@ -42,7 +46,7 @@ from attndbg.record import hooks
 from attndbg.trace.build import package_version, source
 from attndbg.record.session import RecordingSession, capturing, current_session
 from attndbg.record.sglang.batch import BatchInfo, UnsupportedStep, batch_from_host, capture_batch, engine_mode_name, trace_mode
-from attndbg.record.sglang.draft import DraftStepUnknown, draft_decode
+from attndbg.record.sglang.draft import DraftStepUnknown, branch_graph, draft_decode, draft_topk
 from attndbg.record.sglang.graph import PADDED_OUT_CACHE_LOC, STATIC_SIZES, GraphInfo, capture_graph_from_runner, capture_graph_from_view, graph_from_host
 from attndbg.record.sglang.model import kv_cache_size, model_from_backend
 from attndbg.record.sglang.plan import PlanCapture, capture_plan, cut_on_device, is_verify_mask, plan_from_host
@@ -170,11 +174,16 @@ def record_step(session: RecordingSession, backend: Any, fb: Any, *, raw_bs: int
     except UnsupportedStep:
         return False  # IDLE and friends: nothing for attention to get wrong
     draft = None
-    if mode is ForwardMode.DECODE and graph is None:
+    if mode is ForwardMode.DECODE:
         try:
+            # A replay view's batch_size is the padded one, as its out_cache_loc (the runner's buffer) is.
             draft = draft_decode(fb, backend, int(fb.batch_size))
         except DraftStepUnknown:
             return False  # its branch rows cannot be told: nothing recorded rather than a wrong batch
+    # The graphs' buffers are looked up by the padded request count (a draft step's graph runs its branch rows).
+    graph_bs = graph[0].capture_bs if graph else None
+    if graph is not None and draft is not None:
+        graph = branch_graph(graph[0], graph[1], draft)
     req_to_token = req_to_token_of(backend, fb)
     binfo, btensors = capture_batch(fb, req_to_token, raw_bs=raw_bs, draft=draft)
     tensors: dict[str, Tensor | None] = {f"batch.{k}": v for k, v in btensors.items()}
@@ -187,7 +196,6 @@ def record_step(session: RecordingSession, backend: Any, fb: Any, *, raw_bs: int
             spec_info, batch_size=binfo.batch_size, prefix_sum=_host_prefix_sum(fb, binfo.batch_size), algorithm=algorithm_name(fb), layout=layout, capacity=capacity
         )
         tensors.update({f"spec.{k}": v for k, v in stensors.items()})
-    graph_bs = graph[0].capture_bs if graph else None
     verify = mode is ForwardMode.TARGET_VERIFY
     sized = _sized_for_step(fb, mode) and graph is None
     model = model_from_backend(backend, layer_for(backend))
@@ -201,7 +209,7 @@ def record_step(session: RecordingSession, backend: Any, fb: Any, *, raw_bs: int
             if plan is not None:
                 break
     if plan is not None:
-        if graph is not None and plan.backend == "triton":  # the reads below are SGLang Triton's buffers'
+        if graph is not None and plan.backend == "triton" and draft is None:  # the reads below are SGLang Triton's buffers'
             cut_on_device(plan, _graph_reads(graph[0], mode, binfo.tokens_per_req))
         plan.scalars.update(_engine_sums(backend, fb, graph, raw_bs))
         if draft is not None:  # the multi-step draft backend's host facts: seq_lens count neither
@@ -374,14 +382,42 @@ def _wrap_out_graph(original: Callable) -> Callable:
             result = original(self, forward_batch, in_capture, *args, **kwargs)
         if _outermost() and (in_capture or hasattr(forward_batch, "num_padding")):
             sglang_flight.audit_out_graph(self, forward_batch, in_capture=in_capture)
-        # Only replays are recorded here (the view has num_padding); eager steps come through
-        # init_forward_metadata, whose default calls this method nested.
-        if session is not None and hasattr(forward_batch, "num_padding"):
+        # Only replays are recorded here (the view has num_padding, or a draft step's view the
+        # padding of the runner's); eager steps come through init_forward_metadata, whose default
+        # calls this method nested.
+        if session is not None and hasattr(forward_batch, DRAFT_PADDING):
+            with session.guard("sglang draft step init_forward_metadata_out_graph"):
+                _record_draft_view(session, self, forward_batch)
+        elif session is not None and hasattr(forward_batch, "num_padding"):
             with session.guard("sglang init_forward_metadata_out_graph"):
                 _record_view(session, self, forward_batch)
         return result
 
     return init_forward_metadata_out_graph
+
+
+DRAFT_PADDING = "attndbg_draft_num_padding"  # the runner's num_padding, added to a draft step's inner view
+
+
+def _record_draft_view(session: RecordingSession, backend: Any, view: Any) -> None:
+    """One draft step of an EAGLE draft graph replay, as its sub-backend refilled its graph
+    buffers: the view's batch is the runner's padded one, its out_cache_loc the runner's padded
+    buffer ([bs, topk, steps]), its positions one per branch row."""
+    topk = draft_topk(getattr(view, "spec_info", None))
+    bs = int(view.batch_size)
+    if topk is None or getattr(view, PADDED_OUT_CACHE_LOC, None) is None:
+        sglang_layers.flush()
+        session.next_step()  # branch rows unknown: not recorded (record_step says the same of an eager one)
+        return
+    graph = capture_graph_from_view(
+        view,
+        fill_value=int(backend.get_cuda_graph_seq_len_fill_value()),
+        tokens_per_req=topk,
+        backend=backend,
+        num_padding=int(getattr(view, DRAFT_PADDING)),
+        slots_per_req=getattr(view, PADDED_OUT_CACHE_LOC).numel() // max(bs, 1),
+    )
+    record_step(session, backend, view, raw_bs=graph[0].raw_bs, graph=graph)
 
 
 def _record_view(session: RecordingSession, backend: Any, view: Any) -> None:
@@ -439,6 +475,27 @@ def _wrap_view_builder(original: Callable) -> Callable:
         return view
 
     return build_replay_fb_view
+
+
+def _wrap_inner_view_builder(original: Callable) -> Callable:
+    """`build_inner_fb_view(forward_batch, *, bs, forward_mode, ...)`: the per-step view a
+    multi-step draft backend hands each sub-backend. Of the EAGLE draft graph runner's replay view
+    (`num_padding` set, its out_cache_loc the runner's padded buffer) it keeps no padding, so the
+    sub-backend's replay could not be told from an eager plan: the padding and the padded buffer
+    are carried over under our own names, so the engine's code never sees a field it does not set."""
+
+    @functools.wraps(original)
+    def build_inner_fb_view(forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        view = original(forward_batch, *args, **kwargs)
+        padding = getattr(forward_batch, "num_padding", None)
+        if isinstance(padding, int) and not isinstance(padding, bool) and padding >= 0 and _active() is not None:
+            with contextlib.suppress(AttributeError):  # a view type that takes no new attribute
+                setattr(view, DRAFT_PADDING, padding)
+                # The runner swapped its padded static buffer in as the batch's out_cache_loc.
+                setattr(view, PADDED_OUT_CACHE_LOC, getattr(forward_batch, "out_cache_loc", None))
+        return view
+
+    return build_inner_fb_view
 
 
 def _wrap_forward(original: Callable) -> Callable:
@@ -535,6 +592,11 @@ def install() -> None:
 
         if not hooks.is_hooked(runner.build_replay_fb_view):
             runner.build_replay_fb_view = hooks.mark(_wrap_view_builder(runner.build_replay_fb_view))
+    with contextlib.suppress(ImportError, AttributeError):  # SGL-new's multi-step draft backends import it at each call
+        from sglang.srt.model_executor import forward_batch_info
+
+        if not hooks.is_hooked(forward_batch_info.build_inner_fb_view):
+            forward_batch_info.build_inner_fb_view = hooks.mark(_wrap_inner_view_builder(forward_batch_info.build_inner_fb_view))
 
 
 def register() -> None:

@@ -17,6 +17,11 @@ added by the backend, like a verify's), `positions` one per branch row. The back
 before the first runs, so at plan time `positions` are step 0's; the worker advances them by one
 after each step (eagle_worker_v2 `draft_forward`, `positions.add_(1)`, sglang#25015): step i
 runs at the planned positions + i.
+
+Under CUDA graphs (EAGLEDraftCudaGraphRunner) the runner pads the request-level buffers to the
+captured bs and the multi-step backend refills its graph buffers for every step
+(`init_forward_metadata_out_graph`); a step's graph kernels run `bs * topk` branch rows, so its
+graph section is recorded in branch rows too (`branch_graph`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from attndbg.record.sglang.graph import GraphInfo
 
 
 class DraftStepUnknown(ValueError):
@@ -59,6 +66,16 @@ def draft_step(backend: Any) -> int | None:
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
+def draft_topk(spec_info: Any) -> int | None:
+    """Branch rows per request of a draft decode's spec input (spec v2: `num_tokens_per_req`, else
+    `topk`); None when it names none."""
+    for name in ("num_tokens_per_req", "topk"):
+        topk = getattr(spec_info, name, None)
+        if isinstance(topk, int) and not isinstance(topk, bool) and topk >= 1:
+            return topk
+    return None
+
+
 def draft_decode(fb: Any, backend: Any, batch_size: int) -> DraftDecode | None:
     """The draft decode facts of a DECODE ForwardBatch planned by a multi-step draft backend (its
     spec input carries the step's kv_indices), None for any other decode; raises DraftStepUnknown
@@ -66,10 +83,8 @@ def draft_decode(fb: Any, backend: Any, batch_size: int) -> DraftDecode | None:
     spec_info = getattr(fb, "spec_info", None)
     if spec_info is None or getattr(spec_info, "kv_indices", None) is None:
         return None
-    topk = getattr(spec_info, "num_tokens_per_req", None)  # spec v2: topk rows per request
-    if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
-        topk = getattr(spec_info, "topk", None)
-    if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
+    topk = draft_topk(spec_info)
+    if topk is None:
         raise DraftStepUnknown("a draft decode step whose spec input names no topk (num_tokens_per_req)")
     step = draft_step(backend)
     if step is None:
@@ -101,3 +116,28 @@ def branch_parts(draft: DraftDecode, *, seq_lens: Tensor, rows: Tensor, out_cach
         "positions": positions[: prefix_lens.numel()] + i,
         "seq_lens_raw": seq_lens.repeat_interleave(k),
     }
+
+
+def branch_graph(info: GraphInfo, tensors: dict[str, Tensor], draft: DraftDecode) -> tuple[GraphInfo, dict[str, Tensor]]:
+    """A draft step's graph padding in the branch rows its kernels run (request-major, like the
+    batch): each padded request's seq_len and pool row once per branch, the slot each branch writes
+    at this step (out_cache_loc[b, t, step]); positions as the buffer holds them at plan time (step
+    0's, one per branch row: the graph advances them as it runs). Device ops only."""
+    k = draft.topk
+    rows = info.capture_bs * k
+    host = info.host_seq_lens
+    return (
+        GraphInfo(
+            capture_bs=rows,
+            raw_bs=info.raw_bs * k,
+            fill_value=info.fill_value,
+            host_seq_lens=tuple(n for n in host for _ in range(k)) if host is not None else None,
+            capture=info.capture,
+        ),
+        {
+            "padded_seq_lens": tensors["padded_seq_lens"].repeat_interleave(k),
+            "padded_req_pool_indices": tensors["padded_req_pool_indices"].repeat_interleave(k),
+            "padded_out_cache_loc": tensors["padded_out_cache_loc"][: rows * draft.columns].reshape(-1, k, draft.columns)[:, :, draft.step].reshape(-1),
+            "padded_positions": tensors["padded_positions"][:rows],
+        },
+    )

@@ -41,11 +41,21 @@ def _size(value: Any) -> int | None:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
+def _kv_indices_buffer(backend: Any) -> Tensor | None:
+    """The backend's graph kv_indices buffer. FlashInfer keeps a list, one per wrapper, the first
+    the buffer it was given (a multi-step draft backend hands each step's sub-backend its row of
+    the [num_steps, width] buffer) and the others clones of it."""
+    kv = getattr(backend, "cuda_graph_kv_indices", None)
+    if isinstance(kv, list) and kv:
+        kv = kv[0]
+    return kv if isinstance(kv, Tensor) else None
+
+
 def _graph_state(backend: Any) -> Any:
     """The backend holding the CUDA-graph buffers: `backend`, or the first child of a wrapper
     (`attn_backend_list`) that has them."""
     for candidate in [backend, *(getattr(backend, "attn_backend_list", None) or [])]:
-        if any(isinstance(getattr(candidate, name, None), Tensor) for name in ("cuda_graph_kv_indices", "cuda_graph_attn_logits", "workspace_buffer")):
+        if _kv_indices_buffer(candidate) is not None or any(isinstance(getattr(candidate, name, None), Tensor) for name in ("cuda_graph_attn_logits", "workspace_buffer")):
             return candidate
     return backend
 
@@ -61,7 +71,7 @@ def capture_sizes(backend: Any, *, max_bs: int | None, max_num_tokens: int | Non
     """
     state = _graph_state(backend)
     logits = getattr(state, "cuda_graph_attn_logits", None)
-    kv = getattr(state, "cuda_graph_kv_indices", None)
+    kv = _kv_indices_buffer(state)
     verify_mask = getattr(state, "verify_mask", None) or getattr(state, "_verify_mask", None)
     mask = getattr(verify_mask, "buffer", None)
     if not isinstance(mask, Tensor):
@@ -70,7 +80,6 @@ def capture_sizes(backend: Any, *, max_bs: int | None, max_num_tokens: int | Non
     logits = logits if isinstance(logits, Tensor) and logits.dim() == 4 else None
     if max_num_tokens is None and logits is not None:
         max_num_tokens = int(logits.shape[0])  # allocated with the runner's max_num_tokens rows
-    kv = kv if isinstance(kv, Tensor) else None
     sizes = CaptureSizes(
         max_bs=_size(max_bs),
         max_num_tokens=_size(max_num_tokens),
@@ -108,12 +117,17 @@ def capture_graph_from_runner(runner: Any) -> tuple[GraphInfo, dict[str, Tensor]
     }
 
 
-def capture_graph_from_view(view: Any, *, fill_value: int, tokens_per_req: int, backend: Any = None) -> tuple[GraphInfo, dict[str, Tensor]]:
-    """SGL-new replay view (`num_padding` set): its padded buffers; with `backend`, the sizes its
-    graphs were captured for (the runner's from the view's STATIC_SIZES)."""
+def capture_graph_from_view(
+    view: Any, *, fill_value: int, tokens_per_req: int, backend: Any = None, num_padding: int | None = None, slots_per_req: int | None = None
+) -> tuple[GraphInfo, dict[str, Tensor]]:
+    """SGL-new replay view (`num_padding` set, or given): its padded buffers; with `backend`, the
+    sizes its graphs were captured for (the runner's from the view's STATIC_SIZES).
+    `slots_per_req`: out_cache_loc entries per request when they differ from its tokens (a draft
+    decode's out_cache_loc holds every step's slots)."""
     bs = int(view.batch_size)
-    raw_bs = bs - int(view.num_padding)
+    raw_bs = bs - int(view.num_padding if num_padding is None else num_padding)
     tokens = bs * tokens_per_req
+    slots = bs * (tokens_per_req if slots_per_req is None else slots_per_req)
     out_cache_loc = getattr(view, PADDED_OUT_CACHE_LOC, None)
     if out_cache_loc is None:
         raise ValueError("the replay view carries no padded out_cache_loc (build_replay_fb_view was not wrapped)")
@@ -123,7 +137,7 @@ def capture_graph_from_view(view: Any, *, fill_value: int, tokens_per_req: int, 
     return info, {
         "padded_seq_lens": view.seq_lens[:bs],
         "padded_req_pool_indices": view.req_pool_indices[:bs],
-        "padded_out_cache_loc": out_cache_loc[:tokens],
+        "padded_out_cache_loc": out_cache_loc[:slots],
         "padded_positions": view.positions[:tokens],
     }
 

@@ -49,6 +49,7 @@ seq_lens (then the indptr, recorded whole, is judged by invariants, and `read` s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -408,7 +409,9 @@ def _draft_tokens(backend: Any, verify: bool, spec_info: Any) -> int | None:
 def _read_metadata(backend: Any, *, graph_bs: int | None, verify: bool, spec_info: Any, sized: bool, model: Model | None) -> PlanCapture | None:
     if graph_bs is not None and _has(backend, "cuda_graph_kv_indices", "kv_indptr", "max_kv_splits"):
         return _triton_graph(backend, graph_bs, verify, spec_info)
-    md = getattr(backend, "forward_metadata", None)
+    md = _flashinfer_graph_decode(backend, graph_bs) if not verify else None
+    if md is None:
+        md = getattr(backend, "forward_metadata", None)
     if md is None:
         return None
     if _has(md, "kv_indptr", "kv_indices", "num_kv_splits", "max_extend_len"):
@@ -420,6 +423,16 @@ def _read_metadata(backend: Any, *, graph_bs: int | None, verify: bool, spec_inf
     if hasattr(md, "decode_wrappers") or _has(md, "prefill_wrappers", "use_ragged"):
         return _flashinfer(backend, md, model)
     return None
+
+
+def _flashinfer_graph_decode(backend: Any, graph_bs: int | None) -> Any:
+    """The decode wrappers a FlashInfer graph replay of `graph_bs` requests re-planned
+    (`decode_cuda_graph_metadata[bs]`, what init_forward_metadata_out_graph hands its updater):
+    `forward_metadata` keeps the wrappers of the last size captured, which may be another graph's."""
+    graphs = getattr(backend, "decode_cuda_graph_metadata", None)
+    if graph_bs is None or not isinstance(graphs, dict) or graph_bs not in graphs:
+        return None
+    return SimpleNamespace(decode_wrappers=graphs[graph_bs])
 
 
 def plan_from_host(capture: PlanCapture, host: dict[str, Tensor | None]) -> tuple[Plan, dict[str, EngineBuffer]]:
