@@ -25,18 +25,6 @@ BUGS = (
         Capability.STALE_OUTPUT,
     ),
     _bug(
-        "sglang-27338", "EAGLE draft CUDA-graph kv_indices buffer lacks the topk factor",
-        ("https://github.com/sgl-project/sglang/pull/27338", "https://github.com/sgl-project/sglang/issues/26340"), "2026-06",
-        "SGLang flashinfer", "draft DECODE graph (topk > 1)",
-        "generate_draft_decode_kv_indices packs topk branch rows per request (topk x seq_len entries); the multi-step draft "
-        "graph buffer was max_bs x max_context_len, so past it the kernel wrote into adjacent graph memory (out-of-vocab draft ids)",
-        "the mistake is in the draft decode's CUDA-graph buffer: EAGLEDraftCudaGraphRunner replays through the multi-step "
-        "backend with a namespace view the recorder does not read, so graph-replayed draft steps are not recorded (eager draft "
-        "steps are, as bs x topk branch rows, and kv_indices cut without the topk factor are caught there: "
-        "tests/record/test_sglang_draft_modes.py)",
-        Capability.VERIFY_GEOMETRY, Capability.FORWARD_MODES, Capability.SPLITS_VS_CAPTURE,
-    ),
-    _bug(
         "sglang-22958", "Multi-layer EAGLE draft-extend graph runner never pads its replay buffers",
         ("https://github.com/sgl-project/sglang/pull/22958",), "2026-04", "SGLang (any)", "DRAFT_EXTEND graph",
         "init_replay_state left req_pool_indices, seq_lens, out_cache_loc and extend_seq_lens_cpu of padded rows stale: "

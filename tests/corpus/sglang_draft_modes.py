@@ -13,11 +13,14 @@
 - sgl-project/sglang#26880 (2026-06): EAGLEDraftCudaGraphRunner padded seq_lens but left
   seq_lens_sum at the raw batch's, which the multi-step draft backends (FlashInfer, FlashInfer MLA,
   Aiter) size their draft kv_indices with.
+- sgl-project/sglang#27338 (2026-06): the multi-step FlashInfer draft backend's CUDA-graph
+  kv_indices buffer was sized max_bs x max_context_len per step, without the topk factor the
+  eager path has; a draft graph replay's lists of bs x topk branch rows ran past their row.
 
 #25015's and #26880's draft decode steps are recorded for topk 1, where each request's draft step
-is one query over its own KV row (prefix and the draft tokens written so far). A topk > 1 draft step
-is recorded as its bs x topk branch rows (record/sglang/draft.py); `MultiStepDraftGraph` replays
-them through the multi-step backend's sub-backends as SGLang runs a draft graph.
+is one query over its own KV row (prefix and the draft tokens written so far). #27338 needs topk > 1:
+its draft steps are recorded as their bs x topk branch rows (record/sglang/draft.py), replayed
+through the multi-step backend's sub-backends as SGLang runs a draft graph.
 """
 
 from __future__ import annotations
@@ -347,5 +350,23 @@ BUGS = (
         keywords=("raw batch's seq_lens_sum",),
         capabilities=(Capability.ALREADY, Capability.FORWARD_MODES),
         write=write_26880,
+    ),
+    RealBug(
+        id="sglang-27338",
+        title="EAGLE draft CUDA-graph kv_indices buffer lacks the topk factor",
+        links=("https://github.com/sgl-project/sglang/pull/27338", "https://github.com/sgl-project/sglang/issues/26340"),
+        date="2026-06",
+        engine="SGLang flashinfer",
+        mode="DECODE graph (draft decode, topk > 1)",
+        mechanism="generate_draft_decode_kv_indices packs topk branch rows per request (topk x seq_len entries); the multi-step draft "
+        "graph buffer was max_bs x max_context_len, so past it the kernel wrote into adjacent graph memory (out-of-vocab draft ids)",
+        encoding="3 draft-decode requests (topk 2, 3 steps; prefixes 18, 15, 16) replayed in a bs-4 EAGLE draft graph (fill 1) through "
+        "the multi-step FlashInfer draft backend's init_forward_metadata_out_graph: each step's lists written into its row of the "
+        "[3, width] graph buffer, handed to its sub-backend through build_inner_fb_view, planned into the captured bs's decode "
+        "wrapper; width 4 x 24 (max_bs x max_context_len; the fix: 4 x 2 x 24); both recorded draft steps",
+        expected=("invariants/capture-kv-indices",),
+        keywords=("without the topk factor",),
+        capabilities=(Capability.ALREADY, Capability.FORWARD_MODES),
+        write=write_27338,
     ),
 )
