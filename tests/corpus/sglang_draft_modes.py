@@ -30,13 +30,16 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from tests.corpus import sglang_engine as sg
 from tests.corpus.bug import Capability, RealBug
+from tests.record.engines import import_engine
 
 I64, I32 = torch.int64, torch.int32
 PREFIX, ACCEPTED = [9, 5, 12], [3, 1, 2]  # ragged accepted lengths, as in the fix's test
 ROWS = {1: list(range(10, 22)), 3: list(range(30, 36)), 6: list(range(50, 64))}
+triton_backend = import_engine("sglang.srt.layers.attention.triton_backend")
 
 
 def _draft_extend(over_seq_lens: bool) -> sg.Plan:
@@ -196,23 +199,57 @@ class MultiStepDraftGraph:
         from sglang.srt.model_executor import forward_batch_info  # looked up at each call, as SGLang's code does
 
         bs, k = int(view.batch_size), self.topk
-        req_to_token = self.attn_backends[0].req_to_token_pool.req_to_token
-        flat = self.cuda_graph_kv_indices.view(-1)
-        width = self.cuda_graph_kv_indices.shape[1]
-        for i in range(self.steps):
-            lists = []
-            for b in range(bs):
-                row, prefix = req_to_token[int(view.req_pool_indices[b])], int(view.seq_lens[b])
-                for t in range(k):
-                    lists.append(torch.cat([row[:prefix], row[prefix + t * self.steps : prefix + t * self.steps + i + 1]]))
-            self.kv_indptr[i, : bs * k + 1] = torch.nn.functional.pad(torch.cumsum(torch.tensor([x.numel() for x in lists]), 0), (1, 0)).to(I32)
-            ids = torch.cat(lists)[: flat.numel() - i * width]  # past the last row: graph memory outside this buffer
-            flat[i * width : i * width + ids.numel()] = ids.to(I32)
+        draft_lists(view, self.attn_backends[0].req_to_token_pool.req_to_token, self.kv_indptr, self.cuda_graph_kv_indices, topk=k)
         for i in range(self.steps - 1):
             view.spec_info.kv_indptr = self.kv_indptr[i, : bs * k + 1]
             view.spec_info.kv_indices = self.cuda_graph_kv_indices[i][: int(view.seq_lens_sum) * k + bs * k * (i + 1)]
             inner = forward_batch_info.build_inner_fb_view(view, bs=bs, forward_mode=sg.env.ForwardMode.DECODE)
             self.attn_backends[i].init_forward_metadata_out_graph(inner, in_capture=in_capture)
+
+
+def draft_lists(view: Any, req_to_token: Tensor, kv_indptr: Tensor, buffer: Tensor, *, topk: int) -> None:
+    """generate_draft_decode_kv_indices over the view's padded batch: every step's lists at once,
+    step i's at offset i x width of the [num_steps, width] buffer (a list longer than its row runs
+    into the next; past the last row into graph memory outside this buffer, not kept here)."""
+    bs, steps, width = int(view.batch_size), buffer.shape[0], buffer.shape[1]
+    flat = buffer.view(-1)
+    for i in range(steps):
+        lists = []
+        for b in range(bs):
+            row, prefix = req_to_token[int(view.req_pool_indices[b])], int(view.seq_lens[b])
+            for t in range(topk):
+                lists.append(torch.cat([row[:prefix], row[prefix + t * steps : prefix + t * steps + i + 1]]))
+        kv_indptr[i, : bs * topk + 1] = torch.nn.functional.pad(torch.cumsum(torch.tensor([x.numel() for x in lists]), 0), (1, 0)).to(kv_indptr.dtype)
+        ids = torch.cat(lists)[: flat.numel() - i * width]
+        flat[i * width : i * width + ids.numel()] = ids.to(buffer.dtype)
+
+
+class TritonMultiStepDraftGraph(triton_backend.TritonMultiStepDraftBackend):
+    """SGLang's TritonMultiStepDraftBackend (its own init_forward_metadata_out_graph, whose replay
+    calls no sub-backend: each step's kernels read their rows of the multi-step buffers), with
+    `common_template`'s kernel (generate_draft_decode_kv_indices) done with tensors. Sub-backend i
+    holds row i of kv_indptr and cuda_graph_kv_indices, all of them the shared split counts
+    (static: max_kv_splits) and stage-1 scratch of max_bs x topk rows."""
+
+    def __init__(self, rows: dict[int, list[int]], *, topk: int, steps: int, capture_bs: int, width: int, slots: int) -> None:
+        self.topk, self.speculative_num_steps = topk, steps
+        tokens = capture_bs * topk
+        self.kv_indptr = torch.zeros(steps, tokens + 1, dtype=I32)
+        self.cuda_graph_kv_indices = torch.zeros(steps, width, dtype=I64)
+        self.cuda_graph_window_kv_indices, self.window_rail = None, False
+        splits = torch.full((tokens,), 8, dtype=I32)
+        self.attn_backends = []
+        for i in range(steps - 1):
+            sub = sg.backend(sg.CorpusTriton, rows, lambda made, fb: None)
+            sub.token_to_kv_pool.size = slots
+            sub.kv_indptr, sub.cuda_graph_kv_indices, sub.cuda_graph_num_kv_splits = self.kv_indptr[i], self.cuda_graph_kv_indices[i], splits
+            sub.cuda_graph_attn_logits = torch.zeros(tokens, sg.HEADS, 8, sg.HEAD_DIM)
+            sub.static_kv_splits, sub.enable_deterministic, sub.device_core_count, sub.use_sliding_window_kv_pool = True, False, 0, False
+            self.attn_backends.append(sub)
+
+    def common_template(self, forward_batch: Any, kv_indices_buffer: Any, call_fn: Any, window_kv_indices_buffer: Any = None) -> None:
+        assert kv_indices_buffer is None and call_fn is None, "only the graph replay's call is stood in for"
+        draft_lists(forward_batch, self.attn_backends[0].req_to_token_pool.req_to_token, self.kv_indptr, self.cuda_graph_kv_indices, topk=self.topk)
 
 
 def _wrapper_plans(made: Any, view: Any) -> None:
@@ -257,13 +294,17 @@ def draft_replay_view(rows: dict[int, list[int]], prefix: list[int], *, topk: in
     return SimpleNamespace(**vars(fb), num_padding=pad)
 
 
-def record_draft_graph(out: Path, prefix: list[int], *, topk: int, steps: int, capture_bs: int, max_context_len: int, topk_factor: bool = True) -> None:
-    """One EAGLE draft graph replay: each of its steps - 1 draft steps recorded by its sub-backend's hook."""
+def record_draft_graph(
+    out: Path, prefix: list[int], *, topk: int, steps: int, capture_bs: int, max_context_len: int, topk_factor: bool = True, triton: bool = False
+) -> None:
+    """One EAGLE draft graph replay of the multi-step FlashInfer (or Triton) draft backend: each of
+    its steps - 1 draft steps recorded by the hooks."""
     rows, slots = draft_graph_rows(prefix, topk, steps)
     width = capture_bs * (topk if topk_factor else 1) * max_context_len
     with sg.recording(out) as session:
         layer = sg.layer()  # noqa: F841
-        multi = MultiStepDraftGraph(rows, topk=topk, steps=steps, capture_bs=capture_bs, width=width, slots=slots)
+        kind = TritonMultiStepDraftGraph if triton else MultiStepDraftGraph
+        multi = kind(rows, topk=topk, steps=steps, capture_bs=capture_bs, width=width, slots=slots)
         before = len(sg.written(session))
         multi.init_forward_metadata_out_graph(draft_replay_view(rows, prefix, topk=topk, steps=steps, capture_bs=capture_bs, fill=1))
         if len(sg.written(session)) != before + steps - 1:

@@ -10,9 +10,10 @@ ForwardMetadata):
 - draft decode (a multi-step draft backend's sub-backend per step): bs x topk branch rows, each
   its request's prefix and its own draft tokens so far. A correct topk > 1 step checks clean; one
   whose kv_indices are cut without the topk factor is caught. Replayed in an EAGLE draft CUDA graph
-  (the multi-step FlashInfer backend's sub-backends, through build_inner_fb_view), each step is
-  recorded the same way, with its graph section in branch rows and the captured buffer's capacity:
-  correct steps (topk 1 and > 1) check clean, a buffer sized without the topk factor is caught.
+  (the multi-step FlashInfer or Triton backend, through build_inner_fb_view), each step is
+  recorded the same way (Triton's replay calls no sub-backend: its multi-step backend's hook), with
+  its graph section in branch rows and the captured buffer's capacity: correct steps (topk 1 and
+  > 1) check clean, a buffer sized without the topk factor is caught.
 
 Checks run on metadata only (the reference backend): they are what judges a mode's lengths.
 """
@@ -239,23 +240,29 @@ def test_draft_decode_kv_indices_without_the_topk_factor_are_caught(tmp_path: Pa
 # -- draft decode under CUDA graphs (EAGLEDraftCudaGraphRunner) ---------------------------------------
 
 
-def graph_steps(tmp_path: Path, prefix: list[int], *, topk: int, topk_factor: bool = True, max_context_len: int = 24) -> tuple[Path, list[Any]]:
-    """One EAGLE draft graph replay (bs 4, 3 steps) through the multi-step FlashInfer draft backend:
-    its two draft steps, each recorded by its sub-backend's hook."""
-    out = tmp_path / f"graph-topk{topk}-{'fixed' if topk_factor else 'short'}"
-    draft_modes.record_draft_graph(out, prefix, topk=topk, steps=STEPS, capture_bs=4, max_context_len=max_context_len, topk_factor=topk_factor)
+BACKENDS = ["flashinfer", "triton"]
+
+
+def graph_steps(tmp_path: Path, prefix: list[int], *, topk: int, backend: str, topk_factor: bool = True, max_context_len: int = 24) -> tuple[Path, list[Any]]:
+    """One EAGLE draft graph replay (bs 4, 3 steps) through the multi-step FlashInfer or Triton
+    draft backend: its two draft steps, each recorded by the hooks (FlashInfer's sub-backend's,
+    Triton's multi-step backend's)."""
+    out = tmp_path / f"graph-{backend}-topk{topk}-{'fixed' if topk_factor else 'short'}"
+    triton = backend == "triton"
+    draft_modes.record_draft_graph(out, prefix, topk=topk, steps=STEPS, capture_bs=4, max_context_len=max_context_len, topk_factor=topk_factor, triton=triton)
     return out, [io.load(out / entry.file) for entry in io.read_manifest(out)]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("topk", [1, 2])
-def test_graph_replayed_draft_steps_are_branch_rows_and_check_clean(tmp_path: Path, topk: int) -> None:
+def test_graph_replayed_draft_steps_are_branch_rows_and_check_clean(tmp_path: Path, topk: int, backend: str) -> None:
     prefix = draft_modes.GRAPH_PREFIX
-    out, traces = graph_steps(tmp_path, prefix, topk=topk)
+    out, traces = graph_steps(tmp_path, prefix, topk=topk, backend=backend)
     assert len(traces) == STEPS - 1
     rows, _ = draft_modes.draft_graph_rows(prefix, topk, STEPS)
     for step, trace in enumerate(traces):
         batch, graph = trace.batch, trace.graph
-        assert trace.source.backend == "flashinfer" and batch.forward_mode.value == "DECODE" and batch.batch_size == 3 * topk
+        assert trace.source.backend == backend and batch.forward_mode.value == "DECODE" and batch.batch_size == 3 * topk
         assert batch.kv_lens.tolist() == [p + step + 1 for p in prefix for _ in range(topk)]
         assert batch.positions.tolist() == [p + step for p in prefix for _ in range(topk)]
         assert (trace.plan.scalars["draft_topk"], trace.plan.scalars["draft_step"]) == (topk, step)
@@ -273,16 +280,20 @@ def test_graph_replayed_draft_steps_are_branch_rows_and_check_clean(tmp_path: Pa
     assert findings(out) == []
 
 
-def test_graph_replayed_draft_steps_server_shaped_check_clean(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_graph_replayed_draft_steps_server_shaped_check_clean(tmp_path: Path, backend: str) -> None:
     prefix = torch.randint(1, 500, (3,), generator=torch.Generator().manual_seed(5)).tolist()
-    out, _ = graph_steps(tmp_path, prefix, topk=4, max_context_len=512)
+    out, traces = graph_steps(tmp_path, prefix, topk=4, backend=backend, max_context_len=512)
+    # only what the step's kernels read of the 4 x 4 x 512 row was copied (cut on the device)
+    assert [t.plan.tensors["kv_indices"].numel() for t in traces] == [4 * (sum(prefix) + 1) + 16 * (step + 1) for step in range(STEPS - 1)]
     assert findings(out) == []
 
 
-def test_draft_graph_kv_indices_buffer_without_the_topk_factor_is_caught(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_draft_graph_kv_indices_buffer_without_the_topk_factor_is_caught(tmp_path: Path, backend: str) -> None:
     """The multi-step backend's graph buffer rows sized max_bs x max_context_len (4 x 24 = 96): the
     padded batch's seq_lens_sum 50 x topk 2 + 4 x 2 x (step + 1) ids run past the row."""
-    out, traces = graph_steps(tmp_path, draft_modes.GRAPH_PREFIX, topk=2, topk_factor=False)
+    out, traces = graph_steps(tmp_path, draft_modes.GRAPH_PREFIX, topk=2, backend=backend, topk_factor=False)
     assert [t.capture.kv_indices_capacity for t in traces] == [96, 96]
     found = findings(out)
     assert [(f.location.step, f"{f.kind.value}/{f.check}") for f in found] == [(0, "invariants/capture-kv-indices"), (1, "invariants/capture-kv-indices")], [

@@ -13,6 +13,9 @@ Hook points (engines.md A6), each found by feature, not by SGLang version:
   runner's replay view (which has `num_padding`) keeps no padding; the hook carries it over
   (`DRAFT_PADDING`), so each draft step's sub-backend replay (`init_forward_metadata_out_graph`)
   is recorded as its bs x topk branch rows (draft.py);
+- `TritonMultiStepDraftBackend.init_forward_metadata_out_graph`: Triton's replay calls no
+  sub-backend (its steps read their rows of the multi-step graph buffers), so each step is
+  recorded from its sub-backend's graph buffers once the call returned;
 - the flight recorder's pointer audit at graph capture and replay, and the EAGLE workers' `verify`
   for `--when 'accept<X'` (`flight.py`);
 - with `--layers`: `forward(q, k, v, layer, forward_batch, ...)` on every AttentionBackend subclass
@@ -35,6 +38,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -46,7 +50,7 @@ from attndbg.record import hooks
 from attndbg.trace.build import package_version, source
 from attndbg.record.session import RecordingSession, capturing, current_session
 from attndbg.record.sglang.batch import BatchInfo, UnsupportedStep, batch_from_host, capture_batch, engine_mode_name, trace_mode
-from attndbg.record.sglang.draft import DraftStepUnknown, branch_graph, draft_decode, draft_topk
+from attndbg.record.sglang.draft import DraftDecode, DraftStepUnknown, branch_graph, draft_decode, draft_topk
 from attndbg.record.sglang.graph import PADDED_OUT_CACHE_LOC, STATIC_SIZES, GraphInfo, capture_graph_from_runner, capture_graph_from_view, graph_from_host
 from attndbg.record.sglang.model import kv_cache_size, model_from_backend
 from attndbg.record.sglang.plan import PlanCapture, capture_plan, cut_on_device, is_verify_mask, plan_from_host
@@ -180,7 +184,8 @@ def record_step(session: RecordingSession, backend: Any, fb: Any, *, raw_bs: int
             draft = draft_decode(fb, backend, int(fb.batch_size))
         except DraftStepUnknown:
             return False  # its branch rows cannot be told: nothing recorded rather than a wrong batch
-    # The graphs' buffers are looked up by the padded request count (a draft step's graph runs its branch rows).
+    # FlashInfer's graph wrappers are looked up by the padded request count; Triton's buffers hold
+    # a row per branch of a draft step.
     graph_bs = graph[0].capture_bs if graph else None
     if graph is not None and draft is not None:
         graph = branch_graph(graph[0], graph[1], draft)
@@ -201,7 +206,7 @@ def record_step(session: RecordingSession, backend: Any, fb: Any, *, raw_bs: int
     model = model_from_backend(backend, layer_for(backend))
     # The seq_lens a FlashMLA forward hands its kernel as cache_seqlens: a graph's padded buffer.
     seq_lens = graph[1]["padded_seq_lens"] if graph is not None else getattr(fb, "seq_lens", None)
-    options = dict(graph_bs=graph_bs, verify=verify, draft_extend=mode is ForwardMode.DRAFT_EXTEND, spec_info=spec_info, sized=sized, model=model, seq_lens=seq_lens)
+    options = dict(graph_bs=graph_bs, graph_rows=graph[0].capture_bs if graph else None, verify=verify, draft_extend=mode is ForwardMode.DRAFT_EXTEND, spec_info=spec_info, sized=sized, model=model, seq_lens=seq_lens)
     plan = capture_plan(backend, **options)
     if plan is None:
         for child in getattr(backend, "attn_backend_list", None) or []:
@@ -209,8 +214,8 @@ def record_step(session: RecordingSession, backend: Any, fb: Any, *, raw_bs: int
             if plan is not None:
                 break
     if plan is not None:
-        if graph is not None and plan.backend == "triton" and draft is None:  # the reads below are SGLang Triton's buffers'
-            cut_on_device(plan, _graph_reads(graph[0], mode, binfo.tokens_per_req))
+        if graph is not None and (plan.backend == "triton" or draft is not None):  # SGLang Triton's buffers', or a draft step's rows
+            cut_on_device(plan, _graph_reads(graph[0], mode, binfo.tokens_per_req, draft))
         plan.scalars.update(_engine_sums(backend, fb, graph, raw_bs))
         if draft is not None:  # the multi-step draft backend's host facts: seq_lens count neither
             plan.scalars.update({"draft_topk": draft.topk, "draft_step": draft.step})
@@ -267,15 +272,16 @@ def _num_tokens(fb: Any, binfo: BatchInfo) -> int | None:
     return None
 
 
-def _graph_reads(info: GraphInfo, mode: ForwardMode, draft_tokens: int) -> dict[str, int]:
+def _graph_reads(info: GraphInfo, mode: ForwardMode, draft_tokens: int, draft: DraftDecode | None = None) -> dict[str, int]:
     """What a graph replay's Triton kernels read of the capacity buffers, from the padded seq_lens'
     host mirror (SGLang fills kv_indptr and mask_indptr from the same seq_lens on the device):
     decode and verify read sum(seq_lens) KV ids (verify: the prefixes), verify sum(n * (seq_len + n))
-    mask elements. Nothing without a host mirror: the buffers are then copied whole and cut on the host."""
+    mask elements; a draft step's branch rows (either backend) each its prefix and step + 1 draft
+    tokens. Nothing without a host mirror: the buffers are then copied whole and cut on the host."""
     seq = info.host_seq_lens
     if seq is None or mode not in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY):
         return {}
-    reads = {"kv_indices": sum(seq)}
+    reads = {"kv_indices": sum(seq) + (len(seq) * (draft.step + 1) if draft is not None else 0)}
     if mode is ForwardMode.TARGET_VERIFY:
         reads["custom_mask"] = mask_length(MaskLayout.FULL, batch_size=len(seq), draft_token_num=draft_tokens, prefix_sum=sum(seq))
     return reads
@@ -477,6 +483,36 @@ def _wrap_view_builder(original: Callable) -> Callable:
     return build_replay_fb_view
 
 
+def _wrap_triton_draft_out_graph(original: Callable) -> Callable:
+    """Triton's multi-step draft backend at a draft graph replay refills every step's rows of its
+    graph buffers (the sub-backends' kv_indptr and cuda_graph_kv_indices are those rows) without
+    calling a sub-backend: each draft step is recorded here, through the step's view as
+    `build_inner_fb_view` makes it, whose spec input names the step's lists (the engine's spec
+    input holds no step's at a replay)."""
+
+    @functools.wraps(original)
+    def init_forward_metadata_out_graph(self: Any, forward_batch: Any, in_capture: bool = False, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, forward_batch, in_capture, *args, **kwargs)
+        session = _active() if _outermost() and not in_capture and hasattr(forward_batch, "num_padding") else None
+        if session is not None:
+            with session.guard("sglang Triton draft steps init_forward_metadata_out_graph"):
+                _record_triton_draft_steps(session, self, forward_batch)
+        return result
+
+    return init_forward_metadata_out_graph
+
+
+def _record_triton_draft_steps(session: RecordingSession, multi: Any, view: Any) -> None:
+    from sglang.srt.model_executor import forward_batch_info
+
+    bs, topk = int(view.batch_size), int(multi.topk)
+    for i, sub in enumerate(multi.attn_backends):
+        step_view = forward_batch_info.build_inner_fb_view(view, bs=bs, forward_mode=view.forward_mode)
+        # What the step's kernels read: its rows of the multi-step buffers (the sub-backend's own).
+        step_view.spec_info = SimpleNamespace(num_tokens_per_req=topk, kv_indptr=multi.kv_indptr[i, : bs * topk + 1], kv_indices=multi.cuda_graph_kv_indices[i])
+        _record_draft_view(session, sub, step_view)
+
+
 def _wrap_inner_view_builder(original: Callable) -> Callable:
     """`build_inner_fb_view(forward_batch, *, bs, forward_mode, ...)`: the per-step view a
     multi-step draft backend hands each sub-backend. Of the EAGLE draft graph runner's replay view
@@ -592,6 +628,10 @@ def install() -> None:
 
         if not hooks.is_hooked(runner.build_replay_fb_view):
             runner.build_replay_fb_view = hooks.mark(_wrap_view_builder(runner.build_replay_fb_view))
+    with contextlib.suppress(ImportError, AttributeError):
+        from sglang.srt.layers.attention.triton_backend import TritonMultiStepDraftBackend
+
+        hooks.patch(TritonMultiStepDraftBackend, "init_forward_metadata_out_graph", _wrap_triton_draft_out_graph)
     with contextlib.suppress(ImportError, AttributeError):  # SGL-new's multi-step draft backends import it at each call
         from sglang.srt.model_executor import forward_batch_info
 

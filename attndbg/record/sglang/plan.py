@@ -364,18 +364,21 @@ def capture_plan(
     sized: bool = False,
     model: Model | None = None,
     seq_lens: Tensor | None = None,
+    graph_rows: int | None = None,
 ) -> PlanCapture | None:
     """The live backend's plan as device views; None when its metadata is of no known kind.
 
     `graph_bs`: the padded batch size of a CUDA-graph replay (read graph buffers where the backend
-    keeps them); None for an eager step. `verify` / `draft_extend`: the step's mode is
+    keeps them); None for an eager step. `graph_rows`: the rows its kernels run, when they are not
+    its requests (a draft step's topk branches per request; Triton's graph buffers hold a row per
+    branch). `verify` / `draft_extend`: the step's mode is
     TARGET_VERIFY / a draft extend (both planned with the spec input). `sized`: the engine sized this step's index buffers from
     a host sum (see the module docstring); unknown is False, and the buffers are cut as capacity.
     `model` (the recorded layer) and `seq_lens` (the step's, as the backend's forward reads them)
     give the call arguments SGLang keeps on no object (`_call_arguments`); without `model` the
     plan lacks them, and the checker says it is not read.
     """
-    capture = _read_metadata(backend, graph_bs=graph_bs, verify=verify, spec_info=spec_info, sized=sized, model=model)
+    capture = _read_metadata(backend, graph_bs=graph_bs, graph_rows=graph_rows or graph_bs, verify=verify, spec_info=spec_info, sized=sized, model=model)
     if capture is not None and model is not None:
         if capture.backend == "fa3" and verify and "expand_page_table" in capture.tensors and model.sliding_window >= 0:
             # A sliding-window layer of a tree verify runs one call over metadata.swa_spec_metadata's
@@ -406,9 +409,9 @@ def _draft_tokens(backend: Any, verify: bool, spec_info: Any) -> int | None:
     return getattr(backend, "num_draft_tokens", None) or getattr(backend, "speculative_num_draft_tokens", None)
 
 
-def _read_metadata(backend: Any, *, graph_bs: int | None, verify: bool, spec_info: Any, sized: bool, model: Model | None) -> PlanCapture | None:
-    if graph_bs is not None and _has(backend, "cuda_graph_kv_indices", "kv_indptr", "max_kv_splits"):
-        return _triton_graph(backend, graph_bs, verify, spec_info)
+def _read_metadata(backend: Any, *, graph_bs: int | None, graph_rows: int | None, verify: bool, spec_info: Any, sized: bool, model: Model | None) -> PlanCapture | None:
+    if graph_rows is not None and _has(backend, "cuda_graph_kv_indices", "kv_indptr", "max_kv_splits"):
+        return _triton_graph(backend, graph_rows, verify, spec_info)
     md = _flashinfer_graph_decode(backend, graph_bs) if not verify else None
     if md is None:
         md = getattr(backend, "forward_metadata", None)
