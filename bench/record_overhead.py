@@ -188,7 +188,9 @@ def ring_contents(session) -> dict:  # type: ignore[no-untyped-def]
     for entry, _ in entries:
         host = entry.copy.wait()
         with_layer += all(host.get(f"layer0.{name}") is not None for name in ("q", "k_new", "v_new", "output"))
-    return {"steps": len(entries), "with_layer0": with_layer, "written_before_exit": session.stats.written}
+    pool = getattr(session.flight, "pool", None)  # the ring's pinned buffers (trees before the pool have none)
+    reuse = {"buffers_reused": pool.reused, "buffers_allocated": pool.allocated} if pool is not None else {}
+    return {"steps": len(entries), "with_layer0": with_layer, "written_before_exit": session.stats.written, **reuse}
 
 
 if __name__ == "__main__":

@@ -56,6 +56,10 @@ def _pinned(n: int) -> Tensor:
     return torch.empty(n, dtype=torch.uint8, pin_memory=True)
 
 
+REUSE_SPAN = 3  # a free buffer serves a copy of up to this many times fewer bytes (its class's)
+HEADROOM_UP_TO = 1 << 20  # bytes: a new buffer up to this size is made twice what is asked
+
+
 def size_class(n: int) -> int:
     """The pool's buffer size for `n` bytes: at least 256, else `n` rounded up to a quarter of its
     power of two (at most a quarter more than asked), so steps whose sizes differ a little share
@@ -67,7 +71,8 @@ def size_class(n: int) -> int:
 
 
 class PinnedPool:
-    """Pinned byte buffers by size class, reused by later copies once handed back (`give`).
+    """Pinned byte buffers by size class, reused by later copies once handed back (`give`); `reused`
+    and `allocated` count how often a copy found one free and how often it did not.
 
     Bounded: a class keeps at most `per_class` free buffers and the pool `max_free_bytes` free in
     all; a buffer beyond that goes back to torch's allocator. After a device fault nothing is taken
@@ -84,16 +89,24 @@ class PinnedPool:
         self.reused = 0  # buffers handed out again
 
     def take(self, n: int) -> Tensor:
-        """A buffer of size_class(n) bytes (its contents are what the last copy left)."""
+        """A buffer of at least `n` bytes (its contents are what the last copy left): the smallest
+        free one of at most REUSE_SPAN times size_class(n), else a new one with headroom (twice
+        `n` up to HEADROOM_UP_TO bytes, a quarter more above: a prefill's layer tensors are large).
+
+        Why not the exact class: a step's metadata grows with its requests' KV (the flat KV index
+        lists), and a buffer comes back only once its entry left the ring, `depth` steps later,
+        when the steps ask for more. On the H100 (bench/record_overhead.py, ring of 64, 32
+        decoding requests) exact classes reused 3 buffers in 259 steps."""
         size = size_class(n)
         with self._lock:
-            free = self._free.get(size)
-            if free:
-                self._free_bytes -= size
+            fits = [c for c, free in self._free.items() if free and size <= c <= REUSE_SPAN * size]
+            if fits:
+                best = min(fits)
+                self._free_bytes -= best
                 self.reused += 1
-                return free.pop()
+                return self._free[best].pop()
             self.allocated += 1
-        return self._allocate(size)
+        return self._allocate(size_class(n + (n if n <= HEADROOM_UP_TO else n // 4)))
 
     def give(self, buffers: list[Tensor]) -> None:
         """Buffers no copy will write into or be read from again."""
@@ -114,7 +127,8 @@ class PinnedPool:
 
     def __del__(self) -> None:
         free = getattr(self, "_free", None)
-        if free and device_fault.faulted():  # freeing a buffer a copy used would abort the process
+        faulted = getattr(device_fault, "faulted", None)  # None at interpreter exit: module globals are cleared
+        if free and faulted is not None and faulted():  # freeing a buffer a copy used would abort the process
             device_fault.keep([buffer for buffers in free.values() for buffer in buffers])
 
 
