@@ -73,6 +73,16 @@ def worded(trace: Trace, problem: PlanProblem) -> Finding:
         )
     if kind is ProblemKind.TABLE_SHORT:
         b = problem.request
+        cause = f"{name} is longer than the page table row built for this request (lengths and table from different steps)"
+        if trace.graph is not None and trace.graph.is_graph_replay:
+            # A replay reads the table the graph captured: its width is fixed at capture (SGLang's FA3
+            # sized it from the context length while verify lengths add the draft tokens, #35985).
+            cause = (
+                f"{name} needs more pages than the {detail['columns']} columns of the page table this CUDA graph replay reads: the "
+                "table is the buffer made for the capture, so either its width was sized short of the longest length a replay "
+                "publishes (from the model's context length, say, while a verify step's lengths add its draft tokens) or the "
+                "lengths come from another step; the kernel reads past the row"
+            )
         return finding(
             KIND,
             "kv-length",
@@ -80,7 +90,7 @@ def worded(trace: Trace, problem: PlanProblem) -> Finding:
             request=b,
             field=f"{field}[{b}]",
             evidence=f"{field}[{b}] = {problem.found} needs {detail['pages']} pages, plan.{detail['table']} has {detail['columns']} columns",
-            cause=f"{name} is longer than the page table row built for this request (lengths and table from different steps)",
+            cause=cause,
         )
     if kind is ProblemKind.LAST_PAGE_LEN:
         b, ps = problem.request, detail["page_size"]
