@@ -181,12 +181,20 @@ CLEAN = [
 ]
 
 
+@contextlib.contextmanager
+def clean_step(config: Any, layout: dict[str, Any]) -> Iterator[tuple[CommonAttentionMetadata, int]]:
+    """A CLEAN layout's metadata and the max_num_seqs it is recorded under (the config's, unless the
+    layout names its own), the config set to it meanwhile."""
+    layout = dict(layout)
+    rows = layout.pop("max_num_seqs", config.scheduler_config.max_num_seqs)
+    with configured(config.scheduler_config, max_num_seqs=rows):
+        yield make_layout(**layout).cm, rows
+
+
 @pytest.mark.parametrize(("name", "layout"), CLEAN, ids=[c[0] for c in CLEAN])
 def test_the_same_steps_without_the_mistake_are_clean(session: RecordingSession, pool_config, name: str, layout: dict[str, Any]) -> None:
-    layout = dict(layout)
-    rows = layout.pop("max_num_seqs", pool_config.scheduler_config.max_num_seqs)
-    with configured(pool_config.scheduler_config, max_num_seqs=rows):
-        trace = record(session, pool_config, make_layout(**layout).cm)
+    with clean_step(pool_config, layout) as (cm, rows):
+        trace = record(session, pool_config, cm)
     assert trace.capture is not None and trace.capture.max_bs == rows  # the recorder keeps max_num_seqs
     padded = layout.get("pad_reqs", 0) or layout.get("pad_tokens", 0)
     assert (trace.graph is not None) == bool(padded)

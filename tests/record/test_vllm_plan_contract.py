@@ -21,7 +21,7 @@ from attndbg.detector_api.findings import FindingClass
 from attndbg.record.session import RecordingSession
 from attndbg.trace.schema import Trace
 from tests.record.engines import import_engine
-from tests.record.test_vllm_evidence import CLEAN, MIXED, NO_KERNELS, OUTSIDE_POOL, PADDED, findings_of, pool_config, slot, table_entry  # noqa: F401  (fixture)
+from tests.record.test_vllm_evidence import CLEAN, MIXED, NO_KERNELS, OUTSIDE_POOL, PADDED, clean_step, findings_of, pool_config, slot, table_entry  # noqa: F401  (fixture)
 from tests.record.vllm_builder_env import HEAD_DIM, KV_HEADS, LAYERS, kv_cache_interface, written
 from tests.record.vllm_builder_env import session, vllm_config  # noqa: F401  (fixtures)
 from tests.record.vllm_env import BLOCK_SIZE, CommonAttentionMetadata, make_layout
@@ -41,7 +41,8 @@ def record(session: RecordingSession, config: Any, cm: CommonAttentionMetadata) 
 
 @pytest.mark.parametrize(("name", "layout"), CLEAN, ids=[c[0] for c in CLEAN])
 def test_flash_attn_steps_are_clean(session: RecordingSession, pool_config, name: str, layout: dict[str, Any]) -> None:
-    trace = record(session, pool_config, make_layout(**layout).cm)
+    with clean_step(pool_config, layout) as (cm, _):
+        trace = record(session, pool_config, cm)
     assert trace.plan.backend == "FLASH_ATTN" and trace.plan.scalars["vllm.metadata"] == "FlashAttentionMetadata"
     assert {"block_table", "seq_lens", "query_start_loc"} <= set(trace.plan.tensors)  # the builder's own fields, as built
     assert findings_of(session, parse_only(None)) == []
