@@ -12,8 +12,10 @@ interleaved rounds so clock drift hits all of them alike, each against `off` in 
   ring_probe  the same with `--layers 0`: layer 0's q, new k/v and output of every graph-replayed
               step copied out by in-graph probes (record/probes.py)
 Reported: median wall time per step of each, the overhead of recording in microseconds and in
-percent, what was written (nothing in ring mode: that is checked) and, for ring_probe, how many
-replayed steps carried probe readings (the ring's steps are read back at the end of each round).
+percent, what was written (nothing in ring mode: that is checked), the hook's microseconds per
+step on the engine's thread (the mean and, in ring mode, the median step once the ring is full),
+the ring's pinned buffers reused and allocated, and, for ring_probe, how many replayed steps carried
+probe readings (the ring's steps are read back at the end of each round).
 The flight recorder's budget (ring <= 2 %, ring_probe <= 5 % per step) is printed as verdicts.
 
 Run on the GPU machine (transformers wheels carried in .gpu-hf/):
@@ -37,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from attndbg.record.transformers import adapter as transformers_cb  # noqa: E402
-from bench.ring_hook_cpu import hook_profile_text, profile_hook  # noqa: E402
+from bench.ring_hook_cpu import _hook_per_step, hook_profile_text, profile_hook  # noqa: E402
 from attndbg.record.options import RecordOptions  # noqa: E402
 from attndbg.record.session import end_session, start_session  # noqa: E402
 from attndbg.trace import io  # noqa: E402
@@ -120,7 +122,13 @@ def main() -> int:
                     transformers_cb.install()
                 options = session_options(config, f"{tmp}/{config}{round_}", args.ring)
                 session = start_session(options) if options is not None else None
+                # Each ring step's hook time, for its median once the ring is full: the mean over all
+                # steps carries the first steps' pinned allocations (up to 0.8 ms each on the H100).
+                # The wrapper costs a list append a step, inside the timed loop.
+                hook_steps = _hook_per_step(transformers_cb) if options is not None and options.ring else None
                 seconds, steps = run(model, args)
+                if hook_steps is not None:
+                    transformers_cb._on_step = transformers_cb._on_step.__wrapped__
                 if session is not None:
                     ring = ring_contents(session) if options.ring else None
                     stats = end_session()  # flushes the writer: its time after the loop is not the engine's
@@ -129,6 +137,7 @@ def main() -> int:
                         "written": stats.written if stats else 0,
                         "dropped": stats.dropped_queue_full if stats else 0,
                         "hook_us_per_step": stats.hook_seconds / steps * 1e6 if stats else 0,
+                        **({"hook_us_median_full_ring": statistics.median(hook_steps[args.ring :] or hook_steps) * 1e6} if hook_steps else {}),
                         "stopped": stats.stopped_reason if stats else None,
                         **({"ring": ring} if ring is not None else {}),
                     }

@@ -3,8 +3,9 @@
 # tree's bench/record_overhead.py and this tree's, alternating, each against recording off in its
 # own interleaved rounds (so each pair shares the machine's state); the last pair also profiles the
 # hook (--profile-hook). A figure for docs/benchmarks.md: the hook's microseconds per step
-# (`hook_us_per_step` of each ring round) is steadier than the wall time, whose rounds vary by 10 %
-# and more on a one-GPU machine.
+# (`hook_us_per_step` of each ring round, and `hook_us_median_full_ring`: its median step once the
+# ring is full, without the first steps' pinned allocations) is steadier than the wall time, whose
+# rounds vary by 10 % and more on a one-GPU machine.
 #
 # Here, once: the before tree as an ignored folder that travels with .gpu, its adapters linked in:
 #     rm -rf .gpu/before && mkdir -p .gpu/before && git archive BEFORE_COMMIT attndbg backends bench pyproject.toml | tar x -C .gpu/before
@@ -44,8 +45,12 @@ for pair in range(1, pairs + 1):
             continue
         result = json.loads(path.read_text())
         hooks: dict[str, list[int]] = {}
+        medians: dict[str, list[int]] = {}  # once the ring is full (trees whose script reports it)
         for name, run in result["written_steps_dropped"].items():
             hooks.setdefault(name.rstrip("0123456789"), []).append(round(run["hook_us_per_step"]))
+            if "hook_us_median_full_ring" in run:
+                medians.setdefault(name.rstrip("0123456789"), []).append(round(run["hook_us_median_full_ring"]))
         wall = {k: f"{v:+.1f} %" for k, v in result["overhead_percent"].items()}
-        print(f"{tree} {pair}: wall over off {wall}; hook µs/step by round {hooks}")
+        steady = f"; median µs/step once the ring is full {medians}" if medians else ""
+        print(f"{tree} {pair}: wall over off {wall}; hook µs/step by round {hooks}{steady}")
 PY
