@@ -314,6 +314,109 @@ def record_draft_graph(
 GRAPH_PREFIX = [18, 15, 16]  # with the padded request's fill 1: seq_lens_sum 50, x topk 2 = 100 ids past a row of 4 x 24
 
 
+# -- DRAFT_EXTEND_V2 under CUDA graphs (EAGLEDraftExtendCudaGraphRunner) ---------------------------------
+
+extend_runner_module = import_engine("sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner")
+
+
+class DraftExtendGraph(extend_runner_module.EAGLEDraftExtendCudaGraphRunner):
+    """SGLang's draft-extend graph runner without its GPU __init__ and capture: `execute` is
+    SGLang's own (it pads the static buffers, builds the backend's view and calls its
+    init_forward_metadata_out_graph); only the graph's replay is left out."""
+
+    def __init__(self, backend: Any, *, capture_bs: list[int], width: int, fill: int) -> None:
+        self.draft_extend_attn_backend, self.capture_bs, self.captured_req_width, self.seq_len_fill_value = backend, capture_bs, width, fill
+        self.max_bs = max_bs = max(capture_bs)
+        self.forward_mode = sg.env.ForwardMode.DRAFT_EXTEND_V2
+        self.deepep_adapter = SimpleNamespace(replay=lambda: None)
+        self.require_mlp_tp_gather = self.require_gathered_buffer = False
+        self.model_runner = SimpleNamespace(model_config=SimpleNamespace(model_is_mrope=False), device_timer=None, shared_read_done_event=None)
+        self.extend_seq_lens_cpu = [width] * max_bs
+        tokens = max_bs * width
+        self.buffers = SimpleNamespace(
+            input_ids=torch.zeros(tokens, dtype=I64),
+            req_pool_indices=torch.zeros(max_bs, dtype=I64),
+            seq_lens=torch.full((max_bs,), fill, dtype=I64),
+            seq_lens_cpu=torch.full((max_bs,), fill, dtype=I64),
+            out_cache_loc=torch.zeros(tokens, dtype=I64),
+            positions=torch.zeros(tokens, dtype=I64),
+            extend_seq_lens=torch.full((max_bs,), width, dtype=I32),
+            num_correct_drafts=torch.zeros(max_bs, dtype=I32),
+            num_accept_tokens=torch.zeros(max_bs, dtype=I32),
+            select_index=torch.zeros(max_bs, dtype=I64),
+            mamba_track_indices=None,
+            hidden_states=None,
+        )
+
+    def _replay_graph(self, shape_key: Any, forward_batch: Any) -> Any:
+        return SimpleNamespace(next_token_logits=torch.zeros(self.max_bs, 1), hidden_states=torch.zeros(self.max_bs, 1))
+
+
+def triton_draft_extend_graph(stride: int | None = None) -> sg.Plan:
+    def plan(made: Any, view: Any) -> None:
+        """TritonAttnBackend._update_draft_extend_buffers: qo_indptr strided by `stride` (0.5.23:
+        num_draft_tokens, the window), kv lists over the prefixes (seq_lens less the spec input's
+        extend lengths, clamped at 0 for the padded rows) into the graph buffers."""
+        bs, n = int(view.batch_size), stride or made.num_draft_tokens
+        made.qo_indptr[: bs + 1] = torch.arange(0, bs * n + 1, n, dtype=I32)
+        lens = torch.clamp(view.seq_lens[:bs] - view.spec_info.extend_seq_lens_tensor[:bs].to(I64), min=0)
+        indptr, indices = sg.kv_lists(made, SimpleNamespace(req_pool_indices=view.req_pool_indices[:bs]), lens)
+        made.kv_indptr[: bs + 1] = indptr
+        made.cuda_graph_kv_indices[: indices.numel()] = indices
+
+    return plan
+
+
+def flashinfer_draft_extend_graph(made: Any, view: Any) -> None:
+    """FlashInfer's DRAFT_EXTEND_V2 replay: the bs graph's paged prefill wrapper planned causal over
+    the whole sequences (seq_lens), the queries the spec input's extend lengths."""
+    bs = int(view.batch_size)
+    [paged] = made.draft_extend_cuda_graph_metadata[bs]
+    lens = view.seq_lens[:bs].to(I64)
+    indptr, indices = sg.kv_lists(made, SimpleNamespace(req_pool_indices=view.req_pool_indices[:bs]), lens)
+    paged._qo_indptr_buf[: bs + 1] = torch.nn.functional.pad(torch.cumsum(view.spec_info.extend_seq_lens_tensor[:bs].to(I64), 0), (1, 0)).to(I32)
+    paged._paged_kv_indptr_buf[: bs + 1] = indptr
+    paged._paged_kv_indices_buf[: indices.numel()] = indices.to(I32)
+
+
+def record_draft_extend_graph(
+    out: Path, rows: dict[int, list[int]], prefix: list[int], window: int, accepted: list[int], *, capture_bs: list[int], triton: bool, stride: int | None = None, slots: int | None = None
+) -> None:
+    """One DRAFT_EXTEND_V2 step replayed by the draft-extend graph runner over the Triton or
+    FlashInfer backend's graph buffers (sized for the largest captured bs)."""
+    max_bs = max(capture_bs)
+    width = max_bs * (max(len(r) for r in rows.values()) + window)
+    with sg.recording(out) as session:
+        layer = sg.layer()  # noqa: F841
+        if triton:
+            made = sg.backend(sg.CorpusTriton, rows, triton_draft_extend_graph(stride))
+            made.num_draft_tokens, made.max_kv_splits = window, 8
+            made.qo_indptr, made.kv_indptr = torch.zeros(max_bs + 1, dtype=I32), torch.zeros(max_bs + 1, dtype=I32)
+            made.cuda_graph_kv_indices = torch.zeros(width, dtype=I64)
+            made.forward_metadata = SimpleNamespace(max_extend_len=window)
+        else:
+            made = sg.backend(sg.CorpusFlashInfer, rows, flashinfer_draft_extend_graph)
+            made.draft_extend_cuda_graph_metadata = {
+                bs: [
+                    sg.wrapper(
+                        qo_indptr_buf=torch.zeros(bs + 1, dtype=I32),
+                        paged_kv_indptr_buf=torch.zeros(bs + 1, dtype=I32),
+                        paged_kv_indices_buf=torch.zeros(width, dtype=I32),
+                        paged_kv_last_page_len_buf=torch.ones(bs, dtype=I32),
+                    )
+                ]
+                for bs in capture_bs
+            }
+        if slots is not None:
+            made.token_to_kv_pool.size = slots
+        runner = DraftExtendGraph(made, capture_bs=capture_bs, width=window, fill=made.get_cuda_graph_seq_len_fill_value())
+        fb = sg.draft_extend_v2_batch(rows, prefix, window, accepted)
+        before = len(sg.written(session))
+        runner.execute(fb, torch.arange(len(prefix), dtype=I64))
+        if len(sg.written(session)) != before + 1:
+            raise RuntimeError(f"the SGLang hooks recorded no draft-extend graph replay ({session.stats.stopped_reason or 'no reason given'})")
+
+
 def write_27338(bug: Path, twin: Path) -> None:
     options = dict(topk=2, steps=3, capture_bs=4, max_context_len=24)
     record_draft_graph(bug, GRAPH_PREFIX, topk_factor=False, **options)

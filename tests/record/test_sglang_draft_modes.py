@@ -14,6 +14,10 @@ ForwardMetadata):
   recorded the same way (Triton's replay calls no sub-backend: its multi-step backend's hook), with
   its graph section in branch rows and the captured buffer's capacity: correct steps (topk 1 and
   > 1) check clean, a buffer sized without the topk factor is caught.
+- DRAFT_EXTEND_V2 replayed by the draft-extend graph runner (SGLang's own execute, padding the
+  batch to the captured bs): recorded as the eager step is, with the runner's padded buffers as
+  its graph section; a correct replay checks clean on Triton and FlashInfer, Triton's qo_indptr
+  strided by num_steps + 1 instead of the window is caught.
 
 Checks run on metadata only (the reference backend): they are what judges a mode's lengths.
 """
@@ -301,3 +305,39 @@ def test_draft_graph_kv_indices_buffer_without_the_topk_factor_is_caught(tmp_pat
     ]
     assert [(f.data["expected"], f.data["found"]) for f in found] == [(96, 108), (96, 116)]
     assert all(f.severity.value == "defect" and "without the topk factor" in f.cause for f in found)
+
+
+# -- DRAFT_EXTEND_V2 under CUDA graphs (EAGLEDraftExtendCudaGraphRunner) ---------------------------------
+
+
+def extend_graph(tmp_path: Path, backend: str, *, stride: int | None = None) -> tuple[Path, Any]:
+    """One DRAFT_EXTEND_V2 step (3 requests, window 4) run by SGLang's draft-extend graph runner
+    padded to the captured bs 4, over the Triton or FlashInfer backend's graph buffers."""
+    out = tmp_path / f"extend-graph-{backend}-{stride or 'window'}"
+    draft_modes.record_draft_extend_graph(out, ROWS, PREFIX, WINDOW, ACCEPTED, capture_bs=[1, 2, 4, 8], triton=backend == "triton", stride=stride)
+    [entry] = io.read_manifest(out)
+    return out, io.load(out / entry.file)
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_graph_replayed_draft_extend_is_its_window_and_checks_clean(tmp_path: Path, backend: str) -> None:
+    out, trace = extend_graph(tmp_path, backend)
+    batch, graph = trace.batch, trace.graph
+    # the real requests as the eager step records them: the whole window, whatever was accepted
+    assert (batch.batch_size, batch.prefix_lens.tolist(), batch.extend_lens.tolist()) == (3, PREFIX, [WINDOW] * 3)
+    assert batch.out_cache_loc.tolist() == [*range(19, 23), *range(35, 39), *range(62, 66)]
+    # the padded request: seq_len at the fill, its window's slots and positions 0
+    assert (graph.is_graph_replay, graph.capture_bs, graph.fill_value) == (True, 4, 1)
+    assert graph.padded_seq_lens.tolist() == [13, 9, 16, 1]
+    assert graph.padded_out_cache_loc.tolist() == [*range(19, 23), *range(35, 39), *range(62, 66), 0, 0, 0, 0]
+    assert graph.padded_positions.tolist()[-WINDOW:] == [0] * WINDOW
+    assert trace.plan.tensors["qo_indptr"].tolist() == [0, 4, 8, 12, 16]
+    assert findings(out) == []
+
+
+def test_graph_replayed_draft_extend_qo_indptr_strided_by_steps_is_caught(tmp_path: Path) -> None:
+    """Triton's graph qo_indptr strided by speculative_num_steps + 1 (3) while the runner's batch runs
+    the window (4) per request: the offsets count other queries than the step runs."""
+    out, trace = extend_graph(tmp_path, "triton", stride=3)
+    assert trace.plan.tensors["qo_indptr"].tolist() == [0, 3, 6, 9, 12]
+    assert {f.check for f in findings(out)} == {"qo-lens"}

@@ -16,6 +16,10 @@ Hook points (engines.md A6), each found by feature, not by SGLang version:
 - `TritonMultiStepDraftBackend.init_forward_metadata_out_graph`: Triton's replay calls no
   sub-backend (its steps read their rows of the multi-step graph buffers), so each step is
   recorded from its sub-backend's graph buffers once the call returned;
+- `EAGLEDraftExtendCudaGraphRunner.execute`: the view it hands its backend at a DRAFT_EXTEND_V2
+  replay is its own, without `num_padding`; the runner and the real batch size are kept on the
+  thread, so the backend's `init_forward_metadata_out_graph` hook records the replay with the
+  runner's padded buffers as its graph section;
 - the flight recorder's pointer audit at graph capture and replay, and the EAGLE workers' `verify`
   for `--when 'accept<X'` (`flight.py`);
 - with `--layers`: `forward(q, k, v, layer, forward_batch, ...)` on every AttentionBackend subclass
@@ -32,6 +36,7 @@ comes from the published forward context or the backend (every backend keeps its
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import sys
 import threading
@@ -391,12 +396,16 @@ def _wrap_out_graph(original: Callable) -> Callable:
         # Only replays are recorded here (the view has num_padding, or a draft step's view the
         # padding of the runner's); eager steps come through init_forward_metadata, whose default
         # calls this method nested.
+        extend_runner = getattr(_local, DRAFT_EXTEND_RUNNER, None)
         if session is not None and hasattr(forward_batch, DRAFT_PADDING):
             with session.guard("sglang draft step init_forward_metadata_out_graph"):
                 _record_draft_view(session, self, forward_batch)
         elif session is not None and hasattr(forward_batch, "num_padding"):
             with session.guard("sglang init_forward_metadata_out_graph"):
                 _record_view(session, self, forward_batch)
+        elif session is not None and extend_runner is not None and engine_mode_name(forward_batch) == "DRAFT_EXTEND_V2":
+            with session.guard("sglang draft extend init_forward_metadata_out_graph"):
+                _record_draft_extend_view(session, self, forward_batch, *extend_runner)
         return result
 
     return init_forward_metadata_out_graph
@@ -424,6 +433,49 @@ def _record_draft_view(session: RecordingSession, backend: Any, view: Any) -> No
         slots_per_req=getattr(view, PADDED_OUT_CACHE_LOC).numel() // max(bs, 1),
     )
     record_step(session, backend, view, raw_bs=graph[0].raw_bs, graph=graph)
+
+
+DRAFT_EXTEND_RUNNER = "draft_extend_runner"  # on _local: (runner, real batch size) while a draft-extend graph runner executes
+
+
+def _record_draft_extend_view(session: RecordingSession, backend: Any, view: Any, runner: Any, raw_bs: int) -> None:
+    """A DRAFT_EXTEND_V2 graph replay (EAGLEDraftExtendCudaGraphRunner.execute): its view has no
+    num_padding, its out_cache_loc is cut at the real tokens and it carries no positions, so the
+    padded section is read from the runner's static buffers (padded rows: seq_lens at the fill,
+    slots and positions 0, extend lengths the window) on a copy: the engine's view stays as it is."""
+    buffers = getattr(runner, "buffers", None)
+    width = getattr(runner, "captured_req_width", None)
+    if buffers is None or not isinstance(width, int) or isinstance(width, bool) or width < 1:
+        sglang_layers.flush()
+        session.next_step()  # a runner of another shape: padding unknown, not recorded
+        return
+    bs = int(view.batch_size)
+    record = copy.copy(view)
+    record.positions = buffers.positions[: bs * width]
+    record.extend_seq_lens = buffers.extend_seq_lens[:bs]
+    setattr(record, PADDED_OUT_CACHE_LOC, buffers.out_cache_loc[: bs * width])
+    setattr(record, STATIC_SIZES, (buffers.seq_lens.numel(), buffers.out_cache_loc.numel()))
+    graph = capture_graph_from_view(
+        record, fill_value=int(runner.seq_len_fill_value), tokens_per_req=width, backend=backend, num_padding=bs - raw_bs
+    )
+    record_step(session, backend, record, raw_bs=raw_bs, graph=graph)
+
+
+def _wrap_draft_extend_execute(original: Callable) -> Callable:
+    """`EAGLEDraftExtendCudaGraphRunner.execute(forward_batch, ...)`: the view it builds for its
+    backend's init_forward_metadata_out_graph is a SimpleNamespace of its own, without the padding;
+    the runner and the real batch size are kept on this thread for that call's hook."""
+
+    @functools.wraps(original)
+    def execute(self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        outer = getattr(_local, DRAFT_EXTEND_RUNNER, None)
+        setattr(_local, DRAFT_EXTEND_RUNNER, (self, int(forward_batch.batch_size)) if _active() is not None else None)
+        try:
+            return original(self, forward_batch, *args, **kwargs)
+        finally:
+            setattr(_local, DRAFT_EXTEND_RUNNER, outer)
+
+    return execute
 
 
 def _record_view(session: RecordingSession, backend: Any, view: Any) -> None:
@@ -632,6 +684,10 @@ def install() -> None:
         from sglang.srt.layers.attention.triton_backend import TritonMultiStepDraftBackend
 
         hooks.patch(TritonMultiStepDraftBackend, "init_forward_metadata_out_graph", _wrap_triton_draft_out_graph)
+    with contextlib.suppress(ImportError, AttributeError):  # SGL-new only
+        from sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner import EAGLEDraftExtendCudaGraphRunner
+
+        hooks.patch(EAGLEDraftExtendCudaGraphRunner, "execute", _wrap_draft_extend_execute)
     with contextlib.suppress(ImportError, AttributeError):  # SGL-new's multi-step draft backends import it at each call
         from sglang.srt.model_executor import forward_batch_info
 

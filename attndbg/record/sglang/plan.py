@@ -158,8 +158,10 @@ def _triton_eager(backend: Any, md: Any, sized: bool) -> PlanCapture:
     return PlanCapture("triton", tensors, _triton_extend_scalars(backend, md.max_extend_len), trim, capacity)
 
 
-def _triton_graph(backend: Any, bs: int, verify: bool, spec_info: Any) -> PlanCapture:
-    """The Triton backend's CUDA-graph buffers after a replay refill, for padded batch size bs."""
+def _triton_graph(backend: Any, bs: int, verify: bool, spec_info: Any, *, draft_extend: bool = False) -> PlanCapture:
+    """The Triton backend's CUDA-graph buffers after a replay refill, for padded batch size bs.
+    A draft extend's replay refills qo_indptr and the prefix lists; its kernels keep the
+    max_extend_len of the metadata built at capture (the backend's forward_metadata)."""
     tensors: dict[str, Tensor | None] = {"kv_indptr": backend.kv_indptr[: bs + 1], "kv_indices": backend.cuda_graph_kv_indices}
     trim = {"kv_indices": "kv_indptr"}
     window = isinstance(getattr(backend, "sliding_window_size", None), int) and backend.sliding_window_size > 0
@@ -170,7 +172,7 @@ def _triton_graph(backend: Any, bs: int, verify: bool, spec_info: Any) -> PlanCa
         offsets = getattr(backend, "cuda_graph_window_kv_offsets", None)
         if verify and offsets is not None:
             tensors["window_kv_offsets"] = offsets[:bs]
-    if not verify:
+    if not verify and not draft_extend:
         tensors["num_kv_splits"] = backend.cuda_graph_num_kv_splits[:bs]
         if "window_kv_indptr" in tensors and getattr(backend, "cuda_graph_window_num_kv_splits", None) is not None:
             tensors["window_num_kv_splits"] = backend.cuda_graph_window_num_kv_splits[:bs]
@@ -185,7 +187,11 @@ def _triton_graph(backend: Any, bs: int, verify: bool, spec_info: Any) -> PlanCa
             trim["custom_mask"] = "mask_indptr"
     from attndbg.record.sglang.batch import draft_token_num
 
-    n = draft_token_num(spec_info) if spec_info is not None else int(backend.num_draft_tokens)
+    if draft_extend:
+        n = getattr(getattr(backend, "forward_metadata", None), "max_extend_len", None)
+        n = n if isinstance(n, int) and not isinstance(n, bool) else getattr(backend, "num_draft_tokens", None)
+    else:
+        n = draft_token_num(spec_info) if spec_info is not None else int(backend.num_draft_tokens)
     return PlanCapture("triton", tensors, _triton_extend_scalars(backend, n), trim, set(trim))
 
 
@@ -378,7 +384,9 @@ def capture_plan(
     give the call arguments SGLang keeps on no object (`_call_arguments`); without `model` the
     plan lacks them, and the checker says it is not read.
     """
-    capture = _read_metadata(backend, graph_bs=graph_bs, graph_rows=graph_rows or graph_bs, verify=verify, spec_info=spec_info, sized=sized, model=model)
+    capture = _read_metadata(
+        backend, graph_bs=graph_bs, graph_rows=graph_rows or graph_bs, verify=verify, draft_extend=draft_extend, spec_info=spec_info, sized=sized, model=model
+    )
     if capture is not None and model is not None:
         if capture.backend == "fa3" and verify and "expand_page_table" in capture.tensors and model.sliding_window >= 0:
             # A sliding-window layer of a tree verify runs one call over metadata.swa_spec_metadata's
@@ -409,10 +417,15 @@ def _draft_tokens(backend: Any, verify: bool, spec_info: Any) -> int | None:
     return getattr(backend, "num_draft_tokens", None) or getattr(backend, "speculative_num_draft_tokens", None)
 
 
-def _read_metadata(backend: Any, *, graph_bs: int | None, graph_rows: int | None, verify: bool, spec_info: Any, sized: bool, model: Model | None) -> PlanCapture | None:
+def _read_metadata(
+    backend: Any, *, graph_bs: int | None, graph_rows: int | None, verify: bool, draft_extend: bool, spec_info: Any, sized: bool, model: Model | None
+) -> PlanCapture | None:
     if graph_rows is not None and _has(backend, "cuda_graph_kv_indices", "kv_indptr", "max_kv_splits"):
-        return _triton_graph(backend, graph_rows, verify, spec_info)
-    md = _flashinfer_graph_decode(backend, graph_bs) if not verify else None
+        return _triton_graph(backend, graph_rows, verify, spec_info, draft_extend=draft_extend)
+    if draft_extend:
+        md = _flashinfer_graph_draft_extend(backend, graph_bs)
+    else:
+        md = _flashinfer_graph_decode(backend, graph_bs) if not verify else None
     if md is None:
         md = getattr(backend, "forward_metadata", None)
     if md is None:
@@ -426,6 +439,16 @@ def _read_metadata(backend: Any, *, graph_bs: int | None, graph_rows: int | None
     if hasattr(md, "decode_wrappers") or _has(md, "prefill_wrappers", "use_ragged"):
         return _flashinfer(backend, md, model)
     return None
+
+
+def _flashinfer_graph_draft_extend(backend: Any, graph_bs: int | None) -> Any:
+    """The paged prefill wrappers a FlashInfer DRAFT_EXTEND_V2 graph replay of `graph_bs` requests
+    re-planned (`draft_extend_cuda_graph_metadata[bs]`, causal over the whole sequence, no ragged
+    part); None for an eager step or a size never captured."""
+    graphs = getattr(backend, "draft_extend_cuda_graph_metadata", None)
+    if graph_bs is None or not isinstance(graphs, dict) or graph_bs not in graphs:
+        return None
+    return SimpleNamespace(prefill_wrappers=graphs[graph_bs], use_ragged=False, extend_no_prefix=False)
 
 
 def _flashinfer_graph_decode(backend: Any, graph_bs: int | None) -> Any:
