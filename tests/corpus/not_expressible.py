@@ -29,19 +29,9 @@ BUGS = (
         ("https://github.com/sgl-project/sglang/pull/22958",), "2026-04", "SGLang (any)", "DRAFT_EXTEND graph",
         "init_replay_state left req_pool_indices, seq_lens, out_cache_loc and extend_seq_lens_cpu of padded rows stale: "
         "stale pool rows indexed req_to_token out of bounds (fix PR closed; the single-layer runner had the padding)",
-        "SGL-new's draft-extend graph runners build their replay batch without build_replay_fb_view (a view without "
-        "num_padding, its extend lengths in spec_info), the only replay view whose padding the recorder reads: their replays "
-        "are not recorded",
-        Capability.FORWARD_MODES, Capability.PADDED_ROWS,
-    ),
-    _bug(
-        "sglang-27545", "Triton spec-v2 draft-extend graph strides qo_indptr by num_steps + 1, not the window",
-        ("https://github.com/sgl-project/sglang/pull/27545",), "2026-06", "SGLang triton", "DRAFT_EXTEND_V2 graph (topk > 1)",
-        "_update_draft_extend_buffers laid qo_indptr out with speculative_num_steps + 1 tokens per request (the classic draft "
-        "extend's width) while the spec-v2 runner lays out num_draft_tokens per request; with topk > 1 the two differ and at "
-        "bs > 1 every request after the first read another's queries (NaN); eager steps were right",
-        "the mistake is only in the draft-extend graph replay, whose view the recorder does not read (see sglang-22958); an "
-        "eager DRAFT_EXTEND_V2 step with such offsets is judged (invariants/qo-lens, by the window its spec input declares)",
+        "the multi-layer draft-extend graph runners build their replay batch without build_replay_fb_view (a view without "
+        "num_padding, its extend lengths in spec_info) and the recorder wraps only the single-layer runner's execute, whose "
+        "padded buffers it reads: the multi-layer runners' replays are not recorded",
         Capability.FORWARD_MODES, Capability.PADDED_ROWS,
     ),
     _bug(
@@ -171,8 +161,8 @@ BUGS = (
         "the replay path built it with a variable stride (cumsum(accept_length + 1)) and max_seq_len_q = max(accept_length) + 1: "
         "the captured kernel read the replay's offsets with the capture's layout; the fix replays the uniform stride, "
         "max_seq_len_q = num_draft_tokens and seq_lens_q filled with num_draft_tokens",
-        "the draft-extend graph runners' replays are not recorded (their view is not build_replay_fb_view's, see sglang-22958), "
-        "and no adapter maps trtllm_mla: its metadata (cu_seqlens_q, max_seq_len_q) is read by no recorder",
+        "no adapter maps trtllm_mla: its metadata (cu_seqlens_q, max_seq_len_q) is read by no recorder, at a draft-extend "
+        "graph replay (recorded for the single-layer runner) or eager",
         Capability.FORWARD_MODES, Capability.BACKEND_NAMES, Capability.SPLITS_VS_CAPTURE,
     ),
     _bug(

@@ -423,6 +423,12 @@ def write_27338(bug: Path, twin: Path) -> None:
     record_draft_graph(twin, GRAPH_PREFIX, **options)
 
 
+def write_27545(bug: Path, twin: Path) -> None:
+    # topk 2, 2 steps: a window of 4 draft tokens (WINDOW), while num_steps + 1 is 3
+    for out, stride in ((bug, 3), (twin, None)):
+        record_draft_extend_graph(out, V2_ROWS, V2_PREFIX, WINDOW, V2_ACCEPTED, capture_bs=[1, 2, 4, 8], triton=True, stride=stride)
+
+
 BUGS = (
     RealBug(
         id="sglang-27738",
@@ -442,6 +448,24 @@ BUGS = (
         keywords=("accepted", "extend_prefix_lens"),
         capabilities=(Capability.FORWARD_MODES,),
         write=write_27738,
+    ),
+    RealBug(
+        id="sglang-27545",
+        title="Triton spec-v2 draft-extend graph strides qo_indptr by num_steps + 1, not the window",
+        links=("https://github.com/sgl-project/sglang/pull/27545",),
+        date="2026-06",
+        engine="SGLang triton",
+        mode="DRAFT_EXTEND_V2 graph (topk > 1)",
+        mechanism="_update_draft_extend_buffers laid qo_indptr out with speculative_num_steps + 1 tokens per request (the classic "
+        "draft extend's width) while the spec-v2 runner lays out num_draft_tokens per request; with topk > 1 the two differ and at "
+        "bs > 1 every request after the first read another's queries (NaN); eager steps were right",
+        encoding="3 spec-v2 draft extends (prefixes 9, 5, 12; window 4 = num_draft_tokens of topk 2, 2 steps; accepted 3, 1, 2) run "
+        "by SGLang's EAGLEDraftExtendCudaGraphRunner.execute padded to the captured bs 4; the Triton backend's graph buffers refilled "
+        "with qo_indptr strided by 3 (the twin: by the window), kv lists over the prefixes",
+        expected=("invariants/qo-lens",),
+        keywords=("window", "num_tokens_per_req"),
+        capabilities=(Capability.FORWARD_MODES, Capability.PADDED_ROWS),
+        write=write_27545,
     ),
     RealBug(
         id="sglang-26628",
