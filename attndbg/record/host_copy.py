@@ -294,7 +294,10 @@ class HostCopy:
         """Every device copy arrived (host memory only: safe after a CUDA error). Probe readings
         judge their own values by their stamps (probes.py)."""
         with self._lock:
-            return all(int(m[0]) == 1 for m in self._markers)
+            return self._landed()
+
+    def _landed(self) -> bool:  # under self._lock
+        return all(int(m[0]) == 1 for m in self._markers)
 
     def hold(self) -> None:
         """One more reader will read this copy (release() when it did)."""
@@ -311,7 +314,7 @@ class HostCopy:
             self._holds -= 1
             if self._holds > 0 or self._pool is None or self._recycled or not self._packs or device_fault.faulted():
                 return
-            if not all(int(m[0]) == 1 for m in self._markers):
+            if not self._landed():
                 return
             slabs = [pack.slab for pack in self._packs if pack.slab is not None]
             self._recycled = True

@@ -9,9 +9,8 @@ from torch import Tensor
 
 from attndbg.detector_api.findings import Finding, finding
 from attndbg.detectors.invariants.base import DRAFT_EXTEND_QUERIES, KIND, _first, _request_of
-from attndbg.trace.engines import draft_decode
 from attndbg.trace import tree
-from attndbg.trace.engines import engine_conventions
+from attndbg.trace.engines import draft_decode, engine_conventions
 from attndbg.trace.schema import ForwardMode, Trace
 
 

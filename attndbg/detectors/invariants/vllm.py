@@ -75,13 +75,19 @@ def _field(trace: Trace, keys: tuple[str, ...]) -> tuple[Tensor, str] | None:
     return None
 
 
-def _scalar(trace: Trace, *names: str) -> int | None:
+def _named_scalar(trace: Trace, *names: str) -> tuple[int, str] | None:
+    """The first of `names` the plan keeps as an int scalar, with its name."""
     assert trace.plan is not None
     for name in names:
         value = trace.plan.scalars.get(name)
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
+            return value, name
     return None
+
+
+def _scalar(trace: Trace, *names: str) -> int | None:
+    found = _named_scalar(trace, *names)
+    return found[0] if found is not None else None
 
 
 def check_vllm(trace: Trace, out: list[Finding]) -> None:
@@ -213,7 +219,7 @@ def _unowned_tokens(trace: Trace, c: _Common, out: list[Finding]) -> None:
     num_actual_tokens rows (FlashInfer's prefill and native decode) get rows nobody wrote."""
     assert trace.plan is not None
     top = trace.capture.max_bs if trace.capture is not None else None
-    found = next(((trace.plan.scalars[k], k) for k in c.names.num_actual_tokens if isinstance(trace.plan.scalars.get(k), int)), None)
+    found = _named_scalar(trace, *c.names.num_actual_tokens)
     if top is None or found is None or c.qsl.numel() < 2:
         return
     tokens, tokens_name = found

@@ -441,24 +441,29 @@ def _read_metadata(
     return None
 
 
+def _captured_for(backend: Any, attribute: str, graph_bs: int | None) -> Any:
+    """What a FlashInfer backend keeps per captured batch size in `attribute` for `graph_bs`; None
+    for an eager step or a size never captured."""
+    graphs = getattr(backend, attribute, None)
+    if graph_bs is None or not isinstance(graphs, dict) or graph_bs not in graphs:
+        return None
+    return graphs[graph_bs]
+
+
 def _flashinfer_graph_draft_extend(backend: Any, graph_bs: int | None) -> Any:
     """The paged prefill wrappers a FlashInfer DRAFT_EXTEND_V2 graph replay of `graph_bs` requests
     re-planned (`draft_extend_cuda_graph_metadata[bs]`, causal over the whole sequence, no ragged
-    part); None for an eager step or a size never captured."""
-    graphs = getattr(backend, "draft_extend_cuda_graph_metadata", None)
-    if graph_bs is None or not isinstance(graphs, dict) or graph_bs not in graphs:
-        return None
-    return SimpleNamespace(prefill_wrappers=graphs[graph_bs], use_ragged=False, extend_no_prefix=False)
+    part)."""
+    wrappers = _captured_for(backend, "draft_extend_cuda_graph_metadata", graph_bs)
+    return None if wrappers is None else SimpleNamespace(prefill_wrappers=wrappers, use_ragged=False, extend_no_prefix=False)
 
 
 def _flashinfer_graph_decode(backend: Any, graph_bs: int | None) -> Any:
     """The decode wrappers a FlashInfer graph replay of `graph_bs` requests re-planned
     (`decode_cuda_graph_metadata[bs]`, what init_forward_metadata_out_graph hands its updater):
     `forward_metadata` keeps the wrappers of the last size captured, which may be another graph's."""
-    graphs = getattr(backend, "decode_cuda_graph_metadata", None)
-    if graph_bs is None or not isinstance(graphs, dict) or graph_bs not in graphs:
-        return None
-    return SimpleNamespace(decode_wrappers=graphs[graph_bs])
+    wrappers = _captured_for(backend, "decode_cuda_graph_metadata", graph_bs)
+    return None if wrappers is None else SimpleNamespace(decode_wrappers=wrappers)
 
 
 def plan_from_host(capture: PlanCapture, host: dict[str, Tensor | None]) -> tuple[Plan, dict[str, EngineBuffer]]:
