@@ -51,6 +51,8 @@ for pair in range(1, pairs + 1):
             if "hook_us_median_full_ring" in run:
                 medians.setdefault(name.rstrip("0123456789"), []).append(round(run["hook_us_median_full_ring"]))
         wall = {k: f"{v:+.1f} %" for k, v in result["overhead_percent"].items()}
+        paired = result.get("overhead_percent_paired_median")  # trees whose script pairs rounds
+        by_round = f"; by round against that round's off, median {({k: f'{v:+.1f} %' for k, v in paired.items()})}" if paired else ""
         steady = f"; median µs/step once the ring is full {medians}" if medians else ""
-        print(f"{tree} {pair}: wall over off {wall}; hook µs/step by round {hooks}{steady}")
+        print(f"{tree} {pair}: wall over off {wall}{by_round}; hook µs/step by round {hooks}{steady}")
 PY
