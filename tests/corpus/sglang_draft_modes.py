@@ -379,42 +379,179 @@ def flashinfer_draft_extend_graph(made: Any, view: Any) -> None:
     paged._paged_kv_indices_buf[: indices.numel()] = indices.to(I32)
 
 
+def draft_extend_graph_backend(rows: dict[int, list[int]], window: int, *, capture_bs: list[int], triton: bool, stride: int | None = None, slots: int | None = None) -> Any:
+    """The Triton or FlashInfer backend a draft-extend graph runner replays over, its graph buffers
+    sized for the largest captured bs."""
+    max_bs = max(capture_bs)
+    width = max_bs * (max(len(r) for r in rows.values()) + window)
+    if triton:
+        made = sg.backend(sg.CorpusTriton, rows, triton_draft_extend_graph(stride))
+        made.num_draft_tokens, made.max_kv_splits = window, 8
+        made.qo_indptr, made.kv_indptr = torch.zeros(max_bs + 1, dtype=I32), torch.zeros(max_bs + 1, dtype=I32)
+        made.cuda_graph_kv_indices = torch.zeros(width, dtype=I64)
+        made.forward_metadata = SimpleNamespace(max_extend_len=window)
+    else:
+        made = sg.backend(sg.CorpusFlashInfer, rows, flashinfer_draft_extend_graph)
+        made.draft_extend_cuda_graph_metadata = {
+            bs: [
+                sg.wrapper(
+                    qo_indptr_buf=torch.zeros(bs + 1, dtype=I32),
+                    paged_kv_indptr_buf=torch.zeros(bs + 1, dtype=I32),
+                    paged_kv_indices_buf=torch.zeros(width, dtype=I32),
+                    paged_kv_last_page_len_buf=torch.ones(bs, dtype=I32),
+                )
+            ]
+            for bs in capture_bs
+        }
+    if slots is not None:
+        made.token_to_kv_pool.size = slots
+    return made
+
+
+def _recorded(session: Any, before: int, expected: int) -> None:
+    if len(sg.written(session)) != before + expected:
+        raise RuntimeError(f"the SGLang hooks recorded {len(sg.written(session)) - before} of {expected} draft-extend graph replays ({session.stats.stopped_reason or 'no reason given'})")
+
+
 def record_draft_extend_graph(
     out: Path, rows: dict[int, list[int]], prefix: list[int], window: int, accepted: list[int], *, capture_bs: list[int], triton: bool, stride: int | None = None, slots: int | None = None
 ) -> None:
     """One DRAFT_EXTEND_V2 step replayed by the draft-extend graph runner over the Triton or
     FlashInfer backend's graph buffers (sized for the largest captured bs)."""
-    max_bs = max(capture_bs)
-    width = max_bs * (max(len(r) for r in rows.values()) + window)
     with sg.recording(out) as session:
         layer = sg.layer()  # noqa: F841
-        if triton:
-            made = sg.backend(sg.CorpusTriton, rows, triton_draft_extend_graph(stride))
-            made.num_draft_tokens, made.max_kv_splits = window, 8
-            made.qo_indptr, made.kv_indptr = torch.zeros(max_bs + 1, dtype=I32), torch.zeros(max_bs + 1, dtype=I32)
-            made.cuda_graph_kv_indices = torch.zeros(width, dtype=I64)
-            made.forward_metadata = SimpleNamespace(max_extend_len=window)
-        else:
-            made = sg.backend(sg.CorpusFlashInfer, rows, flashinfer_draft_extend_graph)
-            made.draft_extend_cuda_graph_metadata = {
-                bs: [
-                    sg.wrapper(
-                        qo_indptr_buf=torch.zeros(bs + 1, dtype=I32),
-                        paged_kv_indptr_buf=torch.zeros(bs + 1, dtype=I32),
-                        paged_kv_indices_buf=torch.zeros(width, dtype=I32),
-                        paged_kv_last_page_len_buf=torch.ones(bs, dtype=I32),
-                    )
-                ]
-                for bs in capture_bs
-            }
-        if slots is not None:
-            made.token_to_kv_pool.size = slots
+        made = draft_extend_graph_backend(rows, window, capture_bs=capture_bs, triton=triton, stride=stride, slots=slots)
         runner = DraftExtendGraph(made, capture_bs=capture_bs, width=window, fill=made.get_cuda_graph_seq_len_fill_value())
         fb = sg.draft_extend_v2_batch(rows, prefix, window, accepted)
         before = len(sg.written(session))
         runner.execute(fb, torch.arange(len(prefix), dtype=I64))
-        if len(sg.written(session)) != before + 1:
-            raise RuntimeError(f"the SGLang hooks recorded no draft-extend graph replay ({session.stats.stopped_reason or 'no reason given'})")
+        _recorded(session, before, 1)
+
+
+# -- DRAFT_EXTEND_V2 under CUDA graphs, multi-layer EAGLE (MTP) ------------------------------------------
+
+multi_layer_module = import_engine("sglang.srt.speculative.multi_layer_eagle_draft_extend_cuda_graph_runner")
+
+
+class MultiLayerDraftExtendStep(multi_layer_module.MultiLayerEagleDraftExtendCudaGraphRunner):
+    """One draft layer's runner without its GPU __init__ and capture: `replay` is SGLang's own (it
+    builds its view over the shared buffers and calls its layer's backend's
+    init_forward_metadata_out_graph); only the graph's replay is left out."""
+
+    def __init__(self, worker: Any, step: int, *, capture_bs: list[int], width: int, fill: int) -> None:
+        self.step, self.eagle_worker = step, worker
+        self.forward_mode = sg.env.ForwardMode.DRAFT_EXTEND_V2
+        self.attn_backend = worker.draft_extend_attn_backend_list[step]
+        self.metadata_captured_in_graph = self.attn_backend.draft_extend_metadata_captured_in_graph()
+        self.deepep_adapter = SimpleNamespace(replay=lambda: None)
+        self.model_runner = SimpleNamespace(device_timer=None)
+        self.capture_bs, self.max_bs, self.captured_req_width, self.num_front_tokens, self.seq_len_fill_value = capture_bs, max(capture_bs), width, 0, fill
+        self.require_gathered_buffer = self.require_mlp_tp_gather = self.require_mlp_sync = self.disable_padding = False
+        self.prune_draft_extend_logits = True
+
+    def _replay_graph(self, shape_key: Any, forward_batch: Any) -> Any:
+        rows = self.max_bs
+        return SimpleNamespace(next_token_logits=torch.zeros(rows, 1), hidden_states=None, topk_p=torch.zeros(rows, 1), topk_index=torch.zeros(rows, 1, dtype=I64))
+
+
+def prepare_fill(*, pad: bool) -> Any:
+    """What prepare's fill_draft_extend_prepare_buffers writes into the shared buffers (the Triton
+    kernel's real rows, on the host): the real rows copied; with `pad` the padded rows as the
+    single-layer runner pads them (seq_lens at the fill, slots, positions, input ids and request
+    rows 0), without it they keep what an earlier replay left."""
+
+    def fill(input_ids, positions, out_cache_loc, src_input_ids, src_positions, src_out_cache_loc, seq_lens, req_pool_indices, num_correct_drafts, num_accept_tokens,
+             select_index, temperatures, src_seq_lens, src_req_pool_indices, src_num_correct_drafts, src_num_accept_tokens, src_temperatures, hidden_states,
+             src_hidden_states, global_num_tokens, global_num_tokens_for_logprob, raw_bs, bs, num_tokens_per_bs, num_front_tokens, seq_len_fill_value) -> None:  # fmt: skip
+        tokens = src_input_ids.shape[0]
+        if pad:
+            for buffer in (input_ids, positions, out_cache_loc):
+                buffer[tokens : bs * num_tokens_per_bs].zero_()
+            seq_lens[raw_bs:bs].fill_(seq_len_fill_value)
+            req_pool_indices[raw_bs:bs].zero_()
+            num_accept_tokens[raw_bs:bs].fill_(-1)
+        for buffer, src in ((input_ids, src_input_ids), (positions, src_positions), (out_cache_loc, src_out_cache_loc)):
+            buffer[:tokens].copy_(src)
+        for buffer, src in ((seq_lens, src_seq_lens), (req_pool_indices, src_req_pool_indices), (num_correct_drafts, src_num_correct_drafts), (num_accept_tokens, src_num_accept_tokens)):
+            buffer[:raw_bs].copy_(src)
+        select_index[:bs] = torch.arange(bs, dtype=I64) * num_tokens_per_bs + num_front_tokens + num_correct_drafts[:bs].to(I64)
+
+    return fill
+
+
+class MultiLayerDraftExtendGraph(multi_layer_module.MultiLayerEagleMultiStepDraftExtendCudaGraphRunner):
+    """SGLang's multi-layer draft-extend runner (one shared buffer set, one step runner per draft
+    layer, each over its own backend) without its GPU __init__ and capture: `prepare` and `replay`
+    are SGLang's own; prepare's Triton fill kernel is `fill` on the host."""
+
+    def __init__(self, backends: list[Any], *, capture_bs: list[int], width: int, fill: int, pad: bool = True) -> None:
+        worker = SimpleNamespace(draft_extend_attn_backend_list=backends)
+        self.eagle_worker, self.draft_extend_attn_backend_list, self.speculative_num_steps = worker, backends, len(backends)
+        self.runners = [MultiLayerDraftExtendStep(worker, step, capture_bs=capture_bs, width=width, fill=fill) for step in range(len(backends))]
+        self.capture_bs, self.max_bs, self.captured_req_width, self.num_front_tokens, self.seq_len_fill_value = capture_bs, max(capture_bs), width, 0, fill
+        self.require_gathered_buffer = self.require_mlp_tp_gather = self.require_mlp_sync = self.disable_padding = False
+        self.prune_draft_extend_logits = True
+        self._out_cache_loc_virtual = self._kv_loc_plan = self._kv_loc_cols = None
+        self.fill = prepare_fill(pad=pad)
+        max_bs, tokens = self.max_bs, self.max_bs * width
+        # as _allocate_buffers lays them out (out_cache_loc starts at ones, seq_lens at the fill)
+        self.buffers = SimpleNamespace(
+            input_ids=torch.zeros(tokens, dtype=I64),
+            out_cache_loc=torch.ones(tokens, dtype=I64),
+            positions=torch.zeros(tokens, dtype=I64),
+            seq_lens=torch.full((max_bs,), fill, dtype=I32),
+            seq_lens_cpu=torch.full((max_bs,), fill, dtype=I32),
+            req_pool_indices=torch.zeros(max_bs, dtype=I64),
+            mamba_track_indices=None,
+            num_correct_drafts=torch.ones(max_bs, dtype=I32),
+            num_accept_tokens=torch.ones(max_bs, dtype=I32),
+            extend_seq_lens=torch.full((max_bs,), width, dtype=I32),
+            extend_start_loc=torch.arange(0, tokens, width, dtype=I32),
+            select_index=torch.zeros(max_bs, dtype=I64),
+            hidden_states=torch.zeros(tokens, 1),
+            global_num_tokens_gpu=None,
+            global_num_tokens_for_logprob_gpu=None,
+            temperatures=None,
+            draft_probs=None,
+            sampling_seed=None,
+        )
+        for runner in self.runners:
+            runner.buffers = self.buffers
+
+    def prepare(self, forward_batch: Any, *, staged: bool = False) -> None:
+        kernel = multi_layer_module.fill_draft_extend_prepare_buffers
+        multi_layer_module.fill_draft_extend_prepare_buffers = self.fill
+        try:
+            super().prepare(forward_batch, staged=staged)
+        finally:
+            multi_layer_module.fill_draft_extend_prepare_buffers = kernel
+
+
+def multi_layer_draft_extend_batch(rows: dict[int, list[int]], prefix: list[int], window: int, accepted: list[int]) -> Any:
+    """A DRAFT_EXTEND_V2 batch as the multi-layer worker hands its runner's prepare: the spec
+    input carries the target's hidden states, a row per token."""
+    fb = sg.draft_extend_v2_batch(rows, prefix, window, accepted)
+    fb.spec_info.hidden_states = torch.zeros(len(prefix) * window, 1)
+    return fb
+
+
+def record_multi_layer_draft_extend_graph(
+    out: Path, replays: list[tuple[dict[int, list[int]], list[int], list[int]]], window: int, *, layers: int, capture_bs: list[int], triton: bool, pad: bool = True
+) -> None:
+    """DRAFT_EXTEND_V2 batches (rows, prefixes, accepted), each replayed by the multi-layer
+    draft-extend runner (prepare once, then each layer's step) over `layers` Triton or FlashInfer
+    backends: one recorded step per layer and batch."""
+    every_row = {r: cols for rows, _, _ in replays for r, cols in rows.items()}
+    with sg.recording(out) as session:
+        layer = sg.layer()  # noqa: F841
+        backends = [draft_extend_graph_backend(every_row, window, capture_bs=capture_bs, triton=triton) for _ in range(layers)]
+        runner = MultiLayerDraftExtendGraph(backends, capture_bs=capture_bs, width=window, fill=backends[0].get_cuda_graph_seq_len_fill_value(), pad=pad)
+        before = len(sg.written(session))
+        for rows, prefix, accepted in replays:
+            runner.prepare(multi_layer_draft_extend_batch(rows, prefix, window, accepted))
+            for step in range(layers):
+                runner.replay(step)
+        _recorded(session, before, layers * len(replays))
 
 
 def write_27338(bug: Path, twin: Path) -> None:

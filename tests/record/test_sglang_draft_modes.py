@@ -18,6 +18,9 @@ ForwardMetadata):
   batch to the captured bs): recorded as the eager step is, with the runner's padded buffers as
   its graph section; a correct replay checks clean on Triton and FlashInfer, Triton's qo_indptr
   strided by num_steps + 1 instead of the window is caught.
+- DRAFT_EXTEND_V2 replayed by the multi-layer draft-extend runner (SGLang's own prepare, padding the
+  shared buffers once, and each draft layer's replay over its own backend): one step recorded per
+  layer, as the single-layer runner's is; correct replays check clean on Triton and FlashInfer.
 
 Checks run on metadata only (the reference backend): they are what judges a mode's lengths.
 """
@@ -341,3 +344,29 @@ def test_graph_replayed_draft_extend_qo_indptr_strided_by_steps_is_caught(tmp_pa
     out, trace = extend_graph(tmp_path, "triton", stride=3)
     assert trace.plan.tensors["qo_indptr"].tolist() == [0, 3, 6, 9, 12]
     assert {f.check for f in findings(out)} == {"qo-lens"}
+
+
+# -- DRAFT_EXTEND_V2 under CUDA graphs, multi-layer EAGLE -------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["triton", "flashinfer"])
+def test_multi_layer_draft_extend_replay_records_each_layer_and_checks_clean(tmp_path: Path, backend: str) -> None:
+    """3 requests (window 4) prepared once by the multi-layer runner, padded to the captured bs 4,
+    then replayed by each of 2 draft layers' runners: each layer's backend refill is one step."""
+    out = tmp_path / f"multi-layer-{backend}"
+    draft_modes.record_multi_layer_draft_extend_graph(out, [(ROWS, PREFIX, ACCEPTED)], WINDOW, layers=2, capture_bs=[1, 2, 4, 8], triton=backend == "triton")
+    traces = [io.load(out / entry.file) for entry in io.read_manifest(out)]
+    assert len(traces) == 2
+    for trace in traces:
+        batch, graph = trace.batch, trace.graph
+        assert (trace.source.backend, batch.batch_size, batch.prefix_lens.tolist(), batch.extend_lens.tolist()) == (backend, 3, PREFIX, [WINDOW] * 3)
+        # the view's out_cache_loc is the padded buffer: the batch keeps the real tokens'
+        assert batch.out_cache_loc.tolist() == [*range(19, 23), *range(35, 39), *range(62, 66)]
+        assert (graph.is_graph_replay, graph.capture_bs, graph.fill_value) == (True, 4, 1)
+        assert graph.padded_seq_lens.tolist() == [13, 9, 16, 1]
+        assert graph.padded_req_pool_indices.tolist() == [1, 3, 6, 0]
+        assert graph.padded_out_cache_loc.tolist()[-WINDOW:] == [0] * WINDOW
+        assert graph.padded_positions.tolist() == [*range(9, 13), *range(5, 9), *range(12, 16), 0, 0, 0, 0]
+        assert trace.plan.tensors["qo_indptr"].tolist() == [0, 4, 8, 12, 16]
+    assert findings(out) == []
+

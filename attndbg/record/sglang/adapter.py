@@ -16,10 +16,12 @@ Hook points (engines.md A6), each found by feature, not by SGLang version:
 - `TritonMultiStepDraftBackend.init_forward_metadata_out_graph`: Triton's replay calls no
   sub-backend (its steps read their rows of the multi-step graph buffers), so each step is
   recorded from its sub-backend's graph buffers once the call returned;
-- `EAGLEDraftExtendCudaGraphRunner.execute`: the view it hands its backend at a DRAFT_EXTEND_V2
-  replay is its own, without `num_padding`; the runner and the real batch size are kept on the
-  thread, so the backend's `init_forward_metadata_out_graph` hook records the replay with the
-  runner's padded buffers as its graph section;
+- `EAGLEDraftExtendCudaGraphRunner.execute` and the multi-layer draft-extend runners' per-step
+  `MultiLayerEagleDraftExtendCudaGraphRunner.replay`: the view each hands its backend at a
+  DRAFT_EXTEND_V2 replay is its own, without `num_padding`; the runner and the real batch size are
+  kept on the thread, so the backend's `init_forward_metadata_out_graph` hook records the replay
+  (each layer's step of a multi-layer draft, by its own backend) with the runner's padded buffers
+  as its graph section;
 - the flight recorder's pointer audit at graph capture and replay, and the EAGLE workers' `verify`
   for `--when 'accept<X'` (`flight.py`);
 - with `--layers`: `forward(q, k, v, layer, forward_batch, ...)` on every AttentionBackend subclass
@@ -435,19 +437,21 @@ def _record_draft_view(session: RecordingSession, backend: Any, view: Any) -> No
     record_step(session, backend, view, raw_bs=graph[0].raw_bs, graph=graph)
 
 
-DRAFT_EXTEND_RUNNER = "draft_extend_runner"  # on _local: (runner, real batch size) while a draft-extend graph runner executes
+DRAFT_EXTEND_RUNNER = "draft_extend_runner"  # on _local: (runner, real batch size) while a draft-extend graph runner replays
 
 
-def _record_draft_extend_view(session: RecordingSession, backend: Any, view: Any, runner: Any, raw_bs: int) -> None:
-    """A DRAFT_EXTEND_V2 graph replay (EAGLEDraftExtendCudaGraphRunner.execute): its view has no
-    num_padding, its out_cache_loc is cut at the real tokens and it carries no positions, so the
-    padded section is read from the runner's static buffers (padded rows: seq_lens at the fill,
-    slots and positions 0, extend lengths the window) on a copy: the engine's view stays as it is."""
+def _record_draft_extend_view(session: RecordingSession, backend: Any, view: Any, runner: Any, raw_bs: int | None) -> None:
+    """A DRAFT_EXTEND_V2 graph replay (EAGLEDraftExtendCudaGraphRunner.execute, or one layer's step
+    of the multi-layer runner): its view has no num_padding and carries no positions (the
+    single-layer runner's out_cache_loc is cut at the real tokens, the multi-layer one's is the
+    padded buffer), so the padded section is read from the runner's static buffers (padded rows:
+    seq_lens at the fill, slots and positions 0, extend lengths the window) on a copy: the engine's
+    view stays as it is."""
     buffers = getattr(runner, "buffers", None)
     width = getattr(runner, "captured_req_width", None)
-    if buffers is None or not isinstance(width, int) or isinstance(width, bool) or width < 1:
+    if buffers is None or raw_bs is None or not isinstance(width, int) or isinstance(width, bool) or width < 1:
         sglang_layers.flush()
-        session.next_step()  # a runner of another shape: padding unknown, not recorded
+        session.next_step()  # a runner of another shape, or no real batch size: padding unknown, not recorded
         return
     bs = int(view.batch_size)
     record = copy.copy(view)
@@ -461,21 +465,40 @@ def _record_draft_extend_view(session: RecordingSession, backend: Any, view: Any
     record_step(session, backend, record, raw_bs=raw_bs, graph=graph)
 
 
-def _wrap_draft_extend_execute(original: Callable) -> Callable:
-    """`EAGLEDraftExtendCudaGraphRunner.execute(forward_batch, ...)`: the view it builds for its
-    backend's init_forward_metadata_out_graph is a SimpleNamespace of its own, without the padding;
-    the runner and the real batch size are kept on this thread for that call's hook."""
+def _keeps_draft_extend_runner(real_bs: Callable[..., Any]) -> Callable[[Callable], Callable]:
+    """Wraps a draft-extend graph runner's replay method, whose view for its backend's
+    init_forward_metadata_out_graph is a SimpleNamespace of its own, without the padding: the
+    runner and the real batch size (`real_bs(runner, *args, **kwargs)`, None when it has none) are
+    kept on this thread for that call's hook."""
 
-    @functools.wraps(original)
-    def execute(self: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
-        outer = getattr(_local, DRAFT_EXTEND_RUNNER, None)
-        setattr(_local, DRAFT_EXTEND_RUNNER, (self, int(forward_batch.batch_size)) if _active() is not None else None)
-        try:
-            return original(self, forward_batch, *args, **kwargs)
-        finally:
-            setattr(_local, DRAFT_EXTEND_RUNNER, outer)
+    def wrap(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def replay(self: Any, *args: Any, **kwargs: Any) -> Any:
+            outer = getattr(_local, DRAFT_EXTEND_RUNNER, None)
+            kept = None
+            if _active() is not None:
+                raw = real_bs(self, *args, **kwargs)
+                kept = (self, int(raw) if isinstance(raw, int) and not isinstance(raw, bool) else None)
+            setattr(_local, DRAFT_EXTEND_RUNNER, kept)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                setattr(_local, DRAFT_EXTEND_RUNNER, outer)
 
-    return execute
+        return replay
+
+    return wrap
+
+
+def _executed_batch_size(runner: Any, forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+    """`EAGLEDraftExtendCudaGraphRunner.execute(forward_batch, ...)`: the real batch it pads."""
+    return forward_batch.batch_size
+
+
+def _prepared_batch_size(runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """`MultiLayerEagleDraftExtendCudaGraphRunner.replay(bs, ...)`: its composite's prepare padded
+    the shared buffers and set the step runner's raw_bs before calling it."""
+    return getattr(runner, "raw_bs", None)
 
 
 def _record_view(session: RecordingSession, backend: Any, view: Any) -> None:
@@ -687,7 +710,11 @@ def install() -> None:
     with contextlib.suppress(ImportError, AttributeError):  # SGL-new only
         from sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner import EAGLEDraftExtendCudaGraphRunner
 
-        hooks.patch(EAGLEDraftExtendCudaGraphRunner, "execute", _wrap_draft_extend_execute)
+        hooks.patch(EAGLEDraftExtendCudaGraphRunner, "execute", _keeps_draft_extend_runner(_executed_batch_size))
+    with contextlib.suppress(ImportError, AttributeError):  # SGL-new only
+        from sglang.srt.speculative.multi_layer_eagle_draft_extend_cuda_graph_runner import MultiLayerEagleDraftExtendCudaGraphRunner
+
+        hooks.patch(MultiLayerEagleDraftExtendCudaGraphRunner, "replay", _keeps_draft_extend_runner(_prepared_batch_size))
     with contextlib.suppress(ImportError, AttributeError):  # SGL-new's multi-step draft backends import it at each call
         from sglang.srt.model_executor import forward_batch_info
 

@@ -42,10 +42,10 @@ SGLANG_FIELDS: tuple[EngineField, ...] = (
         "EagleDraftExtendInput.num_tokens_per_req (+ num_front_tokens)",
         "spec_info.* (DRAFT_EXTEND_V2)",
         "",
-        "",
+        "the draft-extend runner's view.spec_info (single-layer execute, each layer's replay of the multi-layer runner: a view "
+        "without num_padding, its padding read from the runner's buffers)",
         "batch.extend_lens of a V2 draft extend (the window; extend_seq_lens and seq_lens are judged against it)",
         "invariants: seq-lens, qo-lens; every detector",
-        why_not="the draft-extend graph runners replay through a view without num_padding: not recorded",
     ),
     EngineField(
         "seq_lens_sum",
