@@ -25,16 +25,6 @@ BUGS = (
         Capability.STALE_OUTPUT,
     ),
     _bug(
-        "sglang-22958", "Multi-layer EAGLE draft-extend graph runner never pads its replay buffers",
-        ("https://github.com/sgl-project/sglang/pull/22958",), "2026-04", "SGLang (any)", "DRAFT_EXTEND graph",
-        "init_replay_state left req_pool_indices, seq_lens, out_cache_loc and extend_seq_lens_cpu of padded rows stale: "
-        "stale pool rows indexed req_to_token out of bounds (fix PR closed; the single-layer runner had the padding)",
-        "the multi-layer draft-extend graph runners build their replay batch without build_replay_fb_view (a view without "
-        "num_padding, its extend lengths in spec_info) and the recorder wraps only the single-layer runner's execute, whose "
-        "padded buffers it reads: the multi-layer runners' replays are not recorded",
-        Capability.FORWARD_MODES, Capability.PADDED_ROWS,
-    ),
-    _bug(
         "sglang-9658", "FA3 tree verify of sliding-window layers (topk > 1)",
         ("https://github.com/sgl-project/sglang/pull/9658",), "2025-08", "SGLang fa3", "TARGET_VERIFY (topk > 1)",
         "sliding-window layers of a topk > 1 verify on FA3 need their own page tables (swa_spec_metadata) instead of the full "

@@ -16,6 +16,9 @@
 - sgl-project/sglang#27338 (2026-06): the multi-step FlashInfer draft backend's CUDA-graph
   kv_indices buffer was sized max_bs x max_context_len per step, without the topk factor the
   eager path has; a draft graph replay's lists of bs x topk branch rows ran past their row.
+- sgl-project/sglang#22958 (2026-04, closed unmerged): the multi-layer EAGLE draft-extend graph
+  runner copied the real requests into its static buffers but never reset the padded rows, which
+  kept an earlier replay's request rows, seq_lens and KV slots.
 
 #25015's and #26880's draft decode steps are recorded for topk 1, where each request's draft step
 is one query over its own KV row (prefix and the draft tokens written so far). #27338 needs topk > 1:
@@ -566,7 +569,41 @@ def write_27545(bug: Path, twin: Path) -> None:
         record_draft_extend_graph(out, V2_ROWS, V2_PREFIX, WINDOW, V2_ACCEPTED, capture_bs=[1, 2, 4, 8], triton=True, stride=stride)
 
 
+# Two batches through the multi-layer runner: the request of row 1 finished between them, so the
+# second (3 requests) is padded to the captured bs 4 over the buffers the first (4 requests) filled;
+# each request's prefix grew by what it accepted.
+MULTI_ROWS = {1: list(range(10, 23)), 3: list(range(30, 45)), 6: list(range(50, 70)), 8: list(range(80, 95))}
+MULTI_REPLAYS = [
+    ({r: MULTI_ROWS[r] for r in (1, 3, 6, 8)}, [9, 5, 12, 7], [3, 1, 2, 2]),
+    ({r: MULTI_ROWS[r] for r in (3, 6, 8)}, [6, 14, 9], [2, 1, 3]),
+]
+
+
+def write_22958(bug: Path, twin: Path) -> None:
+    for out, pad in ((bug, False), (twin, True)):
+        record_multi_layer_draft_extend_graph(out, MULTI_REPLAYS, WINDOW, layers=2, capture_bs=[1, 2, 4, 8], triton=True, pad=pad)
+
+
 BUGS = (
+    RealBug(
+        id="sglang-22958",
+        title="Multi-layer EAGLE draft-extend graph runner never pads its replay buffers",
+        links=("https://github.com/sgl-project/sglang/pull/22958",),
+        date="2026-04",
+        engine="SGLang (any)",
+        mode="DRAFT_EXTEND_V2 graph (multi-layer EAGLE)",
+        mechanism="the multi-layer runner's replay copied the real requests into its shared static buffers but, unlike the "
+        "single-layer runner, never reset the padded rows [raw_bs:bs]: their req_pool_indices, seq_lens, out_cache_loc and "
+        "positions kept an earlier replay's values (stale pool rows indexed req_to_token out of bounds; fix PR closed)",
+        encoding="2 draft layers (Triton), window 4, captured bs 4: a replay of 4 requests (rows 1, 3, 6, 8), then one of the "
+        "3 still running (row 1 finished) padded to 4, each run by SGLang's MultiLayerEagleMultiStepDraftExtendCudaGraphRunner "
+        "prepare and per-layer replay; the bug's prepare fill copies the real rows only, so the padded row keeps row 8's "
+        "earlier window (seq_len 11, slots 87-90, now its prefix and window); the twin's pads as the single-layer runner does",
+        expected=("fill-value/padded-kv-write",),
+        keywords=("did not reset", "stale"),
+        capabilities=(Capability.FORWARD_MODES, Capability.PADDED_ROWS),
+        write=write_22958,
+    ),
     RealBug(
         id="sglang-27738",
         title="Triton DRAFT_EXTEND kv_indices over seq_lens: accepted tokens' K/V attended twice",

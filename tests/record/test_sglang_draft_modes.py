@@ -20,7 +20,8 @@ ForwardMetadata):
   strided by num_steps + 1 instead of the window is caught.
 - DRAFT_EXTEND_V2 replayed by the multi-layer draft-extend runner (SGLang's own prepare, padding the
   shared buffers once, and each draft layer's replay over its own backend): one step recorded per
-  layer, as the single-layer runner's is; correct replays check clean on Triton and FlashInfer.
+  layer, as the single-layer runner's is; correct replays check clean on Triton and FlashInfer, a
+  prepare that leaves the padded rows as an earlier replay wrote them is caught.
 
 Checks run on metadata only (the reference backend): they are what judges a mode's lengths.
 """
@@ -370,3 +371,14 @@ def test_multi_layer_draft_extend_replay_records_each_layer_and_checks_clean(tmp
         assert trace.plan.tensors["qo_indptr"].tolist() == [0, 4, 8, 12, 16]
     assert findings(out) == []
 
+
+def test_multi_layer_draft_extend_replay_without_padding_is_caught(tmp_path: Path) -> None:
+    """The second batch (a request finished) padded over buffers an earlier replay filled, its
+    padded row left as that replay wrote it: the padded tokens write a live request's KV."""
+    out = tmp_path / "multi-layer-unpadded"
+    draft_modes.record_multi_layer_draft_extend_graph(out, draft_modes.MULTI_REPLAYS, WINDOW, layers=2, capture_bs=[1, 2, 4, 8], triton=True, pad=False)
+    found = findings(out)
+    assert {f.location.step for f in found} == {2, 3}  # the first batch fills bs 4 exactly: nothing padded
+    kv_writes = [f for f in found if f.check == "padded-kv-write"]
+    assert [f.data["slots"] for f in kv_writes] == [[87, 88, 89, 90]] * 2
+    assert all(f.severity.value == "defect" for f in kv_writes)
