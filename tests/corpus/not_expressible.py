@@ -152,7 +152,7 @@ BUGS = (
         "the captured kernel read the replay's offsets with the capture's layout; the fix replays the uniform stride, "
         "max_seq_len_q = num_draft_tokens and seq_lens_q filled with num_draft_tokens",
         "no adapter maps trtllm_mla: its metadata (cu_seqlens_q, max_seq_len_q) is read by no recorder, at a draft-extend "
-        "graph replay (recorded for the single-layer runner) or eager",
+        "graph replay (recorded for the single- and multi-layer runners) or eager",
         Capability.FORWARD_MODES, Capability.BACKEND_NAMES, Capability.SPLITS_VS_CAPTURE,
     ),
     _bug(
