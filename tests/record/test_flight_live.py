@@ -211,3 +211,41 @@ def test_a_layer_without_kv_rows_is_not_compared_one_with_them_is(tmp_path: Path
         return [f.check for f in recorded_tensors(CheckContext(trace=replace(trace, tensors={0: tensors}), path="x", options=CheckOptions(backends=("reference",))))]
 
     assert findings(layer) == [] and findings(wrong) != [] and findings(probed) == []
+
+
+@pytest.mark.parametrize("layers", [(), (0,)], ids=["metadata", "layer0"])
+def test_a_ring_written_on_a_signal_holds_the_traces_a_plain_recording_writes(tmp_path: Path, engine: torch.nn.Module, layers: tuple[int, ...]) -> None:
+    """The ring's per-step path (pooled buffers, steps opened before the call) records what the
+    plain recorder does, bit for bit: the same generation, recorded both ways, gives equal files."""
+    from attndbg.record.triggers import Trigger, TriggerKind
+    from attndbg.trace.schema import to_dict
+
+    plain, ring = tmp_path / "plain", tmp_path / "ring"
+    transformers_cb.install()
+    start_session(RecordOptions(out_dir=str(plain), writer="thread", layers=layers))
+    live.generate(engine, max_new_tokens=6)
+    end_session()
+    session = start_session(RecordOptions(out_dir=str(ring), writer="thread", ring=64, layers=layers))
+    live.generate(engine, max_new_tokens=6)
+    session.flight.fire(Trigger(kind=TriggerKind.SIGNAL, step=None, message="test"))
+    end_session()
+    written = [e.file for e in io.read_manifest(plain)]
+    assert len(written) == 6 and [e.file for e in io.read_manifest(ring)] == written
+    for name in written:
+        _assert_equal(to_dict(io.load(ring / name)), to_dict(io.load(plain / name)), name)
+
+
+def _assert_equal(a: object, b: object, where: str) -> None:
+    """Nested dicts, lists and tensors equal to the bit (dtype and shape included)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            _assert_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
