@@ -89,6 +89,7 @@ class _StepState:
     graph: GraphStep = EAGER
     tokens: int | None = None  # the step's real query tokens (host), None: not known
     reads: int | None = None  # its real KV reads (host)
+    writes: int | None = None  # its real KV writes (host)
     requests: int | None = None
     probing: bool = False  # the step sizes or captures in-graph probes, or reads them
     layers: dict[int, dict[str, Tensor]] = field(default_factory=dict)
@@ -147,7 +148,9 @@ def _on_step(session: RecordingSession, runner: Any, model: Any, batch_data: dic
     with session.guard("transformers graph audit"):
         graph = read = graph_step(runner)
         if graph.phase == Phase.REPLAY:  # a moved input of the graph about to replay: said once, fires the ring
-            report_moved(session, AUDIT.replayed(graph.key, audited(batch_data)), step=step, what="transformers batch_data")
+            # batch_data itself, not audited(batch_data): the replay follows only the routes found
+            # at capture, which never enter what audited() leaves out (one dict less a step)
+            report_moved(session, AUDIT.replayed(graph.key, batch_data), step=step, what="transformers batch_data")
     # Probes are captured into every graph, recorded step or not (`--steps` may leave out the
     # warm-up that captures them), and every replay of a probed graph is counted (probes.py).
     probing = graph.key is not None and _probes_wanted(session)
@@ -161,7 +164,7 @@ def _on_step(session: RecordingSession, runner: Any, model: Any, batch_data: dic
             if wanted:
                 if probing and graph.phase == Phase.REPLAY:
                     BOOK.before_replay(graph.key)  # the last moment this graph's previous values exist
-                handle = _open(session, runner, model, batch_data, state, stream)
+                handle = _open(session, model, batch_data, state, stream)
     _local.state = state
     if state is not None and state.probing:
         BOOK.begin(graph.key, graph.phase)
@@ -206,29 +209,31 @@ def _probes_wanted(session: RecordingSession) -> bool:
 
 
 def _state(session: RecordingSession, runner: Any, step: int, graph: GraphStep, batch_data: dict[str, Any], *, probing: bool) -> _StepState:
+    """The step's sizes, read from its host IO once (`_open` cuts the metadata by them)."""
     geometry = _cache_geometry(batch_data["cache"])
     io = current_io(runner.inputs_and_outputs, "host")
     a = geometry.allocator_index
-    requests = int(getattr(io, "num_request_in_batch", len(io.requests_in_batch)))
+    requests = getattr(io, "num_request_in_batch", None)
     tokens = getattr(io, "total_seqlen_q", None)
-    reads = io.true_read_sizes[a] if hasattr(io, "true_read_sizes") else None
+    reads = getattr(io, "true_read_sizes", None)
+    writes = getattr(io, "true_write_sizes", None)
     return _StepState(
         step=step,
         geometry=geometry,
         graph=graph,
         tokens=int(tokens) if isinstance(tokens, int) else None,
-        reads=int(reads) if reads is not None else None,
-        requests=requests,
+        reads=int(reads[a]) if reads is not None else None,
+        writes=int(writes[a]) if writes is not None else None,
+        requests=int(requests) if requests is not None else len(io.requests_in_batch),
         probing=probing,
     )
 
 
-def _open(session: RecordingSession, runner: Any, model: Any, batch_data: dict[str, Any], state: _StepState, stream: torch.cuda.Stream | None) -> OpenStep | None:
+def _open(session: RecordingSession, model: Any, batch_data: dict[str, Any], state: _StepState, stream: torch.cuda.Stream | None) -> OpenStep | None:
     """Copy the step's metadata before the call, on the step's compute stream (made to wait for
     the stream that wrote the inputs), and hand the step over."""
-    io = current_io(runner.inputs_and_outputs, "host")
     a = state.geometry.allocator_index
-    write_size = int(io.true_write_sizes[a]) if hasattr(io, "true_write_sizes") else None
+    write_size = state.writes
     read_index = per_allocator(batch_data.get("read_index"), a)
     write_index = per_allocator(batch_data["write_index"], a)
     metadata: dict[str, Tensor | None] = {
@@ -247,7 +252,9 @@ def _open(session: RecordingSession, runner: Any, model: Any, batch_data: dict[s
         return None
     config, dtype = model.config, batch_data["cache"].dtype
     device = batch_data["cu_seq_lens_q"].device
-    device_name(device)  # asked now: a trace may be built after a CUDA error
+    if device not in _NAMED_DEVICES:  # asked now: a trace may be built after a CUDA error
+        device_name(device)
+        _NAMED_DEVICES.add(device)
     engine_model = _engine_model(config, dtype, state.geometry.page_size)
     geometry, step = state.geometry, state.step
     backend = str(getattr(config, "_attn_implementation", "?"))
@@ -256,6 +263,9 @@ def _open(session: RecordingSession, runner: Any, model: Any, batch_data: dict[s
         return trace_from_step(host, model=engine_model, geometry=geometry, step=step, backend=backend, device=device)
 
     return session.open_step(step, copy, build)
+
+
+_NAMED_DEVICES: set[torch.device] = set()  # devices whose name was asked (torch keeps it from then on)
 
 
 _GEOMETRY_CACHE: list[tuple[weakref.ref[Any], CacheGeometry]] = []  # the last (cache, its geometry)
