@@ -28,7 +28,7 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,6 +92,26 @@ class Stats:
     bytes_written: int = 0
     stopped_reason: str | None = None
     files: list[str] = field(default_factory=list)
+
+
+class _Guard:
+    """`RecordingSession.guard`'s context manager. A plain class: a generator-based one costs the
+    engine's thread a generator and two resumptions per guarded hook, several times a step."""
+
+    __slots__ = ("_session", "_where")
+
+    def __init__(self, session: RecordingSession, where: str):
+        self._session = session
+        self._where = where
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: Any) -> bool:
+        if not isinstance(error, Exception):  # none, or one a recorder must not swallow (KeyboardInterrupt)
+            return False
+        self._session._guarded(error, self._where)  # a recorder must never take the engine down
+        return True
 
 
 class RecordingSession:
@@ -239,20 +259,21 @@ class RecordingSession:
         except OSError as e:
             self.log(f"cannot write the trigger line to {self.out_dir}: {os_reason(e)}")
 
-    @contextlib.contextmanager
-    def guard(self, where: str) -> Iterator[None]:
-        """Run hook code; the first exception disables recording with one log line. In ring mode a
-        CUDA error (a hook's own CUDA call is where a device fault may surface first) fires the
-        ring before that: the steps it holds are the evidence of the fault."""
-        try:
-            yield
-        except Exception as e:  # noqa: BLE001 - a recorder must never take the engine down
-            if self.flight is not None:
-                from attndbg.record.triggers import from_exception, is_cuda_error
+    def guard(self, where: str) -> _Guard:
+        """Run hook code (`with session.guard(where): ...`); the first exception disables recording
+        with one log line. In ring mode a CUDA error (a hook's own CUDA call is where a device
+        fault may surface first) fires the ring before that: the steps it holds are the evidence of
+        the fault."""
+        return _Guard(self, where)
 
-                if is_cuda_error(e):  # fire latches device_fault: host memory only from now on
-                    self.flight.fire(from_exception(e, self.flight.in_flight_step(), f"seen in {where}"))
-            self.disable(f"error in {where}: {type(e).__name__}: {e}")
+    def _guarded(self, e: Exception, where: str) -> None:
+        """What `guard` does with the exception `e` its code raised."""
+        if self.flight is not None:
+            from attndbg.record.triggers import from_exception, is_cuda_error
+
+            if is_cuda_error(e):  # fire latches device_fault: host memory only from now on
+                self.flight.fire(from_exception(e, self.flight.in_flight_step(), f"seen in {where}"))
+        self.disable(f"error in {where}: {type(e).__name__}: {e}")
 
     def log(self, message: str) -> None:
         """One line on stderr (never raises: stderr may be a file on a disk that just filled)."""
