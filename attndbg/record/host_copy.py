@@ -26,9 +26,7 @@ tensors are never freed (freeing one would abort the process); nothing goes back
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,22 +188,36 @@ def _copied_on_device(t: Tensor) -> bool:
     return t.is_cuda
 
 
-@contextlib.contextmanager
-def _on(stream: torch.cuda.Stream | None, current: torch.cuda.Stream | None) -> Iterator[None]:
+class _on:
     """Make `stream` the current stream meanwhile (None: leave the current one). With the current
     stream known (`current`, on the same device) it is set and set back without asking torch for
-    the current stream again, as torch.cuda.stream() would."""
-    if stream is None:
-        yield
-    elif current is None or current.device_index != stream.device_index:
-        with torch.cuda.stream(stream):
-            yield
-    else:
-        torch.cuda.set_stream(stream)
-        try:
-            yield
-        finally:
-            torch.cuda.set_stream(current)
+    the current stream again, as torch.cuda.stream() would. A class, not a generator: entered at
+    every copy batch on the engine's thread."""
+
+    __slots__ = ("_stream", "_current", "_torch")
+
+    def __init__(self, stream: torch.cuda.Stream | None, current: torch.cuda.Stream | None):
+        self._stream = stream
+        self._current = current
+        self._torch: Any = None  # torch.cuda.stream(stream), where torch switches
+
+    def __enter__(self) -> None:
+        stream, current = self._stream, self._current
+        if stream is None:
+            return
+        if current is None or current.device_index != stream.device_index:
+            self._torch = torch.cuda.stream(stream)
+            self._torch.__enter__()
+        else:
+            torch.cuda.set_stream(stream)
+
+    def __exit__(self, *error: Any) -> None:
+        if self._stream is None:
+            return
+        if self._torch is not None:
+            self._torch.__exit__(*error)
+        else:
+            torch.cuda.set_stream(self._current)
 
 
 def _event_after(stream: torch.cuda.Stream | None) -> torch.cuda.Event:
@@ -297,7 +309,8 @@ class HostCopy:
             return self._landed()
 
     def _landed(self) -> bool:  # under self._lock
-        return all(int(m[0]) == 1 for m in self._markers)
+        # item(): the host memory read alone (indexing first would build a view per marker)
+        return all(m.item() == 1 for m in self._markers)
 
     def hold(self) -> None:
         """One more reader will read this copy (release() when it did)."""
