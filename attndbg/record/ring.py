@@ -150,8 +150,11 @@ class Ring:
 
     def _evict(self) -> None:
         while self._finished > self.depth:
-            oldest = next(entry for entry in self._entries if entry.finished)
-            self._entries.remove(oldest)  # the oldest finished is at or near the front: cheap
+            if self._entries[0].finished:  # as in most steps: the front entry, finished long ago
+                oldest = self._entries.popleft()
+            else:
+                oldest = next(entry for entry in self._entries if entry.finished)
+                self._entries.remove(oldest)  # the oldest finished is near the front: cheap
             oldest.evicted = True
             self._finished -= 1
             oldest.copy.release()
