@@ -114,13 +114,15 @@ class FlightRecorder:
             self.fire(from_exception(error, self.in_flight_step(), "seen by the flight recorder"))
         return entry
 
-    def close(self, entry: RingEntry, *, stream: torch.cuda.Stream | None = None) -> None:
+    def close(self, entry: RingEntry, *, stream: torch.cuda.Stream | None = None, done: torch.cuda.Event | None = None) -> None:
+        """The step's call returned. `done`: a blocking event the caller already recorded on
+        `stream` after all of the step's work (a probe reading's), marking where the step ends
+        instead of a second event recorded at the same point; None: one is recorded here."""
         if device_fault.faulted():  # no event can be recorded: the step stays in flight
             self.ring.close(entry, None, lost=True)
             entry.copy.release()
             return
-        done = None
-        if torch.cuda.is_initialized():  # (is_available() asks NVML: too slow for every step)
+        if done is None and torch.cuda.is_initialized():  # (is_available() asks NVML: too slow for every step)
             # Blocking sync: the flight thread waiting on it sleeps instead of spinning a core.
             done = torch.cuda.Event(blocking=True)
             done.record(stream)

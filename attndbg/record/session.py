@@ -201,11 +201,12 @@ class RecordingSession:
             handle.entry = self.flight.open(step, copy, build)
         return handle
 
-    def close_step(self, handle: OpenStep, *, stream: torch.cuda.Stream | None = None) -> None:
+    def close_step(self, handle: OpenStep, *, stream: torch.cuda.Stream | None = None, done: torch.cuda.Event | None = None) -> None:
         """The engine's call returned: write the step (ring mode: mark where its device work ends,
-        on `stream`, the stream the step ran on)."""
+        on `stream`, the stream the step ran on; `done`: an event already recorded there after all
+        of its work, flight.FlightRecorder.close)."""
         if handle.entry is not None:
-            self.flight.close(handle.entry, stream=stream)
+            self.flight.close(handle.entry, stream=stream, done=done)
         elif self._enabled:
             self.write(handle.copy, handle.build)
 

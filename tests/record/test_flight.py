@@ -139,6 +139,20 @@ def test_the_engine_s_poll_leaves_followed_steps_to_the_flight_thread() -> None:
     assert [(e.step, flying) for e, flying in ring.take()] == [(2, False), (3, False), (4, True)]
 
 
+def test_a_step_closed_with_its_probe_reading_s_event_is_finished_by_that_event(tmp_path: Path) -> None:
+    """A replayed step whose probe reading recorded an event after all of its work is marked by
+    that event (no second one recorded at the same point): in flight until it completes."""
+    session = RecordingSession(RecordOptions(out_dir=str(tmp_path), writer="thread", ring=2))
+    flight = session.flight
+    done = _Event()
+    entry = flight.open(0, HostCopy({}), lambda host: _trace(0))
+    flight.close(entry, done=done)  # type: ignore[arg-type] - a stand-in event
+    assert entry.done is done and flight.in_flight_step() == 0
+    done.done = True
+    assert flight.in_flight_step() is None and entry.finished
+    session.close()
+
+
 def test_when_conditions_parse_and_bad_ones_name_themselves() -> None:
     assert parse_when(["nan"]).nan and parse_when(["nan"]).accept_below is None
     both = parse_when(["nan, accept<0.2"])

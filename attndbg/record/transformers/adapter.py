@@ -306,11 +306,15 @@ def _close(session: RecordingSession, state: _StepState, handle: OpenStep, strea
     tensors.update(state.extra)
     if tensors:
         handle.copy.add(state.cut(tensors), stream=stream)
+    done = None
     if state.probing and state.graph.phase == Phase.REPLAY:
         reading = BOOK.replayed(state.graph.key, stream=stream, shape=state.cut)
         if reading is not None:
             handle.copy.add_reading(reading)
-    session.close_step(handle, stream=stream)
+            # Recorded on `stream` after all the step queued (its copies above included): the
+            # ring's mark of the step's end too, one event a step rather than two.
+            done = reading.done
+    session.close_step(handle, stream=stream, done=done)
 
 
 def _layer_state(layer: Any) -> tuple[RecordingSession, _StepState] | None:
