@@ -45,6 +45,7 @@ evidence): `trace.py`.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import weakref
@@ -99,12 +100,20 @@ class _StepState:
 
     def cut(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         """Per-token tensors to the real tokens, KV reads to the real reads, flags to the requests."""
+        limits = (self.tokens, self.reads, self.requests, None)
         out = {}
         for name, t in tensors.items():
-            leaf = name.rsplit(".", 1)[-1]
-            limit = self.tokens if leaf in PER_TOKEN else self.reads if leaf in PER_READ else self.requests if name == LOGITS_FINITE else None
+            limit = limits[_cut_by(name)]
             out[name] = t[:limit] if limit is not None and t.dim() else t
         return out
+
+
+@functools.cache
+def _cut_by(name: str) -> int:
+    """Which of _StepState.cut's limits a recorded tensor's name is cut by (0 tokens, 1 reads,
+    2 requests, 3 none): asked once per name, not at every step."""
+    leaf = name.rsplit(".", 1)[-1]
+    return 0 if leaf in PER_TOKEN else 1 if leaf in PER_READ else 2 if name == LOGITS_FINITE else 3
 
 
 _local = threading.local()
