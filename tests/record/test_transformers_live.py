@@ -177,3 +177,23 @@ def test_each_recorded_step_is_one_range_naming_it(tmp_path: Path) -> None:
     assert [e.step for e in entries] == [0, 2, 4]
     assert pushed == [f"attndbg/engine engine=transformers step={e.step} mode={e.mode} bs={e.batch_size} graph=eager" for e in entries]
     assert [e.mode for e in entries] == ["EXTEND", "DECODE", "DECODE"] and all(e.batch_size == 3 for e in entries)
+
+
+def test_the_recorded_backend_follows_the_attention_implementation_between_generations(tmp_path: Path) -> None:
+    """The recorder reads the model's attention implementation once per generation, not every step:
+    one switched between two generations of the same model is what each one's steps name."""
+    model = live.tiny_llama()
+    transformers_cb.install()
+    named = []
+    try:
+        for run, implementation in enumerate(["sdpa", "eager", "sdpa"]):
+            model.set_attn_implementation(implementation)
+            out = tmp_path / f"rec{run}"
+            start_session(RecordOptions(out_dir=str(out), writer="thread", last_step=2))
+            live.generate(model, max_new_tokens=3)
+            end_session()
+            named.append({io.load(path).source.backend for path in io.trace_paths(out)})
+    finally:
+        end_session()
+        transformers_cb.uninstall()
+    assert named == [{"sdpa"}, {"paged|eager"}, {"sdpa"}]  # transformers' paged eager attention under continuous batching

@@ -45,6 +45,7 @@ evidence): `trace.py`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -260,14 +261,12 @@ def _open(session: RecordingSession, model: Any, batch_data: dict[str, Any], sta
     copy = session.snapshot(metadata, stream=stream, current=current)
     if copy is None:
         return None
-    config, dtype = model.config, batch_data["cache"].dtype
     device = batch_data["cu_seq_lens_q"].device
     if device not in _NAMED_DEVICES:  # asked now: a trace may be built after a CUDA error
         device_name(device)
         _NAMED_DEVICES.add(device)
-    engine_model = _engine_model(config, dtype, state.geometry.page_size)
+    engine_model, backend = _engine_model(batch_data["cache"], model.config, state.geometry.page_size)
     geometry, step = state.geometry, state.step
-    backend = str(getattr(config, "_attn_implementation", "?"))
 
     def build(host: dict[str, Tensor | None]) -> Trace:
         return trace_from_step(host, model=engine_model, geometry=geometry, step=step, backend=backend, device=device)
@@ -295,18 +294,23 @@ def _cache_geometry(cache: Any) -> CacheGeometry:
     return geometry
 
 
-_MODEL_CACHE: list[tuple[Any, torch.dtype, int, Model]] = []  # the last (config, dtype, page size, model)
+_MODEL_CACHE: list[tuple[weakref.ref[Any], Any, Model, str]] = []  # the last (cache, config, model, backend)
 
 
-def _engine_model(config: Any, dtype: torch.dtype, page_size: int) -> Model:
-    """model_from_config, read once per model config rather than every step (transformers' config
-    attribute reads are slow); a config that raises is asked again each step, as before."""
-    for cached_config, cached_dtype, cached_page, model in _MODEL_CACHE:
-        if cached_config is config and cached_dtype == dtype and cached_page == page_size:
-            return model
-    model = model_from_config(config, dtype, page_size)
-    _MODEL_CACHE[:] = [(config, dtype, page_size, model)]
-    return model
+def _engine_model(cache: Any, config: Any, page_size: int) -> tuple[Model, str]:
+    """model_from_config (the cache's dtype, its page size) and the attention implementation the
+    config names, read once per generation (its cache) rather than every step: transformers' config
+    attribute reads cost the engine's thread microseconds each, and an implementation changes only
+    between generations (`set_attn_implementation`). A config that raises is asked again each
+    step, as before."""
+    for ref, cached_config, model, backend in _MODEL_CACHE:
+        if ref() is cache and cached_config is config:
+            return model, backend
+    model = model_from_config(config, cache.dtype, page_size)
+    backend = str(getattr(config, "_attn_implementation", "?"))
+    with contextlib.suppress(TypeError):  # a cache that takes no weak reference: read every step
+        _MODEL_CACHE[:] = [(weakref.ref(cache), config, model, backend)]
+    return model, backend
 
 
 def _close(session: RecordingSession, state: _StepState, handle: OpenStep, stream: torch.cuda.Stream | None) -> None:
