@@ -99,6 +99,17 @@ def test_v2_step_is_its_window(tmp_path: Path) -> None:
     assert findings(tmp_path / "rec") == []
 
 
+def test_v2_widened_window_counts_its_front_rows_once(tmp_path: Path) -> None:
+    """A widened window (SGLang's multi-layer worker v2): num_tokens_per_req already counts the
+    num_front_tokens rows it prepends, and the backends stride qo_indptr by it alone."""
+    fb = sg.draft_extend_v2_batch(ROWS, PREFIX, WINDOW, ACCEPTED)
+    fb.spec_info.num_front_tokens = 2  # of the WINDOW rows, as num_steps + 1 + 2 = WINDOW
+    trace = record(tmp_path / "rec", fb)
+    assert trace.batch.extend_lens.tolist() == [WINDOW] * 3
+    assert trace.plan.tensors["qo_indptr"].tolist() == [0, 4, 8, 12]
+    assert findings(tmp_path / "rec") == []
+
+
 def test_v2_server_shaped_step_checks_clean(tmp_path: Path) -> None:
     """64 requests, prefixes up to 3000 columns, window 8, ragged acceptance."""
     g = torch.Generator().manual_seed(7)

@@ -13,9 +13,9 @@ extend has two versions with their own conventions:
   (`extend_seq_lens` = accept lengths, ragged) and `seq_lens` = prefix + accepted: the extend rule;
 - DRAFT_EXTEND_V2 (spec v2, `prepare_for_draft_extend` in speculative/eagle_worker_common.py of
   SGLang 0.5.23, `prepare_for_extend_to_fill_draft_kvcache` before it): every request runs its whole
-  verify window, `num_tokens_per_req` (= speculative_num_draft_tokens, plus `num_front_tokens` when
-  the window is widened) queries whatever it accepted; `extend_prefix_lens` = the prefix before
-  the window, `seq_lens` = prefix + window (bumped before init_forward_metadata; SGLang #26651, and
+  verify window, `num_tokens_per_req` (= speculative_num_draft_tokens; a widened window's
+  `num_front_tokens` rows are counted in it) queries whatever it accepted; `extend_prefix_lens` =
+  the prefix before the window, `seq_lens` = prefix + window (bumped before init_forward_metadata; SGLang #26651, and
   #26512, reverted by #26628, which took them for the prefix alone). The window's width is the
   step's query count, so a V2 step's batch is the window (like a verify step's), and the engine's
   `seq_lens` / `extend_seq_lens` are evidence judged against it (`batch.seq_lens_raw`, the plan).
@@ -66,13 +66,15 @@ def trace_mode(fb: Any) -> ForwardMode:
 
 
 def draft_extend_window(spec_info: Any) -> int:
-    """Queries per request of a DRAFT_EXTEND_V2 step: its spec input's `num_tokens_per_req` (the
-    verify window) plus `num_front_tokens` (the rows a widened window prepends), both host ints."""
+    """Queries per request of a DRAFT_EXTEND_V2 step: its spec input's `num_tokens_per_req`, a host
+    int. A widened window's front rows are already in it: every SGLang 0.5.23 caller that sets
+    `num_front_tokens` (the multi-layer worker v2 and its draft-extend graph runners) sets
+    `num_tokens_per_req` = num_steps + 1 + num_front_tokens, and the backends stride qo_indptr by
+    `num_tokens_per_req` alone (EagleDraftExtendInput.generate_attn_arg_prefill)."""
     per_req = getattr(spec_info, "num_tokens_per_req", None)
     if not isinstance(per_req, int) or isinstance(per_req, bool) or per_req < 1:
         raise ValueError(f"a DRAFT_EXTEND_V2 ForwardBatch whose spec input has no num_tokens_per_req ({per_req!r}): the window each request runs is unknown")
-    front = getattr(spec_info, "num_front_tokens", 0)
-    return per_req + (front if isinstance(front, int) and not isinstance(front, bool) and front > 0 else 0)
+    return per_req
 
 
 def draft_token_num(spec_info: Any) -> int:

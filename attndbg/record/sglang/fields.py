@@ -39,7 +39,7 @@ SGLANG_FIELDS: tuple[EngineField, ...] = (
     EngineField("positions", "fb.positions (verify: spec_info.positions)", "fb.positions", "view.positions[:tokens]", "batch.positions", "invariants: positions"),
     EngineField("extend_prefix_lens / extend_seq_lens", "fb.*", "", "", "batch.prefix_lens / extend_lens", "every detector"),
     EngineField(
-        "EagleDraftExtendInput.num_tokens_per_req (+ num_front_tokens)",
+        "EagleDraftExtendInput.num_tokens_per_req (a widened window's num_front_tokens included)",
         "spec_info.* (DRAFT_EXTEND_V2)",
         "",
         "the draft-extend runner's view.spec_info (single-layer execute, each layer's replay of the multi-layer runner: a view "
