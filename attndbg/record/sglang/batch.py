@@ -15,8 +15,9 @@ extend has two versions with their own conventions:
   SGLang 0.5.23, `prepare_for_extend_to_fill_draft_kvcache` before it): every request runs its whole
   verify window, `num_tokens_per_req` (= speculative_num_draft_tokens; a widened window's
   `num_front_tokens` rows are counted in it) queries whatever it accepted; `extend_prefix_lens` =
-  the prefix before the window, `seq_lens` = prefix + window (bumped before init_forward_metadata; SGLang #26651, and
-  #26512, reverted by #26628, which took them for the prefix alone). The window's width is the
+  the prefix before the window, `seq_lens` = prefix + window (bumped before
+  init_forward_metadata; SGLang #26651, and #26512, reverted by #26628, which took them for the
+  prefix alone). The window's width is the
   step's query count, so a V2 step's batch is the window (like a verify step's), and the engine's
   `seq_lens` / `extend_seq_lens` are evidence judged against it (`batch.seq_lens_raw`, the plan).
 Fields are read by name from a real ForwardBatch or from SGL-new's replay view (a SimpleNamespace

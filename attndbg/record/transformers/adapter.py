@@ -262,9 +262,7 @@ def _open(session: RecordingSession, model: Any, batch_data: dict[str, Any], sta
     if copy is None:
         return None
     device = batch_data["cu_seq_lens_q"].device
-    if device not in _NAMED_DEVICES:  # asked now: a trace may be built after a CUDA error
-        device_name(device)
-        _NAMED_DEVICES.add(device)
+    device_name(device)  # asked now (cached per device): a trace may be built after a CUDA error
     engine_model, backend = _engine_model(batch_data["cache"], model.config, state.geometry.page_size)
     geometry, step = state.geometry, state.step
 
@@ -272,9 +270,6 @@ def _open(session: RecordingSession, model: Any, batch_data: dict[str, Any], sta
         return trace_from_step(host, model=engine_model, geometry=geometry, step=step, backend=backend, device=device)
 
     return session.open_step(step, copy, build)
-
-
-_NAMED_DEVICES: set[torch.device] = set()  # devices whose name was asked (torch keeps it from then on)
 
 
 _GEOMETRY_CACHE: list[tuple[weakref.ref[Any], CacheGeometry]] = []  # the last (cache, its geometry)
