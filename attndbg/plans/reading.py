@@ -102,6 +102,10 @@ class PlanReading:
         if self.plan is None:
             return None
         if self.adapter is None:
+            if engine_conventions(self.trace).metadata is not None:
+                # vLLM's builders: their copies, counts and paged-KV lists are judged against the
+                # engine's own fields (engine_metadata.py); no adapter's layout reads the rest.
+                return "the engine's own metadata, judged by its builder rules; no adapter's plan layout reads it"
             return "no adapter here"
         view, error = self._strict
         if isinstance(error, PlanUnreadable):

@@ -43,6 +43,18 @@ def test_a_plan_no_adapter_can_view_is_named_on_the_verdict_line(monkeypatch: py
     assert json.loads(report.read_text())["verdict"]["plans_unread"] == {f"{backend}: {why}": 1}
 
 
+def test_an_engines_own_metadata_is_named_as_judged_by_its_builder_rules(tmp_path: Path) -> None:
+    """A vLLM plan is the builder's metadata, judged against the engine's own fields; the verdict
+    line says so rather than that nothing here knows it."""
+    trace = make_trace("decode-mha", "kv_lens=3,20", *SMALL, plan=True)
+    trace = replace(trace, plan=replace(trace.plan, backend="FLASHINFER"), source=replace(trace.source, engine="vllm", backend="FLASHINFER"))
+    path = io.save(trace, tmp_path / "t.pt")
+    result = CliRunner().invoke(main, ["check", str(path), "--only", "invariants"])
+    assert result.exit_code == 0, result.output
+    why = "the engine's own metadata, judged by its builder rules; no adapter's plan layout reads it"
+    assert f"recorded plan not read by the plan detectors on 1 step (FLASHINFER: {why})" in " ".join(result.output.split())
+
+
 def test_a_plan_its_adapter_views_is_not_named(tmp_path: Path) -> None:
     path = _step(tmp_path, "triton")
     report = tmp_path / "r.json"
