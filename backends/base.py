@@ -214,6 +214,10 @@ class Backend(abc.ABC):
     # AttentionBackend.get_name()), each with its own requirement where it differs from
     # `fill_requirement` (None: the adapter's). Names no adapter answers to: engine_names.py.
     engine_names: ClassVar[Mapping[str, FillRequirement | None]] = {}
+    # Engine backends among `engine_names` whose kernels this adapter reads the plans of but never
+    # runs (they need hardware it is not built for), each with why: their steps are judged by the
+    # invariants and the reference, never replayed as another library's kernel, and the verdict says so.
+    kernels_elsewhere: ClassVar[Mapping[str, str]] = {}
     # The host-side hints (max_seq_len, max_query_len, ...) the kernels of each engine backend it
     # answers to read beside their tensors, by that name (backends/host_hints.py).
     host_hints: ClassVar[Mapping[str, tuple[HostHint, ...]]] = {}

@@ -133,6 +133,15 @@ def unknown_name(trace: Trace) -> str | None:
     return backend if fill_requirement(backend, trace.model.kv_dtype) is None else None
 
 
+def kernels_elsewhere(trace: Trace) -> str | None:
+    """"<engine backend>: why" when the adapter answering to the step's engine backend reads its
+    plans but runs none of its kernels here (Backend.kernels_elsewhere); None otherwise."""
+    backend = trace.source.backend
+    cls = adapter_for(backend)
+    why = cls.kernels_elsewhere.get(backend) if cls is not None else None
+    return f"{backend}: {why}" if why else None
+
+
 def merge_path(trace: Trace) -> str | None:
     """The merge of partial states in the path the recording backend runs for this step, if any:
     split-KV decode, else what the adapter reproducing that backend declares (Backend.merge_path)."""

@@ -9,7 +9,13 @@ else our Triton kernel; `describe()` names the one used):
 - `flashmla`: `flash_mla_with_kvcache` on 64-token blocks (`block_table`, `cache_seqlens`),
   decode and chain verify, as SGLang's FlashMLA backend; UNTESTED here (not installed on our GPU);
 - `triton`: our split-KV `decode_attention_fwd` with k_buffer [N, 1, 576] and v_buffer = its
-  first 512 columns, through the `triton` backend (its plan, run and CUDA-graph state).
+  first 512 columns, through the `triton` backend (its plan, run and CUDA-graph state);
+- `trtllm`: SGLang's trtllm_mla backend, FlashInfer's trtllm-gen MLA kernels
+  (`trtllm_batch_decode_with_kv_cache_mla`) on a block table of the pool's pages (block_kv_indices),
+  read up to seq_lens_k, the queries dense per request (decode 1, verify num_draft_tokens) or, for a
+  draft extend, padded to max_seq_len_q rows from cu_seqlens_q / seq_lens_q. Those kernels run only
+  on SM100 (Blackwell): a recorded plan of this form is read and judged (layout, invariants, the
+  reference), never run here as another library's kernel under its name.
 
 The query [T, H, 576] and the cache [N, 1, 576] are split into nope/rope (q_nope, q_pe, ckv,
 kpe) for FlashInfer as views, never copies: its MLA kernels read every tensor's strides
@@ -60,6 +66,9 @@ from attndbg.trace.schema import DTYPES, AttentionKind, ForwardMode, LseBase, Pl
 FLASHMLA_PAGE_SIZE = 64
 # FlashInfer's MLA kernels: FA3 (Hopper) on SM90, FA2 from SM80 (mla/_batch_mla/_fa_common.py).
 SM80, SM90 = (8, 0), (9, 0)
+# FlashInfer's trtllm-gen MLA kernels are built for SM100 (Blackwell) alone (flashinfer/mla.py
+# trtllm_batch_decode_with_kv_cache_mla, SGLang's trtllm_mla backend asserts an SM100 device).
+SM100 = (10, 0)
 # SGLang's MLA backends run verify causally (a chain), so they support topk = 1 only.
 _CAUSAL_VERIFY = "SGLang's MLA backends run verify causally, so they support topk = 1 only"
 _FLASHINFER_MODES = (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND, ForwardMode.TARGET_VERIFY)
@@ -73,6 +82,7 @@ class MLAImpl(enum.Enum):
     FLASHINFER = "flashinfer"
     FLASHMLA = "flashmla"
     TRITON = "triton"
+    TRTLLM = "trtllm"
 
 
 @dataclass(frozen=True)
@@ -105,7 +115,11 @@ class MLABackend(Backend):
         "mla": None,
         "flashinfer_mla": FillRequirement(1, "FlashInfer's MLA decode needs seq_len >= 1 (SGLang fills 1)"),
         "flashmla": FillRequirement(1, "FlashMLA's tile scheduler needs seq_len >= 1 (SGLang fills 1)"),
+        # Its graph rows' block tables are built from the padded seq_lens (create_flashmla_kv_indices_triton)
+        # and trtllm-gen reads seq_lens_k of every row the graph launches.
+        "trtllm_mla": FillRequirement(1, "SGLang's trtllm_mla pads with seq_len 1 (get_cuda_graph_seq_len_fill_value): trtllm-gen reads a padded row's seq_lens_k and its block table"),
     }
+    kernels_elsewhere = {"trtllm_mla": "FlashInfer's trtllm-gen MLA kernels, which run only on SM100 (Blackwell): its plans are read and judged, not run"}
 
     def __init__(self, options: MLAOptions | None = None):
         self.options = options or MLAOptions()
@@ -127,6 +141,8 @@ class MLABackend(Backend):
         impl = self.impl()
         if impl is MLAImpl.TRITON:
             return self._triton.unavailable_reason()
+        if impl is MLAImpl.TRTLLM:
+            return _library_reason(impl) or _TRTLLM_UNCALLED
         return _library_reason(impl)
 
     def device(self) -> str:
@@ -139,7 +155,7 @@ class MLABackend(Backend):
         impl = self.impl()
         if impl is MLAImpl.TRITON:
             return self._triton.library()
-        name, package = ("FlashInfer (MLA)", "flashinfer") if impl is MLAImpl.FLASHINFER else ("FlashMLA", "flash_mla")
+        name, package = {MLAImpl.FLASHINFER: ("FlashInfer (MLA)", "flashinfer"), MLAImpl.TRTLLM: ("FlashInfer trtllm-gen (MLA)", "flashinfer")}.get(impl, ("FlashMLA", "flash_mla"))
         return LibraryRelease(name, package_version(package) or "version unknown")
 
     def describe(self) -> str:
@@ -153,6 +169,8 @@ class MLABackend(Backend):
             )
         if impl is MLAImpl.FLASHMLA:
             return "FlashMLA flash_mla_with_kvcache on 64-token blocks (untested adapter)"
+        if impl is MLAImpl.TRTLLM:
+            return "FlashInfer trtllm_batch_decode_with_kv_cache_mla (trtllm-gen, SM100 only): plans read and judged, not run"
         return f"{self._triton.describe()}; MLA decode: k_buffer [N,1,576], v_buffer = its first 512 columns"
 
     # -- what this backend can take -----------------------------------------------------------
@@ -179,6 +197,21 @@ class MLABackend(Backend):
                 latent_dims=LatentDims(multiples=(128, 64)),
                 lse_base=LseBase.TWO,
                 why={"tree_mask": _CAUSAL_VERIFY, "kv_dtype_is_q_dtype": one_dtype, "merge_state": _NO_MERGE},
+                **only_mla,
+            )
+        if impl is MLAImpl.TRTLLM:
+            return Capabilities(
+                kernels="FlashInfer's trtllm-gen MLA kernels (SM100 only)",
+                modes={AttentionKind.MLA: frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND})},
+                graph_modes=ENGINE_GRAPH_MODES,
+                kv_dtype_is_q_dtype=True,
+                latent_dims=LatentDims(pairs=frozenset({(512, 64)})),
+                why={
+                    "modes": "SGLang's trtllm_mla runs extend through its ragged prefill (or FlashInfer MLA), not this form",
+                    "tree_mask": _CAUSAL_VERIFY,
+                    "kv_dtype_is_q_dtype": one_dtype,
+                    "merge_state": _NO_MERGE,
+                },
                 **only_mla,
             )
         return Capabilities(
@@ -211,6 +244,8 @@ class MLABackend(Backend):
         rows, q_lens = padded_requests(trace, padding)
         kv_lens = torch.tensor([r.numel() for r in rows], dtype=torch.int32)
         causal = trace.batch.forward_mode is not ForwardMode.DECODE
+        if impl is MLAImpl.TRTLLM:
+            return _trtllm_plan(trace, rows, q_lens, kv_lens, page_size)
         if impl is MLAImpl.FLASHMLA:
             if len(set(q_lens)) > 1:
                 raise ValueError(f"FlashMLA needs the same query length in every request, got {sorted(set(q_lens))}")
@@ -247,12 +282,18 @@ class MLABackend(Backend):
             cache_page = (FLASHMLA_PAGE_SIZE, "FlashMLA reads the cache in 64-token blocks")
             call = pd.Call(pl.KvIds.TABLE, ids="block_table", count="cache_seqlens", length="cache_seqlens", page_size="page_size", cache_page=cache_page)
             scalars = ("causal", "q_len")
+        elif impl == MLAImpl.TRTLLM.value:
+            # A draft extend's queries are padded per request from cu_seqlens_q; decode and verify
+            # run a dense q_len per request and keep no query offsets.
+            queries = "cu_seqlens_q" if "cu_seqlens_q" in plan.tensors else None
+            call = pd.Call(pl.KvIds.TABLE, ids="block_kv_indices", count="seq_lens_k", length="seq_lens_k", page_size="page_size", queries=queries)
+            scalars = ("max_seq_len_q",) if queries else ("q_len",)
         else:
             call, scalars = None, ()
         return pd.PlanDeclaration(
             call=call,
             scalars=scalars,
-            unknown=pd.UnknownSetting("impl", impl, ("triton", "flashinfer", "flashmla")) if call is None else None,
+            unknown=pd.UnknownSetting("impl", impl, ("triton", "flashinfer", "flashmla", "trtllm")) if call is None else None,
             ends=(pl.KvEnd.KV,),
             mask=pl.MaskReading.CAUSAL,
             window="window_left",
@@ -276,12 +317,16 @@ class MLABackend(Backend):
 
     def run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
         impl = self.impl()
+        if plan.scalars.get("impl") == MLAImpl.TRTLLM.value and impl is not MLAImpl.TRTLLM:
+            raise KernelUnsupported(_trtllm_not_run())
         if plan.scalars.get("impl") != impl.value:
             # A recorded plan of another implementation (FlashMLA's block table on a machine that runs
             # FlashInfer MLA): its layout is not this kernel's.
             raise KernelUnsupported(f"the plan is for mla impl={plan.scalars.get('impl')!r}; this machine runs impl={impl.value!r}")
         if impl is MLAImpl.TRITON:
             return self._triton.run(trace, inputs, _as_triton_plan(plan))
+        if impl is MLAImpl.TRTLLM:
+            raise KernelUnsupported(_trtllm_not_run())
         try:
             if impl is MLAImpl.FLASHMLA:
                 return _flashmla_run(trace, inputs, plan)
@@ -310,6 +355,8 @@ class MLABackend(Backend):
     def graph_configuration_reason(self, trace: Trace) -> str | None:
         if self.impl() is MLAImpl.FLASHMLA:
             return "CUDA-graph replay is not wired for the (untested) FlashMLA adapter"
+        if self.impl() is MLAImpl.TRTLLM:
+            return _trtllm_not_run()
         return self._triton.graph_configuration_reason(trace) if self.impl() is MLAImpl.TRITON else None
 
     def script_library(self) -> ScriptLibrary:
@@ -392,19 +439,46 @@ class _FlashInferMLAGraph(FlashInferGraphState):
 # -- library calls ------------------------------------------------------------------------------
 
 
+_TRTLLM_UNCALLED = "attndbg does not call trtllm-gen's MLA kernels (no SM100 machine to test a call on)"
+
+
+def _trtllm_not_run() -> str:
+    """Why a trtllm_mla plan is not run here: its kernels are SM100's, and no other library's
+    kernel is run in their name (the reference and the invariants still judge the step)."""
+    reason = _library_reason(MLAImpl.TRTLLM) or _TRTLLM_UNCALLED
+    return f"the plan is SGLang trtllm_mla's (FlashInfer trtllm-gen MLA, SM100 only) and is not run as another library's kernel: {reason}"
+
+
+def _trtllm_plan(trace: Trace, rows: list[Tensor], q_lens: list[int], kv_lens: Tensor, page_size: int) -> Plan:
+    """SGLang's TRTLLMMLADecodeMetadata for this batch: a block table of page ids read up to
+    seq_lens_k; a draft extend's query offsets (cu_seqlens_q, seq_lens_q, max_seq_len_q), decode's
+    and verify's dense q_len."""
+    tensors = {"block_kv_indices": build_page_table(rows, page_size), "seq_lens_k": kv_lens}
+    scalars: dict[str, int | float | bool | str] = {"impl": MLAImpl.TRTLLM.value, "page_size": page_size, "max_seq_len_k": int(kv_lens.max()) if kv_lens.numel() else 0}
+    if trace.batch.forward_mode is ForwardMode.DRAFT_EXTEND:
+        q = torch.tensor(q_lens, dtype=torch.int32)
+        tensors.update({"cu_seqlens_q": indptr(q).to(torch.int32), "seq_lens_q": q})
+        scalars["max_seq_len_q"] = max(q_lens, default=0)
+    else:
+        scalars["q_len"] = q_lens[0] if q_lens else 1
+    return Plan(backend="mla", tensors=tensors, scalars=scalars)
+
+
 def _library_reason(impl: MLAImpl) -> str | None:
-    """Why FlashInfer's or FlashMLA's MLA kernels cannot run on this machine, or None."""
-    module, package = ("flashinfer", "flashinfer-python") if impl is MLAImpl.FLASHINFER else ("flash_mla", "FlashMLA (github.com/deepseek-ai/FlashMLA)")
+    """Why FlashInfer's, trtllm-gen's or FlashMLA's MLA kernels cannot run on this machine, or None."""
+    module, package = ("flashinfer", "flashinfer-python") if impl in (MLAImpl.FLASHINFER, MLAImpl.TRTLLM) else ("flash_mla", "FlashMLA (github.com/deepseek-ai/FlashMLA)")
     info = machine.gpu_info()
     missing = []
     if info is None:
-        missing.append("a CUDA GPU (none found)")
+        missing.append("an SM100 (Blackwell) GPU (none found)" if impl is MLAImpl.TRTLLM else "a CUDA GPU (none found)")
     if not machine.module_available(module):
         missing.append(f"{module} (install {package})")
     if missing:
         return f"mla impl={impl.value} needs " + " and ".join(missing)
     if impl is MLAImpl.FLASHINFER and info.capability < SM80:
         return f"FlashInfer MLA needs SM80 or newer; this GPU ({info.name}) is {info.arch}"
+    if impl is MLAImpl.TRTLLM and info.capability[0] != SM100[0]:
+        return f"FlashInfer's trtllm-gen MLA kernels run only on SM100 (Blackwell); this GPU ({info.name}) is {info.arch}"
     if impl is MLAImpl.FLASHMLA and info.capability != SM90:
         return f"FlashMLA needs SM90 (Hopper); this GPU ({info.name}) is {info.arch}"
     return None

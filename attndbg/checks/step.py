@@ -46,6 +46,9 @@ class StepReport:
     # padding rules for (backends/engine_names.py): its name, which the verdict says; its padded
     # rows were judged by no kernel's rules, never by another backend's.
     unknown_engine_backend: str | None = None
+    # "<engine backend>: why" when no kernel of the step's engine backend runs here (its adapter
+    # reads the plan only: Backend.kernels_elsewhere), which the verdict says.
+    engine_kernels_elsewhere: str | None = None
 
     @property
     def checked(self) -> bool:
@@ -129,6 +132,7 @@ def check_one(path: str | Path, only: list[FindingClass], options: CheckOptions)
         plan_unread=_plan_unread(ctx, detectors),
         crash_unrun=crash_unrun,
         unknown_engine_backend=_unknown_engine_backend(trace),
+        engine_kernels_elsewhere=engine_names.kernels_elsewhere(trace),
     )
     return StepResult(report, {k: d for k, d in digests.items() if d is not None})
 

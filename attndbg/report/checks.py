@@ -134,6 +134,8 @@ class CheckVerdict:
     plans_unread: dict[str, int] = field(default_factory=dict)
     # engine backend -> graph steps padded for it, whose padding rules nothing here knows
     unknown_engine_backends: dict[str, int] = field(default_factory=dict)
+    # "<engine backend>: why" -> steps whose engine kernels no adapter here runs (their plans are read)
+    engine_kernels_elsewhere: dict[str, int] = field(default_factory=dict)
     # why -> steps whose crashed call (source.crash) could not be run again here
     crashes_not_run: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -212,6 +214,10 @@ def check_verdict(
         f"padded rows of {counted(n, 'graph step')} not judged by a kernel's fill rules (engine backend {printable(name, 60)}: no adapter or padding rules here)"
         for name, n in sorted(unknown.items())
     ]
+    # An engine backend whose kernels its adapter never runs here (it reads their plans): those
+    # steps were judged on metadata and the reference, never by another library's kernel.
+    elsewhere = Counter(r.engine_kernels_elsewhere for r in checked if r.engine_kernels_elsewhere)
+    parts += [f"engine kernels not run on {counted(n, 'step')} ({printable(what, 200)})" for what, n in sorted(elsewhere.items())]
     # A step whose call crashed where it ran, not run again here: its crash is neither confirmed nor
     # cleared, so the check is incomplete.
     unrun = Counter(r.crash_unrun for r in checked if r.crash_unrun)
@@ -236,6 +242,7 @@ def check_verdict(
         findings=findings,
         plans_unread=dict(sorted(unread.items())),
         unknown_engine_backends=dict(sorted(unknown.items())),
+        engine_kernels_elsewhere=dict(sorted(elsewhere.items())),
         crashes_not_run=dict(sorted(unrun.items())),
         defects=defects,
         hazards=dict(sorted(hazards.items())),
@@ -313,6 +320,7 @@ def checks_to_json(reports: list[StepReport], verdict: CheckVerdict | None = Non
             "skipped": verdict.backends_skipped,
             "plans_unread": verdict.plans_unread,
             "unknown_engine_backends": verdict.unknown_engine_backends,
+            "engine_kernels_elsewhere": verdict.engine_kernels_elsewhere,
             "crashes_not_run": verdict.crashes_not_run,
             "not_compared_by_mode": verdict.unreplayed,
             "not_checked": verdict.not_checked,

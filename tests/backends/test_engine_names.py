@@ -19,7 +19,7 @@ from tests.checks.test_fill_value import decode, on, with_graph
 
 @pytest.mark.parametrize(
     "name,adapter",
-    [("flashinfer", FlashInferBackend), ("FLASHINFER", FlashInferBackend), ("fa3", FA3Backend), ("FLASH_ATTN", FA3Backend), ("triton", TritonBackend), ("flashmla", MLABackend), ("mla", MLABackend)],
+    [("flashinfer", FlashInferBackend), ("FLASHINFER", FlashInferBackend), ("fa3", FA3Backend), ("FLASH_ATTN", FA3Backend), ("triton", TritonBackend), ("flashmla", MLABackend), ("trtllm_mla", MLABackend), ("mla", MLABackend)],
 )
 def test_each_engine_name_answers_to_its_adapter(name: str, adapter: type) -> None:
     assert engine_names.adapter_for(name) is adapter
@@ -93,7 +93,7 @@ def test_every_engine_backend_name_is_known_or_named() -> None:
         (unknown if engine_names.unknown_name(trace) == name else known).append(name)
         if engine_names.unknown_name(trace) is None:
             assert engine_names.fill_requirement(name, trace.model.kv_dtype) is not None
-    assert {"flashinfer", "fa3", "triton", "flashmla", "FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLASHMLA", "TRITON_MLA"} <= set(known)
+    assert {"flashinfer", "fa3", "triton", "flashmla", "trtllm_mla", "FLASHINFER", "FLASH_ATTN", "TRITON_ATTN", "FLASHMLA", "TRITON_MLA"} <= set(known)
     assert "ROCM_AITER_MLA" in unknown  # no fact about its kernels' padding here: named, never judged
 
 
@@ -115,3 +115,25 @@ def test_a_graph_step_of_an_unknown_backend_is_named_on_the_verdict_line(tmp_pat
         assert (f"engine backend {name}: no adapter or padding rules here" in verdict.line) is named, verdict.line
         assert verdict.unknown_engine_backends == ({name: 1} if named else {})
         assert not [f for r in reports for f in r.findings if f.check == "padded-seq-len-unsupported"]
+
+
+def test_a_step_whose_engine_kernels_run_nowhere_here_says_so_on_the_verdict_line(tmp_path) -> None:
+    """trtllm_mla maps to the mla adapter (its padding rules: fill 1) but its trtllm-gen kernels run
+    only on SM100: the verdict says why no kernel of it ran, and a step of a backend whose kernels
+    run here gets no such note."""
+    from attndbg.checks.run import check_steps
+    from attndbg.checks.selection import parse_only
+    from attndbg.detector_api.context import CheckOptions
+    from attndbg.detectors import registry as detectors
+    from attndbg.report.checks import check_verdict
+    from attndbg.trace import io
+
+    assert engine_names.adapter_for("trtllm_mla") is MLABackend and engine_names.fill_requirement("trtllm_mla").min_seq_len == 1
+    for name, named in (("trtllm_mla", True), ("flashmla", False)):
+        path = tmp_path / f"{name}.pt"
+        io.save(_padded_zero(name, fill=1), path)
+        reports = list(check_steps(str(path), parse_only(None), CheckOptions(backends=("reference",))))
+        verdict = check_verdict(reports, [d for d in detectors.BUILTIN], None)
+        assert ("engine kernels not run on 1 step (trtllm_mla: FlashInfer's trtllm-gen MLA kernels, which run only on SM100" in verdict.line) is named, verdict.line
+        assert bool(verdict.engine_kernels_elsewhere) is named
+        assert verdict.unknown_engine_backends == {}

@@ -53,7 +53,7 @@ def test_an_unknown_setting_is_unreadable_yet_may_keep_a_layout() -> None:
     plan = mla.derive_plan(trace)
     odd = replace(plan, scalars={**plan.scalars, "impl": "auto"})
     assert mla.plan_layout(trace, odd) is None
-    with pytest.raises(PlanUnreadable, match="expected one of triton, flashinfer, flashmla"):
+    with pytest.raises(PlanUnreadable, match="expected one of triton, flashinfer, flashmla, trtllm"):
         mla.plan_view(trace, odd)
 
 
