@@ -690,10 +690,8 @@ def test_flashinfer_sliding_window_decode(tmp_path) -> None:
 MLA_VERIFY_ROWS = {1: list(range(64, 64 + PREFIX[0] + N)), 6: list(range(128, 128 + PREFIX[1] + N))}
 
 
-def test_flashmla_chain_verify(tmp_path) -> None:
-    """FlashMLA verifies a chain (topk 1) causally: forward_extend hands the kernel
-    cache_seqlens = seq_lens + num_draft_tokens and q as [bs, n, H, 576]."""
-    model = mla_model()
+def mla_chain_verify_step() -> tuple[Batch, Spec, object, object]:
+    """A chain verify (topk 1) of 2 MLA requests on 64-token pages: (batch, spec, forward batch, spec input)."""
     _, _, chain_info = chain_verify_step()
     drafts = [s for b, p in zip((1, 6), PREFIX) for s in MLA_VERIFY_ROWS[b][p:]]
     fb = env.ForwardBatch(
@@ -708,7 +706,14 @@ def test_flashmla_chain_verify(tmp_path) -> None:
         spec_info=chain_info,
     )
     batch = batch_from_forward_batch(fb, env.req_pool(MLA_VERIFY_ROWS, width=128).req_to_token, MLA_CACHE)
-    spec = spec_from_verify_input(chain_info, fb.seq_lens)
+    return batch, spec_from_verify_input(chain_info, fb.seq_lens), fb, chain_info
+
+
+def test_flashmla_chain_verify(tmp_path) -> None:
+    """FlashMLA verifies a chain (topk 1) causally: forward_extend hands the kernel
+    cache_seqlens = seq_lens + num_draft_tokens and q as [bs, n, H, 576]."""
+    model = mla_model()
+    batch, spec, fb, chain_info = mla_chain_verify_step()
     backend = flashmla_backend([[1], [2]])
     backend.num_draft_tokens = N
     plan = recorded(backend, model, verify=True, spec_info=chain_info, seq_lens=fb.seq_lens)

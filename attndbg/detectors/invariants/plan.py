@@ -90,6 +90,7 @@ def _check_fields(trace: Trace, reading: PlanReading, out: list[Finding]) -> Non
     outside = _check_in_cache(trace, reading, out)
     _check_requests(trace, reading, outside, out)
     _check_qo(trace, tensors, sane, kv.requests, out)
+    _check_query_lengths(trace, reading.plan, tensors, kv.requests, out)
     _check_splits(trace, reading.plan, tensors, kv.requests, out)
 
 
@@ -244,7 +245,7 @@ def _check_qo(trace: Trace, t: dict[str, Tensor], sane: set[str], requests: int,
         if batch.forward_mode is ForwardMode.DECODE or trace.is_tree_verify:
             cause = "the query offsets assume another number of tokens per request (decode 1, verify draft_token_num)"
         elif batch.forward_mode is ForwardMode.DRAFT_EXTEND:
-            cause = f"the query offsets count other queries than the step runs: {DRAFT_EXTEND_QUERIES}"
+            cause = f"the query offsets count other queries than the step runs: {DRAFT_EXTEND_QUERIES}{_replayed_layout(trace)}"
         else:
             cause = "the query offsets were computed from stale extend lengths (or prefix lengths taken as extend lengths)"
         out.append(
@@ -260,6 +261,43 @@ def _check_qo(trace: Trace, t: dict[str, Tensor], sane: set[str], requests: int,
                 found=int(lens[b]),
             )
         )
+
+
+def _replayed_layout(trace: Trace) -> str:
+    """What a draft extend's graph replay adds to a wrong query layout: its kernels and padded
+    query were captured with one (SGLang #21987: trtllm_mla's capture strode cu_seqlens_q by
+    num_draft_tokens, its replay by accept_length + 1)."""
+    graph = trace.graph
+    if graph is None or not graph.is_graph_replay:
+        return ""
+    return (
+        "; a graph replay keeps the query layout its kernels were captured with (num_tokens_per_req rows per request, a "
+        "uniform stride): offsets refilled with another stride (from the accepted lengths) make the captured kernel read "
+        "other requests' query rows"
+    )
+
+
+def _check_query_lengths(trace: Trace, plan: Plan, t: dict[str, Tensor], requests: int, out: list[Finding]) -> None:
+    """A plan's per-request query lengths (seq_lens_q) and their bound (max_seq_len_q), where it
+    keeps them beside its offsets (trtllm_mla's draft extend pads each request's queries to
+    max_seq_len_q rows from them): each length is the request's extend length, the bound their
+    maximum or more."""
+    batch = trace.batch
+    cause = f"the query lengths count other queries than the step runs: {DRAFT_EXTEND_QUERIES}{_replayed_layout(trace)}"
+    lens = t.get("seq_lens_q")
+    if lens is not None and lens.numel() >= batch.batch_size:
+        b = _first(lens[: batch.batch_size].to(batch.extend_lens.dtype) != batch.extend_lens)
+        if b >= 0:
+            expected, found = int(batch.extend_lens[b]), int(lens[b])
+            evidence = f"plan.seq_lens_q[{b}] = {found}, the batch has extend_lens[{b}] = {expected}"
+            out.append(finding(KIND, "qo-lens", step=trace.source.step, request=b, field=f"plan.seq_lens_q[{b}]", evidence=evidence, cause=cause, expected=expected, found=found))
+    top = plan.scalars.get("max_seq_len_q")
+    if isinstance(top, int) and not isinstance(top, bool) and batch.batch_size:
+        longest = int(batch.extend_lens[: batch.batch_size].max())
+        if top < longest:
+            b = _first(batch.extend_lens[: batch.batch_size] > top)
+            evidence = f"plan max_seq_len_q = {top}, request {b} runs {int(batch.extend_lens[b])} query tokens (extend_lens[{b}]; the longest {longest})"
+            out.append(finding(KIND, "qo-lens", step=trace.source.step, request=b, field="scalars.max_seq_len_q", evidence=evidence, cause=cause, expected=longest, found=top))
 
 
 def _check_splits(trace: Trace, plan: Plan, t: dict[str, Tensor], requests: int, out: list[Finding]) -> None:

@@ -71,6 +71,7 @@ BACKEND_NAMES = {  # class name -> the trace's backend name (fill-value rules an
     "FlashAttentionBackend": "fa3",
     "FlashMLABackend": "flashmla",
     "FlashInferMLAAttnBackend": "flashinfer_mla",
+    "TRTLLMMLABackend": "trtllm_mla",  # a FlashInferMLAAttnBackend subclass: first in its MRO
 }
 
 _installed = False
@@ -213,7 +214,7 @@ def record_step(session: RecordingSession, backend: Any, fb: Any, *, raw_bs: int
     model = model_from_backend(backend, layer_for(backend))
     # The seq_lens a FlashMLA forward hands its kernel as cache_seqlens: a graph's padded buffer.
     seq_lens = graph[1]["padded_seq_lens"] if graph is not None else getattr(fb, "seq_lens", None)
-    options = dict(graph_bs=graph_bs, graph_rows=graph[0].capture_bs if graph else None, verify=verify, draft_extend=mode is ForwardMode.DRAFT_EXTEND, spec_info=spec_info, sized=sized, model=model, seq_lens=seq_lens)
+    options = dict(graph_bs=graph_bs, graph_rows=graph[0].capture_bs if graph else None, verify=verify, draft_extend=mode is ForwardMode.DRAFT_EXTEND, extend=mode in (ForwardMode.EXTEND, ForwardMode.MIXED), spec_info=spec_info, sized=sized, model=model, seq_lens=seq_lens)
     plan = capture_plan(backend, **options)
     if plan is None:
         for child in getattr(backend, "attn_backend_list", None) or []:

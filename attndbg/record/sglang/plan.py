@@ -9,6 +9,11 @@ backends between versions):
               -> `fa3` names (cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table, max_seqlen_q/k);
               a tree verify's second call (`forward_metadata_spec_decode_expand`) -> expand_*
   FlashMLA    FlashMLADecodeMetadata: block_kv_indices, num_splits -> `mla` (impl flashmla): block_table
+  trtllm_mla  TRTLLMMLADecodeMetadata (decode, verify, draft extend): block_kv_indices, seq_lens_k,
+              max_seq_len_k; a draft extend's cu_seqlens_q, seq_lens_q, max_seq_len_q -> `mla`
+              (impl trtllm), same names; at a graph replay the captured bs's metadata
+              (`decode_cuda_graph_metadata[bs]`, refilled in place). Its plain extend runs a ragged
+              MHA-form prefill (TRTLLMMLAPrefillMetadata) or FlashInfer MLA's: not read
   FlashInfer  DecodeMetadata / PrefillMetadata: wrappers whose planned buffers hold the indices
               (FlashInfer's `_paged_kv_*_buf`, `_qo_indptr_buf`) and a verify step's mask as
               FlashInfer packed it (`_custom_mask_buf`, `_mask_indptr_buf`) -> `flashinfer` names,
@@ -230,6 +235,36 @@ def _flashmla(backend: Any, md: Any) -> PlanCapture:
     )
 
 
+def _is_trtllm_mla(backend: Any) -> bool:
+    """SGLang's trtllm_mla backend, by the state only it keeps: its decode-family metadata apart
+    from the FlashInfer-MLA parent's `forward_metadata`, and that metadata per captured bs."""
+    return _has(backend, "forward_decode_metadata", "decode_cuda_graph_metadata", "decode_cuda_graph_kv_indices")
+
+
+def _trtllm_mla(backend: Any, graph_bs: int | None, *, verify: bool, draft_extend: bool) -> PlanCapture | None:
+    """TRTLLMMLADecodeMetadata as the step's kernels read it: eager, the step's own
+    (init_forward_metadata); at a replay, the captured bs's object, whose tensors the graph baked
+    in and the replay refills (its Python ints, max_seq_len_q and max_seq_len_k, are what the
+    capture launched with unless the replay rewrote them). Decode runs one query per request,
+    verify num_draft_tokens; a draft extend's queries are laid out by cu_seqlens_q / seq_lens_q
+    and padded to max_seq_len_q rows each."""
+    graphs = backend.decode_cuda_graph_metadata
+    md = graphs.get(graph_bs) if graph_bs is not None and isinstance(graphs, dict) else backend.forward_decode_metadata
+    if md is None or not _has(md, "block_kv_indices", "seq_lens_k", "max_seq_len_k") or md.block_kv_indices is None or md.seq_lens_k is None:
+        return None
+    rows = graph_bs if graph_bs is not None else int(md.seq_lens_k.numel())
+    tensors: dict[str, Tensor | None] = {"block_kv_indices": md.block_kv_indices[:rows], "seq_lens_k": md.seq_lens_k[:rows]}
+    scalars: Scalars = {"impl": "trtllm", "page_size": _page_size(backend), "max_seq_len_k": int(md.max_seq_len_k)}
+    if draft_extend:
+        if md.cu_seqlens_q is None or md.seq_lens_q is None or md.max_seq_len_q is None:
+            return None  # a draft extend's query layout not built: nothing its kernel reads is known
+        tensors.update({"cu_seqlens_q": md.cu_seqlens_q[: rows + 1], "seq_lens_q": md.seq_lens_q[:rows]})
+        scalars["max_seq_len_q"] = int(md.max_seq_len_q)
+    else:
+        scalars["q_len"] = int(backend.num_draft_tokens) if verify else 1
+    return PlanCapture("mla", tensors, scalars)
+
+
 def _wrapper_buffers(wrapper: Any) -> dict[str, Tensor | None]:
     """FlashInfer keeps what `plan()` was given in these attributes (flashinfer/decode.py, prefill.py)."""
     names = {
@@ -371,6 +406,7 @@ def capture_plan(
     model: Model | None = None,
     seq_lens: Tensor | None = None,
     graph_rows: int | None = None,
+    extend: bool = False,
 ) -> PlanCapture | None:
     """The live backend's plan as device views; None when its metadata is of no known kind.
 
@@ -378,15 +414,19 @@ def capture_plan(
     keeps them); None for an eager step. `graph_rows`: the rows its kernels run, when they are not
     its requests (a draft step's topk branches per request; Triton's graph buffers hold a row per
     branch). `verify` / `draft_extend`: the step's mode is
-    TARGET_VERIFY / a draft extend (both planned with the spec input). `sized`: the engine sized this step's index buffers from
+    TARGET_VERIFY / a draft extend (both planned with the spec input); `extend`: a plain extend
+    (trtllm_mla keeps its decode metadata of an earlier step then). `sized`: the engine sized this step's index buffers from
     a host sum (see the module docstring); unknown is False, and the buffers are cut as capacity.
     `model` (the recorded layer) and `seq_lens` (the step's, as the backend's forward reads them)
     give the call arguments SGLang keeps on no object (`_call_arguments`); without `model` the
     plan lacks them, and the checker says it is not read.
     """
-    capture = _read_metadata(
-        backend, graph_bs=graph_bs, graph_rows=graph_rows or graph_bs, verify=verify, draft_extend=draft_extend, spec_info=spec_info, sized=sized, model=model
-    )
+    if _is_trtllm_mla(backend):
+        capture = None if extend else _trtllm_mla(backend, graph_bs, verify=verify, draft_extend=draft_extend)
+    else:
+        capture = _read_metadata(
+            backend, graph_bs=graph_bs, graph_rows=graph_rows or graph_bs, verify=verify, draft_extend=draft_extend, spec_info=spec_info, sized=sized, model=model
+        )
     if capture is not None and model is not None:
         if capture.backend == "fa3" and verify and "expand_page_table" in capture.tensors and model.sliding_window >= 0:
             # A sliding-window layer of a tree verify runs one call over metadata.swa_spec_metadata's
