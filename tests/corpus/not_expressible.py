@@ -50,7 +50,8 @@ BUGS = (
         "the number of prefix chunks follows the longest prefix; shorter prefixes get kv_len 0 in later chunks, which the "
         "trtllm_mla path mishandled (MSE up to 3.0 with batch > 1)",
         "DeepSeek's chunked-prefix prefill (prefix latents up-projected chunk by chunk, merged) has no step form: a trace holds one "
-        "attention over one KV row per request; and no adapter runs trtllm_mla",
+        "attention over one KV row per request; and trtllm_mla's kernels (trtllm-gen, SM100 only) run here on no adapter (the mla "
+        "adapter reads its decode, verify and draft-extend plans only)",
         Capability.SPLIT_MODEL, Capability.BACKEND_NAMES,
     ),
     _bug(
@@ -142,18 +143,6 @@ BUGS = (
         "the attention op's workspace grew with the request count; a resize relocated it and captured graphs kept the old address",
         "TensorRT-LLM's capture lines carry no buffers and no data pointers: the importer makes structure-only steps",
         Capability.STALE_PLAN,
-    ),
-    _bug(
-        "sglang-21987", "trtllm_mla draft-extend graph replay builds cu_seqlens_q with another stride than its capture",
-        ("https://github.com/sgl-project/sglang/pull/21987", "https://github.com/sgl-project/sglang/pull/19807"), "2026-04",
-        "SGLang trtllm_mla", "DRAFT_EXTEND graph",
-        "init_forward_metadata_capture_cuda_graph built cu_seqlens_q with a uniform stride (arange by num_draft_tokens), while "
-        "the replay path built it with a variable stride (cumsum(accept_length + 1)) and max_seq_len_q = max(accept_length) + 1: "
-        "the captured kernel read the replay's offsets with the capture's layout; the fix replays the uniform stride, "
-        "max_seq_len_q = num_draft_tokens and seq_lens_q filled with num_draft_tokens",
-        "no adapter maps trtllm_mla: its metadata (cu_seqlens_q, max_seq_len_q) is read by no recorder, at a draft-extend "
-        "graph replay (recorded for the single- and multi-layer runners) or eager",
-        Capability.FORWARD_MODES, Capability.BACKEND_NAMES, Capability.SPLITS_VS_CAPTURE,
     ),
     _bug(
         "vllm-33360", "Whisper cross-attention captured with max_seq_len 0 under FA2 full CUDA graphs",

@@ -41,6 +41,7 @@ CAUGHT = {
     "sglang-32087": "invariants/window-kv",
     "sglang-35985": "invariants/kv-length",
     "sglang-27545": "invariants/qo-lens",
+    "sglang-21987": "invariants/qo-lens",
     "sglang-22958": "fill-value/padded-kv-write",
     "sglang-26513": "invariants/kv-index",
     "sglang-39287": "invariants/kv-index",
