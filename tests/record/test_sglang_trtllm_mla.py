@@ -193,3 +193,19 @@ def test_multi_layer_draft_extend_replays_through_the_hooks(tmp_path) -> None:
     assert _findings(tmp_path / "right") == []
     found = _findings(tmp_path / "wrong")
     assert found.count(("qo-lens", "plan.seq_lens_q[0]")) == 2 and found.count(("indptr-decreases", "plan.cu_seqlens_q[4]")) == 2, found
+
+
+def test_a_malformed_query_layout_in_a_trace_is_no_traceback(tmp_path) -> None:
+    """A trace is untrusted: seq_lens_q of another shape and a max_seq_len_q that is no integer are
+    not judged (no crash); the offsets beside them still are."""
+    from dataclasses import replace
+
+    from attndbg.trace import io
+
+    _record_eager(tmp_path / "step", from_accepted=True)
+    [entry] = io.read_manifest(tmp_path / "step")
+    trace = io.load(tmp_path / "step" / entry.file)
+    plan = trace.plan
+    io.save(replace(trace, plan=replace(plan, tensors={**plan.tensors, "seq_lens_q": torch.zeros(3, 2, dtype=I32)}, scalars={**plan.scalars, "max_seq_len_q": "x"})), tmp_path / "step" / entry.file)
+    found = _findings(tmp_path / "step")
+    assert ("qo-lens", "plan.cu_seqlens_q[1]") in found and not [f for f in found if "seq_lens_q" in f[1] or "max_seq_len_q" in f[1]], found

@@ -285,7 +285,7 @@ def _check_query_lengths(trace: Trace, plan: Plan, t: dict[str, Tensor], request
     batch = trace.batch
     cause = f"the query lengths count other queries than the step runs: {DRAFT_EXTEND_QUERIES}{_replayed_layout(trace)}"
     lens = t.get("seq_lens_q")
-    if lens is not None and lens.numel() >= batch.batch_size:
+    if lens is not None and lens.dim() == 1 and lens.numel() >= batch.batch_size:
         b = _first(lens[: batch.batch_size].to(batch.extend_lens.dtype) != batch.extend_lens)
         if b >= 0:
             expected, found = int(batch.extend_lens[b]), int(lens[b])
