@@ -123,6 +123,7 @@ def layout(declaration: PlanDeclaration | None) -> pl.PlanLayout | None:
         skip_prefix=declaration.skip_prefix,
         expand=declaration.expand,
         packed_mask=declaration.packed_mask,
+        mask_offsets_computed=declaration.mask in _MASK_BLOCK and declaration.mask_offsets is None,
     )
 
 

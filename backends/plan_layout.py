@@ -110,6 +110,10 @@ class PlanLayout:
     skip_prefix: str | None = None  # FULL_BLOCKS: the scalar saying the kernel ignores the prefix columns (default true)
     expand: ExpandTables | None = None  # EXPAND_CALL's tables
     packed_mask: PackedMask | None = None  # where the plan holds its mask packed instead of as bools (custom_mask)
+    # FULL_BLOCKS / COVERED_BLOCKS: the library lays the blocks out itself, back to back from the
+    # lengths (FlashInfer's plan()), whatever offsets the plan records; a mask of another length was
+    # laid out for other lengths, so its blocks are read at other offsets.
+    mask_offsets_computed: bool = False
 
     @property
     def csr(self) -> bool:

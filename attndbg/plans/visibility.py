@@ -116,9 +116,10 @@ def _mask_view(trace: Trace, layout: PlanLayout, coverage: Coverage, settings: M
     if mask.numel() != end:
         short = mask.numel() < end
         stale = int((~as_bool(mask[end:])).sum())  # SGLang fills a FULL mask with True before writing the tree
-        problems.append(PlanProblem(ProblemKind.MASK_LENGTH, "custom_mask", index=min(end, mask.numel()), expected=end, found=mask.numel(), detail={"stale": stale}))
-        if short:
-            return None
+        detail = {"stale": stale, "computed": layout.mask_offsets_computed, **_past_end(indptr, geometry, mask.numel())}
+        problems.append(PlanProblem(ProblemKind.MASK_LENGTH, "custom_mask", request=detail.get("request"), index=min(end, mask.numel()), expected=end, found=mask.numel(), detail=detail))
+        if short or layout.mask_offsets_computed:
+            return None  # read past its end, or its blocks read where they were not laid out
         mask = mask[:end]
     return _blocks(trace, layout, coverage, settings, geometry, as_bool(mask), problems)
 
@@ -180,8 +181,27 @@ def _unpacked(trace: Trace, packed: PackedMask, geometry: MaskGeometry, problems
         problems.append(PlanProblem(ProblemKind.PACKED_BLOCK_BYTES, packed.indptr, request=b, index=b + 1, expected=int(want[b]), found=int(found[b]), detail=detail))
         return None
     if data.numel() < int(offsets[bs]):
-        return None  # the kernel would read past the bytes: the plan's view bounds it (invariants)
+        # The kernel reads the blocks' bytes past the buffer (FlashInfer #3176: plan() packed a mask
+        # built for other lengths unchecked).
+        detail = {"stale": 0, "computed": True, "packed": True, **_past_end(offsets, geometry, data.numel(), packed=True)}
+        problems.append(PlanProblem(ProblemKind.MASK_LENGTH, packed.tensor, request=detail["request"], index=data.numel(), expected=int(offsets[bs]), found=data.numel(), detail=detail))
+        return None
     return PackedMask.unpack(data, offsets, bits), geometry.indptr
+
+
+def _past_end(offsets: Tensor, geometry: MaskGeometry, length: int, packed: bool = False) -> dict[str, int]:
+    """Where a kernel reading the blocks at `offsets` first reads past a mask of `length` elements
+    (bytes when `packed`): the request, its block's [start, stop) and shape, and the block's first
+    element read past the end (its row and column); empty when no block reaches past it."""
+    ends = offsets[1 : geometry.sizes.numel() + 1]
+    past = torch.nonzero(ends > length).flatten()
+    if not past.numel():
+        return {}
+    b = int(past[0])
+    start = int(offsets[b])
+    element = max(length - start, 0) * (8 if packed else 1)  # the first element of the block not in the mask
+    columns = int(geometry.columns[b])
+    return {"request": b, "start": start, "stop": int(offsets[b + 1]), "rows": int(geometry.rows[b]), "columns": columns, "element": element, "row": element // columns, "column": element % columns}
 
 
 def _window_list_starts(trace: Trace, windows: WindowList) -> list[int | None] | None:

@@ -477,3 +477,62 @@ def first_difference(trace: Trace, seen) -> tuple[int, int, int]:
             r, c = (int(x) for x in torch.nonzero(diff)[0])
             return b, r, c
     raise AssertionError("no difference")
+
+
+# -- a FlashInfer mask that does not fit the blocks plan() lays out (FlashInfer #3176) ---------------
+
+
+def _packed(trace: Trace) -> Trace:
+    """The flashinfer plan with its mask as plan() keeps it: packed on whole bytes per request."""
+    from attndbg.backends.plan_layout import PackedMask
+    from attndbg.interop.flashinfer_steps import PACKED_INDPTR, PACKED_MASK
+    from tests.interop.fi_dumps import _pack
+
+    tensors = dict(trace.plan.tensors)
+    mask, indptr = tensors.pop("custom_mask"), tensors.pop("mask_indptr").to(torch.int64)
+    blocks = [_pack(mask[int(indptr[b]) : int(indptr[b + 1])]) for b in range(trace.batch.batch_size)]
+    tensors[PACKED_MASK] = torch.cat(blocks)
+    tensors[PACKED_INDPTR] = torch.nn.functional.pad(PackedMask.byte_sizes(indptr.diff()).cumsum(0), (1, 0)).to(torch.int32)
+    return dataclasses.replace(trace, plan=dataclasses.replace(trace.plan, tensors=tensors))
+
+
+def _plan_tensor(trace: Trace, **tensors: torch.Tensor) -> Trace:
+    return dataclasses.replace(trace, plan=dataclasses.replace(trace.plan, tensors={**trace.plan.tensors, **tensors}))
+
+
+def test_a_short_flashinfer_mask_names_the_request_and_first_element_read_past_it() -> None:
+    trace = with_plan(build("verify", *SMALL, "seed=3"), "flashinfer")
+    mask, indptr = trace.plan.tensors["custom_mask"], trace.plan.tensors["mask_indptr"].to(torch.int64)
+    cut = int(indptr[-2]) + 5  # the last request's block loses all but 5 elements
+    found = one(_plan_tensor(trace, custom_mask=mask[:cut]), "mask-length", "plan")
+    last = trace.batch.batch_size - 1
+    assert found.location.request == last and found.location.field == f"plan.custom_mask[{cut}]"
+    says(found, f"request {last}'s", f"plan.custom_mask[{int(indptr[-2])}:{int(indptr[-1])}]", f"reads {int(indptr[-1]) - cut} element(s) past the end", "element 5:", "compared:")
+    assert "#3176" in found.cause
+
+
+def test_a_short_packed_flashinfer_mask_is_tree_masks_to_name() -> None:
+    """The bytes plan() packed end before the last request's block: tree-mask names the request and
+    the first byte read past the end; invariants leaves the refusal to it (no plan-unsafe)."""
+    from attndbg.detectors.invariants import detect as invariants
+
+    trace = _packed(with_plan(build("verify", *SMALL, "seed=4"), "flashinfer"))
+    assert masks(trace) == []
+    data, offsets = trace.plan.tensors["packed_custom_mask"], trace.plan.tensors["packed_mask_indptr"]
+    bad = _plan_tensor(trace, packed_custom_mask=data[: int(offsets[-1]) - 2])
+    found = one(bad, "mask-length", "plan")
+    assert found.location.field == f"plan.packed_custom_mask[{int(offsets[-1]) - 2}]" and found.location.request == trace.batch.batch_size - 1
+    says(found, f"holds {int(offsets[-1]) - 2} bytes", "reads 2 byte(s) past the end")
+    assert not [f for f in invariants.detect(CheckContext(trace=bad, path="t", options=CheckOptions(backends=("reference",)))) if f.check == "plan-unsafe"]
+
+
+def test_a_long_flashinfer_mask_is_judged_by_its_size_alone() -> None:
+    """plan() reads each block at cumsum(q_len x kv_len): a longer mask was laid out for other
+    lengths, so its blocks are not compared with the tree (one mask-length, no mismatch)."""
+    trace = with_plan(build("verify", *SMALL, "seed=5"), "flashinfer")
+    mask = trace.plan.tensors["custom_mask"]
+    bad = _plan_tensor(trace, custom_mask=torch.cat([torch.zeros(7, dtype=mask.dtype), mask]))
+    assert [f.check for f in masks(bad)] == ["mask-length"]
+    found = one(bad, "mask-length", "plan")
+    says(found, "(long by 7)", "compared:")
+    assert "laid out for other lengths" in found.cause

@@ -14,6 +14,7 @@ from attndbg.detectors.invariants.capture import captured_split_limit
 from attndbg.detectors.invariants.indptr import _indptr_ends
 from attndbg.detectors.invariants.structure import worded
 from attndbg.plans.kv import needed_start
+from attndbg.plans.problems import ProblemKind
 from attndbg.plans.reading import PlanReading
 from attndbg.trace.schema import ForwardMode, Plan, Trace
 
@@ -52,9 +53,18 @@ def _check_launchable(trace: Trace, reading: PlanReading, out: list[Finding]) ->
         return
     if any((f.location.field or "").startswith(f"plan.{found.field}") for f in out):
         return
-    if trace.is_tree_verify and found.field.startswith(_TREE_MASK_FIELDS):
+    if trace.is_tree_verify and _tree_mask_names(reading, found.field):
         return
     out.append(finding(KIND, "plan-unsafe", step=trace.source.step, field=f"plan.{found.field}", evidence=found.message, cause=CAUSE_UNSAFE))
+
+
+def _tree_mask_names(reading: PlanReading, field: str) -> bool:
+    """Whether tree-mask words the refusal of this verify step's plan field: its mask fields, and a
+    packed mask shorter than its blocks (tree-mask's mask-length names the request and first byte)."""
+    if field.startswith(_TREE_MASK_FIELDS):
+        return True
+    packed = reading.layout.packed_mask if reading.layout is not None else None
+    return packed is not None and field in (packed.tensor, packed.indptr) and any(p.kind is ProblemKind.MASK_LENGTH for p in reading.mask_problems)
 
 
 def _check_fields(trace: Trace, reading: PlanReading, out: list[Finding]) -> None:

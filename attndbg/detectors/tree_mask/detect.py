@@ -20,7 +20,11 @@ Checks on the recorded plan, judged by what its kernel will see (FULL-layout boo
 triton and flashinfer vocabularies, fa3's two-call expand tables, or plain causal plans):
 
     mask-indptr         mask_indptr[b+1] - mask_indptr[b] != n·(prefix_b+n) (flashinfer: n·covered KV)
-    mask-length         custom_mask shorter or longer than mask_indptr[-1] (FlashInfer #3176)
+    mask-length         custom_mask shorter or longer than mask_indptr[-1], or packed bytes shorter than
+                        their blocks (FlashInfer #3176): the request and first element read past
+                        it; where the library lays the blocks out itself (FlashInfer's plan()), a
+                        mask of another length is read where it was not written and is not
+                        compared with the draft tree
     mask-prefix-hidden, mask-mismatch   as above, for the mask the kernel reads (Triton skips the
                         prefix columns: skip_prefix_custom_mask, SGLang's default)
     window-ignored      the kernel's window is off (window_left / sliding_window = -1), so the mask

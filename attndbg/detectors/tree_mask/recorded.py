@@ -127,27 +127,39 @@ def _block_size(trace: Trace, problem: PlanProblem) -> Finding:
 
 
 def _mask_length(trace: Trace, problem: PlanProblem) -> Finding:
-    length, end, stale = problem.found, problem.expected, problem.detail["stale"]
-    short = length < end
-    return finding(
-        KIND,
-        "mask-length",
-        step=trace.source.step,
-        field=f"plan.custom_mask[{problem.index}]",
-        evidence=f"plan.custom_mask has {length} elements but mask_indptr[-1] = {end} ({'short' if short else 'long'} by {abs(end - length)})"
-        + ("" if short else f"; plan.custom_mask[{end}:] " + (f"holds {stale} False element(s)" if stale else "is all True")),
-        cause=(
-            "the mask was built for fewer KV columns than the plan's requests have; the kernel reads past the buffer (FlashInfer #3176)"
-            if short
-            else (
-                "a stale tail: the engine sized the mask for this step but it holds an earlier, larger step's tree rows past its offsets (a reused buffer, not refilled)"
-                if stale
-                else "the mask buffer is longer than its offsets: sized from other lengths (a wrong seq_lens_sum) than the ones mask_indptr was built from"
-            )
-        ),
-        expected=end,
-        found=length,
-    )
+    length, end, detail = problem.found, problem.expected, problem.detail
+    stale, computed, short = detail["stale"], detail.get("computed", False), length < end
+    name = f"plan.{problem.field}"
+    unit = "byte(s)" if detail.get("packed") else "element(s)"
+    if detail.get("packed"):
+        evidence = f"{name} holds {length} bytes but {PACKED_OFFSETS_WORDS} end at {end} (short by {end - length})"
+    else:
+        evidence = f"{name} has {length} elements but mask_indptr[-1] = {end} ({'short' if short else 'long'} by {abs(end - length)})"
+    if short and "request" in detail:
+        b = detail["request"]
+        block = f"{detail['rows']} x {detail['columns']}" + (" bits" if detail.get("packed") else "")
+        evidence += (
+            f"; request {b}'s {block} block is read at {name}[{detail['start']}:{detail['stop']}], so the kernel reads {detail['stop'] - length} {unit} past the end, "
+            f"from {name}[{length}] (the block's element {detail['element']}: row {detail['row']}, column {detail['column']})"
+        )
+    elif not short:
+        evidence += f"; {name}[{end}:] " + (f"holds {stale} False element(s)" if stale else "is all True")
+    if computed:
+        # What was compared: the mask's size with the blocks the kernel reads (the lengths alone).
+        evidence += "; compared: the mask's size with the q_len x kv_len blocks the kernel reads at the offsets plan() computes from qo_indptr and the KV the plan lists (a mask that does not fit them is not compared with the draft tree)"
+    if short:
+        cause = "the mask was built for fewer KV columns than the plan's requests have; the kernel reads past the buffer (FlashInfer #3176: plan() packed it unchecked, no error, a wrong output or an illegal memory access)"
+    elif computed:
+        cause = "the mask was laid out for other lengths than the plan's requests have: the library reads each request's block at offsets of its own (cumsum(q_len x kv_len)), so its rows are read where they were not written (FlashInfer #3176; plan() checks the length since #3503)"
+    elif stale:
+        cause = "a stale tail: the engine sized the mask for this step but it holds an earlier, larger step's tree rows past its offsets (a reused buffer, not refilled)"
+    else:
+        cause = "the mask buffer is longer than its offsets: sized from other lengths (a wrong seq_lens_sum) than the ones mask_indptr was built from"
+    return finding(KIND, "mask-length", step=trace.source.step, request=problem.request, field=f"{name}[{problem.index}]", evidence=evidence, cause=cause, expected=end, found=length)
+
+
+# How a packed mask's blocks are placed: FlashInfer's plan() packs each on whole bytes.
+PACKED_OFFSETS_WORDS = "the requests' packed blocks (each q_len x kv_len bits on whole bytes, as plan() lays them out)"
 
 
 # -- the plan's visibility against the draft tree's ---------------------------------------------------
