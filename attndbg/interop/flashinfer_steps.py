@@ -182,10 +182,11 @@ def _paged(item: Run, step: int) -> StepParts:
         known = {"use_tensor_cores": cores, "causal": False}
     else:
         tensors["qo_indptr"] = plan.args()["qo_indptr"]
-        mask = _mask(plan, q_lens, kv_lens, tensors)
+        mask, unread = _mask(plan, q_lens, kv_lens, tensors)
         causal = fa.known_bool(plan, "causal")
-        if mask is not None:
-            spec, mode = _spec(mask, q_lens, kv_lens, plan, inferred), ForwardMode.TARGET_VERIFY
+        if mask is not None or unread is not None:
+            spec = _spec(mask, q_lens, kv_lens, plan, inferred) if mask is not None else _unread_spec(q_lens, unread, inferred)
+            mode = ForwardMode.TARGET_VERIFY
             if causal is None:  # the kernel reads the mask; the flag is FlashInfer's default
                 filled, inferred["plan.causal"] = _filled(plan, "causal", fallback=False, becomes=False, what="the plan's causal flag; the custom mask decides")
                 causal = bool(filled)
@@ -200,9 +201,15 @@ def _paged(item: Run, step: int) -> StepParts:
     q = fa.float_tensor(run, "q", dims=3)
     q = fa.check_shape(q, (int(q_lens.sum()), hq, dim), "q", run)
     out, lse = fa.results(run)
+    out, lse = _shaped(out, q.shape, run, "result"), _shaped(lse, q.shape[:2], run, "result_1")
+    if spec is not None and spec.custom_mask is None and (out is not None or lse is not None):
+        # What the kernel computed from a mask that does not fit its blocks has no truth to be
+        # compared with (the tree is not known): the plan detectors judge the mask itself.
+        out = lse = None
+        inferred["layer.output"] = "not kept: the run read a custom mask that does not fit the plan's blocks, and the draft tree it should show is not known"
     model = mha_model(num_qo_heads=hq, num_kv_heads=hkv, head_dim=dim, v_head_dim=dim, sm_scale=scale, logit_cap=cap, window=window,
                       q_dtype=dtype_name(q.dtype, "q", run.directory, q=True), kv_dtype=dtype_name(k_pool.dtype, "paged_kv_cache", run.directory), page_size=ps)  # fmt: skip
-    layer = layer_from_pool(rows=rows, extend_lens=q_lens.tolist(), q=q, k_pool=k_pool, v_pool=v_pool, output=_shaped(out, q.shape, run, "result"), lse=_shaped(lse, q.shape[:2], run, "result_1"), lse_base=LseBase.TWO)
+    layer = layer_from_pool(rows=rows, extend_lens=q_lens.tolist(), q=q, k_pool=k_pool, v_pool=v_pool, output=out, lse=lse, lse_base=LseBase.TWO)
     return StepParts(
         source=imported_source(engine=ENGINE, version=_version(run), backend="flashinfer", step=step), model=model, mode=mode,
         prefix_lens=prefix, extend_lens=q_lens.tolist(), rows=rows, kv_cache_size=pages * ps, spec=spec, graph=_graph(item, bs, inferred),
@@ -211,32 +218,55 @@ def _paged(item: Run, step: int) -> StepParts:
     )  # fmt: skip
 
 
-def _mask(plan: Call, q_lens: Tensor, kv_lens: Tensor, tensors: dict[str, Tensor]) -> Tensor | None:
+def _mask(plan: Call, q_lens: Tensor, kv_lens: Tensor, tensors: dict[str, Tensor]) -> tuple[Tensor | None, str | None]:
     """The plan's custom mask as bools (per request a row-major [q_len, kv_len] block), recorded in
-    the plan as given: `custom_mask` (bool) or `packed_custom_mask` (FlashInfer's segment_packbits,
-    little-endian, each block on its own bytes)."""
+    the plan as given: `custom_mask` (bool, flattened as plan() flattens it) or `packed_custom_mask`
+    (FlashInfer's segment_packbits, little-endian, each block on its own bytes), with the offsets
+    plan() computes from the lengths. A mask whose size does not fit those blocks is kept as given
+    (plan() packed it unchecked before FlashInfer #3503, and the kernel read it at these offsets:
+    the tree-mask detector judges it); then no bools, and why the draft tree cannot be read."""
     sizes = q_lens * kv_lens
     args = plan.args()
     if isinstance(args.get("custom_mask"), Tensor):
-        mask = args["custom_mask"]
-        if mask.dim() != 1 or mask.numel() != int(sizes.sum()):
-            raise fa.NotImported(f"custom_mask has {mask.numel()} elements, the requests' q_len x kv_len blocks need {int(sizes.sum())}: the draft tree cannot be read from it")
+        mask = args["custom_mask"].reshape(-1)
         tensors["custom_mask"] = mask
         # plan() computes the blocks' offsets itself (prefill.py _compute_page_mask_indptr); the
         # adapter's plan form carries them beside the bool mask.
         tensors["mask_indptr"] = torch.nn.functional.pad(sizes.cumsum(0), (1, 0)).to(torch.int32)
-        return mask.to(torch.bool)
+        if mask.numel() != int(sizes.sum()):
+            return None, f"custom_mask has {mask.numel()} elements, the requests' q_len x kv_len blocks need {int(sizes.sum())}"
+        return mask.to(torch.bool), None
     packed = args.get("packed_custom_mask")
     if not isinstance(packed, Tensor):
-        return None
+        return None, None
+    if packed.dim() != 1 or packed.dtype != torch.uint8:
+        raise fa.NotImported(f"packed_custom_mask is a {str(packed.dtype).replace('torch.', '')} tensor of shape {list(packed.shape)}, not segment_packbits' 1-D uint8 bytes")
     byte_sizes = (sizes + 7) // 8
     offsets = torch.nn.functional.pad(byte_sizes.cumsum(0), (1, 0))
-    if packed.dim() != 1 or packed.dtype != torch.uint8 or packed.numel() < int(offsets[-1]):
-        raise fa.NotImported(f"packed_custom_mask holds {packed.numel()} bytes, the requests' blocks need {int(offsets[-1])}: the draft tree cannot be read from it")
     tensors[PACKED_MASK], tensors[PACKED_INDPTR] = packed, offsets.to(torch.int32)
+    if packed.numel() < int(offsets[-1]):
+        return None, f"packed_custom_mask holds {packed.numel()} bytes, the requests' blocks need {int(offsets[-1])}"
     bits = torch.arange(8)
     blocks = [((packed[int(offsets[b]) : int(offsets[b + 1])].to(torch.int64)[:, None] >> bits) & 1).flatten()[: int(sizes[b])] for b in range(sizes.numel())]
-    return torch.cat(blocks).to(torch.bool) if blocks else torch.zeros(0, dtype=torch.bool)
+    return (torch.cat(blocks).to(torch.bool) if blocks else torch.zeros(0, dtype=torch.bool)), None
+
+
+def _unread_spec(q_lens: Tensor, unread: str, inferred: dict[str, str]) -> Spec:
+    """A verify step whose draft tree is not known: its mask does not fit the blocks the kernel
+    reads. The step keeps the verify's shape (n queries a request) so the plan detectors judge the
+    mask as the kernel reads it; the tree stands as a chain only so the step has a form, with no
+    mask of its own (nothing is compared with it: the run's output is not kept)."""
+    n = _draft_count(q_lens)
+    inferred["spec"] = f"not known: {unread}, so the draft tree cannot be read from it; a chain of {n} stands in for it (no spec mask, the run's output not kept): the plan's mask is judged as the kernel reads it"
+    parents = torch.arange(-1, n - 1, dtype=torch.int64).expand(q_lens.numel(), n).clone()
+    return Spec(algorithm="unknown", draft_token_num=n, topk=1, steps=max(n - 1, 1), parents=parents, custom_mask=None, mask_layout=MaskLayout.FULL)
+
+
+def _draft_count(q_lens: Tensor) -> int:
+    n = int(q_lens[0]) if q_lens.numel() else 1
+    if bool((q_lens != n).any()):
+        raise fa.NotImported(f"custom mask over requests of {sorted(set(q_lens.tolist()))} queries: a verify step has the same draft count in every request")
+    return n
 
 
 def _spec(mask: Tensor, q_lens: Tensor, kv_lens: Tensor, plan: Call, inferred: dict[str, str]) -> Spec:
@@ -244,9 +274,7 @@ def _spec(mask: Tensor, q_lens: Tensor, kv_lens: Tensor, plan: Call, inferred: d
     draft column j; a token's parent is its nearest visible earlier token. A block that is not a
     tree's mask still gives a tree (the nearest visible token, else the root): check then names
     where the recorded mask departs from it."""
-    n = int(q_lens[0]) if q_lens.numel() else 1
-    if bool((q_lens != n).any()):
-        raise fa.NotImported(f"custom mask over requests of {sorted(set(q_lens.tolist()))} queries: a verify step has the same draft count in every request")
+    n = _draft_count(q_lens)
     parents, start = [], 0
     for b in range(q_lens.numel()):
         kv = int(kv_lens[b])

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from attndbg.trace import io
 from tests.corpus import (
+    flashinfer_dumps,
     flashinfer_merges,
     flashinfer_wrappers,
     not_expressible,
@@ -33,6 +34,7 @@ FAMILIES = (
     vllm_builder_lists,
     flashinfer_wrappers,
     flashinfer_merges,
+    flashinfer_dumps,
     not_expressible,
 )
 BUGS: tuple[RealBug, ...] = tuple(bug for family in FAMILIES for bug in family.BUGS)

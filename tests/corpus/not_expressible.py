@@ -95,16 +95,6 @@ BUGS = (
         Capability.HOST_HINTS, Capability.SPLITS_VS_CAPTURE,
     ),
     _bug(
-        "flashinfer-3176", "Custom mask shape never validated: a (10, 15) mask for qo 10, kv 20 read 50 bits past the buffer",
-        ("https://github.com/flashinfer-ai/flashinfer/issues/3176", "https://github.com/flashinfer-ai/flashinfer/pull/3503"), "2026-06",
-        "FlashInfer", "TARGET_VERIFY",
-        "BatchPrefillWithPagedKVCacheWrapper.plan flattened and packed a mask of the wrong shape without checking it against "
-        "sum(q_len x kv_len); the kernel read past it (max abs diff 1.3, no error)",
-        "the FlashInfer dump importer refuses such a plan: 'custom_mask has N elements, the requests' q_len x kv_len blocks need M: "
-        "the draft tree cannot be read from it' (interop/flashinfer_steps.py), though a wrong plan is evidence",
-        Capability.PACKED_MASK,
-    ),
-    _bug(
         "flashinfer-362", "vLLM planned a prefill wrapper with paged_kv_indptr = [0] for bs + 1 query offsets",
         ("https://github.com/flashinfer-ai/flashinfer/issues/362", "https://github.com/vllm-project/vllm/pull/7008"), "2024-07",
         "vLLM (V0) FLASHINFER", "capture",

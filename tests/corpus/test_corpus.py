@@ -57,6 +57,7 @@ CAUGHT = {
     "flashinfer-1028": "split-merge/recorded-output-mismatch",
     "flashinfer-4002": "invariants/plan-info-request-index",
     "flashinfer-4051": "split-merge/merge-step-nonfinite",
+    "flashinfer-3176": "tree-mask/mask-length",
     "vllm-35969": "fill-value/padded-seq-len-unsupported",
     "vllm-35175": "invariants/plan-pointer-moved",
     "vllm-31282": "invariants/kv-last-page-len",
@@ -108,8 +109,9 @@ def test_every_step_loads_and_validates(written: dict[str, Path], bug: RealBug) 
         assert entries, (bug.id, side)
         for entry in entries:
             trace = io.load(written[bug.id] / side / entry.file)  # validates; a wrong plan loads as evidence
-            # A merge step is the library's merge call itself (no engine recorder writes one).
-            engines = ("sglang", "vllm", "flashinfer") if trace.merge is not None else ("sglang", "vllm")
+            # A merge step is the library's merge call itself (no engine recorder writes one); a
+            # user's FlashInfer dump comes through attndbg's importer.
+            engines = ("sglang", "vllm", "flashinfer") if trace.merge is not None else ("sglang", "vllm", "flashinfer-dump")
             assert trace.source.engine in engines, trace.source.engine
 
 
@@ -134,7 +136,7 @@ def test_the_bugs_caught_today_stay_caught(written: dict[str, Path], bug_id: str
 
 # Metadata-level bugs whose finding's cause names the mechanism (one of the bug's words, as
 # bench/real_bugs.py's "named" column judges it): kept named.
-NAMED_BY_CAUSE = ("flashinfer-4002", "sglang-22958", "sglang-26292", "sglang-27338", "sglang-27545", "sglang-35985", "vllm-56181")
+NAMED_BY_CAUSE = ("flashinfer-3176", "flashinfer-4002", "sglang-22958", "sglang-26292", "sglang-27338", "sglang-27545", "sglang-35985", "vllm-56181")
 # Bugs today's detectors flag only with a hazard (no defect, so not caught): the hazard's
 # class/check, kept specific.
 HAZARD_ONLY = {"sglang-26292": "fill-value/stale-padded-req-pool-index"}

@@ -269,6 +269,31 @@ def write_verify(w: DumpWriter, *, ident: int = 0x3000, seed: int = 3, parents=(
     w.call(f"{PAGED}.run", (q, (b["k"], b["v"])), {"return_lse": True}, out, self_obj=me)
 
 
+# FlashInfer #3176's shape: one request verifying 10 tokens over a prefix of 10 (q_len 10, kv_len 20).
+MASK_TREE = (-1, 0, 0, 1, 1, 2, 3, 3, 4, 6)
+MASK_PREFIX = 10
+
+
+def write_mask_shape(w: DumpWriter, *, ident: int = 0x3100, seed: int = 31, columns: int = 20, packed: bool = False) -> None:
+    """A paged prefill planned with a custom mask of `columns` columns per query row for q_len 10,
+    kv_len 20 (flattened, or packed as segment_packbits packs it): 20 is the right mask (the tree
+    over the whole row), 15 the mask of FlashInfer #3176, built for a prefix of 5. plan() before
+    the fix packed it unchecked; the run's output is what the kernel computes reading each row's 20
+    bits at offset row x 20 of the flat mask, bits past its end read as 0 (what lay there)."""
+    n, kv = len(MASK_TREE), MASK_PREFIX + len(MASK_TREE)
+    b = paged_batch([kv], PAGE, HKV, DIM, seed=seed)
+    qo = torch.tensor([0, n], dtype=torch.int32)
+    given = tree_visible(list(MASK_TREE), columns - n).flatten()
+    read = torch.zeros(n * kv, dtype=torch.bool)
+    read[: min(given.numel(), read.numel())] = given[: read.numel()]
+    mask_arg = {"packed_custom_mask": _pack(given)} if packed else {"custom_mask": given}
+    me = Obj(PAGED, ident)
+    w.call(f"{PAGED}.plan", (qo, b["indptr"], b["indices"], b["last"], HQ, HKV, DIM, PAGE), {**mask_arg, "causal": False, "sm_scale": SCALE, "window_left": -1, "logits_soft_cap": 0.0}, self_obj=me)
+    q = _q(n, seed)
+    out = _run_outputs(q, b, [n], [read.view(n, kv)])
+    w.call(f"{PAGED}.run", (q, (b["k"], b["v"])), {"return_lse": True}, out, self_obj=me)
+
+
 def _pack(bits: Tensor) -> Tensor:
     padded = torch.nn.functional.pad(bits.to(torch.uint8), (0, (-bits.numel()) % 8)).view(-1, 8)
     return (padded.long() << torch.arange(8)).sum(1).to(torch.uint8)
