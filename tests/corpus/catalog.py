@@ -44,7 +44,9 @@ ENCODED: tuple[RealBug, ...] = tuple(bug for bug in BUGS if bug.write is not Non
 def holds_output(recording: Path) -> bool:
     """Whether a recording holds the engine's output (recorded with its layers, `record --layers`):
     an output-level bug, which diagnosis can name by reproducing that output."""
-    return any(io.load(recording / entry.file).tensors for entry in io.read_manifest(recording))
+    # A step may hold a layer's inputs without its output (an imported run whose output has no
+    # truth to be compared with): that is not an output-level bug.
+    return any(layer.output is not None for entry in io.read_manifest(recording) for layer in io.load(recording / entry.file).tensors.values())
 
 
 def by_id(bug_id: str) -> RealBug:
