@@ -14,6 +14,14 @@ non-causal; call 2 ("expand_" tensors) = each draft token as its own one-token r
 draft tokens it may see (its ancestors and itself), their slots sorted to the front of its page
 table row, cache_seqlens = the mask row's sum; both with LSE, merged exactly in torch (float32,
 natural log). A chain (topk == 1) is plain causal attention over prefix + drafts.
+
+Sliding-window layers of a tree verify ("window-expand", sglang#9658): FA3 takes one window for
+all the queries of a call, so the prefix call cannot give each draft token the window at its own
+position. SGLang runs these layers as one causal call over `swa_spec_metadata`, recorded as the
+"swa_" tensors: a row per draft token listing its request's prefix, then the draft slots it sees
+(the expand call's row), cache_seqlens = prefix + that row's sum; window (W, 0) then keeps the
+W + 1 keys nearest the draft token along its own path. The plan keeps the prefix call's tables
+the SWA rows were built from (`page_table`, `cache_seqlens`): what the step lists per request.
 """
 
 from __future__ import annotations
@@ -105,6 +113,9 @@ def impl_on(capability: tuple[int, int] | None) -> Impl | None:
 
 # The name SGLang's FlashAttention backend carries in a trace's source.backend (the recorder's).
 SGLANG_NAME = "fa3"
+# The plan's verify_path of a sliding-window layer of a tree verify: one call over the swa_ tables
+# (SGLang's swa_spec_metadata). A recorded path, not an option: SGLang chooses it by the layer.
+WINDOW_EXPAND = "window-expand"
 
 
 class VerifyPath(enum.Enum):
@@ -266,7 +277,7 @@ class FA3Backend(Backend):
             why={
                 "column_mask": "FA3 masks are causal or sliding-window only",
                 "extend_mask": "FA3 masks are causal or sliding-window only",
-                "window_in_tree_verify": "SGLang uses a separate swa_spec_metadata path",
+                "window_in_tree_verify": "SGLang runs sliding-window layers of a tree verify over their own swa_spec_metadata tables (recorded as swa_*, judged by tree-mask); this adapter derives no such plan",
                 "window_right": "FlashInfer's backend='fa3' wrapper takes window_left only (prefill.py plan(): no right window)",
                 "sinks": "the sink term (sgl_kernel's sinks, vLLM's s_aux, FlashInfer's fa3 AttentionSink variant) is not wired into this adapter",
                 "kv_dtype_is_q_dtype": "an fp8 cache with scales is not wired into this adapter",
@@ -366,6 +377,8 @@ class FA3Backend(Backend):
         tree verify's first call lists the prefix only; its expand_ call (page size 1: its table
         holds slot ids; one row per draft token) lists, per draft token, the draft slots it sees,
         and its torch merge reads every query row of both calls."""
+        if plan.scalars.get("verify_path") == WINDOW_EXPAND and trace.spec is not None:
+            return _window_expand_declaration(trace.spec.draft_token_num)
         two_call = plan.scalars.get("verify_path") == VerifyPath.TWO_CALL.value
         rows = [_call_layout("", 1)]
         if two_call and trace.spec is not None:
@@ -384,7 +397,10 @@ class FA3Backend(Backend):
 
     @classmethod
     def merge_path(cls, trace: Trace) -> str | None:
-        # SGLang's FA3 backend verifies a tree (topk > 1) in two calls merged (engines.md A4.4).
+        # SGLang's FA3 backend verifies a tree (topk > 1) in two calls merged (engines.md A4.4);
+        # its sliding-window layers in one call (WINDOW_EXPAND), which merges nothing.
+        if trace.plan is not None and trace.plan.scalars.get("verify_path") == WINDOW_EXPAND:
+            return None
         if trace.source.backend == SGLANG_NAME and trace.is_tree_verify and trace.spec.topk > 1:
             return "FA3 two-call verify (prefix and draft partials merged with merge_state_v2)"
         return None
@@ -416,7 +432,8 @@ class FA3Backend(Backend):
         impl = select_impl()
         if impl is None:
             raise KernelError(self.unavailable_reason() or "no FlashAttention-3 implementation")
-        main_call = FA3Call.from_plan(plan)
+        # A sliding-window layer of a tree verify runs its swa_ call alone (SGLang's forward_extend).
+        main_call = FA3Call.from_plan(plan, "swa_" if plan.scalars["verify_path"] == WINDOW_EXPAND else "")
         try:
             main = self._call(impl, "main", trace, inputs, main_call)
             if plan.scalars["verify_path"] != "two-call":
@@ -608,6 +625,24 @@ def _call(prefix: str) -> pd.Call:
         page_size=f"{prefix}page_size",
         queries=f"{prefix}cu_seqlens_q",
         scalars=tuple(f"{prefix}{name}" for name in ("max_seqlen_q", "max_seqlen_k", "causal")),
+    )
+
+
+def _window_expand_declaration(n: int) -> pd.PlanDeclaration:
+    """A sliding-window layer's tree verify (WINDOW_EXPAND): the prefix call's tables list each
+    request's prefix (what the swa_ rows were built from, and what its KV is judged by); the
+    kernel runs the swa_ call alone, a row per draft token (page size 1: slot ids), causal under
+    the layer's window, over every query row of the step."""
+    return pd.PlanDeclaration(
+        call=_call(""),
+        scalars=("window_left", "verify_path"),
+        second_call=_call("swa_"),
+        merged_rows="the sliding-window call runs every draft token of the step as its own query row",
+        ends=(pl.KvEnd.PREFIX,),
+        mask=pl.MaskReading.WINDOW_CALL,
+        window="window_left",
+        expand=pl.ExpandTables("swa_page_table", "swa_cache_seqlens", "swa_cu_seqlens_k"),
+        rows=(_call_layout("", 1), _call_layout("swa_", n)),
     )
 
 

@@ -45,6 +45,7 @@ class MaskReading(enum.Enum):
     FULL_BLOCKS = "per request a row-major [n, prefix + n] block at mask_indptr[b], indexed from the first listed column by window offsets"
     COVERED_BLOCKS = "per request a row-major [n, listed KV] block at mask_indptr[b], over the columns the plan lists"
     EXPAND_CALL = "a second call whose table lists, per draft token, the draft slots it sees; the first call reads the prefix"
+    WINDOW_CALL = "one causal call with a row per draft token whose table lists the prefix and the draft slots it sees, cut by the kernel's window"
     CAUSAL = "no mask: causal by token index"
 
 
@@ -59,7 +60,8 @@ class WindowList:
 
 @dataclass(frozen=True)
 class ExpandTables:
-    """The draft-block call of a two-call verify: one table row per draft token."""
+    """A verify call with one table row per draft token: a two-call verify's draft-block call
+    (EXPAND_CALL), or a sliding-window layer's only call (WINDOW_CALL)."""
 
     table: str
     lengths: str
@@ -108,7 +110,7 @@ class PlanLayout:
     window: str  # the plan scalar holding the kernel's own window, e.g. "window_left"
     window_list: WindowList | None = None
     skip_prefix: str | None = None  # FULL_BLOCKS: the scalar saying the kernel ignores the prefix columns (default true)
-    expand: ExpandTables | None = None  # EXPAND_CALL's tables
+    expand: ExpandTables | None = None  # EXPAND_CALL's and WINDOW_CALL's per-draft-token tables
     packed_mask: PackedMask | None = None  # where the plan holds its mask packed instead of as bools (custom_mask)
     # FULL_BLOCKS / COVERED_BLOCKS: the library lays the blocks out itself, back to back from the
     # lengths (FlashInfer's plan()), whatever offsets the plan records; a mask of another length was

@@ -233,7 +233,8 @@ class PlanReading:
         if not self.trace.is_tree_verify or layout is None or coverage is None:
             return None, []
         skip = self.scalars.get("skip_prefix")
-        settings = MaskSettings(window=self.scalars["window"].value, skip_prefix=layout.mask is MaskReading.FULL_BLOCKS and skip is not None and bool(skip.value))
+        full = layout.mask is MaskReading.FULL_BLOCKS
+        settings = MaskSettings(window=self.scalars["window"].value, skip_prefix=full and skip is not None and bool(skip.value), window_right=scalars.window_right(self.plan))
         return read_visibility(self.trace, layout, coverage, settings)
 
     @property

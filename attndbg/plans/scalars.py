@@ -39,6 +39,13 @@ def kernel_window(trace: Trace, plan: Plan, name: str) -> PlanScalar:
     return PlanScalar(name, trace.model.sliding_window, ScalarSource.DERIVED)
 
 
+def window_right(plan: Plan) -> int:
+    """A non-causal call's right window (FA3's `window_right`: SGLang's cascade passes (sw, 0));
+    -1 (none) when the plan records no number there."""
+    value = plan.scalars.get("window_right")
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else -1
+
+
 def page_size(trace: Trace, plan: Plan, layout: PlanLayout) -> PlanScalar:
     """Tokens per KV id: fixed by the layout (slot ids: 1), else the plan's page_size, else the model's."""
     if layout.page_size is not None:

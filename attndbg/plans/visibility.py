@@ -1,6 +1,9 @@
 """What a verify step's recorded plan lets each draft row see, read by the layout its backend
 declares (backends/plan_layout.py MaskReading): a mask of FULL or covered-KV blocks (as bools, or
-packed as FlashInfer's plan() keeps it), a two-call verify's expand tables, or a plain causal plan.
+packed as FlashInfer's plan() keeps it), a two-call verify's expand tables, a sliding-window call's
+per-draft-token tables, or a plain causal plan. Where the kernel applies its own window to a call in
+FA3's layout, it is applied as FlashAttention does: by listed key index, a call's q_len rows aligned
+to its last keys (bottom-right).
 The result is a `PlanVisibility` per real request, or the structural problems that stop the reading
 (data; the tree-mask detector words them and compares the visibility with the draft tree's).
 """
@@ -25,7 +28,7 @@ Coverage = list[tuple[int, int] | None]  # per real request, the KV columns [sta
 class PlanVisibility:
     """What the recorded plan's kernel will let each draft row see, per real request."""
 
-    kind: str  # "mask" | "causal" | "expand"
+    kind: str  # "mask" | "causal" | "expand" | "window"
     blocks: dict[int, Tensor]  # request -> [n, prefix + n] bool (requests the plan leaves unclear are absent)
 
 
@@ -35,6 +38,7 @@ class MaskSettings:
 
     window: int  # the kernel's own window by KV index (-1: none)
     skip_prefix: bool  # FULL blocks: the kernel ignores the prefix columns (they count as visible)
+    window_right: int = -1  # a non-causal call's right window by KV index (-1: none)
 
 
 def index_window(prefix: int, n: int, width: int, window: int) -> Tensor:
@@ -51,7 +55,9 @@ def read_visibility(trace: Trace, layout: PlanLayout, coverage: Coverage, settin
     if layout.mask in (MaskReading.FULL_BLOCKS, MaskReading.COVERED_BLOCKS):
         view = _mask_view(trace, layout, coverage, settings, problems)
     elif layout.mask is MaskReading.EXPAND_CALL and layout.expand is not None:
-        view = _expand_view(trace, layout.expand, coverage, problems)
+        view = _per_draft_view(trace, layout.expand, coverage, settings, problems, prefix_call=True)
+    elif layout.mask is MaskReading.WINDOW_CALL and layout.expand is not None:
+        view = _per_draft_view(trace, layout.expand, coverage, settings, problems, prefix_call=False)
     else:
         view = _causal_view(trace, coverage, settings.window)
     return view, problems
@@ -228,8 +234,22 @@ def _window_offset(trace: Trace, layout: PlanLayout, b: int, offset: int, start:
     return PlanProblem(ProblemKind.WINDOW_OFFSET, windows.offsets, request=b, index=b if present else None, expected=start, found=offset, detail={"present": present, "listed": listed})
 
 
-def _expand_view(trace: Trace, expand: ExpandTables, coverage: Coverage, problems: list[PlanProblem]) -> PlanVisibility | None:
-    """Two-call verify: call 1 covers the prefix, call 2 row b*n+i covers the draft slots it lists."""
+def call_window(q_len: int, keys: int, left: int, right: int) -> Tensor:
+    """[q_len, keys] what FlashAttention's window (left, right) lets a call's rows see, by listed
+    key index: row i is aligned to key keys - q_len + i (bottom-right); -1 leaves a side open."""
+    aligned = (keys - q_len + torch.arange(q_len))[:, None]
+    key = torch.arange(keys)[None, :]
+    allowed = torch.ones(q_len, keys, dtype=torch.bool)
+    if left >= 0:
+        allowed &= key >= aligned - left
+    if right >= 0:
+        allowed &= key <= aligned + right
+    return allowed
+
+
+def _per_draft_tables(trace: Trace, expand: ExpandTables, problems: list[PlanProblem]) -> tuple[Tensor, Tensor] | None:
+    """The (table, lengths) of a call with a row per draft token; None (with the problem) when
+    absent or short of the step's draft tokens."""
     plan, batch = trace.plan, trace.batch
     n = trace.spec.draft_token_num
     table, lens = plan.tensors.get(expand.table), plan.tensors.get(expand.lengths)
@@ -240,17 +260,38 @@ def _expand_view(trace: Trace, expand: ExpandTables, coverage: Coverage, problem
         detail = {"lengths": expand.lengths, "rows": table.shape[0], "entries": lens.numel()}
         problems.append(PlanProblem(ProblemKind.EXPAND_ROWS, expand.table, expected=batch.batch_size * n, found=table.shape[0], detail=detail))
         return None
+    return table, lens
+
+
+def _listed(table: Tensor, lens: Tensor, r: int, window: int) -> Tensor:
+    """Row r's listed slots that its one causal query sees under the window (its last keys)."""
+    listed = table[r, : max(min(int(lens[r]), table.shape[1]), 0)].to(torch.int64)
+    return listed[call_window(1, listed.numel(), window, 0)[0]]
+
+
+def _per_draft_view(trace: Trace, tables: ExpandTables, coverage: Coverage, settings: MaskSettings, problems: list[PlanProblem], *, prefix_call: bool) -> PlanVisibility | None:
+    """A call with a row per draft token: row b*n+i is draft token i's own causal query over the
+    slots it lists, of which the kernel's window keeps the last window + 1.
+
+    `prefix_call`: a two-call verify (EXPAND_CALL): the rows list the draft slots only, and call 1
+    covers the prefix, non-causal, under the window as FlashAttention applies it to that call (the
+    n draft rows aligned to the prefix's last n keys, whatever their depths). Else a sliding-window
+    layer's only call (WINDOW_CALL, FA3's swa_spec_metadata): the rows list the prefix too."""
+    batch = trace.batch
+    n = trace.spec.draft_token_num
+    read = _per_draft_tables(trace, tables, problems)
+    if read is None:
+        return None
+    table, lens = read
     blocks = {}
     for b in range(batch.batch_size):
         if coverage[b] is None:
             continue
-        prefix = int(batch.prefix_lens[b])
-        draft_slots = batch.request_slots(b)[prefix:]
-        seen = torch.zeros(n, prefix + n, dtype=torch.bool)
-        seen[:, coverage[b][0] : prefix] = True
-        for i in range(n):
-            r = b * n + i
-            listed = table[r, : max(min(int(lens[r]), table.shape[1]), 0)].to(torch.int64)
-            seen[i, prefix:] = torch.isin(draft_slots, listed)
+        prefix, start = int(batch.prefix_lens[b]), coverage[b][0]
+        slots = batch.request_slots(b)[: prefix + n].to(torch.int64)
+        seen = torch.stack([torch.isin(slots, _listed(table, lens, b * n + i, settings.window)) for i in range(n)])
+        if prefix_call:
+            seen[:, :prefix] = False
+            seen[:, start:prefix] = call_window(n, prefix - start, settings.window, settings.window_right)
         blocks[b] = seen
-    return PlanVisibility("expand", blocks)
+    return PlanVisibility("expand" if prefix_call else "window", blocks)

@@ -17,7 +17,8 @@ one mask for every layer, so it cannot fold a sliding window in; a mask with the
 exactly (prefix columns older than the window False) is accepted too.
 
 Checks on the recorded plan, judged by what its kernel will see (FULL-layout bool masks of the
-triton and flashinfer vocabularies, fa3's two-call expand tables, or plain causal plans):
+triton and flashinfer vocabularies, fa3's two-call expand tables, fa3's per-draft-token tables of
+a sliding-window layer, or plain causal plans):
 
     mask-indptr         mask_indptr[b+1] - mask_indptr[b] != n·(prefix_b+n) (flashinfer: n·covered KV)
     mask-length         custom_mask shorter or longer than mask_indptr[-1], or packed bytes shorter than
@@ -32,6 +33,9 @@ triton and flashinfer vocabularies, fa3's two-call expand tables, or plain causa
     window-offset       the window is applied by KV index (query i at prefix + i, not prefix + depth)
                         and hides columns inside the window; or Triton's `window_kv_offsets` do not
                         match the prefix columns the plan dropped
+    window-cascade      a sliding-window layer ran fa3's two-call cascade with its window: the prefix
+                        call aligns every draft row's window to the prefix's last keys, not to the
+                        draft token's position (sglang#9658: these layers need swa_spec_metadata)
     plan-mask-missing   the plan runs verify causally by index, and the tree is not a chain
 
 A correct engine with a sliding window either folds the window into the plan's mask by position

@@ -1,8 +1,8 @@
 """tree-mask on the mask a verify step's recorded plan hands its kernel, as the plan reading found
 it (attndbg/plans/visibility.py): its structural problems worded as findings (mask-indptr,
 mask-length, window-offset, plan-mask-missing), then the visibility the plan gives each draft row
-against the draft tree's (window-ignored, window-offset, plan-mask-missing, mask-prefix-hidden,
-mask-mismatch), one finding per check at its first (request, row, column).
+against the draft tree's (window-ignored, window-offset, window-cascade, plan-mask-missing,
+mask-prefix-hidden, mask-mismatch), one finding per check at its first (request, row, column).
 """
 
 from __future__ import annotations
@@ -188,7 +188,14 @@ def _compare_plan(reading: PlanReading, view: PlanVisibility, out: list[Finding]
         field = _plan_field(reading, view, b, r, c)
         if check == "window-offset":
             field = "plan.scalars." + layout.window
-        if check == "window-ignored":
+        if check == "window-cascade":
+            window = trace.model.sliding_window
+            cause = (
+                f"a sliding-window layer (window {window}) ran the full layers' two-call cascade: its prefix call gives all {trace.spec.draft_token_num} "
+                "draft rows one window, aligned to the prefix's last keys, not at each draft token's own position (prefix + depth); "
+                "FA3 takes one window per call, so these layers need their own per-draft-token tables (SGLang's swa_spec_metadata, sglang#9658)"
+            )
+        elif check == "window-ignored":
             cause = "the kernel's window is off (window_left = -1), so the mask must fold the sliding window in by position, and it was built without it"
         elif check == "window-offset":
             cause = "the kernel applies the sliding window by KV index (query i at column prefix + i), but draft token i sits at prefix + its depth: fold the window into the mask by position and turn the kernel's window off"
@@ -224,6 +231,11 @@ def _classify(reading: PlanReading, view: PlanVisibility, b: int, r: int, c: int
     trace = reading.trace
     prefix = int(trace.batch.prefix_lens[b])
     window = trace.model.sliding_window
+    kernel_window = reading.scalars["window"].value
+    if view.kind == "expand" and c < prefix and window >= 0 and kernel_window >= 0:
+        return "window-cascade"  # the prefix call's one window, aligned by index for every draft row
+    if view.kind == "window" and (kernel_window >= 0 or not (found and c < prefix and tree_allows)):
+        return "mask-mismatch"  # each row's own causal window is right by construction: its table is not
     if found and c < prefix and tree_allows and window >= 0:
         return "window-ignored"
     if not found and view.kind != "expand" and window >= 0:
@@ -252,6 +264,8 @@ def _plan_field(reading: PlanReading, view: PlanVisibility, b: int, r: int, c: i
     if view.kind == "mask":
         geometry = MaskGeometry.from_indptr(plan.tensors["mask_indptr"], rows=n, prefix_lens=trace.batch.prefix_lens)
         return f"plan.custom_mask[{geometry.element(b, r, c)}]"
-    if view.kind == "expand" and layout.expand is not None:
+    if view.kind == "expand" and layout.expand is not None and c < trace.batch.prefix_lens[b]:
+        return f"plan.{layout.ids}[{b}]"  # the prefix call's row of the request
+    if view.kind in ("expand", "window") and layout.expand is not None:
         return f"plan.{layout.expand.table}[{b * n + r}]"
     return "plan.scalars.causal" if "causal" in plan.scalars else "plan.custom_mask"
