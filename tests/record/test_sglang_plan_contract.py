@@ -22,6 +22,7 @@ FA3 and FlashMLA are read by their adapters' plan views and layouts without runn
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -788,11 +789,90 @@ def test_fa3_tree_verify_graph_padded(tmp_path) -> None:
     assert ("tree-mask", "mask-mismatch", "plan.expand_page_table[2]") in found, found
 
 
-def test_fa3_tree_verify_at_a_sliding_window_layer_records_no_plan() -> None:
-    """SGLang runs a tree verify's sliding-window layers in one call over swa_spec_metadata, not the
-    two calls: a plan of the two calls would be judged for a layer that does not run them."""
+def test_fa3_tree_verify_at_a_sliding_window_layer_without_its_metadata_records_no_plan() -> None:
+    """SGLang builds swa_spec_metadata for every model with sliding-window layers and runs them in one
+    call over it; with the field there but unset, the layer's forward is none the reader knows (a
+    plan of the full layers' two calls would be judged for a layer that does not run them): no plan."""
     _, spec, spec_info = verify_step()
     assert plan_from_backend(fa3_tree_verify(spec.custom_mask), model=window_model(), verify=True, spec_info=spec_info) is None
+
+
+# -- FA3, sliding-window layers of a tree verify (sglang#9658) -------------------------------------
+
+def with_swa_spec_metadata(backend: SimpleNamespace) -> SimpleNamespace:
+    """`_init_sliding_window_attn_spec_metadata` after the tree verify's metadata (page size 1, no
+    SWA sub-pool): per draft token, its request's prefix row then its expand row
+    (prepare_swa_spec_page_table_triton), cache_seqlens = prefix + the expand row's sum, one query each."""
+    md, expand = backend.forward_metadata, backend.forward_metadata_spec_decode_expand
+    n = N
+    lens = md.cache_seqlens_int32.repeat_interleave(n) + expand.cache_seqlens_int32
+    table = torch.zeros(lens.numel(), md.max_seq_len_k + expand.page_table.shape[1], dtype=I32)
+    for r in range(lens.numel()):
+        prefix, own = int(md.cache_seqlens_int32[r // n]), int(expand.cache_seqlens_int32[r])
+        table[r, :prefix] = md.page_table[r // n, :prefix]
+        table[r, prefix : prefix + own] = expand.page_table[r, :own]
+    md.swa_spec_metadata = FlashAttentionMetadata(
+        max_seq_len_q=1, cu_seqlens_q=expand.cu_seqlens_q, cache_seqlens_int32=lens.to(I32), cu_seqlens_k=torch.nn.functional.pad(lens.cumsum(0, dtype=I32), (1, 0)), page_table=table
+    )
+    return backend
+
+
+def without_swa_field(backend: SimpleNamespace) -> SimpleNamespace:
+    """The same metadata as FlashAttentionMetadata was before #9658 added swa_spec_metadata."""
+    md = backend.forward_metadata
+    names = [f.name for f in dataclasses.fields(md) if f.name != "swa_spec_metadata"]
+    backend.forward_metadata = SimpleNamespace(**{name: getattr(md, name) for name in names})
+    return backend
+
+
+def test_fa3_sliding_window_layer_of_a_tree_verify(tmp_path) -> None:
+    """SGLang since #9658: a sliding-window layer's tree verify is one causal call over
+    swa_spec_metadata, recorded as the swa_ tables, and checks clean against the tree and the window."""
+    model, (batch, spec, spec_info) = window_model(), verify_step()
+    plan = recorded(with_swa_spec_metadata(fa3_tree_verify(spec.custom_mask)), model, verify=True, spec_info=spec_info)
+    assert plan.scalars["verify_path"] == "window-expand" and plan.scalars["window_left"] == WINDOW
+    assert plan.tensors["swa_page_table"].shape[0] == len(PREFIX) * N and not any(name.startswith("expand_") for name in plan.tensors)
+    assert check(tmp_path, batch, plan, engine_backend="fa3", model=model, spec=spec) == []
+
+    # With the SWA sub-pool the table holds the sub-pool's slot ids (translate_loc_from_full_to_swa),
+    # not the step's req_to_token ids: no plan rather than one judged against the wrong ids.
+    sub_pool = with_swa_spec_metadata(fa3_tree_verify(spec.custom_mask))
+    sub_pool.use_sliding_window_kv_pool = True
+    assert plan_from_backend(sub_pool, model=model, verify=True, spec_info=spec_info) is None
+
+    # Planted: request 0's draft token 2 lists its sibling 1 in its sliding-window row.
+    wrong = with_swa_spec_metadata(fa3_tree_verify(spec.custom_mask))
+    swa = wrong.forward_metadata.swa_spec_metadata
+    swa.page_table[2, PREFIX[0] + 2] = VERIFY_ROWS[1][PREFIX[0] + 1]
+    swa.cache_seqlens_int32[2] += 1
+    swa.cu_seqlens_k[3:] += 1
+    found = check(tmp_path, batch, recorded(wrong, model, verify=True, spec_info=spec_info), engine_backend="fa3", model=model, spec=spec, name="sibling")
+    assert ("tree-mask", "mask-mismatch", "plan.swa_page_table[2]") in found, found
+
+
+def test_fa3_sliding_window_layer_through_the_full_layers_cascade(tmp_path) -> None:
+    """Before #9658 (no swa_spec_metadata) a sliding-window layer ran the full layers' two calls with
+    window_size=(sw, 0): the prefix call aligns every draft row's window to the prefix's last keys."""
+    model, (batch, spec, spec_info) = window_model(), verify_step()
+    plan = recorded(without_swa_field(fa3_tree_verify(spec.custom_mask)), model, verify=True, spec_info=spec_info)
+    assert plan.scalars["verify_path"] == "two-call" and plan.scalars["window_right"] == 0
+    found = check(tmp_path, batch, plan, engine_backend="fa3", model=model, spec=spec)
+    assert ("tree-mask", "window-cascade", "plan.page_table[0]") in found, found
+
+    # A full layer's two calls of the same step stay clean: the cascade is right without a window.
+    assert check(tmp_path, batch, recorded(without_swa_field(fa3_tree_verify(spec.custom_mask)), layer_model(), verify=True, spec_info=spec_info), engine_backend="fa3", model=layer_model(), spec=spec, name="full") == []
+
+
+def test_fa3_sliding_window_layer_graph_padded(tmp_path) -> None:
+    """The bs-4 verify graph (target_verify_metadata_topk_swa[bs]): the padded requests' draft tokens
+    have sliding-window rows too; the real requests' rows check clean."""
+    model = window_model()
+    batch, spec, graph, spec_info = verify_graph_step(tree.full_mask(torch.tensor(PARENTS), torch.tensor(PREFIX)))
+    chain = tree.full_mask(torch.arange(-1, N - 1).expand(2, N), torch.tensor([FILL, FILL]))
+    backend = with_swa_spec_metadata(fa3_tree_verify(torch.cat([spec.custom_mask, chain]), prefix_lens=PREFIX + [FILL, FILL], pool_rows=(1, 6, 0, 0)))
+    plan = recorded(backend, model, graph_bs=CAPTURE_BS, verify=True, spec_info=spec_info)
+    assert plan.tensors["swa_page_table"].shape[0] == CAPTURE_BS * N
+    assert check(tmp_path, batch, plan, engine_backend="fa3", model=model, spec=spec, graph=graph) == []
 
 
 def test_flashinfer_sliding_window_cascade_with_its_prefix_mask(tmp_path) -> None:

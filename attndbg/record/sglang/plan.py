@@ -7,7 +7,8 @@ backends between versions):
               mask_indptr, max_extend_len; window_kv_* -> our `triton` plan names (identical)
   FA3         FlashAttentionMetadata: cache_seqlens_int32, cu_seqlens_q/k, page_table, max_seq_len_q/k
               -> `fa3` names (cache_seqlens, cu_seqlens_q, cu_seqlens_k, page_table, max_seqlen_q/k);
-              a tree verify's second call (`forward_metadata_spec_decode_expand`) -> expand_*
+              a tree verify's second call (`forward_metadata_spec_decode_expand`) -> expand_*;
+              a sliding-window layer's tree verify (`swa_spec_metadata`) -> swa_*
   FlashMLA    FlashMLADecodeMetadata: block_kv_indices, num_splits -> `mla` (impl flashmla): block_table
   trtllm_mla  TRTLLMMLADecodeMetadata (decode, verify, draft extend): block_kv_indices, seq_lens_k,
               max_seq_len_k; a draft extend's cu_seqlens_q, seq_lens_q, max_seq_len_q -> `mla`
@@ -200,13 +201,28 @@ def _triton_graph(backend: Any, bs: int, verify: bool, spec_info: Any, *, draft_
     return PlanCapture("triton", tensors, _triton_extend_scalars(backend, n), trim, set(trim))
 
 
-def _fa3(backend: Any, md: Any, verify: bool) -> PlanCapture:
+def _fa3(backend: Any, md: Any, verify: bool, model: Model | None) -> PlanCapture | None:
+    """FA3's metadata; for a tree verify, the calls the recorded layer runs: a full layer the
+    prefix call and the expand call, a sliding-window layer its swa_spec_metadata call (`_fa3_swa`).
+    None for a sliding-window layer of a tree verify whose metadata has the swa_spec_metadata
+    field unset (SGLang builds it for every model with such layers, so that forward is not one
+    this reader knows), or whose backend keeps those layers in the SWA sub-pool
+    (`use_sliding_window_kv_pool`): its table then holds the sub-pool's slot ids, which the
+    step's req_to_token rows do not, so it would be judged against the wrong ids."""
     tensors = {"page_table": md.page_table, "cache_seqlens": md.cache_seqlens_int32, "cu_seqlens_q": md.cu_seqlens_q, "cu_seqlens_k": md.cu_seqlens_k}
     # The page table holds page ids of the backend's page size (`page_table[:, ::page] // page`).
     scalars: Scalars = {"max_seqlen_q": int(md.max_seq_len_q), "max_seqlen_k": int(md.max_seq_len_k), "page_size": _page_size(backend)}
     # SGLang leaves the last expand metadata on the backend across steps; a verify step reads it
     # only with topk > 1 (forward_extend's use_cascade_attn).
     expand = getattr(backend, "forward_metadata_spec_decode_expand", None) if verify and getattr(backend, "topk", 0) > 1 else None
+    if expand is not None and model is not None and model.sliding_window >= 0 and hasattr(md, "swa_spec_metadata"):
+        # SGLang since #9658: sliding-window layers run no cascade (forward_extend's
+        # use_cascade_attn excludes them). Before it the metadata had no such field and these
+        # layers ran the full layers' two calls with their window: recorded as such below.
+        swa = md.swa_spec_metadata
+        if swa is None or getattr(backend, "use_sliding_window_kv_pool", False) is True:
+            return None
+        return _fa3_swa(tensors, scalars, swa, expand)
     if expand is not None and getattr(expand, "page_table", None) is not None:
         # A tree verify's second call: one row per draft token, its table of draft slot ids read
         # as 1-token pages ("the suffix table stores physical token slots"; flashattention_backend.py).
@@ -219,6 +235,26 @@ def _fa3(backend: Any, md: Any, verify: bool) -> PlanCapture:
             }
         )
         scalars.update({"expand_max_seqlen_q": int(expand.max_seq_len_q), "expand_page_size": 1})
+    return PlanCapture("fa3", tensors, scalars)
+
+
+def _fa3_swa(tensors: dict[str, Tensor | None], scalars: Scalars, swa: Any, expand: Any) -> PlanCapture:
+    """A sliding-window layer's tree verify (flashattention_backend.py
+    `_init_sliding_window_attn_spec_metadata`): one row per draft token, its request's prefix slots
+    then the draft slots it sees (prepare_swa_spec_page_table_triton, page size 1), cache_seqlens =
+    prefix + the expand row's sum, one query each. The prefix call's tables it was built from stay
+    in the plan. Its max_seq_len_k is left unset by SGLang (flash_attn_with_kvcache takes none):
+    the table's width, prefix max + the expand table's, bounds it."""
+    tensors.update(
+        {
+            "swa_page_table": swa.page_table,
+            "swa_cache_seqlens": swa.cache_seqlens_int32,
+            "swa_cu_seqlens_q": swa.cu_seqlens_q,
+            "swa_cu_seqlens_k": swa.cu_seqlens_k,
+        }
+    )
+    width = int(scalars["max_seqlen_k"]) + int(expand.page_table.shape[1])
+    scalars.update({"swa_max_seqlen_q": int(swa.max_seq_len_q), "swa_max_seqlen_k": width, "swa_page_size": 1, "verify_path": "window-expand"})
     return PlanCapture("fa3", tensors, scalars)
 
 
@@ -360,7 +396,9 @@ def _call_arguments(capture: PlanCapture, backend: Any, model: Model, *, verify:
       logits_soft_cap=layer.logit_cap everywhere.
     - FA3 (flashattention_backend.py forward_extend/forward_decode): window_size=(sw, 0) from the
       layer, softcap=layer.logit_cap, causal=True but in a tree verify (topk > 1: both calls
-      causal=False, merged), which runs as two calls when the backend built the expand metadata.
+      causal=False, merged), which runs as two calls when the backend built the expand metadata;
+      a sliding-window layer of a tree verify runs one causal call over swa_spec_metadata (before
+      sglang#9658 it ran the two calls, each with window_size=(sw, 0)).
     - FlashMLA (flashmla_backend.py forward_decode/forward_extend): cache_seqlens=seq_lens (+
       draft_token_num on verify), causal=True, q viewed as [bs, q_len, H, D] with q_len 1 or n.
     """
@@ -378,9 +416,18 @@ def _call_arguments(capture: PlanCapture, backend: Any, model: Model, *, verify:
             scalars["window_left"] = -1 if spec else window
         if path != "decode":
             scalars["causal"] = path != "cascade"
+    elif capture.backend == "fa3" and scalars.get("verify_path") == "window-expand":
+        # A sliding-window layer's one call over swa_spec_metadata: causal, window (sw, 0).
+        scalars["window_left"] = window
+        scalars["causal"] = True
+        scalars["swa_causal"] = True
     elif capture.backend == "fa3":
         two_call = "expand_page_table" in capture.tensors
         scalars["window_left"] = window
+        if verify and two_call and window >= 0:
+            # The full layers' cascade run for a sliding-window layer (SGLang before #9658): both
+            # calls get window_size=(sw, 0), the 0 from the layer being causal, not from the call.
+            scalars["window_right"] = 0
         scalars["verify_path"] = "two-call" if verify and two_call else "causal"
         scalars["causal"] = not (verify and two_call)
         if verify and two_call:
@@ -428,11 +475,6 @@ def capture_plan(
             backend, graph_bs=graph_bs, graph_rows=graph_rows or graph_bs, verify=verify, draft_extend=draft_extend, spec_info=spec_info, sized=sized, model=model
         )
     if capture is not None and model is not None:
-        if capture.backend == "fa3" and verify and "expand_page_table" in capture.tensors and model.sliding_window >= 0:
-            # A sliding-window layer of a tree verify runs one call over metadata.swa_spec_metadata's
-            # own tables (forward_extend: no cascade for SWA layers), which this reader does not
-            # read: no plan rather than the full layers' two calls judged for this layer.
-            return None
         if isinstance(seq_lens, Tensor) and graph_bs is not None:
             seq_lens = seq_lens[:graph_bs]
         _call_arguments(
@@ -473,7 +515,7 @@ def _read_metadata(
     if _has(md, "kv_indptr", "kv_indices", "num_kv_splits", "max_extend_len"):
         return _triton_eager(backend, md, sized)
     if _has(md, "cache_seqlens_int32", "cu_seqlens_q", "page_table"):
-        return _fa3(backend, md, verify)
+        return _fa3(backend, md, verify, model)
     if _has(md, "block_kv_indices", "num_splits"):
         return _flashmla(backend, md)
     if hasattr(md, "decode_wrappers") or _has(md, "prefill_wrappers", "use_ragged"):
