@@ -25,15 +25,6 @@ BUGS = (
         Capability.STALE_OUTPUT,
     ),
     _bug(
-        "sglang-9658", "FA3 tree verify of sliding-window layers (topk > 1)",
-        ("https://github.com/sgl-project/sglang/pull/9658",), "2025-08", "SGLang fa3", "TARGET_VERIFY (topk > 1)",
-        "sliding-window layers of a topk > 1 verify on FA3 need their own page tables (swa_spec_metadata) instead of the full "
-        "layers' two-call cascade; without them gpt-oss with EAGLE3 lost accuracy",
-        "record/sglang/plan.py returns no plan for an FA3 tree verify of a sliding-window layer: swa_spec_metadata's tables are "
-        "not read (the full layers' two calls would be judged for the wrong layer)",
-        Capability.EVERY_PLAN, Capability.WINDOW_VERIFY,
-    ),
-    _bug(
         "sglang-9344", "Triton extend/decode kernels overflow kv_indices * stride (int32)",
         ("https://github.com/sgl-project/sglang/pull/9344", "https://github.com/sgl-project/sglang/issues/9412"), "2025-08",
         "SGLang triton", "EXTEND, DECODE",

@@ -22,10 +22,16 @@ sliding-window one; wrapper 1 serves the full-attention layers).
   window_left given at forward() only skipped whole KV tiles, so later queries of an extend attended
   keys before their window. The recorder reads the window a wrapper was planned with (its
   `_window_left`, right after the step's plan).
+
+- sgl-project/sglang#9658 (2025-08): FA3's EAGLE tree verify (topk > 1) ran sliding-window layers
+  through the full layers' two-call cascade with window (W, 0): the prefix call windows every draft
+  token as if it sat at the prefix's end minus n + its index, not at prefix + its depth. The fix
+  gives those layers their own per-draft-token tables (swa_spec_metadata), one causal call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -243,6 +249,76 @@ def write_9279(bug: Path, twin: Path) -> None:
     _triton_verify(twin, with_offsets=True)
 
 
+# sglang#9658: FA3's tree verify (topk > 1) of a sliding-window layer. The full layers run two
+# calls (every draft token over the prefix, then each over the draft tokens it sees) and merge
+# them; FA3 takes one window per call, so the prefix call cannot window each draft token at its
+# own position. Before the fix the sliding-window layers ran that cascade with window (W, 0); the
+# fix gives them swa_spec_metadata: per draft token one causal query over its prefix and the drafts
+# it sees. FlashAttentionMetadata had no swa_spec_metadata field before it.
+PRE_9658_METADATA = dataclasses.make_dataclass(
+    "FlashAttentionMetadata", [(f.name, f.type, f) for f in dataclasses.fields(sg.FlashAttentionMetadata) if f.name != "swa_spec_metadata"]
+)
+
+
+def _fa3_tree_verify(swa_spec: bool) -> sg.Plan:
+    def plan(made: Any, fb: Any) -> None:
+        """flashattention_backend.py init_forward_metadata, TARGET_VERIFY with topk > 1 (page size
+        1): the prefix call's metadata, the expand metadata (the draft block gathered from the FULL
+        mask, visible slots sorted first, cache_seqlens = the row's sum), and with the fix
+        `_init_sliding_window_attn_spec_metadata`'s tables (prepare_swa_spec_page_table_triton:
+        each draft token's row = its prefix, then its expand row)."""
+        prefix = fb.seq_lens.to(I64)
+        bs, n = prefix.numel(), N
+        rows = made.req_to_token_pool.req_to_token[fb.req_pool_indices.to(I64)]
+        metadata_class = sg.FlashAttentionMetadata if swa_spec else PRE_9658_METADATA
+        md = metadata_class(
+            cache_seqlens_int32=prefix.to(I32),
+            max_seq_len_q=n,
+            max_seq_len_k=int(prefix.max()),
+            cu_seqlens_q=torch.arange(0, bs * n + 1, n, dtype=I32),
+            cu_seqlens_k=torch.nn.functional.pad(torch.cumsum(prefix, 0), (1, 0)).to(I32),
+            page_table=rows[:, : int(prefix.max())].to(I32),
+        )
+        offsets = torch.arange(n)[None, :]
+        cols = offsets.expand(bs, -1) + prefix[:, None]
+        cum_len = torch.nn.functional.pad(torch.cumsum((prefix + n).repeat_interleave(n), 0), (1, 0))[:-1]
+        mask = fb.spec_info.custom_mask[(cols.repeat_interleave(n, dim=0) + cum_len[:, None]).view(1, -1)].view(-1, n)
+        _, order = torch.sort(torch.where(mask, offsets, offsets + n), dim=1)
+        expand = metadata_class(max_seq_len_q=1, cu_seqlens_q=torch.arange(bs * n + 1, dtype=I32))
+        expand.page_table = rows.gather(1, cols).repeat_interleave(n, dim=0).gather(1, order).to(I32)
+        expand.cache_seqlens_int32 = mask.sum(1).to(I32)
+        expand.cu_seqlens_k = torch.nn.functional.pad(torch.cumsum(expand.cache_seqlens_int32, 0), (1, 0)).to(I32)
+        made.forward_metadata_spec_decode_expand = expand
+        if swa_spec:
+            lens = md.cache_seqlens_int32.repeat_interleave(n) + expand.cache_seqlens_int32
+            table = torch.zeros(bs * n, md.max_seq_len_k + expand.page_table.shape[1], dtype=I32)
+            for r in range(bs * n):
+                p, own = int(prefix[r // n]), int(expand.cache_seqlens_int32[r])
+                table[r, :p] = md.page_table[r // n, :p]
+                table[r, p : p + own] = expand.page_table[r, :own]
+            swa = sg.FlashAttentionMetadata(max_seq_len_q=1, cu_seqlens_q=expand.cu_seqlens_q, cache_seqlens_int32=lens.to(I32), page_table=table)
+            swa.cu_seqlens_k = torch.nn.functional.pad(torch.cumsum(lens, 0), (1, 0)).to(I32)
+            md.swa_spec_metadata = swa
+        made.forward_metadata = md
+
+    return plan
+
+
+def _fa3_verify(out: Path, *, swa_spec: bool) -> None:
+    with sg.recording(out) as session:
+        layer = sg.layer(window=WINDOW)  # noqa: F841
+        made = sg.backend(sg.CorpusFA3, VERIFY_ROWS, _fa3_tree_verify(swa_spec))
+        made.sliding_window_size = WINDOW
+        made.topk = 2
+        made.speculative_num_draft_tokens = N
+        sg.record_eager(session, made, sg.verify_batch(VERIFY_ROWS, VERIFY_PREFIX, PARENTS))
+
+
+def write_9658(bug: Path, twin: Path) -> None:
+    _fa3_verify(bug, swa_spec=False)
+    _fa3_verify(twin, swa_spec=True)
+
+
 BUGS = (
     RealBug(
         id="sglang-26513",
@@ -315,5 +391,24 @@ BUGS = (
         keywords=("offset",),
         capabilities=(Capability.WINDOW_VERIFY,),
         write=write_9279,
+    ),
+    RealBug(
+        id="sglang-9658",
+        title="FA3 tree verify of sliding-window layers (topk > 1) through the full layers' two-call cascade",
+        links=("https://github.com/sgl-project/sglang/pull/9658",),
+        date="2025-08",
+        engine="SGLang fa3",
+        mode="TARGET_VERIFY (topk > 1)",
+        mechanism="sliding-window layers of a topk > 1 verify ran the full layers' cascade (the prefix call over every draft "
+        "token, then the draft-block call, merged) with window_size (W, 0): FA3 takes one window per call and aligns the prefix "
+        "call's rows to the prefix's last keys, so each draft token's window was cut at the wrong position; the fix gives these "
+        "layers their own page tables (swa_spec_metadata); without them gpt-oss with EAGLE3 lost accuracy",
+        encoding="2 EAGLE verifies (topk 2, n=4; prefixes 10, 7) of a window-4 layer; FA3 metadata as SGLang built it before "
+        "the fix (no swa_spec_metadata field) with forward_metadata_spec_decode_expand, recorded as the two calls with the "
+        "layer's window; twin: the fix's swa_spec_metadata (per draft token its prefix, then the drafts it sees)",
+        expected=("tree-mask/window-cascade",),
+        keywords=("cascade", "one window"),
+        capabilities=(Capability.EVERY_PLAN, Capability.WINDOW_VERIFY),
+        write=write_9658,
     ),
 )

@@ -46,6 +46,7 @@ CAUGHT = {
     "sglang-26513": "invariants/kv-index",
     "sglang-39287": "invariants/kv-index",
     "sglang-9279": "tree-mask/window-offset",
+    "sglang-9658": "tree-mask/window-cascade",
     "sglang-31501": "invariants/window-off",
     "sglang-27738": "invariants/kv-length",
     "sglang-26628": "invariants/kv-length",
@@ -136,7 +137,7 @@ def test_the_bugs_caught_today_stay_caught(written: dict[str, Path], bug_id: str
 
 # Metadata-level bugs whose finding's cause names the mechanism (one of the bug's words, as
 # bench/real_bugs.py's "named" column judges it): kept named.
-NAMED_BY_CAUSE = ("flashinfer-3176", "flashinfer-4002", "sglang-22958", "sglang-26292", "sglang-27338", "sglang-27545", "sglang-35985", "vllm-56181")
+NAMED_BY_CAUSE = ("flashinfer-3176", "flashinfer-4002", "sglang-22958", "sglang-26292", "sglang-27338", "sglang-27545", "sglang-35985", "sglang-9658", "vllm-56181")
 # Bugs today's detectors flag only with a hazard (no defect, so not caught): the hazard's
 # class/check, kept specific.
 HAZARD_ONLY = {"sglang-26292": "fill-value/stale-padded-req-pool-index"}
