@@ -536,3 +536,72 @@ def test_a_long_flashinfer_mask_is_judged_by_its_size_alone() -> None:
     found = one(bad, "mask-length", "plan")
     says(found, "(long by 7)", "compared:")
     assert "laid out for other lengths" in found.cause
+
+
+# -- fa3: a sliding-window layer of a tree verify (sglang#9658) ------------------------------------------------
+
+
+def fa3_window_expand(trace: Trace) -> Trace:
+    """The fa3 plan of a sliding-window layer's tree verify as SGLang runs it since #9658
+    (swa_spec_metadata): the prefix call's tables, and one causal call with a row per draft token
+    listing its prefix then its ancestors and itself in column order (page size 1: slot ids),
+    cache_seqlens = prefix + that count. Built from the batch and the tree, not from an adapter."""
+    plan = registry.create("fa3").derive_plan(trace)
+    n, rows = trace.spec.draft_token_num, []
+    for b in range(trace.batch.batch_size):
+        prefix = int(trace.batch.prefix_lens[b])
+        slots = trace.batch.request_slots(b)
+        for seen in tree.ancestor_matrix(trace.spec.parents[b]):
+            rows.append(torch.cat([slots[:prefix], slots[prefix:][seen]]))
+    lens = torch.tensor([r.numel() for r in rows], dtype=torch.int32)
+    table = torch.zeros(len(rows), int(lens.max()), dtype=torch.int32)
+    for r, listed in enumerate(rows):
+        table[r, : listed.numel()] = listed
+    tensors = {name: plan.tensors[name] for name in ("page_table", "cache_seqlens", "cu_seqlens_q", "cu_seqlens_k")}
+    tensors.update(
+        swa_page_table=table,
+        swa_cache_seqlens=lens,
+        swa_cu_seqlens_q=torch.arange(len(rows) + 1, dtype=torch.int32),
+        swa_cu_seqlens_k=torch.nn.functional.pad(lens.cumsum(0), (1, 0)).to(torch.int32),
+    )
+    keep = ("max_seqlen_q", "max_seqlen_k", "page_size", "window_left")
+    scalars = {name: plan.scalars[name] for name in keep} | {"verify_path": "window-expand", "causal": True}
+    scalars |= {"swa_max_seqlen_q": 1, "swa_max_seqlen_k": table.shape[1], "swa_causal": True, "swa_page_size": 1}
+    return dataclasses.replace(trace, plan=Plan("fa3", tensors, scalars))
+
+
+@pytest.mark.parametrize("window", [2, 8, 25])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_fa3_sliding_window_layer_of_a_tree_verify_is_clean(window: int, page_size: int) -> None:
+    trace = roundtrip(fa3_window_expand(build("verify", f"window={window}", f"page_size={page_size}", "prefix_lens=3,30,70")))
+    assert masks(trace) == []
+
+
+@pytest.mark.parametrize("window", [2, 8, 25])
+def test_fa3_sliding_window_layer_through_the_full_layers_cascade(window: int) -> None:
+    """SGLang before #9658: the two calls with window_size (W, 0). The prefix call aligns draft row i
+    to the prefix's key prefix - n + i, whatever its depth: named as the cascade, at the request's
+    prefix-call row. The same two calls without a window (a full layer) are clean."""
+    trace = build("verify", f"window={window}", "prefix_lens=3,30,70")
+    two_call = registry.create("fa3").derive_plan(trace)
+    assert two_call.scalars["verify_path"] == "two-call"
+    bad = roundtrip(dataclasses.replace(trace, plan=dataclasses.replace(two_call, scalars={**two_call.scalars, "window_right": 0})))
+    finding = one(bad, "window-cascade", "plan.page_table")
+    assert finding.location.field == f"plan.page_table[{finding.location.request}]" and "swa_spec_metadata" in finding.cause
+    full = build("verify", "prefix_lens=3,30,70")
+    assert masks(with_plan(full, "fa3")) == []
+
+
+def test_fa3_sliding_window_row_missing_its_prefix_is_named() -> None:
+    """A sliding-window row listing only the draft tokens (the expand row without the prefix): its
+    draft row cannot see the prefix keys inside its window."""
+    trace = fa3_window_expand(build("verify", "window=8", "prefix_lens=3,30,70"))
+    n = trace.spec.draft_token_num
+    table, lens = trace.plan.tensors["swa_page_table"].clone(), trace.plan.tensors["swa_cache_seqlens"].clone()
+    prefix = int(trace.batch.prefix_lens[1])
+    r = 1 * n + 1
+    table[r, : lens[r] - prefix] = table[r, prefix : lens[r]].clone()
+    lens[r] -= prefix
+    bad = dataclasses.replace(trace, plan=dataclasses.replace(trace.plan, tensors={**trace.plan.tensors, "swa_page_table": table, "swa_cache_seqlens": lens}))
+    finding = one(roundtrip(bad), "mask-mismatch", "plan.swa_page_table")
+    assert finding.location.field == f"plan.swa_page_table[{r}]" and finding.location.request == 1
