@@ -43,6 +43,7 @@ from attndbg.backends.base import (
     GraphCapacity,
     GraphState,
     KernelError,
+    KernelUnsupported,
     LibraryRelease,
     Padding,
     ScriptLibrary,
@@ -432,8 +433,11 @@ class FA3Backend(Backend):
         impl = select_impl()
         if impl is None:
             raise KernelError(self.unavailable_reason() or "no FlashAttention-3 implementation")
-        # A sliding-window layer of a tree verify runs its swa_ call alone (SGLang's forward_extend).
-        main_call = FA3Call.from_plan(plan, "swa_" if plan.scalars["verify_path"] == WINDOW_EXPAND else "")
+        if plan.scalars["verify_path"] == WINDOW_EXPAND:
+            # SGLang runs it as one call over the swa_ tables; that call has never run on a GPU here,
+            # so the recorded plan is read and judged (tree-mask), never launched untested.
+            raise KernelUnsupported("a sliding-window layer's tree verify (swa_spec_metadata's one call) is judged from its plan, not run by this adapter")
+        main_call = FA3Call.from_plan(plan)
         try:
             main = self._call(impl, "main", trace, inputs, main_call)
             if plan.scalars["verify_path"] != "two-call":
