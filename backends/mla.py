@@ -317,16 +317,14 @@ class MLABackend(Backend):
 
     def run(self, trace: Trace, inputs: AttentionInputs, plan: Plan) -> AttentionResult:
         impl = self.impl()
-        if plan.scalars.get("impl") == MLAImpl.TRTLLM.value and impl is not MLAImpl.TRTLLM:
-            raise KernelUnsupported(_trtllm_not_run())
+        if plan.scalars.get("impl") == MLAImpl.TRTLLM.value:
+            raise KernelUnsupported(_trtllm_not_run())  # on any implementation, its own included
         if plan.scalars.get("impl") != impl.value:
             # A recorded plan of another implementation (FlashMLA's block table on a machine that runs
             # FlashInfer MLA): its layout is not this kernel's.
             raise KernelUnsupported(f"the plan is for mla impl={plan.scalars.get('impl')!r}; this machine runs impl={impl.value!r}")
         if impl is MLAImpl.TRITON:
             return self._triton.run(trace, inputs, _as_triton_plan(plan))
-        if impl is MLAImpl.TRTLLM:
-            raise KernelUnsupported(_trtllm_not_run())
         try:
             if impl is MLAImpl.FLASHMLA:
                 return _flashmla_run(trace, inputs, plan)

@@ -49,8 +49,7 @@ class MaskIgnored(MistakeModel):
             return
         n = trace.spec.draft_token_num
         # A chain tree's visibility is causal by index, and its depths put draft r at prefix + r.
-        chain = torch.arange(-1, n - 1).expand(trace.batch.batch_size, n).clone()
-        output = states.under("chain", replace(trace, spec=replace(trace.spec, parents=chain)))
+        output = states.under("chain", replace(trace, spec=replace(trace.spec, parents=tree.chain_parents(n, trace.batch.batch_size))))
         for b in branched:
             yield Candidate(
                 request=b,

@@ -258,8 +258,7 @@ def _unread_spec(q_lens: Tensor, unread: str, inferred: dict[str, str]) -> Spec:
     mask of its own (nothing is compared with it: the run's output is not kept)."""
     n = _draft_count(q_lens)
     inferred["spec"] = f"not known: {unread}, so the draft tree cannot be read from it; a chain of {n} stands in for it (no spec mask, the run's output not kept): the plan's mask is judged as the kernel reads it"
-    parents = torch.arange(-1, n - 1, dtype=torch.int64).expand(q_lens.numel(), n).clone()
-    return Spec(algorithm="unknown", draft_token_num=n, topk=1, steps=max(n - 1, 1), parents=parents, custom_mask=None, mask_layout=MaskLayout.FULL)
+    return Spec(algorithm="unknown", draft_token_num=n, topk=1, steps=max(n - 1, 1), parents=tree.chain_parents(n, q_lens.numel()), custom_mask=None, mask_layout=MaskLayout.FULL)
 
 
 def _draft_count(q_lens: Tensor) -> int:

@@ -63,6 +63,11 @@ def ancestor_matrix(parents: Tensor) -> Tensor:
     return visible
 
 
+def chain_parents(n: int, requests: int) -> Tensor:
+    """[requests, n] int64 parents of a chain: each draft token's parent is the one before it."""
+    return torch.arange(-1, n - 1, dtype=torch.int64).expand(requests, n).clone()
+
+
 def is_chain(parents: Tensor) -> bool:
     """[bs, n] parents: every draft token's parent is the one before it, so the tree mask is plain causal."""
     n = parents.shape[1]

@@ -100,7 +100,7 @@ def _check_fields(trace: Trace, reading: PlanReading, out: list[Finding]) -> Non
     outside = _check_in_cache(trace, reading, out)
     _check_requests(trace, reading, outside, out)
     _check_qo(trace, tensors, sane, kv.requests, out)
-    _check_query_lengths(trace, reading.plan, tensors, kv.requests, out)
+    _check_query_lengths(trace, reading.plan, tensors, out)
     _check_splits(trace, reading.plan, tensors, kv.requests, out)
 
 
@@ -287,7 +287,7 @@ def _replayed_layout(trace: Trace) -> str:
     )
 
 
-def _check_query_lengths(trace: Trace, plan: Plan, t: dict[str, Tensor], requests: int, out: list[Finding]) -> None:
+def _check_query_lengths(trace: Trace, plan: Plan, t: dict[str, Tensor], out: list[Finding]) -> None:
     """A plan's per-request query lengths (seq_lens_q) and their bound (max_seq_len_q), where it
     keeps them beside its offsets (trtllm_mla's draft extend pads each request's queries to
     max_seq_len_q rows from them): each length is the request's extend length, the bound their

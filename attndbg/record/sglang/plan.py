@@ -284,8 +284,7 @@ def _trtllm_mla(backend: Any, graph_bs: int | None, *, verify: bool, draft_exten
     capture launched with unless the replay rewrote them). Decode runs one query per request,
     verify num_draft_tokens; a draft extend's queries are laid out by cu_seqlens_q / seq_lens_q
     and padded to max_seq_len_q rows each."""
-    graphs = backend.decode_cuda_graph_metadata
-    md = graphs.get(graph_bs) if graph_bs is not None and isinstance(graphs, dict) else backend.forward_decode_metadata
+    md = _captured_for(backend, "decode_cuda_graph_metadata", graph_bs) if graph_bs is not None else backend.forward_decode_metadata
     if md is None or not _has(md, "block_kv_indices", "seq_lens_k", "max_seq_len_k") or md.block_kv_indices is None or md.seq_lens_k is None:
         return None
     rows = graph_bs if graph_bs is not None else int(md.seq_lens_k.numel())
